@@ -1,0 +1,27 @@
+"""protrain's executor: load a plan, check it against the model, replay it.
+
+Public API: ``load``, ``dump``, ``check``, ``wrap``, ``Engine``, ``ProtrainError``.
+Everything that needs torch is resolved lazily (PEP 562 ``__getattr__``): Python
+runs this file before any submodule, so an eager torch import here would make
+``import protrain.executor.plan`` (used by ``protrain show``) import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ProtrainError
+from .plan import dump, load
+
+__all__ = ["ProtrainError", "check", "dump", "load"]
+
+_LAZY = {"check": ("check", "check")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,650 @@
+"""THE plan file format: msgspec Structs, ``load`` and canonical ``dump``.
+
+A plan is the planner's whole decision for one (model, training shape, hardware,
+budget): the chunk layout, which chunks stay on the device, how many device buffers
+the offloaded chunks share, each block's activation policy, and the event list the
+executor replays at every block boundary. The Structs below declare the file
+top-down in the order it is written; their attribute docstrings are the format's
+documentation (README and DESIGN link here).
+
+Two kinds of sections (shared/STYLE.md §4.1):
+
+- ``Binding`` sections are what the executor acts on (``model``, ``training``,
+  ``chunks``, ``placement``, ``activations``, ``schedule``). Unknown fields are an
+  error: an executor that ignored a binding field it does not know would run a
+  different plan from the one that was made.
+- ``Info`` sections are diagnostics (``generator``, ``request``, ``hardware``,
+  ``prediction``, ``provenance``). Unknown fields are ignored, so new diagnostics
+  can be added without a version bump; new fields there must have defaults.
+
+Segments. A model's forward runs as ``["<pre>", *model.blocks, "<post>"]``: the
+``<pre>`` segment is everything before the first block (embeddings), ``<post>``
+everything after the last one (final norm, head, loss). Backward runs the same
+segments in reverse. ``schedule.forward`` and ``schedule.backward`` hold one
+``Step`` per segment in that order, and ``Step`` says which chunks to fetch
+(blocking), prefetch (asynchronous) and release around it. See
+``simulate_residency`` for the exact replay rules the executor follows.
+
+Version history (bump on any binding change; ship a migration in ``migrate.py``, a
+frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
+
+- 1: first version.
+
+Only the standard library and msgspec are imported here, so ``protrain show``,
+``diff`` and ``validate`` never import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from .errors import PlanError
+
+SCHEMA_VERSION = 1
+"""The version ``dump`` writes."""
+
+MIN_SCHEMA_VERSION = 1
+"""The oldest version ``load`` reads (older files must be regenerated)."""
+
+PRE = "<pre>"
+"""Segment name of everything the model runs before its first block."""
+
+POST = "<post>"
+"""Segment name of everything the model runs after its last block (head and loss)."""
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+DType = Literal["float32", "bfloat16", "float16"]
+Policy = Literal["keep", "swap", "checkpoint"]
+
+
+class Binding(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A section the executor acts on. Unknown fields are an error."""
+
+
+class Info(msgspec.Struct, frozen=True, kw_only=True):
+    """A diagnostic section. Unknown fields are ignored (added without a version bump)."""
+
+
+# --------------------------------------------------------------------------- info
+
+
+class Generator(Info):
+    name: str = "protrain"
+    """The program that wrote the plan."""
+    version: str = ""
+    """Its version (informational: plans are compared by content, not by generator)."""
+
+
+class Request(Info):
+    """What the planner was asked, stored verbatim so a plan says what it answers."""
+
+    model: str = ""
+    """Model name as given to the planner (zoo name, config path or user label)."""
+    hardware: str = ""
+    """Hardware spec name the plan was made for."""
+    budget_bytes: NonNegInt = 0
+    """Device memory budget the plan had to fit (per rank)."""
+    micro_batch: NonNegInt = 0
+    """Sequences per micro-batch per rank."""
+    seq_len: NonNegInt = 0
+    """Tokens per sequence."""
+    compute_dtype: str = ""
+    """Requested compute dtype."""
+    world_size: NonNegInt = 0
+    """Requested number of ranks."""
+    grad_accum: NonNegInt = 0
+    """Requested micro-batches per optimizer step."""
+
+
+class Hardware(Info):
+    """The hardware the plan was made for, as the planner saw it."""
+
+    name: str = ""
+    """Spec name (``plans/hardware/<name>.json``) or the probed device's name."""
+    device_memory_bytes: NonNegInt = 0
+    """Total device memory."""
+    budget_bytes: NonNegInt = 0
+    """Device memory the plan may use (per rank)."""
+    h2d_bytes_per_s: NonNegInt = 0
+    """Host-to-device bandwidth for chunk-sized pinned copies."""
+    d2h_bytes_per_s: NonNegInt = 0
+    """Device-to-host bandwidth for chunk-sized pinned copies."""
+    cpu_adam_params_per_s: NonNegInt = 0
+    """CPU AdamW throughput (fp32 parameters updated per second)."""
+    dev_adam_params_per_s: NonNegInt = 0
+    """Device Adam throughput (fp32 parameters updated per second)."""
+
+
+# ------------------------------------------------------------------------ binding
+
+
+class Model(Binding):
+    """Identity of the model the plan was made for; checked against the live model."""
+
+    name: str
+    """Model name (zoo name or user label); informational, the fingerprint is what is checked."""
+    fingerprint: str
+    """``sha256:`` of the sorted (name, shape, dtype) parameter list plus the block list."""
+    n_params: NonNegInt
+    """Number of unique parameter elements (tied parameters counted once)."""
+    blocks: list[str]
+    """Module paths of the transformer blocks, in execution order."""
+    pre_block_params: list[str]
+    """Parameters used before the first block (segment ``<pre>``), e.g. embeddings."""
+    post_block_params: list[str]
+    """Parameters used after the last block (segment ``<post>``), e.g. final norm, head."""
+    tied: list[list[str]]
+    """Tied parameters as ``[name, alias]`` pairs: ``name`` is in a chunk, ``alias`` is the same tensor."""
+
+
+class Training(Binding):
+    """The training shape the plan was made for."""
+
+    micro_batch: PosInt
+    """Sequences per micro-batch per rank."""
+    seq_len: PosInt
+    """Tokens per sequence."""
+    compute_dtype: DType
+    """Dtype of the chunks (parameters and gradients as the model computes with them)."""
+    master_dtype: Literal["float32"]
+    """Dtype of the optimizer's master weights and Adam moments."""
+    world_size: PosInt
+    """Number of ranks that replay this plan."""
+    grad_accum: PosInt
+    """Micro-batches per optimizer step."""
+
+
+class Param(Binding):
+    """One parameter's place in its chunk (one line in the file)."""
+
+    name: str
+    """Fully qualified name, as in ``model.named_parameters()``."""
+    shape: list[NonNegInt]
+    """Shape of the parameter."""
+    dtype: str
+    """Dtype of the parameter as the model was built (``float32``), part of the fingerprint."""
+    offset: NonNegInt
+    """Element offset of the parameter inside its chunk."""
+    numel: NonNegInt
+    """Number of elements (the product of ``shape``)."""
+
+
+class Chunk(Binding):
+    """A fixed-size flat buffer holding parameters in execution order."""
+
+    id: NonNegInt
+    """Index of the chunk in execution order (chunk ``i`` is ``chunks.list[i]``)."""
+    params: list[Param]
+    """Parameters in the chunk, in execution order, non-overlapping."""
+
+
+class Chunks(Binding):
+    """The chunk layout."""
+
+    chunk_numel: PosInt
+    """Elements per chunk (every chunk has this capacity; the last may be partly empty)."""
+    items: list[Chunk] = msgspec.field(name="list")
+    """The chunks, in execution order."""
+
+
+class Placement(Binding):
+    """Where each chunk lives."""
+
+    n_persist: NonNegInt
+    """Number of persistent chunks (always on the device, optimizer on the device)."""
+    n_buffer: NonNegInt
+    """Device buffers shared by offloaded chunks: at most this many are on the device at once."""
+    persistent: list[NonNegInt]
+    """Ids of persistent chunks, ascending."""
+    offloaded: list[NonNegInt]
+    """Ids of offloaded chunks (home in CPU memory, CPU optimizer), ascending."""
+
+
+class Activation(Binding):
+    """Activation policy of one block."""
+
+    block: str
+    """Module path of the block."""
+    policy: Policy
+    """``keep`` saved activations on the device, ``swap`` them to CPU memory during
+    forward and back before the block's backward, or ``checkpoint`` (drop them and
+    recompute the block's forward in backward)."""
+
+
+class Step(Binding):
+    """The events around one segment of forward or backward (chunk ids are offloaded chunks)."""
+
+    segment: str
+    """``<pre>``, a block's module path, or ``<post>``."""
+    fetch: list[NonNegInt] = []
+    """Chunks that must be resident before the segment runs; waits for in-flight prefetches."""
+    prefetch: list[NonNegInt] = []
+    """Chunks to start loading after ``fetch``, to overlap with this segment's compute."""
+    release: list[NonNegInt] = []
+    """Chunks whose device buffers are freed when the segment ends."""
+    offload: list[NonNegInt] = []
+    """Backward only: chunks whose gradients are complete when the segment ends; they go
+    to CPU memory and their CPU optimizer step starts."""
+    swap_in: list[str] = []
+    """Backward only: blocks whose swapped activations start coming back when the segment starts."""
+
+
+class Schedule(Binding):
+    """Per-segment events, replayed identically on every rank and every iteration."""
+
+    forward: list[Step]
+    """One step per segment: ``<pre>``, blocks in order, ``<post>``."""
+    backward: list[Step]
+    """One step per segment in reverse: ``<post>``, blocks reversed, ``<pre>``."""
+
+
+# ------------------------------------------------------------------------ info (2)
+
+
+class Prediction(Info):
+    """What the planner's cost model predicts for this plan."""
+
+    iter_time_us: NonNegInt = 0
+    """Predicted time of one iteration (forward, backward, optimizer)."""
+    peak_memory_bytes: NonNegInt = 0
+    """Predicted peak device memory per rank."""
+    breakdown: dict[str, int] = {}
+    """Named terms of the prediction (bytes or microseconds, as each name says)."""
+
+
+class Search(Info):
+    space_size: NonNegInt = 0
+    """Number of configurations in the search space."""
+    evaluated: NonNegInt = 0
+    """Number of configurations whose cost was evaluated (the rest were pruned)."""
+    time_us: NonNegInt = 0
+    """Wall time of the search."""
+    solver: str = ""
+    """Which search produced the plan."""
+
+
+class Provenance(Info):
+    profile_digest: str = ""
+    """``sha256:`` of the profile the plan was made from (empty for hand-made plans)."""
+    search: Search = Search()
+    """How the configuration was found."""
+
+
+class Plan(Binding, kw_only=True):
+    """A whole plan file."""
+
+    schema_version: int
+    """Always the first key; ``load`` checks it against the supported window first."""
+    generator: Generator = Generator()
+    request: Request = Request()
+    model: Model
+    training: Training
+    hardware: Hardware = Hardware()
+    chunks: Chunks
+    placement: Placement
+    activations: list[Activation]
+    """One entry per block, in ``model.blocks`` order."""
+    schedule: Schedule
+    prediction: Prediction = Prediction()
+    provenance: Provenance = Provenance()
+
+
+class _Header(msgspec.Struct):
+    """Decodes only ``schema_version``; msgspec skips every other key."""
+
+    schema_version: int
+
+
+# ------------------------------------------------------------------ fingerprint
+
+
+def fingerprint(params: Iterable[tuple[str, Sequence[int], str]], blocks: Sequence[str]) -> str:
+    """Hash of the sorted (name, shape, dtype) list plus the block list.
+
+    The executor computes it from the live model (``check.py``) and refuses a plan
+    whose fingerprint differs. Canonical JSON keeps it identical on every machine.
+    """
+    entries = sorted([name, [int(s) for s in shape], str(dtype)] for name, shape, dtype in params)
+    payload = json.dumps({"params": entries, "blocks": list(blocks)}, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """The fingerprint recomputed from the parameters listed in the plan's chunks."""
+    params = [(p.name, p.shape, p.dtype) for c in plan.chunks.items for p in c.params]
+    return fingerprint(params, plan.model.blocks)
+
+
+def segments(plan: Plan) -> list[str]:
+    """Forward segment order: ``<pre>``, the blocks, ``<post>``."""
+    return [PRE, *plan.model.blocks, POST]
+
+
+# ---------------------------------------------------------------------- dump
+
+
+def dump(plan: Plan) -> bytes:
+    """Canonical bytes: fixed key order, 2-space indent, one parameter per line, trailing newline.
+
+    Key order is the Struct definition order (``schema_version`` first); dict keys
+    are sorted. A container whose children are all scalars goes on one line, so each
+    parameter and each event list is one line and ``git diff`` shows one decision per
+    line. Same plan → same bytes, on any machine.
+    """
+    return (_emit(msgspec.to_builtins(plan, order="deterministic"), 0) + "\n").encode()
+
+
+def _emit(value: object, depth: int) -> str:
+    # depth 0 is the plan object and depth 1 its sections: those always span lines, so
+    # every section starts on a line of its own. Deeper containers whose children are
+    # all scalars (or flat lists of scalars, like a shape) go on one line.
+    pad, inner = "  " * depth, "  " * (depth + 1)
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        items = [f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()]
+        if depth >= 2 and all(_is_flat(v) for v in value.values()):
+            return "{" + ", ".join(items) + "}"
+        return "{\n" + ",\n".join(inner + i for i in items) + "\n" + pad + "}"
+    if isinstance(value, list):
+        if not value:
+            return "[]"
+        if all(not isinstance(v, (list, dict)) for v in value):
+            return "[" + ", ".join(_emit(v, depth + 1) for v in value) + "]"
+        return "[\n" + ",\n".join(inner + _emit(v, depth + 1) for v in value) + "\n" + pad + "]"
+    if isinstance(value, float):
+        # Informational sections only (binding sections hold integers). Round so that
+        # float noise from different machines never reaches the file.
+        return repr(round(value, 6))
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _is_flat(value: object) -> bool:
+    """A scalar, or a list of scalars (so a Param with its shape still fits one line)."""
+    if isinstance(value, list):
+        return all(not isinstance(v, (list, dict)) for v in value)
+    return not isinstance(value, dict)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def load(source: str | Path | bytes) -> Plan:
+    """Read and validate a plan: header → version window → migrate → strict decode → checks.
+
+    Raises ``PlanError`` naming the file, the JSON path and the fix; never returns a
+    partly checked plan. Loading never executes code (msgspec decodes into Structs).
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data, where = bytes(source), "<plan bytes>"
+    else:
+        where = str(source)
+        try:
+            data = Path(source).read_bytes()
+        except OSError as e:
+            raise PlanError(
+                f"{where}: cannot read the plan file ({e.strerror or e})",
+                "check the path, or make a plan with `protrain plan`",
+            ) from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(
+            f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file",
+            "regenerate the plan with `protrain plan`",
+        ) from None
+    try:
+        header = msgspec.json.decode(data, type=_Header)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise PlanError(
+            f"{where}: not a protrain plan: {e}",
+            "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`",
+        ) from None
+    version = header.schema_version
+    if version > SCHEMA_VERSION:
+        raise PlanError(
+            f"{where}: plan schema {version} is newer than this protrain reads "
+            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+            "upgrade protrain, or regenerate the plan with this version's `protrain plan`",
+        )
+    if version < MIN_SCHEMA_VERSION:
+        raise PlanError(
+            f"{where}: plan schema {version} is older than this protrain reads "
+            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+            "regenerate the plan with `protrain plan`",
+        )
+    if version < SCHEMA_VERSION:
+        from .migrate import migrate  # only old files pay for it
+
+        data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
+    try:
+        plan = msgspec.json.decode(data, type=Plan)
+    except msgspec.ValidationError as e:
+        raise PlanError(f"{where}: {e}", "fix that field, or regenerate the plan with `protrain plan`") from None
+    except msgspec.DecodeError as e:
+        raise PlanError(f"{where}: malformed JSON: {e}", "regenerate the plan with `protrain plan`") from None
+    validate(plan, where)
+    return plan
+
+
+# ---------------------------------------------------------------- structural checks
+
+
+def validate(plan: Plan, where: str = "<plan>") -> None:
+    """Check the invariants a well-typed plan must also satisfy; raise ``PlanError`` on the first.
+
+    Every parameter in exactly one chunk, inside it and not overlapping another; the
+    placement partitions the chunks; one policy per block; the schedule names only
+    existing chunks and segments and, replayed, keeps every segment's parameters
+    resident without ever holding more than ``n_buffer`` offloaded chunks.
+    """
+
+    def fail(path: str, what: str, hint: str = "regenerate the plan with `protrain plan`") -> None:
+        raise PlanError(f"{where}: {what} - at `{path}`", hint)
+
+    if plan.schema_version != SCHEMA_VERSION:
+        fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+
+    # -- model
+    blocks = plan.model.blocks
+    seen_blocks: set[str] = set()
+    for i, b in enumerate(blocks):
+        if b in (PRE, POST) or not b:
+            fail(f"$.model.blocks[{i}]", f"{b!r} is not a module path")
+        if b in seen_blocks:
+            fail(f"$.model.blocks[{i}]", f"block {b!r} is listed twice")
+        seen_blocks.add(b)
+
+    # -- chunks: ids, bounds, overlaps, one chunk per parameter
+    cap = plan.chunks.chunk_numel
+    owner: dict[str, int] = {}
+    n_params = 0
+    for ci, chunk in enumerate(plan.chunks.items):
+        cpath = f"$.chunks.list[{ci}]"
+        if chunk.id != ci:
+            fail(f"{cpath}.id", f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}")
+        spans = []
+        for pi, p in enumerate(chunk.params):
+            ppath = f"{cpath}.params[{pi}]"
+            numel = 1
+            for s in p.shape:
+                numel *= s
+            if numel != p.numel:
+                fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {numel}")
+            if p.offset + p.numel > cap:
+                fail(
+                    f"{ppath}.offset",
+                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}",
+                )
+            if p.name in owner:
+                fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
+            owner[p.name] = ci
+            spans.append((p.offset, p.offset + p.numel, pi, p.name))
+            n_params += p.numel
+        spans.sort()
+        for (_, end_a, _, name_a), (start_b, _, pi_b, name_b) in zip(spans, spans[1:]):
+            if start_b < end_a:
+                fail(f"{cpath}.params[{pi_b}].offset", f"{name_b} overlaps {name_a} in chunk {ci}")
+    if n_params != plan.model.n_params:
+        fail("$.model.n_params", f"chunks hold {n_params} elements but the model declares {plan.model.n_params}")
+    for field, names in (("pre_block_params", plan.model.pre_block_params),
+                         ("post_block_params", plan.model.post_block_params)):
+        for i, name in enumerate(names):
+            if name not in owner:
+                fail(f"$.model.{field}[{i}]", f"parameter {name!r} is in no chunk")
+    for i, pair in enumerate(plan.model.tied):
+        if len(pair) != 2:
+            fail(f"$.model.tied[{i}]", f"expected a [name, alias] pair, got {len(pair)} names")
+        if pair[0] not in owner:
+            fail(f"$.model.tied[{i}][0]", f"tied parameter {pair[0]!r} is in no chunk")
+        if pair[1] in owner:
+            fail(f"$.model.tied[{i}][1]", f"alias {pair[1]!r} must not have a chunk slot of its own")
+    if plan.model.fingerprint != plan_fingerprint(plan):
+        fail("$.model.fingerprint", "does not match the parameters listed in the chunks (the file was edited)")
+
+    # -- placement
+    n_chunks = len(plan.chunks.items)
+    pl = plan.placement
+    for field, ids in (("persistent", pl.persistent), ("offloaded", pl.offloaded)):
+        for i, c in enumerate(ids):
+            if c >= n_chunks:
+                fail(f"$.placement.{field}[{i}]", f"unknown chunk id {c} (the plan has {n_chunks} chunks)")
+        if ids != sorted(set(ids)):
+            fail(f"$.placement.{field}", "chunk ids must be ascending and unique")
+    both = set(pl.persistent) & set(pl.offloaded)
+    if both:
+        fail("$.placement.offloaded", f"chunks {sorted(both)} are both persistent and offloaded")
+    if len(pl.persistent) + len(pl.offloaded) != n_chunks:
+        missing = sorted(set(range(n_chunks)) - set(pl.persistent) - set(pl.offloaded))
+        fail("$.placement", f"chunks {missing} are neither persistent nor offloaded")
+    if pl.n_persist != len(pl.persistent):
+        fail("$.placement.n_persist", f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent")
+    if pl.offloaded and pl.n_buffer < 1:
+        fail("$.placement.n_buffer", "offloaded chunks need at least one device buffer")
+
+    # -- activations
+    if [a.block for a in plan.activations] != blocks:
+        got = [a.block for a in plan.activations]
+        i = next((i for i, (a, b) in enumerate(zip(got, blocks)) if a != b), min(len(got), len(blocks)))
+        fail(f"$.activations[{i}]", f"expected one policy per block in model.blocks order; "
+             f"expected {blocks[i] if i < len(blocks) else 'nothing'!r}, got {got[i] if i < len(got) else 'nothing'!r}")
+
+    simulate_residency(plan, where)
+
+
+def segment_chunks(plan: Plan) -> dict[str, set[int]]:
+    """Chunk ids holding the parameters each segment uses (persistent chunks included)."""
+    owner = {p.name: c.id for c in plan.chunks.items for p in c.params}
+    need: dict[str, set[int]] = {s: set() for s in segments(plan)}
+    need[PRE] = {owner[n] for n in plan.model.pre_block_params}
+    need[POST] = {owner[n] for n in plan.model.post_block_params}
+    for name, cid in owner.items():
+        for b in plan.model.blocks:
+            if name.startswith(b + "."):
+                need[b].add(cid)
+                break
+    return need
+
+
+def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str, frozenset[int]]]:
+    """Replay the schedule on the chunk ids alone; return (phase, segment, resident) per step.
+
+    Replay rules (the executor follows exactly these):
+    1. A step starts: ``swap_in`` (backward), then every id in ``fetch`` becomes
+       resident (waiting if it is in flight), then every id in ``prefetch`` starts
+       loading and counts as resident from then on.
+    2. The segment runs; every offloaded chunk holding a parameter it uses must be
+       in ``fetch`` of this step (so the executor waits on it).
+    3. The step ends: ``offload`` (backward), then ``release`` frees the buffers.
+    Resident offloaded chunks never exceed ``n_buffer``; forward's resident set
+    carries into backward, and backward ends with nothing resident. Each offloaded
+    chunk is offloaded exactly once in backward, no earlier than the last step that
+    uses it; each swapped block is swapped in exactly once, no later than its own
+    backward step, and no other block is.
+    """
+
+    def fail(path: str, what: str) -> None:
+        raise PlanError(f"{where}: {what} - at `{path}`", "regenerate the plan with `protrain plan`")
+
+    offloaded = set(plan.placement.offloaded)
+    n_buffer = plan.placement.n_buffer
+    need = segment_chunks(plan)
+    order = segments(plan)
+    swapped = {a.block for a in plan.activations if a.policy == "swap"}
+    resident: set[int] = set()
+    trace: list[tuple[str, str, frozenset[int]]] = []
+    offloaded_at: dict[int, int] = {}
+    swapped_in_at: dict[str, int] = {}
+    last_use_bwd: dict[int, int] = {}
+
+    for phase, steps, expected in (("forward", plan.schedule.forward, order),
+                                   ("backward", plan.schedule.backward, order[::-1])):
+        got = [s.segment for s in steps]
+        if got != expected:
+            i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+            want = expected[i] if i < len(expected) else "nothing"
+            have = got[i] if i < len(got) else "nothing"
+            fail(f"$.schedule.{phase}[{i}].segment", f"expected segment {want!r}, got {have!r}")
+        for si, step in enumerate(steps):
+            spath = f"$.schedule.{phase}[{si}]"
+            for field in ("fetch", "prefetch", "release", "offload"):
+                ids = getattr(step, field)
+                for i, c in enumerate(ids):
+                    if c not in offloaded:
+                        kind = "persistent" if c < len(plan.chunks.items) else "unknown"
+                        fail(f"{spath}.{field}[{i}]", f"chunk {c} is {kind}; events name offloaded chunks only")
+                if len(set(ids)) != len(ids):
+                    fail(f"{spath}.{field}", f"chunk ids repeat: {ids}")
+            if phase == "forward" and (step.offload or step.swap_in):
+                fail(f"{spath}", "`offload` and `swap_in` are backward-only events")
+            for i, b in enumerate(step.swap_in):
+                if b not in swapped:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} has no `swap` policy")
+                if b in swapped_in_at:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in twice")
+                if order[::-1].index(b) < si:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward")
+                swapped_in_at[b] = si
+            resident |= set(step.fetch)
+            for i, c in enumerate(step.prefetch):
+                if c in resident:
+                    fail(f"{spath}.prefetch[{i}]", f"chunk {c} is already resident")
+            resident |= set(step.prefetch)
+            if len(resident) > n_buffer:
+                fail(f"{spath}", f"{len(resident)} offloaded chunks resident {sorted(resident)} "
+                     f"but placement.n_buffer is {n_buffer}")
+            missing = (need[step.segment] & offloaded) - set(step.fetch)
+            if missing:
+                fail(f"{spath}.fetch", f"segment {step.segment!r} uses chunks {sorted(missing)}, "
+                     "which must be fetched by this step")
+            trace.append((phase, step.segment, frozenset(resident)))
+            if phase == "backward":
+                for c in need[step.segment] & offloaded:
+                    last_use_bwd[c] = si
+                for i, c in enumerate(step.offload):
+                    if c in offloaded_at:
+                        fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
+                    offloaded_at[c] = si
+            for i, c in enumerate(step.release):
+                if c not in resident:
+                    fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
+            resident -= set(step.release)
+
+    if resident:
+        fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
+    for c in sorted(offloaded):
+        if c not in offloaded_at:
+            fail("$.schedule.backward", f"offloaded chunk {c} is never offloaded in backward")
+        if offloaded_at[c] < last_use_bwd.get(c, -1):
+            fail(f"$.schedule.backward[{offloaded_at[c]}].offload",
+                 f"chunk {c} is offloaded before its last use in backward (step {last_use_bwd[c]})")
+    for b in sorted(swapped - set(swapped_in_at)):
+        fail("$.schedule.backward", f"swapped block {b!r} is never swapped in")
+    return trace

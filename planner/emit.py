@@ -1,0 +1,218 @@
+"""Configuration → Plan: chunk list, placement, policies, and the event schedule.
+
+The search (issue 5) decides *what* (chunk size, which chunks persist, buffer
+count, policy per block); this module writes it down as a plan the executor can
+replay without deciding anything. The schedule is derived here, once, by a fixed
+rule, so two runs of the planner give the same bytes:
+
+- **fetch**: each step fetches exactly the offloaded chunks its segment uses.
+- **prefetch**: after the fetch, start loading the chunks the *next* segment uses,
+  as far as the buffers allow (a one-segment lookahead, the paper's pipeline).
+- **release / cache**: when a step ends, keep the chunks the next step will have
+  (its fetch, then its prefetch), then fill the remaining buffers with resident
+  chunks whose next use is soonest (Belady's rule over the forward-then-backward
+  sequence); release the rest. So the last chunks of forward are still resident
+  when backward starts, and re-fetching in backward happens only for chunks that
+  did not fit, as the cost model assumes.
+- **offload**: an offloaded chunk's gradients go to CPU at the end of its last
+  backward segment. **swap_in**: a swapped block's activations start coming back one
+  backward segment ahead of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from torch import nn
+
+from protrain.executor import plan as P
+from protrain.executor.check import model_signature, tied_pairs
+from protrain.executor.errors import BudgetError, ConfigError
+
+from .graph import ExecutionGraph, trace
+from .layout import assign
+
+
+def generator() -> P.Generator:
+    try:
+        v = version("protrain")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        v = "0+unknown"
+    return P.Generator(name="protrain", version=v)
+
+
+def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded: set[int],
+                   n_buffer: int, swapped: Sequence[str]) -> P.Schedule:
+    """The event lists for one iteration (see the module docstring for the rules)."""
+    seq = [("forward", s) for s in segments] + [("backward", s) for s in reversed(segments)]
+    need_off = [sorted(need[s] & offloaded) for _, s in seq]
+    for (_, s), ids in zip(seq, need_off):
+        if len(ids) > n_buffer:
+            raise BudgetError(
+                f"segment {s!r} uses {len(ids)} offloaded chunks at once but n_buffer is {n_buffer}",
+                f"use n_buffer >= {len(ids)}, or a larger chunk size",
+            )
+
+    def next_use(c: int, k: int) -> int:
+        return next((j for j in range(k, len(seq)) if c in need_off[j]), len(seq))
+
+    fetch: list[list[int]] = [list(ids) for ids in need_off]
+    prefetch: list[list[int]] = [[] for _ in seq]
+    release: list[list[int]] = [[] for _ in seq]
+    resident: set[int] = set()
+    for k in range(len(seq)):
+        # Desired resident set once step k has fetched and prefetched.
+        desired = list(need_off[k])
+        for c in need_off[k + 1] if k + 1 < len(seq) else []:
+            if len(desired) < n_buffer and c not in desired:
+                desired.append(c)
+        cached = sorted((c for c in resident if c not in desired and next_use(c, k) < len(seq)),
+                        key=lambda c: (next_use(c, k), c))
+        desired += cached[: max(0, n_buffer - len(desired))]
+        if k:
+            release[k - 1] = sorted(resident - set(desired))
+        resident &= set(desired)
+        prefetch[k] = sorted(set(desired) - resident - set(need_off[k]))
+        resident |= set(desired)
+    release[-1] = sorted(resident)
+
+    back = list(reversed(segments))
+    offload: list[list[int]] = [[] for _ in back]
+    for c in sorted(offloaded):
+        last = max((j for j, s in enumerate(back) if c in need[s]), default=len(back) - 1)
+        offload[last].append(c)
+    swap_in: list[list[str]] = [[] for _ in back]
+    for b in swapped:
+        swap_in[max(0, back.index(b) - 1)].append(b)
+
+    n = len(segments)
+    forward = [P.Step(segment=s, fetch=fetch[k], prefetch=prefetch[k], release=release[k])
+               for k, s in enumerate(segments)]
+    backward = [P.Step(segment=s, fetch=fetch[n + j], prefetch=prefetch[n + j],
+                       release=release[n + j], offload=offload[j], swap_in=swap_in[j])
+                for j, s in enumerate(back)]
+    return P.Schedule(forward=forward, backward=backward)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a plan needs to know about a model, as plain data (no torch)."""
+
+    name: str
+    blocks: list[str]
+    params: list[tuple[str, tuple[int, ...], str]]
+    """(name, shape, dtype) of each unique parameter, in registration order."""
+    tied: list[list[str]]
+    segments: list[str]
+    order: list[str]
+    """Parameter names in first-use order."""
+    uses: dict[str, list[str]]
+    """Segment → parameters it uses."""
+
+
+def model_facts(model: nn.Module, name: str, blocks: list[str], seq_len: int = 8,
+                graph: ExecutionGraph | None = None) -> ModelFacts:
+    """Trace ``model`` (may be on meta) and collect the facts ``assemble`` needs."""
+    graph = graph or trace(model, blocks, seq_len=min(seq_len, 8))
+    return ModelFacts(name=name, blocks=list(blocks), params=model_signature(model),
+                      tied=tied_pairs(model), segments=graph.segments, order=graph.order,
+                      uses=graph.uses)
+
+
+def emit(model: nn.Module, *, name: str, blocks: list[str], training: P.Training,
+         graph: ExecutionGraph | None = None, **config) -> P.Plan:
+    """Write one configuration for a live (or meta) model down as a validated Plan.
+
+    ``config`` is passed to ``assemble``: ``chunk_numel``, ``persistent``,
+    ``n_buffer``, ``policies`` and the optional informational sections.
+    """
+    facts = model_facts(model, name, blocks, training.seq_len, graph)
+    return assemble(facts, training=training, **config)
+
+
+def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
+             persistent: Sequence[int], n_buffer: int, policies: Sequence[str],
+             request: P.Request | None = None, hardware: P.Hardware | None = None,
+             prediction: P.Prediction | None = None,
+             provenance: P.Provenance | None = None) -> P.Plan:
+    """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
+
+    ``persistent`` lists chunk ids kept on the device (any subset; the paper's
+    configurations use the first ``n_persist``); ``policies`` gives
+    ``keep``/``swap``/``checkpoint`` per block.
+    """
+    blocks = facts.blocks
+    if len(policies) != len(blocks):
+        raise ConfigError(f"{len(policies)} activation policies for {len(blocks)} blocks")
+    for b, pol in zip(blocks, policies):
+        if pol not in ("keep", "swap", "checkpoint"):
+            raise ConfigError(f"block {b!r}: unknown activation policy {pol!r}",
+                              "use keep, swap or checkpoint")
+    for b in blocks:
+        outside = [n for n in facts.uses[b] if not n.startswith(b + ".")]
+        if outside:
+            raise ConfigError(
+                f"block {b!r} uses parameters outside it ({', '.join(outside[:3])}); "
+                "plans describe such sharing only for the segments before and after the blocks",
+                "choose block paths that contain all the parameters each block uses (`--blocks`)",
+            )
+    shape = {n: s for n, s, _ in facts.params}
+    dtype = {n: d for n, _, d in facts.params}
+    numel = {n: math.prod(s) for n, s in shape.items()}
+    # Layout groups: each parameter belongs to the segment that uses it first, so a
+    # block (or the embeddings, or the head) stays in one chunk when it fits.
+    groups: dict[str, str] = {}
+    for s in facts.segments:
+        for n in facts.uses[s]:
+            groups.setdefault(n, s)
+    for n in facts.order:
+        groups.setdefault(n, "<unused>")
+    slots = assign(facts.order, numel, groups, chunk_numel)
+    chunks = P.Chunks(chunk_numel=chunk_numel, items=[
+        P.Chunk(id=i, params=[P.Param(name=s.name, shape=list(shape[s.name]), dtype=dtype[s.name],
+                                      offset=s.offset, numel=s.numel) for s in chunk])
+        for i, chunk in enumerate(slots)
+    ])
+    n_chunks = len(slots)
+    bad = [c for c in persistent if not 0 <= c < n_chunks]
+    if bad:
+        raise ConfigError(f"persistent chunk ids {bad} are out of range (the layout has {n_chunks} chunks)")
+    persistent_ids = sorted(set(persistent))
+    offloaded = [c for c in range(n_chunks) if c not in set(persistent_ids)]
+    if not offloaded:
+        n_buffer = 0  # nothing to buffer; a non-zero count would only mislead `show`
+
+    owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
+    need = {s: {owner[n] for n in facts.uses[s]} for s in facts.segments}
+    swapped = [b for b, pol in zip(blocks, policies) if pol == "swap"]
+    schedule = build_schedule(facts.segments, need, set(offloaded), n_buffer, swapped)
+
+    plan = P.Plan(
+        schema_version=P.SCHEMA_VERSION,
+        generator=generator(),
+        request=request or P.Request(),
+        model=P.Model(
+            name=facts.name,
+            fingerprint=P.fingerprint(facts.params, blocks),
+            n_params=sum(numel.values()),
+            blocks=list(blocks),
+            pre_block_params=list(facts.uses[P.PRE]),
+            post_block_params=list(facts.uses[P.POST]),
+            tied=[list(p) for p in facts.tied],
+        ),
+        training=training,
+        hardware=hardware or P.Hardware(),
+        chunks=chunks,
+        placement=P.Placement(n_persist=len(persistent_ids), n_buffer=n_buffer,
+                              persistent=persistent_ids, offloaded=offloaded),
+        activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
+        schedule=schedule,
+        prediction=prediction or P.Prediction(),
+        provenance=provenance or P.Provenance(),
+    )
+    # Return exactly what a reader of the file gets: the round trip type-checks every
+    # field (Struct constructors do not) and runs the structural checks.
+    return P.load(P.dump(plan))

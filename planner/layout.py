@@ -1,0 +1,67 @@
+"""Chunk layout: parameters, in execution order, packed into fixed-size flat chunks.
+
+Rules (shared/DESIGN.md §4, ProTrain §3.1):
+- Parameters go in first-use order, so the chunks are fetched in the order the
+  forward pass needs them and one chunk serves consecutive blocks.
+- A block's parameters are not split across two chunks unless the block alone is
+  larger than a chunk: if the block does not fit in what is left of the current
+  chunk, it starts a new one. Splitting a block would make it wait on two fetches.
+- A parameter larger than a chunk cannot be laid out: the chunk size must grow.
+
+The choice of the chunk size itself (least simulated waste over a grid) belongs to
+the planner core (issue 5); here it is an input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protrain.executor.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    chunk: int
+    offset: int
+    numel: int
+
+
+def assign(order: Sequence[str], numel: dict[str, int], groups: dict[str, str],
+           chunk_numel: int) -> list[list[Slot]]:
+    """Pack parameters into chunks of ``chunk_numel`` elements; return the slots per chunk.
+
+    ``order``: parameter names in first-use order. ``groups``: parameter → group (its
+    block path, or the segment name for parameters outside blocks); a group is kept
+    in one chunk when it fits in one.
+    """
+    biggest = max(numel[n] for n in order)
+    if biggest > chunk_numel:
+        name = max(order, key=lambda n: numel[n])
+        raise ConfigError(
+            f"parameter {name} has {biggest} elements, more than the chunk size {chunk_numel}",
+            f"use a chunk size of at least {biggest} elements",
+        )
+    group_numel: dict[str, int] = {}
+    for n in order:
+        group_numel[groups[n]] = group_numel.get(groups[n], 0) + numel[n]
+
+    chunks: list[list[Slot]] = [[]]
+    used = 0  # elements used in the current (last) chunk
+    current_group = None
+    for n in order:
+        g = groups[n]
+        if g != current_group:
+            current_group = g
+            # A new group starts: open a new chunk if the whole group would fit in an
+            # empty chunk but not in the rest of this one.
+            if used and group_numel[g] <= chunk_numel and used + group_numel[g] > chunk_numel:
+                chunks.append([])
+                used = 0
+        if used + numel[n] > chunk_numel:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(Slot(n, len(chunks) - 1, used, numel[n]))
+        used += numel[n]
+    return chunks

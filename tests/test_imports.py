@@ -1,0 +1,84 @@
+"""Import rules (shared/STYLE.md §3), checked in fresh subprocesses with an import tracker.
+
+The executor never imports the planner or the planner's heavy dependencies; the
+plan schema and the plan tools never import torch (click's test_light_imports).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TRACKER = """
+import builtins, json, sys
+seen = set()
+direct = {{}}  # protrain module -> top-level names it imports itself
+real_import = builtins.__import__
+def tracking(name, globals=None, locals=None, fromlist=(), level=0):
+    mod = real_import(name, globals, locals, fromlist, level)
+    seen.add(mod.__name__)
+    importer = (globals or {{}}).get("__name__", "")
+    if importer.startswith("protrain.") and level == 0:
+        direct.setdefault(importer, set()).add(name)
+    return mod
+builtins.__import__ = tracking
+{body}
+print("DIRECT:" + json.dumps({{k: sorted(v) for k, v in direct.items()}}))
+print("IMPORTED:" + json.dumps(sorted(seen | set(sys.modules))))
+"""
+
+
+def imported(body: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", TRACKER.format(body=body)],
+                         capture_output=True, text=True, check=True).stdout
+    line = [x for x in out.splitlines() if x.startswith("IMPORTED:")][-1]
+    return {m.split(".")[0] if not m.startswith("protrain.") else m
+            for m in json.loads(line.removeprefix("IMPORTED:"))}
+
+
+HEAVY = {"torch", "numpy", "scipy", "networkx", "pynvml", "click", "rich"}
+
+
+@pytest.mark.parametrize("module", ["protrain.executor.plan", "protrain.executor.errors",
+                                    "protrain.executor.migrate", "protrain.executor"])
+def test_schema_modules_import_only_stdlib_and_msgspec(module):
+    mods = imported(f"import {module}")
+    assert not mods & HEAVY, sorted(mods & HEAVY)
+    assert not any(m.startswith("protrain.planner") for m in mods)
+
+
+def direct_imports(body: str) -> dict[str, set[str]]:
+    """protrain module → the names it imports itself (not what its imports pull in)."""
+    out = subprocess.run([sys.executable, "-c", TRACKER.format(body=body)],
+                         capture_output=True, text=True, check=True).stdout
+    line = [x for x in out.splitlines() if x.startswith("DIRECT:")][-1]
+    return {k: set(v) for k, v in json.loads(line.removeprefix("DIRECT:")).items()}
+
+
+def test_executor_runtime_never_imports_the_planner():
+    # torch itself may import pynvml (it does, for CUDA memory queries), so the rule is
+    # checked on what executor modules import themselves.
+    mods = imported("import protrain.executor.check")
+    assert "torch" in mods
+    assert not any(m.startswith("protrain.planner") for m in mods)
+    forbidden = {"scipy", "networkx", "pynvml", "click", "rich", "numpy"}
+    for module, names in direct_imports("import protrain.executor.check").items():
+        if module.startswith("protrain.executor"):
+            tops = {n.split(".")[0] for n in names}
+            assert not tops & forbidden, (module, tops & forbidden)
+            assert not any(n.startswith("protrain.planner") for n in names), module
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["show", "plans/gpt2-tiny/example.json"]])
+def test_cli_paths_without_torch(argv):
+    mods = imported(f"import sys; sys.argv = ['protrain', *{argv!r}]\n"
+                    "from protrain.planner.cli import main\n"
+                    "try:\n    main()\nexcept SystemExit:\n    pass")
+    assert "torch" not in mods and "numpy" not in mods
+
+
+def test_report_is_torch_free():
+    assert "torch" not in imported("import protrain.planner.report")

@@ -1,0 +1,250 @@
+"""The plan file format: canonical bytes, round trips, strict loading with JSON-path errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planfactory import random_plans
+
+from protrain.executor import migrate as M
+from protrain.executor import plan as P
+from protrain.executor.errors import PlanError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "plans" / "gpt2-tiny" / "example.json"
+FIXTURES = sorted((ROOT / "tests" / "fixtures" / "plans").glob("v*/*.json"))
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@SETTINGS
+@given(random_plans())
+def test_random_plans_round_trip(plan):
+    data = P.dump(plan)
+    assert P.load(data) == plan
+    assert P.dump(P.load(data)) == data
+
+
+@pytest.mark.parametrize("path", [EXAMPLE, *FIXTURES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_committed_plans_round_trip_byte_for_byte(path):
+    data = path.read_bytes()
+    assert P.dump(P.load(data)) == data
+
+
+def test_frozen_fixture_exists_for_every_supported_version():
+    versions = {int(p.parent.name[1:]) for p in FIXTURES}
+    assert versions >= set(range(P.MIN_SCHEMA_VERSION, P.SCHEMA_VERSION + 1))
+
+
+def test_canonical_layout():
+    text = EXAMPLE.read_text()
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[1] == '  "schema_version": 1,'
+    assert text.endswith("}\n") and not text.endswith("\n\n")
+    # Two-space indent everywhere, no tabs.
+    assert all((len(x) - len(x.lstrip(" "))) % 2 == 0 and "\t" not in x for x in lines)
+    # One parameter per line, and one step per line.
+    plan = P.load(EXAMPLE)
+    n_params = sum(len(c.params) for c in plan.chunks.items)
+    assert sum('"offset":' in x for x in lines) == n_params
+    assert sum('"segment":' in x for x in lines) == 2 * (len(plan.model.blocks) + 2)
+    # Sections appear in the Struct definition order.
+    keys = [k for k in json.loads(text)]
+    assert keys == list(P.Plan.__struct_fields__)
+
+
+def test_dump_is_deterministic_and_has_no_float_noise():
+    plan = P.load(EXAMPLE)
+    noisy = P.Plan(**{f: getattr(plan, f) for f in P.Plan.__struct_fields__ if f != "prediction"},
+                   prediction=P.Prediction(iter_time_us=12, breakdown={"b_bytes": 3, "a_us": 1}))
+    assert P.dump(noisy) == P.dump(noisy)
+    text = P.dump(noisy).decode()
+    assert text.index('"a_us"') < text.index('"b_bytes"')  # dict keys sorted
+
+
+# ------------------------------------------------------------------------- corruptions
+
+
+def _doc() -> dict:
+    return json.loads(EXAMPLE.read_bytes())
+
+
+def _load_err(doc_or_bytes) -> str:
+    data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
+    with pytest.raises(PlanError) as e:
+        P.load(data)
+    return str(e.value)
+
+
+def test_deleted_field_names_it():
+    doc = _doc()
+    del doc["chunks"]["list"][1]["params"][0]["numel"]
+    msg = _load_err(doc)
+    assert "numel" in msg and "$.chunks.list[1].params[0]" in msg and "HINT:" in msg
+
+
+def test_wrong_type_names_the_path():
+    doc = _doc()
+    doc["chunks"]["list"][0]["params"][1]["numel"] = "8192"
+    assert "$.chunks.list[0].params[1].numel" in _load_err(doc)
+
+
+def test_bool_is_not_an_int():
+    doc = _doc()
+    doc["placement"]["n_buffer"] = True
+    assert "$.placement.n_buffer" in _load_err(doc)
+
+
+def test_unknown_binding_field_is_refused_but_unknown_info_field_is_not():
+    doc = _doc()
+    doc["placement"]["n_swap"] = 3
+    assert "n_swap" in _load_err(doc)
+    doc = _doc()
+    doc["prediction"]["new_diagnostic_us"] = 5
+    P.load(json.dumps(doc).encode())
+
+
+def test_overlapping_offsets():
+    doc = _doc()
+    doc["chunks"]["list"][1]["params"][2]["offset"] -= 1
+    msg = _load_err(doc)
+    assert "overlaps" in msg and "$.chunks.list[1].params[" in msg
+
+
+def test_offset_past_chunk_end():
+    doc = _doc()
+    doc["chunks"]["list"][1]["params"][-1]["offset"] = doc["chunks"]["chunk_numel"]
+    assert "exceed the chunk size" in _load_err(doc)
+
+
+def test_unknown_chunk_id_in_schedule():
+    doc = _doc()
+    doc["schedule"]["forward"][1]["prefetch"] = [99]
+    msg = _load_err(doc)
+    assert "$.schedule.forward[1].prefetch[0]" in msg and "99" in msg
+
+
+def test_unknown_chunk_id_in_placement():
+    doc = _doc()
+    doc["placement"]["offloaded"].append(7)
+    assert "$.placement.offloaded[2]" in _load_err(doc)
+
+
+def test_parameter_in_two_chunks():
+    doc = _doc()
+    dup = dict(doc["chunks"]["list"][0]["params"][1], offset=doc["chunks"]["list"][2]["params"][-1]["offset"] + 100)
+    doc["chunks"]["list"][2]["params"].append(dup)
+    assert "also in chunk 0" in _load_err(doc)
+
+
+def test_placement_must_partition_chunks():
+    doc = _doc()
+    doc["placement"]["offloaded"] = doc["placement"]["offloaded"][:-1]
+    assert "neither persistent nor offloaded" in _load_err(doc)
+    doc = _doc()
+    doc["placement"]["n_persist"] = 2
+    assert "$.placement.n_persist" in _load_err(doc)
+
+
+def test_one_policy_per_block():
+    doc = _doc()
+    doc["activations"] = doc["activations"][:1]
+    assert "$.activations[1]" in _load_err(doc)
+    doc = _doc()
+    doc["activations"][0]["policy"] = "offload"
+    assert "$.activations[0].policy" in _load_err(doc)
+
+
+def test_schedule_exceeding_buffer_count():
+    doc = _doc()
+    doc["placement"]["n_buffer"] = 1
+    msg = _load_err(doc)
+    assert "n_buffer is 1" in msg and "$.schedule.forward" in msg
+
+
+def test_segment_must_fetch_what_it_uses():
+    doc = _doc()
+    doc["schedule"]["forward"][1]["fetch"] = []
+    assert "must be fetched" in _load_err(doc)
+
+
+def test_edited_parameter_list_breaks_the_fingerprint():
+    doc = _doc()
+    doc["chunks"]["list"][0]["params"][0]["shape"] = [128, 128]
+    doc["chunks"]["list"][0]["params"][0]["numel"] = 128 * 128
+    doc["model"]["n_params"] += 128 * 128 - 256 * 64
+    assert "$.model.fingerprint" in _load_err(doc)
+
+
+@pytest.mark.parametrize("version,word", [(2, "newer"), (0, "older"), (-3, "older")])
+def test_version_window(version, word):
+    doc = _doc()
+    doc["schema_version"] = version
+    msg = _load_err(doc)
+    assert word in msg and f"{P.MIN_SCHEMA_VERSION}–{P.SCHEMA_VERSION}" in msg and "HINT:" in msg
+
+
+def test_truncated_non_utf8_and_not_json():
+    data = EXAMPLE.read_bytes()
+    assert "truncated" in _load_err(data[: len(data) // 2]).lower()
+    assert "UTF-8" in _load_err(data[:20] + b"\xff\xfe" + data[20:])
+    assert "schema_version" in _load_err(b"[1, 2, 3]")
+    assert "schema_version" in _load_err(b'{"chunks": []}')
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(PlanError, match="nope.json"):
+        P.load(tmp_path / "nope.json")
+
+
+@SETTINGS
+@given(random_plans(), st.data())
+def test_random_corruptions_never_escape_as_raw_errors(plan, data):
+    """Any single corruption gives PlanError (or, if still valid, a plan equal to a reload)."""
+    doc = json.loads(P.dump(plan))
+    path = []
+    node = doc
+    # Walk to a random leaf and replace it with a value of a random other kind.
+    while isinstance(node, (dict, list)) and node:
+        key = data.draw(st.sampled_from(list(node.keys()) if isinstance(node, dict) else range(len(node))))
+        path.append(key)
+        if not isinstance(node[key], (dict, list)) or not node[key]:
+            break
+        node = node[key]
+    replacement = data.draw(st.sampled_from([None, "x", -1, 10**6, 1.5, [], {}, True]))
+    if path:
+        node[path[-1]] = replacement
+    try:
+        loaded = P.load(json.dumps(doc).encode())
+    except PlanError as e:
+        assert "$" in str(e) or "schema" in str(e)
+        return
+    assert P.load(P.dump(loaded)) == loaded
+
+
+# --------------------------------------------------------------------------- migration
+
+
+def test_migration_hook_applies_steps_in_order(monkeypatch):
+    calls = []
+
+    def v1_to_v2(d):
+        calls.append(d["schema_version"])
+        d = dict(d)
+        d["renamed"] = d.pop("old")
+        return d
+
+    monkeypatch.setitem(M.MIGRATIONS, 1, v1_to_v2)
+    out = M.migrate({"schema_version": 1, "old": 5}, 1, target=2)
+    assert out == {"schema_version": 2, "renamed": 5} and calls == [1]
+
+
+def test_missing_migration_is_a_plan_error():
+    with pytest.raises(PlanError, match="no migration from plan schema 1 to 2"):
+        M.migrate({"schema_version": 1}, 1, target=2)
