@@ -1,6 +1,7 @@
 """protrain's executor: load a plan, check it against the model, replay it.
 
-Public API: ``load``, ``dump``, ``check``, ``wrap``, ``Engine``, ``ProtrainError``.
+Public API: ``load``, ``dump``, ``check``, ``wrap``, ``Engine``, ``StepResult``,
+``AdamWConfig``, ``ProtrainError``.
 Everything that needs torch is resolved lazily (PEP 562 ``__getattr__``): Python
 runs this file before any submodule, so an eager torch import here would make
 ``import protrain.executor.plan`` (used by ``protrain show``) import torch.
@@ -13,9 +14,15 @@ from typing import Any
 from .errors import ProtrainError
 from .plan import dump, load
 
-__all__ = ["ProtrainError", "check", "dump", "load"]
+__all__ = ["AdamWConfig", "Engine", "ProtrainError", "StepResult", "check", "dump", "load", "wrap"]
 
-_LAZY = {"check": ("check", "check")}
+_LAZY = {
+    "check": ("check", "check"),
+    "wrap": ("engine", "wrap"),
+    "Engine": ("engine", "Engine"),
+    "StepResult": ("engine", "StepResult"),
+    "AdamWConfig": ("optim", "AdamWConfig"),
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,270 @@
+"""``wrap(model, plan) -> Engine``: the executor's one entry point.
+
+Lifecycle, phase by phase:
+
+1. **wrap** checks the plan against the live model (``check.py``: fingerprint,
+   names, shapes, tied parameters) and refuses a plan for another model before
+   anything changes. It then lays every parameter into the plan's chunks
+   (``ChunkStore``: ``param.data`` and ``param.grad`` become views of flat chunk
+   tensors), gives persistent chunks their device memory and offloaded chunks a
+   host home, builds the optimizer (device AdamW for persistent chunks, a CPU
+   AdamW worker for offloaded ones), installs the activation policies and the
+   schedule's hooks.
+2. **step(batch)** runs, for each of the plan's ``grad_accum`` micro-batches, a
+   forward (block hooks replay the forward steps: fetch, prefetch, release) and a
+   backward (boundary Functions replay the backward steps: swap-in, fetch,
+   offload, release; offloaded chunks' CPU AdamW steps start as their gradients
+   land), then finishes the update: device AdamW for persistent chunks, clipping
+   and fp16 overflow handling when configured. It returns a ``StepResult``.
+3. **state_dict / load_state_dict** move model and optimizer state in plain
+   PyTorch names and shapes, independent of the chunk layout, so a run can resume
+   under another plan.
+4. **close** waits for pending CPU steps and removes every hook and wrapper.
+
+The engine replays; it never decides. Everything it does at a block boundary is
+written in the plan (shared/STYLE.md rule 3).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .activations import Activations
+from .check import check
+from .chunks import DTYPES, ChunkStore
+from .errors import ConfigError, PlanError
+from .memory import Ledger
+from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
+from .plan import POST, PRE, Plan
+from .schedule import Phase, Replayer
+from .transfer import CopyEngine
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Mean loss over the step's micro-batches (unscaled)."""
+    grad_norm: float | None
+    """Global gradient L2 norm before clipping (None when neither clipping nor fp16 asked for it)."""
+    peak_bytes: int
+    """Peak device bytes during the step (allocator on CUDA, the ledger's count on CPU)."""
+    skipped: bool = False
+    """True when fp16 overflow skipped the update."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Wall seconds: forward, backward, optim (device steps and waiting for CPU steps), total."""
+
+
+def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
+         device: str | torch.device | None = None) -> Engine:
+    """Lay ``model`` out as ``plan`` says and return the Engine that trains it.
+
+    ``model``'s parameters must hold real values (on the host or the device); the
+    model's forward must take ``(idx, targets)`` and return the scalar loss.
+    ``device`` defaults to CUDA when available, else CPU.
+    """
+    return Engine(model, plan, optimizer or AdamWConfig(), device)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
+                 device: str | torch.device | None):
+        check(plan, model)  # refuses before any state changes
+        if plan.training.world_size != 1:
+            raise PlanError(
+                f"plan is for world size {plan.training.world_size}; this executor runs one rank",
+                "make a plan with `--world-size 1`",
+            )
+        dev = torch.device(device if device is not None else
+                           ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.model = model
+        self.plan = plan
+        self.device = dev
+        self.config = config
+        # The model's own parameter order: clipping reduces norms in this order, as
+        # clip_grad_norm_(model.parameters()) does.
+        self.param_order = list(model.parameters())
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        for _, b in model.named_buffers():
+            b.data = b.data.to(dev)
+        self.ledger = Ledger(dev)
+        self.copies = CopyEngine(dev)
+        self.store = ChunkStore(model, plan, dev, self.copies, self.ledger)
+        self.optim = ChunkOptimizer(self.store, config)
+        self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
+                                 config.scale_window)
+        self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
+        self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
+        self.acts.install()
+        self.replayer.install()
+        # Per-step state, set in step().
+        self._first_micro = True  # the micro-batch being run is the step's first
+        self._last_micro = True  # ... and/or its last (CPU steps may start)
+        self._defer_cpu_steps = config.max_grad_norm is not None or self.scaler.enabled
+        self.steps_done = 0
+
+    # -- the training step
+
+    def _check_batch(self, batches: Sequence[Batch]) -> None:
+        t = self.plan.training
+        if len(batches) != t.grad_accum:
+            raise ConfigError(f"step() got {len(batches)} micro-batches; the plan accumulates "
+                              f"{t.grad_accum} per step", "pass one (idx, targets) pair per micro-batch")
+        for i, (x, y) in enumerate(batches):
+            for what, tensor in (("idx", x), ("targets", y)):
+                if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
+                    raise ConfigError(
+                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
+                        f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
+                        "batch the data as the plan says, or make a plan for this shape with `protrain plan`",
+                    )
+
+    def step(self, batch: Batch | Sequence[Batch]) -> StepResult:
+        """One optimizer step over the plan's ``grad_accum`` micro-batches.
+
+        ``batch``: an ``(idx, targets)`` pair (when ``grad_accum`` is 1) or a sequence
+        of them. Shapes are checked against the plan before anything runs.
+        """
+        batches = [batch] if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor) else list(batch)
+        self._check_batch(batches)
+        t0 = time.perf_counter()
+        timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
+        self.ledger.reset_peak()
+        self.store.zero_persistent_grads()
+        k = len(batches)
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            self._first_micro, self._last_micro = i == 0, i == k - 1
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            ta = time.perf_counter()
+            self.replayer.phase = Phase.FORWARD
+            self.replayer.begin(Phase.FORWARD, PRE)
+            try:
+                with self.acts.counting():
+                    loss = self.model(x, y)
+                self.replayer.end(Phase.FORWARD, POST)
+                tb = time.perf_counter()
+                self.replayer.phase = Phase.BACKWARD
+                self.replayer.start_backward()
+                self.replayer.begin(Phase.BACKWARD, POST)
+                scaled = loss if k == 1 else loss / k
+                if self.scaler.enabled:
+                    scaled = scaled * self.scaler.scale
+                scaled.backward()
+                self.replayer.end(Phase.BACKWARD, PRE)
+                self.replayer.finish_backward()
+            finally:
+                self.replayer.phase = Phase.IDLE
+            losses.append(loss.detach())
+            timings["forward"] += tb - ta
+            timings["backward"] += time.perf_counter() - tb
+
+        tc = time.perf_counter()
+        grad_norm, skipped = self._finish_update()
+        timings["optim"] = time.perf_counter() - tc
+        timings["total"] = time.perf_counter() - t0
+        self.steps_done += 1
+        loss_value = torch.stack(losses).float().mean().item() if k > 1 else losses[0].item()
+        return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.peak_bytes(),
+                          skipped=skipped, timings=timings)
+
+    def _offload(self, cid: int) -> None:
+        """Gradients of an offloaded chunk are complete: send them to the host, maybe step."""
+        self.optim.offload_grad(cid, first_micro_batch=self._first_micro)
+        if self._last_micro and not self._defer_cpu_steps:
+            self.optim.submit_cpu_step(cid)
+
+    def _finish_update(self) -> tuple[float | None, bool]:
+        inv_scale = 1.0 / self.scaler.scale
+        coef = None
+        grad_norm = None
+        if self._defer_cpu_steps:
+            total = self.optim.global_norm(self.param_order) * inv_scale
+            grad_norm = total.item()
+            if self.scaler.enabled and not torch.isfinite(total).item():
+                self.scaler.update(overflow=True)
+                return grad_norm, True  # skip: no master changes; grads are zeroed next step
+            self.scaler.update(overflow=False)
+            if self.config.max_grad_norm is not None:
+                coef = clip_coefficient(total, self.config.max_grad_norm)
+            for c in self.store.chunks:
+                if not c.persistent:
+                    self.optim.submit_cpu_step(c.id, coef, inv_scale)
+        for c in self.store.chunks:
+            if c.persistent:
+                self.optim.step_device(c.id, coef, inv_scale)
+        return grad_norm, False
+
+    # -- state in plain PyTorch names
+
+    def state_dict(self) -> dict[str, dict]:
+        """``{"model": {name: fp32 tensor}, "optim": {name: {step, exp_avg, exp_avg_sq}}}``.
+
+        Names and shapes are the model's own (tied aliases included), on the host,
+        independent of the plan's chunk layout.
+        """
+        self.optim.wait_all()
+        model, optim = {}, {}
+        for c in self.store.chunks:
+            master = self.optim.master[c.id]
+            state = self.optim.adam[c.id].state.get(master, {})
+            for p, off, n in c.params:
+                name = self.names[id(p)]
+                model[name] = master[off: off + n].view(p.shape).detach().cpu().clone()
+                if state:
+                    optim[name] = {
+                        "step": state["step"].detach().cpu().clone(),
+                        "exp_avg": state["exp_avg"][off: off + n].view(p.shape).cpu().clone(),
+                        "exp_avg_sq": state["exp_avg_sq"][off: off + n].view(p.shape).cpu().clone(),
+                    }
+        for name, alias in self.plan.model.tied:
+            model[alias] = model[name]
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, sd: dict[str, dict]) -> None:
+        """Load what ``state_dict`` (of any plan for this model) returned."""
+        self.optim.wait_all()
+        model, optim = sd["model"], sd.get("optim", {})
+        missing = [self.names[id(p)] for c in self.store.chunks for p, _, _ in c.params
+                   if self.names[id(p)] not in model]
+        if missing:
+            raise ConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}",
+                              "load a state dict saved from this model")
+        dtype = DTYPES[self.plan.training.compute_dtype]
+        with torch.no_grad():
+            for c in self.store.chunks:
+                master = self.optim.master[c.id]
+                adam = self.optim.adam[c.id]
+                names = [self.names[id(p)] for p, _, _ in c.params]
+                for (_p, off, n), name in zip(c.params, names):
+                    master[off: off + n].copy_(model[name].reshape(-1))
+                if optim and all(nm in optim for nm in names):
+                    steps = {float(optim[nm]["step"]) for nm in names}
+                    assert len(steps) == 1, f"chunk {c.id} params have different step counts {steps}"
+                    st = adam.state[master] = {
+                        "step": torch.tensor(steps.pop(), dtype=torch.float32, device=master.device),
+                        "exp_avg": torch.zeros_like(master),
+                        "exp_avg_sq": torch.zeros_like(master),
+                    }
+                    for (_p, off, n), name in zip(c.params, names):
+                        st["exp_avg"][off: off + n].copy_(optim[name]["exp_avg"].reshape(-1))
+                        st["exp_avg_sq"][off: off + n].copy_(optim[name]["exp_avg_sq"].reshape(-1))
+                # Compute-dtype copies follow the masters.
+                target = c.dev if c.persistent else c.home
+                if target is not master:
+                    target.copy_(master.to(dtype))
+
+    def close(self) -> None:
+        """Wait for pending CPU steps and remove hooks and policy wrappers."""
+        self.optim.wait_all()
+        self.optim.shutdown()
+        self.replayer.uninstall()
+        self.acts.uninstall()

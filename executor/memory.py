@@ -1,0 +1,61 @@
+"""The memory ledger: what the executor holds on the device, with a peak per step.
+
+On CUDA the ledger reads the caching allocator (``memory_allocated`` and
+``max_memory_allocated``), which sees everything, including temporaries inside
+kernels' callers. On CPU there is no allocator to ask, so the executor counts
+bytes itself at every place it allocates or frees device-side state:
+
+- ``chunks``: storage of resident chunks (persistent ones always, offloaded ones
+  between fetch and release);
+- ``grads``: gradient buffers (persistent chunks always; offloaded chunks from
+  their first backward fetch until their gradients are offloaded);
+- ``optim``: fp32 master weights and Adam moments of persistent chunks;
+- ``activations``: tensors saved for backward and held on the device, counted once
+  per storage (keep blocks and the segments outside blocks: from forward until
+  their backward ends; checkpointed blocks: their input; swapped blocks: only
+  between swap-in and the end of their backward).
+
+The CPU count is exact for what it names and deterministic, so tests hold it
+against a formula. It does not see op-internal temporaries or the activations a
+checkpointed block recomputes during its own backward (no hook exposes them);
+those are the allocator's business on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("chunks", "grads", "optim", "activations")
+
+
+class Ledger:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # Counted bytes per kind (CPU; kept on CUDA too, for reports).
+        self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.current = 0  # sum of self.bytes
+        self.peak = 0  # max of self.current since reset_peak()
+
+    def alloc(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def free(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] -= nbytes
+        self.current -= nbytes
+        assert self.bytes[kind] >= 0, f"ledger underflow: {kind=} {self.bytes[kind]=}"
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        """Peak device bytes since ``reset_peak``: the allocator's on CUDA, the count on CPU."""
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else self.peak
+
+    def current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self.current

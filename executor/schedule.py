@@ -1,0 +1,223 @@
+"""Replays the plan's per-segment events from forward hooks and backward boundaries.
+
+[Note: segment boundaries]
+The plan's segments are ``<pre>``, each block, ``<post>`` (``plan.py``). Their
+starts and ends are caught as follows:
+
+forward                                  backward
+  begin <pre>     engine, before model()   begin <post>    engine, before .backward()
+  end <pre>       block 0 pre-hook         end <post>      block N-1 pre-backward
+  begin block i   block i pre-hook         begin block i   block i pre-backward
+  end block i     block i post-hook        end block i     block i post-backward
+  begin <post>    block N-1 post-hook      begin <pre>     block 0 post-backward
+  end <post>      engine, after model()    end <pre>       engine, after .backward()
+
+*Pre-backward* of block i is an identity autograd Function on the block's output:
+its backward runs when the output's gradient is complete, i.e. just before the
+block's own backward. *Post-backward* is the same Function on the block's input:
+its backward runs once the gradient w.r.t. the input exists, i.e. after the
+block's backward. A begin replays ``swap_in``, ``fetch`` (and waits for those
+uploads), then ``prefetch``; an end replays ``offload`` and ``release`` — the
+rules ``plan.simulate_residency`` checks, so a loaded plan cannot overflow its
+buffers here.
+
+[Note: gradient completion]
+The plan offloads a chunk's gradients at the end of its last backward segment.
+Autograd may still be accumulating one of the chunk's parameters at that moment
+(an ``AccumulateGrad`` node can run after the node that consumed the boundary),
+so an offload waits for a per-chunk countdown driven by
+``register_post_accumulate_grad_hook``: when the plan's moment has come *and*
+every parameter of the chunk has its gradient, the offload happens. Whatever is
+left when backward returns (parameters that got no gradient) is offloaded then.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .activations import Activations
+from .chunks import ChunkStore
+from .plan import POST, PRE, Plan, Step
+
+
+class Phase(enum.Enum):
+    """What the engine is doing; hooks act only in the phase they belong to."""
+
+    IDLE = "idle"
+    """Between steps: hooks do nothing (e.g. a user's own forward for evaluation is refused)."""
+    FORWARD = "forward"
+    """Inside the model's forward: block hooks replay forward steps."""
+    BACKWARD = "backward"
+    """Inside ``.backward()``: boundary Functions replay backward steps."""
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity in forward; calls ``callback`` when its output's gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], x: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.callback()
+        return None, grad
+
+
+def _first_tensor(x) -> tuple[torch.Tensor, Callable]:
+    """The tensor a block takes or returns (HF blocks return tuples), and how to put it back."""
+    if isinstance(x, torch.Tensor):
+        return x, lambda t: t
+    assert isinstance(x, (tuple, list)) and isinstance(x[0], torch.Tensor), f"{type(x)=}"
+    return x[0], lambda t: type(x)((t, *x[1:]))
+
+
+class Replayer:
+    """Holds the schedule and the hooks; calls into the chunk store, activations and offload."""
+
+    def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore, acts: Activations,
+                 offload: Callable[[int], None]):
+        self.store = store
+        self.acts = acts
+        self.offload = offload  # the engine's gradient offload (and CPU step) for one chunk
+        self.phase = Phase.IDLE
+        self.blocks = list(plan.model.blocks)
+        self.steps: dict[tuple[Phase, str], Step] = {}
+        for s in plan.schedule.forward:
+            self.steps[(Phase.FORWARD, s.segment)] = s
+        for s in plan.schedule.backward:
+            self.steps[(Phase.BACKWARD, s.segment)] = s
+        modules = dict(model.named_modules())
+        self.modules = [modules[b] for b in self.blocks]
+        # Gradient countdown per offloaded chunk; see [Note: gradient completion].
+        self.param_chunk: dict[int, int] = {}
+        self.n_params: dict[int, int] = {}
+        for c in store.chunks:
+            if not c.persistent:
+                self.n_params[c.id] = len(c.params)
+                for p, _, _ in c.params:
+                    self.param_chunk[id(p)] = c.id
+        self.remaining: dict[int, int] = {}  # chunk → parameters still without gradient
+        self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
+        self.offloaded: set[int] = set()  # chunks offloaded in this backward
+        # Test probe: (phase, segment, resident offloaded ids, bytes of their storage) per begin.
+        self.probe: list[tuple[str, str, frozenset[int], int]] | None = None
+        self.handles: list = []
+
+    def install(self) -> None:
+        last = len(self.modules) - 1
+        for i, (name, m) in enumerate(zip(self.blocks, self.modules)):
+            self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name)))
+            self.handles.append(m.register_forward_hook(self._post_hook(i, name, i == last)))
+        seen = set()
+        for c in self.store.chunks:
+            for p, _, _ in c.params:
+                if not c.persistent and id(p) not in seen:
+                    seen.add(id(p))
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def uninstall(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # -- events
+
+    def begin(self, phase: Phase, segment: str) -> None:
+        step = self.steps[(phase, segment)]
+        for b in step.swap_in:
+            self.acts.swap_in(b)
+        for c in step.fetch:
+            self.store.fetch(c)
+        for c in step.fetch:
+            self.store.wait(c)
+            if phase is Phase.BACKWARD:
+                self.store.open_grad(c)
+        for c in step.prefetch:
+            self.store.fetch(c)
+        self.acts.segment = segment
+        if self.probe is not None:
+            resident = self.store.resident_offloaded()
+            self.probe.append((phase.value, segment, resident,
+                               sum(self.store.storage_bytes(c.id) for c in self.store.chunks
+                                   if not c.persistent)))
+
+    def end(self, phase: Phase, segment: str) -> None:
+        step = self.steps[(phase, segment)]
+        if phase is Phase.BACKWARD:
+            for c in step.offload:
+                self.requested.add(c)
+                if self.remaining[c] == 0:
+                    self._offload(c)
+            self.acts.end_backward(segment)
+        for c in step.release:
+            self.store.release(c)
+
+    def start_backward(self) -> None:
+        self.remaining = dict(self.n_params)
+        self.requested.clear()
+        self.offloaded.clear()
+
+    def finish_backward(self) -> None:
+        """After ``.backward()`` returned: offload whatever the countdown still held back."""
+        for c in sorted(self.n_params):
+            if c not in self.offloaded:
+                self._offload(c)
+
+    def _offload(self, cid: int) -> None:
+        self.offloaded.add(cid)
+        self.offload(cid)
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        cid = self.param_chunk[id(p)]
+        self.remaining[cid] -= 1
+        if self.remaining[cid] == 0 and cid in self.requested and cid not in self.offloaded:
+            self._offload(cid)
+
+    # -- hooks
+
+    def _pre_hook(self, i: int, name: str):
+        def hook(module, args):
+            if self.phase is not Phase.FORWARD:
+                return None
+            if i == 0:
+                self.end(Phase.FORWARD, PRE)
+            self.begin(Phase.FORWARD, name)
+            x, put = _first_tensor(args)
+            assert x.requires_grad, f"block {name}'s input must require grad for its backward hook"
+            def after():
+                return (self._post_backward(i, name))
+            return put(_Boundary.apply(after, x))
+
+        return hook
+
+    def _post_hook(self, i: int, name: str, last: bool):
+        def hook(module, args, output):
+            if self.phase is not Phase.FORWARD:
+                return None
+            self.end(Phase.FORWARD, name)
+            if last:
+                self.begin(Phase.FORWARD, POST)
+            y, put = _first_tensor(output)
+            return put(_Boundary.apply(lambda: self._pre_backward(i, name), y))
+
+        return hook
+
+    def _pre_backward(self, i: int, name: str) -> None:
+        if self.phase is not Phase.BACKWARD:
+            return
+        if i == len(self.blocks) - 1:
+            self.end(Phase.BACKWARD, POST)  # block i+1's end was its own post-backward
+        self.begin(Phase.BACKWARD, name)
+
+    def _post_backward(self, i: int, name: str) -> None:
+        if self.phase is not Phase.BACKWARD:
+            return
+        self.end(Phase.BACKWARD, name)
+        if i == 0:
+            self.begin(Phase.BACKWARD, PRE)

@@ -1,0 +1,113 @@
+"""The copy engine: host↔device copies on dedicated streams (CUDA) or synchronously (CPU).
+
+[Note: copy streams]
+On CUDA, uploads (H2D) and downloads (D2H) run on two dedicated streams so they
+overlap compute. Ordering is by events only, never by host waits: a copy first
+waits (on its stream) for an event recorded on the compute stream, so it never
+reads a tensor compute has not finished writing; compute later waits (on the
+compute stream) for the copy's own event before touching the result. Memory a copy
+writes into is allocated while the copy stream is current and then marked as used
+by the compute stream (``record_stream``), so the caching allocator never hands it
+to another tensor while either stream may still use it.
+
+On CPU the same calls copy synchronously and return an already-complete handle, so
+CI runs every code path of the executor without a GPU.
+
+[Note: delay injection]
+``DELAYS`` holds seconds to sleep before named operations. Tests set them to make
+races visible on a CPU box (shared/STYLE.md rule 13): a missing wait then shows up
+as a loss mismatch rather than passing by luck. They are zero in normal runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.autograd.profiler import record_function
+
+DELAYS: dict[str, float] = {
+    "before_copy": 0.0,  # before every H2D/D2H copy is issued
+    "before_cpu_adam": 0.0,  # in the CPU optimizer worker, before each chunk's step
+    "before_weights_return": 0.0,  # in the worker, before updated weights reach the chunk's home
+}
+
+
+def delay(name: str) -> None:
+    """Sleep for ``DELAYS[name]`` seconds (test hook; zero by default)."""
+    seconds = DELAYS[name]
+    if seconds:
+        time.sleep(seconds)
+
+
+class Copy:
+    """Handle of one issued copy; ``wait()`` makes the current stream wait for it."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event | None):
+        self.event = event  # None on CPU: the copy already happened
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Block the host until the copy is done (only for host-side readers, e.g. CPU Adam)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class CopyEngine:
+    """Issues copies between a device and host memory. See [Note: copy streams]."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # Dedicated copy streams on CUDA; None on CPU, where copies are synchronous.
+        self.h2d: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Host memory for copies: pinned on CUDA (async DMA), plain on CPU."""
+        return t.pin_memory() if self.cuda else t
+
+    def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
+               after: Copy | None = None) -> Copy:
+        """Copy host ``src`` into device ``dst`` (already allocated). See [Note: copy streams].
+
+        ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
+        """
+        delay("before_copy")
+        with record_function(f"protrain::{name}"):
+            if not self.cuda:
+                dst.copy_(src)
+                return Copy(None)
+            compute = torch.cuda.current_stream(self.device)
+            self.h2d.wait_stream(compute)  # dst may have been in use by compute until now
+            if after is not None and after.event is not None:
+                self.h2d.wait_event(after.event)
+            with torch.cuda.stream(self.h2d):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.h2d)
+            dst.record_stream(compute)
+            return Copy(event)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> Copy:
+        """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst."""
+        delay("before_copy")
+        with record_function(f"protrain::{name}"):
+            if not self.cuda:
+                dst.copy_(src)
+                return Copy(None)
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # src is complete
+            with torch.cuda.stream(self.d2h):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.d2h)
+            src.record_stream(self.d2h)  # src's memory must outlive the copy
+            return Copy(event)
