@@ -40,7 +40,7 @@ from .chunks import DTYPES, ChunkStore
 from .errors import ConfigError, PlanError
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .plan import POST, PRE, Plan
+from .plan import POST, PRE, Plan, validate
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
 
@@ -75,6 +75,7 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
 class Engine:
     def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
                  device: str | torch.device | None):
+        validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
         if plan.training.world_size != 1:
             raise PlanError(

@@ -1,0 +1,124 @@
+"""Lock-step training harness: protrain's engine against plain PyTorch on the same data.
+
+Both sides start from bit-identical weights (``copy.deepcopy``), see the same
+batches (two ``batches`` iterators with one seed) and the same dropout masks (the
+global RNG is saved and restored around each side's step), and use
+``torch.optim.AdamW(fused=True)`` — the kernel the engine runs on CPU chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor import plan as P
+from protrain.planner.data import batches, load_tokens
+from protrain.planner.emit import emit
+from protrain.planner.models import (
+    GPT2,
+    GPT2Config,
+    Llama,
+    LlamaConfig,
+    block_paths,
+    build,
+    materialize,
+)
+
+MICRO_BATCH, SEQ_LEN, CHUNK = 4, 32, 65536
+
+# Four-block models, so that policy strips like S C K S can be tested; the zoo's
+# tiny models have two blocks.
+CONFIGS = {
+    "gpt2-4": GPT2Config(n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=64, dropout=0.1),
+    "llama-4": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, dim=64, ffn_dim=172, vocab_size=256,
+                           max_seq_len=64, dropout=0.1),
+}
+
+
+def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
+    if name in CONFIGS:
+        cfg = CONFIGS[name]
+        with torch.device("meta"):
+            m = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+        return m if device == "meta" else materialize(m, device=device, seed=seed)
+    return build(name, dropout=0.1, seed=seed, device=device)
+
+
+def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
+              compute_dtype: str = "float32", chunk_numel: int = CHUNK) -> P.Plan:
+    meta = make_model(name, device="meta") if name in CONFIGS else build(name, device="meta")
+    blocks = block_paths(meta)
+    if isinstance(policies, str):
+        policies = [policies] * len(blocks) if policies in ("keep", "swap", "checkpoint") else policies.split()
+    training = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype=compute_dtype,
+                          master_dtype="float32", world_size=1, grad_accum=grad_accum)
+    if persistent == "all":
+        probe = emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
+                     persistent=[], n_buffer=64, policies=policies)
+        persistent = list(range(len(probe.chunks.items)))
+    return emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
+                persistent=persistent, n_buffer=n_buffer, policies=policies)
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    ref_losses: list[float]
+    engine: object
+    ref: nn.Module
+    ref_opt: torch.optim.Optimizer
+    results: list
+
+
+def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,
+             seed: int = 0) -> Run:
+    config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
+    model = make_model(name)
+    ref = copy.deepcopy(model)
+    engine = wrap(model, plan, config, device="cpu")
+    opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+                            weight_decay=config.weight_decay, fused=True)
+    src = load_tokens()
+    k = plan.training.grad_accum
+    ours_data = batches(src, MICRO_BATCH, SEQ_LEN, seed)
+    ref_data = batches(src, MICRO_BATCH, SEQ_LEN, seed)
+    torch.manual_seed(1234)
+    rng_ours = rng_ref = torch.get_rng_state()
+    losses, ref_losses, results = [], [], []
+    for _ in range(steps):
+        torch.set_rng_state(rng_ours)
+        res = engine.step([next(ours_data) for _ in range(k)])
+        rng_ours = torch.get_rng_state()
+        results.append(res)
+        losses.append(res.loss)
+
+        torch.set_rng_state(rng_ref)
+        opt.zero_grad(set_to_none=True)
+        micro = []
+        for _ in range(k):
+            x, y = next(ref_data)
+            loss = ref(x, y)
+            (loss if k == 1 else loss / k).backward()
+            micro.append(loss.detach())
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), config.max_grad_norm)
+        opt.step()
+        rng_ref = torch.get_rng_state()
+        ref_losses.append(micro[0].item() if k == 1 else torch.stack(micro).float().mean().item())
+    return Run(losses, ref_losses, engine, ref, opt, results)
+
+
+def assert_same_state(run: Run, atol: float = 0.0, rtol: float = 0.0) -> None:
+    """Final parameters and AdamW moments equal plain PyTorch's (names as the model's)."""
+    sd = run.engine.state_dict()
+    for name, p in run.ref.named_parameters():
+        torch.testing.assert_close(sd["model"][name], p.detach(), rtol=rtol, atol=atol, msg=name)
+        st = run.ref_opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sd["optim"][name][key], st[key], rtol=rtol, atol=atol,
+                                       msg=f"{name} {key}")
+        assert float(sd["optim"][name]["step"]) == float(st["step"])
