@@ -2,9 +2,9 @@
 
 Stages that later issues complete are said out loud rather than faked: until the
 profiler and the search land (issues 4 and 5), the plan's configuration is a fixed
-hand-chosen one (first chunk persistent, the rest offloaded through two buffers,
-blocks alternating checkpoint/keep), and until the executor lands (issue 3) the
-training stage runs the reference loop (plain PyTorch AdamW) on the same data.
+hand-chosen one (first chunk persistent, the rest offloaded through the fewest
+buffers that fit, one more for prefetch; blocks alternating checkpoint/keep). The
+training stage is the real executor replaying that plan.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.check import check
 
@@ -61,19 +62,17 @@ def run(*, model_name: str, steps: int, data_path: str | None, out_dir: str, see
     check(P.load(path), live, where=str(path))
     echo("        fingerprint matches")
 
-    echo(f"[3/3] train   {steps} steps, reference loop (plain PyTorch AdamW) until the executor lands")
-    opt = torch.optim.AdamW(live.parameters(), lr=3e-3)
+    echo(f"[3/3] train   {steps} steps with the executor replaying the plan")
+    engine = wrap(live, P.load(path), AdamWConfig(lr=3e-3), device=device)
     data = batches(source, MICRO_BATCH, SEQ_LEN, seed)
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
-        x, y = (t.to(device) for t in next(data))
-        loss = live(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        result = engine.step(next(data))
+        losses.append(result.loss)
         if step % 10 == 0 or step == steps - 1:
-            echo(f"        step {step:4d}  loss {losses[-1]:.4f}")
+            echo(f"        step {step:4d}  loss {result.loss:.4f}  "
+                 f"{result.timings['total'] * 1e3:6.1f} ms  peak {result.peak_bytes / 2**20:.2f} MiB")
+    engine.close()
     echo(f"done: loss {losses[0]:.3f} → {losses[-1]:.3f} in {time.perf_counter() - t0:.1f} s")
     return losses
