@@ -105,6 +105,8 @@ class ChunkStore:
                 ledger.alloc("chunks", c.nbytes)
                 ledger.alloc("grads", c.nbytes)
             self.chunks.append(c)
+        self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
+        self._refresh_live()
 
     @staticmethod
     def _resize(t: torch.Tensor, nbytes: int) -> None:
@@ -116,9 +118,14 @@ class ChunkStore:
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of some chunk's parameter storage (not an activation)."""
-        s = t.untyped_storage()
-        return any(s.data_ptr() == c.dev.untyped_storage().data_ptr() and s.nbytes() > 0
-                   for c in self.chunks)
+        # Called for every saved tensor, so a set lookup rather than a scan. Resident
+        # storages only: a released chunk has no data pointer to match.
+        return t.untyped_storage().data_ptr() in self._live_ptrs
+
+    def _refresh_live(self) -> None:
+        """Recompute the set of live parameter storages (after a fetch or release)."""
+        self._live_ptrs = {x.dev.untyped_storage().data_ptr() for x in self.chunks
+                           if x.dev.untyped_storage().nbytes() > 0}
 
     # -- residency (offloaded chunks only; the schedule only names those)
 
@@ -133,6 +140,7 @@ class ChunkStore:
             c.update.result()  # the updated weights must be in home before we read it
             c.update = None
         self._resize(c.dev, c.nbytes)
+        self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         c.upload = self.copies.upload(c.dev, c.home)
         c.residency = Residency.RESIDENT
@@ -150,6 +158,7 @@ class ChunkStore:
         assert c.residency is Residency.RESIDENT, f"{cid=} {c.residency=}: release of a released chunk"
         c.upload = None
         self._resize(c.dev, 0)
+        self._refresh_live()
         self.ledger.free("chunks", c.nbytes)
         c.residency = Residency.RELEASED
 

@@ -48,6 +48,7 @@ def test_a_missing_wait_shows_up_as_a_mismatch(delays, monkeypatch):
             return
         c.update = None  # the bug: forget the pending CPU step
         self._resize(c.dev, c.nbytes)
+        self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         c.upload = self.copies.upload(c.dev, c.home)
         c.residency = Residency.RESIDENT
