@@ -63,6 +63,9 @@ class Activations:
         # CPU ledger: storage → (segment, bytes) of activations counted now, and per-segment sums.
         self.counted: dict[int, tuple[str, int]] = {}
         self.segment_bytes: dict[str, int] = {}
+        # Per-tensor (not de-duplicated) bytes of the same tensors: what a swap would move.
+        # Read by the profiler; reset by it too.
+        self.segment_tensor_bytes: dict[str, int] = {}
         self._originals: dict[str, Callable] = {}
 
     # -- installation
@@ -164,6 +167,8 @@ class Activations:
     def _count(self, t: torch.Tensor, segment: str) -> None:
         if not self.count or self.store.owns(t):
             return
+        self.segment_tensor_bytes[segment] = (self.segment_tensor_bytes.get(segment, 0)
+                                              + t.numel() * t.element_size())
         s = t.untyped_storage()
         self._add(s.data_ptr(), segment, s.nbytes())
 

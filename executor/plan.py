@@ -338,7 +338,12 @@ def dump(plan: Plan) -> bytes:
     parameter and each event list is one line and ``git diff`` shows one decision per
     line. Same plan → same bytes, on any machine.
     """
-    return (_emit(msgspec.to_builtins(plan, order="deterministic"), 0) + "\n").encode()
+    return canonical(plan)
+
+
+def canonical(obj: msgspec.Struct) -> bytes:
+    """Canonical JSON bytes of any Struct, in the plan file's layout (profiles and specs use it too)."""
+    return (_emit(msgspec.to_builtins(obj, order="deterministic"), 0) + "\n").encode()
 
 
 def _emit(value: object, depth: int) -> str:

@@ -107,6 +107,10 @@ class Replayer:
         self.offloaded: set[int] = set()  # chunks offloaded in this backward
         # Test probe: (phase, segment, resident offloaded ids, bytes of their storage) per begin.
         self.probe: list[tuple[str, str, frozenset[int], int]] | None = None
+        # Observer for the profiler: called ("begin", phase, segment) once a step's fetches
+        # are done, and ("end", phase, segment) before its offloads and releases, so the
+        # span between the two is the segment's compute.
+        self.observer: Callable[[str, Phase, str], None] | None = None
         self.handles: list = []
 
     def install(self) -> None:
@@ -141,6 +145,8 @@ class Replayer:
         for c in step.prefetch:
             self.store.fetch(c)
         self.acts.segment = segment
+        if self.observer is not None:
+            self.observer("begin", phase, segment)
         if self.probe is not None:
             resident = self.store.resident_offloaded()
             self.probe.append((phase.value, segment, resident,
@@ -149,6 +155,8 @@ class Replayer:
 
     def end(self, phase: Phase, segment: str) -> None:
         step = self.steps[(phase, segment)]
+        if self.observer is not None:
+            self.observer("end", phase, segment)
         if phase is Phase.BACKWARD:
             for c in step.offload:
                 self.requested.add(c)
