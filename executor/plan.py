@@ -259,15 +259,35 @@ class Prediction(Info):
     """Named terms of the prediction (bytes or microseconds, as each name says)."""
 
 
+class Candidate(Info):
+    """One configuration the search evaluated (for ``protrain explain``)."""
+
+    n_persist: NonNegInt = 0
+    n_buffer: NonNegInt = 0
+    n_swap: NonNegInt = 0
+    n_checkpoint: NonNegInt = 0
+    iter_time_us: NonNegInt = 0
+    """Predicted iteration time."""
+    peak_memory_bytes: NonNegInt = 0
+    """Predicted peak device memory."""
+
+
 class Search(Info):
     space_size: NonNegInt = 0
     """Number of configurations in the search space."""
     evaluated: NonNegInt = 0
     """Number of configurations whose cost was evaluated (the rest were pruned)."""
     time_us: NonNegInt = 0
-    """Wall time of the search."""
+    """Always 0 in files: wall time differs between runs and plans must be byte-identical
+    when replanned (``protrain plan`` prints it instead)."""
     solver: str = ""
     """Which search produced the plan."""
+    chosen: Candidate = Candidate()
+    """The configuration this plan carries out."""
+    runners_up: list[Candidate] = []
+    """The next-best feasible configurations, best first."""
+    front: list[Candidate] = []
+    """Pareto front of (predicted time, predicted peak) over the evaluated space (at most 24 points)."""
 
 
 class Provenance(Info):

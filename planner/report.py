@@ -81,3 +81,42 @@ def render_show(plan: Plan, source: str = "") -> str:
     else:
         lines.append("  predicted     (no prediction: plan made without a profile)")
     return "\n".join(lines)
+
+
+def _cand(c) -> str:
+    return (f"n_persist={c.n_persist:<3} n_buffer={c.n_buffer:<2} n_swap={c.n_swap:<3} "
+            f"n_checkpoint={c.n_checkpoint:<3} {c.iter_time_us / 1e3:10.1f} ms  "
+            f"{human_bytes(c.peak_memory_bytes):>11}")
+
+
+def render_explain(plan: Plan, source: str = "") -> str:
+    """Why this plan: its configuration, what bounds each phase, runners-up, the Pareto front."""
+    s = plan.provenance.search
+    b = plan.prediction.breakdown
+    lines = [f"explain {source}".rstrip(), f"  chosen      {_cand(s.chosen)}   ({s.solver}, "
+             f"{s.evaluated} of {s.space_size} configurations evaluated)"]
+    if b:
+        t_fwd, t_bwd = b.get("t_fwd_us", 0), b.get("t_bwd_us", 0)
+        t_cpu, t_gpu = b.get("t_cpu_optim_us", 0), b.get("t_gpu_optim_us", 0)
+        bound = "CPU Adam (offloaded chunks' update outlasts backward)" if t_cpu > t_bwd + t_gpu \
+            else "backward + device Adam"
+        lines += [
+            "  time        T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)   (paper Eq. 2)",
+            f"              forward {t_fwd / 1e3:.1f} ms, backward {t_bwd / 1e3:.1f} ms, "
+            f"device Adam {t_gpu / 1e3:.1f} ms, CPU Adam {t_cpu / 1e3:.1f} ms",
+            f"              the second term is bound by {bound}",
+            f"  memory      persistent states {human_bytes(b.get('states_bytes', 0))} + buffers "
+            f"{human_bytes(b.get('buffers_bytes', 0))} + activation walk "
+            f"{human_bytes(b.get('activation_walk_bytes', 0))} → peak "
+            f"{human_bytes(plan.prediction.peak_memory_bytes)} of budget {human_bytes(plan.hardware.budget_bytes)}",
+            f"  activations {policy_strip(plan)}",
+        ]
+    else:
+        lines.append("  (no prediction in this plan: it was not made by the search)")
+    if s.runners_up:
+        lines.append("  runners-up")
+        lines += [f"    {_cand(c)}" for c in s.runners_up]
+    if s.front:
+        lines.append("  Pareto front (less memory ↔ less time)")
+        lines += [f"    {_cand(c)}" for c in s.front]
+    return "\n".join(lines)

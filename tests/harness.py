@@ -84,8 +84,9 @@ def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | Non
                             weight_decay=config.weight_decay, fused=True)
     src = load_tokens()
     k = plan.training.grad_accum
-    ours_data = batches(src, MICRO_BATCH, SEQ_LEN, seed)
-    ref_data = batches(src, MICRO_BATCH, SEQ_LEN, seed)
+    b, t = plan.training.micro_batch, plan.training.seq_len
+    ours_data = batches(src, b, t, seed)
+    ref_data = batches(src, b, t, seed)
     torch.manual_seed(1234)
     rng_ours = rng_ref = torch.get_rng_state()
     losses, ref_losses, results = [], [], []

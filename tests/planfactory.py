@@ -72,3 +72,59 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ------------------------------------------------------------------ synthetic profiles
+
+from protrain.planner.profile import (  # noqa: E402
+    PROFILE_VERSION,
+    ParamInfo,
+    Profile,
+    ProfileModel,
+    ProfileTraining,
+    SegmentProfile,
+)
+from protrain.planner.spec import HardwareSpec, LinkPoint  # noqa: E402
+
+
+def gpu_spec(*, link_gbps: float = 24.0, mem_gib: float = 24.0, cpu_adam: float = 1e9,
+             dev_adam: float = 5e10) -> HardwareSpec:
+    """An RTX-3090-like card; numbers round, for tests only."""
+    bw = int(link_gbps * 1e9)
+    return HardwareSpec(name="test-gpu", kind="gpu", device_name="test", device_memory_bytes=int(mem_gib * 2**30),
+                        usable_memory_bytes=int(mem_gib * 2**30), host_memory_bytes=2**38, cpu_cores=32,
+                        matmul_flops_per_s=10**14, matmul_fp32_flops_per_s=3 * 10**13,
+                        mem_bytes_per_s=9 * 10**11,
+                        link=[LinkPoint(size_bytes=2**20, h2d_bytes_per_s=bw // 2, d2h_bytes_per_s=bw // 2),
+                              LinkPoint(size_bytes=2**28, h2d_bytes_per_s=bw, d2h_bytes_per_s=bw)],
+                        cpu_adam_params_per_s=int(cpu_adam), dev_adam_params_per_s=int(dev_adam),
+                        source="datasheet")
+
+
+def synthetic_profile(facts: ModelFacts, spec: HardwareSpec, *, block_us: float, act_bytes: int,
+                      micro_batch: int = 1, seq_len: int = 1024, dtype: str = "bfloat16",
+                      rng=None) -> Profile:
+    """A profile of ``facts`` with block times and activations as given (jittered by ``rng``)."""
+    import random
+
+    rng = rng or random.Random(0)
+    segs = []
+    for s in facts.segments:
+        j = 1.0 + 0.2 * rng.random()
+        is_block = s in facts.blocks
+        fwd = block_us * j if is_block else block_us * 0.2 * j
+        act = int(act_bytes * j) if is_block else int(act_bytes * 0.3 * j)
+        segs.append(SegmentProfile(segment=s, fwd_us=round(fwd), bwd_us=round(2 * fwd), saved_bytes=act,
+                                   saved_tensor_bytes=int(act * 1.1), input_bytes=act // 8,
+                                   fwd_peak_bytes=act // 4, bwd_peak_bytes=act // 3))
+    params = [ParamInfo(name=n, shape=list(sh), dtype=d, uses=[s for s in facts.segments if n in facts.uses[s]])
+              for n, sh, d in sorted(facts.params, key=lambda p: facts.order.index(p[0]))]
+    from protrain.executor.plan import fingerprint
+
+    return Profile(profile_version=PROFILE_VERSION, source="analytic",
+                   model=ProfileModel(name=facts.name, fingerprint=fingerprint(facts.params, facts.blocks),
+                                      n_params=sum(_numel(s) for _, s, _ in facts.params),
+                                      blocks=list(facts.blocks), tied=[list(t) for t in facts.tied]),
+                   training=ProfileTraining(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=dtype),
+                   device="synthetic", attention="synthetic", bootstrap=False, iterations=0,
+                   segments=segs, params=params, hardware=spec)

@@ -9,10 +9,13 @@ executor/optim.py [Note: optimizer placement]).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from harness import assert_same_state, lockstep, make_plan
 
 from protrain.executor import AdamWConfig
+from protrain.executor import plan as P
 
 # (persistent, n_buffer, policies): chunk ids per model are 0 (embeddings), one per
 # block, and the head's; see make_plan.
@@ -72,3 +75,11 @@ def test_clipping_is_exact(model):
 def test_losses_fall():
     run = lockstep("gpt2-4", _plan("gpt2-4", "interleaved"), steps=40)
     assert sum(run.losses[-5:]) / 5 < sum(run.losses[:5]) / 5 - 0.5
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent / "fixtures" / "plans").glob("v*/*.json")),
+                         ids=lambda p: p.name)
+def test_frozen_fixture_plans_train_exactly(path):
+    plan = P.load(path)
+    run = lockstep(plan.model.name, plan, steps=5)
+    assert run.losses == run.ref_losses

@@ -1,0 +1,342 @@
+"""Runtime and peak-memory models of one configuration (ProTrain, arXiv 2406.08334 App. A).
+
+A configuration is ``(n_persist, n_buffer, n_swap, n_checkpoint)`` on a fixed chunk
+layout. The first ``n_persist`` chunks (execution order) are persistent; blocks
+get policies by ``block_policies``. Everything here works on numpy arrays over a
+grid of ``(n_swap, n_checkpoint)`` for one ``(n_persist, n_buffer)``, so the
+search (``search.py``) evaluates the whole space in a few hundred array passes and
+``predict`` is the same code on a 1×1 grid (one model, no twin to drift).
+
+Time (µs) — paper Eq. 2: ``T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)``.
+Per segment ``s`` of forward (``<pre>``, blocks, ``<post>``):
+``t_fwd(s) = max(comp_fwd(s), up(s+1), swap_out(s))`` — the schedule prefetches the
+next segment's chunks while ``s`` computes (one-segment pipeline), uploads go
+H2D while swap-outs go D2H (PCIe is full duplex, so they do not share a lane).
+The first segment's uploads are not hidden. Backward, in reverse:
+``t_bwd(s) = max(comp_bwd(s) + recompute(s), refetch(next) + swap_in(next), grad_offload(s))``
+where swap-ins share the H2D lane with chunk re-fetches (the paper's "derate the
+link" — here literally summed on the lane). On a ``cpu`` device every copy is
+synchronous, so the max becomes a sum.
+
+Transfer counts are an upper bound of what ``emit.build_schedule`` issues
+(tested): a chunk is uploaded when a segment uses it and the previous segment did
+not; in backward, the ``n_buffer`` offloaded chunks used last in forward are still
+resident and their first backward use is free.
+
+Peak memory (bytes) — paper Eqs. 8–11, walked step by step in the executor's own
+accounting (executor/memory.py): persistent chunk states + resident buffers +
+live offloaded gradient buffers + activations held + (GPU) recomputed
+activations of the checkpointed block being run + (GPU) the segment's transient
+peak, all × ``alpha`` (fragmentation) on GPU. Activations held after forward
+segment ``s``: ``saved_bytes`` for keep blocks and the non-block segments,
+``input_bytes`` for checkpointed blocks, nothing for swapped ones, which come back
+(``saved_tensor_bytes``) one segment ahead of their backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from protrain.executor.plan import POST, PRE
+
+from .emit import ModelFacts
+from .layout import assign
+from .profile import Profile
+from .spec import link_bandwidth
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ALPHA_GPU = 1.10
+"""Fragmentation factor on CUDA: allocator block rounding and cached-but-free
+segments. TODO(#5): fit from measured vs predicted peaks once a GPU run exists;
+1.10 is the paper's reported worst case (≤ 10% over-prediction target)."""
+
+
+SWAP_OVERHEAD_US = 30.0
+"""Host-side cost of swapping one block on a GPU, beyond the copies themselves:
+pinned host allocations, a pack/unpack hook call per saved tensor and the event
+waits. Without it a swap whose copies hide under compute would cost nothing and
+the search would swap blocks even with memory to spare. TODO(#5): measure on a
+GPU (the CPU benchmark cannot separate it from the synchronous copy)."""
+
+
+def block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:
+    """The paper's Fig. 2 layout: swaps spread over the first ``n_swap + n_checkpoint``
+    blocks with checkpoints between them, keeps last (``S C C S C C K K``).
+
+    Swap ``i`` sits at ``floor(i · L / n_swap)`` of the non-keep prefix of length
+    ``L``, so swaps are as far apart as the prefix allows: each swap-out then has
+    the checkpointed blocks after it to hide behind. Keep blocks go last because
+    their activations are consumed first in backward, freeing memory for the
+    swapped ones coming back.
+    """
+    assert 0 <= n_swap and 0 <= n_checkpoint and n_swap + n_checkpoint <= n_blocks, \
+        f"{n_blocks=} {n_swap=} {n_checkpoint=}"
+    length = n_swap + n_checkpoint
+    out = ["checkpoint"] * length + ["keep"] * (n_blocks - length)
+    for i in range(n_swap):
+        out[(i * length) // n_swap] = "swap"
+    return out
+
+
+def facts_from_profile(profile: Profile) -> ModelFacts:
+    """The model facts a plan needs, read from a profile (no model, no torch)."""
+    segments = [PRE, *profile.model.blocks, POST]
+    uses = {s: [p.name for p in profile.params if s in p.uses] for s in segments}
+    return ModelFacts(name=profile.model.name, blocks=list(profile.model.blocks),
+                      params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
+                      tied=[list(t) for t in profile.model.tied], segments=segments,
+                      order=[p.name for p in profile.params], uses=uses)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Everything the models need, precomputed for one profile and chunk size."""
+
+    chunk_numel: int
+    n_chunks: int
+    n_blocks: int
+    chunk_bytes: int  # compute dtype
+    chunk_params: np.ndarray  # (C,) parameter elements in each chunk
+    state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master)
+    gpu: bool
+    # Per segment, forward order (S = n_blocks + 2).
+    comp_fwd: np.ndarray  # (S,) µs
+    comp_bwd: np.ndarray  # (S,) µs
+    saved: np.ndarray  # (S,) bytes, ledger rule
+    saved_tensor: np.ndarray  # (S,) bytes per tensor (swap traffic)
+    inputs: np.ndarray  # (S,) bytes
+    fwd_peak: np.ndarray  # (S,) bytes
+    bwd_peak: np.ndarray  # (S,) bytes
+    # Chunk ↔ segment structure (C chunks).
+    up_fwd: np.ndarray  # (S, C) 1 if the chunk is uploaded for forward segment s
+    up_bwd: np.ndarray  # (S, C) 1 if first used in backward at segment s (vs. the next one)
+    offload_at: np.ndarray  # (S, C) 1 if the chunk's gradients leave at segment s's backward end
+    grad_live: np.ndarray  # (S, C) 1 if the chunk's gradient buffer lives at segment s's backward
+    uses: np.ndarray  # (S, C) 1 if segment s uses the chunk
+    last_fwd_use: np.ndarray  # (C,) forward index of the chunk's last use
+    # Link times (µs) for one chunk, and per byte of swap traffic.
+    t_up: float
+    t_down: float
+    swap_out_us_per_byte: float
+    swap_in_us_per_byte: float
+    cpu_adam_us_per_param: float
+    dev_adam_us_per_param: float
+
+
+def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
+    """Chunks each segment uses, and parameter elements per chunk, for one chunk size."""
+    numel = {n: math.prod(s) for n, s, _ in facts.params}
+    groups: dict[str, str] = {}
+    for s in facts.segments:
+        for n in facts.uses[s]:
+            groups.setdefault(n, s)
+    for n in facts.order:
+        groups.setdefault(n, "<unused>")
+    slots = assign(facts.order, numel, groups, chunk_numel)
+    owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
+    need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
+    per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
+    return need, per_chunk
+
+
+def make_terms(profile: Profile, chunk_numel: int) -> Terms:
+    facts = facts_from_profile(profile)
+    need, per_chunk = chunk_need(facts, chunk_numel)
+    S, C = len(need), len(per_chunk)
+    spec = profile.hardware
+    cb = DTYPE_BYTES[profile.training.compute_dtype]
+    chunk_bytes = chunk_numel * cb
+    up_fwd = np.zeros((S, C), dtype=np.int64)
+    up_bwd = np.zeros((S, C), dtype=np.int64)
+    offload_at = np.zeros((S, C), dtype=np.int64)
+    grad_live = np.zeros((S, C), dtype=np.int64)
+    uses = np.zeros((S, C), dtype=np.int64)
+    last_fwd = np.zeros(C, dtype=np.int64)
+    for s in range(S):
+        for c in need[s]:
+            uses[s, c] = 1
+            if s == 0 or c not in need[s - 1]:
+                up_fwd[s, c] = 1
+            if s == S - 1 or c not in need[s + 1]:
+                up_bwd[s, c] = 1  # backward runs s+1 before s
+            last_fwd[c] = max(last_fwd[c], s)
+    for c in range(C):
+        used = [s for s in range(S) if c in need[s]]
+        first_bwd, last_bwd = (max(used), min(used)) if used else (0, 0)
+        offload_at[last_bwd, c] = 1  # backward order: the smallest index is reached last
+        grad_live[last_bwd: first_bwd + 1, c] = 1
+    segs = profile.segments
+    arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
+    big = 64 * 2**20
+    return Terms(
+        chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
+        chunk_bytes=chunk_bytes, chunk_params=per_chunk,
+        state_bytes_per_elem=2 * cb + 8 + (4 if cb != 4 else 0),
+        gpu=spec.kind == "gpu",
+        comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
+        saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
+        fwd_peak=arr("fwd_peak_bytes"), bwd_peak=arr("bwd_peak_bytes"),
+        up_fwd=up_fwd, up_bwd=up_bwd, offload_at=offload_at, grad_live=grad_live, uses=uses,
+        last_fwd_use=last_fwd,
+        t_up=chunk_bytes / link_bandwidth(spec, chunk_bytes, "h2d") * 1e6,
+        t_down=chunk_bytes / link_bandwidth(spec, chunk_bytes, "d2h") * 1e6,
+        swap_out_us_per_byte=1e6 / link_bandwidth(spec, big, "d2h"),
+        swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
+        cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s,
+        dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s,
+    )
+
+
+@dataclass(frozen=True)
+class PolicyGrid:
+    """Block policies for every ``(n_swap, n_checkpoint)`` pair of a search, as masks."""
+
+    n_swap: np.ndarray  # (G,)
+    n_checkpoint: np.ndarray  # (G,)
+    swap: np.ndarray  # (G, S) 1 where the segment is a swapped block
+    ckpt: np.ndarray  # (G, S) 1 where the segment is a checkpointed block
+
+
+def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
+    S = n_blocks + 2
+    swap = np.zeros((len(pairs), S), dtype=np.float64)
+    ckpt = np.zeros((len(pairs), S), dtype=np.float64)
+    for g, (ns, nc) in enumerate(pairs):
+        for b, pol in enumerate(block_policies(n_blocks, ns, nc)):
+            swap[g, b + 1] = pol == "swap"
+            ckpt[g, b + 1] = pol == "checkpoint"
+    return PolicyGrid(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]), swap, ckpt)
+
+
+def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Iteration time (µs) and peak memory (bytes) for every policy pair of ``grid``.
+
+    Returns ``(time, peak, parts)``; ``parts`` holds the named terms (arrays over the
+    grid) that ``predict`` reports as the breakdown.
+    """
+    C = t.n_chunks
+    off = (np.arange(C) >= n_persist).astype(np.int64)  # (C,) offloaded chunks
+    n_off = int(off.sum())
+    # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
+    order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
+    cached = np.zeros(C, dtype=np.int64)
+    cached[order[:n_buffer]] = 1
+
+    # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
+    n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
+    up_f = n_up_f * t.t_up
+    # A prefetch needs a free buffer: while segment s holds its own chunks, only
+    # n_buffer - in_use(s) uploads for s+1 can run ahead; the rest wait for s to end.
+    spare = np.maximum(n_buffer - t.uses @ off, 0)  # (S,)
+    ahead_f = np.minimum(np.append(n_up_f[1:], 0), spare)
+    lane_up_f = ahead_f * t.t_up  # (S,) hidden under segment s (if compute is longer)
+    late_f = (np.append(n_up_f[1:], 0) - ahead_f) * t.t_up  # (S,) serialised after segment s
+    swap_out = grid.swap * t.saved_tensor * t.swap_out_us_per_byte  # (G, S)
+    swap_overhead = grid.swap.sum(axis=1) * (SWAP_OVERHEAD_US if t.gpu else 0.0)  # (G,)
+    # Backward visits s = S-1 … 0; the first backward use of a cached chunk is free.
+    refetch = t.up_bwd @ (off * (1 - cached)) * t.t_up  # (S,) at backward segment s
+    refetch += ((t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)) @ (off * cached)) * t.t_up
+    n_ref = refetch / t.t_up if t.t_up > 0 else refetch  # (S,) chunk count
+    swap_in = grid.swap * t.saved_tensor * t.swap_in_us_per_byte  # (G, S) for block s
+    # While backward segment s computes, the H2D lane carries what segment s-1 needs
+    # next: its re-fetched chunks and, if it is a swapped block, its activations.
+    ahead_b = np.zeros_like(refetch)
+    ahead_b[1:] = np.minimum(n_ref[:-1], spare[1:])  # needs a free buffer too
+    late_b = np.zeros_like(refetch)
+    late_b[1:] = (n_ref[:-1] - ahead_b[1:]) * t.t_up
+    lane_up_b = np.zeros_like(swap_in)
+    lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + swap_in[:, :-1]
+    grad_down = t.offload_at @ off * t.t_down  # (S,) gradients leaving at segment s's end
+    recompute = grid.ckpt * t.comp_fwd  # (G, S) a checkpointed block re-runs its forward
+    comp_b = t.comp_bwd + recompute
+    if t.gpu:
+        t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), swap_out).sum(axis=1) + late_f.sum()
+                 + up_f[0] + swap_overhead)
+        t_bwd = (np.maximum(np.maximum(comp_b, lane_up_b), grad_down).sum(axis=1) + late_b.sum()
+                 + refetch[-1])
+    else:  # a cpu device copies synchronously: nothing overlaps
+        t_fwd = t.comp_fwd.sum() + up_f.sum() + swap_out.sum(axis=1)
+        t_bwd = comp_b.sum(axis=1) + refetch.sum() + swap_in.sum(axis=1) + grad_down.sum()
+    n_params_off = int(t.chunk_params @ off)
+    n_params_dev = int(t.chunk_params.sum()) - n_params_off
+    t_cpu = n_params_off * t.cpu_adam_us_per_param
+    t_gpu = n_params_dev * t.dev_adam_us_per_param
+    time = t_fwd + np.maximum(t_bwd + t_gpu, t_cpu)
+
+    # -- peak memory, paper Eqs. 8-11 walked per step in the ledger's terms
+    states = n_persist * t.chunk_numel * t.state_bytes_per_elem
+    resident = min(n_buffer, n_off) * t.chunk_bytes
+    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
+    held = np.cumsum(held_each, axis=1)  # (G, S) after forward segment s / until its backward
+    fwd_steps = held + (t.fwd_peak if t.gpu else 0.0)
+    back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
+    # At backward segment s: block s's own activations (swapped in one step earlier) and
+    # block s-1's, whose swap-in the schedule issues as segment s begins.
+    swapped_in = back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1)
+    grads = (t.grad_live @ off) * t.chunk_bytes  # (S,)
+    bwd_steps = held + swapped_in + grads
+    if t.gpu:
+        bwd_steps = bwd_steps + grid.ckpt * t.saved + t.bwd_peak
+    walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
+    peak = (states + resident + walk) * (ALPHA_GPU if t.gpu else 1.0)
+    parts = {
+        "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
+        "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
+        "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
+    }
+    return time, peak, parts
+
+
+def min_buffers(t: Terms, n_persist: int) -> int:
+    """Fewest buffers a schedule needs: the most offloaded chunks one segment uses at once."""
+    off = np.arange(t.n_chunks) >= n_persist
+    return int((t.uses @ off).max()) if off.any() else 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    time_us: float
+    peak_bytes: float
+    breakdown: dict[str, float]
+
+
+def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> Prediction:
+    """One configuration through the same arrays the search uses (a 1×1 grid)."""
+    time, peak, parts = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]))
+    return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
+
+
+CHUNK_GRID = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
+"""Chunk-size candidates as multiples of the largest segment's (or parameter's) size.
+
+Below 1× a block would straddle chunks and wait on two fetches; above ~4× the
+chunks get too coarse for persistence to be chosen finely (a 70B model would have
+~20 chunks). Candidates are rounded up to 1024 elements (4 KiB in fp32) so
+parameter views stay aligned for vectorised kernels."""
+
+
+MIN_CHUNKS = 4
+"""Candidates giving fewer chunks are used only if none gives this many: with one or
+two chunks there is nothing to choose between persistent and offloaded."""
+
+
+def choose_chunk_numel(facts: ModelFacts) -> tuple[int, dict[int, int]]:
+    """The candidate with the least wasted elements (ties to the larger) among those
+    giving at least ``MIN_CHUNKS`` chunks (else the one giving the most); and the
+    waste of every candidate."""
+    numel = {n: math.prod(s) for n, s, _ in facts.params}
+    largest = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments), max(numel.values()))
+    total = sum(numel.values())
+    waste, count = {}, {}
+    for f in CHUNK_GRID:
+        size = -(-int(largest * f) // 1024) * 1024
+        _, per_chunk = chunk_need(facts, size)
+        waste[size], count[size] = len(per_chunk) * size - total, len(per_chunk)
+    fine = [s for s in waste if count[s] >= MIN_CHUNKS]
+    best = (min(fine, key=lambda s: (waste[s], -s)) if fine
+            else max(waste, key=lambda s: (count[s], -waste[s], s)))
+    return best, waste

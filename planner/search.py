@@ -1,0 +1,144 @@
+"""Exact search over ``(n_persist, n_buffer, n_swap, n_checkpoint)`` (paper §3.3).
+
+The space, for ``C`` chunks and ``N`` blocks:
+
+- ``n_persist`` in ``0..C`` — the first chunks in execution order;
+- ``n_buffer`` in ``need..min(need + EXTRA_BUFFERS, C - n_persist)``, where
+  ``need`` is the most offloaded chunks one segment uses (fewer cannot run);
+  extra buffers only add prefetch room and forward→backward caching, whose value
+  saturates after a couple of chunks;
+- ``n_swap`` in ``0..ceil(N / interval)``, where the swap interval is how many
+  blocks' forward compute one block's swap-out needs to hide behind;
+- ``n_checkpoint`` in ``0..N - n_swap``.
+
+``n_persist`` is the outer loop in increasing-memory order: each step adds a
+chunk's states on the device (more than the buffer it may free), so once no
+configuration at some ``n_persist`` fits the budget, none at a larger one does
+and the loop stops (the pruning). Inside, every ``(n_swap, n_checkpoint)`` pair
+is evaluated at once by ``cost.evaluate`` (numpy over the grid).
+
+Choice: the fastest feasible configuration; ties (times compared in whole µs)
+break toward less memory, then fewer recomputed blocks, then lexicographically.
+The solver sits behind ``Solver`` so a later one (MILP) can replace it.
+"""
+
+from __future__ import annotations
+
+import math
+import time as _time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .cost import Terms, evaluate, min_buffers, policy_grid
+
+EXTRA_BUFFERS = 2
+
+
+@dataclass(frozen=True, order=True)
+class Choice:
+    n_persist: int
+    n_buffer: int
+    n_swap: int
+    n_checkpoint: int
+    time_us: float = field(compare=False)
+    peak_bytes: float = field(compare=False)
+
+
+@dataclass
+class SearchResult:
+    best: Choice | None
+    front: list[Choice]
+    """Pareto front of (predicted time, predicted peak) over every evaluated configuration."""
+    runners_up: list[Choice]
+    """The next-best feasible configurations, best first."""
+    space_size: int
+    evaluated: int
+    seconds: float
+    min_peak_bytes: float
+    """The smallest predicted peak of any configuration (what the budget must at least be)."""
+    solver: str = "exhaustive"
+
+
+class Solver(Protocol):
+    def __call__(self, terms: Terms, budget_bytes: int) -> SearchResult: ...
+
+
+def swap_interval(t: Terms) -> int:
+    """Blocks of forward compute one block's swap-out needs to hide behind (≥ 1).
+
+    Median over blocks of ``swap-out time / forward time``, rounded up.
+    """
+    blocks = slice(1, len(t.comp_fwd) - 1)
+    ratios = (t.saved_tensor[blocks] * t.swap_out_us_per_byte) / np.maximum(t.comp_fwd[blocks], 1e-9)
+    return max(1, math.ceil(float(np.median(ratios)))) if len(ratios) else 1
+
+
+def policy_pairs(t: Terms) -> list[tuple[int, int]]:
+    n = t.n_blocks
+    max_swap = min(n, math.ceil(n / swap_interval(t)))
+    return [(s, c) for s in range(max_swap + 1) for c in range(n - s + 1)]
+
+
+def space(t: Terms) -> list[tuple[int, int]]:
+    """The ``(n_persist, n_buffer)`` pairs of the space, in increasing ``n_persist``."""
+    out = []
+    for n_persist in range(t.n_chunks + 1):
+        n_off = t.n_chunks - n_persist
+        need = min_buffers(t, n_persist)
+        top = min(need + EXTRA_BUFFERS, n_off)
+        out += [(n_persist, nb) for nb in range(need, max(need, top) + 1)]
+    return out
+
+
+def exhaustive(t: Terms, budget_bytes: int) -> SearchResult:
+    start = _time.perf_counter()
+    pairs = policy_pairs(t)
+    grid = policy_grid(t.n_blocks, pairs)
+    outer = space(t)
+    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time)
+    all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
+    evaluated = 0
+    min_peak = math.inf
+    current, fits_here = None, False
+    for n_persist, n_buffer in outer:
+        if current is not None and n_persist != current:
+            if not fits_here:
+                break  # [Pruning] more persistent chunks only add memory
+            fits_here = False
+        current = n_persist
+        time, peak, _ = evaluate(t, n_persist, n_buffer, grid)
+        evaluated += len(pairs)
+        min_peak = min(min_peak, float(peak.min()))
+        ok = peak <= budget_bytes
+        fits_here |= bool(ok.any())
+        for g in np.nonzero(ok)[0]:
+            sw, ck = pairs[g]
+            rows.append((round(float(time[g])), float(peak[g]), ck, n_persist, n_buffer, sw, ck, float(time[g])))
+        # Pareto candidates: keep per (np, nb) only the grid's own front to bound memory.
+        order = np.lexsort((time, peak))
+        best_t = math.inf
+        for g in order:
+            if time[g] < best_t:
+                best_t = float(time[g])
+                all_points.append((float(time[g]), float(peak[g]), (n_persist, n_buffer, *pairs[g])))
+    rows.sort()
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1]) for r in rows[:6]]
+    front, best_t = [], math.inf
+    for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
+        if tm < best_t:
+            best_t = tm
+            front.append(Choice(*cfg, tm, pk))
+    return SearchResult(
+        best=choices[0] if choices else None,
+        front=front,
+        runners_up=choices[1:],
+        space_size=len(outer) * len(pairs),
+        evaluated=evaluated,
+        seconds=_time.perf_counter() - start,
+        min_peak_bytes=min_peak,
+    )
+
+
+SOLVERS: dict[str, Solver] = {"exhaustive": exhaustive}

@@ -1,0 +1,74 @@
+"""``protrain train``: replay a plan on a model for N steps, with a progress bar.
+
+The bar shows loss, tokens per second and the step's peak device memory against
+the plan's predicted peak, so a user sees at once whether the plan holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from protrain.executor import AdamWConfig, check, wrap
+from protrain.executor import plan as P
+from protrain.executor.errors import ConfigError
+
+from .data import batches, load_tokens, vocab_check
+from .models import ZOO, build
+from .report import human_bytes
+
+
+def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
+          seed: int = 0, lr: float = 3e-3, device: str | None = None,
+          echo: Callable[[str], None] = print, progress: bool = True) -> list[float]:
+    plan = P.load(plan_path)
+    if model_name not in ZOO:
+        from protrain.executor.errors import did_you_mean
+
+        raise ConfigError(f"unknown model {model_name!r}{did_you_mean(model_name, ZOO)}",
+                          "run `protrain models`")
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = build(model_name, device="cpu", seed=seed)
+    check(plan, model, where=plan_path)
+    source = load_tokens(data_path)
+    vocab_check(source, model.lm_head.weight.shape[0])
+    t = plan.training
+    engine = wrap(model, plan, AdamWConfig(lr=lr), device=dev)
+    data = batches(source, t.micro_batch, t.seq_len, seed)
+    predicted = plan.prediction.peak_memory_bytes
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
+    losses: list[float] = []
+    bar = None
+    if progress:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+        task = bar.add_task("train", total=steps, status="")
+        bar.start()
+    t0 = time.perf_counter()
+    try:
+        for step in range(steps):
+            result = engine.step([next(data) for _ in range(t.grad_accum)])
+            losses.append(result.loss)
+            tps = tokens_per_step / max(result.timings["total"], 1e-9)
+            status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
+                      + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
+            if bar is not None:
+                bar.update(task, advance=1, status=status)
+            elif step % 10 == 0 or step == steps - 1:
+                echo(f"step {step:5d}  {status}")
+    finally:
+        if bar is not None:
+            bar.stop()
+        engine.close()
+    echo(f"trained {steps} steps in {time.perf_counter() - t0:.1f} s: loss {losses[0]:.3f} → {losses[-1]:.3f}")
+    return losses
