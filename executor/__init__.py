@@ -1,7 +1,9 @@
 """protrain's executor: load a plan, check it against the model, replay it.
 
-Public API: ``load``, ``dump``, ``check``, ``wrap``, ``Engine``, ``StepResult``,
-``AdamWConfig``, ``ProtrainError``.
+Public API: ``load``, ``dump``, ``wrap``, ``Engine``, ``StepResult``, ``AdamWConfig``,
+``ProtrainError``. The plan-vs-model check is ``protrain.executor.check.check``: it
+cannot be re-exported here, because importing the submodule ``check`` rebinds the
+package attribute of that name to the module.
 Everything that needs torch is resolved lazily (PEP 562 ``__getattr__``): Python
 runs this file before any submodule, so an eager torch import here would make
 ``import protrain.executor.plan`` (used by ``protrain show``) import torch.
@@ -14,10 +16,9 @@ from typing import Any
 from .errors import ProtrainError
 from .plan import dump, load
 
-__all__ = ["AdamWConfig", "Engine", "ProtrainError", "StepResult", "check", "dump", "load", "wrap"]
+__all__ = ["AdamWConfig", "Engine", "ProtrainError", "StepResult", "dump", "load", "wrap"]
 
 _LAZY = {
-    "check": ("check", "check"),
     "wrap": ("engine", "wrap"),
     "Engine": ("engine", "Engine"),
     "StepResult": ("engine", "StepResult"),

@@ -101,6 +101,101 @@ def validate(plan_path: str, model_name: str | None) -> None:
     click.echo(f"{plan_path}: fingerprint matches {name}")
 
 
+DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+
+
+@main.command()
+@click.option("--model", "model_name", required=True, metavar="NAME", help="Zoo model to profile.")
+@click.option("--batch", type=click.IntRange(1), required=True, help="Micro-batch (sequences per step).")
+@click.option("--seq", type=click.IntRange(1), required=True, help="Sequence length in tokens.")
+@click.option("--dtype", type=DTYPES, default=None,
+              help="Compute dtype [default: bfloat16 on CUDA, float32 on CPU].")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Device to measure on [default: cuda if present].")
+@click.option("--analytic", is_flag=True, help="Estimate from --hardware instead of measuring.")
+@click.option("--hardware", "hardware", metavar="SPEC", default=None,
+              help="Hardware spec (name in plans/hardware/ or a file); required with --analytic.")
+@click.option("--iterations", type=click.IntRange(1), default=5, show_default=True,
+              help="Measured iterations (medians).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
+def profile(model_name, batch, seq, dtype, device, analytic, hardware, iterations, output):
+    """Profile a model once (per block time, activations, link and Adam rates) for planning."""
+    from .profiling import run_profile
+
+    run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
+                analytic=analytic, hardware=hardware, iterations=iterations, output=output,
+                echo=click.echo)
+
+
+@main.command()
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="Profile to plan from (from `protrain profile`).")
+@click.option("--model", "model_name", metavar="NAME", default=None,
+              help="Zoo model: profile on the way (analytic with --hardware, else measured).")
+@click.option("--hardware", metavar="SPEC", default=None, help="Hardware spec for an analytic profile.")
+@click.option("--batch", type=click.IntRange(1), default=None, help="Micro-batch (with --model).")
+@click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length (with --model).")
+@click.option("--dtype", type=DTYPES, default=None, help="Compute dtype (with --model).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Measure on this device instead of estimating (with --model).")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Device memory budget, e.g. 20GiB [default: the hardware's usable memory].")
+@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Ranks.")
+@click.option("--grad-accum", type=click.IntRange(1), default=1, show_default=True,
+              help="Micro-batches per optimizer step.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
+def plan(profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size, grad_accum, output):
+    """Search the fastest plan that fits the budget and write it."""
+    from .profiling import run_plan
+
+    run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
+             seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
+             grad_accum=grad_accum, output=output, echo=click.echo)
+
+
+@main.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
+def explain(plan_path: str) -> None:
+    """Why this plan: runners-up, the Pareto front, what bounds each phase."""
+    from protrain.executor.plan import load
+
+    from .report import render_explain
+
+    click.echo(render_explain(load(plan_path), plan_path))
+
+
+@main.command()
+@click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False), help="Plan file.")
+@click.option("--model", "model_name", required=True, metavar="NAME", help="Zoo model the plan is for.")
+@click.option("--data", "data_path", default=None, metavar="FILE",
+              help="Text file (byte-level tokens); default: the embedded Python docs.")
+@click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
+def train(plan_path, model_name, data_path, steps, lr, seed):
+    """Train a zoo model by replaying a plan."""
+    from .train import train as run
+
+    run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, echo=click.echo)
+
+
+@main.group()
+def hardware() -> None:
+    """Hardware specs: probe this machine."""
+
+
+@hardware.command()
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Spec file to write.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Device to probe.")
+@click.option("--quick", is_flag=True, help="Smaller, faster measurements.")
+def probe(output, device, quick):
+    """Measure this machine (GPU via NVML, copy bandwidth, Adam rates) into a spec file."""
+    from .hardware import probe_to_file
+
+    probe_to_file(output, device=device, quick=quick, echo=click.echo)
+
+
 @main.command()
 @click.option("--model", "model_name", default="gpt2-tiny", show_default=True, metavar="NAME",
               help="Zoo model to train (small ones only: it trains on this machine's device).")
@@ -109,14 +204,17 @@ def validate(plan_path: str, model_name: str | None) -> None:
 @click.option("--data", "data_path", default=None, metavar="FILE",
               help="Text file to train on (byte-level tokens); default: the embedded Python docs.")
 @click.option("--out", "out_dir", default="quickstart", show_default=True, metavar="DIR",
-              help="Directory for the plan file.")
+              help="Directory for the profile and the plan.")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Memory budget [default: 60% of what keeping everything on the device needs, "
+                   "so the plan offloads].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
-def quickstart(model_name: str, steps: int, data_path: str | None, out_dir: str, seed: int) -> None:
-    """Plan and train a small model end to end on whatever device is present."""
+def quickstart(model_name, steps, data_path, out_dir, budget, seed):
+    """Profile → plan → train a small model end to end on whatever device is present."""
     from .quickstart import run
 
-    run(model_name=model_name, steps=steps, data_path=data_path, out_dir=out_dir, seed=seed,
-        echo=click.echo)
+    run(model_name=model_name, steps=steps, data_path=data_path, out_dir=out_dir, budget=budget,
+        seed=seed, echo=click.echo)
 
 
 if __name__ == "__main__":

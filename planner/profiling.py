@@ -60,7 +60,8 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
          f"{iterations} measured iterations")
 
     def progress(i: int, n: int) -> None:
-        echo(f"         iteration {i}/{n}")
+        warm = n - iterations
+        echo(f"         step {i}/{n}" + (" (warm-up)" if i <= warm else ""))
 
     return measure(model, name=model_name, blocks=block_paths(model), micro_batch=batch, seq_len=seq,
                    compute_dtype=dtype, device=dev, spec=spec, iterations=iterations, progress=progress)

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from protrain.executor import AdamWConfig, check, wrap
+from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
+from protrain.executor.check import check
 from protrain.executor.errors import ConfigError
 
 from .data import batches, load_tokens, vocab_check

@@ -17,9 +17,17 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "exam
 # test_no_new_cli_options): the CLI is an interface users script against.
 FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
+    "explain": ["--help"],
+    "hardware": ["--help"],
+    "hardware probe": ["--device", "--help", "--output", "--quick"],
     "models": ["--help"],
-    "quickstart": ["--data", "--help", "--model", "--out", "--seed", "--steps"],
+    "plan": ["--batch", "--budget", "--device", "--dtype", "--grad-accum", "--hardware", "--help",
+             "--model", "--output", "--profile", "--seq", "--world-size"],
+    "profile": ["--analytic", "--batch", "--device", "--dtype", "--hardware", "--help", "--iterations",
+                "--model", "--output", "--seq"],
+    "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
+    "train": ["--data", "--help", "--lr", "--model", "--plan", "--seed", "--steps"],
     "validate": ["--help", "--model"],
 }
 
@@ -31,7 +39,10 @@ def _options(cmd: click.Command) -> list[str]:
 
 def test_option_set_is_frozen():
     got = {"": _options(main)}
-    got.update({name: _options(cmd) for name, cmd in main.commands.items()})
+    for name, cmd in main.commands.items():
+        got[name] = _options(cmd)
+        for sub, subcmd in getattr(cmd, "commands", {}).items():
+            got[f"{name} {sub}"] = _options(subcmd)
     assert got == FROZEN_OPTIONS
 
 
@@ -97,13 +108,20 @@ def test_usage_error_exits_2():
     assert CliRunner().invoke(main, ["show"]).exit_code == 2
 
 
-def test_quickstart_plans_checks_and_trains(tmp_path):
+def test_quickstart_profiles_plans_and_trains(tmp_path):
     result = CliRunner().invoke(main, ["quickstart", "--steps", "20", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "fingerprint matches" in result.output
-    assert (tmp_path / "gpt2-tiny.json").exists()
-    first, last = result.output.split("done: loss ")[1].split(" in ")[0].split(" → ")
-    assert float(last) < float(first)
+    assert (tmp_path / "gpt2-tiny.profile.json").exists() and (tmp_path / "gpt2-tiny.plan.json").exists()
+    from protrain.executor import plan as P
+
+    plan = P.load(tmp_path / "gpt2-tiny.plan.json")
+    assert plan.placement.offloaded  # the default budget (60%) forces offloading
+    first, last = result.output.split("trained 20 steps")[1].split("loss ")[1].split(" → ")
+    assert float(last.strip()) < float(first)
+    # The measured peak equals the prediction on CPU (the ledger model is exact there).
+    line = [x for x in result.output.splitlines() if x.startswith("step    19")][0]
+    peak, predicted = line.split("peak ")[1].split(" / predicted ")
+    assert peak.strip() == predicted.strip()
 
 
 def test_quickstart_missing_data_file(tmp_path):
