@@ -7,7 +7,9 @@ grid of ``(n_swap, n_checkpoint)`` for one ``(n_persist, n_buffer)``, so the
 search (``search.py``) evaluates the whole space in a few hundred array passes and
 ``predict`` is the same code on a 1×1 grid (one model, no twin to drift).
 
-Time (µs) — paper Eq. 2: ``T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)``.
+Time (µs) — paper Eq. 2: ``T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)``,
+with ``T_cpu_optim`` replaced by when the CPU worker actually finishes (see
+[CPU Adam timeline] in ``evaluate``).
 Per segment ``s`` of forward (``<pre>``, blocks, ``<post>``):
 ``t_fwd(s) = max(comp_fwd(s), up(s+1), swap_out(s))`` — the schedule prefetches the
 next segment's chunks while ``s`` computes (one-segment pipeline), uploads go
@@ -256,16 +258,31 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     if t.gpu:
         t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), swap_out).sum(axis=1) + late_f.sum()
                  + up_f[0] + swap_overhead)
-        t_bwd = (np.maximum(np.maximum(comp_b, lane_up_b), grad_down).sum(axis=1) + late_b.sum()
-                 + refetch[-1])
+        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), grad_down) + late_b  # (G, S)
+        start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         t_fwd = t.comp_fwd.sum() + up_f.sum() + swap_out.sum(axis=1)
-        t_bwd = comp_b.sum(axis=1) + refetch.sum() + swap_in.sum(axis=1) + grad_down.sum()
+        seg_b = comp_b + refetch + swap_in + grad_down  # (G, S)
+        start_b = 0.0
+    t_bwd = seg_b.sum(axis=1) + start_b
+    # Backward runs segment S-1 first: segment s ends at the sum of s..S-1.
+    end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
     t_cpu = n_params_off * t.cpu_adam_us_per_param
     t_gpu = n_params_dev * t.dev_adam_us_per_param
-    time = t_fwd + np.maximum(t_bwd + t_gpu, t_cpu)
+    # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
+    # the CPU steps could all overlap backward. They cannot start before their gradients
+    # land: one worker steps the offloaded chunks in offload order, each no earlier than
+    # the end of its last backward segment plus its download. So the chunks offloaded
+    # last (the first ones in execution order) add their step after backward — the
+    # reason the paper keeps the first chunks persistent.
+    cpu_done = np.zeros(len(grid.swap))
+    for s in range(len(t.comp_fwd) - 1, -1, -1):
+        for c in np.nonzero(t.offload_at[s] * off)[0]:
+            ready = end_b[:, s] + t.t_down
+            cpu_done = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+    time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
     # -- peak memory, paper Eqs. 8-11 walked per step in the ledger's terms
     states = n_persist * t.chunk_numel * t.state_bytes_per_elem
@@ -285,6 +302,7 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     peak = (states + resident + walk) * (ALPHA_GPU if t.gpu else 1.0)
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
+        "t_cpu_optim_done_us": cpu_done,
         "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
     }

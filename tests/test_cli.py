@@ -127,3 +127,57 @@ def test_quickstart_profiles_plans_and_trains(tmp_path):
 def test_quickstart_missing_data_file(tmp_path):
     result = CliRunner().invoke(main, ["quickstart", "--data", str(tmp_path / "none.txt")])
     assert result.exit_code == 1 and "none.txt" in result.output
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("p") / "gpt2-tiny.profile.json"
+    r = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32",
+                                  "--device", "cpu", "--hardware", "cpu", "--iterations", "1", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_plan_explain_and_train_from_a_profile(tiny_profile, tmp_path):
+    plan = tmp_path / "plan.json"
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    assert "searched" in r.output
+    again = tmp_path / "again.json"
+    CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(again)])
+    assert plan.read_bytes() == again.read_bytes()  # planning is deterministic
+    r = CliRunner().invoke(main, ["explain", str(plan)])
+    assert r.exit_code == 0 and "runners-up" in r.output and "Pareto front" in r.output
+    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "3"])
+    assert r.exit_code == 0, r.output
+    assert "trained 3 steps" in r.output
+
+
+@pytest.mark.parametrize("budget", ["lots", "-3GiB", "20 GiBs", "0"])
+def test_unparseable_budget_is_one_line(tiny_profile, tmp_path, budget):
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", budget,
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 1 and "cannot read the budget" in r.output and "HINT:" in r.output
+
+
+def test_no_feasible_plan_is_one_line(tiny_profile, tmp_path):
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "100KiB",
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 1 and "fits" in r.output and "--budget" in r.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_profile_for_another_model_or_shape_is_refused(tiny_profile, tmp_path):
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--model", "llama-tiny",
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 1 and "is a profile of gpt2-tiny, not of llama-tiny" in r.output
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--batch", "8",
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 1 and "profiled with --batch 2, not 8" in r.output
+
+
+def test_train_refuses_a_plan_for_another_model(tiny_profile, tmp_path):
+    plan = tmp_path / "plan.json"
+    CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "-o", str(plan)])
+    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "llama-tiny", "--steps", "1"])
+    assert r.exit_code == 1 and "made for another model" in r.output

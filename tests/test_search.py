@@ -59,6 +59,11 @@ def _llama_like(n_layers=80, name="llama-70b"):
 
 
 @pytest.fixture(scope="module")
+def gpt2xl():
+    return _llama_like(name="gpt2-xl")
+
+
+@pytest.fixture(scope="module")
 def llama70b():
     return _llama_like()
 
@@ -74,41 +79,63 @@ def test_llama70b_search_under_a_second(llama70b, capsys):
     assert P.dump(plan) == P.dump(make_plan(prof, 76 * 2**30)[0])
 
 
-def _choice(facts, budget_gib, **kw):
-    spec_kw = {k: kw.pop(k) for k in list(kw) if k in ("link_gbps", "mem_gib", "cpu_adam", "dev_adam")}
-    prof = synthetic_profile(facts, gpu_spec(**spec_kw), **kw)
-    plan, result = make_plan(prof, int(budget_gib * 2**30))
-    return result.best
-
+# -- the paper's Table 4 directions, on analytic profiles of gpt2-xl for an RTX 3090
 
 @pytest.fixture(scope="module")
-def gpt2xl():
-    return _llama_like(name="gpt2-xl")
+def xl_profiles():
+    from protrain.planner.analytic import analytic_profile
+    from protrain.planner.models import block_paths, build
+    from protrain.planner.spec import find_spec
+
+    spec = find_spec("rtx3090")
+    out = {}
+    for b in (2, 8, 16):
+        m = build("gpt2-xl", device="meta")
+        out[b] = analytic_profile(m, name="gpt2-xl", blocks=block_paths(m), micro_batch=b, seq_len=1024,
+                                  compute_dtype="bfloat16", spec=spec)
+    return out
 
 
-def test_ample_memory_keeps_everything(gpt2xl):
-    best = _choice(gpt2xl, 1000, block_us=5000, act_bytes=50 * 2**20, mem_gib=1000)
-    terms_chunks = make_terms(synthetic_profile(gpt2xl, gpu_spec(), block_us=5000, act_bytes=50 * 2**20),
-                              choose_chunk_numel(gpt2xl)[0]).n_chunks
-    assert best.n_persist == terms_chunks and best.n_swap == 0 and best.n_checkpoint == 0
+def _best(profile, budget_gib=20):
+    return make_plan(profile, int(budget_gib * 2**30))[1].best
 
 
-def test_bigger_batch_means_fewer_persistent_and_more_recompute(gpt2xl):
-    # Compute and activations grow with the micro-batch; the budget stays.
-    picks = {b: _choice(gpt2xl, 20, block_us=2500 * b, act_bytes=60 * 2**20 * b, micro_batch=b)
-             for b in (2, 4, 8, 16)}
+def test_ample_memory_keeps_everything(xl_profiles):
+    # Ample memory: no block recomputes or swaps, at any batch. At batch 2 everything is
+    # also persistent: CPU Adam for any offloaded chunk would outlast backward. At larger
+    # batches backward hides CPU Adam for the later chunks, and the cost model then finds
+    # offloading them ~1% faster than a device Adam after backward (see the issue note).
+    for b, prof in xl_profiles.items():
+        best = _best(prof, budget_gib=1000)
+        assert (best.n_swap, best.n_checkpoint) == (0, 0), b
+    prof = xl_profiles[2]
+    n_chunks = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0]).n_chunks
+    assert _best(prof, budget_gib=1000).n_persist == n_chunks
+
+
+def test_bigger_batch_means_fewer_persistent_and_more_recompute(xl_profiles):
+    picks = {b: _best(p) for b, p in xl_profiles.items()}
     persist = [picks[b].n_persist for b in sorted(picks)]
     assert persist == sorted(persist, reverse=True) and persist[0] > persist[-1]
-    non_keep = {b: picks[b].n_swap + picks[b].n_checkpoint for b in picks}
-    assert non_keep[16] > non_keep[2]
+    # Once activations dominate (past the CPU-Adam-bound small batches, where the search
+    # maximises persistence and checkpoints to pay for it), more batch → more recompute/swap.
+    assert picks[16].n_swap + picks[16].n_checkpoint > picks[8].n_swap + picks[8].n_checkpoint
 
 
-def test_slow_link_prefers_checkpoint_over_swap(gpt2xl):
-    fast = _choice(gpt2xl, 20, block_us=5000, act_bytes=300 * 2**20, link_gbps=64)
-    slow = _choice(gpt2xl, 20, block_us=5000, act_bytes=300 * 2**20, link_gbps=2)
-    assert slow.n_swap <= fast.n_swap
-    assert slow.n_checkpoint >= fast.n_checkpoint
+def _with_link(profile, gbps):
+    import msgspec
+
+    spec = profile.hardware
+    link = [msgspec.structs.replace(p, h2d_bytes_per_s=int(gbps * 1e9), d2h_bytes_per_s=int(gbps * 1e9))
+            for p in spec.link]
+    return msgspec.structs.replace(profile, hardware=msgspec.structs.replace(spec, link=link))
+
+
+def test_slow_link_prefers_checkpoint_over_swap(xl_profiles):
+    fast = _best(_with_link(xl_profiles[16], 64))
+    slow = _best(_with_link(xl_profiles[16], 2))
     assert fast.n_swap > 0
+    assert slow.n_swap < fast.n_swap and slow.n_checkpoint > fast.n_checkpoint
 
 
 def test_nothing_fits_names_the_smallest_budget(gpt2xl):
