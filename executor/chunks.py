@@ -50,19 +50,25 @@ class Residency(enum.Enum):
 
 
 class Chunk:
-    """One chunk's tensors and state. Sizes are in elements of the compute dtype."""
+    """One chunk's tensors and state. Sizes are in elements of the compute dtype.
 
-    def __init__(self, cid: int, numel: int, persistent: bool, dtype: torch.dtype,
-                 device: torch.device):
+    With world size W the buffers hold ``numel = W * shard_numel`` elements (the
+    plan's ``chunk_numel`` padded up); see executor/dist.py [Note: sharding].
+    """
+
+    def __init__(self, cid: int, numel: int, shard_numel: int, rank: int, persistent: bool,
+                 dtype: torch.dtype, device: torch.device):
         self.id = cid
         self.persistent = persistent
         self.numel = numel
+        self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         # Parameters' values; params' .data are views. 1D (numel,), device, compute dtype.
         self.dev = torch.zeros(numel, dtype=dtype, device=device)
         # Gradients; params' .grad are views. 1D (numel,), device, compute dtype.
         self.dev_grad = torch.zeros(numel, dtype=dtype, device=device)
-        # Offloaded chunks only: values between fetches. 1D (numel,), host (pinned on CUDA).
+        # Offloaded chunks only: this rank's shard of the values between fetches.
+        # 1D (shard_numel,), host (pinned on CUDA), compute dtype.
         self.home: torch.Tensor | None = None
         self.residency = Residency.RESIDENT
         self.grad_live = True  # gradient buffer has device storage
@@ -78,16 +84,19 @@ class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device,
-                 copies: CopyEngine, ledger: Ledger):
+                 copies: CopyEngine, ledger: Ledger, comm):
         self.device = device
         self.copies = copies
         self.ledger = ledger
+        self.comm = comm  # executor.dist.Comm (passed in: chunks sits below dist)
         self.dtype = DTYPES[plan.training.compute_dtype]
         persistent = set(plan.placement.persistent)
         params = dict(model.named_parameters())
+        shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
         self.chunks: list[Chunk] = []
         for spec in plan.chunks.items:
-            c = Chunk(spec.id, plan.chunks.chunk_numel, spec.id in persistent, self.dtype, device)
+            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank,
+                      spec.id in persistent, self.dtype, device)
             with torch.no_grad():
                 for ps in spec.params:
                     p = params[ps.name]
@@ -97,7 +106,8 @@ class ChunkStore:
                     p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
                     c.params.append((p, ps.offset, ps.numel))
             if not c.persistent:
-                c.home = copies.pin(c.dev.detach().cpu().clone())
+                c.home = copies.pin(c.dev[c.shard].detach().cpu().clone())
+                ledger.host_alloc(c.home.numel() * c.home.element_size())
                 self._resize(c.dev, 0)
                 self._resize(c.dev_grad, 0)
                 c.residency, c.grad_live = Residency.RELEASED, False
@@ -107,6 +117,10 @@ class ChunkStore:
             self.chunks.append(c)
         self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
         self._refresh_live()
+
+    @staticmethod
+    def element_bytes(dtype: torch.dtype) -> int:
+        return torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
     def _resize(t: torch.Tensor, nbytes: int) -> None:
@@ -142,7 +156,9 @@ class ChunkStore:
         self._resize(c.dev, c.nbytes)
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
-        c.upload = self.copies.upload(c.dev, c.home)
+        c.upload = self.copies.upload(c.dev[c.shard], c.home,
+                                      gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
+                                      if self.comm.world > 1 else None)
         c.residency = Residency.RESIDENT
 
     def wait(self, cid: int) -> None:

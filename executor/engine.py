@@ -37,7 +37,8 @@ from torch import nn
 from .activations import Activations
 from .check import check
 from .chunks import DTYPES, ChunkStore
-from .errors import ConfigError, PlanError
+from .dist import Comm
+from .errors import ConfigError
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .plan import POST, PRE, Plan, validate
@@ -77,11 +78,7 @@ class Engine:
                  device: str | torch.device | None):
         validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
-        if plan.training.world_size != 1:
-            raise PlanError(
-                f"plan is for world size {plan.training.world_size}; this executor runs one rank",
-                "make a plan with `--world-size 1`",
-            )
+        self.comm = Comm(plan.training.world_size)  # refuses a world-size mismatch
         dev = torch.device(device if device is not None else
                            ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and dev.index is None:
@@ -98,7 +95,7 @@ class Engine:
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
         self.copies = CopyEngine(dev)
-        self.store = ChunkStore(model, plan, dev, self.copies, self.ledger)
+        self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
         self.optim = ChunkOptimizer(self.store, config)
         self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
                                  config.scale_window)
@@ -173,17 +170,29 @@ class Engine:
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
-        loss_value = torch.stack(losses).float().mean().item() if k > 1 else losses[0].item()
+        loss_t = torch.stack(losses).float().mean() if k > 1 else losses[0].float()
+        if self.comm.world > 1:  # report the global batch's loss on every rank
+            loss_t = loss_t.clone()
+            self.comm.all_reduce(loss_t, "the loss")
+            loss_t /= self.comm.world
+        loss_value = loss_t.item()
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.peak_bytes(),
                           skipped=skipped, timings=timings)
 
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step."""
-        self.optim.offload_grad(cid, first_micro_batch=self._first_micro)
+        self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
     def _finish_update(self) -> tuple[float | None, bool]:
+        if self.comm.world > 1:
+            # Persistent chunks are replicated: average their gradients over the ranks
+            # (executor/dist.py [Note: sharding]), in chunk order on every rank.
+            for c in self.store.chunks:
+                if c.persistent:
+                    self.comm.all_reduce(c.dev_grad, f"gradients of chunk {c.id}")
+                    c.dev_grad.div_(self.comm.world)
         inv_scale = 1.0 / self.scaler.scale
         coef = None
         grad_norm = None
@@ -215,8 +224,9 @@ class Engine:
         self.optim.wait_all()
         model, optim = {}, {}
         for c in self.store.chunks:
-            master = self.optim.master[c.id]
-            state = self.optim.adam[c.id].state.get(master, {})
+            master = self._whole(c, self.optim.master[c.id])
+            state = {k: (v if k == "step" else self._whole(c, v))
+                     for k, v in self.optim.adam[c.id].state.get(self.optim.master[c.id], {}).items()}
             for p, off, n in c.params:
                 name = self.names[id(p)]
                 model[name] = master[off: off + n].view(p.shape).detach().cpu().clone()
@@ -229,6 +239,16 @@ class Engine:
         for name, alias in self.plan.model.tied:
             model[alias] = model[name]
         return {"model": model, "optim": optim}
+
+    def _whole(self, c, t: torch.Tensor) -> torch.Tensor:
+        """A chunk-length tensor: ``t`` itself, or for a sharded (offloaded, world > 1)
+        chunk the all-gather of every rank's shard ``t``."""
+        if self.comm.world == 1 or c.persistent:
+            return t
+        full = torch.empty(c.numel, dtype=t.dtype, device=self.device)
+        full[c.shard].copy_(t)
+        self.comm.all_gather(full, f"state of chunk {c.id}")
+        return full.cpu()
 
     def load_state_dict(self, sd: dict[str, dict]) -> None:
         """Load what ``state_dict`` (of any plan for this model) returned."""
@@ -245,19 +265,24 @@ class Engine:
                 master = self.optim.master[c.id]
                 adam = self.optim.adam[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
-                for (_p, off, n), name in zip(c.params, names):
-                    master[off: off + n].copy_(model[name].reshape(-1))
+                # Whole-chunk fp32 images (padding zero), then this rank's part of them.
+                mine = c.shard if (self.comm.world > 1 and not c.persistent) else slice(None)
+
+                def image(get, c=c, names=names, mine=mine):
+                    full = torch.zeros(c.numel, dtype=torch.float32)
+                    for (_p, off, n), name in zip(c.params, names):
+                        full[off: off + n].copy_(get(name).reshape(-1))
+                    return full[mine]
+
+                master.copy_(image(lambda nm: model[nm]))
                 if optim and all(nm in optim for nm in names):
                     steps = {float(optim[nm]["step"]) for nm in names}
                     assert len(steps) == 1, f"chunk {c.id} params have different step counts {steps}"
-                    st = adam.state[master] = {
+                    adam.state[master] = {
                         "step": torch.tensor(steps.pop(), dtype=torch.float32, device=master.device),
-                        "exp_avg": torch.zeros_like(master),
-                        "exp_avg_sq": torch.zeros_like(master),
+                        "exp_avg": image(lambda nm: optim[nm]["exp_avg"]).to(master.device),
+                        "exp_avg_sq": image(lambda nm: optim[nm]["exp_avg_sq"]).to(master.device),
                     }
-                    for (_p, off, n), name in zip(c.params, names):
-                        st["exp_avg"][off: off + n].copy_(optim[name]["exp_avg"].reshape(-1))
-                        st["exp_avg_sq"][off: off + n].copy_(optim[name]["exp_avg_sq"].reshape(-1))
                 # Compute-dtype copies follow the masters.
                 target = c.dev if c.persistent else c.home
                 if target is not master:

@@ -36,6 +36,12 @@ class Ledger:
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.current = 0  # sum of self.bytes
         self.peak = 0  # max of self.current since reset_peak()
+        # Host bytes of offloaded states on this rank: homes, fp32 masters, moments,
+        # gradient accumulators (all shards under ZeRO-3). Allocated once, at wrap.
+        self.host = 0
+
+    def host_alloc(self, nbytes: int) -> None:
+        self.host += nbytes
 
     def alloc(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes

@@ -99,10 +99,15 @@ class ChunkOptimizer:
                     store.ledger.alloc("optim", c.numel * 4)
                 store.ledger.alloc("optim", c.numel * 8)  # exp_avg and exp_avg_sq, fp32
             else:
+                # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
+                n = c.home.numel()
                 m = c.home if fp32 else c.home.float()
-                self.cpu_grad[c.id] = torch.zeros(c.numel, dtype=torch.float32)
+                self.cpu_grad[c.id] = torch.zeros(n, dtype=torch.float32)
+                host = n * (8 + 4)  # moments + gradient accumulator, fp32
                 if not fp32:
-                    self.staging[c.id] = store.copies.empty_host((c.numel,), store.dtype)
+                    self.staging[c.id] = store.copies.empty_host((n,), store.dtype)
+                    host += n * 4 + n * store.element_bytes(store.dtype)  # master + staging
+                store.ledger.host_alloc(host)
             self.master[c.id] = m
             self.adam[c.id] = torch.optim.AdamW([m], **kw)
         # One worker: CPU steps run in submission order, overlapping the main thread.
@@ -111,22 +116,34 @@ class ChunkOptimizer:
 
     # -- gradients
 
-    def offload_grad(self, cid: int, first_micro_batch: bool) -> None:
-        """Bring an offloaded chunk's gradient to the host fp32 accumulator; free the device buffer."""
+    def offload_grad(self, cid: int, first_micro_batch: bool, last_micro_batch: bool = True) -> None:
+        """Bring an offloaded chunk's gradient to the host fp32 accumulator; free the device buffer.
+
+        Under ZeRO-3 the gradient is first reduce-scattered: only this rank's shard,
+        summed over ranks, goes down; after the step's last micro-batch it is divided by
+        the world size (the global batch's mean gradient).
+        """
         c = self.store.chunks[cid]
         acc = self.cpu_grad[cid]
+        comm = self.store.comm
+        src = c.dev_grad
+        if comm.world > 1:
+            src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
+            comm.reduce_scatter(src, c.dev_grad, f"gradients of chunk {cid}")
         with record_function("protrain::offload"):
-            if c.dev_grad.dtype == torch.float32 and first_micro_batch:
-                self.store.copies.download(acc, c.dev_grad).synchronize()
+            if src.dtype == torch.float32 and first_micro_batch:
+                self.store.copies.download(acc, src).synchronize()
             else:
                 stage = self.staging.get(cid)
                 if stage is None:  # fp32 compute, later micro-batch: a plain host buffer
                     stage = self.staging[cid] = torch.empty_like(acc)
-                self.store.copies.download(stage, c.dev_grad).synchronize()
+                self.store.copies.download(stage, src).synchronize()
                 if first_micro_batch:
                     acc.copy_(stage)
                 else:
                     acc.add_(stage)
+        if comm.world > 1 and last_micro_batch:
+            acc.div_(comm.world)
         self.store.close_grad(cid)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
@@ -144,7 +161,21 @@ class ChunkOptimizer:
         Per-parameter norms in the model's parameter order, then the norm of their
         stack: the same reduction order as plain PyTorch, so clipping is bit-exact
         on CPU fp32. Host accumulators' norms are moved to the device to be stacked.
+        Under ZeRO-3 (no parameter is whole on one rank) it is the square root of the
+        all-reduced sum of squares of the own shards plus the replicated persistent
+        chunks' (counted once).
         """
+        comm = self.store.comm
+        if comm.world > 1:
+            sq = torch.zeros((), dtype=torch.float32, device=self.store.device)
+            for c in self.store.chunks:
+                if not c.persistent:
+                    sq += self.cpu_grad[c.id].double().square().sum().float().to(sq.device)
+            comm.all_reduce(sq, "the gradient norm")
+            for c in self.store.chunks:
+                if c.persistent:
+                    sq += c.dev_grad.double().square().sum().float()
+            return sq.sqrt()
         views = self.grad_views()
         norms = [torch.linalg.vector_norm(views[id(p)], 2.0, dtype=torch.float32).to(self.store.device)
                  for p in param_order]

@@ -105,6 +105,10 @@ class Replayer:
         self.remaining: dict[int, int] = {}  # chunk → parameters still without gradient
         self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
         self.offloaded: set[int] = set()  # chunks offloaded in this backward
+        # The plan's offload order; offloads happen strictly in it, so every rank issues
+        # its gradient collectives in the same order (executor/dist.py).
+        self.offload_order = [c for s in plan.schedule.backward for c in s.offload]
+        self.next_offload = 0  # index into offload_order
         # Test probe: (phase, segment, resident offloaded ids, bytes of their storage) per begin.
         self.probe: list[tuple[str, str, frozenset[int], int]] | None = None
         # Observer for the profiler: called ("begin", phase, segment) once a step's fetches
@@ -158,10 +162,8 @@ class Replayer:
         if self.observer is not None:
             self.observer("end", phase, segment)
         if phase is Phase.BACKWARD:
-            for c in step.offload:
-                self.requested.add(c)
-                if self.remaining[c] == 0:
-                    self._offload(c)
+            self.requested.update(step.offload)
+            self._drain()
             self.acts.end_backward(segment)
         for c in step.release:
             self.store.release(c)
@@ -170,12 +172,24 @@ class Replayer:
         self.remaining = dict(self.n_params)
         self.requested.clear()
         self.offloaded.clear()
+        self.next_offload = 0
 
     def finish_backward(self) -> None:
-        """After ``.backward()`` returned: offload whatever the countdown still held back."""
-        for c in sorted(self.n_params):
-            if c not in self.offloaded:
-                self._offload(c)
+        """After ``.backward()`` returned: offload whatever the countdown still held back
+        (parameters that got no gradient), in plan order."""
+        for c in self.offload_order[self.next_offload:]:
+            self._offload(c)
+        self.next_offload = len(self.offload_order)
+
+    def _drain(self) -> None:
+        """Offload, in plan order, every chunk whose moment has come and whose gradients are complete."""
+        order = self.offload_order
+        while self.next_offload < len(order):
+            c = order[self.next_offload]
+            if c not in self.requested or self.remaining[c] != 0:
+                return
+            self._offload(c)
+            self.next_offload += 1
 
     def _offload(self, cid: int) -> None:
         self.offloaded.add(cid)
@@ -184,8 +198,8 @@ class Replayer:
     def _grad_ready(self, p: nn.Parameter) -> None:
         cid = self.param_chunk[id(p)]
         self.remaining[cid] -= 1
-        if self.remaining[cid] == 0 and cid in self.requested and cid not in self.offloaded:
-            self._offload(cid)
+        if self.remaining[cid] == 0 and cid in self.requested:
+            self._drain()
 
     # -- hooks
 

@@ -76,15 +76,19 @@ class CopyEngine:
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
-               after: Copy | None = None) -> Copy:
+               after: Copy | None = None, gather=None) -> Copy:
         """Copy host ``src`` into device ``dst`` (already allocated). See [Note: copy streams].
 
         ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
+        ``gather``: a collective to run right after the copy, on the same stream (the
+        ZeRO-3 all-gather of the other ranks' shards); the returned handle covers both.
         """
         delay("before_copy")
         with record_function(f"protrain::{name}"):
             if not self.cuda:
                 dst.copy_(src)
+                if gather is not None:
+                    gather()
                 return Copy(None)
             compute = torch.cuda.current_stream(self.device)
             self.h2d.wait_stream(compute)  # dst may have been in use by compute until now
@@ -92,6 +96,8 @@ class CopyEngine:
                 self.h2d.wait_event(after.event)
             with torch.cuda.stream(self.h2d):
                 dst.copy_(src, non_blocking=True)
+                if gather is not None:
+                    gather()
                 event = torch.cuda.Event()
                 event.record(self.h2d)
             dst.record_stream(compute)

@@ -42,8 +42,8 @@ def test_offloads_happen_once_per_chunk_per_micro_batch():
     engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(), device="cpu")
     seen = []
     original = engine.optim.offload_grad
-    engine.optim.offload_grad = lambda cid, first_micro_batch: (seen.append((cid, first_micro_batch)),
-                                                                 original(cid, first_micro_batch))
+    engine.optim.offload_grad = lambda cid, first_micro_batch, **kw: (
+        seen.append((cid, first_micro_batch)), original(cid, first_micro_batch, **kw))
     data = batches(load_tokens(), 4, 32, 0)
     engine.step([next(data), next(data)])
     off = plan.placement.offloaded

@@ -1,0 +1,91 @@
+"""ZeRO-3 collectives over torch.distributed: the same plan on every rank, ranks differ only
+in their shard index.
+
+[Note: sharding]
+With world size W every chunk buffer is padded to ``W * shard_numel`` elements,
+``shard_numel = ceil(chunk_numel / W)``, and rank r owns elements
+``[r * shard_numel, (r + 1) * shard_numel)``. For an *offloaded* chunk a rank keeps
+only its shard in host memory — the compute-dtype home, the fp32 master, the Adam
+moments, the gradient accumulator — so host memory per rank is 1/W of a single
+rank's. A fetch uploads the own shard into its slot of the device buffer and
+all-gathers the rest; gradients are reduce-scattered (then averaged) and only the
+own shard goes down to the host, where only the own shard is stepped.
+
+*Persistent* chunks are replicated: every rank holds the whole chunk, its master
+and moments on the device, all-reduces (and averages) the gradients after
+backward and steps identically. Sharding them (ZeRO-1/2) would save
+``(W-1)/W`` of 12 bytes per persistent element per rank at the price of an extra
+all-gather after every step; persistent chunks are the few the planner keeps
+because they are cheap to keep, so we replicate (the cost model charges the
+all-reduce). TODO(#6): let the planner weigh sharded persistence.
+
+Collectives are issued in the plan's order on every rank — fetches in schedule
+order, gradient reduce-scatters in the plan's offload order (the engine holds back
+a chunk whose turn has not come) — so hooks can never make ranks diverge and
+deadlock. A failing collective (a rank died, the timeout of
+``init_process_group`` expired) becomes a ``RankFailure`` naming the operation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .errors import PlanError, ProtrainError
+
+
+class RankFailure(ProtrainError):
+    """A collective failed: another rank died or the process group timed out."""
+
+
+def _op(name: str):
+    # torch >= 2.10 renamed the tensor collectives; keep the floor (2.6) working.
+    new = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}[name]
+    old = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[name]
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
+class Comm:
+    """The rank's view of the process group; a no-op stand-in for world size 1."""
+
+    def __init__(self, plan_world_size: int):
+        self.active = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.active else 1
+        self.rank = dist.get_rank() if self.active else 0
+        if self.world != plan_world_size:
+            where = (f"torch.distributed has {self.world} ranks" if self.active
+                     else "torch.distributed is not initialised (one rank)")
+            raise PlanError(
+                f"plan is for world size {plan_world_size} but {where}",
+                f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
+                f"`protrain plan --world-size {self.world} …`",
+            )
+        self._all_gather = _op("all_gather")
+        self._reduce_scatter = _op("reduce_scatter")
+
+    def shard_numel(self, numel: int) -> int:
+        return -(-numel // self.world)
+
+    def _run(self, what: str, fn, *args) -> None:
+        try:
+            with record_function(f"protrain::{what.split()[0]}"):
+                fn(*args)
+        except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
+            raise RankFailure(
+                f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
+                "another rank probably died or the process group timed out",
+                "look at the other ranks' logs; resume from the last checkpoint",
+            ) from None
+
+    def all_gather(self, full: torch.Tensor, what: str) -> None:
+        """Fill ``full`` (W shards) from every rank's own shard, in place."""
+        n = full.numel() // self.world
+        self._run(f"all-gather of {what}", self._all_gather, full, full[self.rank * n:(self.rank + 1) * n])
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """``shard`` = the sum over ranks of this rank's slice of ``full``."""
+        self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full)
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> None:
+        self._run(f"all-reduce of {what}", dist.all_reduce, t)

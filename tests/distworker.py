@@ -1,0 +1,85 @@
+"""Rank bodies for tests/test_dist.py, started by torch.multiprocessing.spawn (gloo, CPU).
+
+Each rank builds the same model from the same seed, makes the same plan (world size
+W), wraps it and trains on its slice of every global batch. Results go to files in
+``out`` so the parent compares them with single-process training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor import plan as P
+from protrain.executor.dist import RankFailure
+from protrain.planner.data import batches, load_tokens
+from protrain.planner.emit import emit
+from protrain.planner.models import block_paths, build
+
+MICRO, SEQ, LR = 2, 32, 2e-3
+
+
+def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str]) -> P.Plan:
+    meta = build(name, device="meta")
+    training = P.Training(micro_batch=MICRO, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
+                          world_size=world, grad_accum=1)
+    return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=65536,
+                persistent=persistent, n_buffer=n_buffer, policies=policies)
+
+
+def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_buffer: int,
+          policies: list[str], steps: int, load: str | None = None, save: str | None = None,
+          skip: int = 0) -> None:
+    """Train ``steps`` steps (after skipping ``skip`` global batches); write losses and state."""
+    init(rank, world, port)
+    try:
+        plan = make_plan(name, world, persistent, n_buffer, policies)
+        engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
+        if load:
+            engine.load_state_dict(torch.load(load, weights_only=True))
+        data = batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)
+        for _ in range(skip):
+            next(data)
+        losses = [engine.step(next(data)).loss for _ in range(steps)]
+        sd = engine.state_dict()
+        if save and rank == 0:
+            torch.save(sd, save)
+        if rank == 0:
+            torch.save(sd, Path(out) / "state.pt")
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host}))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def die(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
+    """Rank 1 dies after two steps; rank 0 must fail with a clear RankFailure, not hang."""
+    init(rank, world, port, timeout_s)
+    plan = make_plan("gpt2-tiny", world, [0], 2, ["keep", "keep"])
+    engine = wrap(build("gpt2-tiny", seed=1), plan, device="cpu")
+    data = batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)
+    for _ in range(2):
+        engine.step(next(data))
+    if rank == 1:
+        os._exit(3)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(50):
+            engine.step(next(data))
+        Path(out, "rank0.txt").write_text("no error")
+    except RankFailure as e:
+        Path(out, "rank0.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{e}")
