@@ -137,6 +137,7 @@ class ChunkOptimizer:
                 stage = self.staging.get(cid)
                 if stage is None:  # fp32 compute, later micro-batch: a plain host buffer
                     stage = self.staging[cid] = torch.empty_like(acc)
+                    self.store.ledger.host_alloc(stage.numel() * stage.element_size())
                 self.store.copies.download(stage, src).synchronize()
                 if first_micro_batch:
                     acc.copy_(stage)

@@ -172,11 +172,14 @@ def explain(plan_path: str) -> None:
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
-def train(plan_path, model_name, data_path, steps, lr, seed):
-    """Train a zoo model by replaying a plan."""
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
+              help="Seconds any collective may wait before the run fails (multi-rank runs).")
+def train(plan_path, model_name, data_path, steps, lr, seed, timeout_s):
+    """Train a zoo model by replaying a plan (under torchrun for several ranks)."""
     from .train import train as run
 
-    run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, echo=click.echo)
+    run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
+        echo=click.echo)
 
 
 @main.group()

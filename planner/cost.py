@@ -125,8 +125,10 @@ class Terms:
     t_down: float
     swap_out_us_per_byte: float
     swap_in_us_per_byte: float
-    cpu_adam_us_per_param: float
+    cpu_adam_us_per_param: float  # per parameter of a chunk (already / world size)
     dev_adam_us_per_param: float
+    world_size: int = 1
+    allreduce_us_per_chunk: float = 0.0  # a persistent chunk's gradient all-reduce (replicated)
 
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
@@ -145,13 +147,26 @@ def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.
     return need, per_chunk
 
 
-def make_terms(profile: Profile, chunk_numel: int) -> Terms:
+def collective_bandwidth(spec, size_bytes: int) -> float:
+    """Bus bandwidth of all-gather / reduce-scatter between ranks (bytes/s); a spec
+    without one (a CPU box, gloo over loopback) falls back to its copy link."""
+    return float(spec.allgather_bytes_per_s) or link_bandwidth(spec, size_bytes, "h2d")
+
+
+def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1) -> Terms:
+    """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank)."""
     facts = facts_from_profile(profile)
     need, per_chunk = chunk_need(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
     cb = DTYPE_BYTES[profile.training.compute_dtype]
+    W = world_size
+    # Device buffers are padded to W shards (executor/dist.py [Note: sharding]).
+    chunk_numel = -(-chunk_numel // W) * W
     chunk_bytes = chunk_numel * cb
+    shard_bytes = chunk_bytes // W
+    coll = collective_bandwidth(spec, chunk_bytes)
+    gather_us = (W - 1) / W * chunk_bytes / coll * 1e6  # all-gather (fetch) or reduce-scatter (grads)
     up_fwd = np.zeros((S, C), dtype=np.int64)
     up_bwd = np.zeros((S, C), dtype=np.int64)
     offload_at = np.zeros((S, C), dtype=np.int64)
@@ -184,11 +199,15 @@ def make_terms(profile: Profile, chunk_numel: int) -> Terms:
         fwd_peak=arr("fwd_peak_bytes"), bwd_peak=arr("bwd_peak_bytes"),
         up_fwd=up_fwd, up_bwd=up_bwd, offload_at=offload_at, grad_live=grad_live, uses=uses,
         last_fwd_use=last_fwd,
-        t_up=chunk_bytes / link_bandwidth(spec, chunk_bytes, "h2d") * 1e6,
-        t_down=chunk_bytes / link_bandwidth(spec, chunk_bytes, "d2h") * 1e6,
+        # A fetch uploads the own shard, then all-gathers; gradients reduce-scatter, then
+        # the own shard goes down. With W = 1 both collectives cost nothing.
+        t_up=shard_bytes / link_bandwidth(spec, shard_bytes, "h2d") * 1e6 + gather_us,
+        t_down=shard_bytes / link_bandwidth(spec, shard_bytes, "d2h") * 1e6 + gather_us,
+        world_size=W,
+        allreduce_us_per_chunk=2 * gather_us,
         swap_out_us_per_byte=1e6 / link_bandwidth(spec, big, "d2h"),
         swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
-        cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s,
+        cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
         dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s,
     )
 
@@ -270,7 +289,7 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
     t_cpu = n_params_off * t.cpu_adam_us_per_param
-    t_gpu = n_params_dev * t.dev_adam_us_per_param
+    t_gpu = n_params_dev * t.dev_adam_us_per_param + n_persist * t.allreduce_us_per_chunk
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
     # the CPU steps could all overlap backward. They cannot start before their gradients
     # land: one worker steps the offloaded chunks in offload order, each no earlier than
@@ -300,11 +319,18 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
         bwd_steps = bwd_steps + grid.ckpt * t.saved + t.bwd_peak
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
     peak = (states + resident + walk) * (ALPHA_GPU if t.gpu else 1.0)
+    shard_numel = t.chunk_numel // t.world_size
+    cb = t.chunk_bytes // t.chunk_numel
+    # Host memory per rank: every offloaded chunk's shard of home (compute dtype),
+    # moments and gradient accumulator (fp32), and for 16-bit compute a separate fp32
+    # master plus a staging buffer: what the executor's ledger counts as ``host``.
+    host = n_off * shard_numel * (cb + 8 + 4 + ((4 + cb) if cb != 4 else 0))
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
         "t_cpu_optim_done_us": cpu_done,
         "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
+        "host_bytes": np.full_like(time, host),
     }
     return time, peak, parts
 

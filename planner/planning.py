@@ -37,12 +37,9 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = "exhaustive"
     Raises ``BudgetError`` naming the smallest budget that would fit and the largest
     micro-batch that would fit this budget (activations scale with the batch).
     """
-    if world_size != 1:
-        raise BudgetError(f"world size {world_size}: multi-rank plans are not supported yet",
-                          "plan with --world-size 1")
     facts = facts_from_profile(profile)
     chunk_numel, _ = choose_chunk_numel(facts)
-    terms = make_terms(profile, chunk_numel)
+    terms = make_terms(profile, chunk_numel, world_size)
     result = SOLVERS[solver](terms, budget_bytes)
     best = result.best
     if best is None:

@@ -21,10 +21,50 @@ from .models import ZOO, build
 from .report import human_bytes
 
 
+def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; return (rank, world, device).
+
+    NCCL on GPUs (one per local rank), gloo on CPU. The timeout bounds every
+    collective, so a dead rank ends the others with an error instead of a hang.
+    """
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    cuda = torch.cuda.is_available()
+    device = None
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), world, device
+
+
 def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
-          seed: int = 0, lr: float = 3e-3, device: str | None = None,
+          seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
           echo: Callable[[str], None] = print, progress: bool = True) -> list[float]:
     plan = P.load(plan_path)
+    rank, world, rank_device = _init_distributed(timeout_s)
+    try:
+        return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
+                      device=device or rank_device, rank=rank, world=world,
+                      echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
+           progress) -> list[float]:
     if model_name not in ZOO:
         from protrain.executor.errors import did_you_mean
 
@@ -37,9 +77,10 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     vocab_check(source, model.lm_head.weight.shape[0])
     t = plan.training
     engine = wrap(model, plan, AdamWConfig(lr=lr), device=dev)
-    data = batches(source, t.micro_batch, t.seq_len, seed)
+    # Every rank draws the same global batch and keeps its slice of it.
+    data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     predicted = plan.prediction.peak_memory_bytes
-    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses: list[float] = []
     bar = None
     if progress:

@@ -54,13 +54,16 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
         data = batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)
         for _ in range(skip):
             next(data)
-        losses = [engine.step(next(data)).loss for _ in range(steps)]
+        results = [engine.step(next(data)) for _ in range(steps)]
+        losses = [r.loss for r in results]
+        peak = max(r.peak_bytes for r in results)
         sd = engine.state_dict()
         if save and rank == 0:
             torch.save(sd, save)
         if rank == 0:
             torch.save(sd, Path(out) / "state.pt")
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host,
+                                                                "peak": peak}))
         engine.close()
     finally:
         dist.destroy_process_group()

@@ -27,7 +27,7 @@ FROZEN_OPTIONS = {
                 "--model", "--output", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--data", "--help", "--lr", "--model", "--plan", "--seed", "--steps"],
+    "train": ["--data", "--help", "--lr", "--model", "--plan", "--seed", "--steps", "--timeout"],
     "validate": ["--help", "--model"],
 }
 

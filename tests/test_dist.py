@@ -74,15 +74,28 @@ def test_zero3_matches_single_process(tmp_path, name, world):
         torch.testing.assert_close(sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=n)
 
 
-def test_host_memory_per_rank_is_one_over_world(tmp_path):
+def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
+    from protrain.planner.cost import make_terms, predict
+    from protrain.planner.models import block_paths
+    from protrain.planner.profile import measure
+    from protrain.planner.spec import find_spec
+
     persistent, n_buffer, policies = CASES["gpt2-tiny"]
-    host = {}
-    for world in (1, 2):
+    model = build("gpt2-tiny", seed=1)
+    profile = measure(model, name="gpt2-tiny", blocks=block_paths(model), micro_batch=MICRO, seq_len=SEQ,
+                      compute_dtype="float32", device="cpu", spec=find_spec("cpu"), warmup=0, iterations=1)
+    host, peak, predicted = {}, {}, {}
+    for world in (1, 2, 3):
         out = tmp_path / str(world)
         out.mkdir()
-        spawn(train, world, str(out), "gpt2-tiny", persistent, n_buffer, policies, 1)
+        spawn(train, world, str(out), "gpt2-tiny", persistent, n_buffer, policies, 2)
         host[world] = _read(out, world)[0]["host"]
+        peak[world] = max(r["peak"] for r in _read(out, world))
+        predicted[world] = predict(make_terms(profile, 65536, world), 1, n_buffer, 1, 1)
+        assert predicted[world].breakdown["host_bytes"] == host[world]
+        assert predicted[world].peak_bytes == peak[world]  # per rank, exact on CPU
     assert host[1] > 0 and host[2] * 2 == host[1]
+    assert host[3] * 3 >= host[1] and host[3] * 3 - host[1] < 3 * 64  # 65536 pads to 65538
 
 
 def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
@@ -109,10 +122,15 @@ def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
 
 
 def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
-    try:
-        spawn(die, 2, str(tmp_path), 20.0)
-    except Exception:
-        pass  # rank 1 exits non-zero on purpose
+    # Plain processes, not mp.spawn: spawn would SIGTERM rank 0 as soon as rank 1 exits.
+    ctx = mp.get_context("spawn")
+    port = _port()
+    procs = [ctx.Process(target=die, args=(r, 2, port, str(tmp_path), 20.0)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    assert procs[1].exitcode == 3 and procs[0].exitcode == 0
     text = (tmp_path / "rank0.txt").read_text()
     seconds, message = text.split("\n", 1)
     assert float(seconds) < 25.0
@@ -128,3 +146,27 @@ def test_plan_for_another_world_size_is_refused():
     plan = make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"])
     with pytest.raises(PlanError, match="world size 2 but torch.distributed is not initialised"):
         wrap(build("gpt2-tiny"), plan)
+
+
+def test_protrain_train_under_torchrun(tmp_path):
+    import shutil
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    r = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32",
+                                  "--device", "cpu", "--hardware", "cpu", "--iterations", "1", "-o", str(prof)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["plan", "--profile", str(prof), "--world-size", "2", "--budget", "3MiB",
+                                  "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    torchrun = shutil.which("torchrun")
+    assert torchrun, "torchrun comes with torch"
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_port()), "--no-python",
+                          "protrain", "train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "5",
+                          "--timeout", "60"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("trained 5 steps") == 1  # logged by rank 0 only

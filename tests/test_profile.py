@@ -93,15 +93,27 @@ def test_saved_bytes_are_exact_and_linear(name):
 
 
 def test_repeated_profiles_are_stable(capsys):
+    """Per-block medians of two profiles agree within 25%.
+
+    On a quiet machine they agree within ~5% (seen: max 1.051). Under a concurrent
+    load (a benchmark on the other core) both blocks of one run slowed uniformly by
+    ~29%: the machine, not the profiler. So the absolute check allows a uniform drift
+    of up to 50%, and the 25% bound applies to each block's share of the step — the
+    proportions the planner's choices rest on.
+    """
     runs = [_measure("gpt2-tiny", 8, 128, warmup=2, iterations=9) for _ in range(2)]
-    ratios = []
+    ratios, share_ratios = [], []
+    totals = [sum(s.fwd_us + s.bwd_us for s in r.segments) for r in runs]
     for a, b in zip(runs[0].segments[1:-1], runs[1].segments[1:-1]):
         for fa, fb in ((a.fwd_us, b.fwd_us), (a.bwd_us, b.bwd_us)):
             ratios.append(max(fa, fb) / min(fa, fb))
+            sa, sb = fa / totals[0], fb / totals[1]
+            share_ratios.append(max(sa, sb) / min(sa, sb))
     with capsys.disabled():
         print(f"\nper-block median ratio between two profiles: max {max(ratios):.3f}, "
-              f"median {statistics.median(ratios):.3f}")
-    assert max(ratios) <= 1.25
+              f"median {statistics.median(ratios):.3f}; of shares: max {max(share_ratios):.3f}")
+    assert max(share_ratios) <= 1.25
+    assert max(ratios) <= 1.5
 
 
 def test_bootstrap_plan_gives_the_same_activations():
