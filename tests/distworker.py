@@ -26,9 +26,10 @@ from protrain.planner.models import block_paths, build
 MICRO, SEQ, LR = 2, 32, 2e-3
 
 
-def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str]) -> P.Plan:
+def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
+              micro: int = MICRO) -> P.Plan:
     meta = build(name, device="meta")
-    training = P.Training(micro_batch=MICRO, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
+    training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
                           world_size=world, grad_accum=1)
     return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=65536,
                 persistent=persistent, n_buffer=n_buffer, policies=policies)
@@ -43,15 +44,15 @@ def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
 
 def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_buffer: int,
           policies: list[str], steps: int, load: str | None = None, save: str | None = None,
-          skip: int = 0) -> None:
+          skip: int = 0, micro: int = MICRO) -> None:
     """Train ``steps`` steps (after skipping ``skip`` global batches); write losses and state."""
     init(rank, world, port)
     try:
-        plan = make_plan(name, world, persistent, n_buffer, policies)
+        plan = make_plan(name, world, persistent, n_buffer, policies, micro)
         engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
         if load:
             engine.load_state_dict(torch.load(load, weights_only=True))
-        data = batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)
+        data = batches(load_tokens(), micro, SEQ, 0, rank=rank, world_size=world)
         for _ in range(skip):
             next(data)
         results = [engine.step(next(data)) for _ in range(steps)]
