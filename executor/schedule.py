@@ -41,6 +41,7 @@ from torch import nn
 
 from .activations import Activations
 from .chunks import ChunkStore
+from .errors import ConfigError
 from .plan import POST, PRE, Plan, Step
 
 
@@ -55,7 +56,7 @@ class Phase(enum.Enum):
     """Inside ``.backward()``: boundary Functions replay backward steps."""
 
 
-class _Boundary(torch.autograd.Function):
+class Boundary(torch.autograd.Function):
     """Identity in forward; calls ``callback`` when its output's gradient arrives."""
 
     @staticmethod
@@ -69,12 +70,17 @@ class _Boundary(torch.autograd.Function):
         return None, grad
 
 
-def _first_tensor(x) -> tuple[torch.Tensor, Callable]:
+def first_tensor(x) -> tuple[torch.Tensor, Callable]:
     """The tensor a block takes or returns (HF blocks return tuples), and how to put it back."""
     if isinstance(x, torch.Tensor):
         return x, lambda t: t
-    assert isinstance(x, (tuple, list)) and isinstance(x[0], torch.Tensor), f"{type(x)=}"
-    return x[0], lambda t: type(x)((t, *x[1:]))
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0], lambda t: type(x)((t, *x[1:]))
+    raise ConfigError(
+        f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
+        "(or a tuple whose first element is the hidden states)",
+        "choose block paths whose modules map hidden states to hidden states (`--blocks`)",
+    )
 
 
 class Replayer:
@@ -210,11 +216,11 @@ class Replayer:
             if i == 0:
                 self.end(Phase.FORWARD, PRE)
             self.begin(Phase.FORWARD, name)
-            x, put = _first_tensor(args)
+            x, put = first_tensor(args)
             assert x.requires_grad, f"block {name}'s input must require grad for its backward hook"
             def after():
                 return (self._post_backward(i, name))
-            return put(_Boundary.apply(after, x))
+            return put(Boundary.apply(after, x))
 
         return hook
 
@@ -225,8 +231,8 @@ class Replayer:
             self.end(Phase.FORWARD, name)
             if last:
                 self.begin(Phase.FORWARD, POST)
-            y, put = _first_tensor(output)
-            return put(_Boundary.apply(lambda: self._pre_backward(i, name), y))
+            y, put = first_tensor(output)
+            return put(Boundary.apply(lambda: self._pre_backward(i, name), y))
 
         return hook
 

@@ -81,6 +81,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from protrain.executor.check import model_fingerprint, tied_pairs
 from protrain.executor.errors import ConfigError
 from protrain.executor.plan import POST, PRE
+from protrain.executor.schedule import Boundary, first_tensor
 
 from .graph import trace
 from .profile import (
@@ -286,34 +287,6 @@ def _dropout_args(input, p=0.5, training=True, inplace=False):
     return input, p, training
 
 
-class _Mark(torch.autograd.Function):
-    """Identity in forward; calls ``callback`` when its output's gradient arrives (the
-    executor's ``_Boundary``, see [Note: segment boundaries] in executor/schedule.py)."""
-
-    @staticmethod
-    def forward(ctx, callback: Callable[[], None], x: torch.Tensor) -> torch.Tensor:
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.callback()
-        return None, grad
-
-
-def _first_tensor(x) -> tuple[torch.Tensor, Callable]:
-    """The tensor a block takes or returns (HF blocks return tuples), and how to put it back."""
-    if isinstance(x, torch.Tensor):
-        return x, lambda t: t
-    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
-        return x[0], lambda t: type(x)((t, *x[1:]))
-    raise ConfigError(
-        f"a block must take and return a tensor (or a tuple starting with one), "
-        f"got {type(x).__name__}",
-        "check the block paths (`--blocks`)",
-    )
-
-
 # ---------------------------------------------------------------------------- counting
 
 
@@ -383,7 +356,7 @@ def count_segments(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    # Forward: block hooks move the segment; backward: _Mark callbacks do (executor's scheme).
+    # Forward: block hooks move the segment; backward: Boundary callbacks do (the executor's own Function).
     last = len(blocks) - 1
 
     def pre_hook(i: int, name: str):
@@ -392,7 +365,7 @@ def count_segments(
                 return None
             counter.end()
             counter.begin("fwd", name)
-            x, put = _first_tensor(args)
+            x, put = first_tensor(args)
             counter.counts[name].input_bytes = x.untyped_storage().nbytes()
             if not x.requires_grad:
                 return None
@@ -401,7 +374,7 @@ def count_segments(
                 counter.end()
                 counter.begin("bwd", blocks[i - 1] if i else PRE)
 
-            return put(_Mark.apply(after, x))
+            return put(Boundary.apply(after, x))
 
         return hook
 
@@ -409,7 +382,7 @@ def count_segments(
         def hook(_m, _args, output):
             if counter.phase != "fwd":
                 return None
-            y, put = _first_tensor(output)
+            y, put = first_tensor(output)
             if i == last:
                 counter.end()
                 counter.begin("fwd", POST)
@@ -422,7 +395,7 @@ def count_segments(
                     counter.end()
                     counter.begin("bwd", name)
 
-            return put(_Mark.apply(before, y))
+            return put(Boundary.apply(before, y))
 
         return hook
 

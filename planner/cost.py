@@ -45,7 +45,7 @@ import numpy as np
 from protrain.executor.plan import POST, PRE
 
 from .emit import ModelFacts
-from .layout import assign
+from .layout import assign, groups
 from .profile import Profile
 from .spec import link_bandwidth
 
@@ -134,13 +134,7 @@ class Terms:
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
     """Chunks each segment uses, and parameter elements per chunk, for one chunk size."""
     numel = {n: math.prod(s) for n, s, _ in facts.params}
-    groups: dict[str, str] = {}
-    for s in facts.segments:
-        for n in facts.uses[s]:
-            groups.setdefault(n, s)
-    for n in facts.order:
-        groups.setdefault(n, "<unused>")
-    slots = assign(facts.order, numel, groups, chunk_numel)
+    slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
     need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
     per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)

@@ -33,7 +33,7 @@ from protrain.executor.check import model_signature, tied_pairs
 from protrain.executor.errors import BudgetError, ConfigError
 
 from .graph import ExecutionGraph, trace
-from .layout import assign
+from .layout import assign, groups
 
 
 def generator() -> P.Generator:
@@ -162,15 +162,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     shape = {n: s for n, s, _ in facts.params}
     dtype = {n: d for n, _, d in facts.params}
     numel = {n: math.prod(s) for n, s in shape.items()}
-    # Layout groups: each parameter belongs to the segment that uses it first, so a
-    # block (or the embeddings, or the head) stays in one chunk when it fits.
-    groups: dict[str, str] = {}
-    for s in facts.segments:
-        for n in facts.uses[s]:
-            groups.setdefault(n, s)
-    for n in facts.order:
-        groups.setdefault(n, "<unused>")
-    slots = assign(facts.order, numel, groups, chunk_numel)
+    slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
     chunks = P.Chunks(chunk_numel=chunk_numel, items=[
         P.Chunk(id=i, params=[P.Param(name=s.name, shape=list(shape[s.name]), dtype=dtype[s.name],
                                       offset=s.offset, numel=s.numel) for s in chunk])

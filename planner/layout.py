@@ -28,6 +28,18 @@ class Slot:
     numel: int
 
 
+def groups(segments: Sequence[str], uses: dict[str, list[str]], order: Sequence[str]) -> dict[str, str]:
+    """Layout group of each parameter: the segment that uses it first (``<unused>`` if none),
+    so a block — or the embeddings, or the head — stays in one chunk when it fits."""
+    out: dict[str, str] = {}
+    for s in segments:
+        for n in uses[s]:
+            out.setdefault(n, s)
+    for n in order:
+        out.setdefault(n, "<unused>")
+    return out
+
+
 def assign(order: Sequence[str], numel: dict[str, int], groups: dict[str, str],
            chunk_numel: int) -> list[list[Slot]]:
     """Pack parameters into chunks of ``chunk_numel`` elements; return the slots per chunk.
