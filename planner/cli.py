@@ -154,6 +154,32 @@ def plan(profile_path, model_name, hardware, batch, seq, dtype, device, budget, 
 
 
 @main.command()
+@click.argument("a_path", metavar="A", type=click.Path(dir_okay=False))
+@click.argument("b_path", metavar="B", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def diff(a_path: str, b_path: str, as_json: bool) -> None:
+    """Semantic diff of two plans; exit 0 when equal, 1 when they differ, 2 on errors."""
+    import json
+
+    from protrain.executor.plan import load
+
+    from .report import diff_json, render_diff
+
+    try:
+        a, b = load(a_path), load(b_path)
+    except ProtrainError as e:  # 1 means "differ" here, as for diff(1)
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if as_json:
+        doc = diff_json(a, b)
+        click.echo(json.dumps(doc, indent=2))
+        sys.exit(0 if doc["equal"] else 1)
+    text, equal = render_diff(a, b, a_path, b_path)
+    click.echo(text)
+    sys.exit(0 if equal else 1)
+
+
+@main.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 def explain(plan_path: str) -> None:
     """Why this plan: runners-up, the Pareto front, what bounds each phase."""
@@ -210,7 +236,7 @@ def probe(output, device, quick):
               help="Directory for the profile and the plan.")
 @click.option("--budget", default=None, metavar="SIZE",
               help="Memory budget [default: 60% of what keeping everything on the device needs, "
-                   "so the plan offloads].")
+                   "so the plan must trade memory for time].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
 def quickstart(model_name, steps, data_path, out_dir, budget, seed):
     """Profile → plan → train a small model end to end on whatever device is present."""

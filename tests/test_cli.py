@@ -17,6 +17,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "exam
 # test_no_new_cli_options): the CLI is an interface users script against.
 FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
+    "diff": ["--help", "--json"],
     "explain": ["--help"],
     "hardware": ["--help"],
     "hardware probe": ["--device", "--help", "--output", "--quick"],
@@ -115,7 +116,8 @@ def test_quickstart_profiles_plans_and_trains(tmp_path):
     from protrain.executor import plan as P
 
     plan = P.load(tmp_path / "gpt2-tiny.plan.json")
-    assert plan.placement.offloaded  # the default budget (60%) forces offloading
+    # The default budget (60% of keeping everything) forces a trade: offload, swap or recompute.
+    assert plan.placement.offloaded or any(a.policy != "keep" for a in plan.activations)
     first, last = result.output.split("trained 20 steps")[1].split("loss ")[1].split(" → ")
     assert float(last.strip()) < float(first)
     # The measured peak equals the prediction on CPU (the ledger model is exact there).
@@ -181,3 +183,22 @@ def test_train_refuses_a_plan_for_another_model(tiny_profile, tmp_path):
     CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "-o", str(plan)])
     r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "llama-tiny", "--steps", "1"])
     assert r.exit_code == 1 and "made for another model" in r.output
+
+
+def test_diff_exit_codes(tmp_path):
+    import msgspec
+
+    from protrain.executor import plan as P
+
+    same = CliRunner().invoke(main, ["diff", str(EXAMPLE), str(EXAMPLE)])
+    assert same.exit_code == 0 and "plans are equal" in same.output
+    plan = P.load(EXAMPLE)
+    other = tmp_path / "other.json"
+    acts = [msgspec.structs.replace(a, policy="keep") for a in plan.activations]
+    other.write_bytes(P.dump(msgspec.structs.replace(plan, activations=acts)))
+    differ = CliRunner().invoke(main, ["diff", str(EXAMPLE), str(other)])
+    assert differ.exit_code == 1 and "^" in differ.output
+    js = CliRunner().invoke(main, ["diff", "--json", str(EXAMPLE), str(other)])
+    assert js.exit_code == 1 and json.loads(js.output)["equal"] is False
+    bad = CliRunner().invoke(main, ["diff", str(EXAMPLE), str(tmp_path / "missing.json")])
+    assert bad.exit_code == 2 and "missing.json" in bad.output
