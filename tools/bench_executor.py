@@ -246,14 +246,17 @@ def reading(med: dict[str, float], runs: dict[str, list[Run]], load: tuple[float
     )
 
 
-def write_section(text: str) -> None:
-    """Create BENCHMARKS.md with its header if missing; replace or append our section only."""
+def write_section(text: str, title: str = SECTION) -> None:
+    """Create BENCHMARKS.md with its header if missing; replace or append section ``title`` only.
+
+    The other benchmark tools (bench_planner, bench_dist) write their sections with it too.
+    """
     doc = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else HEADER
-    start = doc.find(SECTION)
+    start = doc.find(title)
     if start < 0:
         doc = doc.rstrip("\n") + "\n\n" + text
     else:
-        end = doc.find("\n## ", start + len(SECTION))  # the next section, if any
+        end = doc.find("\n## ", start + len(title))  # the next section, if any
         rest = "" if end < 0 else "\n" + doc[end + 1:]  # keep later sections as they were
         doc = doc[:start] + text + rest
     BENCHMARKS_MD.write_text(doc.rstrip("\n") + "\n")

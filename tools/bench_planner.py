@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool, for its models
-from bench_executor import BENCH_MODELS, HEADER, build_model, machine  # noqa: E402
+from bench_executor import BENCH_MODELS, build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor import plan as P  # noqa: E402
@@ -521,19 +521,6 @@ def search_section(rows: list[SearchRow], prof_times) -> tuple[str, str]:
 # Writing
 
 
-def write_section(title: str, text: str) -> None:
-    """Create BENCHMARKS.md with its header if missing; replace or append section ``title`` only."""
-    doc = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else HEADER
-    start = doc.find(title)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + len(title))  # the next section, if any
-        rest = "" if end < 0 else "\n" + doc[end + 1:]  # keep later sections as they were
-        doc = doc[:start] + text + rest
-    BENCHMARKS_MD.write_text(doc.rstrip("\n") + "\n")
-
-
 def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -630,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     for title, text in sections:
         print(text)
         if args.write:
-            write_section(title, text)
+            write_section(text, title)
     if args.write:
         print(f"wrote {BENCHMARKS_MD.relative_to(ROOT)}", file=sys.stderr)
     return 0
