@@ -181,13 +181,37 @@ def diff(a_path: str, b_path: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-def explain(plan_path: str) -> None:
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="The profile the plan was made from (needed for --trace and --plot).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the predicted iteration as a Chrome/Perfetto trace.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Draw the predicted memory walk with the budget line (PNG; the plot extra).")
+def explain(plan_path: str, profile_path: str | None, trace_path: str | None, plot_path: str | None) -> None:
     """Why this plan: runners-up, the Pareto front, what bounds each phase."""
     from protrain.executor.plan import load
 
     from .report import render_explain
 
-    click.echo(render_explain(load(plan_path), plan_path))
+    plan = load(plan_path)
+    click.echo(render_explain(plan, plan_path))
+    if (trace_path or plot_path) and profile_path is None:
+        raise ProtrainError("--trace and --plot need the profile the plan was made from",
+                            "add --profile PROFILE.json (the file given to `protrain plan --profile`)")
+    if profile_path is not None:
+        from .profile import load_profile
+
+        profile = load_profile(profile_path)
+        if trace_path:
+            from .trace import predicted_trace, write_trace
+
+            write_trace(predicted_trace(profile, plan), trace_path)
+            click.echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+        if plot_path:
+            from .memory_plot import plot_memory
+
+            plot_memory(profile, plan, plot_path)
+            click.echo(f"wrote {plot_path}")
 
 
 @main.command()
@@ -200,12 +224,25 @@ def explain(plan_path: str) -> None:
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds any collective may wait before the run fails (multi-rank runs).")
-def train(plan_path, model_name, data_path, steps, lr, seed, timeout_s):
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the measured steps as a Chrome/Perfetto trace (rank 0).")
+def train(plan_path, model_name, data_path, steps, lr, seed, timeout_s, trace_path):
     """Train a zoo model by replaying a plan (under torchrun for several ranks)."""
     from .train import train as run
 
     run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
-        echo=click.echo)
+        trace_path=trace_path, echo=click.echo)
+
+
+@main.command()
+@click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
+@click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
+@click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
+def fit(hardware, budget, seq):
+    """The largest GPT-2 and LLaMA family model (and batch) that trains on one device."""
+    from .fit import run_fit
+
+    run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo)
 
 
 @main.group()

@@ -48,12 +48,14 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
 
 def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
           seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
-          echo: Callable[[str], None] = print, progress: bool = True) -> list[float]:
+          trace_path: str | None = None, echo: Callable[[str], None] = print,
+          progress: bool = True) -> list[float]:
     plan = P.load(plan_path)
     rank, world, rank_device = _init_distributed(timeout_s)
     try:
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
+                      trace_path=trace_path if rank == 0 else None,
                       echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0)
     finally:
         if world > 1:
@@ -64,7 +66,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
 
 
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
-           progress) -> list[float]:
+           progress, trace_path=None) -> list[float]:
     if model_name not in ZOO:
         from protrain.executor.errors import did_you_mean
 
@@ -97,6 +99,12 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         task = bar.add_task("train", total=steps, status="")
         bar.start()
     t0 = time.perf_counter()
+    recorder = None
+    if trace_path:
+        from .trace import record_trace
+
+        recorder = record_trace(engine)
+        rec = recorder.__enter__()
     try:
         for step in range(steps):
             result = engine.step([next(data) for _ in range(t.grad_accum)])
@@ -111,6 +119,10 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     finally:
         if bar is not None:
             bar.stop()
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            rec.save(trace_path)
+            echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
         engine.close()
     echo(f"trained {steps} steps in {time.perf_counter() - t0:.1f} s: loss {losses[0]:.3f} → {losses[-1]:.3f}")
     return losses

@@ -18,7 +18,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "exam
 FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
     "diff": ["--help", "--json"],
-    "explain": ["--help"],
+    "explain": ["--help", "--plot", "--profile", "--trace"],
+    "fit": ["--budget", "--hardware", "--help", "--seq"],
     "hardware": ["--help"],
     "hardware probe": ["--device", "--help", "--output", "--quick"],
     "models": ["--help"],
@@ -28,7 +29,7 @@ FROZEN_OPTIONS = {
                 "--model", "--output", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--data", "--help", "--lr", "--model", "--plan", "--seed", "--steps", "--timeout"],
+    "train": ["--data", "--help", "--lr", "--model", "--plan", "--seed", "--steps", "--timeout", "--trace"],
     "validate": ["--help", "--model"],
 }
 
@@ -202,3 +203,20 @@ def test_diff_exit_codes(tmp_path):
     assert js.exit_code == 1 and json.loads(js.output)["equal"] is False
     bad = CliRunner().invoke(main, ["diff", str(EXAMPLE), str(tmp_path / "missing.json")])
     assert bad.exit_code == 2 and "missing.json" in bad.output
+
+
+def test_explain_trace_and_train_trace(tiny_profile, tmp_path):
+    from protrain.planner.trace import validate_trace
+
+    plan = tmp_path / "plan.json"
+    CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)])
+    r = CliRunner().invoke(main, ["explain", str(plan), "--trace", str(tmp_path / "t.json")])
+    assert r.exit_code == 1 and "--profile" in r.output
+    r = CliRunner().invoke(main, ["explain", str(plan), "--profile", str(tiny_profile),
+                                  "--trace", str(tmp_path / "t.json")])
+    assert r.exit_code == 0, r.output
+    validate_trace(json.loads((tmp_path / "t.json").read_text()))
+    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "2",
+                                  "--trace", str(tmp_path / "m.json")])
+    assert r.exit_code == 0, r.output
+    validate_trace(json.loads((tmp_path / "m.json").read_text()))

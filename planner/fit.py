@@ -1,0 +1,399 @@
+"""The largest model of a family that one device can train (``protrain fit``).
+
+For a family (``gpt2``, ``llama``) we lay its shapes out on a *ladder*: a list of
+configurations ordered by parameter count that passes through the zoo's sizes and
+interpolates between them (rules below). Bisection on the ladder finds the largest
+rung whose analytic profile (``analytic.analytic_profile`` on a meta model) gets a
+feasible plan from ``planning.make_plan`` at world size 1 and whose host memory
+need fits the host; then, at that size, bisection over the candidate micro-batches
+finds the largest that still fits. A probe profiles one (size, micro-batch) pair:
+2-8 s for a big model on a 2-core box, so a family costs about 7 size probes and
+2-3 micro-batch probes.
+
+Ladders (the interpolation rules):
+
+- **gpt2**: the width ``w`` steps by 64 from 768 to 2048, then by 128 to 12288
+  (101 rungs, at most 16% apart in parameters above 1B). Depth is piecewise linear in ``w`` through the zoo (768: 12 layers,
+  1024: 24, 1280: 36, 1600: 48), stays at 48 up to 4096 (``gpt2-4b``,
+  ``gpt2-10b``), and beyond grows with the width at gpt2-10b's aspect (48 layers
+  per 4096 of width, rounded to an even count; 8192 → 96 layers, 78B). Head size
+  64 below a width of 2048, 128 from there (as gpt2-4b and gpt2-10b). GPT-2's
+  vocabulary (50257), tied head, learned positions for ``max(1024, seq_len)``.
+- **llama**: anchors at public configurations, (layers, dim, ffn): TinyLlama-1.1B
+  (22, 2048, 5632), LLaMA-2 7B (32, 4096, 11008), 13B (40, 5120, 13824),
+  CodeLlama-34B (48, 8192, 22016), LLaMA-2 70B (80, 8192, 28672) and a LLaMA-3
+  405B-shaped (126, 16384, 53248), with 8 rungs between neighbours (41 rungs, at
+  most 34% apart, the coarsest beyond 70B): layers and dim
+  interpolated linearly (dim rounded to 256), ffn linearly and rounded up to 256
+  (the reference code's ``multiple_of``). Head size 128; full multi-head attention
+  up to dim 5120 (as 7B and 13B), grouped-query attention above with dim rounded
+  to 512 and ``gcd(n_head, 8)`` (4 or 8) key/value heads (8 for 34B and 70B). Vocabulary 32000, untied head.
+
+Fitting means: ``make_plan`` finds a configuration under the device budget, and
+the host can hold what the plan offloads. Host need = the plan's
+``prediction.breakdown["host_bytes"]`` (every offloaded chunk's compute-dtype home,
+fp32 master, Adam moments, gradient accumulator and staging buffer: 20 B per element
+in bf16, 16 in fp32; the executor's ledger counts the same) plus the swapped
+blocks' activations (pinned host copies during the iteration). A plan whose need
+exceeds ``spec.host_memory_bytes`` does not fit. This leaves nothing for the OS,
+the data loader or the Python process, so the real ceiling is a little lower; and
+we check the fastest plan only (a slower one keeping more chunks on the device
+could need less host memory). Before profiling a rung we drop it if even the
+best case (every byte of the device budget holding persistent chunk states) leaves
+more to offload than the host holds: that needs only the parameter count.
+
+Bisection assumes "fits" is monotone along the ladder, which holds as long as a
+bigger rung is bigger in every term (states, activations), as both ladders are by
+construction (tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from protrain.executor import plan as P
+from protrain.executor.errors import BudgetError, ConfigError, did_you_mean
+
+from .models import GPT2Config, LlamaConfig
+from .profile import Profile
+from .spec import HardwareSpec, dump_spec
+
+FAMILIES = ("gpt2", "llama")
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+"""Micro-batch candidates tried at the largest fitting size."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---------------------------------------------------------------------------- ladders
+
+
+def _lerp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation through ``points`` (x ascending), clamped at the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def gpt2_ladder(seq_len: int = 1024) -> list[GPT2Config]:
+    """GPT-2 shapes from gpt2 (124M) to a 12288-wide, 144-layer model (261B); module doc."""
+    widths = [*range(768, 2048, 64), *range(2048, 12288 + 1, 128)]
+    depth = [(768, 12), (1024, 24), (1280, 36), (1600, 48), (4096, 48)]
+    out = []
+    for w in widths:
+        n_layer = round(_lerp(depth, w)) if w <= 4096 else 2 * round(48 * w / 4096 / 2)
+        head = 64 if w < 2048 else 128
+        out.append(GPT2Config(n_layer=n_layer, n_head=w // head, n_embd=w,
+                              block_size=max(1024, seq_len)))
+    return out
+
+
+LLAMA_ANCHORS = (  # (n_layer, dim, ffn_dim), public configurations; module doc
+    (22, 2048, 5632),  # TinyLlama-1.1B
+    (32, 4096, 11008),  # LLaMA-2 7B
+    (40, 5120, 13824),  # LLaMA-2 13B
+    (48, 8192, 22016),  # CodeLlama-34B
+    (80, 8192, 28672),  # LLaMA-2 70B
+    (126, 16384, 53248),  # LLaMA-3 405B's shape
+)
+LLAMA_STEPS = 8
+"""Rungs from one anchor to the next."""
+
+
+def llama_ladder(seq_len: int = 4096) -> list[LlamaConfig]:
+    """LLaMA shapes from 1.1B to 405B-shaped, through the public configurations; module doc."""
+    out = []
+    for (l0, d0, f0), (l1, d1, f1) in zip(LLAMA_ANCHORS, LLAMA_ANCHORS[1:]):
+        for j in range(LLAMA_STEPS):
+            t = j / LLAMA_STEPS
+            dim = 256 * round((d0 + t * (d1 - d0)) / 256)
+            if dim > 5120:  # GQA: a multiple of 512, so that n_head has 4 or 8 kv groups
+                dim = 512 * round((d0 + t * (d1 - d0)) / 512)
+            ffn = 256 * math.ceil((f0 + t * (f1 - f0)) / 256)
+            n_head = dim // 128
+            n_kv = n_head if dim <= 5120 else math.gcd(n_head, 8)
+            out.append(LlamaConfig(n_layer=round(l0 + t * (l1 - l0)), n_head=n_head, n_kv_head=n_kv,
+                                   dim=dim, ffn_dim=ffn, max_seq_len=max(4096, seq_len)))
+    l1, d1, f1 = LLAMA_ANCHORS[-1]
+    out.append(LlamaConfig(n_layer=l1, n_head=d1 // 128, n_kv_head=8, dim=d1, ffn_dim=f1,
+                           max_seq_len=max(4096, seq_len)))
+    return out
+
+
+def ladder(family: str, seq_len: int) -> list[GPT2Config] | list[LlamaConfig]:
+    if family == "gpt2":
+        return gpt2_ladder(seq_len)
+    if family == "llama":
+        return llama_ladder(seq_len)
+    raise ConfigError(f"unknown model family {family!r}{did_you_mean(family, FAMILIES)}; "
+                      f"choose one of {', '.join(FAMILIES)}", "e.g. --family gpt2")
+
+
+def n_params(cfg: GPT2Config | LlamaConfig) -> int:
+    """Parameter count of a configuration without building it (equals ``models.count_params``)."""
+    if isinstance(cfg, GPT2Config):
+        w = cfg.n_embd  # tied head; per block: qkv, proj, fc, proj (+biases), two LayerNorms
+        return (cfg.vocab_size + cfg.block_size) * w + cfg.n_layer * (12 * w * w + 13 * w) + 2 * w
+    d, hd = cfg.dim, cfg.dim // cfg.n_head
+    attn = 2 * d * d + 2 * d * cfg.n_kv_head * hd  # q, o; k, v
+    return 2 * cfg.vocab_size * d + cfg.n_layer * (attn + 3 * d * cfg.ffn_dim + 2 * d) + d
+
+
+def describe(cfg: GPT2Config | LlamaConfig) -> str:
+    """``48L × 1600 (25 heads)`` / ``80L × 8192, ffn 28672 (64 heads, 8 kv)``."""
+    if isinstance(cfg, GPT2Config):
+        return f"{cfg.n_layer}L × {cfg.n_embd} ({cfg.n_head} heads)"
+    kv = "" if cfg.n_kv_head == cfg.n_head else f", {cfg.n_kv_head} kv"
+    return f"{cfg.n_layer}L × {cfg.dim}, ffn {cfg.ffn_dim} ({cfg.n_head} heads{kv})"
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One (size, micro-batch) the search tried."""
+
+    config: GPT2Config | LlamaConfig
+    n_params: int
+    micro_batch: int
+    fits: bool
+    reason: str
+    """Why not (``device memory: …`` / ``host memory: …``), or the predicted time when it fits."""
+    seconds: float
+    """Wall time of the probe (profile + plan)."""
+    plan: P.Plan | None = None
+
+
+@dataclass(frozen=True)
+class FitResult:
+    family: str
+    hardware: str
+    budget_bytes: int
+    host_memory_bytes: int
+    seq_len: int
+    compute_dtype: str
+    config: GPT2Config | LlamaConfig
+    """The largest fitting ladder rung."""
+    n_params: int
+    micro_batch: int
+    """The largest fitting micro-batch at that size."""
+    iter_time_us: int
+    """Predicted iteration time at that micro-batch."""
+    tokens_per_s: float
+    peak_bytes: int
+    host_bytes: int
+    """Host need (the plan's host_bytes plus swapped activations)."""
+    plan: P.Plan
+    limit: str
+    """What stops the next rung (its probe's reason), or ``end of the ladder``."""
+    probes: list[Probe] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+_PROFILES: dict[tuple, Profile] = {}
+"""(config, micro-batch, seq, dtype, spec digest) → analytic profile. Profiles do not depend
+on the budget, so a second fit on the same card (another budget) reuses them."""
+_MAX_CACHED = 48
+
+
+def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str) -> Profile:
+    key = (cfg, micro_batch, seq_len, dtype, digest)
+    if key not in _PROFILES:
+        import torch
+
+        from .analytic import analytic_profile
+        from .models import GPT2, Llama, block_paths
+
+        with torch.device("meta"):
+            model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+        name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
+        if len(_PROFILES) >= _MAX_CACHED:
+            _PROFILES.pop(next(iter(_PROFILES)))
+        _PROFILES[key] = analytic_profile(model, name=name, blocks=block_paths(model),
+                                          micro_batch=micro_batch, seq_len=seq_len,
+                                          compute_dtype=dtype, spec=spec)
+    return _PROFILES[key]
+
+
+def host_need_bytes(profile: Profile, plan: P.Plan) -> int:
+    """Host memory the plan needs: offloaded chunks' states and the swapped activations."""
+    swapped = {a.block for a in plan.activations if a.policy == "swap"}
+    acts = sum(s.saved_tensor_bytes for s in profile.segments if s.segment in swapped)
+    return int(plan.prediction.breakdown.get("host_bytes", 0)) + acts
+
+
+def _host_floor_bytes(n: int, budget_bytes: int, dtype: str) -> int:
+    """A lower bound of the host need of any plan for ``n`` parameters: what is left to
+    offload when the whole budget holds persistent states (module docstring)."""
+    cb = DTYPE_BYTES[dtype]
+    state = 2 * cb + 8 + (4 if cb != 4 else 0)  # as cost.make_terms' state_bytes_per_elem
+    host = cb + 12 + ((4 + cb) if cb != 4 else 0)  # as cost.evaluate's host bytes per element
+    return max(0, n - budget_bytes // state) * host
+
+
+def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
+           budget_bytes: int) -> Probe:
+    from .planning import make_plan
+    from .report import human_bytes
+
+    t0 = time.perf_counter()
+    n = n_params(cfg)
+    floor = _host_floor_bytes(n, budget_bytes, dtype)
+    if floor > spec.host_memory_bytes:
+        return Probe(cfg, n, micro_batch, False,
+                     f"host memory: needs at least {human_bytes(floor)} of {human_bytes(spec.host_memory_bytes)}",
+                     time.perf_counter() - t0)
+    profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest)
+    try:
+        plan, _ = make_plan(profile, budget_bytes)
+    except BudgetError:
+        return Probe(cfg, n, micro_batch, False, "device memory: no configuration fits the budget",
+                     time.perf_counter() - t0)
+    host = host_need_bytes(profile, plan)
+    if host > spec.host_memory_bytes:
+        return Probe(cfg, n, micro_batch, False,
+                     f"host memory: needs {human_bytes(host)} of {human_bytes(spec.host_memory_bytes)}",
+                     time.perf_counter() - t0, plan)
+    return Probe(cfg, n, micro_batch, True, f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iter",
+                 time.perf_counter() - t0, plan)
+
+
+# ---------------------------------------------------------------------------- search
+
+
+def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None = None,
+                    seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
+                    compute_dtype: str = "bfloat16",
+                    progress: Callable[[Probe], None] | None = None) -> FitResult:
+    """The largest rung of ``family``'s ladder that trains on one ``spec`` device, and the
+    largest of ``micro_batches`` at that size (see the module docstring).
+
+    ``budget_bytes`` defaults to the spec's usable memory. Raises ``BudgetError`` when
+    not even the smallest rung fits at the smallest micro-batch.
+    """
+    t0 = time.perf_counter()
+    configs = ladder(family, seq_len)
+    budget = spec.usable_memory_bytes if budget_bytes is None else budget_bytes
+    if not micro_batches or min(micro_batches) < 1:
+        raise ConfigError(f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16")
+    mbs = sorted(set(micro_batches))
+    digest = hashlib.sha256(dump_spec(spec)).hexdigest()
+    probes: list[Probe] = []
+
+    def probe(i: int, mb: int) -> Probe:
+        p = _probe(configs[i], mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
+                   budget_bytes=budget)
+        probes.append(p)
+        if progress is not None:
+            progress(p)
+        return p
+
+    # Rungs whose host floor already exceeds the host cost nothing to rule out.
+    hi = next((i for i, c in enumerate(configs)
+               if _host_floor_bytes(n_params(c), budget, compute_dtype) > spec.host_memory_bytes),
+              len(configs))
+    lo, best, limit = -1, None, "end of the ladder"
+    if hi < len(configs):
+        limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
+                       digest=digest, budget_bytes=budget).reason
+    # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        p = probe(mid, mbs[0])
+        if p.fits:
+            lo, best = mid, p
+        else:
+            hi, limit = mid, p.reason
+    if best is None:
+        from .report import human_bytes
+
+        raise BudgetError(
+            f"not even the smallest {family} ({describe(configs[0])}, {n_params(configs[0]) / 1e6:.0f}M "
+            f"parameters) fits {spec.name} with a {human_bytes(budget)} budget at micro-batch {mbs[0]} "
+            f"× seq {seq_len}: {limit}",
+            "raise --budget, or try a shorter sequence",
+        )
+    # Largest micro-batch at that size: mbs[0] fits; bisect over the rest.
+    m_lo, m_hi = 0, len(mbs)
+    while m_hi - m_lo > 1:
+        mid = (m_lo + m_hi) // 2
+        p = probe(lo, mbs[mid])
+        if p.fits:
+            m_lo, best = mid, p
+        else:
+            m_hi = mid
+    plan = best.plan
+    assert plan is not None, f"{best=}"
+    profile = _profile(configs[lo], best.micro_batch, seq_len, compute_dtype, spec, digest)
+    iter_us = plan.prediction.iter_time_us
+    return FitResult(
+        family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=spec.host_memory_bytes,
+        seq_len=seq_len, compute_dtype=compute_dtype, config=configs[lo], n_params=best.n_params,
+        micro_batch=best.micro_batch, iter_time_us=iter_us,
+        tokens_per_s=best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
+        peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(profile, plan),
+        plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
+    )
+
+
+# ---------------------------------------------------------------------------- table
+
+
+def render_fit(results: Sequence[FitResult]) -> str:
+    """The ``protrain fit`` table: one row per family, then what stops the next size."""
+    from .report import human_bytes
+
+    if not results:
+        return "no results"
+    r0 = results[0]
+    lines = [f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget, "
+             f"{human_bytes(r0.host_memory_bytes)} host, seq {r0.seq_len}, {r0.compute_dtype}, one device"]
+    head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host")
+    rows = [head]
+    for r in results:
+        rows.append((r.family, f"{r.n_params / 1e9:.2f}B", describe(r.config), str(r.micro_batch),
+                     f"{r.iter_time_us / 1e6:.2f} s", f"{r.tokens_per_s:,.0f}",
+                     human_bytes(r.peak_bytes), human_bytes(r.host_bytes)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     .rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for r in results:
+        lines.append(f"{r.family}: next size stopped by {r.limit} "
+                     f"({len(r.probes)} probes, {r.seconds:.0f} s)")
+    return "\n".join(lines)
+
+
+def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
+            families: Sequence[str] = FAMILIES, micro_batches: Sequence[int] = MICRO_BATCHES,
+            compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print) -> list[FitResult]:
+    """``protrain fit --hardware X [--budget SIZE]``: search every family, print the table."""
+    from .planning import parse_budget
+    from .spec import find_spec
+
+    spec = find_spec(hardware)
+    budget_bytes = parse_budget(budget) if budget else None
+    results = []
+    for family in families:
+        echo(f"fit      {family}: bisecting the ladder on {spec.name} …")
+
+        def progress(p: Probe) -> None:
+            echo(f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
+                 f"{p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)")
+
+        results.append(largest_fitting(family, spec, budget_bytes=budget_bytes, seq_len=seq_len,
+                                       micro_batches=micro_batches, compute_dtype=compute_dtype,
+                                       progress=progress))
+    echo(render_fit(results))
+    return results

@@ -1,0 +1,179 @@
+"""The cost model's peak-memory walk (paper Eqs. 8-11), step by step, and its plot.
+
+``memory_timeline`` / ``memory_walk`` give the walk's terms per forward and backward
+step; its maximum is the plan's predicted peak. ``plot_memory`` draws it as stacked
+bars with the budget line (matplotlib, the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from protrain.executor import plan as P
+from protrain.executor.errors import ConfigError
+
+from .profile import Profile
+from .trace import _policy_masks, _terms_for
+
+# ------------------------------------------------------------------- memory walk
+
+
+@dataclass(frozen=True)
+class MemoryStep:
+    """One step of the cost model's memory walk, its terms in bytes (before ``alpha``)."""
+
+    label: str
+    """``forward <seg>`` or ``backward <seg>``."""
+    states: float
+    """Persistent chunks' parameters, gradients, masters and moments."""
+    buffers: float
+    """Device buffers of the offloaded chunks."""
+    activations: float
+    """Activations held (keep: saved, checkpoint: input, swap: nothing) up to this step."""
+    swapped_in: float
+    """Swapped blocks' activations back on the device (backward)."""
+    grads: float
+    """Gradient buffers of offloaded chunks alive at this backward step."""
+    recompute: float
+    """A checkpointed block's recomputed activations during its backward (GPU only)."""
+    transient: float
+    """The segment's transient peak above its start (GPU only)."""
+    alpha: float
+    """Fragmentation factor applied to the sum (``cost.ALPHA_GPU`` on GPU, 1 on CPU)."""
+
+    @property
+    def total_bytes(self) -> float:
+        # Summed in cost.evaluate's order, so the float is the same to the last bit.
+        walk = self.activations + self.swapped_in + self.grads + self.recompute + self.transient
+        return (self.states + self.buffers + walk) * self.alpha
+
+
+def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
+    """The cost model's walk (``cost.evaluate``, paper Eqs. 8-11) for the plan, term by term:
+    forward steps ``<pre>`` … ``<post>``, then backward steps ``<post>`` … ``<pre>``.
+
+    The same numpy expressions as ``evaluate``, in the same order, so the largest
+    ``total_bytes`` is the plan's predicted peak to the byte (tested).
+    """
+    import numpy as np
+
+    from .cost import ALPHA_GPU
+
+    t = _terms_for(profile, plan)
+    grid = _policy_masks(plan)
+    off = np.zeros(t.n_chunks, dtype=np.int64)
+    off[list(plan.placement.offloaded)] = 1
+    n_persist, n_off = t.n_chunks - int(off.sum()), int(off.sum())
+    states = n_persist * t.chunk_numel * t.state_bytes_per_elem
+    resident = min(plan.placement.n_buffer, n_off) * t.chunk_bytes
+    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))
+    held = np.cumsum(held_each, axis=1)[0]
+    back_in = grid.swap * t.saved_tensor
+    swapped_in = (back_in + np.concatenate([np.zeros((1, 1)), back_in[:, :-1]], axis=1))[0]
+    grads = (t.grad_live @ off) * t.chunk_bytes
+    alpha = ALPHA_GPU if t.gpu else 1.0
+    segs = P.segments(plan)
+    out = []
+    for s, seg in enumerate(segs):
+        out.append(MemoryStep(f"forward {seg}", states, resident, float(held[s]), 0.0, 0.0, 0.0,
+                              float(t.fwd_peak[s]) if t.gpu else 0.0, alpha))
+    for s in range(len(segs) - 1, -1, -1):
+        recompute = float(grid.ckpt[0, s] * t.saved[s]) if t.gpu else 0.0
+        transient = float(t.bwd_peak[s]) if t.gpu else 0.0
+        out.append(MemoryStep(f"backward {segs[s]}", states, resident, float(held[s]),
+                              float(swapped_in[s]), float(grads[s]), recompute, transient, alpha))
+    return out
+
+
+def memory_timeline(profile: Profile, plan: P.Plan) -> list[tuple[str, int]]:
+    """``(label, predicted bytes)`` per step of the walk; the maximum is the plan's peak."""
+    return [(m.label, round(m.total_bytes)) for m in memory_walk(profile, plan)]
+
+
+def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
+    """Draw the walk as stacked terms per step, with the budget and the predicted peak.
+
+    Needs matplotlib (the ``plot`` extra); imported here so nothing else pays for it.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib, which is not installed",
+                          "install the plot extra: pip install -e '.[plot]'") from None
+    walk = memory_walk(profile, plan)
+    gib = 2**30
+    n = len(walk)
+    xs = list(range(n))
+    a = walk[0].alpha
+    terms = [  # (label, per-step bytes, colour) bottom to top
+        ("persistent chunk states", [m.states * a for m in walk], "#4c72b0"),
+        ("offloaded chunk buffers", [m.buffers * a for m in walk], "#64b5cd"),
+        ("activations held", [m.activations * a for m in walk], "#55a868"),
+        ("swapped-in activations", [m.swapped_in * a for m in walk], "#8fd175"),
+        ("offloaded gradient buffers", [m.grads * a for m in walk], "#dd8452"),
+        ("recomputed activations", [m.recompute * a for m in walk], "#937860"),
+        ("transient peak", [m.transient * a for m in walk], "#c44e52"),
+    ]
+    fig, ax = plt.subplots(figsize=(12, 5.5), dpi=110)
+    bottom = [0.0] * n
+    for label, ys, colour in terms:
+        if not any(ys):
+            continue
+        ax.bar(xs, [y / gib for y in ys], bottom=[b / gib for b in bottom], width=1.0,
+               color=colour, label=label, linewidth=0)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    n_fwd = len(P.segments(plan))
+    ax.axvspan(-0.5, n_fwd - 0.5, color="#000000", alpha=0.04, linewidth=0)
+    ax.axvline(n_fwd - 0.5, color="#555555", linewidth=0.8)
+    budget = plan.hardware.budget_bytes or plan.request.budget_bytes
+    peak = max(range(n), key=lambda i: walk[i].total_bytes)
+    peak_bytes = walk[peak].total_bytes
+    top = max(peak_bytes, budget) / gib
+    if budget:
+        ax.axhline(budget / gib, color="#222222", linestyle="--", linewidth=1.2)
+        ax.text(n - 0.5, budget / gib, f"budget {budget / gib:.2f} GiB", ha="right", va="bottom",
+                fontsize=9)
+    right = peak < 0.7 * n  # put the note on the side with more room
+    ax.annotate(f"predicted peak {peak_bytes / gib:.2f} GiB ({walk[peak].label})",
+                (peak, peak_bytes / gib), xytext=(24 if right else -24, -16), textcoords="offset points",
+                ha="left" if right else "right", va="top", fontsize=9,
+                bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#c44e52", alpha=0.9),
+                arrowprops=dict(arrowstyle="->", color="#c44e52", shrinkA=0, shrinkB=0))
+    for x, text in ((n_fwd / 2 - 0.5, "forward"), (n_fwd * 1.5 - 0.5, "backward")):
+        ax.text(x, top * 1.12, text, ha="center", va="top", fontsize=10, color="#555555")
+    ax.set_ylim(0, top * 1.16)
+    ax.set_xlim(-0.5, n - 0.5)
+    # About 16 tick labels: segment names, evenly thinned, always both ends of each
+    # phase; a tick too close to one of those is dropped so labels never overlap.
+    every = max(1, math.ceil(n / 16))
+    ends = {0, n_fwd - 1, n - 1}  # not n_fwd: "bwd <post>" would sit on "fwd <post>"
+    ticks = sorted(ends | {i for i in range(0, n, every) if min(abs(i - e) for e in ends) >= every / 2})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([_short_label(walk[i].label) for i in ticks], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("predicted device memory (GiB)")
+    policies = [x.policy for x in plan.activations]
+    ax.set_title(
+        f"{plan.model.name} on {plan.hardware.name}: predicted device memory per schedule step\n"
+        f"micro-batch {plan.training.micro_batch} × seq {plan.training.seq_len}, "
+        f"{plan.training.compute_dtype}; {plan.placement.n_persist}/{len(plan.chunks.items)} chunks "
+        f"persistent, {plan.placement.n_buffer} buffers; blocks: {policies.count('swap')} swap, "
+        f"{policies.count('checkpoint')} checkpoint, {policies.count('keep')} keep; "
+        f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iteration",
+        fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _short_label(label: str) -> str:
+    """``forward h.12`` → ``fwd 12``: block paths shortened to their index."""
+    phase, seg = label.split(" ", 1)
+    short = seg.rsplit(".", 1)[-1] if seg not in (P.PRE, P.POST) else seg
+    return f"{'fwd' if phase == 'forward' else 'bwd'} {short}"

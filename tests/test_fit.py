@@ -1,0 +1,98 @@
+"""``protrain fit``: the ladders, and the largest fitting model on a small synthetic card."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+import torch
+from planfactory import gpu_spec
+
+from protrain.executor import plan as P
+from protrain.executor.errors import BudgetError, ConfigError
+from protrain.planner.fit import (
+    gpt2_ladder,
+    largest_fitting,
+    llama_ladder,
+    n_params,
+    run_fit,
+)
+from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, count_params
+from protrain.planner.spec import dump_spec
+
+GiB = 2**30
+
+# A 2 GiB "GPU" with 8 GiB of host memory: small enough that the fitting models are a
+# few hundred million parameters (each analytic profile well under 2 s), and both
+# limits (device memory, host memory) are met across the budgets below.
+SMALL = msgspec.structs.replace(gpu_spec(mem_gib=2), name="small-2g", host_memory_bytes=8 * GiB)
+SEQ = 256
+MICRO = (1, 2, 4)
+
+
+def test_ladders_grow_and_pass_through_the_zoo():
+    for ladder in (gpt2_ladder(), llama_ladder()):
+        sizes = [n_params(c) for c in ladder]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    gpt2 = gpt2_ladder()
+    for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-4b", "gpt2-10b"):
+        assert ZOO[name] in gpt2, name
+    for name in ("llama-7b", "llama-13b", "llama-70b"):
+        assert ZOO[name] in llama_ladder(), name
+    assert dataclasses.replace(ZOO["llama-34b"], max_seq_len=4096, rope_theta=10000.0) in llama_ladder()
+    assert {c.block_size for c in gpt2_ladder(2048)} == {2048}
+
+
+def test_parameter_count_formula_is_the_models():
+    sample = gpt2_ladder()[::12] + llama_ladder()[::6]
+    for cfg in sample:
+        with torch.device("meta"):
+            model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+        assert n_params(cfg) == count_params(model), cfg
+
+
+def test_largest_gpt2_grows_with_the_budget():
+    results = [largest_fitting("gpt2", SMALL, budget_bytes=b, seq_len=SEQ, micro_batches=MICRO)
+               for b in (GiB // 2, GiB, 2 * GiB)]
+    sizes = [r.n_params for r in results]
+    assert sizes == sorted(sizes), sizes  # a bigger budget never fits a smaller model
+    assert sizes[0] < sizes[-1]
+    ladder = gpt2_ladder(SEQ)
+    for r, budget in zip(results, (GiB // 2, GiB, 2 * GiB)):
+        plan = r.plan
+        P.validate(plan)  # a well-formed plan …
+        assert plan.prediction.peak_memory_bytes <= budget  # … that fits the device …
+        assert r.host_bytes <= SMALL.host_memory_bytes  # … and the host
+        assert plan.training.micro_batch == r.micro_batch in MICRO
+        assert r.n_params == plan.model.n_params == n_params(r.config)
+        assert r.tokens_per_s == pytest.approx(r.micro_batch * SEQ / (r.iter_time_us / 1e6))
+        # The next rung was ruled out, for a reason that names the memory that ran out.
+        nxt = ladder[ladder.index(r.config) + 1]
+        assert not any(p.fits for p in r.probes if p.config == nxt)
+        assert r.limit.startswith(("device memory", "host memory")), r.limit
+        # A larger micro-batch than the one chosen did not fit (or none was offered).
+        bigger = [p for p in r.probes if p.config == r.config and p.micro_batch > r.micro_batch]
+        assert all(not p.fits for p in bigger)
+    assert {r.limit.split(":")[0] for r in results} == {"device memory", "host memory"}
+
+
+def test_run_fit_prints_one_row_per_family(tmp_path):
+    path = tmp_path / "small.json"
+    path.write_bytes(dump_spec(SMALL))
+    lines: list[str] = []
+    (r,) = run_fit(str(path), budget="1GiB", seq_len=SEQ, families=("gpt2",), micro_batches=MICRO,
+                   echo=lines.append)
+    table = lines[-1].splitlines()
+    assert table[0].startswith("fit on small-2g: 1.00 GiB device budget, 8.00 GiB host, seq 256")
+    assert table[1].split()[:4] == ["family", "params", "shape", "micro-batch"]
+    assert table[3].startswith("gpt2") and f"{r.n_params / 1e9:.2f}B" in table[3]
+    assert "next size stopped by" in table[-1]
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(ConfigError, match="did you mean 'llama'"):
+        largest_fitting("lama", SMALL)
+    with pytest.raises(BudgetError, match="not even the smallest gpt2") as info:
+        largest_fitting("gpt2", SMALL, budget_bytes=64 * 2**20, seq_len=SEQ, micro_batches=MICRO)
+    assert "HINT: raise --budget" in str(info.value)
