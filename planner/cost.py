@@ -298,21 +298,14 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
     # -- peak memory, paper Eqs. 8-11 walked per step in the ledger's terms
-    states = n_persist * t.chunk_numel * t.state_bytes_per_elem
-    resident = min(n_buffer, n_off) * t.chunk_bytes
-    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
-    held = np.cumsum(held_each, axis=1)  # (G, S) after forward segment s / until its backward
-    fwd_steps = held + (t.fwd_peak if t.gpu else 0.0)
-    back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
-    # At backward segment s: block s's own activations (swapped in one step earlier) and
-    # block s-1's, whose swap-in the schedule issues as segment s begins.
-    swapped_in = back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1)
-    grads = (t.grad_live @ off) * t.chunk_bytes  # (S,)
-    bwd_steps = held + swapped_in + grads
+    m = memory_terms(t, off, n_buffer, grid)
+    fwd_steps = m.held + m.fwd_transient
+    bwd_steps = m.held + m.swapped_in + m.grads
     if t.gpu:
-        bwd_steps = bwd_steps + grid.ckpt * t.saved + t.bwd_peak
+        bwd_steps = bwd_steps + m.recompute + m.bwd_transient
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
-    peak = (states + resident + walk) * (ALPHA_GPU if t.gpu else 1.0)
+    states, resident = m.states, m.resident
+    peak = (states + resident + walk) * m.alpha
     shard_numel = t.chunk_numel // t.world_size
     cb = t.chunk_bytes // t.chunk_numel
     # Host memory per rank: every offloaded chunk's shard of home (compute dtype),
@@ -327,6 +320,44 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
         "host_bytes": np.full_like(time, host),
     }
     return time, peak, parts
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """The memory walk's terms for one placement, over a policy grid (bytes, before ``alpha``).
+
+    ``evaluate`` takes the walk's maximum; ``memory_plot.memory_walk`` shows it step by step.
+    """
+
+    states: float  # persistent chunks' parameters, gradients, masters and moments
+    resident: float  # device buffers of the offloaded chunks
+    held: np.ndarray  # (G, S) activations held after forward segment s / until its backward
+    swapped_in: np.ndarray  # (G, S) swapped activations back on the device at backward s
+    grads: np.ndarray  # (S,) offloaded chunks' gradient buffers alive at backward s
+    recompute: np.ndarray  # (G, S) a checkpointed block's recomputed activations (GPU only)
+    fwd_transient: np.ndarray | float  # (S,) transient peak in forward (0 on CPU)
+    bwd_transient: np.ndarray | float  # (S,) transient peak in backward (0 on CPU)
+    alpha: float  # fragmentation factor (ALPHA_GPU on GPU, 1 on CPU)
+
+
+def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> MemoryTerms:
+    """Terms of paper Eqs. 8-11 in the executor ledger's accounting; ``off`` marks offloaded chunks."""
+    n_off = int(off.sum())
+    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
+    back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
+    return MemoryTerms(
+        states=(t.n_chunks - n_off) * t.chunk_numel * t.state_bytes_per_elem,
+        resident=min(n_buffer, n_off) * t.chunk_bytes,
+        held=np.cumsum(held_each, axis=1),
+        # At backward segment s: block s's own activations (swapped in one step earlier) and
+        # block s-1's, whose swap-in the schedule issues as segment s begins.
+        swapped_in=back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1),
+        grads=(t.grad_live @ off) * t.chunk_bytes,
+        recompute=grid.ckpt * t.saved if t.gpu else np.zeros_like(held_each),
+        fwd_transient=t.fwd_peak if t.gpu else 0.0,
+        bwd_transient=t.bwd_peak if t.gpu else 0.0,
+        alpha=ALPHA_GPU if t.gpu else 1.0,
+    )
 
 
 def min_buffers(t: Terms, n_persist: int) -> int:

@@ -54,33 +54,26 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
     """The cost model's walk (``cost.evaluate``, paper Eqs. 8-11) for the plan, term by term:
     forward steps ``<pre>`` … ``<post>``, then backward steps ``<post>`` … ``<pre>``.
 
-    The same numpy expressions as ``evaluate``, in the same order, so the largest
-    ``total_bytes`` is the plan's predicted peak to the byte (tested).
+    The terms come from ``cost.memory_terms``, the function ``evaluate`` uses, so the
+    largest ``total_bytes`` is the plan's predicted peak to the byte (tested).
     """
     import numpy as np
 
-    from .cost import ALPHA_GPU
+    from .cost import memory_terms
 
     t = _terms_for(profile, plan)
-    grid = _policy_masks(plan)
     off = np.zeros(t.n_chunks, dtype=np.int64)
     off[list(plan.placement.offloaded)] = 1
-    n_persist, n_off = t.n_chunks - int(off.sum()), int(off.sum())
-    states = n_persist * t.chunk_numel * t.state_bytes_per_elem
-    resident = min(plan.placement.n_buffer, n_off) * t.chunk_bytes
-    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))
-    held = np.cumsum(held_each, axis=1)[0]
-    back_in = grid.swap * t.saved_tensor
-    swapped_in = (back_in + np.concatenate([np.zeros((1, 1)), back_in[:, :-1]], axis=1))[0]
-    grads = (t.grad_live @ off) * t.chunk_bytes
-    alpha = ALPHA_GPU if t.gpu else 1.0
+    m = memory_terms(t, off, plan.placement.n_buffer, _policy_masks(plan))
+    states, resident, alpha = m.states, m.resident, m.alpha
+    held, swapped_in, grads = m.held[0], m.swapped_in[0], m.grads
     segs = P.segments(plan)
     out = []
     for s, seg in enumerate(segs):
         out.append(MemoryStep(f"forward {seg}", states, resident, float(held[s]), 0.0, 0.0, 0.0,
                               float(t.fwd_peak[s]) if t.gpu else 0.0, alpha))
     for s in range(len(segs) - 1, -1, -1):
-        recompute = float(grid.ckpt[0, s] * t.saved[s]) if t.gpu else 0.0
+        recompute = float(m.recompute[0, s])
         transient = float(t.bwd_peak[s]) if t.gpu else 0.0
         out.append(MemoryStep(f"backward {segs[s]}", states, resident, float(held[s]),
                               float(swapped_in[s]), float(grads[s]), recompute, transient, alpha))

@@ -18,6 +18,7 @@ from .cost import (
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
+    min_buffers,
     predict,
 )
 from .emit import assemble
@@ -43,7 +44,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = "exhaustive"
     result = SOLVERS[solver](terms, budget_bytes)
     best = result.best
     if best is None:
-        smallest = predict(terms, 0, max(1, _need0(terms)), 0, terms.n_blocks)
+        smallest = predict(terms, 0, max(1, min_buffers(terms, 0)), 0, terms.n_blocks)
         states = smallest.breakdown["states_bytes"] + smallest.breakdown["buffers_bytes"]
         walk = smallest.breakdown["activation_walk_bytes"]
         b = profile.training.micro_batch
@@ -102,12 +103,6 @@ def thin(points: list, k: int) -> list:
     if len(points) <= k:
         return points
     return [points[round(i * (len(points) - 1) / (k - 1))] for i in range(k)]
-
-
-def _need0(terms) -> int:
-    from .cost import min_buffers
-
-    return min_buffers(terms, 0)
 
 
 def parse_budget(text: str) -> int:

@@ -24,6 +24,7 @@ torch inside.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -165,7 +166,7 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
     from .emit import assemble, model_facts
 
     facts = model_facts(model, name, blocks, seq_len)
-    numel = {n: _numel(s) for n, s, _ in facts.params}
+    numel = {n: math.prod(s) for n, s, _ in facts.params}
     chunk_numel = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments),
                       max(numel.values()))
     training = P.Training(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype,
@@ -180,13 +181,6 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
     need = max(len(c) for c in P.segment_chunks(probe).values())
     return assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
                     n_buffer=need, policies=["keep"] * len(blocks)), facts
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,
