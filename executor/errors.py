@@ -41,6 +41,14 @@ class ConfigError(ProtrainError):
     """A bad user input other than a plan: unknown model name, bad data file, bad option value."""
 
 
+class ProfileError(ConfigError):
+    """A profile file is unreadable, of an unsupported version, or inconsistent."""
+
+
+class CheckpointError(ProtrainError):
+    """A checkpoint directory is missing, incomplete, corrupted, or for another model."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' (did you mean X?)' for the closest of `choices`, or '' when none is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -52,6 +52,10 @@ SCHEMA_VERSION = 1
 MIN_SCHEMA_VERSION = 1
 """The oldest version ``load`` reads (older files must be regenerated)."""
 
+MAX_PLAN_BYTES = 64 << 20
+"""Largest plan file ``load`` reads. A 70B model's plan is ~0.2 MB; the cap stops a
+hostile or mistaken file (a checkpoint passed as a plan) before it is read whole."""
+
 PRE = "<pre>"
 """Segment name of everything the model runs before its first block."""
 
@@ -412,12 +416,16 @@ def load(source: str | Path | bytes) -> Plan:
     else:
         where = str(source)
         try:
-            data = Path(source).read_bytes()
+            with open(source, "rb") as f:
+                data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
             raise PlanError(
                 f"{where}: cannot read the plan file ({e.strerror or e})",
                 "check the path, or make a plan with `protrain plan`",
             ) from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanError(f"{where}: larger than {MAX_PLAN_BYTES >> 20} MiB; no plan is that big",
+                        "check the path: is this a plan file?")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -427,6 +435,9 @@ def load(source: str | Path | bytes) -> Plan:
         ) from None
     try:
         header = msgspec.json.decode(data, type=_Header)
+    except RecursionError:  # msgspec's guard against deeply nested documents
+        raise PlanError(f"{where}: JSON nested too deeply; no plan is",
+                        "regenerate the plan with `protrain plan`") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise PlanError(
             f"{where}: not a protrain plan: {e}",
@@ -453,7 +464,7 @@ def load(source: str | Path | bytes) -> Plan:
         plan = msgspec.json.decode(data, type=Plan)
     except msgspec.ValidationError as e:
         raise PlanError(f"{where}: {e}", "fix that field, or regenerate the plan with `protrain plan`") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:
         raise PlanError(f"{where}: malformed JSON: {e}", "regenerate the plan with `protrain plan`") from None
     validate(plan, where)
     return plan

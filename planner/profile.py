@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from protrain.executor.errors import ConfigError
+from protrain.executor.errors import ProfileError
 from protrain.executor.plan import Generator, canonical
 
 from .spec import HardwareSpec
@@ -125,25 +125,37 @@ def dump_profile(profile: Profile) -> bytes:
 
 
 def load_profile(source: str | Path | bytes) -> Profile:
+    """Read and check a profile; any bad input raises ``ProfileError`` (never executes code)."""
     where = "<profile bytes>" if isinstance(source, bytes) else str(source)
     try:
-        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        if isinstance(source, bytes):
+            data = source
+        else:
+            with open(source, "rb") as f:
+                data = f.read(MAX_PROFILE_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"{where}: cannot read the profile ({e.strerror or e})",
-                          "make one with `protrain profile --model NAME …`") from None
+        raise ProfileError(f"{where}: cannot read the profile ({e.strerror or e})",
+                           "make one with `protrain profile --model NAME …`") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{where}: larger than {MAX_PROFILE_BYTES >> 20} MiB; no profile is that big",
+                           "check the path: is this a profile file?")
     try:
         version = msgspec.json.decode(data, type=_Version).profile_version
         if version != PROFILE_VERSION:
-            raise ConfigError(f"{where}: profile version {version}; this protrain reads {PROFILE_VERSION}",
-                              "re-run `protrain profile`")
+            raise ProfileError(f"{where}: profile version {version}; this protrain reads {PROFILE_VERSION}",
+                               "re-run `protrain profile`")
         profile = msgspec.json.decode(data, type=Profile)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ConfigError(f"{where}: not a valid profile: {e}", "re-run `protrain profile`") from None
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        raise ProfileError(f"{where}: not a valid profile: {e}", "re-run `protrain profile`") from None
     expected = ["<pre>", *profile.model.blocks, "<post>"]
     if [s.segment for s in profile.segments] != expected:
-        raise ConfigError(f"{where}: segments must be <pre>, the blocks in order, <post> - at `$.segments`",
-                          "re-run `protrain profile`")
+        raise ProfileError(f"{where}: segments must be <pre>, the blocks in order, <post> - at `$.segments`",
+                           "re-run `protrain profile`")
     return profile
+
+
+MAX_PROFILE_BYTES = 64 << 20
+"""Largest profile file ``load_profile`` reads (a 70B model's profile is ~50 kB)."""
 
 
 class _Version(msgspec.Struct):

@@ -1,0 +1,144 @@
+"""Hostile inputs: plan and profile loaders only ever return a checked object or raise
+their own error (``PlanError`` / ``ProfileError``) — never another exception, a
+hang or a crash — whatever bytes they are given.
+
+Mutations of a real file (truncation, byte flips, insertions, deletions, spliced
+duplicates), type-confused JSON (any leaf or subtree replaced by a value of another
+JSON type), deeply nested documents and files over the size caps. 6,000 plan and
+4,000 profile cases run derandomized, so CI runs the same 10,000 each time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protrain.executor import plan as P
+from protrain.executor.errors import PlanError, ProfileError
+from protrain.planner.profile import MAX_PROFILE_BYTES, Profile, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN_BYTES = (ROOT / "plans/gpt2-tiny/example.json").read_bytes()
+PROFILE_BYTES = sorted((ROOT / "plans/profiles/gpt2-xl").glob("*.json"))[0].read_bytes()
+
+def fuzz(n: int) -> settings:
+    return settings(max_examples=n, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                      st.floats(allow_nan=False), st.text(max_size=8))
+json_value = st.recursive(json_leaf, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=6), kids, max_size=3)), max_leaves=8)
+
+
+@st.composite
+def byte_mutation(draw, base: bytes) -> bytes:
+    n = len(base)
+    kind = draw(st.sampled_from(["truncate", "flip", "insert", "delete", "splice"]))
+    i = draw(st.integers(0, n))
+    if kind == "truncate":
+        return base[:i]
+    if kind == "flip":
+        i = min(i, n - 1)
+        return base[:i] + bytes([draw(st.integers(0, 255))]) + base[i + 1:]
+    if kind == "insert":
+        return base[:i] + draw(st.binary(min_size=1, max_size=16)) + base[i:]
+    j = draw(st.integers(i, min(n, i + 64)))
+    if kind == "delete":
+        return base[:i] + base[j:]
+    return base[:j] + base[i:j] + base[j:]  # splice: a duplicated slice
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, (*prefix, i))
+
+
+@st.composite
+def type_confusion(draw, base: bytes) -> bytes:
+    doc = json.loads(base)
+    paths = list(_paths(doc))
+    path = draw(st.sampled_from(paths[1:]))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if draw(st.booleans()) or not isinstance(node, dict):
+        node[path[-1]] = draw(json_value)
+    else:
+        del node[path[-1]]
+        if draw(st.booleans()):
+            node[draw(st.text(min_size=1, max_size=6))] = draw(json_value)
+    return json.dumps(doc).encode()
+
+
+@st.composite
+def deep_nesting(draw, base: bytes) -> bytes:
+    depth = draw(st.sampled_from([64, 1_000, 100_000]))
+    open_, close = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+    nested = (open_ * depth + "1" + close * depth).encode()
+    doc = json.loads(base)
+    key = draw(st.sampled_from(sorted(doc)))
+    return json.dumps({**doc, key: None}).encode().replace(b"null", nested, 1)
+
+
+def hostile(base: bytes):
+    return st.one_of(byte_mutation(base), type_confusion(base), deep_nesting(base),
+                     st.binary(max_size=64))
+
+
+@fuzz(6_000)
+@given(data=hostile(PLAN_BYTES))
+def test_plan_load_only_raises_plan_error(data: bytes):
+    try:
+        plan = P.load(data)
+    except PlanError:
+        return
+    # Accepted: it must then be a fully valid plan that round-trips canonically.
+    assert P.load(P.dump(plan)) == plan
+
+
+@fuzz(4_000)
+@given(data=hostile(PROFILE_BYTES))
+def test_profile_load_only_raises_profile_error(data: bytes):
+    try:
+        profile = load_profile(data)
+    except ProfileError:
+        return
+    assert isinstance(profile, Profile)
+    assert msgspec.json.decode(msgspec.json.encode(profile), type=Profile) == profile
+
+
+def test_the_fuzzers_bases_load():
+    """The mutations start from files that load, so rejections are the mutations' doing."""
+    P.load(PLAN_BYTES)
+    load_profile(PROFILE_BYTES)
+
+
+@pytest.mark.parametrize("which", ["plan", "profile"])
+def test_oversized_files_are_refused_before_reading(tmp_path, which):
+    path = tmp_path / f"big-{which}.json"
+    with open(path, "wb") as f:  # sparse: no 64 MiB written to disk
+        f.write(b'{"schema_version": 1, "pad": "')
+        f.truncate(max(P.MAX_PLAN_BYTES, MAX_PROFILE_BYTES) + 2)
+    loader, error = (P.load, PlanError) if which == "plan" else (load_profile, ProfileError)
+    with pytest.raises(error, match="larger than 64 MiB"):
+        loader(path)
+
+
+def test_plan_loading_never_executes_code(tmp_path):
+    """A pickle (the classic code-execution payload) is refused as not-JSON."""
+    import pickle
+
+    payload = pickle.dumps({"schema_version": 1})
+    with pytest.raises(PlanError):
+        P.load(payload)
