@@ -89,3 +89,8 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, what: str) -> None:
         self._run(f"all-reduce of {what}", dist.all_reduce, t)
+
+    def barrier(self, what: str) -> None:
+        if self.world > 1:
+            self._run(f"barrier for {what}", dist.barrier)
+

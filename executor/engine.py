@@ -18,7 +18,8 @@ Lifecycle, phase by phase:
    and fp16 overflow handling when configured. It returns a ``StepResult``.
 3. **state_dict / load_state_dict** move model and optimizer state in plain
    PyTorch names and shapes, independent of the chunk layout, so a run can resume
-   under another plan.
+   under another plan; **save / load** write and read them atomically as
+   safetensors files with a JSON manifest (``checkpoint.py``).
 4. **close** waits for pending CPU steps and removes every hook and wrapper.
 
 The engine replays; it never decides. Everything it does at a block boundary is
@@ -287,6 +288,22 @@ class Engine:
                 target = c.dev if c.persistent else c.home
                 if target is not master:
                     target.copy_(master.to(dtype))
+
+    # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)
+
+    def save(self, root, *, data: dict[str, int] | None = None, keep: int = 2):
+        """Checkpoint model, optimizer, loss scaler, RNG and ``data`` (the caller's data
+        position) under ``root``, atomically; every rank calls it. Returns the step directory."""
+        from .checkpoint import save
+
+        return save(self, root, data=data, keep=keep)
+
+    def load(self, root):
+        """Restore what ``save`` wrote (under this or another plan of the model); returns
+        the manifest, whose ``data`` is the data position to resume from."""
+        from .checkpoint import load
+
+        return load(self, root)
 
     def close(self) -> None:
         """Wait for pending CPU steps and remove hooks and policy wrappers."""

@@ -1,0 +1,300 @@
+"""Checkpoints: ``Engine.save(root)`` / ``Engine.load(root)``, atomic, pickle-free.
+
+Layout of a checkpoint root (one directory a run writes to again and again)::
+
+    root/latest                   "step-00000040" — the one complete checkpoint to load
+    root/step-00000040/manifest.json
+    root/step-00000040/model.safetensors      fp32 masters in the model's own names
+    root/step-00000040/optim.safetensors      <name>.exp_avg / .exp_avg_sq / .step
+    root/step-00000040/rng-rank0.safetensors  torch RNG state(s) of each rank
+
+[Note: atomicity] A save writes everything into ``root/.tmp-step-N``, fsyncs every
+file and the directory, renames it to ``root/step-N`` (atomic on POSIX), fsyncs
+``root``, and only then replaces ``latest`` through a fsynced temporary file and
+``os.replace``. A crash or kill at any instant leaves ``latest`` naming a complete
+checkpoint: the previous one until the final replace, the new one after. Stale
+``.tmp-*`` directories are removed by the next save; the newest ``keep`` complete
+checkpoints are kept.
+
+[Note: loading hostile files] ``load`` reads the manifest (capped at 1 MiB, decoded
+strictly into a Struct), checks that it lists exactly the expected plain file
+names, that every file has the listed size and SHA-256, that the parameter names and
+shapes are this model's, and that each safetensors header agrees — all before any
+tensor is read. Tensors are read with safetensors (no pickle, no code).
+
+State is saved in plain parameter names (``Engine.state_dict``), so a checkpoint
+resumes under any plan of the same model: other budget, other world size. RNG
+states are restored when the world size matches (each rank its own); under another
+world size the ranks keep their current RNG state (dropout streams then differ
+from the uninterrupted run; with dropout 0 nothing does). With several ranks the
+root must be on a filesystem every rank sees (each rank writes its RNG file there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import torch
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "protrain-checkpoint"
+VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+STEP_DIR = re.compile(r"step-(\d{8})(?:\.(\d{1,6}))?")
+FILE_NAME = re.compile(r"(model|optim|rng-rank\d{1,5})\.safetensors")
+HASH_BLOCK = 8 << 20
+
+
+class FileEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    bytes: int
+    sha256: str
+
+
+class Scaler(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    scale: float
+    good_steps: int
+
+
+class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    format: Literal["protrain-checkpoint"]
+    version: int
+    step: int
+    """Optimizer steps done when the checkpoint was taken."""
+    model_fingerprint: str
+    world_size: int
+    compute_dtype: str
+    params: dict[str, list[int]]
+    """Every saved parameter (tied aliases excluded) and its shape."""
+    tied: list[list[str]]
+    scaler: Scaler
+    data: dict[str, int]
+    """The caller's data position (e.g. ``{"micro_batches": 80}``), returned by ``load``."""
+    files: dict[str, FileEntry]
+
+
+# ------------------------------------------------------------------------- save
+
+
+def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2) -> Path:
+    """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
+    from safetensors.torch import save_file
+
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    root = Path(root)
+    comm = engine.comm
+    sd = engine.state_dict()  # a collective on several ranks: every rank gathers
+    name = f"step-{engine.steps_done:08d}"
+    if (root / name).exists():  # saved again at one step: a new name, never a replaced
+        k = 1                    # directory ([Note: atomicity])
+        while (root / f"{name}.{k}").exists():
+            k += 1
+        name = f"{name}.{k}"
+    comm.barrier("checkpoint name")  # every rank has looked before rank 0 creates anything
+    tmp, final = root / f".tmp-{name}", root / name
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    comm.barrier("checkpoint directory")
+    save_file(_rng_state(engine.device), tmp / f"rng-rank{comm.rank}.safetensors")
+    _fsync(tmp / f"rng-rank{comm.rank}.safetensors")
+    comm.barrier("checkpoint RNG states")
+    if comm.rank == 0:
+        aliases = {alias for _, alias in engine.plan.model.tied}
+        model = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
+        optim = {f"{k}.{part}": v.contiguous() for k, st in sd["optim"].items() for part, v in st.items()}
+        save_file(model, tmp / "model.safetensors")
+        save_file(optim, tmp / "optim.safetensors")
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+            files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
+        manifest = Manifest(
+            format=FORMAT, version=VERSION, step=engine.steps_done,
+            model_fingerprint=engine.plan.model.fingerprint, world_size=comm.world,
+            compute_dtype=engine.plan.training.compute_dtype,
+            params={k: list(v.shape) for k, v in model.items()},
+            tied=[list(p) for p in engine.plan.model.tied],
+            scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
+            data=dict(data or {}), files=files,
+        )
+        (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+        _fsync(tmp / "manifest.json")
+        _fsync(tmp)
+        os.rename(tmp, final)
+        _fsync(root)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name + "\n")
+        _fsync(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+        _fsync(root)
+        done = sorted((_order(p.name), p) for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
+        for _, old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    comm.barrier("checkpoint rename")
+    return final
+
+
+def _order(name: str) -> tuple[int, int]:
+    step, again = STEP_DIR.fullmatch(name).groups()
+    return int(step), int(again or 0)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------- load
+
+
+def resolve(root: str | Path) -> Path:
+    """The checkpoint directory ``root`` means: itself if it holds a manifest, else ``root/latest``."""
+    root = Path(root)
+    if (root / "manifest.json").is_file():
+        return root
+    latest = root / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"{root}: no checkpoint here (neither manifest.json nor latest)",
+                              "pass the directory given to --save-every / Engine.save")
+    with open(latest, "rb") as f:
+        text = f.read(64).decode("ascii", "replace").strip()
+    if not STEP_DIR.fullmatch(text):
+        raise CheckpointError(f"{latest}: names {text[:24]!r}, not a step-NNNNNNNN directory",
+                              "point --resume at a step directory that holds manifest.json")
+    return root / text
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """Decode and check ``directory/manifest.json`` and the files it lists; read no tensor."""
+    directory = Path(directory)
+    where = directory / "manifest.json"
+    try:
+        with open(where, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read ({e.strerror or e})", "check the path") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{where}: larger than 1 MiB; not a protrain manifest", "check the path")
+    try:
+        m = msgspec.json.decode(raw, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}: not a valid checkpoint manifest: {e}",
+                              "resume from another checkpoint (the previous step directory)") from None
+    if m.version != VERSION:
+        raise CheckpointError(f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
+                              "resume with the protrain version that wrote it")
+    expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
+                                                             for r in range(m.world_size)}
+    if set(m.files) != expected or not all(FILE_NAME.fullmatch(n) for n in m.files):
+        raise CheckpointError(f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}",
+                              "resume from another checkpoint")
+    for name, entry in m.files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry.bytes:
+            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)",
+                                  "resume from another checkpoint")
+        if _sha256(path) != entry.sha256:
+            raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)",
+                                  "resume from another checkpoint")
+    return m
+
+
+def _check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]]) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            if keys != set(expected):
+                diff = sorted(keys ^ set(expected))
+                raise CheckpointError(f"{path}: tensors differ from the manifest, e.g. {diff[:3]}",
+                                      "resume from another checkpoint")
+            for k in keys:
+                s = f.get_slice(k)
+                shape, dtype = expected[k]
+                if list(s.get_shape()) != shape or s.get_dtype() != _ST_DTYPES[dtype]:
+                    raise CheckpointError(f"{path}: tensor {k!r} is {s.get_dtype()} {s.get_shape()}, "
+                                          f"expected {_ST_DTYPES[dtype]} {shape}", "resume from another checkpoint")
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e})",
+                              "resume from another checkpoint") from None
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
+
+
+def load(engine: Engine, root: str | Path) -> Manifest:
+    """Restore ``engine`` from the checkpoint ``root`` names; returns its manifest (data position)."""
+    from safetensors.torch import load_file
+
+    directory = resolve(root)
+    m = read_manifest(directory)
+    mine = {k: list(v) for k, v in _param_shapes(engine).items()}
+    if m.model_fingerprint != engine.plan.model.fingerprint or m.params != mine:
+        wrong = sorted(set(m.params) ^ set(mine)) or [k for k in mine if m.params.get(k) != mine[k]]
+        raise CheckpointError(
+            f"{directory}: checkpoint of another model (fingerprint {m.model_fingerprint[:19]}…, "
+            f"this model {engine.plan.model.fingerprint[:19]}…; e.g. {wrong[:3]})",
+            "resume with the model the checkpoint was saved from")
+    _check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+    step_shape: list[int] = []
+    _check_header(directory / "optim.safetensors", {
+        f"{k}.{part}": ((step_shape if part == "step" else v), torch.float32)
+        for k, v in m.params.items() for part in ("exp_avg", "exp_avg_sq", "step")} if m.step else {})
+    model = load_file(directory / "model.safetensors")
+    for name, alias in m.tied:
+        model[alias] = model[name]
+    flat = load_file(directory / "optim.safetensors")
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        name, part = key.rsplit(".", 1)
+        optim.setdefault(name, {})[part] = t
+    engine.load_state_dict({"model": model, "optim": optim})
+    engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
+    engine.steps_done = m.step
+    rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
+    if m.world_size == engine.comm.world:
+        state = load_file(rng)
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], engine.device)
+    return m
+
+
+def _param_shapes(engine: Engine) -> dict[str, torch.Size]:
+    aliases = {alias for _, alias in engine.plan.model.tied}
+    return {engine.names[id(p)]: p.shape for c in engine.store.chunks for p, _, _ in c.params
+            if engine.names[id(p)] not in aliases}
