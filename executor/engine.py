@@ -39,7 +39,7 @@ from .activations import Activations
 from .check import check
 from .chunks import DTYPES, ChunkStore
 from .dist import Comm
-from .errors import ConfigError
+from .errors import BudgetError, ConfigError, NonFiniteLossError
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .plan import POST, PRE, Plan, validate
@@ -47,6 +47,11 @@ from .schedule import Phase, Replayer
 from .transfer import CopyEngine
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _size(n: float) -> str:
+    """Bytes as a --budget value: ``1.5GiB`` or ``300MiB``."""
+    return f"{n / (1 << 30):.1f}GiB" if n >= 1 << 30 else f"{max(n / (1 << 20), 0.1):.1f}MiB"
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,8 @@ class Engine:
             try:
                 with self.acts.counting():
                     loss = self.model(x, y)
+                if not self.scaler.enabled:
+                    self._check_finite(loss, i)
                 self.replayer.end(Phase.FORWARD, POST)
                 tb = time.perf_counter()
                 self.replayer.phase = Phase.BACKWARD
@@ -160,6 +167,8 @@ class Engine:
                 scaled.backward()
                 self.replayer.end(Phase.BACKWARD, PRE)
                 self.replayer.finish_backward()
+            except torch.OutOfMemoryError as e:
+                raise self._oom_error(e) from None
             finally:
                 self.replayer.phase = Phase.IDLE
             losses.append(loss.detach())
@@ -179,6 +188,44 @@ class Engine:
         loss_value = loss_t.item()
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.peak_bytes(),
                           skipped=skipped, timings=timings)
+
+    def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
+        """Stop before a NaN/inf loss reaches backward and the optimizer.
+
+        Checked between forward and backward, so no parameter or moment has changed
+        when it raises (the engine must then be closed). Costs one scalar
+        device-to-host read per micro-batch. With fp16 loss scaling the step is
+        skipped instead (the scaler sees the non-finite gradients).
+        """
+        value = loss.detach().float().item()
+        if value == value and abs(value) != float("inf"):
+            return
+        raise NonFiniteLossError(
+            f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
+            f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
+            "optimizer state are those of the previous step",
+            "resume from the last checkpoint with a lower learning rate (or gradient clipping), "
+            "and check the data around this step")
+
+    def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
+        """What ran out, where, against what the plan predicted, and the budget to plan with."""
+        phase = self.replayer.phase.name.lower()
+        segment = getattr(self.acts, "segment", None)  # the segment whose step began last
+        predicted = self.plan.prediction.peak_memory_bytes
+        if self.device.type == "cuda":
+            held = torch.cuda.memory_reserved(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            held = peak = self.ledger.peak_bytes()
+        budget = self.plan.request.budget_bytes or max(predicted, held)
+        return BudgetError(
+            f"out of device memory in the {phase}"
+            + (f" of {segment}" if segment else "")
+            + f" at step {self.steps_done + 1}: the plan predicted a peak of {_size(predicted)}; "
+            f"the allocator held {_size(held)} (peak allocated {_size(peak)}) when this failed: "
+            f"{str(e).splitlines()[0][:160]}",
+            f"make a plan with a 10% margin: `protrain plan … --budget {_size(int(budget * 0.9))}`, "
+            "and check that no other process uses this device")
 
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step."""

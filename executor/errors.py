@@ -45,6 +45,10 @@ class ProfileError(ConfigError):
     """A profile file is unreadable, of an unsupported version, or inconsistent."""
 
 
+class NonFiniteLossError(ProtrainError):
+    """The loss became NaN or infinite (without fp16 loss scaling, which skips such steps)."""
+
+
 class CheckpointError(ProtrainError):
     """A checkpoint directory is missing, incomplete, corrupted, or for another model."""
 

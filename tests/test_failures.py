@@ -1,0 +1,89 @@
+"""Failure behaviour: a NaN/inf loss stops before the update (fp32/bf16) or skips the
+step (fp16 loss scaling); running out of device memory names the phase, the block and
+the predicted vs actual memory, and suggests a budget with a margin."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import make_model, make_plan
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor.errors import BudgetError, NonFiniteLossError
+from protrain.planner.data import batches, load_tokens
+
+PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
+
+
+def _poison(model, block: int, when):
+    """Make block ``block``'s output non-finite while ``when()`` is true."""
+    def hook(module, args, output):
+        if when():
+            h = output[0] if isinstance(output, tuple) else output
+            return h * float("nan") if not isinstance(output, tuple) else (h * float("nan"), *output[1:])
+        return output
+    return model.transformer.h[block].register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_loss_stops_before_the_update(dtype):
+    model = make_model("gpt2-4")
+    engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, **PLAN), AdamWConfig(lr=1e-3), device="cpu")
+    data = batches(load_tokens(), 4, 32, 0)
+    for _ in range(2):
+        engine.step(next(data))
+    before = engine.state_dict()
+    _poison(model, 2, lambda: True)
+    with pytest.raises(NonFiniteLossError, match="at step 3") as e:
+        engine.step(next(data))
+    assert "HINT: resume from the last checkpoint" in str(e.value)
+    after = engine.state_dict()  # nothing changed: the check runs before backward
+    for n, t in before["model"].items():
+        assert torch.equal(t, after["model"][n]), n
+    for n, st in before["optim"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], after["optim"][n][k]), (n, k)
+    engine.close()
+
+
+def test_fp16_nan_loss_skips_the_step_and_goes_on():
+    model = make_model("gpt2-4")
+    engine = wrap(model, make_plan("gpt2-4", compute_dtype="float16", **PLAN),
+                  AdamWConfig(lr=1e-3, loss_scale=2.0**10), device="cpu")
+    data = batches(load_tokens(), 4, 32, 0)
+    poisoned = [False]
+    _poison(model, 1, lambda: poisoned[0])
+    engine.step(next(data))
+    before = engine.state_dict()["model"]
+    poisoned[0] = True
+    res = engine.step(next(data))
+    assert res.skipped and not math.isfinite(res.loss) and engine.scaler.scale == 2.0**9
+    assert all(torch.equal(t, engine.state_dict()["model"][n]) for n, t in before.items())
+    poisoned[0] = False
+    assert not engine.step(next(data)).skipped
+    engine.close()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_names_phase_block_and_budget(where):
+    model = make_model("gpt2-4")
+    plan = make_plan("gpt2-4", **PLAN)
+    engine = wrap(model, plan, AdamWConfig(), device="cpu")
+    block = model.transformer.h[1]
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    if where == "forward":
+        block.register_forward_pre_hook(oom)
+    else:
+        block.mlp.register_full_backward_pre_hook(oom)
+    data = batches(load_tokens(), 4, 32, 0)
+    with pytest.raises(BudgetError) as e:
+        engine.step(next(data))
+    msg = str(e.value)
+    assert f"out of device memory in the {where} of transformer.h.1 at step 1" in msg
+    assert "the plan predicted a peak of" in msg and "Tried to allocate 2.00 GiB" in msg
+    assert "--budget" in msg
