@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from harness import make_model, make_plan
+
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.errors import BudgetError, NonFiniteLossError
 from protrain.planner.data import batches, load_tokens
