@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .chunks import ChunkStore
@@ -90,8 +91,10 @@ class Activations:
 
     def _checkpointed(self, name: str, original: Callable) -> Callable:
         def forward(*args, **kwargs):
-            # A checkpointed block keeps only its input alive for backward.
-            for a in args:
+            # A checkpointed block keeps only its inputs alive for backward: the hidden
+            # states, and for Hugging Face blocks the keyword tensors too (RoPE cos/sin,
+            # shared by all blocks and so counted once, by the first block that holds them).
+            for a in tree_flatten((args, kwargs))[0]:
                 if isinstance(a, torch.Tensor):
                     self._count(a, name)
             return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -21,6 +21,14 @@ uploads), then ``prefetch``; an end replays ``offload`` and ``release`` — the
 rules ``plan.simulate_residency`` checks, so a loaded plan cannot overflow its
 buffers here.
 
+The block's input is its hidden states: the first positional argument, or the
+``hidden_states`` keyword (``block_input``); its output is a tensor or a tuple
+whose first element is the hidden states (``first_tensor``). Hugging Face blocks
+also take masks, position ids and RoPE ``(cos, sin)`` computed once in ``<pre>``;
+those pass through without a boundary. They carry no gradient in the supported
+models (a mask, or cos/sin computed under no_grad from a buffer), so the hidden
+states remain the only path by which backward leaves a block.
+
 [Note: gradient completion]
 The plan offloads a chunk's gradients at the end of its last backward segment.
 Autograd may still be accumulating one of the chunk's parameters at that moment
@@ -83,6 +91,30 @@ def first_tensor(x) -> tuple[torch.Tensor, Callable]:
     )
 
 
+HIDDEN_STATES = "hidden_states"
+"""The keyword Hugging Face blocks take their input under when it is not passed positionally."""
+
+
+def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+    """The hidden states a block is called with, and how to put a replacement back.
+
+    The first positional argument (the zoo's blocks, HF blocks in transformers 4 and 5)
+    or else the ``hidden_states`` keyword; the other arguments (masks, RoPE cos/sin,
+    position ids) pass through untouched. ``put(t)`` returns ``(args, kwargs)``, the
+    form a ``with_kwargs=True`` forward pre-hook returns.
+    """
+    if args:
+        x, put = first_tensor(args)
+        return x, lambda t: (put(t), kwargs)
+    if isinstance(kwargs.get(HIDDEN_STATES), torch.Tensor):
+        return kwargs[HIDDEN_STATES], lambda t: (args, {**kwargs, HIDDEN_STATES: t})
+    raise ConfigError(
+        f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
+        f"take the hidden states first or as {HIDDEN_STATES}=",
+        "choose block paths whose modules map hidden states to hidden states (`--blocks`)",
+    )
+
+
 class Replayer:
     """Holds the schedule and the hooks; calls into the chunk store, activations and offload."""
 
@@ -126,7 +158,7 @@ class Replayer:
     def install(self) -> None:
         last = len(self.modules) - 1
         for i, (name, m) in enumerate(zip(self.blocks, self.modules)):
-            self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name)))
+            self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post_hook(i, name, i == last)))
         seen = set()
         for c in self.store.chunks:
@@ -210,13 +242,13 @@ class Replayer:
     # -- hooks
 
     def _pre_hook(self, i: int, name: str):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if self.phase is not Phase.FORWARD:
                 return None
             if i == 0:
                 self.end(Phase.FORWARD, PRE)
             self.begin(Phase.FORWARD, name)
-            x, put = first_tensor(args)
+            x, put = block_input(args, kwargs)
             assert x.requires_grad, f"block {name}'s input must require grad for its backward hook"
             def after():
                 return (self._post_backward(i, name))

@@ -81,7 +81,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from protrain.executor.check import model_fingerprint, tied_pairs
 from protrain.executor.errors import ConfigError
 from protrain.executor.plan import POST, PRE
-from protrain.executor.schedule import Boundary, first_tensor
+from protrain.executor.schedule import Boundary, block_input, first_tensor
 
 from .graph import trace
 from .profile import (
@@ -360,12 +360,12 @@ def count_segments(
     last = len(blocks) - 1
 
     def pre_hook(i: int, name: str):
-        def hook(_m, args):
+        def hook(_m, args, kwargs):
             if counter.phase != "fwd":
                 return None
             counter.end()
             counter.begin("fwd", name)
-            x, put = first_tensor(args)
+            x, put = block_input(args, kwargs)  # HF blocks may take it as hidden_states=
             counter.counts[name].input_bytes = x.untyped_storage().nbytes()
             if not x.requires_grad:
                 return None
@@ -401,7 +401,7 @@ def count_segments(
 
     handles = []
     for i, b in enumerate(blocks):
-        handles.append(modules[b].register_forward_pre_hook(pre_hook(i, b)))
+        handles.append(modules[b].register_forward_pre_hook(pre_hook(i, b), with_kwargs=True))
         handles.append(modules[b].register_forward_hook(post_hook(i, b)))
     try:
         with _FusedKernels(gpu=spec.kind == "gpu"), counter:

@@ -86,9 +86,9 @@ def validate(plan_path: str, model_name: str | None) -> None:
     plan = load(plan_path)
     click.echo(f"{plan_path}: structure ok (schema v{plan.schema_version}, "
                f"{len(plan.chunks.items)} chunks, {len(plan.model.blocks)} blocks)")
-    from .models import ZOO
+    from .models import ZOO, is_hf_name
 
-    name = model_name or (plan.model.name if plan.model.name in ZOO else None)
+    name = model_name or (plan.model.name if plan.model.name in ZOO or is_hf_name(plan.model.name) else None)
     if name is None:
         click.echo(f"{plan_path}: model {plan.model.name!r} is not in the zoo; "
                    "fingerprint not checked (pass --model NAME)")
@@ -104,8 +104,28 @@ def validate(plan_path: str, model_name: str | None) -> None:
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
 
 
+def hf_options(f):
+    """``--hf-config PATH`` and ``--blocks PATH``: a Hugging Face model instead of ``--model``."""
+    f = click.option("--blocks", metavar="PATH", default=None,
+                     help="Module path of the HF block list, e.g. model.layers [default: found automatically].")(f)
+    return click.option("--hf-config", "hf_config", metavar="PATH", default=None,
+                        help="Hugging Face config.json or its directory (weights: model.safetensors "
+                             "there), instead of --model; read locally, never downloaded.")(f)
+
+
+def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None:
+    from .hf import model_name_option
+
+    name = model_name_option(model_name, hf_config, blocks)
+    if name is None and required:
+        raise click.UsageError("give --model NAME (a zoo model) or --hf-config PATH")
+    return name
+
+
 @main.command()
-@click.option("--model", "model_name", required=True, metavar="NAME", help="Zoo model to profile.")
+@click.option("--model", "model_name", metavar="NAME", default=None,
+              help="Zoo model (or hf:PATH) to profile.")
+@hf_options
 @click.option("--batch", type=click.IntRange(1), required=True, help="Micro-batch (sequences per step).")
 @click.option("--seq", type=click.IntRange(1), required=True, help="Sequence length in tokens.")
 @click.option("--dtype", type=DTYPES, default=None,
@@ -118,10 +138,11 @@ DTYPES = click.Choice(["float32", "bfloat16", "float16"])
 @click.option("--iterations", type=click.IntRange(1), default=5, show_default=True,
               help="Measured iterations (medians).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-def profile(model_name, batch, seq, dtype, device, analytic, hardware, iterations, output):
+def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, output):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
     from .profiling import run_profile
 
+    model_name = model_option(model_name, hf_config, blocks, required=True)
     run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
                 analytic=analytic, hardware=hardware, iterations=iterations, output=output,
                 echo=click.echo)
@@ -131,7 +152,8 @@ def profile(model_name, batch, seq, dtype, device, analytic, hardware, iteration
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
               help="Profile to plan from (from `protrain profile`).")
 @click.option("--model", "model_name", metavar="NAME", default=None,
-              help="Zoo model: profile on the way (analytic with --hardware, else measured).")
+              help="Zoo model (or hf:PATH): profile on the way (analytic with --hardware, else measured).")
+@hf_options
 @click.option("--hardware", metavar="SPEC", default=None, help="Hardware spec for an analytic profile.")
 @click.option("--batch", type=click.IntRange(1), default=None, help="Micro-batch (with --model).")
 @click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length (with --model).")
@@ -144,10 +166,12 @@ def profile(model_name, batch, seq, dtype, device, analytic, hardware, iteration
 @click.option("--grad-accum", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batches per optimizer step.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
-def plan(profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size, grad_accum, output):
+def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
+         grad_accum, output):
     """Search the fastest plan that fits the budget and write it."""
     from .profiling import run_plan
 
+    model_name = model_option(model_name, hf_config, blocks, required=False)
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo)
@@ -216,7 +240,9 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 
 @main.command()
 @click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False), help="Plan file.")
-@click.option("--model", "model_name", required=True, metavar="NAME", help="Zoo model the plan is for.")
+@click.option("--model", "model_name", metavar="NAME", default=None,
+              help="Zoo model (or hf:PATH) the plan is for.")
+@hf_options
 @click.option("--data", "data_path", default=None, metavar="FILE",
               help="Text file (byte-level tokens); default: the embedded Python docs.")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
@@ -226,12 +252,24 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Seconds any collective may wait before the run fails (multi-rank runs).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write the measured steps as a Chrome/Perfetto trace (rank 0).")
-def train(plan_path, model_name, data_path, steps, lr, seed, timeout_s, trace_path):
-    """Train a zoo model by replaying a plan (under torchrun for several ranks)."""
+@click.option("--save-every", type=click.IntRange(1), default=None, metavar="K",
+              help="Checkpoint every K steps, at the end and on Ctrl-C (needs --save-dir).")
+@click.option("--save-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Checkpoint root (atomic step-N directories and a `latest` pointer).")
+@click.option("--resume", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
+              help="Continue from a checkpoint (any plan of this model); --steps counts the total.")
+def train(plan_path, model_name, hf_config, blocks, data_path, steps, lr, seed, timeout_s, trace_path,
+          save_every, save_dir, resume):
+    """Train a zoo model by replaying a plan (under torchrun for several ranks).
+
+    Ctrl-C stops after the current step (checkpointing first with --save-every); a
+    second Ctrl-C stops at once and the last complete checkpoint stays intact.
+    """
     from .train import train as run
 
+    model_name = model_option(model_name, hf_config, blocks, required=True)
     run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
-        trace_path=trace_path, echo=click.echo)
+        trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume)
 
 
 @main.command()

@@ -8,10 +8,12 @@ plan made for a zoo model reads like one made for the HF model of the same shape
 
 Two rules the runtime depends on:
 
-- No buffers. The executor moves parameters only, and models are built on
-  ``meta`` and materialised later; a registered causal mask or RoPE cache would be
-  left behind on ``meta``. Causality comes from ``is_causal=True`` and RoPE cos/sin
-  are computed from positions in each forward.
+- No buffers. The executor lays out parameters only (buffers are merely moved
+  to the device at wrap), and models are built on ``meta`` and materialised later;
+  a registered causal mask or RoPE cache would be left behind on ``meta``.
+  Causality comes from ``is_causal=True`` and RoPE cos/sin are computed from
+  positions in each forward. (Hugging Face models do hold RoPE buffers; ``hf.py``
+  recomputes them when it materialises a model.)
 - Every block maps ``(B, T, C) -> (B, T, C)`` with no other argument, so the
   executor can hook, checkpoint and profile any block the same way.
 
@@ -129,7 +131,7 @@ def _check_seq_len(T: int, limit: int, name: str) -> None:
         )
 
 
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # fp32 loss even for a bf16 model: log-softmax over 50k logits in bf16 loses
     # most of the digits that distinguish a good step from a bad one.
     V = logits.size(-1)
@@ -243,7 +245,7 @@ class GPT2(nn.Module):
             x = block(x)  # (B, T, C)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
-        return logits if targets is None else _lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 # ---------------------------------------------------------------------------
@@ -395,7 +397,7 @@ class Llama(nn.Module):
             x = block(x)  # (B, T, C)
         x = self.model.norm(x)
         logits = self.lm_head(x)  # (B, T, V)
-        return logits if targets is None else _lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 # ---------------------------------------------------------------------------
@@ -406,19 +408,13 @@ def block_paths(model: nn.Module) -> list[str]:
     """Module paths of the model's transformer blocks, in execution order.
 
     A model can say so itself with a ``protrain_blocks()`` method (the zoo models
-    do). Otherwise we take the longest ``nn.ModuleList`` whose children are all of
-    one class: that is the stack of repeated blocks in Hugging Face models
-    (``model.layers``, ``transformer.h``, ``gpt_neox.layers``, ...).
+    and the Hugging Face adapter in ``hf.py`` do). Otherwise we take the children of
+    the longest ``nn.ModuleList`` of modules of one class (``find_block_list``).
     """
     own = getattr(model, "protrain_blocks", None)
     if callable(own):
         return list(own())
-    best_name, best_len = None, 0
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) <= best_len:
-            continue
-        if len({type(child) for child in module}) == 1:
-            best_name, best_len = name, len(module)
+    best_name = find_block_list(model)
     if best_name is None:
         raise ConfigError(
             f"cannot find the transformer blocks of {type(model).__name__}: it has no "
@@ -427,20 +423,58 @@ def block_paths(model: nn.Module) -> list[str]:
             "or give the model a protrain_blocks() method returning their module paths",
         )
     prefix = f"{best_name}." if best_name else ""
-    return [f"{prefix}{i}" for i in range(best_len)]
+    return [f"{prefix}{i}" for i in range(len(model.get_submodule(best_name)))]
+
+
+def find_block_list(model: nn.Module) -> str | None:
+    """Path of the longest ``nn.ModuleList`` whose children are all of one class, or None.
+
+    That is the stack of repeated blocks in Hugging Face models (``model.layers``,
+    ``transformer.h``, ``model.decoder.layers``, ``gpt_neox.layers``, ...). Ties go to
+    the first in registration order.
+    """
+    best_name, best_len = None, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) <= best_len:
+            continue
+        if len({type(child) for child in module}) == 1:
+            best_name, best_len = name, len(module)
+    return best_name
 
 
 # ---------------------------------------------------------------------------
 # Building, materialising, counting
 
 
+HF_PREFIX = "hf:"
+"""Model names ``hf:PATH[#BLOCKS]`` are Hugging Face configs (``planner/hf.py``), not zoo entries."""
+
+
+def is_hf_name(name: str) -> bool:
+    return name.startswith(HF_PREFIX)
+
+
 def _config(name: str) -> GPT2Config | LlamaConfig:
     if name not in ZOO:
         raise ConfigError(
             f"unknown model {name!r}{did_you_mean(name, ZOO)}; the zoo has: {', '.join(ZOO)}",
-            hint="run `protrain models` to list the models with their sizes",
+            hint="run `protrain models` to list the models with their sizes, or name a local "
+            "Hugging Face config as hf:PATH (a config.json or its directory)",
         )
     return ZOO[name]
+
+
+def check_name(name: str) -> None:
+    """Raise ``ConfigError`` unless ``name`` is a zoo model or a readable ``hf:`` config.
+
+    Cheap: reads the config file for ``hf:`` names, builds nothing.
+    """
+    if is_hf_name(name):
+        from . import hf
+
+        hf.load_config(hf.parse_hf_name(name)[0])
+    else:
+        _config(name)
 
 
 def build(
@@ -459,7 +493,16 @@ def build(
     seed=s)`` equals ``materialize(build(name, device="meta"), seed=s)`` bit for bit. The
     global torch RNG is not touched (see materialize). Parameters are initialised
     in fp32 and then cast, so a bf16 model is the rounding of the fp32 one.
+
+    ``name`` may also be ``hf:PATH[#BLOCKS]``, a local Hugging Face config.json (or
+    checkpoint directory): see ``planner/hf.py``, which keeps the same contract.
     """
+    if is_hf_name(name):
+        # A local Hugging Face config (planner/hf.py): same contract, transformers' init.
+        from . import hf
+
+        path, blocks = hf.parse_hf_name(name)
+        return hf.build(path, blocks=blocks, device=device, dtype=dtype, dropout=dropout, seed=seed)
     cfg = _config(name)
     if dropout is not None:
         cfg = dataclasses.replace(cfg, dropout=dropout)
@@ -513,7 +556,7 @@ class ModelInfo:
     """One row of the `protrain models` table."""
 
     name: str
-    family: str  # "gpt2" or "llama"
+    family: str  # "gpt2" or "llama"; a Hugging Face model's model_type
     n_params: int  # unique parameter elements, tied counted once
     n_blocks: int
     hidden: int  # residual stream width (n_embd / dim)
@@ -524,7 +567,11 @@ class ModelInfo:
 
 
 def describe(name: str) -> ModelInfo:
-    """Size and shape of zoo model `name`; counts parameters on meta, allocates nothing."""
+    """Size and shape of zoo model `name` (or ``hf:PATH``); counts parameters on meta, allocates nothing."""
+    if is_hf_name(name):
+        from . import hf
+
+        return hf.describe(name)
     cfg = _config(name)
     n_params = count_params(build(name, device="meta"))
     if isinstance(cfg, GPT2Config):

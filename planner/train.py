@@ -17,7 +17,7 @@ from protrain.executor.check import check
 from protrain.executor.errors import ConfigError
 
 from .data import batches, load_tokens, vocab_check
-from .models import ZOO, build
+from .models import build, check_name
 from .report import human_bytes
 
 
@@ -49,14 +49,27 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
 def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
           seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
           trace_path: str | None = None, echo: Callable[[str], None] = print,
-          progress: bool = True) -> list[float]:
+          progress: bool = True, save_every: int | None = None, save_dir: str | None = None,
+          resume: str | None = None) -> list[float]:
+    """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
+
+    ``save_every`` K: checkpoint to ``save_dir`` every K steps and at the end.
+    ``resume``: a checkpoint root (or step directory) to continue from, under this
+    plan (the plan may differ from the one the checkpoint was written under).
+    Ctrl-C stops after the current step and, when checkpointing, saves first; a
+    second Ctrl-C interrupts at once — the last complete checkpoint stays intact
+    (executor/checkpoint.py [Note: atomicity]).
+    """
+    if save_every is not None and save_dir is None:
+        raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
     plan = P.load(plan_path)
     rank, world, rank_device = _init_distributed(timeout_s)
     try:
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
                       trace_path=trace_path if rank == 0 else None,
-                      echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0)
+                      echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0,
+                      save_every=save_every, save_dir=save_dir, resume=resume)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -66,12 +79,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
 
 
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
-           progress, trace_path=None) -> list[float]:
-    if model_name not in ZOO:
-        from protrain.executor.errors import did_you_mean
-
-        raise ConfigError(f"unknown model {model_name!r}{did_you_mean(model_name, ZOO)}",
-                          "run `protrain models`")
+           progress, trace_path=None, save_every=None, save_dir=None, resume=None) -> list[float]:
+    check_name(model_name)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build(model_name, device="cpu", seed=seed)
     check(plan, model, where=plan_path)
@@ -81,6 +90,11 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     engine = wrap(model, plan, AdamWConfig(lr=lr), device=dev)
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
+    drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
+    if resume is not None:
+        m = engine.load(resume)
+        drawn = _skip_to(data, m.data, t, world, echo)
+        echo(f"resumed from {resume} at step {engine.steps_done}")
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses: list[float] = []
@@ -105,10 +119,26 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
 
         recorder = record_trace(engine)
         rec = recorder.__enter__()
+    stop = _StopFlag()
+
+    def checkpoint() -> None:
+        path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world})
+        echo(f"saved {path}")
+
+    first = engine.steps_done
     try:
-        for step in range(steps):
-            result = engine.step([next(data) for _ in range(t.grad_accum)])
-            losses.append(result.loss)
+        for step in range(first, steps):
+            with stop.installed():
+                result = engine.step([next(data) for _ in range(t.grad_accum)])
+                drawn += t.grad_accum
+                losses.append(result.loss)
+                if save_every is not None and (engine.steps_done % save_every == 0 or engine.steps_done == steps
+                                               or stop.requested):
+                    checkpoint()
+            if stop.requested:
+                echo(f"interrupted after step {engine.steps_done}"
+                     + (f"; resume with --resume {save_dir}" if save_every is not None else ""))
+                break
             tps = tokens_per_step / max(result.timings["total"], 1e-9)
             status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
                       + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
@@ -124,5 +154,55 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
             rec.save(trace_path)
             echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
         engine.close()
-    echo(f"trained {steps} steps in {time.perf_counter() - t0:.1f} s: loss {losses[0]:.3f} → {losses[-1]:.3f}")
+    if losses:
+        echo(f"trained {len(losses)} steps in {time.perf_counter() - t0:.1f} s: "
+             f"loss {losses[0]:.3f} → {losses[-1]:.3f}")
     return losses
+
+
+def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
+    """Advance the data stream to where the checkpoint left it; returns the draws skipped.
+
+    A draw is one global micro-batch (``micro_batch × world`` sequences). Under a plan
+    with another global micro-batch the position is converted by sequences, rounded
+    down; the order of the data then differs from the uninterrupted run's.
+    """
+    draws = position.get("draws", 0)
+    saved_global = position.get("global_micro_batch", t.micro_batch * world)
+    if saved_global != t.micro_batch * world:
+        draws = draws * saved_global // (t.micro_batch * world)
+        echo(f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
+             f"{t.micro_batch * world}: resuming at the same number of sequences, not the same batches")
+    for _ in range(draws):
+        next(data)
+    return draws
+
+
+class _StopFlag:
+    """First Ctrl-C: finish (and checkpoint) the current step, then stop. Second: stop now."""
+
+    def __init__(self):
+        self.requested = False
+
+    def installed(self):
+        import contextlib
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def scope():
+            def handler(signum, frame):
+                if self.requested:
+                    raise KeyboardInterrupt
+                self.requested = True
+
+            previous = signal.signal(signal.SIGINT, handler)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+        return scope()
