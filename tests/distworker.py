@@ -51,7 +51,7 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
         plan = make_plan(name, world, persistent, n_buffer, policies, micro)
         engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
         if load:
-            engine.load_state_dict(torch.load(load, weights_only=True))
+            engine.load(load)  # the checkpoint saved on another world size
         data = batches(load_tokens(), micro, SEQ, 0, rank=rank, world_size=world)
         for _ in range(skip):
             next(data)
@@ -59,8 +59,8 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
         losses = [r.loss for r in results]
         peak = max(r.peak_bytes for r in results)
         sd = engine.state_dict()
-        if save and rank == 0:
-            torch.save(sd, save)
+        if save:
+            engine.save(save)  # every rank: collectives and barriers inside
         if rank == 0:
             torch.save(sd, Path(out) / "state.pt")
         Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host,

@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from distworker import LR, MICRO, SEQ, die, train
+from safetensors.torch import load_file
 
+from protrain.executor.checkpoint import read_manifest, resolve
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.models import build
 
@@ -100,7 +102,7 @@ def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
 
 def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
     persistent, n_buffer, policies = CASES["llama-tiny"]
-    ckpt = str(tmp_path / "ckpt.pt")
+    ckpt = str(tmp_path / "ckpt")  # Engine.save's directory (executor/checkpoint.py)
     (tmp_path / "a").mkdir()
     spawn(train, 2, str(tmp_path / "a"), "llama-tiny", persistent, n_buffer, policies, 3, None, ckpt)
     # The next step from the checkpoint on one global batch of 6 sequences: one rank
@@ -114,7 +116,10 @@ def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
     # Same weights, same tokens; only the order of the mean over sequences differs.
     assert abs(nxt[1] - nxt[3]) <= 1e-6 * abs(nxt[1]), nxt
     model = build("llama-tiny", seed=1)
-    model.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    saved = resolve(ckpt)
+    assert sorted(read_manifest(saved).files) == ["model.safetensors", "optim.safetensors",
+                                                  "rng-rank0.safetensors", "rng-rank1.safetensors"]
+    model.load_state_dict(load_file(saved / "model.safetensors"))
     x, y = next(batches(load_tokens(), 6, SEQ, 0))
     with torch.no_grad():
         expected = model(x, y).item()
