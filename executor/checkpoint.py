@@ -204,6 +204,20 @@ def read_manifest(directory: str | Path) -> Manifest:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read ({e.strerror or e})", "check the path") from None
+    m = decode_manifest(raw, str(where))
+    for name, entry in m.files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry.bytes:
+            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)",
+                                  "resume from another checkpoint")
+        if _sha256(path) != entry.sha256:
+            raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)",
+                                  "resume from another checkpoint")
+    return m
+
+
+def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
+    """Strictly decode and check a manifest's own bytes; any bad input is a ``CheckpointError``."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{where}: larger than 1 MiB; not a protrain manifest", "check the path")
     try:
@@ -214,19 +228,14 @@ def read_manifest(directory: str | Path) -> Manifest:
     if m.version != VERSION:
         raise CheckpointError(f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
                               "resume with the protrain version that wrote it")
+    if not 1 <= m.world_size <= 65536 or m.step < 0:
+        raise CheckpointError(f"{where}: world_size {m.world_size} / step {m.step} out of range",
+                              "resume from another checkpoint")
     expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
                                                              for r in range(m.world_size)}
     if set(m.files) != expected or not all(FILE_NAME.fullmatch(n) for n in m.files):
         raise CheckpointError(f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}",
                               "resume from another checkpoint")
-    for name, entry in m.files.items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != entry.bytes:
-            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)",
-                                  "resume from another checkpoint")
-        if _sha256(path) != entry.sha256:
-            raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)",
-                                  "resume from another checkpoint")
     return m
 
 

@@ -4,12 +4,15 @@ hang or a crash — whatever bytes they are given.
 
 Mutations of a real file (truncation, byte flips, insertions, deletions, spliced
 duplicates), type-confused JSON (any leaf or subtree replaced by a value of another
-JSON type), deeply nested documents and files over the size caps. 6,000 plan and
-4,000 profile cases run derandomized, so CI runs the same 10,000 each time.
+JSON type), deeply nested documents and files over the size caps. 6,000 plan,
+4,000 profile and 1,000 checkpoint-manifest cases run derandomized, so CI runs the
+same ones each time. ``tools/fuzz_loaders.py`` drives the same loaders with atheris
+(coverage-guided) when it is installed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -19,12 +22,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protrain.executor import plan as P
-from protrain.executor.errors import PlanError, ProfileError
+from protrain.executor.checkpoint import Manifest, decode_manifest
+from protrain.executor.errors import CheckpointError, PlanError, ProfileError
 from protrain.planner.profile import MAX_PROFILE_BYTES, Profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BYTES = (ROOT / "plans/gpt2-tiny/example.json").read_bytes()
 PROFILE_BYTES = sorted((ROOT / "plans/profiles/gpt2-xl").glob("*.json"))[0].read_bytes()
+MANIFEST_BYTES = json.dumps({
+    "format": "protrain-checkpoint", "version": 1, "step": 3, "model_fingerprint": "sha256:" + "a" * 64,
+    "world_size": 2, "compute_dtype": "bfloat16", "params": {"w": [4, 8], "b": [8]}, "tied": [],
+    "scaler": {"scale": 1.0, "good_steps": 0}, "data": {"draws": 3},
+    "files": {n: {"bytes": 10, "sha256": "b" * 64} for n in
+              ("model.safetensors", "optim.safetensors", "rng-rank0.safetensors", "rng-rank1.safetensors")},
+}).encode()
 
 def fuzz(n: int) -> settings:
     return settings(max_examples=n, derandomize=True, database=None, deadline=None,
@@ -64,10 +75,15 @@ def _paths(doc, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
+@functools.cache
+def _all_paths(base: bytes) -> list[tuple]:
+    return list(_paths(json.loads(base)))
+
+
 @st.composite
 def type_confusion(draw, base: bytes) -> bytes:
     doc = json.loads(base)
-    paths = list(_paths(doc))
+    paths = _all_paths(base)
     path = draw(st.sampled_from(paths[1:]))
     node = doc
     for key in path[:-1]:
@@ -118,10 +134,21 @@ def test_profile_load_only_raises_profile_error(data: bytes):
     assert msgspec.json.decode(msgspec.json.encode(profile), type=Profile) == profile
 
 
+@fuzz(1_000)
+@given(data=hostile(MANIFEST_BYTES))
+def test_manifest_decode_only_raises_checkpoint_error(data: bytes):
+    try:
+        m = decode_manifest(data)
+    except CheckpointError:
+        return
+    assert isinstance(m, Manifest) and "model.safetensors" in m.files
+
+
 def test_the_fuzzers_bases_load():
     """The mutations start from files that load, so rejections are the mutations' doing."""
     P.load(PLAN_BYTES)
     load_profile(PROFILE_BYTES)
+    decode_manifest(MANIFEST_BYTES)
 
 
 @pytest.mark.parametrize("which", ["plan", "profile"])
