@@ -216,7 +216,7 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     import torch
 
     from protrain.executor import AdamWConfig, wrap
-    from protrain.executor.schedule import Phase
+    from protrain.executor.schedule import Phase, block_input
 
     from .data import batches, load_tokens
 
@@ -273,8 +273,8 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     modules = dict(model.named_modules())
 
     def record_input(segment):
-        def hook(_m, args):
-            t = args[0] if isinstance(args, tuple) else args
+        def hook(_m, args, kwargs):  # hidden states positional (zoo, HF) or as a keyword (HF)
+            t, _ = block_input(args, kwargs)
             inputs[segment] = t.untyped_storage().nbytes()
         return hook
 
@@ -282,7 +282,7 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
         t = out[0] if isinstance(out, (tuple, list)) else out
         inputs[segments[-1]] = t.untyped_storage().nbytes()
 
-    handles = [modules[b].register_forward_pre_hook(record_input(b)) for b in blocks]
+    handles = [modules[b].register_forward_pre_hook(record_input(b), with_kwargs=True) for b in blocks]
     handles.append(modules[blocks[-1]].register_forward_hook(record_output))
     data = batches(load_tokens(), micro_batch, seq_len, seed)
     try:
