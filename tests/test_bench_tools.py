@@ -1,0 +1,214 @@
+"""The benchmark tools against FSDP2 / DeepSpeed: bench_train, bench_fit, gpu_check.sh on CPU.
+
+Each tool runs as a user would run it (a subprocess from the repository root) on tiny
+models, and its output is checked for what the GPU run will rely on: one JSON record
+per run with the fields the report reads, positive throughput, protrain's predicted
+and measured figures, and clean records for back-ends that cannot run here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+COMMON = ["--device", "cpu", "--model", "gpt2-tiny", "--micro-batch", "2", "--seq", "32",
+          "--steps", "3", "--warmup", "1", "--hardware", "cpu", "--threads", "1"]
+FIELDS = {"backend", "model", "n_params", "device", "dtype", "micro_batch", "seq", "global_batch",
+          "steps", "warmup", "fits", "tokens_per_s", "tokens_per_s_spread", "peak_dev_bytes",
+          "peak_host_rss_bytes", "loss_first", "loss_last", "budget_bytes", "budget_enforced",
+          "command", "commit", "date"}
+
+
+def run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def train_records(tmp_path_factory) -> dict[str, dict]:
+    """One bench_train run of every back-end on gpt2-tiny (fp32, CPU), by back-end name."""
+    jsonl = tmp_path_factory.mktemp("bench") / "runs.jsonl"
+    proc = run([str(TOOLS / "bench_train.py"), *COMMON, "--budget", "3MiB", "--jsonl", str(jsonl),
+                "--backend", "protrain", "--backend", "torch-plain", "--backend", "fsdp2-offload",
+                "--backend", "deepspeed-zero3-offload"])
+    recs = records(proc.stdout)
+    assert [r["backend"] for r in recs] == ["protrain", "torch-plain", "fsdp2-offload",
+                                            "deepspeed-zero3-offload"], proc.stdout
+    assert records(jsonl.read_text()) == recs  # --jsonl holds exactly what was printed
+    return {r["backend"]: {**r, "_jsonl": str(jsonl)} for r in recs}
+
+
+@pytest.mark.parametrize("backend", ["protrain", "torch-plain"])
+def test_bench_train_records_a_measured_run(train_records, backend):
+    r = train_records[backend]
+    assert FIELDS <= r.keys(), FIELDS - r.keys()
+    assert r["fits"] is True and "error" not in r
+    assert (r["model"], r["device"], r["dtype"], r["micro_batch"], r["seq"]) == (
+        "gpt2-tiny", "cpu", "float32", 2, 32)
+    assert r["global_batch"] == 2 and r["budget_bytes"] == 3 * 2**20
+    assert r["budget_enforced"] is False  # no device memory to cap on CPU
+    assert r["peak_dev_bytes"] is None
+    s = r["tokens_per_s_spread"]
+    assert 0 < s["min"] <= s["q1"] <= s["median"] <= s["q3"] <= s["max"]
+    assert r["tokens_per_s"] == s["median"] > 0
+    assert r["peak_host_rss_bytes"] > 10 * 2**20  # a Python process with torch in it
+    assert 0 < r["peak_host_rss_train_bytes"] <= r["peak_host_rss_bytes"]
+    assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
+
+
+def test_bench_train_protrain_reports_prediction_against_measurement(train_records):
+    r = train_records["protrain"]
+    assert r["predicted_iter_s"] > 0 and r["measured_iter_s"] > 0
+    assert r["iter_ratio"] == pytest.approx(r["measured_iter_s"] / r["predicted_iter_s"])
+    # On CPU the measured peak is the executor's ledger, which the planner predicts
+    # exactly: a plan must never under-predict, and within the 3 MiB budget.
+    assert r["measured_peak_source"] == "ledger"
+    assert 0 < r["measured_peak_bytes"] <= r["predicted_peak_bytes"] <= r["budget_bytes"]
+    assert r["peak_ratio"] == pytest.approx(r["measured_peak_bytes"] / r["predicted_peak_bytes"])
+    # 3 MiB is less than keeping everything (~3.7 MiB): the plan must trade something.
+    plan = r["plan"]
+    assert plan["n_persist"] < plan["n_chunks"] or plan["n_swap"] + plan["n_checkpoint"] > 0, plan
+
+
+def test_bench_train_back_ends_train_the_same_model_on_the_same_data(train_records):
+    # fp32 on CPU: a plan moves tensors and never changes arithmetic, so protrain's
+    # losses are plain PyTorch's bit for bit; FSDP2 (one rank, fp32) computes the same.
+    plain = train_records["torch-plain"]
+    for name in ("protrain", "fsdp2-offload"):
+        r = train_records[name]
+        if r.get("fits"):
+            assert (r["loss_first"], r["loss_last"]) == (plain["loss_first"], plain["loss_last"]), name
+
+
+def test_bench_train_fsdp2_runs_or_skips_cleanly(train_records):
+    r = train_records["fsdp2-offload"]
+    if r["fits"] is None:  # torch refused: the record says why, and nothing else broke
+        assert r["skipped"].startswith("torch refused"), r
+    else:
+        assert r["fits"] is True and r["tokens_per_s"] > 0
+        assert r["ac"] == "every block" and r["offload"].startswith("CPUOffloadPolicy")
+
+
+def test_bench_train_deepspeed_record(train_records):
+    r = train_records["deepspeed-zero3-offload"]
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        assert r["fits"] is None and r["skipped"].startswith("deepspeed is not importable"), r
+        return
+    assert r["fits"] is True or r.get("skipped") or r.get("reason"), r
+    if r["fits"]:
+        z = r["ds_zero"]
+        assert z["stage"] == 3 and z["offload_param"]["device"] == "cpu"
+
+
+def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
+    proc = run([str(TOOLS / "bench_train.py"), "--report", train_records["protrain"]["_jsonl"]])
+    table = proc.stdout
+    assert "**gpt2-tiny**" in table and "× torch-plain" in table
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    for name in ("protrain", "torch-plain", "fsdp2-offload", "deepspeed-zero3-offload"):
+        assert name in rows, table
+    assert "| 1.00 |" in rows["torch-plain"]  # the baseline against itself
+    assert "ledger" in rows["protrain"]
+
+
+def test_bench_train_does_not_fit_is_a_clean_record():
+    # 256 KiB is below anything the planner can do for gpt2-tiny: a "fits": false
+    # record naming the planner's reason, exit status 0, no traceback.
+    proc = run([str(TOOLS / "bench_train.py"), *COMMON, "--budget", "256KiB", "--backend", "protrain"])
+    (r,) = records(proc.stdout)
+    assert r["fits"] is False and r["reason"].startswith("planner: no configuration"), r
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_fit_tiny_ladder(tmp_path):
+    jsonl = tmp_path / "fit.jsonl"
+    proc = run([str(TOOLS / "bench_fit.py"), "--device", "cpu", "--tiny", "--family", "gpt2",
+                "--budget", "1MiB", "--backend", "protrain", "--backend", "torch-plain",
+                "--micro-batches", "1", "2", "4", "--threads", "1", "--jsonl", str(jsonl)])
+    lines = records(proc.stdout)
+    assert records(jsonl.read_text()) == lines
+    results = {r["backend"]: r for r in lines if r["kind"] == "result"}
+    probes = [r for r in lines if r["kind"] == "probe"]
+    assert set(results) == {"protrain", "torch-plain"}
+    pt, plain = results["protrain"], results["torch-plain"]
+    # Plain PyTorch is not capped on CPU: it trains every rung, the top is its answer.
+    assert plain["budget_enforced"] is False
+    assert plain["largest_index"] == plain["ladder_rungs"] - 1 and plain["limit"] == "end of the ladder"
+    assert plain["largest_micro_batch"] == 4
+    # protrain plans for the 1 MiB budget: a smaller rung, stopped by the planner.
+    assert 0 <= pt["largest_index"] < plain["largest_index"]
+    assert pt["limit"].startswith("planner: no configuration")
+    assert pt["largest_micro_batch"] in (1, 2, 4)
+    # Bisection: the rung above protrain's answer was probed and did not fit.
+    above = f"tiny:gpt2:{pt['largest_index'] + 1}"
+    assert any(p["backend"] == "protrain" and p["model"] == above and p["fits"] is False
+               for p in probes)
+    assert len([p for p in probes if p["backend"] == "torch-plain"]) <= 3 + 2  # log2 of 6, of 3
+
+
+@pytest.mark.slow
+def test_gpu_check_rehearsal_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--device", "cpu", "--tiny"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OUT=str(out)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["artifacts.tar.gz", "bench.jsonl", "env.txt", "log.txt", "pytest-gpu.txt",
+                     "steps.tsv", "summary.md"]
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()[1:]]
+    # Every step ran and passed, but DeepSpeed's, which a CPU rehearsal leaves out.
+    assert steps and all(s[1] == "ok" for s in steps if not s[0].endswith("deepspeed")), steps
+    assert [s[1] for s in steps if s[0].endswith("deepspeed")] == [
+        "skipped (not importable, or CPU without --with-deepspeed)"], steps
+    recs = records((out / "bench.jsonl").read_text())
+    ran = {(r["backend"], r["model"], r["micro_batch"]) for r in recs if r["fits"]}
+    for model in ("gpt2-tiny", "llama-tiny"):
+        for mb in (2, 4):
+            assert {("protrain", model, mb), ("fsdp2-offload", model, mb)} <= ran, ran
+    for r in recs:
+        if r["backend"] == "protrain":
+            assert r["measured_peak_bytes"] <= r["predicted_peak_bytes"] <= 3 * 2**20
+    summary = (out / "summary.md").read_text()
+    assert "predicted / measured peak" in summary and "## Steps" in summary
+    assert "skipped" in (out / "pytest-gpu.txt").read_text()  # no CUDA here: skipped, not failed
+    with tarfile.open(out / "artifacts.tar.gz") as tar:
+        names = tar.getnames()
+    assert sum(n.endswith(".plan.json") for n in names) == 4, names
+    assert sum(n.endswith(".profile.json") for n in names) == 4, names
+    assert any(n.endswith("spec-cpu.json") for n in names), names
+
+
+def test_bench_train_write_replaces_only_its_own_section(train_records, tmp_path, monkeypatch):
+    sys.path.insert(0, str(TOOLS))
+    import bench_executor
+    import bench_train
+
+    md = tmp_path / "BENCHMARKS.md"
+    other = "## Executor step time on CPU (tools/bench_executor.py)\n\nkeep me\n"
+    md.write_text(bench_executor.HEADER + "\n" + other)
+    monkeypatch.setattr(bench_executor, "BENCHMARKS_MD", md)
+    jsonl = train_records["protrain"]["_jsonl"]
+    for _ in range(2):  # the second write replaces the first
+        assert bench_train.main(["--report", jsonl, "--write"]) == 0
+    text = md.read_text()
+    assert other in text and text.count(bench_train.SECTION) == 1
+    assert text.index(other) < text.index(bench_train.SECTION)
+    assert "GPU figures are pending a lent device" in text

@@ -1,0 +1,678 @@
+"""Training throughput and memory: protrain against FSDP2 offload, DeepSpeed ZeRO-3 offload, plain.
+
+What it answers: on one device, under one memory budget, how many tokens per
+second does each back-end train a model at, how much device and host memory does
+it take, and, for protrain, how close are the plan's predicted iteration time and
+peak memory to the measured ones?
+
+Back-ends (``--backend``, repeatable; every one trains the same zoo model code on
+the same batches from ``planner/data.py``, the same dtype, sequence length and
+global batch, with AdamW of the same hyper-parameters):
+
+- ``protrain``: profile the model on this device (``planner.profile.measure``),
+  plan it for ``--budget`` (``planner.planning.make_plan``), replay the plan
+  (``executor.wrap``). The hardware spec is probed here unless ``--hardware``
+  names one (a file or a name in ``plans/hardware/``).
+- ``fsdp2-offload``: ``torch.distributed.fsdp.fully_shard`` on every block and the
+  root with ``CPUOffloadPolicy`` (parameters, gradients and AdamW on the host),
+  ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``, activation
+  checkpointing on every block (``checkpoint_wrapper``, non-reentrant) and
+  ``AdamW(fused=True)`` on the host shards. Pinned host memory on CUDA only: a
+  CPU-only torch refuses ``pin_memory`` ("Cannot access accelerator device"), so on
+  CPU the policy is ``CPUOffloadPolicy(pin_memory=False)``, which runs under gloo.
+- ``fsdp2-offload-sac``: the same with checkpointing on every other block
+  (blocks 0, 2, 4, ...): selective activation checkpointing by block.
+- ``deepspeed-zero3-offload``: ``deepspeed.initialize`` with ZeRO stage 3,
+  parameters and optimizer offloaded to CPU memory (pinned on CUDA), DeepSpeed's
+  CPU AdamW, bf16 on CUDA, checkpointing on every block (``torch.utils.checkpoint``,
+  as the FSDP2 run). Only when
+  ``deepspeed`` imports; otherwise a record with ``"skipped"``. The three stage-3
+  knobs default to Hugging Face's ``"auto"`` rule from the hidden size h
+  (prefetch bucket 0.9 h², persistence threshold 10 h, max live parameters 1e9)
+  and are written into the record; they are that rule's values, not tuned on a GPU.
+- ``torch-plain``: the model on the device, ``torch.optim.AdamW(fused=True)``,
+  bf16 by ``torch.autocast`` over fp32 parameters (fp32 on CPU). An out-of-memory
+  error gives a clean ``"fits": false`` record.
+
+Measurement: each back-end runs in its own subprocess (a fresh CUDA context,
+memory fraction, process group and allocator each; a crash or OOM stays in it),
+``--repeats`` times with the back-end order rotated per repeat. On CUDA the budget
+is enforced for every back-end by ``torch.cuda.set_per_process_memory_fraction(
+budget / total)`` (protrain's profile is taken before the cap: it measures
+compute, and its all-on-device profiling plan is not what is being tested). A step
+is timed with ``perf_counter`` around all of its micro-batches and the optimizer
+step, ending in a device synchronise and ``loss.item()``; tokens/s is the global
+batch's tokens over that time, median over the steps after ``--warmup``, with
+min/max and quartiles as the spread. Peak device memory is
+``torch.cuda.max_memory_allocated`` from just before the first step to the end
+(CUDA only); peak host memory is the worker's resident-set high-water mark, over
+the steps (``peak_host_rss_train_bytes``: VmHWM reset just before the first step)
+and over the whole process (``peak_host_rss_bytes``, model building and protrain's
+probe and profile included). On CPU there is no device memory apart from host
+memory: the budget is only the planner's (protrain's ledger is still checked
+against its prediction) and ``budget_enforced`` is false.
+
+One JSON object per run on stdout (also appended to ``--jsonl``); progress on
+stderr. ``--report FILE...`` turns saved records into a markdown table, and with
+``--write`` into this tool's section of BENCHMARKS.md.
+
+    python tools/bench_train.py --device cpu --model gpt2-tiny --backend protrain --backend torch-plain
+    python tools/bench_train.py --model gpt2-xl --budget 24GiB --micro-batch 8 --seq 1024 \\
+        --backend protrain --backend fsdp2-offload --jsonl runs.jsonl
+    python tools/bench_train.py --report runs.jsonl [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import resource
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# tools/ is sys.path[0] when this file runs as a script (and in bench_fit and the tests).
+from bench_models import (  # noqa: F401 (TINY_LADDERS: bench_fit reads it from here)
+    TINY_LADDERS,
+    Measured,
+    build_model,
+    hidden_size,
+    log,
+    resolve_config,
+    run_steps,
+    spread,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("protrain", "fsdp2-offload", "fsdp2-offload-sac", "deepspeed-zero3-offload",
+            "torch-plain")
+SECTION = "## Training throughput against FSDP2 and DeepSpeed offload (tools/bench_train.py)"
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
+# ---------------------------------------------------------------------------
+# Back-ends: each takes (args, config, label, device, record), adds its settings to the
+# record and returns (step, finish): step(micro-batches) -> mean loss, finish(Measured)
+# closes the back-end and adds what only it can measure.
+
+
+def setup_protrain(args, cfg, label, dev, rec):
+    import torch
+
+    from protrain.executor import AdamWConfig, wrap
+    from protrain.executor import plan as P
+    from protrain.executor.errors import BudgetError
+    from protrain.planner.models import block_paths
+    from protrain.planner.planning import make_plan
+    from protrain.planner.profile import dump_profile, load_profile, measure
+    from protrain.planner.spec import dump_spec, find_spec
+
+    art = Path(args.artifacts) if args.artifacts else None
+    stem = f"{label.replace('[', '-').replace(']', '')}-b{args.micro_batch}-s{args.seq}"
+    t0 = time.perf_counter()
+    if args.profile:
+        profile = load_profile(args.profile)
+        t = profile.training
+        if (t.micro_batch, t.seq_len, t.compute_dtype) != (args.micro_batch, args.seq, args.dtype):
+            raise ValueError(f"{args.profile} was profiled at micro-batch {t.micro_batch} × seq "
+                             f"{t.seq_len}, {t.compute_dtype}; this run asks for {args.micro_batch} × "
+                             f"{args.seq}, {args.dtype}: profile again, or match the options")
+        rec["profile_source"] = args.profile
+    else:
+        if args.hardware:
+            spec = find_spec(args.hardware)
+        else:
+            from protrain.planner.hardware import probe
+
+            log("  probing this machine (copy bandwidth, Adam rates)")
+            spec = probe(str(dev), quick=True)
+            if art:
+                (art / f"spec-{dev.type}.json").write_bytes(dump_spec(spec))
+        log(f"  profiling {label} on {dev} ({args.dtype})")
+        pmodel = build_model(cfg, args.seed)
+        profile = measure(pmodel, name=label, blocks=block_paths(pmodel), micro_batch=args.micro_batch,
+                          seq_len=args.seq, compute_dtype=args.dtype, device=str(dev), spec=spec,
+                          iterations=args.profile_iters)
+        del pmodel
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        rec["profile_source"] = f"measured on {dev}, spec {spec.name} ({spec.source})"
+        if art:
+            (art / f"{stem}.profile.json").write_bytes(dump_profile(profile))
+    rec["profile_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    try:
+        plan, _ = make_plan(profile, rec["budget_bytes"], grad_accum=args.grad_accum)
+    except BudgetError as e:
+        raise DoesNotFit(f"planner: {e}") from None
+    rec["plan_s"] = round(time.perf_counter() - t0, 3)
+    if art:
+        (art / f"{stem}-{human(rec['budget_bytes']).replace(' ', '')}.plan.json").write_bytes(P.dump(plan))
+    pol = [a.policy for a in plan.activations]
+    rec["plan"] = {"n_chunks": len(plan.chunks.items), "n_persist": plan.placement.n_persist,
+                   "n_buffer": plan.placement.n_buffer, "n_swap": pol.count("swap"),
+                   "n_checkpoint": pol.count("checkpoint"), "chunk_numel": plan.chunks.chunk_numel}
+    rec["predicted_iter_s"] = plan.prediction.iter_time_us / 1e6
+    rec["predicted_peak_bytes"] = plan.prediction.peak_memory_bytes
+    log(f"  plan: {rec['plan']}, predicted {rec['predicted_iter_s'] * 1e3:.1f} ms/iter, "
+        f"peak {human(rec['predicted_peak_bytes'])}")
+
+    enforce_budget(args, dev, rec)
+    model = build_model(cfg, args.seed)
+    engine = wrap(model, plan, AdamWConfig(lr=args.lr), device=dev)
+    peaks: list[int] = []
+
+    def step(micro):
+        res = engine.step(micro)
+        peaks.append(res.peak_bytes)
+        return res.loss
+
+    def finish(measured: Measured):
+        engine.close()
+        # StepResult.peak_bytes: the allocator's peak on CUDA, the ledger's count on CPU.
+        measured_peak = max(peaks[args.warmup:])
+        measured_iter = statistics.median(measured.step_s)
+        rec["measured_peak_bytes"] = measured_peak
+        rec["measured_peak_source"] = "allocator" if dev.type == "cuda" else "ledger"
+        rec["measured_iter_s"] = measured_iter
+        rec["peak_ratio"] = measured_peak / rec["predicted_peak_bytes"]
+        rec["iter_ratio"] = measured_iter / rec["predicted_iter_s"] if rec["predicted_iter_s"] else None
+
+    return step, finish  # batches stay on the host: the engine moves them
+
+
+def setup_fsdp2(args, cfg, label, dev, rec, every: int):
+    # every=1: fsdp2-offload; every=2: fsdp2-offload-sac (checkpoint blocks 0, 2, 4, ...).
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from protrain.planner.models import block_paths
+
+    init_process_group(dev)
+    enforce_budget(args, dev, rec)
+    model = build_model(cfg, args.seed)
+    paths = block_paths(model)
+    ckpt = {id(model.get_submodule(p)) for i, p in enumerate(paths) if i % every == 0}
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: id(m) in ckpt)
+    pin = dev.type == "cuda"  # pinning needs an accelerator: torch refuses it on a CPU-only build
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=pin)
+    try:
+        for p in paths:
+            fully_shard(model.get_submodule(p), mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
+    except (RuntimeError, NotImplementedError, ValueError, AssertionError) as e:
+        raise Skipped(f"torch refused fully_shard with CPUOffloadPolicy: {first_line(e)}") from None
+    # fused AdamW runs on the host-side sharded parameters (DTensors on the CPU).
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    rec["ac"] = "every block" if every == 1 else "every other block (0, 2, 4, ...)"
+    rec["offload"] = f"CPUOffloadPolicy(pin_memory={pin})"
+    rec["mixed_precision"] = f"param_dtype={args.dtype}, reduce_dtype=float32"
+    rec["optimizer"] = "torch.optim.AdamW(fused=True) on the host shards"
+
+    def step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = model(x.to(dev), y.to(dev)) / len(micro)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    def finish(_m):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    return step, finish
+
+
+def setup_deepspeed(args, cfg, label, dev, rec):
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise Skipped(f"deepspeed is not importable: {first_line(e)}") from None
+    from torch.utils.checkpoint import checkpoint
+
+    from protrain.planner.models import block_paths
+
+    init_process_group(dev)
+    enforce_budget(args, dev, rec)
+    model = build_model(cfg, args.seed)
+    for p in block_paths(model):  # checkpoint every block, as fsdp2-offload does
+        block = model.get_submodule(p)
+        block.forward = _checkpointed(block.forward, checkpoint)
+    h = hidden_size(cfg)
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": dev.type == "cuda"},
+        "offload_optimizer": {"device": "cpu", "pin_memory": dev.type == "cuda"},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": args.ds_prefetch_bucket or int(0.9 * h * h),
+        "stage3_param_persistence_threshold": args.ds_persistence_threshold or 10 * h,
+        "stage3_max_live_parameters": args.ds_max_live or int(1e9),
+        "sub_group_size": int(1e9),
+    }
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "bf16": {"enabled": args.dtype == "bfloat16"},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    rec["ds_zero"] = zero
+    rec["ds_version"] = deepspeed.__version__
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = engine(x.to(dev), y.to(dev))
+            engine.backward(loss)
+            engine.step()  # an optimizer step only at the accumulation boundary
+            total += loss.item() / len(micro)
+        return total
+
+    def finish(_m):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    return step, finish
+
+
+def _checkpointed(forward, checkpoint):
+    def run(x):
+        return checkpoint(forward, x, use_reentrant=False)
+    return run
+
+
+def setup_plain(args, cfg, label, dev, rec):
+    import contextlib
+
+    import torch
+
+    enforce_budget(args, dev, rec)
+    model = build_model(cfg, args.seed).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    autocast = args.dtype != "float32"
+    rec["mixed_precision"] = f"torch.autocast({dev.type}, {args.dtype}) over fp32 parameters" \
+        if autocast else "none (fp32)"
+
+    def step(micro):
+        total = 0.0
+        for x, y in micro:
+            ctx = (torch.autocast(dev.type, dtype=getattr(torch, args.dtype)) if autocast
+                   else contextlib.nullcontext())
+            with ctx:
+                loss = model(x.to(dev), y.to(dev)) / len(micro)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step, lambda _m: None
+
+
+# ---------------------------------------------------------------------------
+# Worker: one back-end, one record
+
+
+class Skipped(Exception):
+    """The back-end cannot run here (not installed, refused by torch); the message says why."""
+
+
+class DoesNotFit(Exception):
+    """The back-end does not fit the budget (planner refusal or out of memory)."""
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(dev) -> None:
+    """A one-rank process group in this process: gloo on CPU, NCCL on CUDA."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a probe before this one (bench_fit, in-process) ended early
+        dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    kw = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
+                            timeout=dt.timedelta(seconds=300), **kw)
+
+
+def enforce_budget(args, dev, rec) -> None:
+    """On CUDA, cap this process's allocator at the budget; on CPU there is nothing to cap."""
+    import torch
+
+    if dev.type != "cuda":
+        rec["budget_enforced"] = False
+        return
+    total = torch.cuda.get_device_properties(dev).total_memory
+    fraction = min(1.0, rec["budget_bytes"] / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    rec["budget_enforced"] = True
+    rec["memory_fraction"] = round(fraction, 6)
+
+
+def resolve_budget(args, dev) -> int:
+    from protrain.planner.planning import parse_budget
+
+    if args.budget:
+        return parse_budget(args.budget)
+    if dev.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(dev).total_memory
+    from protrain.planner.spec import find_spec
+
+    return find_spec("cpu").usable_memory_bytes
+
+
+def worker(args) -> dict:
+    import torch
+
+    torch.manual_seed(args.seed)  # the executor's and torch's RNG users (none with dropout off)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+        dev = torch.device("cuda", dev.index or 0)
+    label, cfg = resolve_config(args.model, args.layers, args.seq)
+    from protrain.planner.fit import n_params
+
+    rec = {
+        "backend": args.worker, "model": label, "n_params": n_params(cfg), "device": dev.type,
+        "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()),
+        "dtype": args.dtype, "micro_batch": args.micro_batch, "seq": args.seq,
+        "grad_accum": args.grad_accum, "world_size": 1,
+        "global_batch": args.micro_batch * args.grad_accum,
+        "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads(),
+        "budget_bytes": resolve_budget(args, dev), "torch": torch.__version__,
+    }
+    t_setup = time.perf_counter()
+    setups = {"protrain": setup_protrain, "torch-plain": setup_plain,
+              "fsdp2-offload": lambda *a: setup_fsdp2(*a, every=1),
+              "fsdp2-offload-sac": lambda *a: setup_fsdp2(*a, every=2),
+              "deepspeed-zero3-offload": setup_deepspeed}
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        step, finish = setups[args.worker](args, cfg, label, dev, rec)
+        from protrain.planner.data import batches, load_tokens
+
+        data = batches(load_tokens(), args.micro_batch, args.seq, args.seed)
+        rec["setup_s"] = round(time.perf_counter() - t_setup, 2)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        reset_ok = reset_host_peak()
+        log(f"{args.worker}: {args.steps} steps of {rec['global_batch']} x {args.seq} tokens")
+        measured = run_steps(step, data, args, sync)
+        if cuda:
+            rec["peak_dev_bytes"] = torch.cuda.max_memory_allocated(dev)
+            rec["peak_dev_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+        else:
+            rec["peak_dev_bytes"] = None  # no device apart from host memory: see peak_host_rss_bytes
+        rec["peak_host_rss_train_bytes"] = host_peak() if reset_ok else None
+        finish(measured)
+    except Skipped as e:
+        rec.update(fits=None, skipped=str(e))
+        return finalize(rec)
+    except DoesNotFit as e:
+        rec.update(fits=False, reason=str(e))
+        return finalize(rec)
+    except torch.OutOfMemoryError as e:
+        rec.update(fits=False, reason=f"out of memory: {first_line(e)}")
+        return finalize(rec)
+    tokens = rec["global_batch"] * args.seq
+    tps = [tokens / s for s in measured.step_s]
+    rec.update(fits=True, loss_first=measured.losses[0], loss_last=measured.losses[-1],
+               step_s_median=statistics.median(measured.step_s),
+               tokens_per_s=statistics.median(tps), tokens_per_s_spread=spread(tps))
+    return finalize(rec)
+
+
+def reset_host_peak() -> bool:
+    """Reset this process's resident-set high-water mark (Linux: VmHWM), if the kernel lets us.
+
+    Then ``host_peak()`` after the steps is the training loop's own peak (model, optimizer
+    states, host homes, swapped activations), without what setup touched and gave back
+    (protrain's hardware probe and profiling model, for example).
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_peak() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def finalize(rec: dict) -> dict:
+    # ru_maxrss is KiB on Linux: the whole worker's high-water mark, model building included.
+    # The kernel updates it lazily (it can read a few pages below the VmHWM of the steps), so
+    # the run's peak is the larger of the two.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rec["peak_host_rss_bytes"] = max(rss, rec.get("peak_host_rss_train_bytes") or 0)
+    return rec
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+# ---------------------------------------------------------------------------
+# Parent: one subprocess per (repeat, back-end)
+
+
+def git_commit() -> str:
+    """HEAD's short hash, or ``$BENCH_COMMIT`` (a copy of the tree without .git, as on a lent GPU)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_all(args, argv: list[str]) -> list[dict]:
+    command = shlex.join(["python", "tools/bench_train.py", *argv])
+    meta = {"command": command, "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    backends = list(dict.fromkeys(args.backend or ["protrain", "torch-plain"]))
+    records = []
+    for rep in range(args.repeats):
+        # Rotate the order each repeat, so no back-end always runs first (cold) or last.
+        order = backends[rep % len(backends):] + backends[: rep % len(backends)]
+        for b in order:
+            log(f"repeat {rep + 1}/{args.repeats}: {b} on {args.model} ({args.device})")
+            rec = spawn(args, argv, b)
+            rec.update(repeat=rep, **meta)
+            line = json.dumps(rec)
+            print(line, flush=True)
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(line + "\n")
+            records.append(rec)
+            if rec.get("fits"):
+                log(f"{b}: {rec['tokens_per_s']:,.0f} tokens/s")
+            else:
+                log(f"{b}: {rec.get('skipped') or rec.get('reason') or rec.get('error')}")
+    return records
+
+
+def spawn(args, argv: list[str], backend: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", backend]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base = {"backend": backend, "model": args.model, "device": args.device, "dtype": args.dtype,
+            "micro_batch": args.micro_batch, "seq": args.seq, "grad_accum": args.grad_accum,
+            "global_batch": args.micro_batch * args.grad_accum, "fits": None}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timed out after {args.timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    for ln in proc.stdout.splitlines():  # what a library printed (DeepSpeed logs to stdout)
+        if not ln.startswith("{"):
+            print(ln, file=sys.stderr)
+    if proc.returncode == 0 and lines:
+        rec = json.loads(lines[-1])
+        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+        return rec
+    return {**base, "error": f"worker exited with status {proc.returncode} "
+                             f"({'no record' if not lines else 'see stderr'}); its stderr is above"}
+
+
+# ---------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", action="append", choices=BACKENDS,
+                    help="back-end to run (repeatable; default protrain and torch-plain)")
+    ap.add_argument("--model", default="gpt2-tiny",
+                    help="zoo name, or ladder:FAMILY:I / tiny:FAMILY:I (default gpt2-tiny)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="replace the model's depth (a reduced-depth model of the same width)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                    help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included (default 8)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every back-end (default 1)")
+    ap.add_argument("--budget", default=None,
+                    help="device memory budget, e.g. 24GiB (default: the whole device; on CPU "
+                         "the cpu spec's usable memory)")
+    ap.add_argument("--hardware", default=None,
+                    help="protrain: hardware spec name or file instead of probing this machine")
+    ap.add_argument("--profile", default=None,
+                    help="protrain: a saved profile to plan from instead of profiling")
+    ap.add_argument("--profile-iters", type=int, default=3, help="protrain: measured profile iterations")
+    ap.add_argument("--artifacts", default=None,
+                    help="protrain: directory to write the spec, profile and plan into")
+    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads in each worker (default: torch's; 1 is steadier "
+                         "on a shared CPU box)")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is killed")
+    ap.add_argument("--jsonl", default=None, help="also append every record to this file")
+    ap.add_argument("--ds-prefetch-bucket", type=int, default=None,
+                    help="deepspeed stage3_prefetch_bucket_size (default 0.9 h^2)")
+    ap.add_argument("--ds-max-live", type=int, default=None,
+                    help="deepspeed stage3_max_live_parameters (default 1e9)")
+    ap.add_argument("--ds-persistence-threshold", type=int, default=None,
+                    help="deepspeed stage3_param_persistence_threshold (default 10 h)")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSONL",
+                    help="print the markdown table of saved records instead of running")
+    ap.add_argument("--write", action="store_true",
+                    help="with --report: replace this tool's section of BENCHMARKS.md")
+    ap.add_argument("--worker", choices=BACKENDS, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.report is None:
+        if args.device is None or args.device.startswith("cuda"):
+            import torch  # only to ask about CUDA: a parent with --device cpu starts faster without
+
+            args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if args.device.startswith("cuda") and not torch.cuda.is_available():
+                ap.error("--device cuda: torch sees no CUDA device here")
+        args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+        if args.steps <= args.warmup:
+            ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.report is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_report import load_records, report_section, report_table
+
+        records = load_records(args.report)
+        if args.write:
+            from bench_executor import write_section
+
+            write_section(report_section(records), SECTION)  # our section only
+            log("wrote BENCHMARKS.md")
+        print(report_table(records))
+        return 0
+    if args.worker:
+        try:
+            rec = worker(args)
+        except Exception as e:  # a record that says what broke beats a lost run
+            traceback.print_exc()
+            rec = {"backend": args.worker, "model": args.model, "device": args.device,
+                   "dtype": args.dtype, "micro_batch": args.micro_batch, "seq": args.seq,
+                   "grad_accum": args.grad_accum, "global_batch": args.micro_batch * args.grad_accum,
+                   "fits": None, "error": first_line(e)}
+            rec = finalize(rec)
+        print(json.dumps(rec), flush=True)
+        return 0
+    run_all(args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
