@@ -37,6 +37,15 @@ class BudgetError(ProtrainError):
     """A plan or request cannot fit the memory it is given."""
 
 
+class HostMemoryError(BudgetError):
+    """A plan cannot fit the host memory it may use (offloaded states, swapped activations)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, need: int = 0, available: int = 0):
+        super().__init__(message, hint)
+        self.need = need  # bytes per rank the least hungry configuration needs
+        self.available = available  # bytes per rank it may use
+
+
 class ConfigError(ProtrainError):
     """A bad user input other than a plan: unknown model name, bad data file, bad option value."""
 

@@ -165,16 +165,21 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Ranks.")
 @click.option("--grad-accum", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batches per optimizer step.")
+@click.option("--solver", type=click.Choice(["exhaustive", "milp"]), default=None,
+              help="Search: the paper's four counts (exhaustive) or per-chunk/per-block MILP (HiGHS; "
+                   "never worse, falls back to exhaustive) [default: exhaustive].")
+@click.option("--host-memory", default=None, metavar="SIZE",
+              help="Host memory per rank a plan may use [default: the spec's RAM less 10% and 2 GiB].")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, output):
+         grad_accum, solver, host_memory, output):
     """Search the fastest plan that fits the budget and write it."""
     from .profiling import run_plan
 
     model_name = model_option(model_name, hf_config, blocks, required=False)
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
-             grad_accum=grad_accum, output=output, echo=click.echo)
+             grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory)
 
 
 @main.command()
@@ -187,7 +192,7 @@ def diff(a_path: str, b_path: str, as_json: bool) -> None:
 
     from protrain.executor.plan import load
 
-    from .report import diff_json, render_diff
+    from .diff import diff_json, render_diff
 
     try:
         a, b = load(a_path), load(b_path)
@@ -218,7 +223,13 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
     from .report import render_explain
 
     plan = load(plan_path)
-    click.echo(render_explain(plan, plan_path))
+    departures = None
+    if profile_path is not None:
+        from .milp import explain_departures
+        from .profile import load_profile
+
+        departures = explain_departures(load_profile(profile_path), plan)
+    click.echo(render_explain(plan, plan_path, departures=departures))
     if (trace_path or plot_path) and profile_path is None:
         raise ProtrainError("--trace and --plot need the profile the plan was made from",
                             "add --profile PROFILE.json (the file given to `protrain plan --profile`)")

@@ -7,6 +7,11 @@ grid of ``(n_swap, n_checkpoint)`` for one ``(n_persist, n_buffer)``, so the
 search (``search.py``) evaluates the whole space in a few hundred array passes and
 ``predict`` is the same code on a 1×1 grid (one model, no twin to drift).
 
+The same code evaluates configurations outside the paper's space (the MILP's,
+``milp.py``): any set of persistent chunks (``Placement``) and any per-block strip
+(``strips_grid``, ``predict_plan``). Nothing below assumes a prefix or the
+``S C C … K K`` layout; for those the numbers are the paper-space ones, bit for bit.
+
 Time (µs) — paper Eq. 2: ``T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)``,
 with ``T_cpu_optim`` replaced by when the CPU worker actually finishes (see
 [CPU Adam timeline] in ``evaluate``).
@@ -38,6 +43,7 @@ segment ``s``: ``saved_bytes`` for keep blocks and the non-block segments,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +53,7 @@ from protrain.executor.plan import POST, PRE
 from .emit import ModelFacts
 from .layout import assign, groups
 from .profile import Profile
+from .report import block_policies  # noqa: F401  (re-exported: the paper's layout)
 from .spec import link_bandwidth
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,25 +70,6 @@ pinned host allocations, a pack/unpack hook call per saved tensor and the event
 waits. Without it a swap whose copies hide under compute would cost nothing and
 the search would swap blocks even with memory to spare. TODO(#5): measure on a
 GPU (the CPU benchmark cannot separate it from the synchronous copy)."""
-
-
-def block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:
-    """The paper's Fig. 2 layout: swaps spread over the first ``n_swap + n_checkpoint``
-    blocks with checkpoints between them, keeps last (``S C C S C C K K``).
-
-    Swap ``i`` sits at ``floor(i · L / n_swap)`` of the non-keep prefix of length
-    ``L``, so swaps are as far apart as the prefix allows: each swap-out then has
-    the checkpointed blocks after it to hide behind. Keep blocks go last because
-    their activations are consumed first in backward, freeing memory for the
-    swapped ones coming back.
-    """
-    assert 0 <= n_swap and 0 <= n_checkpoint and n_swap + n_checkpoint <= n_blocks, \
-        f"{n_blocks=} {n_swap=} {n_checkpoint=}"
-    length = n_swap + n_checkpoint
-    out = ["checkpoint"] * length + ["keep"] * (n_blocks - length)
-    for i in range(n_swap):
-        out[(i * length) // n_swap] = "swap"
-    return out
 
 
 def facts_from_profile(profile: Profile) -> ModelFacts:
@@ -217,24 +205,57 @@ class PolicyGrid:
 
 
 def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
-    S = n_blocks + 2
-    swap = np.zeros((len(pairs), S), dtype=np.float64)
-    ckpt = np.zeros((len(pairs), S), dtype=np.float64)
-    for g, (ns, nc) in enumerate(pairs):
-        for b, pol in enumerate(block_policies(n_blocks, ns, nc)):
+    """The paper's layouts (``block_policies``) for every ``(n_swap, n_checkpoint)`` pair."""
+    return strips_grid([block_policies(n_blocks, ns, nc) for ns, nc in pairs])
+
+
+def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
+    """Any per-block policy strips (``keep``/``swap``/``checkpoint`` per block) as a grid."""
+    S = len(strips[0]) + 2
+    swap = np.zeros((len(strips), S), dtype=np.float64)
+    ckpt = np.zeros((len(strips), S), dtype=np.float64)
+    for g, strip in enumerate(strips):
+        assert len(strip) == S - 2, (len(strip), S - 2)
+        for b, pol in enumerate(strip):
+            assert pol in ("keep", "swap", "checkpoint"), pol
             swap[g, b + 1] = pol == "swap"
             ckpt[g, b + 1] = pol == "checkpoint"
-    return PolicyGrid(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]), swap, ckpt)
+    return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)
 
 
-def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Iteration time (µs) and peak memory (bytes) for every policy pair of ``grid``.
+Placement = int | Sequence[int]
+"""Which chunks are persistent: a count ``n_persist`` (the first chunks in execution
+order, the paper's space) or the persistent chunk ids themselves (any subset)."""
 
-    Returns ``(time, peak, parts)``; ``parts`` holds the named terms (arrays over the
-    grid) that ``predict`` reports as the breakdown.
+
+def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
+    """(C,) 1 for each offloaded chunk of ``persist`` (see ``Placement``)."""
+    if isinstance(persist, (int, np.integer)):
+        return (np.arange(t.n_chunks) >= persist).astype(np.int64)
+    off = np.ones(t.n_chunks, dtype=np.int64)
+    off[np.asarray(list(persist), dtype=np.int64)] = 0
+    return off
+
+
+def host_bytes_per_chunk(t: Terms) -> int:
+    """Host bytes per rank of one offloaded chunk: its shard's home (compute dtype), Adam
+    moments and gradient accumulator (fp32), and for 16-bit compute a separate fp32
+    master plus a staging buffer: what the executor's ledger counts as ``host``."""
+    shard_numel = t.chunk_numel // t.world_size
+    cb = t.chunk_bytes // t.chunk_numel
+    return shard_numel * (cb + 8 + 4 + ((4 + cb) if cb != 4 else 0))
+
+
+def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
+
+    ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
+    the grid holds any strips (``policy_grid`` for the paper's, ``strips_grid`` for
+    others). Returns ``(time, peak, parts)``; ``parts`` holds the named terms (arrays
+    over the grid) that ``predict`` reports as the breakdown.
     """
     C = t.n_chunks
-    off = (np.arange(C) >= n_persist).astype(np.int64)  # (C,) offloaded chunks
+    off = offload_mask(t, persist)  # (C,) offloaded chunks
     n_off = int(off.sum())
     # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
     order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
@@ -283,7 +304,7 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
     t_cpu = n_params_off * t.cpu_adam_us_per_param
-    t_gpu = n_params_dev * t.dev_adam_us_per_param + n_persist * t.allreduce_us_per_chunk
+    t_gpu = n_params_dev * t.dev_adam_us_per_param + (C - n_off) * t.allreduce_us_per_chunk
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
     # the CPU steps could all overlap backward. They cannot start before their gradients
     # land: one worker steps the offloaded chunks in offload order, each no earlier than
@@ -306,18 +327,18 @@ def evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid) -> tuple
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
     states, resident = m.states, m.resident
     peak = (states + resident + walk) * m.alpha
-    shard_numel = t.chunk_numel // t.world_size
-    cb = t.chunk_bytes // t.chunk_numel
-    # Host memory per rank: every offloaded chunk's shard of home (compute dtype),
-    # moments and gradient accumulator (fp32), and for 16-bit compute a separate fp32
-    # master plus a staging buffer: what the executor's ledger counts as ``host``.
-    host = n_off * shard_numel * (cb + 8 + 4 + ((4 + cb) if cb != 4 else 0))
+    # Host memory per rank (paper: none; issue 9): the offloaded chunks' states, and
+    # the swapped blocks' saved tensors, all on the host at the forward→backward turn
+    # (each block's come back only during backward). Separate terms: the first is what
+    # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
+    host = n_off * host_bytes_per_chunk(t)
+    host_swap = grid.swap @ t.saved_tensor  # (G,)
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
         "t_cpu_optim_done_us": cpu_done,
         "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
-        "host_bytes": np.full_like(time, host),
+        "host_bytes": np.full_like(time, host), "host_swap_bytes": host_swap,
     }
     return time, peak, parts
 
@@ -360,9 +381,9 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     )
 
 
-def min_buffers(t: Terms, n_persist: int) -> int:
+def min_buffers(t: Terms, persist: Placement) -> int:
     """Fewest buffers a schedule needs: the most offloaded chunks one segment uses at once."""
-    off = np.arange(t.n_chunks) >= n_persist
+    off = offload_mask(t, persist)
     return int((t.uses @ off).max()) if off.any() else 0
 
 
@@ -374,8 +395,14 @@ class Prediction:
 
 
 def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> Prediction:
-    """One configuration through the same arrays the search uses (a 1×1 grid)."""
+    """One four-count configuration through the same arrays the search uses (a 1×1 grid)."""
     time, peak, parts = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]))
+    return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
+
+
+def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str]) -> Prediction:
+    """Any configuration: persistent chunks anywhere, any policy strip (same arrays again)."""
+    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]))
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 

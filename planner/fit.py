@@ -29,18 +29,17 @@ Ladders (the interpolation rules):
   up to dim 5120 (as 7B and 13B), grouped-query attention above with dim rounded
   to 512 and ``gcd(n_head, 8)`` (4 or 8) key/value heads (8 for 34B and 70B). Vocabulary 32000, untied head.
 
-Fitting means: ``make_plan`` finds a configuration under the device budget, and
-the host can hold what the plan offloads. Host need = the plan's
-``prediction.breakdown["host_bytes"]`` (every offloaded chunk's compute-dtype home,
-fp32 master, Adam moments, gradient accumulator and staging buffer: 20 B per element
-in bf16, 16 in fp32; the executor's ledger counts the same) plus the swapped
-blocks' activations (pinned host copies during the iteration). A plan whose need
-exceeds ``spec.host_memory_bytes`` does not fit. This leaves nothing for the OS,
-the data loader or the Python process, so the real ceiling is a little lower; and
-we check the fastest plan only (a slower one keeping more chunks on the device
-could need less host memory). Before profiling a rung we drop it if even the
-best case (every byte of the device budget holding persistent chunk states) leaves
-more to offload than the host holds: that needs only the parameter count.
+Fitting means: ``make_plan`` finds a configuration under the device budget whose
+host need fits the host budget (``planning.default_host_budget``: the spec's host
+RAM less 10% and 2 GiB for the OS and the process). Host need = the plan's
+``host_bytes`` (every offloaded chunk's compute-dtype home, fp32 master, Adam
+moments, gradient accumulator and staging buffer: 20 B per element in bf16, 16 in
+fp32; the executor's ledger counts the same) plus ``host_swap_bytes`` (the swapped
+blocks' activations). The search itself honours the host limit, so a slower plan
+keeping more chunks on the device is chosen when the fastest one would not fit the
+host. Before profiling a rung we drop it if even the best case (every byte of the
+device budget holding persistent chunk states) leaves more to offload than the host
+budget holds: that needs only the parameter count.
 
 Bisection assumes "fits" is monotone along the ladder, which holds as long as a
 bigger rung is bigger in every term (states, activations), as both ladders are by
@@ -56,7 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError, ConfigError, did_you_mean
+from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
 
 from .models import GPT2Config, LlamaConfig
 from .profile import Profile
@@ -226,9 +225,8 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
 
 def host_need_bytes(profile: Profile, plan: P.Plan) -> int:
     """Host memory the plan needs: offloaded chunks' states and the swapped activations."""
-    swapped = {a.block for a in plan.activations if a.policy == "swap"}
-    acts = sum(s.saved_tensor_bytes for s in profile.segments if s.segment in swapped)
-    return int(plan.prediction.breakdown.get("host_bytes", 0)) + acts
+    b = plan.prediction.breakdown
+    return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
 
 
 def _host_floor_bytes(n: int, budget_bytes: int, dtype: str) -> int:
@@ -242,27 +240,27 @@ def _host_floor_bytes(n: int, budget_bytes: int, dtype: str) -> int:
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
            budget_bytes: int) -> Probe:
-    from .planning import make_plan
+    from .planning import default_host_budget, make_plan
     from .report import human_bytes
 
     t0 = time.perf_counter()
     n = n_params(cfg)
+    host_budget = default_host_budget(spec)
     floor = _host_floor_bytes(n, budget_bytes, dtype)
-    if floor > spec.host_memory_bytes:
+    if floor > host_budget:
         return Probe(cfg, n, micro_batch, False,
-                     f"host memory: needs at least {human_bytes(floor)} of {human_bytes(spec.host_memory_bytes)}",
+                     f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
                      time.perf_counter() - t0)
     profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest)
     try:
-        plan, _ = make_plan(profile, budget_bytes)
+        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget)
+    except HostMemoryError as e:
+        return Probe(cfg, n, micro_batch, False,
+                     f"host memory: needs {human_bytes(e.need)}, {human_bytes(e.available)} usable",
+                     time.perf_counter() - t0)
     except BudgetError:
         return Probe(cfg, n, micro_batch, False, "device memory: no configuration fits the budget",
                      time.perf_counter() - t0)
-    host = host_need_bytes(profile, plan)
-    if host > spec.host_memory_bytes:
-        return Probe(cfg, n, micro_batch, False,
-                     f"host memory: needs {human_bytes(host)} of {human_bytes(spec.host_memory_bytes)}",
-                     time.perf_counter() - t0, plan)
     return Probe(cfg, n, micro_batch, True, f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iter",
                  time.perf_counter() - t0, plan)
 
@@ -298,8 +296,10 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
         return p
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
+    from .planning import default_host_budget
+
     hi = next((i for i, c in enumerate(configs)
-               if _host_floor_bytes(n_params(c), budget, compute_dtype) > spec.host_memory_bytes),
+               if _host_floor_bytes(n_params(c), budget, compute_dtype) > default_host_budget(spec)),
               len(configs))
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):

@@ -10,39 +10,80 @@ from __future__ import annotations
 import hashlib
 
 from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError
+from protrain.executor.errors import BudgetError, HostMemoryError
 
 from .cost import (
     DTYPE_BYTES,
-    block_policies,
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
     min_buffers,
     predict,
+    predict_plan,
 )
 from .emit import assemble
 from .profile import Profile, dump_profile
 from .report import human_bytes
-from .search import SOLVERS, SearchResult
+from .search import DEFAULT_SOLVER, SOLVERS, SearchResult
+from .spec import HardwareSpec
+
+HOST_RESERVE_BYTES = 2 * 2**30
+"""Host RAM per rank the plan must leave to everything the cost model does not count:
+the process itself (Python, torch and, on a GPU, the CUDA runtime and libraries: a
+CPU-only torch process here is ~0.2 GiB resident; a CUDA one 1-3 GiB, with the
+context's host side and cuBLAS/cuDNN), data-loader workers and their queues."""
+
+HOST_RESERVE_FRACTION = 0.10
+"""And this share of the host's RAM: the OS and its page cache floor, other tenants of a
+shared node, and allocator slack (the host allocator's fragmentation; pageable and
+pinned buffers rounded up). NB torch's pinned-memory cache rounds every allocation up
+to a power of two (``CachingHostAllocator``, unless ``pinned_max_round_threshold`` is
+set), which on the executor's per-chunk pinned homes and per-tensor swap buffers can
+cost more than this share; see the issue 9 report."""
+
+
+def default_host_budget(spec: HardwareSpec) -> int:
+    """Host bytes per rank a plan may use on ``spec``: its ``host_memory_bytes`` less
+    ``HOST_RESERVE_FRACTION`` of it and ``HOST_RESERVE_BYTES``.
+
+    ``host_memory_bytes`` is already one rank's share (``HardwareSpec``: "one machine
+    (per rank)"; the datasheet specs write "1/8 of a DGX …"), and a spec does not say
+    how many ranks share a node, so it is used as is. On a ``cpu`` spec the "device"
+    is the same RAM; its share is not subtracted here (a measured CPU spec sets both
+    to MemTotal), so there the check is necessary, not sufficient.
+    """
+    usable = int(spec.host_memory_bytes * (1 - HOST_RESERVE_FRACTION)) - HOST_RESERVE_BYTES
+    return max(0, usable)
 
 
 def profile_digest(profile: Profile) -> str:
     return "sha256:" + hashlib.sha256(dump_profile(profile)).hexdigest()
 
 
-def make_plan(profile: Profile, budget_bytes: int, *, solver: str = "exhaustive",
-              grad_accum: int = 1, world_size: int = 1) -> tuple[P.Plan, SearchResult]:
-    """The fastest plan that fits ``budget_bytes`` per the cost model, and the search behind it.
+def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLVER,
+              grad_accum: int = 1, world_size: int = 1,
+              host_budget_bytes: int | None = None) -> tuple[P.Plan, SearchResult]:
+    """The fastest plan that fits ``budget_bytes`` of device memory and ``host_budget_bytes``
+    of host memory per rank (default: ``default_host_budget`` of the profile's hardware)
+    per the cost model, and the search behind it. ``solver``: a key of ``search.SOLVERS``.
 
     Raises ``BudgetError`` naming the smallest budget that would fit and the largest
-    micro-batch that would fit this budget (activations scale with the batch).
+    micro-batch that would fit this budget (activations scale with the batch), or, when
+    configurations fit the device but none the host, the host memory needed and available.
     """
+    from protrain.executor.errors import ConfigError
+
+    if solver not in SOLVERS:
+        raise ConfigError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, _ = choose_chunk_numel(facts)
     terms = make_terms(profile, chunk_numel, world_size)
-    result = SOLVERS[solver](terms, budget_bytes)
+    result = SOLVERS[solver](terms, budget_bytes, host_budget)
     best = result.best
+    if best is None and result.min_host_bytes < float("inf"):
+        raise host_error(profile, result, budget_bytes, host_budget, world_size,
+                         host_budget_bytes is None)
     if best is None:
         smallest = predict(terms, 0, max(1, min_buffers(terms, 0)), 0, terms.n_blocks)
         states = smallest.breakdown["states_bytes"] + smallest.breakdown["buffers_bytes"]
@@ -57,15 +98,15 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = "exhaustive"
             f"{human_bytes(int(result.min_peak_bytes))} (everything offloaded and checkpointed)",
             hint,
         )
-    pred = predict(terms, best.n_persist, best.n_buffer, best.n_swap, best.n_checkpoint)
+    persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
+    pred = predict_plan(terms, persistent, best.n_buffer, policies)
     spec = profile.hardware
     training = P.Training(micro_batch=profile.training.micro_batch, seq_len=profile.training.seq_len,
                           compute_dtype=profile.training.compute_dtype, master_dtype="float32",
                           world_size=world_size, grad_accum=grad_accum)
     plan = assemble(
         facts, training=training, chunk_numel=chunk_numel,
-        persistent=list(range(best.n_persist)), n_buffer=best.n_buffer,
-        policies=block_policies(terms.n_blocks, best.n_swap, best.n_checkpoint),
+        persistent=persistent, n_buffer=best.n_buffer, policies=policies,
         request=P.Request(model=profile.model.name, hardware=spec.name, budget_bytes=budget_bytes,
                           micro_batch=training.micro_batch, seq_len=training.seq_len,
                           compute_dtype=training.compute_dtype, world_size=world_size,
@@ -90,6 +131,28 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = "exhaustive"
         ),
     )
     return plan, result
+
+
+def host_error(profile: Profile, result: SearchResult, budget_bytes: int, host_budget: int,
+               world_size: int, default: bool) -> HostMemoryError:
+    """Configurations fit the device but none the host: say how much host memory the least
+    hungry one needs, how much there is, and the ways out."""
+    spec = profile.hardware
+    need = int(result.min_host_bytes)
+    per_rank = " per rank" if world_size > 1 else ""
+    avail = (f"{human_bytes(host_budget)} available ({human_bytes(spec.host_memory_bytes)} host RAM of "
+             f"{spec.name} less the {HOST_RESERVE_FRACTION:.0%} + {human_bytes(HOST_RESERVE_BYTES)} reserve)"
+             if default else f"{human_bytes(host_budget)} available (the host budget given)")
+    more_ranks = -(-need * world_size // max(host_budget, 1))  # chunk states shard over ranks
+    return HostMemoryError(
+        f"host memory: no configuration of {profile.model.name} within the {human_bytes(budget_bytes)} "
+        f"device budget fits the host: the least host memory any needs is {human_bytes(need)}{per_rank} "
+        f"(offloaded chunk states + swapped activations), {avail}",
+        "keep more chunks persistent with a larger --budget (a bigger card), swap fewer blocks, "
+        f"shard the offloaded states over more ranks (about --world-size {max(more_ranks, world_size + 1)}), "
+        "or use a machine with more RAM (--host-memory)",
+        need=need, available=host_budget,
+    )
 
 
 def candidate(c) -> P.Candidate:
@@ -124,4 +187,4 @@ def parse_budget(text: str) -> int:
     return int(value * units[unit])
 
 
-__all__ = ["make_plan", "parse_budget", "profile_digest", "DTYPE_BYTES"]
+__all__ = ["make_plan", "parse_budget", "profile_digest", "default_host_budget", "DTYPE_BYTES"]

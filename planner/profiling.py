@@ -79,8 +79,10 @@ def run_profile(*, model_name, batch, seq, dtype, device, analytic, hardware, it
 
 
 def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size,
-             grad_accum, output, echo=print) -> P.Plan:
+             grad_accum, output, echo=print, solver: str | None = None,
+             host_memory: str | None = None) -> P.Plan:
     from .planning import make_plan, parse_budget
+    from .search import DEFAULT_SOLVER
 
     if profile_path is None and model_name is None:
         raise ConfigError("plan needs --profile FILE, or --model NAME with --batch and --seq",
@@ -110,10 +112,14 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
                                 hardware=hardware, echo=echo)
     budget_bytes = parse_budget(budget) if budget else profile.hardware.usable_memory_bytes
     t0 = time.perf_counter()
-    plan, result = make_plan(profile, budget_bytes, grad_accum=grad_accum, world_size=world_size)
+    plan, result = make_plan(profile, budget_bytes, grad_accum=grad_accum, world_size=world_size,
+                             solver=solver or DEFAULT_SOLVER,
+                             host_budget_bytes=parse_budget(host_memory) if host_memory else None)
     seconds = time.perf_counter() - t0
     Path(output).write_bytes(P.dump(plan))
-    echo(f"plan     searched {result.evaluated} of {result.space_size} configurations in {seconds:.3f} s "
-         f"for a {human_bytes(budget_bytes)} budget")
+    echo(f"plan     {result.solver}: searched {result.evaluated} of {result.space_size} configurations "
+         f"in {seconds:.3f} s for a {human_bytes(budget_bytes)} budget")
+    for w in result.warnings:
+        echo(f"warning  {w}")
     echo(render_show(plan, output))
     return plan

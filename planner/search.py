@@ -19,7 +19,14 @@ is evaluated at once by ``cost.evaluate`` (numpy over the grid).
 
 Choice: the fastest feasible configuration; ties (times compared in whole µs)
 break toward less memory, then fewer recomputed blocks, then lexicographically.
-The solver sits behind ``Solver`` so a later one (MILP) can replace it.
+Feasible means the predicted device peak fits the budget and, when a host budget
+is given, the predicted host bytes (offloaded chunk states + swapped activations,
+``cost.evaluate``'s ``host_bytes`` + ``host_swap_bytes``) fit it too. Pruning
+looks at the device only: more persistent chunks need *less* host memory, so a
+configuration refused for host memory does not stop the outer loop.
+
+Solvers sit behind ``Solver``: ``exhaustive`` here, ``milp`` (``milp.py``) beyond
+the paper's space (any persistent set, any policy strip).
 """
 
 from __future__ import annotations
@@ -31,19 +38,47 @@ from typing import Protocol
 
 import numpy as np
 
-from .cost import Terms, evaluate, min_buffers, policy_grid
+from .cost import Terms, block_policies, evaluate, min_buffers, policy_grid
 
 EXTRA_BUFFERS = 2
 
 
 @dataclass(frozen=True, order=True)
 class Choice:
+    """A configuration and its prediction. The four counts say everything for the
+    paper's space; a MILP plan outside it also carries its persistent chunk ids and
+    its strip (the counts then summarise them)."""
+
     n_persist: int
     n_buffer: int
     n_swap: int
     n_checkpoint: int
     time_us: float = field(compare=False)
     peak_bytes: float = field(compare=False)
+    persistent: tuple[int, ...] | None = field(default=None, compare=False)
+    """Persistent chunk ids when they are not the first ``n_persist``; None: the prefix."""
+    policies: tuple[str, ...] | None = field(default=None, compare=False)
+    """The per-block strip when it is not ``block_policies`` of the counts; None: that layout."""
+    host_bytes: float = field(default=0.0, compare=False)
+    """Predicted host bytes per rank (offloaded chunk states + swapped activations)."""
+
+    def persistent_ids(self) -> list[int]:
+        return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
+
+    def strip(self, n_blocks: int) -> list[str]:
+        return list(self.policies) if self.policies is not None else \
+            block_policies(n_blocks, self.n_swap, self.n_checkpoint)
+
+    @property
+    def four_count(self) -> bool:
+        """Whether the paper's space holds this configuration (prefix + ``S C C … K K``)."""
+        return self.persistent is None and self.policies is None
+
+    def key(self) -> tuple:
+        """The search's order: whole µs, then less memory, fewer recomputed blocks, counts."""
+        return (round(self.time_us), self.peak_bytes, self.n_checkpoint, self.n_persist,
+                self.n_buffer, self.n_swap, self.n_checkpoint,
+                tuple(self.persistent_ids()), tuple(self.policies or ()))
 
 
 @dataclass
@@ -59,10 +94,24 @@ class SearchResult:
     min_peak_bytes: float
     """The smallest predicted peak of any configuration (what the budget must at least be)."""
     solver: str = "exhaustive"
+    min_host_bytes: float = math.inf
+    """The smallest predicted host need of any configuration that fits the device budget
+    (what the host budget must at least be; inf when none fits the device)."""
+    status: str = "complete"
+    """How the solver ended: ``complete`` (exhaustive), or HiGHS's ``optimal`` (within
+    ``milp.MILP_REL_GAP``), ``time limit``, ``infeasible``, ``unbounded``, ``failed``."""
+    gap: float | None = None
+    """The MILP's relative optimality gap when it stopped (None: not a MILP)."""
+    warnings: list[str] = field(default_factory=list)
+    """Anything the caller should log: a fallback, a tolerance repair."""
+    baseline: Choice | None = None
+    """The best configuration of the paper's four-count space (set by the MILP solver)."""
+    solver_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds per solver run inside this search (the MILP solver runs both)."""
 
 
 class Solver(Protocol):
-    def __call__(self, terms: Terms, budget_bytes: int) -> SearchResult: ...
+    def __call__(self, terms: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult: ...
 
 
 def swap_interval(t: Terms) -> int:
@@ -92,39 +141,45 @@ def space(t: Terms) -> list[tuple[int, int]]:
     return out
 
 
-def exhaustive(t: Terms, budget_bytes: int) -> SearchResult:
+def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
     start = _time.perf_counter()
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
     outer = space(t)
-    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time)
+    host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
+    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
     evaluated = 0
-    min_peak = math.inf
+    min_peak = min_host = math.inf
     current, fits_here = None, False
     for n_persist, n_buffer in outer:
         if current is not None and n_persist != current:
             if not fits_here:
-                break  # [Pruning] more persistent chunks only add memory
+                break  # [Pruning] more persistent chunks only add device memory
             fits_here = False
         current = n_persist
-        time, peak, _ = evaluate(t, n_persist, n_buffer, grid)
+        time, peak, parts = evaluate(t, n_persist, n_buffer, grid)
+        host = parts["host_bytes"] + parts["host_swap_bytes"]
         evaluated += len(pairs)
         min_peak = min(min_peak, float(peak.min()))
-        ok = peak <= budget_bytes
-        fits_here |= bool(ok.any())
+        dev_ok = peak <= budget_bytes
+        fits_here |= bool(dev_ok.any())
+        if dev_ok.any():
+            min_host = min(min_host, float(host[dev_ok].min()))
+        ok = dev_ok & (host <= host_cap)
         for g in np.nonzero(ok)[0]:
             sw, ck = pairs[g]
-            rows.append((round(float(time[g])), float(peak[g]), ck, n_persist, n_buffer, sw, ck, float(time[g])))
-        # Pareto candidates: keep per (np, nb) only the grid's own front to bound memory.
+            rows.append((round(float(time[g])), float(peak[g]), ck, n_persist, n_buffer, sw, ck, float(time[g]),
+                         float(host[g])))
+        # Pareto candidates (host-feasible only): per (np, nb) only the grid's own front.
         order = np.lexsort((time, peak))
         best_t = math.inf
         for g in order:
-            if time[g] < best_t:
+            if host[g] <= host_cap and time[g] < best_t:
                 best_t = float(time[g])
                 all_points.append((float(time[g]), float(peak[g]), (n_persist, n_buffer, *pairs[g])))
     rows.sort()
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1]) for r in rows[:6]]
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8]) for r in rows[:6]]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
         if tm < best_t:
@@ -138,7 +193,18 @@ def exhaustive(t: Terms, budget_bytes: int) -> SearchResult:
         evaluated=evaluated,
         seconds=_time.perf_counter() - start,
         min_peak_bytes=min_peak,
+        min_host_bytes=min_host,
     )
 
 
-SOLVERS: dict[str, Solver] = {"exhaustive": exhaustive}
+def milp(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
+    """The MILP solver (``milp.py``), imported on first use (scipy.optimize.milp)."""
+    from .milp import solve
+
+    return solve(t, budget_bytes, host_budget_bytes)
+
+
+SOLVERS: dict[str, Solver] = {"exhaustive": exhaustive, "milp": milp}
+
+DEFAULT_SOLVER = "exhaustive"
+"""What ``make_plan`` and the plan library use; see milp.py [Note: default solver]."""

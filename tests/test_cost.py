@@ -110,3 +110,28 @@ def test_cpu_predicted_peak_is_the_ledger_peak(name, capsys):
     with capsys.disabled():
         print(f"\n{name} CPU ledger peak, predicted / measured:",
               ", ".join(f"{c} {p / m:.3f}" for c, p, m in rows))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_facts(), st.integers(0, 2**31))
+def test_any_placement_evaluates_the_paper_space_bit_for_bit(facts, seed):
+    # The general evaluator (persistent ids, strips) is the paper-space one: a prefix given
+    # as ids and the paper's strips give the same floats, to the last bit.
+    import numpy as np
+
+    from protrain.planner.cost import evaluate, policy_grid, strips_grid
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(facts, gpu_spec(), block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
+                             rng=rng)
+    t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0])
+    pairs = policy_pairs(t)
+    n_persist, n_buffer = rng.choice(space(t))
+    by_count = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, pairs))
+    by_ids = evaluate(t, list(range(n_persist)), n_buffer,
+                      strips_grid([block_policies(t.n_blocks, s, c) for s, c in pairs]))
+    assert np.array_equal(by_count[0], by_ids[0]) and np.array_equal(by_count[1], by_ids[1])
+    assert all(np.array_equal(by_count[2][k], by_ids[2][k]) for k in by_count[2])
+    # A swapped block's saved tensors are host bytes at the forward→backward turn; nothing else is.
+    swapped = policy_grid(t.n_blocks, pairs).swap
+    assert np.allclose(by_count[2]["host_swap_bytes"], swapped @ t.saved_tensor)

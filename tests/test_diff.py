@@ -19,7 +19,7 @@ from msgspec.structs import replace
 from planfactory import gpu_spec, synthetic_profile
 
 from protrain.executor import plan as P
-from protrain.planner.report import diff_json, render_diff
+from protrain.planner.diff import diff_json, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ["equal", "differs", "schema_version", "model", "training", "request", "hardware", "chunks",
@@ -306,7 +306,7 @@ def test_diff_never_imports_torch():
     example = ROOT / "plans" / "gpt2-tiny" / "example.json"
     code = ("import sys\n"
             "from protrain.executor.plan import load\n"
-            "from protrain.planner.report import diff_json, render_diff\n"
+            "from protrain.planner.diff import diff_json, render_diff\n"
             f"a = load({str(example)!r}); b = load({str(example)!r})\n"
             "text, equal = render_diff(a, b, 'a', 'b'); assert equal, text\n"
             "assert diff_json(a, b)['equal']\n"

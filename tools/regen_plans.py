@@ -319,7 +319,8 @@ def render_index(rows: list[Row]) -> str:
         "## Largest model per card",
         "",
         "The largest model in the library with a plan that fits (predicted peak within the",
-        "card's usable memory), and its predicted throughput.",
+        "card's usable memory, offloaded states and swapped activations within the host budget:",
+        "the spec's host RAM less 10% and 2 GiB), and its predicted throughput.",
         "",
         "| hardware | one GPU | four GPUs (ZeRO-3) |",
         "|---|---|---|",
@@ -369,7 +370,8 @@ def render_index(rows: list[Row]) -> str:
             f"{pl.n_buffer} buf | {profile} |")
     if not_fitting:
         lines += ["", "## Does not fit", "",
-                  "No configuration fits the card's usable memory (the planner's BudgetError):", ""]
+                  "No configuration fits the card's usable memory or, where it says `host memory`, the",
+                  "host budget (the planner's BudgetError / HostMemoryError):", ""]
         lines += not_fitting
     return "\n".join(lines) + "\n"
 
