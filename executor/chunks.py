@@ -35,7 +35,7 @@ from torch import nn
 
 from .memory import Ledger
 from .plan import Plan
-from .transfer import Copy, CopyEngine
+from .transfer import Copy, CopyEngine, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,6 +93,11 @@ class ChunkStore:
         persistent = set(plan.placement.persistent)
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
+        # One pinned arena for every offloaded chunk's home and (16-bit compute) gradient
+        # staging buffer, sized from the plan ([Note: pinned arena] in transfer.py).
+        n_off = len(plan.chunks.items) - len(persistent)
+        per_chunk = HostArena.span(shard_numel, self.dtype) * (1 if self.dtype == torch.float32 else 2)
+        self.arena = HostArena(n_off * per_chunk, pin=copies.cuda)
         self.chunks: list[Chunk] = []
         for spec in plan.chunks.items:
             c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank,
@@ -106,7 +111,8 @@ class ChunkStore:
                     p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
                     c.params.append((p, ps.offset, ps.numel))
             if not c.persistent:
-                c.home = copies.pin(c.dev[c.shard].detach().cpu().clone())
+                c.home = self.arena.take(shard_numel, self.dtype)
+                c.home.copy_(c.dev[c.shard].detach())
                 ledger.host_alloc(c.home.numel() * c.home.element_size())
                 self._resize(c.dev, 0)
                 self._resize(c.dev_grad, 0)

@@ -358,3 +358,4 @@ class Engine:
         self.optim.shutdown()
         self.replayer.uninstall()
         self.acts.uninstall()
+        self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory

@@ -105,7 +105,7 @@ class ChunkOptimizer:
                 self.cpu_grad[c.id] = torch.zeros(n, dtype=torch.float32)
                 host = n * (8 + 4)  # moments + gradient accumulator, fp32
                 if not fp32:
-                    self.staging[c.id] = store.copies.empty_host((n,), store.dtype)
+                    self.staging[c.id] = store.arena.take(n, store.dtype)
                     host += n * 4 + n * store.element_bytes(store.dtype)  # master + staging
                 store.ledger.host_alloc(host)
             self.master[c.id] = m

@@ -58,6 +58,50 @@ class Copy:
             self.event.synchronize()
 
 
+class HostArena:
+    """One host allocation holding every pinned buffer whose size the plan fixes.
+
+    [Note: pinned arena] Offloaded chunks' homes (and, for 16-bit compute, their
+    gradient staging buffers) are carved from one buffer allocated at ``wrap``, sized
+    exactly from the plan (chunk count × shard size, each slice aligned to
+    ``ALIGN`` bytes). On CUDA the buffer is ordinary pageable memory pinned with
+    ``cudaHostRegister``: torch's caching host allocator rounds every pinned block up
+    to a power of two, which can double the host memory a plan was sized for.
+    Swapped activations (sizes known only as tensors are saved) still come from
+    torch's caching pinned allocator, reused from the first step on.
+    """
+
+    ALIGN = 512
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.offset = 0
+        self.registered = False
+        if pin and nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)})")
+            self.registered = True
+
+    @classmethod
+    def span(cls, numel: int, dtype: torch.dtype) -> int:
+        """Bytes one ``take(numel, dtype)`` uses, alignment included."""
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        return -(-size // cls.ALIGN) * cls.ALIGN
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        assert self.offset + size <= self.buffer.numel(), "arena sized smaller than the plan needs"
+        t = self.buffer[self.offset: self.offset + size].view(dtype)
+        self.offset += self.span(numel, dtype)
+        return t
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.registered = False
+
+
 class CopyEngine:
     """Issues copies between a device and host memory. See [Note: copy streams]."""
 
@@ -67,13 +111,6 @@ class CopyEngine:
         # Dedicated copy streams on CUDA; None on CPU, where copies are synchronous.
         self.h2d: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
         self.d2h: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
-
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """Host memory for copies: pinned on CUDA (async DMA), plain on CPU."""
-        return t.pin_memory() if self.cuda else t
-
-    def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
                after: Copy | None = None, gather=None) -> Copy:

@@ -8,6 +8,7 @@ executor/memory.py.
 from __future__ import annotations
 
 import pytest
+import torch
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
@@ -97,3 +98,24 @@ def test_peak_falls_as_plans_offload_more(capsys):
     plan = make_plan("gpt2-4", persistent="all", n_buffer=0, policies="keep")
     moved = states_after_wrap(plan) - 2 * 2 * plan.chunks.chunk_numel * 4
     assert peaks["all-persistent keep"] - peaks["all-offloaded keep"] >= moved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype):
+    """[Note: pinned arena]: every offloaded chunk's home (and bf16 gradient staging) is a
+    slice of one allocation made at wrap, exactly as large as the plan's chunks need."""
+    from protrain.executor.transfer import HostArena
+
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype=dtype)
+    engine = wrap(make_model("gpt2-4"), plan, device="cpu")
+    store, arena = engine.store, engine.store.arena
+    off = [c for c in store.chunks if not c.persistent]
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    per_chunk = HostArena.span(off[0].home.numel(), torch_dtype) * (1 if dtype == "float32" else 2)
+    assert len(off) >= 2 and arena.buffer.numel() == len(off) * per_chunk == arena.offset
+    base = arena.buffer.untyped_storage().data_ptr()
+    buffers = [c.home for c in off] + list(engine.optim.staging.values())
+    assert len(buffers) == len(off) * (1 if dtype == "float32" else 2)
+    assert all(b.untyped_storage().data_ptr() == base for b in buffers)
+    engine.step(next(batches(load_tokens(), 4, 32, 0)))  # and it trains
+    engine.close()
