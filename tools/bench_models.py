@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -108,3 +109,17 @@ def spread(values: list[float]) -> dict:
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else [values[0]] * 3
     return {"min": min(values), "q1": q[0], "median": statistics.median(values), "q3": q[2],
             "max": max(values)}
+
+
+def accumulate_step(model, opt, dev, micro: list, ctx: Callable = contextlib.nullcontext) -> float:
+    """One optimizer step of a plain-PyTorch-style back-end over ``micro`` micro-batches
+    (mean loss, as the engine's ``grad_accum``); ``ctx()`` wraps each forward (autocast)."""
+    total = 0.0
+    for x, y in micro:
+        with ctx():
+            loss = model(x.to(dev), y.to(dev)) / len(micro)
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total

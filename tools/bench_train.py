@@ -83,6 +83,7 @@ from pathlib import Path
 from bench_models import (  # noqa: F401 (TINY_LADDERS: bench_fit reads it from here)
     TINY_LADDERS,
     Measured,
+    accumulate_step,
     build_model,
     hidden_size,
     log,
@@ -225,14 +226,7 @@ def setup_fsdp2(args, cfg, label, dev, rec, every: int):
     rec["optimizer"] = "torch.optim.AdamW(fused=True) on the host shards"
 
     def step(micro):
-        total = 0.0
-        for x, y in micro:
-            loss = model(x.to(dev), y.to(dev)) / len(micro)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
+        return accumulate_step(model, opt, dev, micro)
 
     def finish(_m):
         import torch.distributed as dist
@@ -320,17 +314,9 @@ def setup_plain(args, cfg, label, dev, rec):
         if autocast else "none (fp32)"
 
     def step(micro):
-        total = 0.0
-        for x, y in micro:
-            ctx = (torch.autocast(dev.type, dtype=getattr(torch, args.dtype)) if autocast
-                   else contextlib.nullcontext())
-            with ctx:
-                loss = model(x.to(dev), y.to(dev)) / len(micro)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
+        ctx = ((lambda: torch.autocast(dev.type, dtype=getattr(torch, args.dtype))) if autocast
+               else contextlib.nullcontext)
+        return accumulate_step(model, opt, dev, micro, ctx)
 
     return step, lambda _m: None
 
