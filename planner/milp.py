@@ -469,8 +469,8 @@ def solve_program(t: Terms, budget_bytes: float, host_budget_bytes: float | None
                   paper_space: bool = False, time_limit_s: float = MILP_TIME_LIMIT_S,
                   rel_gap: float = MILP_REL_GAP) -> Solved:
     """Formulate, solve, round, re-evaluate. If rounding within HiGHS's tolerances puts
-    the configuration a hair over a budget, the budget is tightened by the slip and the
-    program solved again (at most three times).
+    the configuration a hair over a budget, the budget is tightened by the slip (at
+    least 1e-6 of it, 4× more each time) and the program solved again (at most three times).
     """
     start = _time.perf_counter()
     dev_cap = float(budget_bytes)
@@ -494,10 +494,14 @@ def solve_program(t: Terms, budget_bytes: float, host_budget_bytes: float | None
         over_host = 0.0 if host_budget_bytes is None else choice.host_bytes - host_budget_bytes
         if over_dev <= 0 and over_host <= 0:
             return Solved(choice, status, gap, _time.perf_counter() - start, obj, repairs)
+        # Tighten by the slip, but at least by a step HiGHS can see: its feasibility
+        # tolerance is relative (~1e-6 of the row's scale), so a 1-byte cut of a 30 MB
+        # budget changes nothing; the step grows 4× per repair.
+        step = 1e-6 * 4**repairs
         if over_dev > 0:
-            dev_cap -= over_dev + 1.0
+            dev_cap -= max(over_dev + 1.0, budget_bytes * step)
         if over_host > 0 and host_cap is not None:
-            host_cap -= over_host + 1.0
+            host_cap -= max(over_host + 1.0, host_budget_bytes * step)
     return Solved(None, "failed", None, _time.perf_counter() - start, None, repairs)
 
 
