@@ -80,6 +80,8 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     data: dict[str, int]
     """The caller's data position (e.g. ``{"micro_batches": 80}``), returned by ``load``."""
     files: dict[str, FileEntry]
+    optimizer_state: bool = True
+    """False when no update has happened yet (e.g. fp16 steps all skipped): no moments saved."""
 
 
 # ------------------------------------------------------------------------- save
@@ -95,12 +97,17 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
     comm = engine.comm
     sd = engine.state_dict()  # a collective on several ranks: every rank gathers
     name = f"step-{engine.steps_done:08d}"
-    if (root / name).exists():  # saved again at one step: a new name, never a replaced
-        k = 1                    # directory ([Note: atomicity])
+    if comm.rank == 0 and (root / name).exists():  # saved again at one step: a new name,
+        k = 1                                         # never a replaced directory
         while (root / f"{name}.{k}").exists():
             k += 1
         name = f"{name}.{k}"
-    comm.barrier("checkpoint name")  # every rank has looked before rank 0 creates anything
+    if comm.world > 1:  # rank 0's choice, as bytes (no pickle)
+        buf = torch.zeros(64, dtype=torch.uint8, device=engine.device)
+        if comm.rank == 0:
+            buf[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+        comm.broadcast(buf, "checkpoint name")
+        name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     tmp, final = root / f".tmp-{name}", root / name
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -128,7 +135,7 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
             params={k: list(v.shape) for k, v in model.items()},
             tied=[list(p) for p in engine.plan.model.tied],
             scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
-            data=dict(data or {}), files=files,
+            data=dict(data or {}), files=files, optimizer_state=bool(optim),
         )
         (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
         _fsync(tmp / "manifest.json")
@@ -140,8 +147,11 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         _fsync(latest_tmp)
         os.replace(latest_tmp, root / "latest")
         _fsync(root)
-        done = sorted((_order(p.name), p) for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
-        for _, old in done[:-keep]:
+        # Keep the one just written (``latest``) and the keep-1 newest others by step; a run
+        # resumed from an older step may write a lower step than those already there.
+        others = sorted((_order(p.name), p) for p in root.iterdir()
+                        if STEP_DIR.fullmatch(p.name) and p.name != name)
+        for _, old in others[:max(0, len(others) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier("checkpoint rename")
     return final
@@ -228,8 +238,9 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
     if m.version != VERSION:
         raise CheckpointError(f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
                               "resume with the protrain version that wrote it")
-    if not 1 <= m.world_size <= 65536 or m.step < 0:
-        raise CheckpointError(f"{where}: world_size {m.world_size} / step {m.step} out of range",
+    if not 1 <= m.world_size <= 65536 or m.step < 0 or not 0 < m.scaler.scale < float("inf"):
+        raise CheckpointError(f"{where}: world_size {m.world_size}, step {m.step} or loss scale "
+                              f"{m.scaler.scale} out of range",
                               "resume from another checkpoint")
     expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
                                                              for r in range(m.world_size)}
@@ -282,7 +293,16 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     step_shape: list[int] = []
     _check_header(directory / "optim.safetensors", {
         f"{k}.{part}": ((step_shape if part == "step" else v), torch.float32)
-        for k, v in m.params.items() for part in ("exp_avg", "exp_avg_sq", "step")} if m.step else {})
+        for k, v in m.params.items() for part in ("exp_avg", "exp_avg_sq", "step")}
+        if m.optimizer_state else {})
+    rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
+    restore_rng = m.world_size == engine.comm.world
+    if restore_rng:  # checked before the engine changes, like the other files
+        from safetensors import safe_open
+
+        with safe_open(rng, framework="pt") as f:
+            if "cpu" not in f.keys() or f.get_slice("cpu").get_dtype() != "U8":
+                raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", "resume from another checkpoint")
     model = load_file(directory / "model.safetensors")
     for name, alias in m.tied:
         model[alias] = model[name]
@@ -294,8 +314,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
-    rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
-    if m.world_size == engine.comm.world:
+    if restore_rng:
         state = load_file(rng)
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and engine.device.type == "cuda":

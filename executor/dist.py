@@ -94,3 +94,6 @@ class Comm:
         if self.world > 1:
             self._run(f"barrier for {what}", dist.barrier)
 
+    def broadcast(self, t: torch.Tensor, what: str) -> None:
+        """Rank 0's ``t`` on every rank, in place."""
+        self._run(f"broadcast of {what}", dist.broadcast, t, 0)

@@ -325,7 +325,10 @@ class Engine:
                 master.copy_(image(lambda nm: model[nm]))
                 if optim and all(nm in optim for nm in names):
                     steps = {float(optim[nm]["step"]) for nm in names}
-                    assert len(steps) == 1, f"chunk {c.id} params have different step counts {steps}"
+                    if len(steps) != 1:
+                        raise ConfigError(f"state dict: the parameters of chunk {c.id} have different "
+                                          f"optimizer step counts {sorted(steps)}",
+                                          "load a state dict saved by one run of this model")
                     adam.state[master] = {
                         "step": torch.tensor(steps.pop(), dtype=torch.float32, device=master.device),
                         "exp_avg": image(lambda nm: optim[nm]["exp_avg"]).to(master.device),
@@ -354,8 +357,10 @@ class Engine:
 
     def close(self) -> None:
         """Wait for pending CPU steps and remove hooks and policy wrappers."""
-        self.optim.wait_all()
-        self.optim.shutdown()
-        self.replayer.uninstall()
-        self.acts.uninstall()
-        self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory
+        try:
+            self.optim.wait_all()  # re-raises a CPU step's error; clean up regardless
+        finally:
+            self.optim.shutdown()
+            self.replayer.uninstall()
+            self.acts.uninstall()
+            self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory

@@ -88,6 +88,16 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     vocab_check(source, model.lm_head.weight.shape[0])
     t = plan.training
     engine = wrap(model, plan, AdamWConfig(lr=lr), device=dev)
+    try:
+        return _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
+                     progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
+                     resume=resume)
+    finally:
+        engine.close()
+
+
+def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, trace_path, save_every,
+          save_dir, resume) -> list[float]:
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
@@ -127,25 +137,26 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
 
     first = engine.steps_done
     try:
-        for step in range(first, steps):
-            with stop.installed():
+        with stop.installed():
+            for step in range(first, steps):
                 result = engine.step([next(data) for _ in range(t.grad_accum)])
                 drawn += t.grad_accum
                 losses.append(result.loss)
+                stopping = _agree(stop.requested, engine)  # every rank stops after the same step
                 if save_every is not None and (engine.steps_done % save_every == 0 or engine.steps_done == steps
-                                               or stop.requested):
+                                               or stopping):
                     checkpoint()
-            if stop.requested:
-                echo(f"interrupted after step {engine.steps_done}"
-                     + (f"; resume with --resume {save_dir}" if save_every is not None else ""))
-                break
-            tps = tokens_per_step / max(result.timings["total"], 1e-9)
-            status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
-                      + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
-            if bar is not None:
-                bar.update(task, advance=1, status=status)
-            elif step % 10 == 0 or step == steps - 1:
-                echo(f"step {step:5d}  {status}")
+                if stopping:
+                    echo(f"interrupted after step {engine.steps_done}"
+                         + (f"; resume with --resume {save_dir}" if save_every is not None else ""))
+                    break
+                tps = tokens_per_step / max(result.timings["total"], 1e-9)
+                status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
+                          + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
+                if bar is not None:
+                    bar.update(task, advance=1, status=status)
+                elif step % 10 == 0 or step == steps - 1:
+                    echo(f"step {step:5d}  {status}")
     finally:
         if bar is not None:
             bar.stop()
@@ -153,7 +164,6 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
             recorder.__exit__(None, None, None)
             rec.save(trace_path)
             echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
-        engine.close()
     if losses:
         echo(f"trained {len(losses)} steps in {time.perf_counter() - t0:.1f} s: "
              f"loss {losses[0]:.3f} → {losses[-1]:.3f}")
@@ -178,8 +188,19 @@ def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
     return draws
 
 
+def _agree(requested: bool, engine) -> bool:
+    """Whether any rank was asked to stop (one all-reduce per step on several ranks), so all
+    ranks checkpoint and stop after the same step and their collectives stay matched."""
+    if engine.comm.world == 1:
+        return requested
+    flag = torch.tensor([1.0 if requested else 0.0], device=engine.device)
+    engine.comm.all_reduce(flag, "the stop flag")
+    return bool(flag.item() > 0)
+
+
 class _StopFlag:
-    """First Ctrl-C: finish (and checkpoint) the current step, then stop. Second: stop now."""
+    """First Ctrl-C (or SIGTERM, which torchrun sends its workers on Ctrl-C): finish and
+    checkpoint the current step, then stop. A second one: stop now."""
 
     def __init__(self):
         self.requested = False
@@ -199,10 +220,11 @@ class _StopFlag:
                     raise KeyboardInterrupt
                 self.requested = True
 
-            previous = signal.signal(signal.SIGINT, handler)
+            previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 yield
             finally:
-                signal.signal(signal.SIGINT, previous)
+                for sig, old in previous.items():
+                    signal.signal(sig, old)
 
         return scope()

@@ -180,3 +180,33 @@ class _Pushback:
     def readline(self):
         line, self.line = self.line, None
         return line if line is not None else self.stream.readline()
+
+
+def test_pruning_keeps_the_checkpoint_latest_names(tmp_path):
+    """Resumed from an older step into the same root, the new (lower-step) save survives."""
+    plan = make_plan("gpt2-4", **MIXED)
+    _run(plan, 4, save=tmp_path, save_at=4)
+    _run(plan, 5, resume=tmp_path, save=tmp_path, save_at=5)  # step-4, step-5
+    _run(plan, 3, resume=tmp_path / "step-00000004", seed=1)  # nothing saved
+    engine = wrap(make_model("gpt2-4"), plan, CONFIG, device="cpu")
+    engine.load(tmp_path / "step-00000004")
+    engine.steps_done = 2  # as a run resumed from an early step would be
+    engine.save(tmp_path, keep=2)
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000005"]
+    assert read_manifest(resolve(tmp_path)).step == 2
+    engine.close()
+
+
+def test_checkpoint_before_any_update_loads(tmp_path):
+    """fp16: the first step overflowed and was skipped, so there are no moments yet."""
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype="float16")
+    engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(loss_scale=2.0**60), device="cpu")
+    assert engine.step(next(batches(load_tokens(), 4, 32, 0))).skipped
+    engine.save(tmp_path)
+    assert not read_manifest(resolve(tmp_path)).optimizer_state
+    engine.close()
+    other = wrap(make_model("gpt2-4"), plan, AdamWConfig(), device="cpu")
+    m = other.load(tmp_path)
+    assert m.step == 1 and other.scaler.scale == 2.0**59
+    other.close()
