@@ -343,6 +343,12 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     return time, peak, parts
 
 
+def host_need(parts: dict):
+    """Host bytes per rank a configuration needs (``evaluate``'s parts, arrays or floats):
+    offloaded chunk states plus swapped activations — what the host budget bounds."""
+    return parts["host_bytes"] + parts["host_swap_bytes"]
+
+
 @dataclass(frozen=True)
 class MemoryTerms:
     """The memory walk's terms for one placement, over a policy grid (bytes, before ``alpha``).

@@ -223,7 +223,7 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
     return _PROFILES[key]
 
 
-def host_need_bytes(profile: Profile, plan: P.Plan) -> int:
+def host_need_bytes(plan: P.Plan) -> int:
     """Host memory the plan needs: offloaded chunks' states and the swapped activations."""
     b = plan.prediction.breakdown
     return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
@@ -333,14 +333,13 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
             m_hi = mid
     plan = best.plan
     assert plan is not None, f"{best=}"
-    profile = _profile(configs[lo], best.micro_batch, seq_len, compute_dtype, spec, digest)
     iter_us = plan.prediction.iter_time_us
     return FitResult(
         family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=spec.host_memory_bytes,
         seq_len=seq_len, compute_dtype=compute_dtype, config=configs[lo], n_params=best.n_params,
         micro_batch=best.micro_batch, iter_time_us=iter_us,
         tokens_per_s=best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
-        peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(profile, plan),
+        peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
         plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
     )
 

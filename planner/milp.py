@@ -67,6 +67,7 @@ from .cost import (
     Terms,
     evaluate,
     host_bytes_per_chunk,
+    host_need,
     min_buffers,
     strips_grid,
 )
@@ -457,7 +458,7 @@ def to_choice(t: Terms, persistent: Sequence[int], n_buffer: int, policies: Sequ
     persistent = sorted(int(c) for c in persistent)
     n_swap, n_ckpt = policies.count("swap"), policies.count("checkpoint")
     time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]))
-    host = float(parts["host_bytes"][0] + parts["host_swap_bytes"][0])
+    host = float(host_need(parts)[0])
     prefix = persistent == list(range(len(persistent)))
     paper = list(policies) == block_policies(t.n_blocks, n_swap, n_ckpt)
     return Choice(len(persistent), n_buffer, n_swap, n_ckpt, float(time[0]), float(peak[0]),

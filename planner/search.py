@@ -38,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .cost import Terms, block_policies, evaluate, min_buffers, policy_grid
+from .cost import Terms, block_policies, evaluate, host_need, min_buffers, policy_grid
 
 EXTRA_BUFFERS = 2
 
@@ -159,7 +159,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             fits_here = False
         current = n_persist
         time, peak, parts = evaluate(t, n_persist, n_buffer, grid)
-        host = parts["host_bytes"] + parts["host_swap_bytes"]
+        host = host_need(parts)
         evaluated += len(pairs)
         min_peak = min(min_peak, float(peak.min()))
         dev_ok = peak <= budget_bytes
