@@ -163,6 +163,63 @@ def test_bench_fit_tiny_ladder(tmp_path):
     assert len([p for p in probes if p["backend"] == "torch-plain"]) <= 3 + 2  # log2 of 6, of 3
 
 
+def test_gpu_preflight_on_cpu(tmp_path):
+    # The census runs on CPU; the pinned part is recorded as skipped; back-ends CPU lacks
+    # are records with their error, not crashes. --isolate-all runs the move-everything
+    # swap probe in a child process for every back-end that ran, as a GPU run does for
+    # those that save tensors off the device.
+    out = tmp_path / "preflight.json"
+    proc = run([str(TOOLS / "gpu_preflight.py"), "--device", "cpu", "--isolate-all", "--out", str(out)],
+               timeout=120)
+    rec = json.loads(out.read_text())
+    assert rec["host_register"] == {"status": "skipped: no CUDA"}
+    assert rec["env"]["torch"] and rec["seconds"] < 60
+    entries = rec["sdpa"]["entries"]
+    assert len(entries) == 5 * 2 * 2 * 3  # back-ends (and torch's own choice) × dtypes × dropout × shapes
+    assert {e["status"] for e in entries} <= {"ok", "error"}
+    maths = [e for e in entries if e["backend"] == "MATH"]
+    assert all(e["status"] == "ok" for e in maths), maths  # the math back-end runs everywhere
+    for e in maths:
+        assert e["saved"] and all(t["device"] == "cpu" and t["nbytes"] == t["numel"] * {
+            "float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}[t["dtype"]] for t in e["saved"])
+    assert all(e["error"] for e in entries if e["status"] == "error")
+    first = [e for e in maths if e["shape"] == rec["sdpa"]["shapes"][0]]
+    for e in first:  # the round trip through host memory leaves gradients exact
+        assert e["swap_on_device"] == {"status": "ok", "max_abs_grad_diff": 0.0}, e
+        assert e["swap_all"] == {"status": "ok", "max_abs_grad_diff": 0.0}, e
+    assert "## Pre-flight" in proc.stdout and "MATH bfloat16 p=0.1 | 3/3" in proc.stdout
+    report = run([str(TOOLS / "gpu_preflight.py"), "--report", str(out)]).stdout
+    assert report == proc.stdout
+    # Asked for CUDA where there is none: exit 1 and a record that says so.
+    bad = subprocess.run([sys.executable, str(TOOLS / "gpu_preflight.py"), "--device", "cuda",
+                          "--out", str(tmp_path / "bad.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "sees no CUDA device" in json.loads((tmp_path / "bad.json").read_text())["error"]
+
+
+def test_gpu_preflight_flags_what_swap_must_leave_alone():
+    # What flash SDPA saves on a GPU with dropout (issue #14): CPU int64 philox scalars
+    # beside device tensors. The summary lists exactly those.
+    sys.path.insert(0, str(TOOLS))
+    import gpu_preflight
+
+    def t(device, dtype, shape, role="other"):
+        numel = math.prod(shape)
+        return {"device": device, "dtype": dtype, "shape": shape, "numel": numel, "nbytes": 2 * numel,
+                "role": role}
+
+    e = {"backend": "FLASH_ATTENTION", "dtype": "bfloat16", "dropout_p": 0.1, "input_device": "cuda:0",
+         "status": "ok", "grad_fn": "ScaledDotProductFlashAttentionBackward0",
+         "saved": [t("cuda:0", "bfloat16", [2, 4, 128, 64], "q"), t("cuda:0", "float32", [2, 4, 128]),
+                   t("cpu", "int64", []), t("cpu", "int64", [])]}
+    summary = gpu_preflight.census_summary([e, {**e, "shape": [1]}])
+    s = summary["FLASH_ATTENTION bfloat16 p=0.1"]
+    assert s["ok"] == 2 and s["odd_saved"] == [{"device": "cpu", "dtype": "int64", "shape": [],
+                                                "role": "other"}]
+    assert "other int64 [] on cpu" in gpu_preflight.report({"sdpa": {"summary": summary}})
+
+
 @pytest.mark.slow
 def test_gpu_check_rehearsal_on_cpu(tmp_path):
     out = tmp_path / "out"
@@ -171,9 +228,12 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
                           env=dict(os.environ, OUT=str(out)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["artifacts.tar.gz", "bench.jsonl", "env.txt", "log.txt", "pytest-gpu.txt",
-                     "steps.tsv", "summary.md"]
+    assert files == ["artifacts.tar.gz", "bench.jsonl", "env.txt", "log.txt", "preflight.json",
+                     "pytest-gpu.txt", "steps.tsv", "summary.md"]  # the device tool returns ≤ 8
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()[1:]]
+    assert steps[0][0] == "pre-flight" and int(steps[0][4]) <= 60, steps  # first, under 60 s
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["host_register"] == {"status": "skipped: no CUDA"} and pre["sdpa"]["entries"]
     # Every step ran and passed, but DeepSpeed's, which a CPU rehearsal leaves out.
     assert steps and all(s[1] == "ok" for s in steps if not s[0].endswith("deepspeed")), steps
     assert [s[1] for s in steps if s[0].endswith("deepspeed")] == [
@@ -188,6 +248,8 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
             assert r["measured_peak_bytes"] <= r["predicted_peak_bytes"] <= 3 * 2**20
     summary = (out / "summary.md").read_text()
     assert "predicted / measured peak" in summary and "## Steps" in summary
+    assert "## Pre-flight" in summary and "PROTRAIN_ASYNC_CPU=1 for the bench runs" in summary
+    assert (out / "env.txt").read_text().startswith("=== environment")
     assert "skipped" in (out / "pytest-gpu.txt").read_text()  # no CUDA here: skipped, not failed
     with tarfile.open(out / "artifacts.tar.gz") as tar:
         names = tar.getnames()

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU (an H200): environment, the GPU tests, and protrain
-# against FSDP2 offload (and DeepSpeed ZeRO-3 offload when carried) on gpt2-xl and a
-# reduced-depth llama-7b under a 24 GiB cap, with predicted vs measured peak memory and
-# iteration time. Must finish in under 8 minutes of device time: every step runs under
-# `timeout`, no step may start past the overall deadline, and a failed step is recorded
-# while the rest go on.
+# One prepared run for a lent GPU (an H200): a pre-flight (what SDPA saves for backward,
+# pinned-upload bandwidth), environment, the GPU tests, and protrain against FSDP2 offload
+# (and DeepSpeed ZeRO-3 offload when carried) on gpt2-xl and a reduced-depth llama-7b
+# under a 24 GiB cap, with predicted vs measured peak memory and iteration time. Must
+# finish in under 8 minutes of device time: every step runs under `timeout`, no step may
+# start past the overall deadline, and a failed step is recorded while the rest go on.
 #
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) tools/gpu_check.sh   # on the GPU machine (OUT
 #                                           # set by the device tool; the copy there has no .git)
 #   tools/gpu_check.sh --device cpu --tiny  # rehearsal on a CPU box: tiny models, same files
+#
+# The pre-flight comes first and needs torch only (no protrain, no msgspec), so its data
+# comes back even if everything after it fails: tools/gpu_preflight.py records, for bf16
+# and fp32, every SDPA back-end that runs here and a few causal shapes with and without
+# dropout, the device, dtype and size of each tensor SDPA saves for backward (flash and
+# efficient SDPA save philox seed/offset as CPU scalars, which the swap hooks must leave
+# alone), and times a cudaHostRegister of 1 GiB and its non-blocking upload against a
+# pageable one. Under 60 s; on CPU it runs the census and records the pinned part skipped.
+#
+# A CPU rehearsal exports PROTRAIN_ASYNC_CPU=1 for the bench runs: the executor's CPU
+# copy engine then completes copies later on a worker thread (an emulation of CUDA's
+# asynchronous streams), so a missing wait shows up before the GPU run, not during it.
 #
 # Why llama-7b[8L] and not llama-7b: all 32 blocks need ~6.7e9 x 20 B (bf16 home, fp32
 # master and Adam moments, gradient) ~ 135 GB of host memory for what a 24 GiB card must
@@ -16,12 +28,13 @@
 # parameters would take most of the time box. 8 of its blocks (same width, heads and
 # MLP; 1.88e9 parameters) exercise the same shapes.
 #
-# What comes back under $OUT (at most 8 files, flat):
+# What comes back under $OUT (8 files, flat: the device tool returns at most 8):
+#   preflight.json    the pre-flight's record: SDPA saved-tensor census, pinned vs pageable upload
 #   env.txt           nvidia-smi, python, torch, CUDA, what was installed and how
 #   steps.tsv         step, status, exit code, seconds, time limit
-#   pytest-gpu.txt    pytest -q tests/gpu
+#   pytest-gpu.txt    pytest -x -q tests/gpu
 #   bench.jsonl       one bench_train record per run (tokens/s, peaks, predicted vs measured)
-#   summary.md        the bench_train report table and the step table
+#   summary.md        the pre-flight's summary, the bench_train report table and the step table
 #   artifacts.tar.gz  hardware spec, profiles and plans protrain made and used
 #   log.txt           everything every step printed
 set -uo pipefail
@@ -169,8 +182,9 @@ install_protrain() {
 # `timeout` runs programs, not shell functions: export the functions and what they read.
 export -f env_report install_wheels install_protrain
 export PY DEVICE TINY DEADLINE_S COMMIT
+step "pre-flight" 60 $PY tools/gpu_preflight.py --device "$DEVICE" --out "$OUT/preflight.json"
 step "environment" 60 bash -c env_report
-cp "$LOG" "$OUT/env.txt"
+sed -n '/^=== environment/,$p' "$LOG" >"$OUT/env.txt"
 step "install carried wheels" 60 bash -c install_wheels
 [ -d /tmp/gpu_check_site ] && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
 step "install protrain" 120 bash -c install_protrain
@@ -178,7 +192,7 @@ step "install protrain" 120 bash -c install_protrain
 step "import protrain" 60 $PY -c "import protrain.planner.planning, protrain.executor.engine; print('protrain imports')"
 { echo "--- after installs"; echo "PYTHONPATH=${PYTHONPATH:-}"; sed -n '/^=== install/,$p' "$LOG"; } >>"$OUT/env.txt"
 
-step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
+step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -x -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
 
 step "probe hardware" "$PROBE_LIMIT" $PY -c "
 from protrain.planner.hardware import probe_to_file
@@ -187,6 +201,8 @@ SPEC=()
 [ -f "$ART/spec-$DEVICE.json" ] && SPEC=(--hardware "$ART/spec-$DEVICE.json")
 
 BACKENDS=(--backend protrain --backend fsdp2-offload)
+# CPU rehearsal: protrain's copies complete later on a worker thread, as on CUDA streams.
+[ "$DEVICE" = cpu ] && export PROTRAIN_ASYNC_CPU=1
 
 # First the smaller micro-batch of every model, then the larger ones: if the deadline
 # cuts the run short, each model has at least one comparison.
@@ -226,6 +242,13 @@ fi
   echo "# gpu_check: protrain against FSDP2 / DeepSpeed offload ($DEVICE$([ "$TINY" = 1 ] && echo ', tiny rehearsal'))"
   echo
   echo "Commit $COMMIT, $(date -u '+%Y-%m-%d %H:%M UTC'), budget $BUDGET, seq $SEQ, $STEPS_N steps ($WARMUP warm-up) per run."
+  echo "$([ "$DEVICE" = cpu ] && echo "PROTRAIN_ASYNC_CPU=${PROTRAIN_ASYNC_CPU:-unset} for the bench runs.")"
+  echo
+  if [ -s "$OUT/preflight.json" ]; then
+    $PY tools/gpu_preflight.py --report "$OUT/preflight.json" 2>&1 || echo "(pre-flight report failed)"
+  else
+    echo "(no pre-flight record)"
+  fi
   echo
   if [ -s "$JSONL" ]; then
     $PY tools/bench_train.py --report "$JSONL" 2>&1 || echo "(report failed)"
