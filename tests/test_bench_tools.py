@@ -25,7 +25,8 @@ COMMON = ["--device", "cpu", "--model", "gpt2-tiny", "--micro-batch", "2", "--se
 FIELDS = {"backend", "model", "n_params", "device", "dtype", "micro_batch", "seq", "global_batch",
           "steps", "warmup", "fits", "tokens_per_s", "tokens_per_s_spread", "peak_dev_bytes",
           "peak_host_rss_bytes", "loss_first", "loss_last", "budget_bytes", "budget_enforced",
-          "command", "commit", "date"}
+          "max_memory_reserved_bytes", "num_alloc_retries", "command", "commit", "date"}
+ALLOCATOR = ("max_memory_reserved_bytes", "num_alloc_retries")  # in every record; null on CPU
 
 
 def run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -63,6 +64,7 @@ def test_bench_train_records_a_measured_run(train_records, backend):
     assert r["global_batch"] == 2 and r["budget_bytes"] == 3 * 2**20
     assert r["budget_enforced"] is False  # no device memory to cap on CPU
     assert r["peak_dev_bytes"] is None
+    assert r["max_memory_reserved_bytes"] is None and r["num_alloc_retries"] is None
     s = r["tokens_per_s_spread"]
     assert 0 < s["min"] <= s["q1"] <= s["median"] <= s["q3"] <= s["max"]
     assert r["tokens_per_s"] == s["median"] > 0
@@ -83,6 +85,16 @@ def test_bench_train_protrain_reports_prediction_against_measurement(train_recor
     # 3 MiB is less than keeping everything (~3.7 MiB): the plan must trade something.
     plan = r["plan"]
     assert plan["n_persist"] < plan["n_chunks"] or plan["n_swap"] + plan["n_checkpoint"] > 0, plan
+    # The engine's own allocator figures: 0 on CPU, or None from an executor without them.
+    assert r["engine_reserved_peak_bytes"] in (None, 0)
+    assert r["engine_alloc_retries"] in (None, 0)
+
+
+def test_bench_train_every_record_carries_allocator_fields(train_records):
+    # Skipped (deepspeed not importable) and failed records too: a report over a GPU run
+    # must not have to guess whether a missing field means "none" or "not measured".
+    for name, r in train_records.items():
+        assert {k: r.get(k, "missing") for k in ALLOCATOR} == dict.fromkeys(ALLOCATOR), name
 
 
 def test_bench_train_back_ends_train_the_same_model_on_the_same_data(train_records):
@@ -126,6 +138,7 @@ def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
         assert name in rows, table
     assert "| 1.00 |" in rows["torch-plain"]  # the baseline against itself
     assert "ledger" in rows["protrain"]
+    assert "allocated / reserved" in table
 
 
 def test_bench_train_does_not_fit_is_a_clean_record():
@@ -134,6 +147,7 @@ def test_bench_train_does_not_fit_is_a_clean_record():
     proc = run([str(TOOLS / "bench_train.py"), *COMMON, "--budget", "256KiB", "--backend", "protrain"])
     (r,) = records(proc.stdout)
     assert r["fits"] is False and r["reason"].startswith("planner: no configuration"), r
+    assert {k: r[k] for k in ALLOCATOR} == dict.fromkeys(ALLOCATOR)
     assert "Traceback" not in proc.stderr
 
 

@@ -58,7 +58,8 @@ def report_table(records: list[dict]) -> str:
                       if budget else ""))
         out.append("")
         head = ("| back-end | runs | tokens/s (median) | run medians min–max | step IQR tokens/s "
-                f"| × {base or '—'} | peak device MiB | peak host RSS MiB, steps / run | loss first → last "
+                f"| × {base or '—'} | peak device MiB, allocated / reserved | peak host RSS MiB, steps / run "
+                "| loss first → last "
                 "| predicted / measured iter | predicted / measured peak MiB | note |")
         out += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for b, rs in by.items():
@@ -76,6 +77,12 @@ def report_table(records: list[dict]) -> str:
             q3 = statistics.median(r["tokens_per_s_spread"]["q3"] for r in ok)
             ratio = f"{med[b] / med[base]:.2f}" if base else "—"
             peak_dev = max((r.get("peak_dev_bytes") or 0) for r in ok) or None
+            # What the budget caps: the allocator's reserved peak and its retries (CUDA only).
+            reserved = max((r.get("max_memory_reserved_bytes") or 0) for r in ok) or None
+            retries = max((r.get("num_alloc_retries") or 0) for r in ok)
+            dev_cell = _mib(peak_dev) + (f" / {_mib(reserved)}" if reserved else "")
+            if retries:
+                note = (note + "; " if note else "") + f"allocator retries {retries}"
             rss = max(max(r["peak_host_rss_bytes"], r.get("peak_host_rss_train_bytes") or 0)
                       for r in ok)
             train_rss = max((r.get("peak_host_rss_train_bytes") or 0) for r in ok) or None
@@ -99,7 +106,7 @@ def report_table(records: list[dict]) -> str:
             elif b.startswith("fsdp2"):
                 note = (note + "; " if note else "") + f"AC on {ok[0]['ac']}"
             out.append(f"| {b} | {len(ok)} | {med[b]:,.0f} | {min(meds):,.0f}–{max(meds):,.0f} | "
-                       f"{q1:,.0f}–{q3:,.0f} | {ratio} | {_mib(peak_dev)} | {_mib(train_rss)} / {_mib(rss)} | "
+                       f"{q1:,.0f}–{q3:,.0f} | {ratio} | {dev_cell} | {_mib(train_rss)} / {_mib(rss)} | "
                        f"{ok[0]['loss_first']:.4f} → {ok[0]['loss_last']:.4f} | {pred_it} | "
                        f"{pred_pk} | {note.replace('|', '/')[:300]} |")
         out.append("")

@@ -45,7 +45,12 @@ step, ending in a device synchronise and ``loss.item()``; tokens/s is the global
 batch's tokens over that time, median over the steps after ``--warmup``, with
 min/max and quartiles as the spread. Peak device memory is
 ``torch.cuda.max_memory_allocated`` from just before the first step to the end
-(CUDA only); peak host memory is the worker's resident-set high-water mark, over
+(CUDA only); since the budget caps what the allocator *reserves*, every record also
+carries ``max_memory_reserved_bytes`` and ``num_alloc_retries`` over the same steps
+(null on CPU); protrain's records add the engine's own view, ``StepResult``'s
+``reserved_peak_bytes`` and ``alloc_retries`` (as ``engine_reserved_peak_bytes`` and
+``engine_alloc_retries``; null with an executor that does not report them).
+Peak host memory is the worker's resident-set high-water mark, over
 the steps (``peak_host_rss_train_bytes``: VmHWM reset just before the first step)
 and over the whole process (``peak_host_rss_bytes``, model building and protrain's
 probe and profile included). On CPU there is no device memory apart from host
@@ -171,10 +176,14 @@ def setup_protrain(args, cfg, label, dev, rec):
     model = build_model(cfg, args.seed)
     engine = wrap(model, plan, AdamWConfig(lr=args.lr), device=dev)
     peaks: list[int] = []
+    reserved: list[int | None] = []  # StepResult.reserved_peak_bytes, when the executor has it
+    retries: list[int | None] = []  # StepResult.alloc_retries (the allocator's count so far)
 
     def step(micro):
         res = engine.step(micro)
         peaks.append(res.peak_bytes)
+        reserved.append(getattr(res, "reserved_peak_bytes", None))
+        retries.append(getattr(res, "alloc_retries", None))
         return res.loss
 
     def finish(measured: Measured):
@@ -187,6 +196,11 @@ def setup_protrain(args, cfg, label, dev, rec):
         rec["measured_iter_s"] = measured_iter
         rec["peak_ratio"] = measured_peak / rec["predicted_peak_bytes"]
         rec["iter_ratio"] = measured_iter / rec["predicted_iter_s"] if rec["predicted_iter_s"] else None
+        # The engine's own view of the allocator over the measured steps (None before the
+        # executor reported it; 0 on CPU). The max of a running count is its last value.
+        r, n = reserved[args.warmup:], retries[args.warmup:]
+        rec["engine_reserved_peak_bytes"] = None if None in r else max(r)
+        rec["engine_alloc_retries"] = None if None in n else max(n)
 
     return step, finish  # batches stay on the host: the engine moves them
 
@@ -431,12 +445,13 @@ def worker(args) -> dict:
         rec["setup_s"] = round(time.perf_counter() - t_setup, 2)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
+            torch.cuda.reset_accumulated_memory_stats(dev)  # num_alloc_retries counts the steps only
         reset_ok = reset_host_peak()
         log(f"{args.worker}: {args.steps} steps of {rec['global_batch']} x {args.seq} tokens")
         measured = run_steps(step, data, args, sync)
         if cuda:
             rec["peak_dev_bytes"] = torch.cuda.max_memory_allocated(dev)
-            rec["peak_dev_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+            rec.update(allocator_stats(dev))
         else:
             rec["peak_dev_bytes"] = None  # no device apart from host memory: see peak_host_rss_bytes
         rec["peak_host_rss_train_bytes"] = host_peak() if reset_ok else None
@@ -482,12 +497,39 @@ def host_peak() -> int | None:
     return None
 
 
+def allocator_stats(dev=None) -> dict:
+    """What the budget caps on CUDA: the caching allocator's reserved peak and its retries.
+
+    ``max_memory_reserved_bytes``: ``torch.cuda.max_memory_reserved`` (allocated bytes plus
+    the cache's unused blocks and fragmentation: what ``set_per_process_memory_fraction``
+    limits). ``num_alloc_retries``: ``memory_stats()["num_alloc_retries"]``, the times a
+    cudaMalloc failed and the allocator freed its cache to retry, a sign of running at the
+    cap. Both over the measured steps when the run reached them (the worker resets them
+    just before), else since the worker started; None on CPU or before CUDA was used.
+    """
+    import torch
+
+    if dev is None:
+        if not torch.cuda.is_initialized():
+            return {"max_memory_reserved_bytes": None, "num_alloc_retries": None}
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return {"max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+            "num_alloc_retries": int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0))}
+
+
 def finalize(rec: dict) -> dict:
     # ru_maxrss is KiB on Linux: the whole worker's high-water mark, model building included.
     # The kernel updates it lazily (it can read a few pages below the VmHWM of the steps), so
     # the run's peak is the larger of the two.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rec["peak_host_rss_bytes"] = max(rss, rec.get("peak_host_rss_train_bytes") or 0)
+    if "max_memory_reserved_bytes" not in rec:  # a run that stopped before its steps ended
+        try:
+            stats = allocator_stats() if str(rec.get("device")).startswith("cuda") else {}
+        except Exception:  # a broken CUDA context must not cost the record
+            stats = {}
+        rec.setdefault("max_memory_reserved_bytes", stats.get("max_memory_reserved_bytes"))
+        rec.setdefault("num_alloc_retries", stats.get("num_alloc_retries"))
     return rec
 
 
@@ -549,7 +591,8 @@ def spawn(args, argv: list[str], backend: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     base = {"backend": backend, "model": args.model, "device": args.device, "dtype": args.dtype,
             "micro_batch": args.micro_batch, "seq": args.seq, "grad_accum": args.grad_accum,
-            "global_batch": args.micro_batch * args.grad_accum, "fits": None}
+            "global_batch": args.micro_batch * args.grad_accum, "fits": None,
+            "max_memory_reserved_bytes": None, "num_alloc_retries": None}  # the worker died: unknown
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
