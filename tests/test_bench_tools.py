@@ -137,7 +137,7 @@ def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
     for name in ("protrain", "torch-plain", "fsdp2-offload", "deepspeed-zero3-offload"):
         assert name in rows, table
     assert "| 1.00 |" in rows["torch-plain"]  # the baseline against itself
-    assert "ledger" in rows["protrain"]
+    assert "ledger, a consistency check" in rows["protrain"]
     assert "allocated / reserved" in table
 
 
