@@ -94,9 +94,10 @@ class Activations:
             # A checkpointed block keeps only its inputs alive for backward: the hidden
             # states, and for Hugging Face blocks the keyword tensors too (RoPE cos/sin,
             # shared by all blocks and so counted once, by the first block that holds them).
-            for a in tree_flatten((args, kwargs))[0]:
-                if isinstance(a, torch.Tensor):
-                    self._count(a, name)
+            if torch.is_grad_enabled():  # not in ``evaluate``, which keeps nothing for backward
+                for a in tree_flatten((args, kwargs))[0]:
+                    if isinstance(a, torch.Tensor):
+                        self._count(a, name)
             return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
         return forward
@@ -105,6 +106,11 @@ class Activations:
         def pack(t: torch.Tensor):
             if self.store.owns(t):
                 return (False, t)  # a parameter: its chunk's residency is the schedule's business
+            if t.device != self.store.device or t.dim() == 0:
+                # Not a device activation: flash/efficient SDPA save philox seed and offset
+                # as CPU int64 scalars (a D2H copy of a host tensor has no stream to record
+                # on), and a 0-dim tensor is not worth a copy. Kept as it is.
+                return (False, t)
             # preserve_format keeps the original's strides where it is dense, so backward
             # formulas that care about layout see what they saved.
             host = torch.empty_like(t, device="cpu", pin_memory=self.copies.cuda)

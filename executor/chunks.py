@@ -70,12 +70,20 @@ class Chunk:
         # Offloaded chunks only: this rank's shard of the values between fetches.
         # 1D (shard_numel,), host (pinned on CUDA), compute dtype.
         self.home: torch.Tensor | None = None
+        # 16-bit compute only, between wrap and the optimizer's construction: the fp32
+        # values of the user's parameters (the masters start from these, not from the
+        # rounded chunk). 1D: (numel,) device for persistent chunks, (shard_numel,) host
+        # for offloaded ones. See [Note: masters from the user's fp32 values].
+        self.master_init: torch.Tensor | None = None
         self.residency = Residency.RESIDENT
         self.grad_live = True  # gradient buffer has device storage
-        # The upload issued by the last fetch/prefetch; compute waits on it before use.
+        # The upload issued by the last fetch/prefetch, until compute has waited on it.
         self.upload: Copy | None = None
-        # CPU optimizer step that must finish (and write home) before the next upload.
-        self.update: Future | None = None
+        # The last upload that read ``home``: the CPU step waits for it before writing home.
+        self.last_upload: Copy | None = None
+        # Host work on this chunk's buffers queued on the CPU worker (gradient accumulation,
+        # the AdamW step, writing home); the next fetch or offload of the chunk waits for it.
+        self.pending: Future | None = None
         # (parameter, offset, numel) in the chunk, in plan order.
         self.params: list[tuple[nn.Parameter, int, int]] = []
 
@@ -90,47 +98,75 @@ class ChunkStore:
         self.ledger = ledger
         self.comm = comm  # executor.dist.Comm (passed in: chunks sits below dist)
         self.dtype = DTYPES[plan.training.compute_dtype]
+        self.n_buffer = plan.placement.n_buffer
         persistent = set(plan.placement.persistent)
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
-        # One pinned arena for every offloaded chunk's home and (16-bit compute) gradient
-        # staging buffer, sized from the plan ([Note: pinned arena] in transfer.py).
+        fp32 = self.dtype == torch.float32
+        # One pinned arena for every offloaded chunk's host buffers ([Note: pinned arena]
+        # in transfer.py): its home (compute dtype), its fp32 gradient accumulator (the
+        # download's target), and a compute-dtype staging buffer for gradients that cannot
+        # land in the accumulator directly (16-bit compute, or later micro-batches).
+        self.staged = not fp32 or plan.training.grad_accum > 1
         n_off = len(plan.chunks.items) - len(persistent)
-        per_chunk = HostArena.span(shard_numel, self.dtype) * (1 if self.dtype == torch.float32 else 2)
+        per_chunk = (HostArena.span(shard_numel, self.dtype) * (2 if self.staged else 1)
+                     + HostArena.span(shard_numel, torch.float32))
         self.arena = HostArena(n_off * per_chunk, pin=copies.cuda)
         self.chunks: list[Chunk] = []
-        for spec in plan.chunks.items:
-            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank,
-                      spec.id in persistent, self.dtype, device)
-            with torch.no_grad():
-                for ps in spec.params:
-                    p = params[ps.name]
-                    view = c.dev[ps.offset: ps.offset + ps.numel].view(p.shape)
-                    view.copy_(p.detach())
-                    p.data = view  # see [Note: chunk storage resize]
-                    p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
-                    c.params.append((p, ps.offset, ps.numel))
-            if not c.persistent:
-                c.home = self.arena.take(shard_numel, self.dtype)
-                c.home.copy_(c.dev[c.shard].detach())
-                ledger.host_alloc(c.home.numel() * c.home.element_size())
-                self._resize(c.dev, 0)
-                self._resize(c.dev_grad, 0)
-                c.residency, c.grad_live = Residency.RELEASED, False
-            else:
-                ledger.alloc("chunks", c.nbytes)
-                ledger.alloc("grads", c.nbytes)
-            self.chunks.append(c)
+        try:
+            for spec in plan.chunks.items:
+                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, spec.id in persistent))
+        except BaseException:
+            self.arena.close()  # a failed wrap must not leave host memory pinned
+            raise
         self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
         self._refresh_live()
+
+    def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, comm,
+                 persistent: bool) -> Chunk:
+        """Build one chunk: views for its parameters, its values, a home if offloaded.
+
+        [Note: masters from the user's fp32 values]
+        Under 16-bit compute the fp32 masters must start from the user's parameters,
+        not from their 16-bit rounding: a plan moves tensors, it never changes the
+        math. So the chunk's values are first assembled in fp32 (``master_init``),
+        the optimizer adopts that as the master, and the compute-dtype chunk (device)
+        or home (host) is cast from it. Persistent chunks assemble on the device (their
+        master lives there); offloaded ones on the host, one shard at a time, so wrap
+        never needs a whole offloaded model on the device.
+        """
+        c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
+                  self.dtype, self.device)
+        fp32 = self.dtype == torch.float32
+        where = self.device if persistent else torch.device("cpu")
+        image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)
+        with torch.no_grad():
+            for ps in spec.params:
+                p = params[ps.name]
+                image[ps.offset: ps.offset + ps.numel].copy_(p.detach().reshape(-1))
+                p.data = c.dev[ps.offset: ps.offset + ps.numel].view(p.shape)  # [Note: chunk storage resize]
+                p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
+                c.params.append((p, ps.offset, ps.numel))
+            if persistent:
+                if not fp32:
+                    c.dev.copy_(image)
+                    c.master_init = image
+                self.ledger.alloc("chunks", c.nbytes)
+                self.ledger.alloc("grads", c.nbytes)
+                return c
+            c.home = self.arena.take(shard_numel, self.dtype)
+            c.home.copy_(image[c.shard])
+            if not fp32:
+                c.master_init = image[c.shard].clone()
+        self.ledger.host_alloc(c.home.numel() * c.home.element_size())
+        self.copies.resize(c.dev, 0, f"chunk {c.id}")
+        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
+        c.residency, c.grad_live = Residency.RELEASED, False
+        return c
 
     @staticmethod
     def element_bytes(dtype: torch.dtype) -> int:
         return torch.empty((), dtype=dtype).element_size()
-
-    @staticmethod
-    def _resize(t: torch.Tensor, nbytes: int) -> None:
-        t.untyped_storage().resize_(nbytes)
 
     def storage_bytes(self, cid: int) -> int:
         """Bytes of device storage the chunk's parameters hold now (0 when released)."""
@@ -151,20 +187,25 @@ class ChunkStore:
 
     def fetch(self, cid: int) -> None:
         """Make the chunk resident, starting its upload if it is not already (prefetch = fetch
-        without ``wait``). Waits first for a pending CPU optimizer step of this chunk."""
+        without ``wait``). Waits first for the chunk's pending host work (its CPU step)."""
         c = self.chunks[cid]
         assert not c.persistent, f"{cid=} is persistent; the plan's events name offloaded chunks"
         if c.residency is Residency.RESIDENT:
             return
-        if c.update is not None:
-            c.update.result()  # the updated weights must be in home before we read it
-            c.update = None
-        self._resize(c.dev, c.nbytes)
+        # n_buffer is the plan's bound on resident offloaded chunks; the validator's
+        # replay checks it, and this holds the executor to it.
+        resident = sum(1 for x in self.chunks if not x.persistent and x.residency is Residency.RESIDENT)
+        assert resident < self.n_buffer, f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
+        if c.pending is not None:
+            c.pending.result()  # the updated weights must be in home before we read it
+            c.pending = None
+        self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         c.upload = self.copies.upload(c.dev[c.shard], c.home,
                                       gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
                                       if self.comm.world > 1 else None)
+        c.last_upload = c.upload
         c.residency = Residency.RESIDENT
 
     def wait(self, cid: int) -> None:
@@ -178,8 +219,10 @@ class ChunkStore:
     def release(self, cid: int) -> None:
         c = self.chunks[cid]
         assert c.residency is Residency.RESIDENT, f"{cid=} {c.residency=}: release of a released chunk"
-        c.upload = None
-        self._resize(c.dev, 0)
+        if c.upload is not None:  # prefetched and never used (evaluate, an error): the copy
+            c.upload.wait()  # and all-gather still write the storage we are about to free
+            c.upload = None
+        self.copies.resize(c.dev, 0, f"chunk {cid}")
         self._refresh_live()
         self.ledger.free("chunks", c.nbytes)
         c.residency = Residency.RELEASED
@@ -190,7 +233,7 @@ class ChunkStore:
         """Give the chunk's gradient buffer device storage, zeroed, if it has none."""
         c = self.chunks[cid]
         if not c.grad_live:
-            self._resize(c.dev_grad, c.nbytes)
+            self.copies.resize(c.dev_grad, c.nbytes, f"gradients of chunk {cid}")
             c.dev_grad.zero_()
             self.ledger.alloc("grads", c.nbytes)
             c.grad_live = True
@@ -198,7 +241,7 @@ class ChunkStore:
     def close_grad(self, cid: int) -> None:
         c = self.chunks[cid]
         assert c.grad_live and not c.persistent, f"{cid=} {c.grad_live=} {c.persistent=}"
-        self._resize(c.dev_grad, 0)
+        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {cid}")
         self.ledger.free("grads", c.nbytes)
         c.grad_live = False
 

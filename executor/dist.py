@@ -63,6 +63,9 @@ class Comm:
             )
         self._all_gather = _op("all_gather")
         self._reduce_scatter = _op("reduce_scatter")
+        # Runs each collective call: directly, or (the asynchronous CPU emulation) on the
+        # copy engine's upload worker so gloo sees every rank's calls in plan order.
+        self.runner = lambda fn: fn()
 
     def shard_numel(self, numel: int) -> int:
         return -(-numel // self.world)
@@ -70,7 +73,9 @@ class Comm:
     def _run(self, what: str, fn, *args) -> None:
         try:
             with record_function(f"protrain::{what.split()[0]}"):
-                fn(*args)
+                self.runner(lambda: fn(*args))
+        except torch.OutOfMemoryError:
+            raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
             raise RankFailure(
                 f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "

@@ -66,6 +66,10 @@ class StepResult:
     """True when fp16 overflow skipped the update."""
     timings: dict[str, float] = field(default_factory=dict)
     """Wall seconds: forward, backward, optim (device steps and waiting for CPU steps), total."""
+    reserved_peak_bytes: int = 0
+    """CUDA: ``max_memory_reserved`` during the step (what a budget must cover); CPU: 0."""
+    alloc_retries: int = 0
+    """CUDA: allocator retries (cache flushes after a failed cudaMalloc) so far; CPU: 0."""
 
 
 def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
@@ -79,11 +83,23 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
     return Engine(model, plan, optimizer or AdamWConfig(), device)
 
 
+def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
+    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
+    needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
+             else "fp16 loss scaling" if plan.training.compute_dtype == "float16" else None)
+    if needs and getattr(plan.schedule, "cpu_adam", "after_backward") != "after_backward":  # TEMP
+        raise ConfigError(
+            f"{needs} needs every gradient before any parameter changes, but the plan overlaps "
+            f"CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
+            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)")
+
+
 class Engine:
     def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
                  device: str | torch.device | None):
         validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
+        _check_cpu_adam(plan, config)
         self.comm = Comm(plan.training.world_size)  # refuses a world-size mismatch
         dev = torch.device(device if device is not None else
                            ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,18 +117,27 @@ class Engine:
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
         self.copies = CopyEngine(dev)
-        self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
-        self.optim = ChunkOptimizer(self.store, config)
-        self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
-                                 config.scale_window)
-        self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
-        self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
-        self.acts.install()
-        self.replayer.install()
+        self.comm.runner = self.copies.collective  # see executor/emulation.py
+        self.store = self.optim = self.acts = self.replayer = None
+        try:
+            self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
+            self.optim = ChunkOptimizer(self.store, config)
+            self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
+                                     config.scale_window)
+            self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
+            self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
+            self.acts.install()
+            self.replayer.install(model)
+        except BaseException:
+            self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
+            raise
         # Per-step state, set in step().
         self._first_micro = True  # the micro-batch being run is the step's first
         self._last_micro = True  # ... and/or its last (CPU steps may start)
-        self._defer_cpu_steps = config.max_grad_norm is not None or self.scaler.enabled
+        # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
+        # planner costed; clipping and fp16 need the after-backward one.
+        self._defer_cpu_steps = getattr(plan.schedule, "cpu_adam", None) == "after_backward" or (  # TEMP
+            not hasattr(plan.schedule, "cpu_adam") and (config.max_grad_norm is not None or self.scaler.enabled))
         self.steps_done = 0
 
     # -- the training step
@@ -150,8 +175,8 @@ class Engine:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             ta = time.perf_counter()
             self.replayer.phase = Phase.FORWARD
-            self.replayer.begin(Phase.FORWARD, PRE)
             try:
+                self.replayer.begin(Phase.FORWARD, PRE)
                 with self.acts.counting():
                     loss = self.model(x, y)
                 if not self.scaler.enabled:
@@ -186,8 +211,45 @@ class Engine:
             self.comm.all_reduce(loss_t, "the loss")
             loss_t /= self.comm.world
         loss_value = loss_t.item()
+        reserved, retries = self.ledger.allocator_stats()
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.peak_bytes(),
-                          skipped=skipped, timings=timings)
+                          skipped=skipped, timings=timings, reserved_peak_bytes=reserved,
+                          alloc_retries=retries)
+
+    def evaluate(self, batch: Batch) -> float:
+        """The loss of one ``(idx, targets)`` batch of the plan's shape, without training.
+
+        Runs the model in eval mode under ``torch.no_grad`` while the block hooks replay
+        the plan's forward fetches, prefetches and releases; afterwards every offloaded
+        chunk is released again, as between steps, and the model's train/eval modes are
+        restored. No gradient, activation or optimizer state changes. Under ZeRO-3 every
+        rank must call it (fetches all-gather). Any other call of the model's forward
+        after ``wrap`` is refused: offloaded chunks hold no device memory between steps.
+        """
+        self._check_batch([batch])
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        modes = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        self.replayer.phase = Phase.EVALUATE
+        try:
+            with torch.no_grad():
+                self.replayer.begin(Phase.FORWARD, PRE)
+                loss = self.model(x, y)
+                self.replayer.end(Phase.FORWARD, POST)
+        except torch.OutOfMemoryError as e:
+            raise self._oom_error(e) from None
+        finally:
+            self.replayer.phase = Phase.IDLE
+            for m, training in modes.items():
+                m.training = training
+            for cid in sorted(self.store.resident_offloaded()):
+                self.store.release(cid)  # waits for a prefetch still in flight
+        loss_t = loss.detach().float()
+        if self.comm.world > 1:
+            loss_t = loss_t.clone()
+            self.comm.all_reduce(loss_t, "the evaluation loss")
+            loss_t /= self.comm.world
+        return loss_t.item()
 
     def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
         """Stop before a NaN/inf loss reaches backward and the optimizer.
@@ -228,7 +290,8 @@ class Engine:
             "and check that no other process uses this device")
 
     def _offload(self, cid: int) -> None:
-        """Gradients of an offloaded chunk are complete: send them to the host, maybe step."""
+        """Gradients of an offloaded chunk are complete: send them to the host, maybe step.
+        Nothing here waits for the device; see [Note: gradient offload] in optim.py."""
         self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
@@ -245,6 +308,7 @@ class Engine:
         coef = None
         grad_norm = None
         if self._defer_cpu_steps:
+            self.optim.wait_all()  # the accumulators are complete once the worker has landed them
             total = self.optim.global_norm(self.param_order) * inv_scale
             grad_norm = total.item()
             if self.scaler.enabled and not torch.isfinite(total).item():
@@ -253,9 +317,10 @@ class Engine:
             self.scaler.update(overflow=False)
             if self.config.max_grad_norm is not None:
                 coef = clip_coefficient(total, self.config.max_grad_norm)
+            host_coef = None if coef is None else coef.item()  # the worker never reads the device
             for c in self.store.chunks:
                 if not c.persistent:
-                    self.optim.submit_cpu_step(c.id, coef, inv_scale)
+                    self.optim.submit_cpu_step(c.id, host_coef, inv_scale)
         for c in self.store.chunks:
             if c.persistent:
                 self.optim.step_device(c.id, coef, inv_scale)
@@ -360,7 +425,16 @@ class Engine:
         try:
             self.optim.wait_all()  # re-raises a CPU step's error; clean up regardless
         finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Undo what wrap did, as far as it got (also after a failed wrap)."""
+        if self.optim is not None:
             self.optim.shutdown()
+        if self.replayer is not None:
             self.replayer.uninstall()
+        if self.acts is not None:
             self.acts.uninstall()
+        if self.store is not None:
             self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory
+        self.copies.close()

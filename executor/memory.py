@@ -65,3 +65,10 @@ class Ledger:
 
     def current_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else self.current
+
+    def allocator_stats(self) -> tuple[int, int]:
+        """(peak reserved bytes since ``reset_peak``, allocation retries so far): CUDA only."""
+        if not self.cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats(self.device)
+        return torch.cuda.max_memory_reserved(self.device), int(stats.get("num_alloc_retries", 0))

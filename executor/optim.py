@@ -8,7 +8,7 @@ offloaded chunk's master and moments live in host memory; when its gradients
 reach the host (``offload``), a single worker thread steps it with
 ``AdamW(fused=True)`` on CPU tensors while backward goes on, then writes the
 updated weights into the chunk's home in the compute dtype. The next fetch of the
-chunk waits for that step (``Chunk.update``), so the next forward never reads a
+chunk waits for that step (``Chunk.pending``), so the next forward never reads a
 half-updated home. For fp32 compute the master *is* the chunk (device) or its home
 (host): no second copy.
 
@@ -19,15 +19,28 @@ parity tests compare with plain ``torch.optim.AdamW`` at zero tolerance.
 
 [Note: when CPU steps can start]
 Clipping by global norm and fp16 overflow checks need every gradient before any
-parameter may change. With either one on, offloaded chunks' steps are submitted
-after backward (with the clip coefficient), losing the overlap; without them,
-each chunk's step starts as soon as its gradients land on the host. Gradient
+parameter may change. The plan says which schedule it was costed for
+(``schedule.cpu_adam``): ``after_backward`` submits offloaded chunks' steps after
+backward (with the clip coefficient), losing the overlap; ``during_backward``
+starts each chunk's step as soon as its gradients land on the host. Gradient
 accumulation steps only after the last micro-batch.
+
+[Note: gradient offload]
+Offloading a chunk's gradients never blocks the host on the device. The main
+thread (inside backward) queues the D2H copy into a pinned host buffer on the copy
+stream, frees the device gradient buffer at once (the copy engine recorded it on
+that stream), and hands the copy's handle to the CPU worker, which waits for the
+copy, converts or accumulates into the fp32 accumulator, and, on the step's last
+micro-batch, steps and writes the chunk's home, after the last upload that read
+that home has completed. The worker touches the device only to wait on events.
+The copy lands directly in the fp32 accumulator when nothing needs converting
+(fp32 compute, first micro-batch); otherwise in the chunk's staging buffer, which
+the next offload of the chunk reuses only after the worker has consumed it
+(``Chunk.pending``, a host-side wait that in practice is long over).
 """
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -87,37 +100,42 @@ class ChunkOptimizer:
         # One fp32 master per chunk: 1D (numel,), device for persistent chunks, host for
         # offloaded ones; the chunk's own tensor when the compute dtype is fp32.
         self.master: dict[int, torch.Tensor] = {}
-        # Host fp32 gradient accumulators of offloaded chunks: 1D (numel,), host.
+        # Host fp32 gradient accumulators of offloaded chunks: 1D (shard_numel,), pinned host.
         self.cpu_grad: dict[int, torch.Tensor] = {}
-        # Host staging for non-fp32 gradients coming down: 1D (numel,), pinned host.
+        # Host staging for gradients that cannot land in the accumulator directly (16-bit
+        # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
         self.adam: dict[int, torch.optim.AdamW] = {}
         for c in store.chunks:
             if c.persistent:
-                m = c.dev if fp32 else c.dev.detach().float()
+                # See [Note: masters from the user's fp32 values] in chunks.py.
+                m = c.dev if fp32 else c.master_init
                 if not fp32:
                     store.ledger.alloc("optim", c.numel * 4)
                 store.ledger.alloc("optim", c.numel * 8)  # exp_avg and exp_avg_sq, fp32
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.home.numel()
-                m = c.home if fp32 else c.home.float()
-                self.cpu_grad[c.id] = torch.zeros(n, dtype=torch.float32)
+                m = c.home if fp32 else c.master_init
+                self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
                 host = n * (8 + 4)  # moments + gradient accumulator, fp32
                 if not fp32:
+                    host += n * 4  # master
+                if store.staged:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
-                    host += n * 4 + n * store.element_bytes(store.dtype)  # master + staging
+                    host += n * store.element_bytes(store.dtype)
                 store.ledger.host_alloc(host)
+            c.master_init = None
             self.master[c.id] = m
             self.adam[c.id] = torch.optim.AdamW([m], **kw)
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
-        self.accumulated = 0  # micro-batches accumulated into cpu_grad since the last step
 
     # -- gradients
 
     def offload_grad(self, cid: int, first_micro_batch: bool, last_micro_batch: bool = True) -> None:
-        """Bring an offloaded chunk's gradient to the host fp32 accumulator; free the device buffer.
+        """Queue an offloaded chunk's gradient for the host fp32 accumulator and free the
+        device buffer (``submit_cpu_step`` queues the step behind it). See [Note: gradient offload].
 
         Under ZeRO-3 the gradient is first reduce-scattered: only this rank's shard,
         summed over ranks, goes down; after the step's last micro-batch it is divided by
@@ -130,22 +148,27 @@ class ChunkOptimizer:
         if comm.world > 1:
             src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
             comm.reduce_scatter(src, c.dev_grad, f"gradients of chunk {cid}")
+        direct = src.dtype == torch.float32 and first_micro_batch
+        dst = acc if direct else self.staging[cid]
+        if c.pending is not None:  # the worker may still read dst (or acc) from the last offload
+            c.pending.result()
+            c.pending = None
         with record_function("protrain::offload"):
-            if src.dtype == torch.float32 and first_micro_batch:
-                self.store.copies.download(acc, src).synchronize()
-            else:
-                stage = self.staging.get(cid)
-                if stage is None:  # fp32 compute, later micro-batch: a plain host buffer
-                    stage = self.staging[cid] = torch.empty_like(acc)
-                    self.store.ledger.host_alloc(stage.numel() * stage.element_size())
-                self.store.copies.download(stage, src).synchronize()
+            down = self.store.copies.download(dst, src)
+        self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
+        divide = comm.world if comm.world > 1 and last_micro_batch else 1
+
+        def land() -> None:
+            down.synchronize()  # a wait on the copy's event: the only device call here
+            if not direct:
                 if first_micro_batch:
-                    acc.copy_(stage)
+                    acc.copy_(dst)
                 else:
-                    acc.add_(stage)
-        if comm.world > 1 and last_micro_batch:
-            acc.div_(comm.world)
-        self.store.close_grad(cid)
+                    acc.add_(dst)
+            if divide != 1:
+                acc.div_(divide)
+
+        c.pending = self.worker.submit(land)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
         """id(parameter) → its gradient as the optimizer sees it (device or host accumulator)."""
@@ -184,7 +207,7 @@ class ChunkOptimizer:
 
     # -- steps
 
-    def _set_grad(self, cid: int, coef: torch.Tensor | None, inv_scale: float) -> None:
+    def _set_grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> None:
         """Point the chunk master's ``.grad`` at the fp32 gradient, unscaled and clipped."""
         c = self.store.chunks[cid]
         g = c.dev_grad if c.persistent else self.cpu_grad[cid]
@@ -193,7 +216,9 @@ class ChunkOptimizer:
         if inv_scale != 1.0:
             g.mul_(inv_scale)
         if coef is not None:
-            g.mul_(coef.to(g.device))  # as clip_grad_norm_: in place, per element
+            # as clip_grad_norm_: in place, per element, by the fp32 coefficient (a host
+            # float on the worker: exactly the fp32 value, so the same products)
+            g.mul_(coef)
         self.master[cid].grad = g
 
     def step_device(self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0) -> None:
@@ -206,19 +231,30 @@ class ChunkOptimizer:
             if self.master[cid] is not c.dev:
                 c.dev.copy_(self.master[cid])
 
-    def submit_cpu_step(self, cid: int, coef: torch.Tensor | None = None,
-                        inv_scale: float = 1.0) -> None:
-        """Queue an offloaded chunk's CPU step; the chunk's next fetch waits for it."""
+    def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0) -> None:
+        """Queue an offloaded chunk's CPU step (after its gradients have landed: the worker
+        runs in submission order); the chunk's next fetch waits for it."""
         c = self.store.chunks[cid]
-        assert c.update is None, f"{cid=}: a CPU step is already pending"
-        fut: Future = self.worker.submit(self._cpu_step, cid, coef, inv_scale)
-        c.update = fut
+        previous = c.pending
+        reads_home = c.last_upload
 
-    def _cpu_step(self, cid: int, coef: torch.Tensor | None, inv_scale: float) -> None:
+        def run() -> None:
+            if previous is not None:
+                previous.result()  # re-raise the landing's error, if any
+            self._cpu_step(cid, coef, inv_scale, reads_home)
+
+        c.pending = self.worker.submit(run)
+
+    def _cpu_step(self, cid: int, coef: float | None, inv_scale: float, reads_home=None) -> None:
+        """On the worker: AdamW on the host master, then the new weights into home."""
         c = self.store.chunks[cid]
+        if reads_home is not None:
+            # The last upload from home must have read it before the step changes it (in
+            # place, for fp32: home is the master). Only a prefetch can still be in flight.
+            reads_home.synchronize()
         delay("before_cpu_adam")
         with record_function("protrain::cpu_adam"):
-            self._set_grad(cid, None if coef is None else coef.cpu(), inv_scale)
+            self._set_grad(cid, coef, inv_scale)
             self.adam[cid].step()
             self.master[cid].grad = None
         delay("before_weights_return")
@@ -226,10 +262,11 @@ class ChunkOptimizer:
             c.home.copy_(self.master[cid])
 
     def wait_all(self) -> None:
+        """Wait for every chunk's queued host work (re-raising the first error)."""
         for c in self.store.chunks:
-            if c.update is not None:
-                c.update.result()
-                c.update = None
+            if c.pending is not None:
+                c.pending.result()
+                c.pending = None
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)
@@ -240,6 +277,3 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     coef = max_norm / (total_norm + 1e-6)
     return torch.clamp(coef, max=1.0)
 
-
-def is_finite(total_norm: torch.Tensor) -> bool:
-    return math.isfinite(total_norm.item())

@@ -49,7 +49,7 @@ from torch import nn
 
 from .activations import Activations
 from .chunks import ChunkStore
-from .errors import ConfigError
+from .errors import ConfigError, ProtrainError
 from .plan import POST, PRE, Plan, Step
 
 
@@ -57,9 +57,11 @@ class Phase(enum.Enum):
     """What the engine is doing; hooks act only in the phase they belong to."""
 
     IDLE = "idle"
-    """Between steps: hooks do nothing (e.g. a user's own forward for evaluation is refused)."""
+    """Between steps: the model's forward is refused (offloaded chunks hold no device memory)."""
     FORWARD = "forward"
     """Inside the model's forward: block hooks replay forward steps."""
+    EVALUATE = "evaluate"
+    """Inside ``Engine.evaluate``: block hooks replay forward steps; no backward boundaries."""
     BACKWARD = "backward"
     """Inside ``.backward()``: boundary Functions replay backward steps."""
 
@@ -155,7 +157,8 @@ class Replayer:
         self.observer: Callable[[str, Phase, str], None] | None = None
         self.handles: list = []
 
-    def install(self) -> None:
+    def install(self, model: nn.Module) -> None:
+        self.handles.append(model.register_forward_pre_hook(self._guard))
         last = len(self.modules) - 1
         for i, (name, m) in enumerate(zip(self.blocks, self.modules)):
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name), with_kwargs=True))
@@ -241,8 +244,22 @@ class Replayer:
 
     # -- hooks
 
+    def _guard(self, module, args) -> None:
+        if self.phase is Phase.IDLE:
+            raise ProtrainError(
+                "the model was called outside Engine.step/evaluate; after wrap its offloaded "
+                "chunks hold no device memory between steps, so a plain forward would read "
+                "released storage",
+                "use `engine.evaluate((idx, targets))` for a held-out loss, or "
+                "`engine.state_dict()` for the weights")
+
     def _pre_hook(self, i: int, name: str):
         def hook(module, args, kwargs):
+            if self.phase is Phase.EVALUATE:
+                if i == 0:
+                    self.end(Phase.FORWARD, PRE)
+                self.begin(Phase.FORWARD, name)
+                return None
             if self.phase is not Phase.FORWARD:
                 return None
             if i == 0:
@@ -258,6 +275,11 @@ class Replayer:
 
     def _post_hook(self, i: int, name: str, last: bool):
         def hook(module, args, output):
+            if self.phase is Phase.EVALUATE:
+                self.end(Phase.FORWARD, name)
+                if last:
+                    self.begin(Phase.FORWARD, POST)
+                return None
             if self.phase is not Phase.FORWARD:
                 return None
             self.end(Phase.FORWARD, name)

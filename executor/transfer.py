@@ -11,7 +11,21 @@ by the compute stream (``record_stream``), so the caching allocator never hands 
 to another tensor while either stream may still use it.
 
 On CPU the same calls copy synchronously and return an already-complete handle, so
-CI runs every code path of the executor without a GPU.
+CI runs every code path of the executor without a GPU; and under the asynchronous
+CPU emulation (executor/emulation.py) they complete later on worker threads, so CI
+also catches a missing wait, record or release guard.
+
+[Note: who waits for what]
+- compute reads a fetched chunk or a swapped-in activation only after ``wait()``
+  on its upload (``ChunkStore.wait``, the swap unpack hook);
+- a release frees a chunk's storage only after its upload was waited on
+  (``ChunkStore.release`` waits for a pending one: a prefetch never used);
+- a download's source is recorded on the D2H stream, so it may be freed at once
+  (gradient buffers after ``offload``, swapped activations after ``swap_out``);
+- host code reads a download's destination only after ``synchronize()`` (the CPU
+  Adam worker, before it accumulates or steps);
+- the CPU Adam worker writes a chunk's home only after the last upload that read
+  it has completed (``ChunkOptimizer._cpu_step``).
 
 [Note: delay injection]
 ``DELAYS`` holds seconds to sleep before named operations. Tests set them to make
@@ -22,6 +36,7 @@ as a loss mismatch rather than passing by luck. They are zero in normal runs.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from torch.autograd.profiler import record_function
@@ -41,21 +56,38 @@ def delay(name: str) -> None:
 
 
 class Copy:
-    """Handle of one issued copy; ``wait()`` makes the current stream wait for it."""
+    """Handle of one issued copy (and the collective queued behind it).
 
-    __slots__ = ("event",)
+    ``event``: a ``torch.cuda.Event`` recorded after the copy on its stream, an
+    ``EmulatedEvent`` (see executor/emulation.py), or None on synchronous CPU,
+    where the copy has already happened.
+    """
 
-    def __init__(self, event: torch.cuda.Event | None):
-        self.event = event  # None on CPU: the copy already happened
+    __slots__ = ("event", "device")
+
+    def __init__(self, event, device: torch.device):
+        self.event = event
+        self.device = device  # the engine's device: whose compute stream waits
 
     def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        """Make the engine device's compute stream wait for the copy (the host does not block)."""
+        if self.event is None:
+            return
+        if isinstance(self.event, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        else:
+            self.event.wait()  # emulated: the host *is* the CPU's compute stream
 
     def synchronize(self) -> None:
-        """Block the host until the copy is done (only for host-side readers, e.g. CPU Adam)."""
+        """Block the host until the copy is done (for host-side readers: the CPU Adam worker)."""
         if self.event is not None:
-            self.event.synchronize()
+            if isinstance(self.event, torch.cuda.Event):
+                self.event.synchronize()
+            else:
+                self.event.wait()
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class HostArena:
@@ -74,14 +106,21 @@ class HostArena:
     ALIGN = 512
 
     def __init__(self, nbytes: int, pin: bool):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self.offset = 0
-        self.registered = False
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # 1D (nbytes,), host
+        self.offset = 0  # bytes handed out so far
+        # Unpins when closed, or when the arena is collected without a close (a failed
+        # wrap): a registration that outlived its buffer would make the next
+        # cudaHostRegister of that address range fail.
+        self._unpin: weakref.finalize | None = None
         if pin and nbytes:
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)})")
-            self.registered = True
+            self._unpin = weakref.finalize(self, _unregister, self.buffer)
+
+    @property
+    def registered(self) -> bool:
+        return self._unpin is not None and self._unpin.alive
 
     @classmethod
     def span(cls, numel: int, dtype: torch.dtype) -> int:
@@ -97,20 +136,83 @@ class HostArena:
         return t
 
     def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.registered = False
+        if self._unpin is not None:
+            self._unpin()  # runs _unregister once; later calls and the finaliser do nothing
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 class CopyEngine:
-    """Issues copies between a device and host memory. See [Note: copy streams]."""
+    """Issues copies between a device and host memory, and frees what copies touched.
 
-    def __init__(self, device: torch.device):
+    See [Note: copy streams]. Three back-ends behind one interface: CUDA streams and
+    events; synchronous CPU copies; and the asynchronous CPU emulation of
+    executor/emulation.py (``emulation``, or ``PROTRAIN_ASYNC_CPU`` in the
+    environment), in which this class's own code, waits and records included, runs
+    exactly as on CUDA.
+    """
+
+    def __init__(self, device: torch.device, emulation=None):
         self.device = device
         self.cuda = device.type == "cuda"
-        # Dedicated copy streams on CUDA; None on CPU, where copies are synchronous.
-        self.h2d: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
-        self.d2h: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
+        if emulation is None and not self.cuda:
+            from .emulation import current
+
+            emulation = current()
+        self.emu = None if self.cuda else emulation
+        self.asynchronous = self.cuda or self.emu is not None
+        # Dedicated copy streams: CUDA streams, emulated worker streams, or None (sync CPU).
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        elif self.emu is not None:
+            self.h2d = self.emu.stream("h2d")
+            self.d2h = self.emu.stream("d2h")
+        else:
+            self.h2d = self.d2h = None
+        # [Note: chunk memory pool] Chunk and chunk-gradient storage is allocated from a
+        # private pool, so activation churn in the general pool cannot fragment it, and
+        # the pool holds no other tensors; ``reserve`` sizes it from the plan up front.
+        self.pool = torch.cuda.MemPool() if self.cuda and hasattr(torch.cuda, "MemPool") else None
+
+    # -- streams (the only back-end-specific lines)
+
+    def _wait_compute(self, stream) -> None:
+        """``stream`` starts its next work after everything compute issued so far."""
+        if self.cuda:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        # CPU (emulated): compute is the host, and it has already finished.
+
+    def _launch(self, stream, dst: torch.Tensor, src: torch.Tensor, then=None, weak_src=False):
+        """Queue ``dst.copy_(src)`` and ``then()`` on ``stream``; return the event after them."""
+        if self.cuda:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                if then is not None:
+                    then()
+                event = torch.cuda.Event()
+                event.record(stream)
+            return event
+        return self.emu.launch(stream, dst, src, then, weak_src=weak_src)
+
+    def _record(self, t: torch.Tensor, stream) -> None:
+        """``t``'s memory must not be reused before ``stream``'s work so far is done."""
+        if self.cuda:
+            t.record_stream(stream)
+        else:
+            self.emu.record(t, stream)
+
+    def collective(self, fn) -> None:
+        """Run a compute-stream collective. Emulated: on the upload worker, in issue order,
+        so that gloo sees every rank's collectives (all-gathers included) in plan order."""
+        if self.emu is None or self.h2d.on_worker():
+            fn()
+        else:
+            self.h2d.submit(fn, delay=False).wait()
+
+    # -- copies
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
                after: Copy | None = None, gather=None) -> Copy:
@@ -119,38 +221,62 @@ class CopyEngine:
         ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
         ``gather``: a collective to run right after the copy, on the same stream (the
         ZeRO-3 all-gather of the other ranks' shards); the returned handle covers both.
+        The caller must ``wait()`` on the handle before compute reads ``dst``, and before
+        ``dst``'s storage is freed (``free``).
         """
         delay("before_copy")
         with record_function(f"protrain::{name}"):
-            if not self.cuda:
+            if not self.asynchronous:
                 dst.copy_(src)
                 if gather is not None:
                     gather()
-                return Copy(None)
-            compute = torch.cuda.current_stream(self.device)
-            self.h2d.wait_stream(compute)  # dst may have been in use by compute until now
+                return Copy(None, self.device)
+            self._wait_compute(self.h2d)  # dst may have been in use by compute until now
             if after is not None and after.event is not None:
                 self.h2d.wait_event(after.event)
-            with torch.cuda.stream(self.h2d):
-                dst.copy_(src, non_blocking=True)
-                if gather is not None:
-                    gather()
-                event = torch.cuda.Event()
-                event.record(self.h2d)
-            dst.record_stream(compute)
-            return Copy(event)
+            return Copy(self._launch(self.h2d, dst, src, gather), self.device)
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> Copy:
-        """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst."""
+        """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst.
+
+        ``src`` may be freed right after this returns: it is recorded on the copy stream.
+        """
         delay("before_copy")
         with record_function(f"protrain::{name}"):
-            if not self.cuda:
+            if not self.asynchronous:
                 dst.copy_(src)
-                return Copy(None)
-            self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # src is complete
-            with torch.cuda.stream(self.d2h):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.d2h)
-            src.record_stream(self.d2h)  # src's memory must outlive the copy
-            return Copy(event)
+                return Copy(None, self.device)
+            self._wait_compute(self.d2h)  # src is complete
+            event = self._launch(self.d2h, dst, src, weak_src=True)
+            self._record(src, self.d2h)  # src's memory must outlive the copy
+            return Copy(event, self.device)
+
+    # -- chunk storage
+
+    def resize(self, t: torch.Tensor, nbytes: int, what: str) -> None:
+        """Give ``t``'s storage ``nbytes`` (0 frees it). See [Note: chunk storage resize].
+
+        A free must come after every copy that touches the storage has been waited on
+        by compute, or was recorded on its stream; the emulation checks it.
+        """
+        s = t.untyped_storage()
+        if nbytes == 0:
+            if self.emu is not None:
+                self.emu.before_free(t, what)
+            s.resize_(0)
+        elif self.pool is not None:
+            with torch.cuda.use_mem_pool(self.pool):
+                s.resize_(nbytes)
+        else:
+            s.resize_(nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow the chunk pool to ``nbytes`` once (CUDA), so fetches reuse its blocks."""
+        if self.pool is not None and nbytes > 0:
+            with torch.cuda.use_mem_pool(self.pool):
+                del_me = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            del del_me  # the block stays cached in the pool for the chunks to split
+
+    def close(self) -> None:
+        if self.emu is not None:
+            self.emu.sweep()

@@ -102,8 +102,9 @@ def test_peak_falls_as_plans_offload_more(capsys):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype):
-    """[Note: pinned arena]: every offloaded chunk's home (and bf16 gradient staging) is a
-    slice of one allocation made at wrap, exactly as large as the plan's chunks need."""
+    """[Note: pinned arena]: every offloaded chunk's home, fp32 gradient accumulator (the
+    download's target) and bf16 gradient staging is a slice of one allocation made at
+    wrap, exactly as large as the plan's chunks need."""
     from protrain.executor.transfer import HostArena
 
     plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype=dtype)
@@ -111,11 +112,13 @@ def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype):
     store, arena = engine.store, engine.store.arena
     off = [c for c in store.chunks if not c.persistent]
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    per_chunk = HostArena.span(off[0].home.numel(), torch_dtype) * (1 if dtype == "float32" else 2)
+    n = off[0].home.numel()
+    per_chunk = (HostArena.span(n, torch_dtype) * (1 if dtype == "float32" else 2)
+                 + HostArena.span(n, torch.float32))
     assert len(off) >= 2 and arena.buffer.numel() == len(off) * per_chunk == arena.offset
     base = arena.buffer.untyped_storage().data_ptr()
-    buffers = [c.home for c in off] + list(engine.optim.staging.values())
-    assert len(buffers) == len(off) * (1 if dtype == "float32" else 2)
+    buffers = [c.home for c in off] + list(engine.optim.staging.values()) + list(engine.optim.cpu_grad.values())
+    assert len(buffers) == len(off) * (2 if dtype == "float32" else 3)
     assert all(b.untyped_storage().data_ptr() == base for b in buffers)
     engine.step(next(batches(load_tokens(), 4, 32, 0)))  # and it trains
     engine.close()

@@ -1,0 +1,180 @@
+"""Delete each stream-ordering guard once and check that a named test fails (issue #14).
+
+Each mutant is one textual edit of one executor file. The tool copies the repository's
+``executor/`` into a scratch directory, applies the edit there (the working tree is
+never touched), puts a ``protrain`` package in front of the installed one on
+``PYTHONPATH`` and runs the named tests in a subprocess. A mutant is *caught* when
+pytest fails (or the process dies on a signal). Prints a Markdown table.
+
+    python tools/mutants.py                 # every mutant
+    python tools/mutants.py --only release  # mutants whose name contains "release"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # under executor/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # node ids, relative to the repository
+
+
+R = "tests/test_races.py"
+G = "tests/test_gpu_ready.py"
+MUTANTS = [
+    Mutant("compute waits for a chunk's upload", "chunks.py",
+           "            c.upload.wait()\n            c.upload = None\n\n    def release",
+           "            c.upload = None\n\n    def release",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("release waits for a prefetch in flight", "chunks.py",
+           "            c.upload.wait()  # and all-gather", "            pass  # and all-gather",
+           (f"{R}::test_evaluate_releases_a_prefetch_in_flight",)),
+    Mutant("fetch waits for the chunk's CPU step", "chunks.py",
+           "            c.pending.result()  # the updated weights", "            pass  # the updated weights",
+           (f"{R}::test_parity_with_delays",)),
+    Mutant("fetch bounded by n_buffer", "chunks.py",
+           "        assert resident < self.n_buffer", "        assert True",
+           (f"{G}::test_fetch_beyond_n_buffer_is_an_invariant_error",)),
+    Mutant("worker waits for the gradient download", "optim.py",
+           "            down.synchronize()  # a wait", "            pass  # a wait",
+           (f"{R}::test_async_matrix_fp32_is_exact", f"{R}::test_async_matrix_equals_sync")),
+    Mutant("offload waits before reusing staging", "optim.py",
+           "        if c.pending is not None:  # the worker may still read dst",
+           "        if False:  # the worker may still read dst",
+           (f"{R}::test_async_matrix_equals_sync",)),
+    Mutant("CPU step waits for the last upload from home", "optim.py",
+           "            reads_home.synchronize()", "            pass",
+           (f"{R}::test_cpu_step_writes_home_only_after_the_last_upload_read_it",)),
+    Mutant("norm waits for the landed gradients (after_backward)", "engine.py",
+           "            self.optim.wait_all()  # the accumulators", "            pass  # the accumulators",
+           (f"{R}::test_async_clipping_is_exact",)),
+    Mutant("download records its source on the D2H stream", "transfer.py",
+           "            self._record(src, self.d2h)", "            pass",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("swap-in waits for the swap-out (after=)", "transfer.py",
+           "                self.h2d.wait_event(after.event)", "                pass",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("upload waits for compute (wait_stream)", "transfer.py",
+           "            self._wait_compute(self.h2d)", "            pass",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("download waits for compute (wait_stream)", "transfer.py",
+           "            self._wait_compute(self.d2h)", "            pass",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("collectives run in issue order (emulation)", "transfer.py",
+           "        if self.emu is None or self.h2d.on_worker():", "        if True:",
+           ("tests/test_dist.py::test_async_zero3_equals_sync",)),
+    Mutant("unpack waits for the swap-in", "activations.py",
+           "            x.up.wait()\n", "            pass\n",
+           (f"{R}::test_async_matrix_fp32_is_exact",)),
+    Mutant("swap leaves host scalars alone", "activations.py",
+           "            if t.device != self.store.device or t.dim() == 0:",
+           "            if False:",
+           (f"{R}::test_a_block_saving_a_host_scalar_trains_under_swap",)),
+    Mutant("masters from the user's fp32 values", "chunks.py",
+           "                image[ps.offset: ps.offset + ps.numel].copy_(p.detach().reshape(-1))",
+           "                image[ps.offset: ps.offset + ps.numel].copy_(p.detach().reshape(-1)"
+           ".to(self.dtype))",
+           (f"{G}::test_masters_equal_the_users_fp32_parameters_after_wrap",)),
+    Mutant("forward outside step/evaluate refused", "schedule.py",
+           "        if self.phase is Phase.IDLE:\n            raise", "        if False:\n            raise",
+           (f"{G}::test_a_plain_forward_after_wrap_is_refused",)),
+    Mutant("evaluate releases what it fetched", "engine.py",
+           "                self.store.release(cid)  # waits", "                pass  # waits",
+           (f"{G}::test_evaluate_between_steps_changes_nothing",)),
+    Mutant("step's first fetch inside the OOM handler", "engine.py",
+           "            try:\n                self.replayer.begin(Phase.FORWARD, PRE)",
+           "            self.replayer.begin(Phase.FORWARD, PRE)\n            try:\n                pass",
+           (f"{G}::test_out_of_memory_in_the_first_fetch_is_a_budget_error",)),
+    Mutant("OOM in a collective passes through", "dist.py",
+           "        except torch.OutOfMemoryError:\n            raise",
+           "        except KeyboardInterrupt:\n            raise",
+           (f"{G}::test_out_of_memory_in_a_collective_is_not_a_rank_failure",)),
+    Mutant("arena finaliser unpins", "transfer.py",
+           "            self._unpin = weakref.finalize(self, _unregister, self.buffer)",
+           "            self._unpin = weakref.finalize(self, _unregister, self.buffer)\n"
+           "            self._unpin.atexit = False\n            self._unpin.detach()",
+           (f"{G}::test_arena_is_unpinned_by_close_and_by_its_finaliser",)),
+    Mutant("failed wrap tears down", "engine.py",
+           "            self._teardown()  # nothing pinned", "            pass  # nothing pinned",
+           (f"{G}::test_a_failed_wrap_leaves_nothing_pinned_and_no_hooks",)),
+    Mutant("clipping refused on a during_backward plan", "engine.py",
+           "    if needs and plan.schedule.cpu_adam", "    if False and plan.schedule.cpu_adam",
+           (f"{G}::test_clipping_needs_an_after_backward_plan",)),
+    Mutant("CPU steps deferred as the plan says", "engine.py",
+           '        self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"',
+           "        self._defer_cpu_steps = config.max_grad_norm is not None",
+           (f"{G}::test_the_executed_cpu_step_schedule_is_the_plans",)),
+]
+
+
+def scratch() -> Path:
+    """A ``protrain`` package: a copy of executor/, the repository's planner/ linked."""
+    top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
+    pkg = top / "protrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    shutil.copytree(ROOT / "executor", pkg / "executor", ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "planner").symlink_to(ROOT / "planner")
+    return top
+
+
+def run(m: Mutant, timeout_s: float) -> tuple[str, float, str]:
+    top = scratch()
+    try:
+        path = top / "protrain" / "executor" / m.file
+        text = path.read_text()
+        if text.count(m.old) != 1:
+            return "stale (the guard's text is not found once)", 0.0, ""
+        path.write_text(text.replace(m.old, m.new))
+        env = {**os.environ, "PYTHONPATH": str(top)}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return "caught (hang: timed out)", time.perf_counter() - t0, ""
+        dt = time.perf_counter() - t0
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        if p.returncode < 0:
+            return f"caught (signal {-p.returncode})", dt, last
+        return ("caught" if p.returncode != 0 else "NOT caught"), dt, last
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="run the mutants whose name contains this")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
+    args = ap.parse_args()
+    rows = []
+    print("| guard deleted | file | test | result |\n|---|---|---|---|")
+    for m in MUTANTS:
+        if args.only not in m.name:
+            continue
+        result, dt, last = run(m, args.timeout)
+        rows.append(result)
+        tests = ", ".join(t.split("::")[-1] for t in m.tests)
+        print(f"| {m.name} | executor/{m.file} | {tests} | {result} ({dt:.0f} s; {last}) |", flush=True)
+    missed = sum(r.startswith("NOT") or r.startswith("stale") for r in rows)
+    print(f"\n{len(rows) - missed} of {len(rows)} mutants caught")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
