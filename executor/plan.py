@@ -29,6 +29,10 @@ Version history (bump on any binding change; ship a migration in ``migrate.py``,
 frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
 
 - 1: first version.
+- 2: ``schedule.cpu_adam`` (binding): when offloaded chunks' CPU AdamW steps start.
+  The v1 executor decided it at run time (after backward with clipping or fp16,
+  during it otherwise), so a plan could not say which schedule it was predicted
+  for. ``migrate.v1_to_v2`` fills it the way the v1 executor ran without clipping.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -46,7 +50,7 @@ import msgspec
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The version ``dump`` writes."""
 
 MIN_SCHEMA_VERSION = 1
@@ -66,6 +70,7 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 DType = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["keep", "swap", "checkpoint"]
+CpuAdam = Literal["during_backward", "after_backward"]
 
 
 class Binding(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -105,6 +110,10 @@ class Request(Info):
     """Requested number of ranks."""
     grad_accum: NonNegInt = 0
     """Requested micro-batches per optimizer step."""
+    max_grad_norm: float | None = None
+    """Requested global-norm gradient clipping (``protrain plan --max-grad-norm``); None: none.
+    It is why ``schedule.cpu_adam`` is ``after_backward``: the training run passes the norm
+    itself (``protrain train --max-grad-norm``)."""
 
 
 class Hardware(Info):
@@ -247,6 +256,12 @@ class Schedule(Binding):
     """One step per segment: ``<pre>``, blocks in order, ``<post>``."""
     backward: list[Step]
     """One step per segment in reverse: ``<post>``, blocks reversed, ``<pre>``."""
+    cpu_adam: CpuAdam
+    """When offloaded chunks' CPU AdamW steps start, in the last micro-batch of a step.
+    ``during_backward``: each as soon as its gradients reach the host (at its ``offload``),
+    overlapping the rest of backward. ``after_backward``: all after backward ends, in
+    offload order; needed by global-norm gradient clipping and by fp16 loss scaling's
+    overflow check, which need every gradient before any parameter changes."""
 
 
 # ------------------------------------------------------------------------ info (2)
@@ -459,7 +474,10 @@ def load(source: str | Path | bytes) -> Plan:
     if version < SCHEMA_VERSION:
         from .migrate import migrate  # only old files pay for it
 
-        data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
+        try:
+            data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
+        except PlanError as e:
+            raise PlanError(f"{where}: {e.message}", e.hint) from None
     try:
         plan = msgspec.json.decode(data, type=Plan)
     except msgspec.ValidationError as e:
@@ -487,6 +505,12 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
 
     if plan.schema_version != SCHEMA_VERSION:
         fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+
+    # -- training ↔ schedule: fp16's loss scaler checks every gradient for overflow
+    # before any parameter changes, so no CPU step may start during backward.
+    if plan.training.compute_dtype == "float16" and plan.schedule.cpu_adam != "after_backward":
+        fail("$.schedule.cpu_adam", f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
+             "'after_backward' (the loss scaler's overflow check needs every gradient before any step)")
 
     # -- model
     blocks = plan.model.blocks
@@ -599,6 +623,9 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     2. The segment runs; every offloaded chunk holding a parameter it uses must be
        in ``fetch`` of this step (so the executor waits on it).
     3. The step ends: ``offload`` (backward), then ``release`` frees the buffers.
+    4. A prefetched chunk is fetched by a later step before it is released and before
+       backward ends: only a fetch waits for the upload, so a prefetch that no fetch
+       follows could still be writing the buffer when its storage is freed.
     Resident offloaded chunks never exceed ``n_buffer``; forward's resident set
     carries into backward, and backward ends with nothing resident. Each offloaded
     chunk is offloaded exactly once in backward, no earlier than the last step that
@@ -619,6 +646,7 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     offloaded_at: dict[int, int] = {}
     swapped_in_at: dict[str, int] = {}
     last_use_bwd: dict[int, int] = {}
+    in_flight: dict[int, str] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
 
     for phase, steps, expected in (("forward", plan.schedule.forward, order),
                                    ("backward", plan.schedule.backward, order[::-1])):
@@ -649,9 +677,12 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                     fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward")
                 swapped_in_at[b] = si
             resident |= set(step.fetch)
+            for c in step.fetch:
+                in_flight.pop(c, None)  # the fetch waits for the upload
             for i, c in enumerate(step.prefetch):
                 if c in resident:
                     fail(f"{spath}.prefetch[{i}]", f"chunk {c} is already resident")
+                in_flight[c] = f"{spath}.prefetch[{i}]"
             resident |= set(step.prefetch)
             if len(resident) > n_buffer:
                 fail(f"{spath}", f"{len(resident)} offloaded chunks resident {sorted(resident)} "
@@ -671,8 +702,14 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
             for i, c in enumerate(step.release):
                 if c not in resident:
                     fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
+                if c in in_flight:
+                    fail(in_flight[c], f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
+                         "frees it (its upload could still be writing the freed buffer)")
             resident -= set(step.release)
 
+    for c, path in in_flight.items():
+        fail(path, f"chunk {c} is prefetched but never fetched before backward ends "
+             "(its upload could still be in flight when the iteration ends)")
     if resident:
         fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
     for c in sorted(offloaded):

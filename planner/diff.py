@@ -153,7 +153,7 @@ def _section_differs(key: str, value: Any) -> bool:
     if key == "activations":
         return bool(value["changed"])
     if key == "schedule":
-        return value["steps_differ"] > 0
+        return value["steps_differ"] > 0 or value["cpu_adam"]["a"] != value["cpu_adam"]["b"]
     if key == "prediction":
         return value["a"] != value["b"] or bool(value["breakdown"])
     return bool(value)  # training, request, hardware: the changed fields
@@ -234,7 +234,8 @@ def _diff_schedule(a: Plan, b: Plan) -> dict[str, Any]:
             steps_differ += bool(step)
             changes += step
     n = (len(a.schedule.forward) + len(a.schedule.backward), len(b.schedule.forward) + len(b.schedule.backward))
-    return {"n_steps": _pair(*n), "n_matched": n_matched, "steps_differ": steps_differ, "changes": changes}
+    return {"n_steps": _pair(*n), "n_matched": n_matched, "steps_differ": steps_differ, "changes": changes,
+            "cpu_adam": _pair(a.schedule.cpu_adam, b.schedule.cpu_adam)}
 
 
 def _predicted(plan: Plan) -> dict[str, Any]:
@@ -398,8 +399,11 @@ def _render_activations(act: dict[str, Any]) -> list[str]:
 
 
 def _render_schedule(s: dict[str, Any], chunks: dict[str, Any], same_model: bool) -> list[str]:
-    n, k = s["n_steps"], s["steps_differ"]
+    n, k, cpu = s["n_steps"], s["steps_differ"], s["cpu_adam"]
+    adam = [] if cpu["a"] == cpu["b"] else [f"{' ' * 18}cpu_adam  {cpu['a']} → {cpu['b']}"]
     if not k:
+        if adam:
+            return [f"  schedule      cpu_adam {cpu['a']} → {cpu['b']}   (the {n['a']} steps are the same)"]
         return [f"  schedule      same ({n['a']} steps)"]
     note = ""
     if s["n_matched"] != n["a"] or s["n_matched"] != n["b"]:
@@ -417,7 +421,7 @@ def _render_schedule(s: dict[str, Any], chunks: dict[str, Any], same_model: bool
         lines.append(f"                  {x['phase']:<8}  {x['segment']:<{seg_w}}  {what}")
     if len(s["changes"]) > len(shown):
         lines.append(f"{' ' * 18}… and {len(s['changes']) - len(shown)} more changes")
-    return lines
+    return lines + adam
 
 
 def _render_prediction(p: dict[str, Any]) -> list[str]:

@@ -17,6 +17,9 @@ rule, so two runs of the planner give the same bytes:
 - **offload**: an offloaded chunk's gradients go to CPU at the end of its last
   backward segment. **swap_in**: a swapped block's activations start coming back one
   backward segment ahead of its own.
+- **cpu_adam**: ``after_backward`` when the training needs every gradient before any
+  update (gradient clipping was requested, or fp16 compute, whose loss scaler checks
+  for overflow first), else ``during_backward`` (``cpu_adam_schedule``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,20 @@ def generator() -> P.Generator:
     return P.Generator(name="protrain", version=v)
 
 
+def cpu_adam_schedule(compute_dtype: str, max_grad_norm: float | None = None) -> P.CpuAdam:
+    """When the offloaded chunks' CPU AdamW steps may start (``Schedule.cpu_adam``).
+
+    Global-norm clipping scales every gradient by a coefficient of all of them, and
+    fp16's loss scaler skips the whole update when any gradient overflowed: both
+    need every gradient before any parameter changes, so the CPU steps wait for the
+    end of backward. Otherwise each starts as soon as its chunk's gradients land.
+    """
+    return "after_backward" if max_grad_norm is not None or compute_dtype == "float16" else "during_backward"
+
+
 def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded: set[int],
-                   n_buffer: int, swapped: Sequence[str]) -> P.Schedule:
+                   n_buffer: int, swapped: Sequence[str],
+                   cpu_adam: P.CpuAdam = "during_backward") -> P.Schedule:
     """The event lists for one iteration (see the module docstring for the rules)."""
     seq = [("forward", s) for s in segments] + [("backward", s) for s in reversed(segments)]
     need_off = [sorted(need[s] & offloaded) for _, s in seq]
@@ -94,7 +109,7 @@ def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded
     backward = [P.Step(segment=s, fetch=fetch[n + j], prefetch=prefetch[n + j],
                        release=release[n + j], offload=offload[j], swap_in=swap_in[j])
                 for j, s in enumerate(back)]
-    return P.Schedule(forward=forward, backward=backward)
+    return P.Schedule(forward=forward, backward=backward, cpu_adam=cpu_adam)
 
 
 @dataclass(frozen=True)
@@ -137,12 +152,14 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
              persistent: Sequence[int], n_buffer: int, policies: Sequence[str],
              request: P.Request | None = None, hardware: P.Hardware | None = None,
              prediction: P.Prediction | None = None,
-             provenance: P.Provenance | None = None) -> P.Plan:
+             provenance: P.Provenance | None = None,
+             cpu_adam: P.CpuAdam | None = None) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
     configurations use the first ``n_persist``); ``policies`` gives
-    ``keep``/``swap``/``checkpoint`` per block.
+    ``keep``/``swap``/``checkpoint`` per block. ``cpu_adam`` defaults to
+    ``cpu_adam_schedule`` of the compute dtype and the request's ``max_grad_norm``.
     """
     blocks = facts.blocks
     if len(policies) != len(blocks):
@@ -180,7 +197,9 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
     need = {s: {owner[n] for n in facts.uses[s]} for s in facts.segments}
     swapped = [b for b, pol in zip(blocks, policies) if pol == "swap"]
-    schedule = build_schedule(facts.segments, need, set(offloaded), n_buffer, swapped)
+    if cpu_adam is None:
+        cpu_adam = cpu_adam_schedule(training.compute_dtype, request.max_grad_norm if request else None)
+    schedule = build_schedule(facts.segments, need, set(offloaded), n_buffer, swapped, cpu_adam)
 
     plan = P.Plan(
         schema_version=P.SCHEMA_VERSION,

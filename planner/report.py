@@ -156,6 +156,8 @@ def render_show(plan: Plan, source: str = "") -> str:
         f"  placement     {pl.n_persist} persistent {pl.persistent}, {len(pl.offloaded)} offloaded, "
         f"{pl.n_buffer} device buffers",
         f"  activations   {policy_strip(plan)}   (K keep, S swap, C checkpoint)",
+        f"  cpu adam      {plan.schedule.cpu_adam.replace('_', ' ')}"
+        + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),
         "  model states",
     ]
     for name, value in model_state_bytes(plan).items():
@@ -193,13 +195,19 @@ def render_explain(plan: Plan, source: str = "", departures: list[Departure] | N
     if b:
         t_fwd, t_bwd = b.get("t_fwd_us", 0), b.get("t_bwd_us", 0)
         t_cpu, t_gpu = b.get("t_cpu_optim_us", 0), b.get("t_gpu_optim_us", 0)
-        bound = "CPU Adam (offloaded chunks' update outlasts backward)" if t_cpu > t_bwd + t_gpu \
-            else "backward + device Adam"
+        if plan.schedule.cpu_adam == "after_backward":
+            formula = ("T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)   "
+                       "(CPU Adam after backward: clipping or fp16)")
+            bound = "CPU Adam" if t_cpu > t_gpu else "device Adam"
+        else:
+            formula = "T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)   (paper Eq. 2)"
+            bound = "CPU Adam (offloaded chunks' update outlasts backward)" if t_cpu > t_bwd + t_gpu \
+                else "backward + device Adam"
         lines += [
-            "  time        T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)   (paper Eq. 2)",
+            f"  time        {formula}",
             f"              forward {t_fwd / 1e3:.1f} ms, backward {t_bwd / 1e3:.1f} ms, "
             f"device Adam {t_gpu / 1e3:.1f} ms, CPU Adam {t_cpu / 1e3:.1f} ms",
-            f"              the second term is bound by {bound}",
+            f"              the max is bound by {bound}",
             f"  memory      persistent states {human_bytes(b.get('states_bytes', 0))} + buffers "
             f"{human_bytes(b.get('buffers_bytes', 0))} + activation walk "
             f"{human_bytes(b.get('activation_walk_bytes', 0))} → peak "

@@ -57,7 +57,7 @@ def test_frozen_fixture_exists_for_every_supported_version():
 def test_canonical_layout():
     text = EXAMPLE.read_text()
     lines = text.splitlines()
-    assert lines[0] == "{" and lines[1] == '  "schema_version": 1,'
+    assert lines[0] == "{" and lines[1] == f'  "schema_version": {P.SCHEMA_VERSION},'
     assert text.endswith("}\n") and not text.endswith("\n\n")
     # Two-space indent everywhere, no tabs.
     assert all((len(x) - len(x.lstrip(" "))) % 2 == 0 and "\t" not in x for x in lines)
@@ -194,7 +194,7 @@ def test_edited_parameter_list_breaks_the_fingerprint():
     assert "$.model.fingerprint" in _load_err(doc)
 
 
-@pytest.mark.parametrize("version,word", [(2, "newer"), (0, "older"), (-3, "older")])
+@pytest.mark.parametrize("version,word", [(P.SCHEMA_VERSION + 1, "newer"), (0, "older"), (-3, "older")])
 def test_version_window(version, word):
     doc = _doc()
     doc["schema_version"] = version
@@ -258,5 +258,90 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 1 to 2"):
-        M.migrate({"schema_version": 1}, 1, target=2)
+    with pytest.raises(PlanError, match="no migration from plan schema 2 to 3"):
+        M.migrate({"schema_version": 2}, 2, target=3)
+
+
+V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
+
+
+def test_v1_fixture_migrates_to_cpu_adam_during_backward():
+    # The frozen v1 file is float32 and the v1 executor overlapped CPU steps with
+    # backward unless clipping was configured: the migration writes that down.
+    plan = P.load(V1)
+    assert plan.schema_version == 2 and plan.schedule.cpu_adam == "during_backward"
+    assert plan.request.max_grad_norm is None
+
+
+def test_v1_to_v2_is_pure_and_fills_fp16_as_after_backward():
+    doc = json.loads(V1.read_bytes())
+    doc["training"]["compute_dtype"] = "float16"
+    before = json.dumps(doc)
+    out = M.v1_to_v2(doc)
+    assert json.dumps(doc) == before  # the input is not touched
+    assert out["schedule"]["cpu_adam"] == "after_backward"
+    assert P.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
+    # The rest of the file is carried over as it was.
+    assert {k: v for k, v in out["schedule"].items() if k != "cpu_adam"} == doc["schedule"]
+
+
+def test_v1_file_with_a_v2_field_is_refused():
+    doc = json.loads(V1.read_bytes())
+    doc["schedule"]["cpu_adam"] = "after_backward"
+    msg = _load_err(doc)
+    assert "$.schedule.cpu_adam" in msg and "schema 1" in msg
+    assert msg.startswith("<plan bytes>: ")  # the migration's error names the file like every other
+
+
+def test_v1_malformed_schedule_fails_in_the_strict_decode():
+    doc = json.loads(V1.read_bytes())
+    doc["schedule"] = [1, 2]
+    assert "$.schedule" in _load_err(doc)
+    doc = json.loads(V1.read_bytes())
+    del doc["training"]
+    assert "training" in _load_err(doc)
+
+
+def test_cpu_adam_is_required_and_closed():
+    doc = _doc()
+    del doc["schedule"]["cpu_adam"]
+    assert "cpu_adam" in _load_err(doc) and "$.schedule" in _load_err(doc)
+    doc = _doc()
+    doc["schedule"]["cpu_adam"] = "whenever"
+    assert "$.schedule.cpu_adam" in _load_err(doc)
+
+
+def test_fp16_plan_must_step_cpu_adam_after_backward():
+    doc = _doc()
+    doc["training"]["compute_dtype"] = "float16"
+    msg = _load_err(doc)
+    assert "$.schedule.cpu_adam" in msg and "float16" in msg
+    doc["schedule"]["cpu_adam"] = "after_backward"
+    assert P.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
+
+
+def test_prefetch_released_before_any_fetch():
+    # <pre> prefetches chunk 1 for h.0 and h.0 prefetches chunk 2 for h.1; release 2 at
+    # the end of h.0 instead: its upload may still be writing the freed buffer.
+    doc = _doc()
+    doc["schedule"]["forward"][1]["release"] = [2]
+    msg = _load_err(doc)
+    assert "$.schedule.forward[1].prefetch[0]" in msg and "never fetched" in msg
+    assert "$.schedule.forward[1].release[0]" in msg
+
+
+def test_prefetch_never_fetched_before_backward_ends():
+    doc = _doc()
+    doc["schedule"]["backward"][2]["prefetch"] = [2]  # h.0's backward; nothing fetches 2 later
+    msg = _load_err(doc)
+    assert "$.schedule.backward[2].prefetch[0]" in msg and "backward ends" in msg
+
+
+def test_prefetch_fetched_later_across_forward_and_backward_is_fine():
+    # A prefetch in forward's last step, fetched two steps into backward, is fine.
+    doc = _doc()
+    fwd, bwd = doc["schedule"]["forward"], doc["schedule"]["backward"]
+    fwd[2]["release"], fwd[3]["prefetch"] = [1], [1]  # drop chunk 1 after h.1, bring it back at <post>
+    assert bwd[2]["segment"] == "transformer.h.0" and bwd[2]["fetch"] == [1]
+    plan = P.load(json.dumps(doc).encode())
+    assert plan.schedule.forward[3].prefetch == [1]

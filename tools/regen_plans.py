@@ -1,10 +1,11 @@
 """Regenerate the plan library: analytic profiles, plans per (model, card, world size), and its index.
 
-Three kinds of generated files, each made from the one before:
+Generated files, each made from the one before (the schema from the plan Structs):
 
     plans/profiles/<model>/<model>-<hardware>-b<B>-s<S>.json   analytic profiles (slow: ~3 s each)
     plans/<model>/<hardware>-w<W>.json                         plans, from the committed profiles
     plans/README.md                                            the index of the plans
+    plans/schema/plan-v<N>.schema.json                         the current plan version's JSON Schema
 
 Profiles are regenerated only when asked (``--profiles``), because estimating one
 takes seconds and they change only when the analytic model or a hardware spec
@@ -220,7 +221,25 @@ def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list
             files[e.plan_rel(w)] = data
         rows.append(Row(e, w, chosen[e], P.load(data) if data is not None else None, why))
     files["plans/README.md"] = render_index(rows).encode()
+    files[schema_rel()] = _example_tool().schema()
     return files, problems
+
+
+def schema_rel() -> str:
+    """The JSON Schema of the current plan version (older versions' files stay as committed)."""
+    from protrain.executor import plan as P
+
+    return f"plans/schema/plan-v{P.SCHEMA_VERSION}.schema.json"
+
+
+def _example_tool():
+    """tools/make_example_plan.py, which owns the schema file's bytes (one writer, two tools)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_example_plan", ROOT / "tools" / "make_example_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------- the index
@@ -380,8 +399,11 @@ def render_index(rows: list[Row]) -> str:
 
 
 def managed_files(root: Path) -> set[str]:
-    """Committed files this tool owns: every plan in a library model's folder, and the index."""
+    """Committed files this tool owns: every plan in a library model's folder, the index and
+    the current plan schema."""
     found = {f"plans/{m}/{p.name}" for m in SHAPES for p in (root / "plans" / m).glob("*.json")}
+    if (root / schema_rel()).exists():
+        found.add(schema_rel())
     if (root / "plans" / "README.md").exists():
         found.add("plans/README.md")
     return found
@@ -449,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     n = write_files(root, files, present)
     for p in problems:
         print(f"warning: {p}", file=sys.stderr)
-    print(f"{len(files) - 1} plans and the index up to date ({n} written) in {time.perf_counter() - t0:.1f} s")
+    print(f"{len(files) - 2} plans, the index and the schema up to date ({n} written) in {time.perf_counter() - t0:.1f} s")
     return 1 if problems else 0
 
 
