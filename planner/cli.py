@@ -170,16 +170,20 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
                    "never worse, falls back to exhaustive) [default: exhaustive].")
 @click.option("--host-memory", default=None, metavar="SIZE",
               help="Host memory per rank a plan may use [default: the spec's RAM less 10% and 2 GiB].")
+@click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
+              help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
+                   "after backward (clipping needs every gradient first) and is predicted that way.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, output):
+         grad_accum, solver, host_memory, max_grad_norm, output):
     """Search the fastest plan that fits the budget and write it."""
     from .profiling import run_plan
 
     model_name = model_option(model_name, hf_config, blocks, required=False)
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
-             grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory)
+             grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
+             max_grad_norm=max_grad_norm)
 
 
 @main.command()

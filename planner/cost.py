@@ -14,7 +14,10 @@ The same code evaluates configurations outside the paper's space (the MILP's,
 
 Time (µs) — paper Eq. 2: ``T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)``,
 with ``T_cpu_optim`` replaced by when the CPU worker actually finishes (see
-[CPU Adam timeline] in ``evaluate``).
+[CPU Adam timeline] in ``evaluate``). That is the plan's ``during_backward``
+schedule; ``after_backward`` (clipping, fp16) starts every CPU step after backward:
+``T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)`` (from when the last
+gradients land, if that is later than the end of backward).
 Per segment ``s`` of forward (``<pre>``, blocks, ``<post>``):
 ``t_fwd(s) = max(comp_fwd(s), up(s+1), swap_out(s))`` — the schedule prefetches the
 next segment's chunks while ``s`` computes (one-segment pipeline), uploads go
@@ -37,7 +40,11 @@ activations of the checkpointed block being run + (GPU) the segment's transient
 peak, all × ``alpha`` (fragmentation) on GPU. Activations held after forward
 segment ``s``: ``saved_bytes`` for keep blocks and the non-block segments,
 ``input_bytes`` for checkpointed blocks, nothing for swapped ones, which come back
-(``saved_tensor_bytes``) one segment ahead of their backward.
+(``saved_tensor_bytes``) one segment ahead of their backward. On a GPU a swapped
+block's activations leave the device only when their D2H copy completes; the copy
+overlaps the next segment, so they are charged (``saved_bytes``, what keeping them
+would hold) during their own forward segment and the next one (``swap_out`` in
+``MemoryTerms``). On a ``cpu`` device the copies are synchronous: nothing in flight.
 """
 
 from __future__ import annotations
@@ -117,6 +124,7 @@ class Terms:
     dev_adam_us_per_param: float
     world_size: int = 1
     allreduce_us_per_chunk: float = 0.0  # a persistent chunk's gradient all-reduce (replicated)
+    cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
 
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
@@ -135,8 +143,11 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
     return float(spec.allgather_bytes_per_s) or link_bandwidth(spec, size_bytes, "h2d")
 
 
-def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1) -> Terms:
-    """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank)."""
+def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
+               cpu_adam: str = "during_backward") -> Terms:
+    """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
+    for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``)."""
+    assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
     facts = facts_from_profile(profile)
     need, per_chunk = chunk_need(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
@@ -191,6 +202,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1) -> Terms
         swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
         cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
         dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s,
+        cpu_adam=cpu_adam,
     )
 
 
@@ -311,16 +323,27 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     # the end of its last backward segment plus its download. So the chunks offloaded
     # last (the first ones in execution order) add their step after backward — the
     # reason the paper keeps the first chunks persistent.
+    #
+    # With ``cpu_adam == "after_backward"`` (clipping, fp16: every gradient is needed
+    # before any update) the worker starts only when backward has ended and the last
+    # offloaded gradients have landed, then steps the chunks one after another while
+    # the main thread runs the device Adam: T_iter = T_fwd + T_bwd + max(T_gpu_optim,
+    # T_cpu_optim), with T_bwd stretched to the last landing when that comes later.
+    # Never faster than the overlapped schedule: each chunk's step starts no earlier.
     cpu_done = np.zeros(len(grid.swap))
+    landed = np.zeros(len(grid.swap))  # when the last offloaded gradients reach the host
     for s in range(len(t.comp_fwd) - 1, -1, -1):
         for c in np.nonzero(t.offload_at[s] * off)[0]:
             ready = end_b[:, s] + t.t_down
+            landed = np.maximum(landed, ready)
             cpu_done = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+    if t.cpu_adam == "after_backward":
+        cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
     # -- peak memory, paper Eqs. 8-11 walked per step in the ledger's terms
     m = memory_terms(t, off, n_buffer, grid)
-    fwd_steps = m.held + m.fwd_transient
+    fwd_steps = m.held + m.swap_out + m.fwd_transient
     bwd_steps = m.held + m.swapped_in + m.grads
     if t.gpu:
         bwd_steps = bwd_steps + m.recompute + m.bwd_transient
@@ -359,6 +382,7 @@ class MemoryTerms:
     states: float  # persistent chunks' parameters, gradients, masters and moments
     resident: float  # device buffers of the offloaded chunks
     held: np.ndarray  # (G, S) activations held after forward segment s / until its backward
+    swap_out: np.ndarray  # (G, S) swapped activations still on the device at forward s (GPU only)
     swapped_in: np.ndarray  # (G, S) swapped activations back on the device at backward s
     grads: np.ndarray  # (S,) offloaded chunks' gradient buffers alive at backward s
     recompute: np.ndarray  # (G, S) a checkpointed block's recomputed activations (GPU only)
@@ -372,10 +396,23 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     n_off = int(off.sum())
     held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
     back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
+    # [Swap-out in flight] A swapped block's saved tensors stay on the device until their
+    # D2H copy completes (the copy engine holds them for it). The copies start as block
+    # s's forward saves them; the last ones are saved as the block ends, so they run on
+    # into segment s+1's compute. They count during segments s and s+1, at what keeping
+    # them would hold (``saved_bytes``, the ledger's rule: the block's own storages), and
+    # are assumed gone after s+1 (the time model gives each swap-out at least its own
+    # segment, and the search spaces swapped blocks by the swap interval, so the D2H
+    # lane is free again by then). On a cpu device the copy is synchronous: a swapped
+    # block's activations are gone when its segment ends, never held.
+    out_each = grid.swap * t.saved if t.gpu else np.zeros_like(held_each)  # (G, S)
+    swap_out = out_each.copy()
+    swap_out[:, 1:] += out_each[:, :-1]
     return MemoryTerms(
         states=(t.n_chunks - n_off) * t.chunk_numel * t.state_bytes_per_elem,
         resident=min(n_buffer, n_off) * t.chunk_bytes,
         held=np.cumsum(held_each, axis=1),
+        swap_out=swap_out,
         # At backward segment s: block s's own activations (swapped in one step earlier) and
         # block s-1's, whose swap-in the schedule issues as segment s begins.
         swapped_in=back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1),

@@ -32,6 +32,8 @@ class MemoryStep:
     """Device buffers of the offloaded chunks."""
     activations: float
     """Activations held (keep: saved, checkpoint: input, swap: nothing) up to this step."""
+    swapping_out: float
+    """Swapped blocks' activations still on the device while their D2H copy runs (forward, GPU only)."""
     swapped_in: float
     """Swapped blocks' activations back on the device (backward)."""
     grads: float
@@ -46,7 +48,9 @@ class MemoryStep:
     @property
     def total_bytes(self) -> float:
         # Summed in cost.evaluate's order, so the float is the same to the last bit.
-        walk = self.activations + self.swapped_in + self.grads + self.recompute + self.transient
+        # A forward step has no swapped_in/grads/recompute and a backward step no
+        # swapping_out: the zeros they add leave the sum bit-identical.
+        walk = self.activations + self.swapping_out + self.swapped_in + self.grads + self.recompute + self.transient
         return (self.states + self.buffers + walk) * self.alpha
 
 
@@ -66,16 +70,16 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
     off[list(plan.placement.offloaded)] = 1
     m = memory_terms(t, off, plan.placement.n_buffer, _policy_masks(plan))
     states, resident, alpha = m.states, m.resident, m.alpha
-    held, swapped_in, grads = m.held[0], m.swapped_in[0], m.grads
+    held, swap_out, swapped_in, grads = m.held[0], m.swap_out[0], m.swapped_in[0], m.grads
     segs = P.segments(plan)
     out = []
     for s, seg in enumerate(segs):
-        out.append(MemoryStep(f"forward {seg}", states, resident, float(held[s]), 0.0, 0.0, 0.0,
-                              float(t.fwd_peak[s]) if t.gpu else 0.0, alpha))
+        out.append(MemoryStep(f"forward {seg}", states, resident, float(held[s]), float(swap_out[s]),
+                              0.0, 0.0, 0.0, float(t.fwd_peak[s]) if t.gpu else 0.0, alpha))
     for s in range(len(segs) - 1, -1, -1):
         recompute = float(m.recompute[0, s])
         transient = float(t.bwd_peak[s]) if t.gpu else 0.0
-        out.append(MemoryStep(f"backward {segs[s]}", states, resident, float(held[s]),
+        out.append(MemoryStep(f"backward {segs[s]}", states, resident, float(held[s]), 0.0,
                               float(swapped_in[s]), float(grads[s]), recompute, transient, alpha))
     return out
 
@@ -107,6 +111,7 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
         ("persistent chunk states", [m.states * a for m in walk], "#4c72b0"),
         ("offloaded chunk buffers", [m.buffers * a for m in walk], "#64b5cd"),
         ("activations held", [m.activations * a for m in walk], "#55a868"),
+        ("activations swapping out", [m.swapping_out * a for m in walk], "#a6d96a"),
         ("swapped-in activations", [m.swapped_in * a for m in walk], "#8fd175"),
         ("offloaded gradient buffers", [m.grads * a for m in walk], "#dd8452"),
         ("recomputed activations", [m.recompute * a for m in walk], "#937860"),

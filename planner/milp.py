@@ -351,20 +351,38 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         - Expr.dot(off, (params * t.dev_adam_us_per_param + t.allreduce_us_per_chunk) * MS)
     # [CPU Adam timeline] one worker, chunks in offload order (cost.evaluate's loop).
     events = [(s, c) for s in range(S - 1, -1, -1) for c in np.nonzero(t.offload_at[s])[0]]
-    # [Variable] D[k] ≥ 0: when the CPU worker finishes the k-th chunk in offload order
-    D = m.var("D", len(events))
-    for k, (s, c) in enumerate(events):
-        w = params[c] * t.cpu_adam_us_per_param * MS
-        prev = m.one(D[k - 1]) if k else Expr()
-        # [Constraint] D[k] ≥ D[k-1] + step(c)·off[c]  (the worker is busy until then)
-        m.ge(m.one(D[k]) - prev - m.one(off[c], w), 0, f"CPU Adam after the previous, chunk {c}")
-        # [Constraint] D[k] ≥ E[s] + (t_down + step(c))·off[c]  (gradients must have landed)
-        m.ge(m.one(D[k]) - ends[s] - m.one(off[c], t_down + w), 0, f"CPU Adam after its offload, chunk {c}")
     # [Variable] Z ≥ max(T_bwd + T_gpu_optim, CPU worker done)
     Z = int(m.var("Z")[0])
     m.ge(m.one(Z) - t_bwd - t_gpu, 0, "Z ≥ T_bwd + T_gpu_optim")
-    if events:
-        m.ge(m.one(Z) - m.one(D[-1]), 0, "Z ≥ CPU Adam done")
+    if t.cpu_adam == "after_backward":
+        # Every CPU step waits for the end of backward and the last gradients' landing,
+        # then the worker runs them back to back (cost.evaluate: max(T_bwd, landed) + T_cpu).
+        # [Variable] L ≥ 0: when the CPU worker may start (a max, tight at the optimum)
+        L = int(m.var("L")[0])
+        # [Constraint] L ≥ E[0]  (backward has ended)
+        m.ge(m.one(L) - ends[0], 0, "CPU Adam starts after backward")
+        for s, c in events:
+            # [Constraint] L ≥ E[s] + t_down·off[c]  (chunk c's gradients have landed; for a
+            #              persistent chunk it reads L ≥ E[s], dominated by L ≥ E[0])
+            m.ge(m.one(L) - ends[s] - m.one(off[c], t_down), 0, f"CPU Adam after the landing of chunk {c}")
+        t_cpu = Expr.dot(off, params * t.cpu_adam_us_per_param * MS)
+        if events:
+            # [Constraint] Z ≥ L + T_cpu_optim·[anything offloaded]: the worker's run.
+            # With nothing offloaded T_cpu_optim = 0 and L may sit at E[0] = T_bwd ≤ Z,
+            # so the row costs nothing and needs no indicator.
+            m.ge(m.one(Z) - m.one(L) - t_cpu, 0, "Z ≥ CPU Adam done")
+    else:
+        # [Variable] D[k] ≥ 0: when the CPU worker finishes the k-th chunk in offload order
+        D = m.var("D", len(events))
+        for k, (s, c) in enumerate(events):
+            w = params[c] * t.cpu_adam_us_per_param * MS
+            prev = m.one(D[k - 1]) if k else Expr()
+            # [Constraint] D[k] ≥ D[k-1] + step(c)·off[c]  (the worker is busy until then)
+            m.ge(m.one(D[k]) - prev - m.one(off[c], w), 0, f"CPU Adam after the previous, chunk {c}")
+            # [Constraint] D[k] ≥ E[s] + (t_down + step(c))·off[c]  (gradients must have landed)
+            m.ge(m.one(D[k]) - ends[s] - m.one(off[c], t_down + w), 0, f"CPU Adam after its offload, chunk {c}")
+        if events:
+            m.ge(m.one(Z) - m.one(D[-1]), 0, "Z ≥ CPU Adam done")
     objective = t_fwd + m.one(Z)  # T_iter = T_fwd + Z
 
     # -- peak memory (fraction of the budget), paper Eqs. 8-11 per step (cost.memory_terms)
@@ -385,6 +403,10 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     alpha = ALPHA_GPU if t.gpu else 1.0
     for s in range(S):
         fwd = base + (float(t.fwd_peak[s]) if t.gpu else 0.0)
+        if t.gpu:
+            # swapped activations still in flight to the host: block s's and block s-1's
+            # (cost.memory_terms [Swap-out in flight])
+            fwd = fwd + seg_swap(s, float(t.saved[s])) + seg_swap(s - 1, float(t.saved[s - 1]))
         # [Constraint] peak at forward step s ≤ budget
         m.le(fwd * a + m.one(Hv[s], alpha), 1.0, f"peak at forward {s} ≤ budget")
         back = (base + seg_swap(s, float(t.saved_tensor[s])) + seg_swap(s - 1, float(t.saved_tensor[s - 1]))
@@ -604,7 +626,7 @@ def explain_departures(profile, plan) -> list[Departure]:
     runners = plan.provenance.search.runners_up
     if is_four_count(plan) or not runners:
         return []
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size)
+    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam)
     chosen = to_choice(t, plan.placement.persistent, plan.placement.n_buffer, [a.policy for a in plan.activations])
     b = runners[0]
     baseline = Choice(b.n_persist, b.n_buffer, b.n_swap, b.n_checkpoint, float(b.iter_time_us),

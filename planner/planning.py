@@ -8,6 +8,7 @@ each stage is its own module: ``cost`` (models), ``search`` (choice), ``emit``
 from __future__ import annotations
 
 import hashlib
+import math
 
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, HostMemoryError
@@ -21,7 +22,7 @@ from .cost import (
     predict,
     predict_plan,
 )
-from .emit import assemble
+from .emit import assemble, cpu_adam_schedule
 from .profile import Profile, dump_profile
 from .report import human_bytes
 from .search import DEFAULT_SOLVER, SOLVERS, SearchResult
@@ -62,10 +63,13 @@ def profile_digest(profile: Profile) -> str:
 
 def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLVER,
               grad_accum: int = 1, world_size: int = 1,
-              host_budget_bytes: int | None = None) -> tuple[P.Plan, SearchResult]:
+              host_budget_bytes: int | None = None,
+              max_grad_norm: float | None = None) -> tuple[P.Plan, SearchResult]:
     """The fastest plan that fits ``budget_bytes`` of device memory and ``host_budget_bytes``
     of host memory per rank (default: ``default_host_budget`` of the profile's hardware)
     per the cost model, and the search behind it. ``solver``: a key of ``search.SOLVERS``.
+    ``max_grad_norm``: the training will clip gradients, so the plan's CPU AdamW steps
+    run after backward (``emit.cpu_adam_schedule``) and are predicted that way.
 
     Raises ``BudgetError`` naming the smallest budget that would fit and the largest
     micro-batch that would fit this budget (activations scale with the batch), or, when
@@ -75,10 +79,14 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
 
     if solver not in SOLVERS:
         raise ConfigError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ConfigError(f"--max-grad-norm must be a positive number, got {max_grad_norm}",
+                          "pass the global gradient norm to clip to, e.g. --max-grad-norm 1.0")
+    cpu_adam = cpu_adam_schedule(profile.training.compute_dtype, max_grad_norm)
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, _ = choose_chunk_numel(facts)
-    terms = make_terms(profile, chunk_numel, world_size)
+    terms = make_terms(profile, chunk_numel, world_size, cpu_adam)
     result = SOLVERS[solver](terms, budget_bytes, host_budget)
     best = result.best
     if best is None and result.min_host_bytes < float("inf"):
@@ -106,11 +114,11 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
                           world_size=world_size, grad_accum=grad_accum)
     plan = assemble(
         facts, training=training, chunk_numel=chunk_numel,
-        persistent=persistent, n_buffer=best.n_buffer, policies=policies,
+        persistent=persistent, n_buffer=best.n_buffer, policies=policies, cpu_adam=cpu_adam,
         request=P.Request(model=profile.model.name, hardware=spec.name, budget_bytes=budget_bytes,
                           micro_batch=training.micro_batch, seq_len=training.seq_len,
                           compute_dtype=training.compute_dtype, world_size=world_size,
-                          grad_accum=grad_accum),
+                          grad_accum=grad_accum, max_grad_norm=max_grad_norm),
         hardware=P.Hardware(name=spec.name, device_memory_bytes=spec.device_memory_bytes,
                             budget_bytes=budget_bytes,
                             h2d_bytes_per_s=spec.link[-1].h2d_bytes_per_s,

@@ -145,7 +145,7 @@ def _terms_for(profile: Profile, plan: P.Plan):
             "(model fingerprints differ)",
             "pass the profile the plan was made from (`protrain plan --profile FILE`)",
         )
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size)
+    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam)
     if t.n_chunks != len(plan.chunks.items):
         raise ConfigError(
             f"the profile lays {profile.model.name} out in {t.n_chunks} chunks of "
@@ -229,6 +229,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     coll_us = t.allreduce_us_per_chunk / 2
     up_us, down_us = t.t_up - coll_us, t.t_down - coll_us
     lanes = _Lanes(sync=not t.gpu)
+    after_backward = plan.schedule.cpu_adam == "after_backward"  # CPU steps wait for the end of backward
     events: list[dict] = []
 
     ready: dict[int, float] = {}  # resident offloaded chunk → when its upload lands
@@ -308,7 +309,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
                              segment=step.segment, phase="backward", micro_batch=micro))
             for c in step.offload:
                 grads_down[c] = offload(c, ce)
-                if last_micro and c in offloaded:
+                if last_micro and c in offloaded and not after_backward:
                     n = int(t.chunk_params[c])
                     a0, a1 = lanes.run("CPU Adam", grads_down[c], n * t.cpu_adam_us_per_param)
                     events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam",
@@ -318,8 +319,16 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             now = ce if t.gpu else lanes.free["compute"]
         events.append(_x("backward", "iteration", bwd_start, now - bwd_start, pid, "phase", micro_batch=micro))
 
-    # -- optimizer: persistent chunks' all-reduce (replicated under ZeRO-3), device Adam
+    # -- optimizer: persistent chunks' all-reduce (replicated under ZeRO-3), device Adam;
+    # with cpu_adam "after_backward" the CPU steps too, once the last gradients landed
     opt_start = now
+    if after_backward:
+        start = max([now, *(grads_down[c] for c in offloaded if c in grads_down)])
+        for step in plan.schedule.backward:
+            for c in step.offload:
+                n = int(t.chunk_params[c])
+                a0, a1 = lanes.run("CPU Adam", start, n * t.cpu_adam_us_per_param)
+                events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam", chunk=c, params=n))
     n_persist = len(plan.placement.persistent)
     if W > 1 and n_persist:
         s, now = lanes.run("collectives", now, n_persist * t.allreduce_us_per_chunk)

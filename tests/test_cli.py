@@ -24,8 +24,8 @@ FROZEN_OPTIONS = {
     "hardware probe": ["--device", "--help", "--output", "--quick"],
     "models": ["--help"],
     "plan": ["--batch", "--blocks", "--budget", "--device", "--dtype", "--grad-accum",
-             "--hardware", "--help", "--hf-config", "--host-memory", "--model", "--output", "--profile",
-             "--seq", "--solver", "--world-size"],
+             "--hardware", "--help", "--hf-config", "--host-memory", "--max-grad-norm", "--model", "--output",
+             "--profile", "--seq", "--solver", "--world-size"],
     "profile": ["--analytic", "--batch", "--blocks", "--device", "--dtype", "--hardware", "--help",
                "--hf-config", "--iterations", "--model", "--output", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
@@ -156,6 +156,34 @@ def test_plan_explain_and_train_from_a_profile(tiny_profile, tmp_path):
     r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "3"])
     assert r.exit_code == 0, r.output
     assert "trained 3 steps" in r.output
+
+
+def test_plan_with_clipping_runs_cpu_adam_after_backward(tiny_profile, tmp_path):
+    from protrain.executor import plan as P
+
+    base, clip = tmp_path / "base.json", tmp_path / "clip.json"
+    args = ["plan", "--profile", str(tiny_profile), "--budget", "2MiB"]
+    assert CliRunner().invoke(main, [*args, "-o", str(base)]).exit_code == 0
+    r = CliRunner().invoke(main, [*args, "--max-grad-norm", "1.0", "-o", str(clip)])
+    assert r.exit_code == 0, r.output
+    assert "cpu adam      after backward (clipping to 1 requested)" in r.output  # the `show` it prints
+    a, b = P.load(base), P.load(clip)
+    assert a.schedule.cpu_adam == "during_backward" and a.request.max_grad_norm is None
+    assert b.schedule.cpu_adam == "after_backward" and b.request.max_grad_norm == 1.0
+    assert b.prediction.iter_time_us >= a.prediction.iter_time_us
+    r = CliRunner().invoke(main, ["explain", str(clip)])
+    assert r.exit_code == 0 and "T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)" in r.output
+    r = CliRunner().invoke(main, ["diff", str(base), str(clip)])
+    assert r.exit_code == 1 and "cpu_adam" in r.output and "during_backward → after_backward" in r.output
+
+
+@pytest.mark.parametrize("value,code,words", [("0", 2, "x>0"), ("-1", 2, "x>0"), ("nan", 1, "positive number"),
+                                              ("inf", 1, "positive number")])
+def test_plan_refuses_a_bad_max_grad_norm(tiny_profile, tmp_path, value, code, words):
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--max-grad-norm", value,
+                                  "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == code and words in r.output, r.output
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("budget", ["lots", "-3GiB", "20 GiBs", "0"])

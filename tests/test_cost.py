@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from harness import make_model
 from hypothesis import HealthCheck, given, settings
@@ -135,3 +136,144 @@ def test_any_placement_evaluates_the_paper_space_bit_for_bit(facts, seed):
     # A swapped block's saved tensors are host bytes at the forward→backward turn; nothing else is.
     swapped = policy_grid(t.n_blocks, pairs).swap
     assert np.allclose(by_count[2]["host_swap_bytes"], swapped @ t.saved_tensor)
+
+
+# ------------------------------------------------------------- CPU Adam after backward
+
+
+def _fixed_facts(n_blocks: int = 4):
+    """A small decoder-like model: embedding, ``n_blocks`` blocks of a 32×32 weight and a
+    bias, a final norm and an untied head; enough chunks for a persistent/offloaded split."""
+    from protrain.planner.emit import ModelFacts
+
+    blocks = [f"layers.{i}" for i in range(n_blocks)]
+    params = [("embed.weight", (64, 32), "float32")]
+    uses = {P.PRE: ["embed.weight"]}
+    for b in blocks:
+        params += [(f"{b}.w", (32, 32), "float32"), (f"{b}.b", (32,), "float32")]
+        uses[b] = [f"{b}.w", f"{b}.b"]
+    params += [("norm.weight", (32,), "float32"), ("head.weight", (64, 32), "float32")]
+    uses[P.POST] = ["norm.weight", "head.weight"]
+    order = [n for s in [P.PRE, *blocks, P.POST] for n in uses[s]]
+    return ModelFacts(name="fixed", blocks=blocks, params=params, tied=[], segments=[P.PRE, *blocks, P.POST],
+                      order=order, uses=uses)
+
+
+@pytest.mark.parametrize("cpu_adam_rate", [1e6, 1e12])  # CPU Adam the bottleneck, or nearly free
+def test_after_backward_prediction_is_the_formula(cpu_adam_rate):
+    # A link so fast that every offloaded chunk's gradients land before backward ends, so
+    # the after-backward schedule is exactly T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim).
+    facts = _fixed_facts()
+    prof = synthetic_profile(facts, gpu_spec(link_gbps=1e4, cpu_adam=cpu_adam_rate), block_us=100, act_bytes=10**6)
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    during = make_terms(prof, size)
+    after = make_terms(prof, size, cpu_adam="after_backward")
+    assert after.n_chunks >= 3
+    from protrain.planner.cost import predict
+
+    nb = min_buffers(during, 1)
+    d, a = predict(during, 1, nb, 1, 1), predict(after, 1, nb, 1, 1)
+    b = a.breakdown
+    formula = b["t_fwd_us"] + b["t_bwd_us"] + max(b["t_gpu_optim_us"], b["t_cpu_optim_us"])
+    assert b["t_cpu_optim_us"] > 0 and a.time_us == pytest.approx(formula, rel=1e-12)
+    # Forward, backward and memory are the same schedule; only the optimizer moves.
+    for k in ("t_fwd_us", "t_bwd_us", "t_cpu_optim_us", "t_gpu_optim_us", "activation_walk_bytes"):
+        assert b[k] == d.breakdown[k], k
+    assert a.peak_bytes == d.peak_bytes
+    if cpu_adam_rate == 1e6:  # overlapped with backward, the CPU steps hide part of their time
+        assert a.time_us > d.time_us + 0.5 * b["t_bwd_us"]
+    else:
+        assert a.time_us >= d.time_us
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_facts(), st.integers(0, 2**31))
+def test_after_backward_is_never_faster_than_during(facts, seed):
+    # Each chunk's CPU step starts no earlier after backward than during it, on any
+    # configuration of the space, any link and Adam rate (the last gradients may land
+    # after backward ends: then the steps start from the landing).
+    import numpy as np
+
+    from protrain.planner.cost import evaluate, policy_grid
+
+    rng = random.Random(seed)
+    spec = gpu_spec(link_gbps=rng.choice([0.5, 24.0]), cpu_adam=rng.choice([2e6, 1e9]))
+    if rng.random() < 0.3:
+        spec = msgspec.structs.replace(spec, kind="cpu")
+    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
+                             rng=rng)
+    size = choose_chunk_numel(facts_from_profile(prof))[0]
+    during, after = make_terms(prof, size), make_terms(prof, size, cpu_adam="after_backward")
+    grid = policy_grid(during.n_blocks, policy_pairs(during))
+    for n_persist, n_buffer in space(during):
+        td, pd, parts_d = evaluate(during, n_persist, n_buffer, grid)
+        ta, pa, parts_a = evaluate(after, n_persist, n_buffer, grid)
+        assert np.all(ta >= td) and np.array_equal(pa, pd)
+        # ... and it is the formula, from when backward ended or the last gradients landed.
+        start = parts_a["t_cpu_optim_done_us"] - parts_a["t_cpu_optim_us"]
+        if parts_a["t_cpu_optim_us"][0] > 0:
+            assert np.all(start >= parts_a["t_bwd_us"] - 1e-6)
+        assert np.allclose(ta, parts_a["t_fwd_us"] + np.maximum(parts_a["t_bwd_us"] + parts_a["t_gpu_optim_us"],
+                                                                parts_a["t_cpu_optim_done_us"]))
+
+
+# ------------------------------------------------------------- swap-out in flight
+
+
+def _peaky_profile(kind: str):
+    """``_fixed_facts``'s profile with a large forward transient in block 1 only, so the
+    forward step of block 1 is the walk's peak (on a GPU)."""
+    facts = _fixed_facts()
+    spec = gpu_spec()
+    if kind == "cpu":
+        spec = msgspec.structs.replace(spec, kind="cpu")
+    prof = synthetic_profile(facts, spec, block_us=100, act_bytes=10**6)
+    segs = [msgspec.structs.replace(s, bwd_peak_bytes=0,
+                                    fwd_peak_bytes=10**8 if s.segment == facts.blocks[1] else 0)
+            for s in prof.segments]
+    return facts, msgspec.structs.replace(prof, segments=segs)
+
+
+def test_swap_out_in_flight_is_charged_on_a_gpu():
+    # Block 0 is swapped: on a GPU its saved tensors stay on the device until their D2H
+    # copy completes, which overlaps block 1's forward. The walk's peak (forward of block
+    # 1) must count them; without the charge it would be short by block 0's saved bytes.
+    from protrain.planner.cost import ALPHA_GPU, predict_plan
+
+    facts, prof = _peaky_profile("gpu")
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    t = make_terms(prof, size)
+    policies = ["swap", "keep", "keep", "keep"]
+    pred = predict_plan(t, list(range(t.n_chunks)), 0, policies)  # all persistent: no buffers, no grads
+    seg = {s.segment: s for s in prof.segments}
+    states = t.n_chunks * t.chunk_numel * t.state_bytes_per_elem
+    expected = (states
+                + seg[P.PRE].saved_bytes  # kept
+                + seg["layers.0"].saved_bytes  # swapped, still on its way to the host
+                + seg["layers.1"].saved_bytes  # kept
+                + seg["layers.1"].fwd_peak_bytes) * ALPHA_GPU  # block 1's transient
+    assert pred.peak_bytes == pytest.approx(expected, rel=1e-12)
+    # Keeping block 0 instead holds the same bytes at that step (and for longer).
+    kept = predict_plan(t, list(range(t.n_chunks)), 0, ["keep"] * 4)
+    assert kept.peak_bytes == pytest.approx(expected, rel=1e-12)
+
+
+def test_swap_out_in_flight_terms():
+    # Charged during the swapped block's own forward segment and the next one, on a GPU
+    # only; never in backward (memory_plot's walk shows it as its own term).
+    import numpy as np
+
+    from protrain.planner.cost import memory_terms, strips_grid
+
+    for kind in ("gpu", "cpu"):
+        facts, prof = _peaky_profile(kind)
+        size, _ = choose_chunk_numel(facts_from_profile(prof))
+        t = make_terms(prof, size)
+        off = np.zeros(t.n_chunks, dtype=np.int64)
+        m = memory_terms(t, off, 0, strips_grid([["swap", "keep", "swap", "swap"]]))
+        saved = [s.saved_bytes for s in prof.segments]  # <pre>, layers.0-3, <post>
+        if kind == "gpu":
+            want = [0, saved[1], saved[1], saved[3], saved[3] + saved[4], saved[4]]
+        else:
+            want = [0] * 6  # synchronous copies: gone when the segment ends
+        assert m.swap_out[0].tolist() == want, kind

@@ -36,9 +36,10 @@ from protrain.planner.search import SOLVERS, exhaustive, policy_pairs, space
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("keep", "swap", "checkpoint")
+CPU_ADAM = ("during_backward", "after_backward")  # Schedule.cpu_adam: the program models both
 
 
-def _terms(facts, seed: int, gpu: bool, world_size: int = 1):
+def _terms(facts, seed: int, gpu: bool, world_size: int = 1, cpu_adam: str = "during_backward"):
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]), cpu_adam=rng.choice([2e8, 1e9]))
     if not gpu:
@@ -46,7 +47,7 @@ def _terms(facts, seed: int, gpu: bool, world_size: int = 1):
     prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
                              rng=rng)
     size, _ = choose_chunk_numel(facts_from_profile(prof))
-    return make_terms(prof, size, world_size), rng
+    return make_terms(prof, size, world_size, cpu_adam), rng
 
 
 def _budget(t, where: float) -> float:
@@ -59,12 +60,12 @@ def _fix(m: M.Program, idx, value: float) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.booleans(), st.sampled_from([1, 2]))
-def test_program_is_the_cost_model_on_any_configuration(facts, seed, gpu, world_size):
+@given(random_facts(), st.integers(0, 2**31), st.booleans(), st.sampled_from([1, 2]), st.sampled_from(CPU_ADAM))
+def test_program_is_the_cost_model_on_any_configuration(facts, seed, gpu, world_size, cpu_adam):
     # Fix every decision of the program to a random configuration (any persistent set,
     # any strip, any workable buffer count): its optimum is then the cost model's time,
     # and it is feasible exactly when the cost model says the configuration fits.
-    t, rng = _terms(facts, seed, gpu, world_size)
+    t, rng = _terms(facts, seed, gpu, world_size, cpu_adam)
     persistent = sorted(rng.sample(range(t.n_chunks), rng.randint(0, t.n_chunks)))
     n_off = t.n_chunks - len(persistent)
     least = min_buffers(t, persistent)
@@ -91,9 +92,9 @@ def test_program_is_the_cost_model_on_any_configuration(facts, seed, gpu, world_
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans())
-def test_paper_space_program_finds_the_exhaustive_optimum(facts, seed, where, gpu):
-    t, _ = _terms(facts, seed, gpu)
+@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(), st.sampled_from(CPU_ADAM))
+def test_paper_space_program_finds_the_exhaustive_optimum(facts, seed, where, gpu, cpu_adam):
+    t, _ = _terms(facts, seed, gpu, cpu_adam=cpu_adam)
     budget = _budget(t, where)
     best = exhaustive(t, budget).best
     solved = M.solve_program(t, budget, paper_space=True, rel_gap=0.0, time_limit_s=60)
@@ -108,9 +109,10 @@ def test_paper_space_program_finds_the_exhaustive_optimum(facts, seed, where, gp
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(), st.floats(0.3, 1.5))
-def test_free_program_is_never_worse(facts, seed, where, gpu, host_share):
-    t, _ = _terms(facts, seed, gpu)
+@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(), st.floats(0.3, 1.5),
+       st.sampled_from(CPU_ADAM))
+def test_free_program_is_never_worse(facts, seed, where, gpu, host_share, cpu_adam):
+    t, _ = _terms(facts, seed, gpu, cpu_adam=cpu_adam)
     budget = _budget(t, where)
     # A host budget that binds sometimes: a share of the all-offloaded host need.
     host_budget = host_share * M.host_bytes_per_chunk(t) * t.n_chunks

@@ -49,14 +49,16 @@ def profiles():
     return out
 
 
-def plans_between(profile, world_size: int, fractions=(0.0, 0.1, 0.3, 0.6, 0.9)):
+def plans_between(profile, world_size: int, fractions=(0.0, 0.1, 0.3, 0.6, 0.9), max_grad_norm=None):
     """Plans for budgets spread between the smallest and the all-persistent peak, so the
-    set covers everything-offloaded-and-checkpointed through mostly-persistent plans."""
+    set covers everything-offloaded-and-checkpointed through mostly-persistent plans
+    (with ``max_grad_norm``: plans whose CPU Adam steps run after backward)."""
     size, _ = choose_chunk_numel(facts_from_profile(profile))
     t = make_terms(profile, size, world_size)
     lo = predict(t, 0, max(1, min_buffers(t, 0)), 0, t.n_blocks).peak_bytes
     hi = predict(t, t.n_chunks, 0, 0, 0).peak_bytes
-    return [make_plan(profile, int(lo + f * (hi - lo)) + 1, world_size=world_size)[0] for f in fractions]
+    return [make_plan(profile, int(lo + f * (hi - lo)) + 1, world_size=world_size, max_grad_norm=max_grad_norm)[0]
+            for f in fractions]
 
 
 def x_events(doc, tid=None):
@@ -105,11 +107,18 @@ def test_validate_trace_names_the_bad_field():
 TOLERANCE = {"gpu": (0.90, 1.005), "cpu": (0.98, 1.005)}
 
 
-@pytest.mark.parametrize("hw,world_size", [("rtx3090", 1), ("rtx3090", 2), ("cpu", 1)])
-def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size):
+@pytest.mark.parametrize("hw,world_size,clip", [("rtx3090", 1, None), ("rtx3090", 2, None), ("cpu", 1, None),
+                                                 ("rtx3090", 1, 1.0), ("cpu", 1, 1.0)])
+def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size, clip):
     profile = profiles[hw]
     low, high = TOLERANCE[profile.hardware.kind]
-    for plan in plans_between(profile, world_size):
+    for plan in plans_between(profile, world_size, max_grad_norm=clip):
+        assert plan.schedule.cpu_adam == ("after_backward" if clip else "during_backward")
+        if clip and plan.placement.offloaded:
+            # Clipping needs every gradient first: no CPU step starts before backward ends.
+            doc = predicted_trace(profile, plan)
+            bwd = next(e for e in x_events(doc, TRACKS["iteration"]) if e["name"] == "backward")
+            assert min(e["ts"] for e in x_events(doc, TRACKS["CPU Adam"])) >= bwd["ts"] + bwd["dur"] - 1e-2  # µs rounding
         doc = predicted_trace(profile, plan)
         validate_trace(doc)
         # Tracks: named by metadata, collectives only with several ranks.
