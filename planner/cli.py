@@ -273,8 +273,15 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Checkpoint root (atomic step-N directories and a `latest` pointer).")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
               help="Continue from a checkpoint (any plan of this model); --steps counts the total.")
+@click.option("--eval-every", type=click.IntRange(1), default=None, metavar="K",
+              help="Every K steps print a held-out loss (eval mode, no grad), averaged over 4 fixed "
+                   "micro-batches from the last 5% of the corpus; with this option training draws only "
+                   "from the other 95%, so it never sees a held-out token.")
+@click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
+              help="Clip gradients to this global L2 norm; needs a plan made with "
+                   "`protrain plan --max-grad-norm X` (CPU AdamW after backward).")
 def train(plan_path, model_name, hf_config, blocks, data_path, steps, lr, seed, timeout_s, trace_path,
-          save_every, save_dir, resume):
+          save_every, save_dir, resume, eval_every, max_grad_norm):
     """Train a zoo model by replaying a plan (under torchrun for several ranks).
 
     Ctrl-C stops after the current step (checkpointing first with --save-every); a
@@ -284,7 +291,8 @@ def train(plan_path, model_name, hf_config, blocks, data_path, steps, lr, seed, 
 
     model_name = model_option(model_name, hf_config, blocks, required=True)
     run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
-        trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume)
+        trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
+        eval_every=eval_every, max_grad_norm=max_grad_norm)
 
 
 @main.command()

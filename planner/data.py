@@ -11,11 +11,18 @@ a run is reproducible from its seed alone, and every rank of a data-parallel run
 draws the same global batch and keeps its own slice of it. Both properties are
 what the lock-step parity tests rely on: a reference model and a planned model fed
 from two ``batches`` with one seed see the same tokens.
+
+Held-out data (``protrain train --eval-every``): ``split_heldout`` cuts a fixed tail
+of the corpus off (``HELDOUT_FRACTION`` of its tokens, at least one window), the
+training loop draws only from the rest, and ``heldout_batches`` reads the same
+evenly spaced windows of the tail at every evaluation, so successive held-out
+losses are comparable and no held-out token is ever trained on.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +185,58 @@ def _windows(
         window = tokens[mine[:, None] + offsets]  # (B, T+1)
         # contiguous: callers flatten targets with .view(-1), which a strided slice refuses.
         yield window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+HELDOUT_FRACTION = 0.05
+"""Share of a corpus's tokens (its tail) held out from training for ``--eval-every``."""
+
+HELDOUT_BATCHES = 4
+"""Micro-batches of held-out windows one evaluation averages over."""
+
+
+def split_heldout(source: TokenSource, seq_len: int,
+                  fraction: float = HELDOUT_FRACTION) -> tuple[TokenSource, TokenSource]:
+    """``(train, heldout)``: the corpus without its tail, and the tail.
+
+    The tail is ``fraction`` of the tokens, and at least one window (``seq_len + 1``
+    tokens) so it can be evaluated at all. A window drawn from ``train`` ends before
+    the tail starts, so training never sees a held-out token. Refuses a corpus too
+    short to leave a window on both sides.
+    """
+    n = source.tokens.numel()
+    k = max(math.ceil(n * fraction), seq_len + 1)
+    if n - k < seq_len + 1:
+        raise ConfigError(
+            f"corpus {source.name!r} has {n} tokens, too few to hold out {k} for evaluation and still "
+            f"train on windows of seq_len + 1 = {seq_len + 1}",
+            hint="use a longer corpus (--data FILE), or drop --eval-every",
+        )
+    train = TokenSource(name=f"{source.name}[:-{k}]", tokens=source.tokens[: n - k], vocab_size=source.vocab_size)
+    heldout = TokenSource(name=f"{source.name}[-{k}:]", tokens=source.tokens[n - k:], vocab_size=source.vocab_size)
+    return train, heldout
+
+
+def heldout_batches(source: TokenSource, micro_batch: int, seq_len: int, n_batches: int = HELDOUT_BATCHES,
+                    *, rank: int = 0, world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n_batches`` fixed (x, y) micro-batches of ``source``, each (micro_batch, seq_len) int64.
+
+    Window starts are evenly spaced over the source (no randomness: every evaluation
+    reads the same tokens). As in ``batches``, each batch is a global batch of
+    ``world_size * micro_batch`` windows and rank r keeps its slice, so the ranks'
+    mean loss is the single-rank loss of the whole set.
+    """
+    tokens = source.tokens
+    high = tokens.numel() - seq_len - 1  # the last valid start
+    if high < 0:
+        raise ConfigError(f"held-out corpus {source.name!r} has {tokens.numel()} tokens, too few for one "
+                          f"window of seq_len + 1 = {seq_len + 1}", hint="use a longer corpus (--data FILE)")
+    total = n_batches * world_size * micro_batch
+    starts = torch.linspace(0, high, total).round().to(torch.int64)  # (n*W*B,)
+    offsets = torch.arange(seq_len + 1)  # (T+1,)
+    out = []
+    for i in range(n_batches):
+        glob = starts[i * world_size * micro_batch: (i + 1) * world_size * micro_batch]  # (W*B,)
+        mine = glob[rank * micro_batch: (rank + 1) * micro_batch]  # (B,)
+        window = tokens[mine[:, None] + offsets]  # (B, T+1)
+        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))  # (B, T), (B, T)
+    return out

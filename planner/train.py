@@ -1,7 +1,10 @@
 """``protrain train``: replay a plan on a model for N steps, with a progress bar.
 
 The bar shows loss, tokens per second and the step's peak device memory against
-the plan's predicted peak, so a user sees at once whether the plan holds.
+the plan's predicted peak, so a user sees at once whether the plan holds. With
+``eval_every`` K, every K steps a held-out loss is printed: ``Engine.evaluate`` (an
+eval-mode, no-grad forward) averaged over ``data.HELDOUT_BATCHES`` fixed windows of
+the corpus's tail, which the training loop never draws from (``data.split_heldout``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from protrain.executor import plan as P
 from protrain.executor.check import check
 from protrain.executor.errors import ConfigError
 
-from .data import batches, load_tokens, vocab_check
+from .data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
 from .models import build, check_name
 from .report import human_bytes
 
@@ -50,8 +53,13 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
           seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
           trace_path: str | None = None, echo: Callable[[str], None] = print,
           progress: bool = True, save_every: int | None = None, save_dir: str | None = None,
-          resume: str | None = None) -> list[float]:
+          resume: str | None = None, eval_every: int | None = None,
+          max_grad_norm: float | None = None) -> list[float]:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
+
+    ``eval_every`` K: hold the corpus's tail out of training and print its loss every
+    K steps. ``max_grad_norm``: clip gradients to this global norm (the plan must have
+    been made for it, ``protrain plan --max-grad-norm``: the executor refuses otherwise).
 
     ``save_every`` K: checkpoint to ``save_dir`` every K steps and at the end.
     ``resume``: a checkpoint root (or step directory) to continue from, under this
@@ -69,7 +77,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       device=device or rank_device, rank=rank, world=world,
                       trace_path=trace_path if rank == 0 else None,
                       echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0,
-                      save_every=save_every, save_dir=save_dir, resume=resume)
+                      save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
+                      max_grad_norm=max_grad_norm)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -79,7 +88,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
 
 
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
-           progress, trace_path=None, save_every=None, save_dir=None, resume=None) -> list[float]:
+           progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
+           max_grad_norm=None) -> list[float]:
     check_name(model_name)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build(model_name, device="cpu", seed=seed)
@@ -87,23 +97,38 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     source = load_tokens(data_path)
     vocab_check(source, model.lm_head.weight.shape[0])
     t = plan.training
-    engine = wrap(model, plan, AdamWConfig(lr=lr), device=dev)
+    heldout = None
+    if eval_every is not None:
+        source, tail = split_heldout(source, t.seq_len)
+        heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
+    engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev)
     try:
         return _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
                      progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
-                     resume=resume)
+                     resume=resume, eval_every=eval_every, heldout=heldout)
     finally:
         engine.close()
 
 
+def heldout_loss(engine, heldout: list) -> float:
+    """Mean of ``engine.evaluate`` over the held-out micro-batches (every rank must call it)."""
+    return sum(engine.evaluate(b) for b in heldout) / len(heldout)
+
+
 def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, trace_path, save_every,
-          save_dir, resume) -> list[float]:
+          save_dir, resume, eval_every=None, heldout=None) -> list[float]:
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
+    # Where the held-out tail starts (tokens; 0: nothing held out): saved with the data
+    # position, because the training windows depend on it.
+    heldout_split = 0 if heldout is None else source.tokens.numel()
     if resume is not None:
         m = engine.load(resume)
         drawn = _skip_to(data, m.data, t, world, echo)
+        if m.data.get("heldout_split", 0) != heldout_split:
+            echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
+                 "and not the other): from here the training windows differ from the first run's")
         echo(f"resumed from {resume} at step {engine.steps_done}")
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
@@ -132,7 +157,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     stop = _StopFlag()
 
     def checkpoint() -> None:
-        path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world})
+        path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
+                                           "heldout_split": heldout_split})
         echo(f"saved {path}")
 
     first = engine.steps_done
@@ -150,6 +176,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                     echo(f"interrupted after step {engine.steps_done}"
                          + (f"; resume with --resume {save_dir}" if save_every is not None else ""))
                     break
+                if eval_every is not None and engine.steps_done % eval_every == 0:
+                    echo(f"step {engine.steps_done:5d}  held-out loss {heldout_loss(engine, heldout):.4f}")
                 tps = tokens_per_step / max(result.timings["total"], 1e-9)
                 status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
                           + (f" / predicted {human_bytes(predicted)}" if predicted else ""))

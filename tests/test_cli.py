@@ -30,8 +30,8 @@ FROZEN_OPTIONS = {
                "--hf-config", "--iterations", "--model", "--output", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--blocks", "--data", "--help", "--hf-config", "--lr", "--model", "--plan",
-             "--resume", "--save-dir", "--save-every", "--seed", "--steps", "--timeout", "--trace"],
+    "train": ["--blocks", "--data", "--eval-every", "--help", "--hf-config", "--lr", "--max-grad-norm", "--model",
+              "--plan", "--resume", "--save-dir", "--save-every", "--seed", "--steps", "--timeout", "--trace"],
     "validate": ["--help", "--model"],
 }
 
@@ -250,3 +250,76 @@ def test_explain_trace_and_train_trace(tiny_profile, tmp_path):
                                   "--trace", str(tmp_path / "m.json")])
     assert r.exit_code == 0, r.output
     validate_trace(json.loads((tmp_path / "m.json").read_text()))
+
+
+# ------------------------------------------------------------------ train: eval and clipping
+
+CLIP_PLAN = Path(__file__).resolve().parent / "fixtures" / "plans" / "v2" / "gpt2-tiny-clip.json"
+
+
+def test_train_eval_every_prints_held_out_losses():
+    r = CliRunner().invoke(main, ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--steps", "5",
+                                  "--eval-every", "2"])
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.output.splitlines() if "held-out loss" in x]
+    assert [x.split()[1] for x in lines] == ["2", "4"]  # every K steps, not at the end
+    assert all(0 < float(x.split()[-1]) < 10 for x in lines)
+    assert "trained 5 steps" in r.output
+
+
+def test_train_help_states_the_held_out_split():
+    from protrain.planner.data import HELDOUT_BATCHES, HELDOUT_FRACTION
+
+    r = CliRunner().invoke(main, ["train", "--help"])
+    text = " ".join(r.output.split())
+    assert f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of the corpus" in text
+    assert "never sees a held-out token" in text
+
+
+def test_eval_changes_only_what_training_reads(tmp_path):
+    # With --eval-every, training reads the corpus without its tail, and evaluating
+    # between steps changes nothing else: the losses equal a run without evaluation on
+    # that shortened corpus written to a file (byte-level tokens are the file's bytes).
+    import torch
+
+    from protrain.planner.data import load_tokens, split_heldout
+    from protrain.planner.train import train
+
+    head, _ = split_heldout(load_tokens(), 64)
+    path = tmp_path / "head.txt"
+    path.write_bytes(bytes(head.tokens.to(torch.uint8).tolist()))
+    quiet = dict(echo=lambda _: None, progress=False, device="cpu")
+    with_eval = train(str(EXAMPLE), "gpt2-tiny", steps=4, eval_every=1, **quiet)
+    plain = train(str(EXAMPLE), "gpt2-tiny", steps=4, data_path=str(path), **quiet)
+    assert with_eval == plain
+
+
+def test_train_max_grad_norm_reaches_the_optimizer(monkeypatch):
+    import protrain.planner.train as T
+
+    seen = []
+    real = T.wrap
+
+    def spy(model, plan, config, device=None):
+        seen.append((plan.schedule.cpu_adam, config.max_grad_norm))
+        return real(model, plan, config, device=device)
+
+    monkeypatch.setattr(T, "wrap", spy)
+    r = CliRunner().invoke(main, ["train", "--plan", str(CLIP_PLAN), "--model", "gpt2-tiny", "--steps", "2",
+                                  "--max-grad-norm", "0.5"])
+    assert r.exit_code == 0, r.output
+    assert seen == [("after_backward", 0.5)]
+    r = CliRunner().invoke(main, ["train", "--plan", str(CLIP_PLAN), "--model", "gpt2-tiny", "--steps", "1",
+                                  "--max-grad-norm", "0"])
+    assert r.exit_code == 2 and "x>0" in r.output
+
+
+def test_train_max_grad_norm_on_an_overlapping_plan_names_the_fix():
+    import protrain.executor.engine as E
+
+    if not hasattr(E, "_check_cpu_adam"):
+        pytest.skip("the engine does not check schedule.cpu_adam against clipping yet")
+    r = CliRunner().invoke(main, ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--steps", "1",
+                                  "--max-grad-norm", "1.0"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "protrain plan" in r.output and "--max-grad-norm" in r.output

@@ -150,3 +150,50 @@ def test_tokenizer_without_transformers_is_a_config_error(monkeypatch, tmp_path)
     with pytest.raises(ConfigError) as info:
         load_tokens(tokenizer=str(tmp_path))
     assert info.value.hint == 'pip install -e ".[hf]"'
+
+
+# ------------------------------------------------------------------ held-out split
+
+
+def _numbered(n: int) -> TokenSource:
+    """Token i at position i: a window's values say where it was cut from."""
+    return TokenSource(name="numbered", tokens=torch.arange(n), vocab_size=n)
+
+
+def test_split_heldout_is_a_fixed_tail_never_trained_on():
+    from protrain.planner.data import HELDOUT_FRACTION, split_heldout
+
+    src = _numbered(10_000)
+    train, tail = split_heldout(src, seq_len=16)
+    k = tail.tokens.numel()
+    assert k == 10_000 * HELDOUT_FRACTION and torch.equal(torch.cat([train.tokens, tail.tokens]), src.tokens)
+    split = train.tokens.numel()
+    for _, y in _take(batches(train, 8, 16, seed=0), 200):
+        assert int(y.max()) < split  # every window (inputs and targets) ends before the tail
+    # At least one window is held out, even from a short corpus.
+    train, tail = split_heldout(_numbered(100), seq_len=30)
+    assert tail.tokens.numel() == 31 and train.tokens.numel() == 69
+
+
+def test_split_heldout_refuses_a_corpus_too_short_for_both():
+    from protrain.planner.data import split_heldout
+
+    with pytest.raises(ConfigError, match="too few to hold out"):
+        split_heldout(_numbered(50), seq_len=30)
+
+
+def test_heldout_batches_are_fixed_and_sliced_by_rank():
+    from protrain.planner.data import heldout_batches
+
+    tail = _numbered(1000)
+    one = heldout_batches(tail, 4, 16, 3)
+    assert len(one) == 3 and all(x.shape == (4, 16) and y.shape == (4, 16) for x, y in one)
+    assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in one)
+    again = heldout_batches(tail, 4, 16, 3)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(one, again))  # no randomness
+    assert int(one[0][0][0, 0]) == 0 and int(one[-1][1][-1, -1]) == 999  # spread over the whole tail
+    # Two ranks of micro-batch 2 see the single-rank batch of 4, split in halves.
+    r0 = heldout_batches(tail, 2, 16, 3, rank=0, world_size=2)
+    r1 = heldout_batches(tail, 2, 16, 3, rank=1, world_size=2)
+    for (x, _), (a, _), (b, _) in zip(one, r0, r1):
+        assert torch.equal(torch.cat([a, b]), x)
