@@ -88,6 +88,19 @@ class Chunk:
         self.params: list[tuple[nn.Parameter, int, int]] = []
 
 
+def pool_slots(plan: Plan) -> int:
+    """Chunk-sized device buffers the plan holds at most at once: each persistent chunk's
+    values and gradients, ``n_buffer`` offloaded chunks' values, and the offloaded
+    gradient buffers open at once in backward (from a chunk's backward fetch to its
+    offload). What the chunk pool is sized for."""
+    open_grads, most = set(), 0
+    for step in plan.schedule.backward:
+        open_grads |= set(step.fetch)
+        most = max(most, len(open_grads))
+        open_grads -= set(step.offload)
+    return 2 * len(plan.placement.persistent) + plan.placement.n_buffer + most
+
+
 class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
@@ -113,6 +126,8 @@ class ChunkStore:
                      + HostArena.span(shard_numel, torch.float32))
         self.arena = HostArena(n_off * per_chunk, pin=copies.cuda)
         self.chunks: list[Chunk] = []
+        chunk_bytes = shard_numel * comm.world * self.element_bytes(self.dtype)
+        copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
         try:
             for spec in plan.chunks.items:
                 self.chunks.append(self._lay_out(spec, params, shard_numel, comm, spec.id in persistent))
@@ -135,8 +150,9 @@ class ChunkStore:
         master lives there); offloaded ones on the host, one shard at a time, so wrap
         never needs a whole offloaded model on the device.
         """
-        c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
-                  self.dtype, self.device)
+        with self.copies.pooled():  # values and gradients come from the chunk pool
+            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
+                      self.dtype, self.device)
         fp32 = self.dtype == torch.float32
         where = self.device if persistent else torch.device("cpu")
         image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)

@@ -16,8 +16,9 @@ random delay, in FIFO order, exactly where a CUDA stream would run them:
   is the host blocking, because on CPU the host is the compute stream;
 - freeing (``resize_(0)``) a storage that an unfinished copy reads or writes
   raises ``AsyncHazard`` at the free, unless the storage was *recorded* on the
-  copy's stream (``record_stream``), in which case the free waits for the copy, as
-  the caching allocator defers reuse of a recorded block;
+  copy's stream (``record_stream``), in which case the free is deferred to that
+  stream, after the copy, as the caching allocator defers reuse of a recorded
+  block (the host does not block: a host reader that skipped its wait still loses);
 - a download whose source tensor was dropped (refcount) before the copy ran, and
   was not recorded, fails the copy with ``AsyncHazard`` (the op holds only a weak
   reference to its source, as the allocator holds none).
@@ -47,7 +48,8 @@ import torch
 from .errors import ProtrainError
 
 ENV = "PROTRAIN_ASYNC_CPU"
-"""Debug switch: ``PROTRAIN_ASYNC_CPU=SEED`` turns the CPU copy engine asynchronous."""
+"""Debug switch: ``PROTRAIN_ASYNC_CPU=SEED`` (or ``SEED,MIN_MS,MAX_MS`` for the delay range)
+turns the CPU copy engine asynchronous."""
 
 _override: list[AsyncCPU | None] = []  # emulate() in tests; the environment otherwise
 
@@ -66,7 +68,8 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
     offset that flash/efficient SDPA save for backward: a D2H copy from such a tensor
     (or recording it on a copy stream, which has no CPU kernel) fails, as on CUDA.
     """
-    _host_marked[id(t)] = weakref.ref(t, lambda _r, k=id(t): _host_marked.pop(k, None))
+    key = id(t)
+    _host_marked[key] = weakref.ref(t, lambda _r: _host_marked.pop(key, None))
     return t
 
 
@@ -133,7 +136,7 @@ class EmulatedStream:
         while True:
             fn, ev, delay = self.queue.get()
             if delay:
-                time.sleep(self.emu.min_delay_s + self.rng.random() * (self.emu.max_delay_s - self.emu.min_delay_s))
+                time.sleep(self.emu.draw_delay(self.rng))
             try:
                 if inherited is None:
                     fn()
@@ -147,17 +150,31 @@ class EmulatedStream:
 class AsyncCPU:
     """The emulated device: two streams, the in-flight table and the recorded storages."""
 
-    def __init__(self, seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3):
+    def __init__(self, seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3,
+                 tail_p: float = 0.1, tail_s: float = 0.01):
         self.seed = seed
         self.min_delay_s = min_delay_s
         self.max_delay_s = max_delay_s
+        # A long tail: a copy now and then lands much later than its neighbours, so a
+        # host reader on another thread (the CPU Adam worker) that skipped its wait reads
+        # the poison even when thread scheduling would let a short copy win the race.
+        self.tail_p = tail_p
+        self.tail_s = tail_s
         self.errors: list[BaseException] = []  # every failure on a worker, for tests to assert on
         self.lock = threading.Lock()
         # storage data_ptr -> unfinished ops (their events) that read or write it.
         self.inflight: dict[int, list[EmulatedEvent]] = {}
-        # storage data_ptr -> (tensor kept alive, event): record_stream's deferred free.
-        self.recorded: dict[int, list[tuple[torch.Tensor, EmulatedEvent]]] = {}
+        # storage data_ptr -> (tensor kept alive, stream, event): record_stream's deferred free.
+        self.recorded: dict[int, list[tuple[torch.Tensor, EmulatedStream, EmulatedEvent]]] = {}
+        self.n_records = 0
+        # StorageImpl address -> the event after its deferred free (see ``free``).
+        self.deferred_frees: dict[int, EmulatedEvent] = {}
         self.n_streams = 0
+
+    def draw_delay(self, rng: random.Random) -> float:
+        if rng.random() < self.tail_p:
+            return self.tail_s
+        return self.min_delay_s + rng.random() * (self.max_delay_s - self.min_delay_s)
 
     def stream(self, name: str) -> EmulatedStream:
         self.n_streams += 1
@@ -205,33 +222,56 @@ class AsyncCPU:
                     self.inflight.pop(p, None)
 
     def record(self, t: torch.Tensor, stream: EmulatedStream) -> None:
-        """``t.record_stream(stream)``: a free of ``t`` waits for the stream's work so far."""
+        """``t.record_stream(stream)``: a free of ``t`` is deferred past the stream's work so far."""
         if _is_host(t):
             raise AsyncHazard("record_stream of a host tensor (no CPU kernel)",
                               "leave host tensors where they are")
         ev = stream.submit(lambda: None, delay=False)
         with self.lock:
-            self.recorded.setdefault(t.untyped_storage().data_ptr(), []).append((t, ev))
+            self.recorded.setdefault(t.untyped_storage().data_ptr(), []).append((t, stream, ev))
+            self.n_records += 1
+        if self.n_records % 256 == 0:
+            self.sweep()
 
-    def before_free(self, t: torch.Tensor, what: str) -> None:
-        """Called before ``t``'s storage is freed: wait for recorded work, refuse the rest."""
+    def free(self, t: torch.Tensor, what: str) -> bool:
+        """Before ``t``'s storage is freed: refuse if an unrecorded copy still uses it.
+
+        Returns True when the free was deferred (recorded work still pending): the
+        storage is then freed on the recording stream after that work, as the caching
+        allocator defers the reuse of a recorded block, without blocking the host.
+        """
         ptr = t.untyped_storage().data_ptr()
         with self.lock:
-            recorded = self.recorded.pop(ptr, [])
-        for _, ev in recorded:
-            ev.flag.wait()  # the allocator would defer the reuse until here
-        with self.lock:
+            recorded = [r for r in self.recorded.pop(ptr, []) if not r[2].query()]
             pending = [ev for ev in self.inflight.get(ptr, []) if not ev.query()]
-        if pending:
+        if pending and not recorded:
             raise AsyncHazard(f"{what}: storage freed while {len(pending)} copy(ies) into or from it "
                               "are still in flight", "wait on the copy's event (or record the "
                               "storage on the copy stream) before freeing it")
+        if not recorded:
+            return False
+        stream = recorded[-1][1]
+        for _, other, ev in recorded[:-1]:
+            if other is not stream:
+                stream.wait_event(ev)
+        key = t.untyped_storage()._cdata
+        done = stream.submit(lambda: t.untyped_storage().resize_(0), delay=False)
+        with self.lock:
+            self.deferred_frees[key] = done
+        return True
+
+    def before_alloc(self, t: torch.Tensor) -> None:
+        """Before ``t``'s storage is given memory again: its deferred free must have run."""
+        with self.lock:
+            done = self.deferred_frees.pop(t.untyped_storage()._cdata, None)
+        if done is not None:
+            done.wait()
 
     def sweep(self) -> None:
         """Drop recorded tensors whose work has finished (keeps the table small)."""
         with self.lock:
             for ptr in list(self.recorded):
-                live = [(t, ev) for t, ev in self.recorded[ptr] if not ev.query()]
+                live = [r for r in self.recorded[ptr] if not r[2].query()]
                 if live:
                     self.recorded[ptr] = live
                 else:
@@ -242,16 +282,20 @@ def current() -> AsyncCPU | None:
     """The emulation a new CPU copy engine should use: ``emulate()``'s, else the environment's."""
     if _override:
         return _override[-1]
-    seed = os.environ.get(ENV)
-    if seed:
-        return AsyncCPU(int(seed))
-    return None
+    value = os.environ.get(ENV)
+    if not value:
+        return None
+    seed, *ms = value.split(",")
+    if ms:
+        return AsyncCPU(int(seed), float(ms[0]) / 1e3, float(ms[1]) / 1e3)
+    return AsyncCPU(int(seed))
 
 
 @contextlib.contextmanager
-def emulate(seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3):
+def emulate(seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3,
+            tail_p: float = 0.1, tail_s: float = 0.01):
     """Copy engines created inside run asynchronously on CPU (see the Note above)."""
-    emu = AsyncCPU(seed, min_delay_s, max_delay_s)
+    emu = AsyncCPU(seed, min_delay_s, max_delay_s, tail_p, tail_s)
     _override.append(emu)
     try:
         yield emu

@@ -87,7 +87,7 @@ def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
     """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
     needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
              else "fp16 loss scaling" if plan.training.compute_dtype == "float16" else None)
-    if needs and getattr(plan.schedule, "cpu_adam", "after_backward") != "after_backward":  # TEMP
+    if needs and plan.schedule.cpu_adam != "after_backward":
         raise ConfigError(
             f"{needs} needs every gradient before any parameter changes, but the plan overlaps "
             f"CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
@@ -136,15 +136,14 @@ class Engine:
         self._last_micro = True  # ... and/or its last (CPU steps may start)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
-        self._defer_cpu_steps = getattr(plan.schedule, "cpu_adam", None) == "after_backward" or (  # TEMP
-            not hasattr(plan.schedule, "cpu_adam") and (config.max_grad_norm is not None or self.scaler.enabled))
+        self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
         self.steps_done = 0
 
     # -- the training step
 
-    def _check_batch(self, batches: Sequence[Batch]) -> None:
+    def _check_batch(self, batches: Sequence[Batch], count: bool = True) -> None:
         t = self.plan.training
-        if len(batches) != t.grad_accum:
+        if count and len(batches) != t.grad_accum:
             raise ConfigError(f"step() got {len(batches)} micro-batches; the plan accumulates "
                               f"{t.grad_accum} per step", "pass one (idx, targets) pair per micro-batch")
         for i, (x, y) in enumerate(batches):
@@ -226,7 +225,7 @@ class Engine:
         rank must call it (fetches all-gather). Any other call of the model's forward
         after ``wrap`` is refused: offloaded chunks hold no device memory between steps.
         """
-        self._check_batch([batch])
+        self._check_batch([batch], count=False)
         x, y = (t.to(self.device, non_blocking=True) for t in batch)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()

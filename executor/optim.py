@@ -41,7 +41,7 @@ the next offload of the chunk reuses only after the worker has consumed it
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,7 @@ class ChunkOptimizer:
 
         def land() -> None:
             down.synchronize()  # a wait on the copy's event: the only device call here
+            delay("before_grad_land")
             if not direct:
                 if first_micro_batch:
                     acc.copy_(dst)

@@ -35,6 +35,7 @@ as a loss mismatch rather than passing by luck. They are zero in normal runs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
@@ -45,6 +46,7 @@ DELAYS: dict[str, float] = {
     "before_copy": 0.0,  # before every H2D/D2H copy is issued
     "before_cpu_adam": 0.0,  # in the CPU optimizer worker, before each chunk's step
     "before_weights_return": 0.0,  # in the worker, before updated weights reach the chunk's home
+    "before_grad_land": 0.0,  # in the worker, before a downloaded gradient is accumulated
 }
 
 
@@ -175,7 +177,8 @@ class CopyEngine:
         # [Note: chunk memory pool] Chunk and chunk-gradient storage is allocated from a
         # private pool, so activation churn in the general pool cannot fragment it, and
         # the pool holds no other tensors; ``reserve`` sizes it from the plan up front.
-        self.pool = torch.cuda.MemPool() if self.cuda and hasattr(torch.cuda, "MemPool") else None
+        has_pools = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+        self.pool = torch.cuda.MemPool() if self.cuda and has_pools else None
 
     # -- streams (the only back-end-specific lines)
 
@@ -260,9 +263,11 @@ class CopyEngine:
         by compute, or was recorded on its stream; the emulation checks it.
         """
         s = t.untyped_storage()
+        if self.emu is not None:
+            if nbytes == 0 and self.emu.free(t, what):
+                return  # deferred to the copy stream that recorded it
+            self.emu.before_alloc(t)
         if nbytes == 0:
-            if self.emu is not None:
-                self.emu.before_free(t, what)
             s.resize_(0)
         elif self.pool is not None:
             with torch.cuda.use_mem_pool(self.pool):
@@ -270,12 +275,16 @@ class CopyEngine:
         else:
             s.resize_(nbytes)
 
+    def pooled(self):
+        """Context in which new device tensors come from the chunk pool (CUDA; else nothing)."""
+        return torch.cuda.use_mem_pool(self.pool) if self.pool is not None else contextlib.nullcontext()
+
     def reserve(self, nbytes: int) -> None:
-        """Grow the chunk pool to ``nbytes`` once (CUDA), so fetches reuse its blocks."""
+        """Grow the chunk pool to ``nbytes`` once (CUDA), so chunks and fetches reuse its blocks."""
         if self.pool is not None and nbytes > 0:
             with torch.cuda.use_mem_pool(self.pool):
-                del_me = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            del del_me  # the block stays cached in the pool for the chunks to split
+                block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            del block  # the segment stays cached in the pool for the chunks to split
 
     def close(self) -> None:
         if self.emu is not None:

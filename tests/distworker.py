@@ -27,11 +27,11 @@ MICRO, SEQ, LR = 2, 32, 2e-3
 
 
 def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
-              micro: int = MICRO) -> P.Plan:
+              micro: int = MICRO, chunk_numel: int = 65536) -> P.Plan:
     meta = build(name, device="meta")
     training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
                           world_size=world, grad_accum=1)
-    return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=65536,
+    return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=chunk_numel,
                 persistent=persistent, n_buffer=n_buffer, policies=policies)
 
 
@@ -44,11 +44,11 @@ def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
 
 def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_buffer: int,
           policies: list[str], steps: int, load: str | None = None, save: str | None = None,
-          skip: int = 0, micro: int = MICRO) -> None:
+          skip: int = 0, micro: int = MICRO, chunk_numel: int = 65536) -> None:
     """Train ``steps`` steps (after skipping ``skip`` global batches); write losses and state."""
     init(rank, world, port)
     try:
-        plan = make_plan(name, world, persistent, n_buffer, policies, micro)
+        plan = make_plan(name, world, persistent, n_buffer, policies, micro, chunk_numel)
         engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
         if load:
             engine.load(load)  # the checkpoint saved on another world size

@@ -49,7 +49,8 @@ def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
 
 
 def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
-              compute_dtype: str = "float32", chunk_numel: int = CHUNK) -> P.Plan:
+              compute_dtype: str = "float32", chunk_numel: int = CHUNK,
+              cpu_adam: str | None = None) -> P.Plan:
     meta = make_model(name, device="meta") if name in CONFIGS else build(name, device="meta")
     blocks = block_paths(meta)
     if isinstance(policies, str):
@@ -61,7 +62,7 @@ def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int
                      persistent=[], n_buffer=64, policies=policies)
         persistent = list(range(len(probe.chunks.items)))
     return emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
-                persistent=persistent, n_buffer=n_buffer, policies=policies)
+                persistent=persistent, n_buffer=n_buffer, policies=policies, cpu_adam=cpu_adam)
 
 
 @dataclass

@@ -76,6 +76,34 @@ def test_zero3_matches_single_process(tmp_path, name, world):
         torch.testing.assert_close(sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=n)
 
 
+def test_async_zero3_equals_sync(tmp_path, monkeypatch):
+    """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
+    all-gathers run on the copy worker, later; losses and state equal the synchronous run's
+    bit for bit (same arithmetic; executor/emulation.py)."""
+    name = "llama-tiny"
+    persistent, n_buffer, policies = [], 6, ["swap", "checkpoint"]
+    runs = {}
+    for seed in (None, 1, 2, 3):
+        out = tmp_path / str(seed)
+        out.mkdir()
+        if seed is None:
+            monkeypatch.delenv("PROTRAIN_ASYNC_CPU", raising=False)
+        else:
+            # Copies of 2-20 ms: an all-gather queued by a prefetch is still waiting on the
+            # copy worker when backward's reduce-scatter of another chunk is issued.
+            monkeypatch.setenv("PROTRAIN_ASYNC_CPU", f"{seed},2,20")
+        # 16384-element chunks: several per block, so backward fetches and prefetches (all-gathers).
+        spawn(train, 2, str(out), name, persistent, n_buffer, policies, 4, None, None, 0, MICRO, 16384)
+        runs[seed] = (_read(out, 2), torch.load(out / "state.pt", weights_only=True))
+    (sync_ranks, sync_sd) = runs.pop(None)
+    for seed, (ranks, sd) in runs.items():
+        assert [r["losses"] for r in ranks] == [r["losses"] for r in sync_ranks], seed
+        for n, t in sync_sd["model"].items():
+            assert torch.equal(sd["model"][n], t), (seed, n)
+        for n, st in sync_sd["optim"].items():
+            assert all(torch.equal(sd["optim"][n][k], st[k]) for k in ("exp_avg", "exp_avg_sq")), (seed, n)
+
+
 def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
     from protrain.planner.cost import make_terms, predict
     from protrain.planner.models import block_paths

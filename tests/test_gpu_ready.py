@@ -66,13 +66,14 @@ def test_a_plain_forward_after_wrap_is_refused():
     engine.close()
 
 
-@pytest.mark.parametrize("policies", ["keep", "swap checkpoint keep swap", "checkpoint"])
-def test_evaluate_between_steps_changes_nothing(policies):
+@pytest.mark.parametrize("policies,grad_accum", [("keep", 1), ("swap checkpoint keep swap", 2),
+                                                 ("checkpoint", 1)])
+def test_evaluate_between_steps_changes_nothing(policies, grad_accum):
     """evaluate() = the model's eval-mode no-grad loss; the training run goes on bit for bit."""
-    plan = make_plan("llama-4", persistent=[1], n_buffer=2, policies=policies)
+    plan = make_plan("llama-4", persistent=[1], n_buffer=2, policies=policies, grad_accum=grad_accum)
     data = batches(load_tokens(), 4, 32, 0)
     held_out = next(batches(load_tokens(), 4, 32, 77))
-    steps = [next(data) for _ in range(4)]
+    steps = [[next(data) for _ in range(grad_accum)] for _ in range(4)]
 
     def run(evaluate: bool):
         torch.manual_seed(0)
@@ -125,6 +126,16 @@ def test_no_blocking_device_reads_in_backward_or_the_worker(monkeypatch, dtype, 
         for name in ("item", "cpu", "tolist"):
             monkeypatch.setattr(torch.Tensor, name, forbidden(name, getattr(torch.Tensor, name)))
         monkeypatch.setattr(torch.cuda, "synchronize", forbidden("synchronize", torch.cuda.synchronize))
+        # A host wait on one copy is the worker's to make (after its download), never backward's.
+        host_wait = T.Copy.synchronize
+
+        def copy_synchronize(self):
+            if engine.replayer.phase is Phase.BACKWARD and threading.current_thread() is threading.main_thread():
+                calls.append("Copy.synchronize on backward")
+                raise AssertionError("backward waited for a copy on the host")
+            return host_wait(self)
+
+        monkeypatch.setattr(T.Copy, "synchronize", copy_synchronize)
         data = batches(load_tokens(), 4, 32, 0)
         for _ in range(2):
             engine.step([next(data) for _ in range(grad_accum)])
@@ -194,25 +205,30 @@ def test_arena_is_unpinned_by_close_and_by_its_finaliser(cudart):
 
 
 def test_a_failed_wrap_leaves_nothing_pinned_and_no_hooks(cudart, monkeypatch):
-    from protrain.executor import optim
+    from protrain.executor import schedule
 
     model = make_model("gpt2-4")
     plan = make_plan("gpt2-4", **PLAN)
     real_copy_engine = T.CopyEngine.__init__
+    real_install = schedule.Replayer.install
 
     def pinning_copy_engine(self, device, emulation=None):
         real_copy_engine(self, device, emulation)
         self.cuda = True  # the arena pins as on CUDA (with the fake cudart)
 
-    def broken(*_a, **_k):
-        raise RuntimeError("boom in the optimizer")
+    def broken_install(self, model):
+        real_install(self, model)  # hooks and the activation wrappers are in place ...
+        raise RuntimeError("boom after the hooks")  # ... when wrap fails
 
     monkeypatch.setattr(T.CopyEngine, "__init__", pinning_copy_engine)
-    monkeypatch.setattr(optim.ChunkOptimizer, "__init__", broken)
-    with pytest.raises(RuntimeError, match="boom"):
+    monkeypatch.setattr(schedule.Replayer, "install", broken_install)
+    with pytest.raises(RuntimeError, match="boom") as failure:
         wrap(model, plan, device="cpu")
-    assert not cudart.pinned
-    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    # The traceback keeps the half-built engine alive, so this is wrap's own clean-up, not
+    # the arena's finaliser.
+    assert failure.traceback and not cudart.pinned
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__
 
 
 # -- the plan binds: n_buffer and cpu_adam
@@ -254,3 +270,20 @@ def test_the_executed_cpu_step_schedule_is_the_plans(cpu_adam):
     expected = Phase.BACKWARD if cpu_adam == "during_backward" else Phase.IDLE
     assert phases == [expected] * n_off
     engine.close()
+
+
+def test_the_chunk_pool_is_sized_from_the_plan():
+    """[Note: chunk memory pool]: persistent values + gradients, n_buffer fetches, and the
+    offloaded gradient buffers open at once in backward."""
+    from protrain.executor.chunks import pool_slots
+
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep")
+    open_grads, most = set(), 0
+    for step in plan.schedule.backward:
+        open_grads |= set(step.fetch)
+        most = max(most, len(open_grads))
+        open_grads -= set(step.offload)
+    assert 1 <= most <= 2
+    assert pool_slots(plan) == 2 * 1 + 2 + most
+    everything = make_plan("gpt2-4", persistent="all", n_buffer=0, policies="keep")
+    assert pool_slots(everything) == 2 * len(everything.chunks.items)

@@ -18,6 +18,8 @@ not time.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from harness import assert_same_state, lockstep, make_model, make_plan
@@ -117,26 +119,43 @@ def test_async_matrix_equals_sync(case, dtype, grad_accum, seed):
     assert_same_sd(emulated[1], sync[1])
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_async_clipping_is_exact(seed):
-    """Clipping defers the CPU steps; their gradients must have landed before the norm."""
+@pytest.mark.parametrize("seed,land_delay_s", [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.1)])
+def test_async_clipping_is_exact(seed, land_delay_s, delays):
+    """Clipping defers the CPU steps; their gradients must have landed (and been accumulated:
+    grad_accum 2; with a slow worker in the last case) before the norm is taken."""
     config = AdamWConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=0.05)
+    delays(before_grad_land=land_delay_s)
     with emulate(seed) as emu:
-        run = lockstep("llama-4", _plan("llama-4", "interleaved", cpu_adam="after_backward"),
-                       steps=4, config=config)
+        run = lockstep("llama-4", _plan("llama-4", "interleaved", cpu_adam="after_backward", grad_accum=2),
+                       steps=4 if not land_delay_s else 2, config=config)
         run.engine.close()
     assert not emu.errors, emu.errors
     assert run.losses == run.ref_losses
     assert_same_state(run)
 
 
+@pytest.mark.parametrize("emulated", [False, True])
 @pytest.mark.parametrize("which", ["before_copy", "before_cpu_adam", "before_weights_return"])
-def test_parity_with_delays(delays, which):
+@pytest.mark.parametrize("model,case", [("gpt2-4", "offloaded-buf2"), ("llama-4", "interleaved")])
+def test_parity_with_delays(delays, which, emulated, model, case):
+    """A slow CPU worker: the next forward's fetch must wait for the chunk's step. With
+    synchronous copies the upload reads home at once, so a missing wait reads stale weights."""
     delays(**{which: 0.002 if which == "before_copy" else 0.02})
-    with emulate(7):
-        run = lockstep("llama-4", _plan("llama-4", "interleaved"), steps=4)
+    with emulate(7) if emulated else contextlib.nullcontext():
+        run = lockstep(model, _plan(model, case), steps=3)
         run.engine.close()
     assert run.losses == run.ref_losses
+
+
+def test_staging_is_reused_only_after_the_worker_landed_it(delays):
+    """bf16 with gradient accumulation: micro-batch 2's gradient download reuses the staging
+    buffer micro-batch 1's gradient is still being accumulated from, on a slow worker."""
+    plan = _plan("llama-4", "offloaded-buf2", compute_dtype="bfloat16", grad_accum=2)
+    expected = train("llama-4", plan, 2, None)
+    delays(before_grad_land=0.03)
+    got = train("llama-4", plan, 2, None)
+    assert got[0] == expected[0]
+    assert_same_sd(got[1], expected[1])
 
 
 # -- guards that only a specific situation reaches
@@ -145,7 +164,7 @@ def test_a_forgotten_wait_reads_poison():
     """The emulation's premise: a consumer that does not wait on a copy reads NaN."""
     from protrain.executor.transfer import CopyEngine
 
-    with emulate(1, min_delay_s=0.05, max_delay_s=0.05) as emu:
+    with emulate(1, min_delay_s=0.05, max_delay_s=0.05, tail_p=0.0) as emu:
         copies = CopyEngine(torch.device("cpu"))
         src, dst = torch.ones(8), torch.zeros(8)
         handle = copies.upload(dst, src)
@@ -161,7 +180,7 @@ def test_a_forgotten_wait_reads_poison():
 def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
     """A prefetch still reading home when the chunk's CPU step runs must see the old weights."""
     plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16")
-    with emulate(3, min_delay_s=0.05, max_delay_s=0.05):
+    with emulate(3, min_delay_s=0.05, max_delay_s=0.05, tail_p=0.0):
         engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(lr=0.1), device="cpu")
         store, optim = engine.store, engine.optim
         cid = store.chunks[1].id
@@ -179,12 +198,23 @@ def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
 
 
 def test_evaluate_releases_a_prefetch_in_flight():
-    """evaluate() ends with every chunk released, some still being prefetched: release waits."""
+    """evaluate() ends by releasing every fetched chunk, even after an error in the middle
+    of the forward, when a prefetch may still be in flight: release waits for it."""
     plan = _plan("llama-4", "offloaded-buf2")
-    assert any(s.prefetch for s in plan.schedule.forward)
-    with emulate(5, min_delay_s=0.01, max_delay_s=0.02) as emu:
+    assert plan.schedule.forward[2].prefetch  # block 1 prefetches block 2's chunk
+    with emulate(5, min_delay_s=0.05, max_delay_s=0.05, tail_p=0.0) as emu:
         run = lockstep("llama-4", plan, steps=2)
+        block = dict(run.engine.model.named_modules())[plan.schedule.forward[2].segment]
+
+        def fail(*_):
+            raise ValueError("a user's error inside block 1")
+
+        handle = block.register_forward_hook(fail)
         x = next(batches(load_tokens(), 4, 32, 99))
+        with pytest.raises(ValueError, match="a user's error"):
+            run.engine.evaluate(x)  # not AsyncHazard: the release waited for the prefetch
+        assert run.engine.store.resident_offloaded() == frozenset()
+        handle.remove()
         loss = run.engine.evaluate(x)
         run.engine.close()
     assert not emu.errors, emu.errors

@@ -32,6 +32,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # node ids, relative to the repository
+    uncatchable: str = ""  # why no CPU test can see this guard go (a finding, kept in the table)
 
 
 R = "tests/test_races.py"
@@ -56,7 +57,10 @@ MUTANTS = [
     Mutant("offload waits before reusing staging", "optim.py",
            "        if c.pending is not None:  # the worker may still read dst",
            "        if False:  # the worker may still read dst",
-           (f"{R}::test_async_matrix_equals_sync",)),
+           (f"{R}::test_staging_is_reused_only_after_the_worker_landed_it",),
+           "redundant today: every offloaded chunk is fetched in forward, and fetch already waits "
+           "for the chunk's pending landing; it guards chunks no forward fetches (unused "
+           "parameters, issue #15)"),
     Mutant("CPU step waits for the last upload from home", "optim.py",
            "            reads_home.synchronize()", "            pass",
            (f"{R}::test_cpu_step_writes_home_only_after_the_last_upload_read_it",)),
@@ -71,10 +75,12 @@ MUTANTS = [
            (f"{R}::test_async_matrix_fp32_is_exact",)),
     Mutant("upload waits for compute (wait_stream)", "transfer.py",
            "            self._wait_compute(self.h2d)", "            pass",
-           (f"{R}::test_async_matrix_fp32_is_exact",)),
+           (f"{R}::test_async_matrix_fp32_is_exact",),
+           "CPU compute is the host: it has finished before the next copy is issued"),
     Mutant("download waits for compute (wait_stream)", "transfer.py",
            "            self._wait_compute(self.d2h)", "            pass",
-           (f"{R}::test_async_matrix_fp32_is_exact",)),
+           (f"{R}::test_async_matrix_fp32_is_exact",),
+           "CPU compute is the host: it has finished before the next copy is issued"),
     Mutant("collectives run in issue order (emulation)", "transfer.py",
            "        if self.emu is None or self.h2d.on_worker():", "        if True:",
            ("tests/test_dist.py::test_async_zero3_equals_sync",)),
@@ -168,12 +174,16 @@ def main() -> int:
         if args.only not in m.name:
             continue
         result, dt, last = run(m, args.timeout)
+        if m.uncatchable and result.startswith("NOT"):
+            result = f"not caught, as expected: {m.uncatchable}"
         rows.append(result)
         tests = ", ".join(t.split("::")[-1] for t in m.tests)
         print(f"| {m.name} | executor/{m.file} | {tests} | {result} ({dt:.0f} s; {last}) |", flush=True)
     missed = sum(r.startswith("NOT") or r.startswith("stale") for r in rows)
-    print(f"\n{len(rows) - missed} of {len(rows)} mutants caught")
-    return 0
+    expected = sum(r.startswith("not caught, as expected") for r in rows)
+    print(f"\n{len(rows) - missed - expected} of {len(rows)} mutants caught; {expected} not catchable "
+          f"on CPU (listed); {missed} missed")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
