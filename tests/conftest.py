@@ -19,6 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/planfactory.py
 
 
 def pytest_collection_modifyitems(config, items):
+    # Slow tests (marked `slow`, several seconds each on a 2-core box) run when asked for:
+    # `pytest -m slow` (CI runs it after the default `pytest -q`) or PROTRAIN_SLOW=1.
+    wants_slow = "slow" in (config.getoption("markexpr") or "") or os.environ.get("PROTRAIN_SLOW") == "1"
+    skip_slow = pytest.mark.skip(reason="slow: run with `pytest -m slow` (CI does) or PROTRAIN_SLOW=1")
     try:
         import torch
 
@@ -29,3 +33,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        elif "slow" in item.keywords and not wants_slow:
+            item.add_marker(skip_slow)

@@ -54,6 +54,7 @@ def train_records(tmp_path_factory) -> dict[str, dict]:
     return {r["backend"]: {**r, "_jsonl": str(jsonl)} for r in recs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["protrain", "torch-plain"])
 def test_bench_train_records_a_measured_run(train_records, backend):
     r = train_records[backend]
@@ -73,6 +74,7 @@ def test_bench_train_records_a_measured_run(train_records, backend):
     assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
 
 
+@pytest.mark.slow
 def test_bench_train_protrain_reports_prediction_against_measurement(train_records):
     r = train_records["protrain"]
     assert r["predicted_iter_s"] > 0 and r["measured_iter_s"] > 0
@@ -90,6 +92,7 @@ def test_bench_train_protrain_reports_prediction_against_measurement(train_recor
     assert r["engine_alloc_retries"] in (None, 0)
 
 
+@pytest.mark.slow
 def test_bench_train_every_record_carries_allocator_fields(train_records):
     # Skipped (deepspeed not importable) and failed records too: a report over a GPU run
     # must not have to guess whether a missing field means "none" or "not measured".
@@ -97,6 +100,7 @@ def test_bench_train_every_record_carries_allocator_fields(train_records):
         assert {k: r.get(k, "missing") for k in ALLOCATOR} == dict.fromkeys(ALLOCATOR), name
 
 
+@pytest.mark.slow
 def test_bench_train_back_ends_train_the_same_model_on_the_same_data(train_records):
     # fp32 on CPU: a plan moves tensors and never changes arithmetic, so protrain's
     # losses are plain PyTorch's bit for bit; FSDP2 (one rank, fp32) computes the same.

@@ -132,6 +132,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     engine.close()
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
     """20 trials: kill the saving process at a random instant; the root always resolves
     to a complete checkpoint — the previous one or the new one, never a broken one."""

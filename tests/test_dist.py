@@ -104,6 +104,7 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
             assert all(torch.equal(sd["optim"][n][k], st[k]) for k in ("exp_avg", "exp_avg_sq")), (seed, n)
 
 
+@pytest.mark.slow
 def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
     from protrain.planner.cost import make_terms, predict
     from protrain.planner.models import block_paths
@@ -128,6 +129,7 @@ def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
     assert host[3] * 3 >= host[1] and host[3] * 3 - host[1] < 3 * 64  # 65536 pads to 65538
 
 
+@pytest.mark.slow
 def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
     persistent, n_buffer, policies = CASES["llama-tiny"]
     ckpt = str(tmp_path / "ckpt")  # Engine.save's directory (executor/checkpoint.py)

@@ -52,6 +52,7 @@ def test_parameter_count_formula_is_the_models():
         assert n_params(cfg) == count_params(model), cfg
 
 
+@pytest.mark.slow
 def test_largest_gpt2_grows_with_the_budget():
     results = [largest_fitting("gpt2", SMALL, budget_bytes=b, seq_len=SEQ, micro_batches=MICRO)
                for b in (GiB // 2, GiB, 2 * GiB)]

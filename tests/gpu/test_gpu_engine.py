@@ -134,3 +134,23 @@ def test_streams_overlap_without_races_under_delays(monkeypatch):
     for _ in range(5):
         a, b = engine.step(next(data1)).loss, ref_engine.step(next(data2)).loss
         assert abs(a - b) <= 1e-4 * abs(b)
+
+
+def test_chunks_come_from_a_pool_sized_by_the_plan():
+    """[Note: chunk memory pool]: chunk and gradient storage is reserved up front in a private
+    pool, so fetches reuse its blocks; the step reports the allocator's reserved peak."""
+    from protrain.executor.chunks import pool_slots
+
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep keep")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(), device="cuda")
+    if engine.copies.pool is None:
+        pytest.skip("this torch has no torch.cuda.MemPool")
+    chunk_bytes = plan.chunks.chunk_numel * 4
+    assert torch.cuda.memory_reserved() - before >= pool_slots(plan) * chunk_bytes
+    data = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
+    results = [engine.step(next(data)) for _ in range(3)]
+    assert all(r.reserved_peak_bytes >= r.peak_bytes > 0 for r in results)
+    assert results[-1].alloc_retries == 0
+    engine.close()
