@@ -6,8 +6,9 @@ never touched), puts a ``protrain`` package in front of the installed one on
 ``PYTHONPATH`` and runs the named tests in a subprocess. A mutant is *caught* when
 pytest fails (or the process dies on a signal). Prints a Markdown table.
 
-    python tools/mutants.py                 # every mutant
+    python tools/mutants.py                 # every mutant, on the working tree
     python tools/mutants.py --only release  # mutants whose name contains "release"
+    python tools/mutants.py --rev HEAD      # on a commit (its executor, planner and tests)
 """
 
 from __future__ import annotations
@@ -128,19 +129,27 @@ MUTANTS = [
 ]
 
 
-def scratch() -> Path:
-    """A ``protrain`` package: a copy of executor/, the repository's planner/ linked."""
+def scratch(root: Path) -> Path:
+    """A ``protrain`` package: a copy of ``root``'s executor/, its planner/ linked."""
     top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
     pkg = top / "protrain"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    shutil.copytree(ROOT / "executor", pkg / "executor", ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "planner").symlink_to(ROOT / "planner")
+    shutil.copytree(root / "executor", pkg / "executor", ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "planner").symlink_to(root / "planner")
     return top
 
 
-def run(m: Mutant, timeout_s: float) -> tuple[str, float, str]:
-    top = scratch()
+def checkout(rev: str) -> Path:
+    """The tree of commit ``rev`` in a scratch directory (``git archive``)."""
+    where = Path(tempfile.mkdtemp(prefix="protrain-rev-"))
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def run(m: Mutant, timeout_s: float, root: Path = ROOT) -> tuple[str, float, str]:
+    top = scratch(root)
     try:
         path = top / "protrain" / "executor" / m.file
         text = path.read_text()
@@ -151,7 +160,7 @@ def run(m: Mutant, timeout_s: float) -> tuple[str, float, str]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
         t0 = time.perf_counter()
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return "caught (hang: timed out)", time.perf_counter() - t0, ""
         dt = time.perf_counter() - t0
@@ -167,13 +176,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run the mutants whose name contains this")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
+    ap.add_argument("--rev", help="mutate this commit's tree instead of the working tree")
     args = ap.parse_args()
+    root = checkout(args.rev) if args.rev else ROOT
     rows = []
     print("| guard deleted | file | test | result |\n|---|---|---|---|")
     for m in MUTANTS:
         if args.only not in m.name:
             continue
-        result, dt, last = run(m, args.timeout)
+        result, dt, last = run(m, args.timeout, root)
         if m.uncatchable and result.startswith("NOT"):
             result = f"not caught, as expected: {m.uncatchable}"
         rows.append(result)
