@@ -270,19 +270,19 @@ class CopyEngine:
         if nbytes == 0:
             s.resize_(0)
         elif self.pool is not None:
-            with torch.cuda.use_mem_pool(self.pool):
+            with torch.cuda.use_mem_pool(self.pool, self.device):
                 s.resize_(nbytes)
         else:
             s.resize_(nbytes)
 
     def pooled(self):
         """Context in which new device tensors come from the chunk pool (CUDA; else nothing)."""
-        return torch.cuda.use_mem_pool(self.pool) if self.pool is not None else contextlib.nullcontext()
+        return torch.cuda.use_mem_pool(self.pool, self.device) if self.pool is not None else contextlib.nullcontext()
 
     def reserve(self, nbytes: int) -> None:
         """Grow the chunk pool to ``nbytes`` once (CUDA), so chunks and fetches reuse its blocks."""
         if self.pool is not None and nbytes > 0:
-            with torch.cuda.use_mem_pool(self.pool):
+            with torch.cuda.use_mem_pool(self.pool, self.device):
                 block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             del block  # the segment stays cached in the pool for the chunks to split
 
