@@ -250,12 +250,23 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
     return m
 
 
-def _check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]]) -> None:
+OPTIM_PARTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
+                  partial: bool = False) -> None:
+    """Check the file's tensor names, shapes and dtypes against ``expected`` before reading.
+    ``partial``: the optimizer file, which holds all three parts of some parameters (those
+    that have stepped; frozen and never-used ones have no state, as in torch.optim)."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
             keys = set(f.keys())
+            if partial:
+                names = {k.rsplit(".", 1)[0] for k in keys}
+                whole = {f"{n}.{part}" for n in names for part in OPTIM_PARTS}
+                expected = {k: v for k, v in expected.items() if k in whole}
             if keys != set(expected):
                 diff = sorted(keys ^ set(expected))
                 raise CheckpointError(f"{path}: tensors differ from the manifest, e.g. {diff[:3]}",
@@ -293,8 +304,8 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     step_shape: list[int] = []
     _check_header(directory / "optim.safetensors", {
         f"{k}.{part}": ((step_shape if part == "step" else v), torch.float32)
-        for k, v in m.params.items() for part in ("exp_avg", "exp_avg_sq", "step")}
-        if m.optimizer_state else {})
+        for k, v in m.params.items() for part in OPTIM_PARTS}
+        if m.optimizer_state else {}, partial=True)
     rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
     restore_rng = m.world_size == engine.comm.world
     if restore_rng:  # checked before the engine changes, like the other files

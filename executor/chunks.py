@@ -86,6 +86,12 @@ class Chunk:
         self.pending: Future | None = None
         # (parameter, offset, numel) in the chunk, in plan order.
         self.params: list[tuple[nn.Parameter, int, int]] = []
+        # Indices into ``params`` of those that received a gradient in this step (any
+        # micro-batch); set by the schedule's hooks. See optim.py [Note: which parameters step].
+        self.has_grad: set[int] = set()
+        # Each parameter's ``_version`` when last synced with home/master: a forward that
+        # writes a parameter in place bumps it. See [Note: in-place writes in forward].
+        self.versions: list[int] = []
 
 
 def pool_slots(plan: Plan) -> int:
@@ -134,6 +140,9 @@ class ChunkStore:
         except BaseException:
             self.arena.close()  # a failed wrap must not leave host memory pinned
             raise
+        # The optimizer's hook for a parameter written in place under 16-bit compute (its
+        # fp32 master follows): (chunk id, offset, numel) -> None. Set by ChunkOptimizer.
+        self.write_master = None
         self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
         self._refresh_live()
 
@@ -163,6 +172,7 @@ class ChunkStore:
                 p.data = c.dev[ps.offset: ps.offset + ps.numel].view(p.shape)  # [Note: chunk storage resize]
                 p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
                 c.params.append((p, ps.offset, ps.numel))
+                c.versions.append(p._version)
             if persistent:
                 if not fp32:
                     c.dev.copy_(image)
@@ -238,10 +248,45 @@ class ChunkStore:
         if c.upload is not None:  # prefetched and never used (evaluate, an error): the copy
             c.upload.wait()  # and all-gather still write the storage we are about to free
             c.upload = None
+        self.write_back(cid)
         self.copies.resize(c.dev, 0, f"chunk {cid}")
         self._refresh_live()
         self.ledger.free("chunks", c.nbytes)
         c.residency = Residency.RELEASED
+
+    def write_back(self, cid: int) -> None:
+        """Keep what forward wrote into parameters in place.
+
+        [Note: in-place writes in forward]
+        A module may write its parameter in place during forward (``nn.Embedding`` with
+        ``max_norm`` renormalises the rows it looks up, under no_grad). Plain PyTorch keeps
+        that write; a release that frees the device copy would lose it. A Parameter's
+        ``_version`` is its own counter (``param.data = view`` keeps it; our copies into
+        the chunk go through the chunk tensor and do not bump it), so a changed version
+        means the model wrote it. Before a release, and before a persistent chunk's step,
+        such a parameter's device values go to its home (offloaded chunks) and, under
+        16-bit compute, to its fp32 master. On CUDA this copy blocks the host (a rare path).
+        """
+        c = self.chunks[cid]
+        for i, (p, off, n) in enumerate(c.params):
+            if p._version == c.versions[i]:
+                continue
+            c.versions[i] = p._version
+            with torch.no_grad():
+                if not c.persistent:
+                    lo, hi = c.shard.start, c.shard.stop
+                    a, b = max(off, lo), min(off + n, hi)
+                    if a < b:
+                        c.home[a - lo: b - lo].copy_(c.dev[a:b])
+            if self.dtype != torch.float32 and self.write_master is not None:
+                self.write_master(cid, off, n)
+
+    def begin_step(self) -> None:
+        """A new optimizer step: zero persistent gradients, forget who had a gradient."""
+        for c in self.chunks:
+            c.has_grad.clear()
+            if c.persistent:
+                c.dev_grad.zero_()
 
     # -- gradient buffers of offloaded chunks
 
@@ -260,11 +305,6 @@ class ChunkStore:
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {cid}")
         self.ledger.free("grads", c.nbytes)
         c.grad_live = False
-
-    def zero_persistent_grads(self) -> None:
-        for c in self.chunks:
-            if c.persistent:
-                c.dev_grad.zero_()
 
     def resident_offloaded(self) -> frozenset[int]:
         return frozenset(c.id for c in self.chunks

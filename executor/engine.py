@@ -166,7 +166,7 @@ class Engine:
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         self.ledger.reset_peak()
-        self.store.zero_persistent_grads()
+        self.store.begin_step()
         k = len(batches)
         losses = []
         for i, (x, y) in enumerate(batches):
@@ -331,23 +331,23 @@ class Engine:
         """``{"model": {name: fp32 tensor}, "optim": {name: {step, exp_avg, exp_avg_sq}}}``.
 
         Names and shapes are the model's own (tied aliases included), on the host,
-        independent of the plan's chunk layout.
+        independent of the plan's chunk layout. As in ``torch.optim.AdamW``, a parameter
+        that has never stepped (frozen, or never given a gradient) has no optimizer state.
         """
         self.optim.wait_all()
         model, optim = {}, {}
+        o = self.optim
         for c in self.store.chunks:
-            master = self._whole(c, self.optim.master[c.id])
-            state = {k: (v if k == "step" else self._whole(c, v))
-                     for k, v in self.optim.adam[c.id].state.get(self.optim.master[c.id], {}).items()}
-            for p, off, n in c.params:
+            master = self._whole(c, o.master[c.id])
+            moments = {k: self._whole(c, v[c.id]) for k, v in (("exp_avg", o.exp_avg),
+                                                                 ("exp_avg_sq", o.exp_avg_sq))}
+            for i, (p, off, n) in enumerate(c.params):
                 name = self.names[id(p)]
                 model[name] = master[off: off + n].view(p.shape).detach().cpu().clone()
-                if state:
-                    optim[name] = {
-                        "step": state["step"].detach().cpu().clone(),
-                        "exp_avg": state["exp_avg"][off: off + n].view(p.shape).cpu().clone(),
-                        "exp_avg_sq": state["exp_avg_sq"][off: off + n].view(p.shape).cpu().clone(),
-                    }
+                if o.counts[c.id][i]:
+                    optim[name] = {"step": o.steps[c.id][i].detach().cpu().clone(),
+                                   **{k: v[off: off + n].view(p.shape).cpu().clone()
+                                      for k, v in moments.items()}}
         for name, alias in self.plan.model.tied:
             model[alias] = model[name]
         return {"model": model, "optim": optim}
@@ -375,7 +375,6 @@ class Engine:
         with torch.no_grad():
             for c in self.store.chunks:
                 master = self.optim.master[c.id]
-                adam = self.optim.adam[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them.
                 mine = c.shard if (self.comm.world > 1 and not c.persistent) else slice(None)
@@ -387,17 +386,15 @@ class Engine:
                     return full[mine]
 
                 master.copy_(image(lambda nm: model[nm]))
-                if optim and all(nm in optim for nm in names):
-                    steps = {float(optim[nm]["step"]) for nm in names}
-                    if len(steps) != 1:
-                        raise ConfigError(f"state dict: the parameters of chunk {c.id} have different "
-                                          f"optimizer step counts {sorted(steps)}",
-                                          "load a state dict saved by one run of this model")
-                    adam.state[master] = {
-                        "step": torch.tensor(steps.pop(), dtype=torch.float32, device=master.device),
-                        "exp_avg": image(lambda nm: optim[nm]["exp_avg"]).to(master.device),
-                        "exp_avg_sq": image(lambda nm: optim[nm]["exp_avg_sq"]).to(master.device),
-                    }
+                if optim:  # per parameter; one without state (never stepped) starts afresh
+                    zero = {"step": torch.zeros(()), "exp_avg": torch.zeros(()), "exp_avg_sq": torch.zeros(())}
+                    state = {nm: optim.get(nm, zero) for nm in names}
+                    for key, moment in (("exp_avg", self.optim.exp_avg), ("exp_avg_sq", self.optim.exp_avg_sq)):
+                        moment[c.id].copy_(image(lambda nm, key=key, state=state:
+                                                 state[nm][key].expand(model[nm].shape)))
+                    for i, nm in enumerate(names):
+                        self.optim.steps[c.id][i].fill_(float(state[nm]["step"]))
+                        self.optim.counts[c.id][i] = int(float(state[nm]["step"]))
                 # Compute-dtype copies follow the masters.
                 target = c.dev if c.persistent else c.home
                 if target is not master:

@@ -3,19 +3,44 @@ CPU (a worker thread) for offloaded ones, global-norm clipping and fp16 loss sca
 
 [Note: optimizer placement]
 A persistent chunk's fp32 master and Adam moments live on the device and are
-stepped after backward with ``torch.optim.AdamW(fused=True)`` on the device. An
+stepped after backward with the fused AdamW kernel on the device. An
 offloaded chunk's master and moments live in host memory; when its gradients
-reach the host (``offload``), a single worker thread steps it with
-``AdamW(fused=True)`` on CPU tensors while backward goes on, then writes the
+reach the host (``offload``), a single worker thread steps it with the fused
+AdamW kernel on CPU tensors while backward goes on, then writes the
 updated weights into the chunk's home in the compute dtype. The next fetch of the
 chunk waits for that step (``Chunk.pending``), so the next forward never reads a
 half-updated home. For fp32 compute the master *is* the chunk (device) or its home
 (host): no second copy.
 
-AdamW's update is elementwise, so stepping a flat chunk gives bit-identical
-results to stepping each parameter tensor on its own (checked for the fused,
-foreach and for-loop CPU kernels, at odd offsets too): this is what lets the
-parity tests compare with plain ``torch.optim.AdamW`` at zero tolerance.
+Stepping must equal ``torch.optim.AdamW(model.parameters(), fused=True)``, which
+calls ``torch._fused_adamw_`` on a *list* of tensors, one per parameter. The CPU
+fused kernel is not position-independent: it runs each tensor in vectors of
+``Vec::size()`` elements (8 or 16 fp32) and the last ``numel % Vec::size()``
+elements in a scalar loop that rounds ``exp_avg_sq`` differently. So a flat
+chunk stepped as one tensor differs from the per-parameter reference wherever a
+parameter's tail is not a whole vector (a 36-wide bias), from step 2 on. We call
+the same kernel with per-parameter views into the flat master, gradient, moments
+and per-parameter step tensors (``_per_param``): each parameter is then one
+tensor of the kernel's list, exactly as in the reference, while the storage stays
+flat. The flat single-tensor call (``_flat``) is kept where it is provably the same
+arithmetic: on CPU, when every parameter's numel and the chunk's are multiples of
+``VEC_ALIGN`` (then no element of either call takes the scalar tail; the kernel's
+thread split is in whole cache lines, so threading changes nothing), every
+parameter has a gradient this step and all share one step count. On the device
+we always take the per-parameter call, like the reference. Under ZeRO-3 a
+parameter may straddle two shards; each rank steps its piece as one tensor, so
+odd-sized parameters are exact only when they do not straddle (world size 1).
+
+[Note: which parameters step]
+Plain AdamW skips a parameter whose ``.grad`` is None: no update, no decay, no
+step count. Our ``.grad`` views always exist (``chunks.py`` [Note: gradients in
+chunks]), so the schedule's post-accumulate-grad hooks record in
+``Chunk.has_grad`` which parameters received a gradient in any micro-batch of
+this step; only those step, each with its own step count (a MoE expert routed on
+some steps only). Frozen parameters (``requires_grad=False``) never receive one,
+so they never step and have no optimizer state in ``state_dict``. Under ZeRO-3 a
+gradient is summed over ranks, so every trainable parameter counts as having one
+(as with DDP without ``find_unused_parameters``).
 
 [Note: when CPU steps can start]
 Clipping by global norm and fp16 overflow checks need every gradient before any
@@ -88,6 +113,11 @@ class LossScaler:
                 self.scale *= 2.0
 
 
+VEC_ALIGN = 64
+"""fp32 elements; a multiple of every CPU vector width of the fused AdamW kernel (8 for
+AVX2, 16 for AVX-512, up to 64 for 2048-bit SVE). See [Note: optimizer placement]."""
+
+
 class ChunkOptimizer:
     """Masters, moments and the update of every chunk. See [Note: optimizer placement]."""
 
@@ -95,17 +125,29 @@ class ChunkOptimizer:
         self.store = store
         self.config = config
         fp32 = store.dtype == torch.float32
-        kw = dict(lr=config.lr, betas=config.betas, eps=config.eps,
-                  weight_decay=config.weight_decay, fused=True)
+        self.hyper = dict(amsgrad=False, lr=config.lr, beta1=config.betas[0], beta2=config.betas[1],
+                          weight_decay=config.weight_decay, eps=config.eps, maximize=False)
         # One fp32 master per chunk: 1D (numel,), device for persistent chunks, host for
         # offloaded ones; the chunk's own tensor when the compute dtype is fp32.
         self.master: dict[int, torch.Tensor] = {}
+        # Adam moments, same shape and place as the master; zero until a parameter's first step.
+        self.exp_avg: dict[int, torch.Tensor] = {}
+        self.exp_avg_sq: dict[int, torch.Tensor] = {}
+        # Per-parameter step counts (in Chunk.params order): 0-dim fp32 tensors beside the
+        # master (what the kernel reads), and the same counts as ints (what we decide on,
+        # without reading the device). A count of 0 means "no optimizer state yet".
+        self.steps: dict[int, list[torch.Tensor]] = {}
+        self.counts: dict[int, list[int]] = {}
+        # Per-parameter (start, end) in master coordinates: its piece of this rank's shard
+        # (None: no piece here). The views' bounds for _per_param.
+        self.spans: dict[int, list[tuple[int, int] | None]] = {}
+        # Chunks whose flat step may equal the per-parameter one (see the Note).
+        self.flat_ok: set[int] = set()
         # Host fp32 gradient accumulators of offloaded chunks: 1D (shard_numel,), pinned host.
         self.cpu_grad: dict[int, torch.Tensor] = {}
         # Host staging for gradients that cannot land in the accumulator directly (16-bit
         # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
-        self.adam: dict[int, torch.optim.AdamW] = {}
         for c in store.chunks:
             if c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py.
@@ -113,6 +155,7 @@ class ChunkOptimizer:
                 if not fp32:
                     store.ledger.alloc("optim", c.numel * 4)
                 store.ledger.alloc("optim", c.numel * 8)  # exp_avg and exp_avg_sq, fp32
+                lo = 0
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.home.numel()
@@ -125,11 +168,42 @@ class ChunkOptimizer:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
                     host += n * store.element_bytes(store.dtype)
                 store.ledger.host_alloc(host)
+                lo = c.shard.start if store.comm.world > 1 else 0
             c.master_init = None
             self.master[c.id] = m
-            self.adam[c.id] = torch.optim.AdamW([m], **kw)
+            self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
+            self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
+            self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
+            self.counts[c.id] = [0] * len(c.params)
+            hi = lo + m.numel()
+            self.spans[c.id] = [(max(off, lo) - lo, min(off + n, hi) - lo) if off < hi and off + n > lo
+                                else None for _, off, n in c.params]
+            if (m.device.type == "cpu" and (c.persistent or store.comm.world == 1)
+                    and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
+                self.flat_ok.add(c.id)
+        store.write_master = self._adopt_written
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
+
+    def stepping(self, cid: int) -> list[int]:
+        """Indices (in Chunk.params) of the chunk's parameters that step now. See [Note: which
+        parameters step]."""
+        c = self.store.chunks[cid]
+        if self.store.comm.world > 1:
+            return [i for i, (p, _, _) in enumerate(c.params) if p.requires_grad]
+        return sorted(c.has_grad)
+
+    def _adopt_written(self, cid: int, off: int, n: int) -> None:
+        """A parameter was written in place in forward (16-bit compute): its master follows."""
+        c = self.store.chunks[cid]
+        m = self.master[cid]
+        if c.persistent:
+            m[off: off + n].copy_(c.dev[off: off + n])
+        else:
+            lo = c.shard.start if self.store.comm.world > 1 else 0
+            a, b = max(off, lo), min(off + n, lo + m.numel())
+            if a < b:
+                m[a - lo: b - lo].copy_(c.home[a - lo: b - lo])
 
     # -- gradients
 
@@ -144,6 +218,13 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         acc = self.cpu_grad[cid]
         comm = self.store.comm
+        if not c.grad_live:
+            # Never fetched in this backward (every parameter unused or frozen): no gradient
+            # buffer, so no copy. The accumulator must read zero for the micro-batches after.
+            if first_micro_batch:
+                previous, c.pending = c.pending, None
+                c.pending = self.worker.submit(lambda: (previous and previous.result(), acc.zero_()))
+            return
         src = c.dev_grad
         if comm.world > 1:
             src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
@@ -172,11 +253,13 @@ class ChunkOptimizer:
         c.pending = self.worker.submit(land)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
-        """id(parameter) → its gradient as the optimizer sees it (device or host accumulator)."""
+        """id(parameter) → its gradient as the optimizer sees it (device or host accumulator),
+        for the parameters that received one this step."""
         views = {}
         for c in self.store.chunks:
             flat = c.dev_grad if c.persistent else self.cpu_grad[c.id]
-            for p, off, n in c.params:
+            for i in self.stepping(c.id):
+                p, off, n = c.params[i]
                 views[id(p)] = flat[off: off + n].view(p.shape)
         return views
 
@@ -201,15 +284,17 @@ class ChunkOptimizer:
                 if c.persistent:
                     sq += c.dev_grad.double().square().sum().float()
             return sq.sqrt()
-        views = self.grad_views()
+        views = self.grad_views()  # as clip_grad_norm_, parameters without a gradient are skipped
         norms = [torch.linalg.vector_norm(views[id(p)], 2.0, dtype=torch.float32).to(self.store.device)
-                 for p in param_order]
+                 for p in param_order if id(p) in views]
+        if not norms:
+            return torch.zeros((), device=self.store.device)
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
     # -- steps
 
-    def _set_grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> None:
-        """Point the chunk master's ``.grad`` at the fp32 gradient, unscaled and clipped."""
+    def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
+        """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
         c = self.store.chunks[cid]
         g = c.dev_grad if c.persistent else self.cpu_grad[cid]
         if g.dtype != torch.float32:
@@ -220,15 +305,39 @@ class ChunkOptimizer:
             # as clip_grad_norm_: in place, per element, by the fp32 coefficient (a host
             # float on the worker: exactly the fp32 value, so the same products)
             g.mul_(coef)
-        self.master[cid].grad = g
+        return g
+
+    def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:
+        """``torch._fused_adamw_`` on the parameters ``which`` of the chunk, as
+        ``AdamW(fused=True)`` steps them. See [Note: optimizer placement]."""
+        counts, steps = self.counts[cid], self.steps[cid]
+        m, ea, es = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid]
+        if (cid in self.flat_ok and len(which) == len(counts)
+                and all(k == counts[0] for k in counts)):
+            # _flat: one tensor; every parameter's elements take the vector path, as in the
+            # per-parameter call. The kernel reads one step count: the chunk's common one.
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_([m], [g], [ea], [es], [], [steps[0]], **self.hyper)
+        else:  # _per_param: one view per parameter, as the reference's tensor list
+            spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
+            if not spans:
+                return
+            st = [steps[i] for i, _ in spans]
+            torch._foreach_add_(st, 1)
+            torch._fused_adamw_(*([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st,
+                                **self.hyper)
+        for i in which:
+            counts[i] += 1
 
     def step_device(self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0) -> None:
         """Update a persistent chunk on the device."""
         c = self.store.chunks[cid]
+        self.store.write_back(cid)  # a forward's in-place writes reach the master first
+        which = self.stepping(cid)
+        if not which:
+            return
         with record_function("protrain::dev_adam"):
-            self._set_grad(cid, coef, inv_scale)
-            self.adam[cid].step()
-            self.master[cid].grad = None
+            self._adamw(cid, which, self._grad(cid, coef, inv_scale))
             if self.master[cid] is not c.dev:
                 c.dev.copy_(self.master[cid])
 
@@ -238,26 +347,28 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         previous = c.pending
         reads_home = c.last_upload
+        which = self.stepping(cid)  # now, on this thread: complete once the chunk is offloaded
 
         def run() -> None:
             if previous is not None:
                 previous.result()  # re-raise the landing's error, if any
-            self._cpu_step(cid, coef, inv_scale, reads_home)
+            self._cpu_step(cid, which, coef, inv_scale, reads_home)
 
         c.pending = self.worker.submit(run)
 
-    def _cpu_step(self, cid: int, coef: float | None, inv_scale: float, reads_home=None) -> None:
+    def _cpu_step(self, cid: int, which: list[int], coef: float | None, inv_scale: float,
+                  reads_home=None) -> None:
         """On the worker: AdamW on the host master, then the new weights into home."""
         c = self.store.chunks[cid]
+        if not which:
+            return
         if reads_home is not None:
             # The last upload from home must have read it before the step changes it (in
             # place, for fp32: home is the master). Only a prefetch can still be in flight.
             reads_home.synchronize()
         delay("before_cpu_adam")
         with record_function("protrain::cpu_adam"):
-            self._set_grad(cid, coef, inv_scale)
-            self.adam[cid].step()
-            self.master[cid].grad = None
+            self._adamw(cid, which, self._grad(cid, coef, inv_scale))
         delay("before_weights_return")
         if self.master[cid] is not c.home:
             c.home.copy_(self.master[cid])

@@ -35,8 +35,20 @@ Autograd may still be accumulating one of the chunk's parameters at that moment
 (an ``AccumulateGrad`` node can run after the node that consumed the boundary),
 so an offload waits for a per-chunk countdown driven by
 ``register_post_accumulate_grad_hook``: when the plan's moment has come *and*
-every parameter of the chunk has its gradient, the offload happens. Whatever is
-left when backward returns (parameters that got no gradient) is offloaded then.
+every trainable parameter of the chunk has its gradient, the offload happens.
+Whatever is left when backward returns (parameters that got no gradient) is
+offloaded then. The same hooks, on every trainable parameter (persistent chunks
+too), record which parameters got a gradient (``Chunk.has_grad``): only those
+step (optim.py [Note: which parameters step]). Frozen parameters get no hook.
+
+[Note: boundaries on tensors without grad]
+A boundary's backward runs only if its output requires grad. Block 0's input
+does not when the embedding is frozen (and a frozen block may return hidden
+states that do not). Such a boundary takes a second input, ``Replayer.anchor``, a
+0-dim leaf that requires grad and never receives a gradient: the output then
+requires grad and the block's backward boundaries fire as usual. The cost is the
+backward of the ops between that boundary and the first trainable parameter,
+which plain PyTorch would skip.
 """
 
 from __future__ import annotations
@@ -67,17 +79,23 @@ class Phase(enum.Enum):
 
 
 class Boundary(torch.autograd.Function):
-    """Identity in forward; calls ``callback`` when its output's gradient arrives."""
+    """Identity in forward; calls ``callback`` when its output's gradient arrives.
+    See [Note: boundaries on tensors without grad] for the optional ``anchor`` input."""
 
     @staticmethod
-    def forward(ctx, callback: Callable[[], None], x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, callback: Callable[[], None], x: torch.Tensor, *anchor) -> torch.Tensor:
         ctx.callback = callback
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.callback()
-        return None, grad
+        return None, grad, *(None for _ in ctx.needs_input_grad[2:])
+
+    @staticmethod
+    def mark(callback: Callable[[], None], x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """``apply``, with ``anchor`` as an extra input when ``x`` does not require grad."""
+        return Boundary.apply(callback, x) if x.requires_grad else Boundary.apply(callback, x, anchor)
 
 
 def first_tensor(x) -> tuple[torch.Tensor, Callable]:
@@ -134,14 +152,18 @@ class Replayer:
             self.steps[(Phase.BACKWARD, s.segment)] = s
         modules = dict(model.named_modules())
         self.modules = [modules[b] for b in self.blocks]
-        # Gradient countdown per offloaded chunk; see [Note: gradient completion].
-        self.param_chunk: dict[int, int] = {}
+        # Gradient countdown per offloaded chunk (trainable parameters only: a frozen one
+        # never gets a gradient); see [Note: gradient completion].
+        self.param_slot: dict[int, tuple[int, int]] = {}  # id(param) → (chunk id, index in params)
         self.n_params: dict[int, int] = {}
         for c in store.chunks:
+            trainable = [i for i, (p, _, _) in enumerate(c.params) if p.requires_grad]
             if not c.persistent:
-                self.n_params[c.id] = len(c.params)
-                for p, _, _ in c.params:
-                    self.param_chunk[id(p)] = c.id
+                self.n_params[c.id] = len(trainable)
+            for i in trainable:
+                self.param_slot[id(c.params[i][0])] = (c.id, i)
+        # See [Note: boundaries on tensors without grad]. 0-dim, device, never gets a gradient.
+        self.anchor = torch.zeros((), device=store.device, requires_grad=True)
         self.remaining: dict[int, int] = {}  # chunk → parameters still without gradient
         self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
         self.offloaded: set[int] = set()  # chunks offloaded in this backward
@@ -163,11 +185,9 @@ class Replayer:
         for i, (name, m) in enumerate(zip(self.blocks, self.modules)):
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post_hook(i, name, i == last)))
-        seen = set()
         for c in self.store.chunks:
             for p, _, _ in c.params:
-                if not c.persistent and id(p) not in seen:
-                    seen.add(id(p))
+                if id(p) in self.param_slot:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def uninstall(self) -> None:
@@ -237,7 +257,10 @@ class Replayer:
         self.offload(cid)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
-        cid = self.param_chunk[id(p)]
+        cid, i = self.param_slot[id(p)]
+        self.store.chunks[cid].has_grad.add(i)  # optim.py [Note: which parameters step]
+        if cid not in self.remaining:
+            return  # persistent
         self.remaining[cid] -= 1
         if self.remaining[cid] == 0 and cid in self.requested:
             self._drain()
@@ -266,10 +289,7 @@ class Replayer:
                 self.end(Phase.FORWARD, PRE)
             self.begin(Phase.FORWARD, name)
             x, put = block_input(args, kwargs)
-            assert x.requires_grad, f"block {name}'s input must require grad for its backward hook"
-            def after():
-                return (self._post_backward(i, name))
-            return put(Boundary.apply(after, x))
+            return put(Boundary.mark(lambda: self._post_backward(i, name), x, self.anchor))
 
         return hook
 
@@ -286,7 +306,7 @@ class Replayer:
             if last:
                 self.begin(Phase.FORWARD, POST)
             y, put = first_tensor(output)
-            return put(Boundary.apply(lambda: self._pre_backward(i, name), y))
+            return put(Boundary.mark(lambda: self._pre_backward(i, name), y, self.anchor))
 
         return hook
 

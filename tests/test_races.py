@@ -187,6 +187,7 @@ def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
         before = store.chunks[1].home.clone()
         store.fetch(cid)  # a prefetch: the upload lands 50 ms later
         optim.cpu_grad[cid].fill_(1.0)
+        store.chunks[1].has_grad.update(range(len(store.chunks[1].params)))  # as the hooks would
         optim.submit_cpu_step(cid)  # the step changes home; it must wait for the upload
         store.wait(cid)
         landed = store.chunks[1].dev[store.chunks[1].shard].clone()
