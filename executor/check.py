@@ -48,8 +48,11 @@ def model_fingerprint(model: nn.Module, blocks: list[str]) -> str:
     return fingerprint(model_signature(model), blocks)
 
 
-def check(plan: Plan, model: nn.Module, where: str = "plan") -> None:
+def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = None) -> None:
     """Raise ``FingerprintError`` unless ``plan`` was made for ``model``.
+
+    ``name``: the model's name as the user gave it (``gpt2-tiny``, ``hf:DIR``), so the
+    hint says how to plan for the model being run, not for the plan's.
 
     Checks, in order: every block path exists; the parameter lists agree (missing,
     extra, changed shape or dtype, each listed); tied parameters are the same tensor;
@@ -100,5 +103,7 @@ def check(plan: Plan, model: nn.Module, where: str = "plan") -> None:
         raise FingerprintError(
             f"{where} was made for another model ({plan.model.name}, {len(planned)} parameters; "
             f"this model has {len(live)}):\n  " + "\n  ".join(problems),
-            f"make a plan for this model: `protrain plan --model {plan.model.name} …`",
+            f"make a plan for this model: `protrain plan --model {name} …`" if name else
+            "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
+            f"or run the plan's model, {plan.model.name}",
         )

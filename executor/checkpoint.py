@@ -14,7 +14,12 @@ file and the directory, renames it to ``root/step-N`` (atomic on POSIX), fsyncs
 ``os.replace``. A crash or kill at any instant leaves ``latest`` naming a complete
 checkpoint: the previous one until the final replace, the new one after. Stale
 ``.tmp-*`` directories are removed by the next save; the newest ``keep`` complete
-checkpoints are kept.
+checkpoints are kept. A save that fails (a full disk, a permission) removes its
+temporary directory and raises ``CheckpointError`` saying how many bytes it needed
+and how many were free; ``latest`` still names the previous checkpoint.
+``_after_phase`` is a test hook called with each phase's name as it completes
+(``directory``, ``rng``, ``tensors``, ``manifest``, ``renamed``, ``latest``,
+``pruned``), so a test can kill the saver at a chosen point instead of a random one.
 
 [Note: loading hostile files] ``load`` reads the manifest (capped at 1 MiB, decoded
 strictly into a Struct), checks that it lists exactly the expected plain file
@@ -54,6 +59,14 @@ STEP_DIR = re.compile(r"step-(\d{8})(?:\.(\d{1,6}))?")
 FILE_NAME = re.compile(r"(model|optim|rng-rank\d{1,5})\.safetensors")
 HASH_BLOCK = 8 << 20
 
+_after_phase = None
+"""Test hook: ``f(phase)`` after each phase of a save (see [Note: atomicity]); None in use."""
+
+
+def _phase(name: str) -> None:
+    if _after_phase is not None:
+        _after_phase(name)
+
 
 class FileEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     bytes: int
@@ -89,6 +102,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 
 def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2) -> Path:
     """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if keep < 1:
@@ -109,52 +123,92 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         comm.broadcast(buf, "checkpoint name")
         name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     tmp, final = root / f".tmp-{name}", root / name
-    if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+    tensors = [*sd["model"].values(), *(t for st in sd["optim"].values() for t in st.values())]
+    need = sum(t.numel() * t.element_size() for t in tensors)  # bytes; tied aliases counted twice (a bound)
+    try:
+        if comm.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+    except OSError as e:
+        raise _save_failed(root, tmp, e, need) from None
     comm.barrier("checkpoint directory")
-    save_file(_rng_state(engine.device), tmp / f"rng-rank{comm.rank}.safetensors")
-    _fsync(tmp / f"rng-rank{comm.rank}.safetensors")
+    _phase("directory")
+    try:
+        save_file(_rng_state(engine.device), tmp / f"rng-rank{comm.rank}.safetensors")
+        _fsync(tmp / f"rng-rank{comm.rank}.safetensors")
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
+        raise _save_failed(root, tmp, e, need) from None
     comm.barrier("checkpoint RNG states")
+    _phase("rng")
     if comm.rank == 0:
-        aliases = {alias for _, alias in engine.plan.model.tied}
-        model = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
-        optim = {f"{k}.{part}": v.contiguous() for k, st in sd["optim"].items() for part, v in st.items()}
-        save_file(model, tmp / "model.safetensors")
-        save_file(optim, tmp / "optim.safetensors")
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            _fsync(f)
-            files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
-        manifest = Manifest(
-            format=FORMAT, version=VERSION, step=engine.steps_done,
-            model_fingerprint=engine.plan.model.fingerprint, world_size=comm.world,
-            compute_dtype=engine.plan.training.compute_dtype,
-            params={k: list(v.shape) for k, v in model.items()},
-            tied=[list(p) for p in engine.plan.model.tied],
-            scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
-            data=dict(data or {}), files=files, optimizer_state=bool(optim),
-        )
-        (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
-        _fsync(tmp / "manifest.json")
-        _fsync(tmp)
+        try:
+            _write_rank0(engine, sd, tmp, data)
+        except (OSError, SafetensorError) as e:
+            raise _save_failed(root, tmp, e, need) from None
         os.rename(tmp, final)
         _fsync(root)
+        _phase("renamed")
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(name + "\n")
         _fsync(latest_tmp)
         os.replace(latest_tmp, root / "latest")
         _fsync(root)
+        _phase("latest")
         # Keep the one just written (``latest``) and the keep-1 newest others by step; a run
         # resumed from an older step may write a lower step than those already there.
         others = sorted((_order(p.name), p) for p in root.iterdir()
                         if STEP_DIR.fullmatch(p.name) and p.name != name)
         for _, old in others[:max(0, len(others) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
+        _phase("pruned")
     comm.barrier("checkpoint rename")
     return final
+
+
+def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | None) -> None:
+    """Rank 0's files: parameters, optimizer state, then the manifest listing every file."""
+    from safetensors.torch import save_file
+
+    comm = engine.comm
+    aliases = {alias for _, alias in engine.plan.model.tied}
+    model = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
+    optim = {f"{k}.{part}": v.contiguous() for k, st in sd["optim"].items() for part, v in st.items()}
+    save_file(model, tmp / "model.safetensors")
+    save_file(optim, tmp / "optim.safetensors")
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        _fsync(f)
+        files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
+    _phase("tensors")
+    manifest = Manifest(
+        format=FORMAT, version=VERSION, step=engine.steps_done,
+        model_fingerprint=engine.plan.model.fingerprint, world_size=comm.world,
+        compute_dtype=engine.plan.training.compute_dtype,
+        params={k: list(v.shape) for k, v in model.items()},
+        tied=[list(p) for p in engine.plan.model.tied],
+        scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
+        data=dict(data or {}), files=files, optimizer_state=bool(optim),
+    )
+    (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+    _fsync(tmp / "manifest.json")
+    _fsync(tmp)
+    _phase("manifest")
+
+
+def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> CheckpointError:
+    """Remove the half-written ``tmp`` and describe the failure (space needed vs free)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(
+        f"checkpoint to {root} failed: {getattr(error, 'strerror', None) or error} (a checkpoint needs about "
+        f"{need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and `latest` still names "
+        "the previous checkpoint",
+        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less")
 
 
 def _order(name: str) -> tuple[int, int]:
@@ -196,7 +250,7 @@ def resolve(root: str | Path) -> Path:
     latest = root / "latest"
     if not latest.is_file():
         raise CheckpointError(f"{root}: no checkpoint here (neither manifest.json nor latest)",
-                              "pass the directory given to --save-every / Engine.save")
+                              "pass the directory given to --save-dir / Engine.save")
     with open(latest, "rb") as f:
         text = f.read(64).decode("ascii", "replace").strip()
     if not STEP_DIR.fullmatch(text):

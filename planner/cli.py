@@ -3,7 +3,9 @@
 Heavy imports (torch, networkx) happen inside the commands that need them, so
 ``protrain --help``, ``show`` and ``validate`` of a plan start fast and never import
 torch unless a model must be built. User errors (``ProtrainError``) print as one
-paragraph and exit 1; ``--debug`` shows the traceback instead. Usage errors exit 2.
+paragraph and exit 1, and so do OS errors on files (a full disk, a permission) that
+reach the top; ``--debug`` shows the traceback instead. Usage errors exit 2;
+Ctrl-C exits 130 (128 + SIGINT, what shells report for an interrupted command).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import click
 
 from protrain.executor.errors import ProtrainError
 
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT."""
+
 
 class _Group(click.Group):
-    """Turns ``ProtrainError`` into one clear paragraph and exit status 1."""
+    """Turns ``ProtrainError`` (and ``OSError``) into one clear paragraph and exit status 1."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -26,6 +31,18 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:
+            if ctx.meta.get("protrain.debug"):
+                raise
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{e.strerror or e}\nHINT: check the path exists, is writable and "
+                       "the disk has space (--debug shows where it happened)", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            if ctx.meta.get("protrain.debug"):
+                raise
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
 
 
 @click.group(cls=_Group)
@@ -45,9 +62,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @main.command()
 def models() -> None:
     """List the model zoo: parameters, blocks, hidden size, heads, vocabulary."""
-    from .models import ZOO, describe
+    from .models import ZOO
+    from .zoo_table import rows_for
 
-    rows = [describe(name) for name in ZOO]
+    rows = rows_for(ZOO)
     click.echo(f"{'name':<14}{'family':<8}{'params':>10}{'blocks':>8}{'hidden':>8}{'heads':>7}{'vocab':>8}")
     for r in rows:
         click.echo(f"{r.name:<14}{r.family:<8}{_count(r.n_params):>10}{r.n_blocks:>8}"
@@ -97,7 +115,7 @@ def validate(plan_path: str, model_name: str | None) -> None:
 
     from .models import build
 
-    check(plan, build(name, device="meta"), where=plan_path)
+    check(plan, build(name, device="meta"), where=plan_path, name=name)
     click.echo(f"{plan_path}: fingerprint matches {name}")
 
 
@@ -111,6 +129,10 @@ def hf_options(f):
     return click.option("--hf-config", "hf_config", metavar="PATH", default=None,
                         help="Hugging Face config.json or its directory (weights: model.safetensors "
                              "there), instead of --model; read locally, never downloaded.")(f)
+
+
+REPROBE_HELP = ("Measure this machine again instead of reading its cached probe "
+                "(~/.cache/protrain; without --hardware, a measured profile uses it).")
 
 
 def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None:
@@ -137,15 +159,17 @@ def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None
               help="Hardware spec (name in plans/hardware/ or a file); required with --analytic.")
 @click.option("--iterations", type=click.IntRange(1), default=5, show_default=True,
               help="Measured iterations (medians).")
+@click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, output):
+def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, reprobe,
+            output):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
     from .profiling import run_profile
 
     model_name = model_option(model_name, hf_config, blocks, required=True)
     run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
                 analytic=analytic, hardware=hardware, iterations=iterations, output=output,
-                echo=click.echo)
+                echo=click.echo, reprobe=reprobe)
 
 
 @main.command()
@@ -154,7 +178,8 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 @click.option("--model", "model_name", metavar="NAME", default=None,
               help="Zoo model (or hf:PATH): profile on the way (analytic with --hardware, else measured).")
 @hf_options
-@click.option("--hardware", metavar="SPEC", default=None, help="Hardware spec for an analytic profile.")
+@click.option("--hardware", metavar="SPEC", default=None,
+              help="Hardware spec for an analytic profile (with --model; a --profile carries its own).")
 @click.option("--batch", type=click.IntRange(1), default=None, help="Micro-batch (with --model).")
 @click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length (with --model).")
 @click.option("--dtype", type=DTYPES, default=None, help="Compute dtype (with --model).")
@@ -173,9 +198,10 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 @click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
                    "after backward (clipping needs every gradient first) and is predicted that way.")
+@click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, output):
+         grad_accum, solver, host_memory, max_grad_norm, reprobe, output):
     """Search the fastest plan that fits the budget and write it."""
     from .profiling import run_plan
 
@@ -183,7 +209,7 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
-             max_grad_norm=max_grad_norm)
+             max_grad_norm=max_grad_norm, reprobe=reprobe)
 
 
 @main.command()
@@ -224,8 +250,14 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
     """Why this plan: runners-up, the Pareto front, what bounds each phase."""
     from protrain.executor.plan import load
 
+    from .preflight import output_file
     from .report import render_explain
 
+    if (trace_path or plot_path) and profile_path is None:  # before the report, not after it
+        raise ProtrainError("--trace and --plot need the profile the plan was made from",
+                            "add --profile PROFILE.json (the file given to `protrain plan --profile`)")
+    output_file(trace_path, "--trace")
+    output_file(plot_path, "--plot")
     plan = load(plan_path)
     departures = None
     if profile_path is not None:
@@ -234,9 +266,6 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 
         departures = explain_departures(load_profile(profile_path), plan)
     click.echo(render_explain(plan, plan_path, departures=departures))
-    if (trace_path or plot_path) and profile_path is None:
-        raise ProtrainError("--trace and --plot need the profile the plan was made from",
-                            "add --profile PROFILE.json (the file given to `protrain plan --profile`)")
     if profile_path is not None:
         from .profile import load_profile
 
@@ -259,7 +288,13 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Zoo model (or hf:PATH) the plan is for.")
 @hf_options
 @click.option("--data", "data_path", default=None, metavar="FILE",
-              help="Text file (byte-level tokens); default: the embedded Python docs.")
+              help="Text file, or JSON lines (.jsonl, see --text-field); default: the embedded Python docs. "
+                   "Tokens: the model's own tokenizer.json with --hf-config DIR, else bytes.")
+@click.option("--text-field", default="text", show_default=True, metavar="NAME",
+              help="Field of each .jsonl line that holds the text.")
+@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR|bytes",
+              help="Tokenizer directory (tokenizer.json) or `bytes` for byte-level tokens "
+                   "[default: the --hf-config directory's tokenizer if it has one, else bytes].")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
@@ -268,9 +303,12 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write the measured steps as a Chrome/Perfetto trace (rank 0).")
 @click.option("--save-every", type=click.IntRange(1), default=None, metavar="K",
-              help="Checkpoint every K steps, at the end and on Ctrl-C (needs --save-dir).")
+              help="Checkpoint every K steps too (needs --save-dir).")
 @click.option("--save-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Checkpoint root (atomic step-N directories and a `latest` pointer).")
+              help="Checkpoint root (atomic step-N directories and a `latest` pointer): saved at the end "
+                   "and on Ctrl-C, and every --save-every K steps.")
+@click.option("--keep", type=click.IntRange(1), default=2, show_default=True, metavar="N",
+              help="Checkpoints kept in --save-dir (the newest N; older ones are deleted after each save).")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
               help="Continue from a checkpoint (any plan of this model); --steps counts the total.")
 @click.option("--eval-every", type=click.IntRange(1), default=None, metavar="K",
@@ -280,19 +318,33 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 @click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Clip gradients to this global L2 norm; needs a plan made with "
                    "`protrain plan --max-grad-norm X` (CPU AdamW after backward).")
-def train(plan_path, model_name, hf_config, blocks, data_path, steps, lr, seed, timeout_s, trace_path,
-          save_every, save_dir, resume, eval_every, max_grad_norm):
-    """Train a zoo model by replaying a plan (under torchrun for several ranks).
+@click.option("--log-every", type=click.IntRange(1), default=None, metavar="K",
+              help="Print a plain `step N  loss …` line every K steps (the default when stdout is not a "
+                   "terminal, K=10); on a terminal this replaces the progress bar.")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Append one JSON object per step (step, loss, tokens/s, peak bytes; held-out loss "
+                   "when evaluated) to FILE (rank 0).")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
+                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config.")
+def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, seed, timeout_s,
+          trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
+          export_dir):
+    """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
 
-    Ctrl-C stops after the current step (checkpointing first with --save-every); a
-    second Ctrl-C stops at once and the last complete checkpoint stays intact.
+    Ctrl-C stops after the current step (checkpointing first with --save-dir) and
+    exits 130; a second Ctrl-C stops at once and the last complete checkpoint stays intact.
     """
     from .train import train as run
 
     model_name = model_option(model_name, hf_config, blocks, required=True)
-    run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
-        trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
-        eval_every=eval_every, max_grad_norm=max_grad_norm)
+    losses = run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
+                 trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
+                 eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
+                 text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,
+                 progress=None)
+    if getattr(losses, "interrupted", False):
+        sys.exit(EXIT_INTERRUPTED)
 
 
 @main.command()

@@ -6,6 +6,14 @@ needs no download: the Python documentation topics that ship with every CPython
 a vocabulary of at least 256 can train on it. A text file or a local Hugging Face
 tokenizer are the two ways to use something else.
 
+Files: plain text (read as UTF-8; a file with NUL bytes or mostly invalid UTF-8 is
+refused as binary, as the plan loader refuses one), or JSON lines (``.jsonl``: one
+object per line, the text under ``text_field``). With a tokenizer each document is
+encoded on its own and followed by the tokenizer's end-of-text token when it has
+one, and the documents are packed end to end into one stream, which ``batches`` cuts
+into windows of the plan's sequence length (no padding: protrain's attention is
+causal over the whole window).
+
 ``batches`` draws random windows from the corpus with a generator seeded once, so
 a run is reproducible from its seed alone, and every rank of a data-parallel run
 draws the same global batch and keeps its own slice of it. Both properties are
@@ -50,32 +58,82 @@ class TokenSource:
     vocab_size: int  # every id in `tokens` is < vocab_size
 
 
-def load_tokens(path: str | None = None, tokenizer: str | None = None) -> TokenSource:
-    """Load a corpus: the embedded one (``path=None``) or a text file.
+def load_tokens(path: str | None = None, tokenizer: str | None = None,
+                text_field: str = "text") -> TokenSource:
+    """Load a corpus: the embedded one (``path=None``), a text file or a JSON-lines file.
 
     Without `tokenizer` the text is tokenised byte-level (vocab 256). With
-    `tokenizer`, a local directory holding a Hugging Face tokenizer, the text is
-    decoded as UTF-8 and encoded by it (needs the ``hf`` extra; nothing is
-    downloaded). Whether the corpus is long enough is checked by ``batches``,
-    which knows the sequence length.
+    `tokenizer`, a local directory holding a Hugging Face tokenizer (``tokenizer.json``,
+    read with the ``tokenizers`` library; nothing is downloaded), each document is
+    encoded and the documents are packed (see the module docstring). A ``.jsonl``
+    file's documents are its lines' `text_field`. Whether the corpus is long enough
+    is checked by ``batches``, which knows the sequence length.
     """
     if path is None:
         name, data = "embedded:pydoc-topics", embedded_corpus()
     else:
         name, data = str(path), _read_file(Path(path))
+    jsonl = path is not None and Path(path).suffix.lower() in (".jsonl", ".ndjson")
+    docs = _jsonl_documents(data, name, text_field) if jsonl else None
 
     if tokenizer is None:
+        if docs is not None:  # byte-level documents, one newline between them
+            data = "\n".join(docs).encode("utf-8")
         # bytearray: frombuffer wants a writable buffer; the copy is the corpus size.
         ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)  # (N,)
         return TokenSource(name=name, tokens=ids, vocab_size=BYTE_VOCAB_SIZE)
 
-    tok = _hf_tokenizer(tokenizer)
-    # errors="replace": a stray invalid byte should cost one token, not the run.
-    text = data.decode("utf-8", errors="replace")
-    # verbose=False: the tokenizer would warn that the corpus is longer than its
-    # model_max_length, which is true and irrelevant; batches cuts the windows.
-    ids = torch.tensor(tok.encode(text, add_special_tokens=False, verbose=False))  # (N,)
-    return TokenSource(name=f"{name}@{tokenizer}", tokens=ids.to(torch.int64), vocab_size=len(tok))
+    encode, vocab_size, eos = _hf_tokenizer(tokenizer)
+    if docs is None:
+        # errors="replace": a stray invalid byte should cost one token, not the run.
+        docs = [data.decode("utf-8", errors="replace")]
+    ids: list[int] = []
+    for doc in docs:
+        ids += encode(doc)
+        if eos is not None:
+            ids.append(eos)
+    if not ids:
+        raise ConfigError(f"{name}: the tokenizer in {tokenizer} gives no tokens for this text",
+                          hint="check the file holds text, or use another --data file")
+    return TokenSource(name=f"{name}@{tokenizer}", tokens=torch.tensor(ids, dtype=torch.int64),
+                       vocab_size=vocab_size)
+
+
+def _jsonl_documents(data: bytes, name: str, field: str) -> list[str]:
+    """The `field` string of every non-blank line of a JSON-lines file."""
+    import json
+
+    docs = []
+    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name}, line {i}: not JSON ({e.msg})",
+                              hint="a .jsonl file holds one JSON object per line; rename a plain "
+                              "text file to .txt") from None
+        text = obj.get(field) if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
+            raise ConfigError(f"{name}, line {i}: no string field {field!r} (found: {keys})",
+                              hint="name the field that holds the text with --text-field")
+        docs.append(text)
+    if not docs:
+        raise ConfigError(f"{name}: no JSON lines", hint="pass a .jsonl file with one object per line")
+    return docs
+
+
+def looks_binary(data: bytes) -> str | None:
+    """Why ``data`` is not text (None when it is): NUL bytes, or mostly invalid UTF-8."""
+    head = data[:1 << 16]
+    if b"\0" in head:
+        return "it holds NUL bytes"
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - head.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad > max(8, len(head) // 100):
+        return f"{bad} of its first {len(head)} bytes are not UTF-8"
+    return None
 
 
 def _read_file(path: Path) -> bytes:
@@ -96,10 +154,66 @@ def _read_file(path: Path) -> bytes:
             f"data file {str(path)!r} is empty",
             hint="pass a non-empty text file with --data, or omit it for the embedded corpus",
         )
+    why = looks_binary(data)
+    if why is not None:
+        raise ConfigError(
+            f"data file {str(path)!r} is not text: {why}",
+            hint="pass a UTF-8 text or .jsonl file with --data (protrain tokenises text; "
+            "it does not read pre-tokenised or compressed files)",
+        )
     return data
 
 
 def _hf_tokenizer(directory: str):
+    """(encode, vocab size, end-of-text id or None) of a local tokenizer.
+
+    ``tokenizer.json`` is read with the ``tokenizers`` library (a dependency of
+    transformers; no model code, no download); other layouts through
+    ``transformers.AutoTokenizer`` with ``local_files_only``.
+    """
+    f = Path(directory) / "tokenizer.json"
+    if f.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("reading tokenizer.json needs the tokenizers package, which is not installed",
+                              hint='pip install -e ".[hf]"') from None
+        try:
+            tok = Tokenizer.from_file(str(f))
+        except Exception as e:  # the Rust side raises a bare Exception for a malformed file
+            raise ConfigError(f"cannot read {f}: {e}",
+                              hint="write it again with tokenizer.save_pretrained(DIR)") from None
+        eos = _eos_id(Path(directory), tok.token_to_id)
+        return ((lambda text: tok.encode(text, add_special_tokens=False).ids),
+                tok.get_vocab_size(with_added_tokens=True), eos)
+    tok = _transformers_tokenizer(directory)
+    return ((lambda text: tok.encode(text, add_special_tokens=False, verbose=False)), len(tok),
+            tok.eos_token_id)
+
+
+def _eos_id(directory: Path, token_to_id) -> int | None:
+    """The end-of-text id: tokenizer_config.json's ``eos_token``, else a usual name."""
+    import json
+
+    names = []
+    cfg = directory / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            eos = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.append(eos)
+    for name in [*names, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]:
+        i = token_to_id(name)
+        if i is not None:
+            return i
+    return None
+
+
+def _transformers_tokenizer(directory: str):
     try:
         import transformers
     except ImportError:
@@ -154,7 +268,7 @@ def batches(
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError(
             f"micro_batch={micro_batch} and seq_len={seq_len} must both be at least 1",
-            hint="pass positive values to --micro-batch and --seq-len",
+            hint="make the plan with positive values: `protrain plan --batch N --seq T`",
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
@@ -165,7 +279,8 @@ def batches(
         raise ConfigError(
             f"corpus {source.name!r} has {n_tokens} tokens, too few for one window of "
             f"seq_len + 1 = {seq_len + 1} tokens (inputs plus the shifted targets)",
-            hint=f"use a longer corpus, or --seq-len {max(n_tokens - 1, 1)} or less",
+            hint=f"use a longer corpus (--data FILE), or a plan made with --seq {max(n_tokens - 1, 1)} "
+            "or less",
         )
     return _windows(source.tokens, micro_batch, seq_len, seed, rank, world_size)
 

@@ -13,9 +13,12 @@ directory holding it; BLOCKS: the module path of the block list, e.g.
 ``model.layers``) are resolved by ``planner/models.py``, so every command that takes
 a zoo name takes these too. A directory that also holds ``model.safetensors`` (or a
 sharded ``model.safetensors.index.json``) is a checkpoint: its weights are loaded
-when the model is built on a real device. A ``config.json`` path means the
-architecture only, initialised from the seed. ``hf_model_name`` and
-``model_name_option`` make these names from ``--hf-config PATH [--blocks PATH]``.
+when the model is built on a real device, whether PATH names the directory or the
+``config.json`` in it (the built model's ``weights_loaded_from`` lists the files; empty:
+initialised from the seed). ``hf_model_name`` and ``model_name_option`` make these
+names from ``--hf-config PATH [--blocks PATH]``, with PATH made absolute so a plan
+made here names its model from any directory. ``export`` writes a trained model
+back as a directory transformers loads.
 transformers is imported on first use (``_transformers``), so parsing a name does
 not need it.
 
@@ -187,7 +190,12 @@ def model_name_option(model: str | None, hf_config: str | None, blocks: str | No
     if blocks is not None and hf_config is None:
         raise ConfigError("--blocks names the block list of a Hugging Face model and needs --hf-config",
                           "add --hf-config PATH, or drop --blocks (zoo models name their own blocks)")
-    return hf_model_name(hf_config, blocks) if hf_config is not None else model
+    if hf_config is not None:
+        return hf_model_name(str(Path(hf_config).resolve()), blocks)
+    if model is not None and is_hf_name(model):
+        path, blocks = parse_hf_name(model)
+        return hf_model_name(str(Path(path).resolve()), blocks)
+    return model
 
 
 # ---------------------------------------------------------------------------- config
@@ -417,12 +425,15 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
         _cast_parameters(wrapped, dtype)
         return wrapped
     materialize(wrapped, device=device, seed=seed)
+    # The checkpoint beside config.json, whichever of the two the caller named.
+    directory = config_file(source).parent
     files = weight_files(weights) if weights is not None else (
-        weight_files(source) if Path(source).is_dir() and _has_checkpoint(Path(source)) else [])
-    if not files and weights is None and Path(source).is_dir():
-        _refuse_pickles(Path(source))
+        weight_files(directory) if _has_checkpoint(directory) else [])
+    if not files and weights is None:
+        _refuse_pickles(directory)
     if files:
         load_weights(wrapped, files)
+    wrapped.weights_loaded_from = list(files)  # what train reports; empty: the seed's init
     _cast_parameters(wrapped, dtype)  # in place: tied parameters stay one object
     return wrapped
 
@@ -452,7 +463,7 @@ def _refuse_pickles(d: Path) -> None:
             f"{d} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: protrain loads safetensors only "
             "(torch pickles can run code when loaded)",
             "convert the checkpoint to safetensors (model.save_pretrained(DIR) in transformers writes it), "
-            f"or point at {d / 'config.json'} to train from a random init",
+            "or copy config.json alone to a new directory to train from a random init",
         )
 
 
@@ -532,3 +543,58 @@ def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
         raise ConfigError(f"weights in {where} do not fit "
                           f"{type(model.hf).__name__}:\n  " + "\n  ".join(problems),
                           "use the checkpoint saved with this config.json (same directory)")
+
+
+# ---------------------------------------------------------------------------- export
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json")
+"""Files copied from the tokenizer directory into an export, when present."""
+
+
+def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Path, *,
+           config_path: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``model`` with weights ``state`` as a Hugging Face directory; returns it.
+
+    ``state``: parameter name → tensor in the model's own names (``Engine.state_dict()
+    ["model"]``: the fp32 masters). Written: ``config.json`` (a copy of ``config_path``,
+    the file the model was built from, so dropout and cache settings are the user's and
+    not training's; without it, the live config less our attention implementation),
+    ``model.safetensors`` (tied aliases stored once, as
+    ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
+    directory appears whole: it is written under a temporary name and renamed.
+    """
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if config_path is not None:
+            shutil.copyfile(config_file(config_path), tmp / "config.json")
+        else:
+            config = model.config.to_dict()
+            for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
+                config.pop(key, None)
+            config["use_cache"] = True  # what generation wants; training set it off
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        if out.is_dir():
+            out.rmdir()  # checked empty before training (preflight.output_dir)
+        os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write the export {out}: {e.strerror}",
+                          "check the directory is writable and the disk has space") from None
+    return out

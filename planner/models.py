@@ -127,7 +127,7 @@ def _check_seq_len(T: int, limit: int, name: str) -> None:
     if T > limit:
         raise ConfigError(
             f"sequence length {T} exceeds the model's {name}={limit}",
-            hint=f"use --seq-len {limit} or less",
+            hint=f"use --seq {limit} or less (protrain profile/plan --seq)",
         )
 
 

@@ -1,16 +1,28 @@
-"""``protrain train``: replay a plan on a model for N steps, with a progress bar.
+"""``protrain train``: replay a plan on a model for N steps, with a progress bar or log lines.
 
-The bar shows loss, tokens per second and the step's peak device memory against
-the plan's predicted peak, so a user sees at once whether the plan holds. With
+On a terminal a bar shows loss, tokens per second and the step's peak device memory
+against the plan's predicted peak, so a user sees at once whether the plan holds.
+When stdout is not a terminal (nohup, slurm, torchrun's log files), or with
+``log_every``, the same figures go out as plain ``step N  loss …`` lines instead, and
+``metrics_path`` appends one JSON object per step for scripts. With
 ``eval_every`` K, every K steps a held-out loss is printed: ``Engine.evaluate`` (an
 eval-mode, no-grad forward) averaged over ``data.HELDOUT_BATCHES`` fixed windows of
 the corpus's tail, which the training loop never draws from (``data.split_heldout``).
+
+Everything that could fail at the end of a long run (an output path, the checkpoint
+root, the export directory) and everything that could fail expensively (a model too
+big for the host, a binary data file) is checked before the first step
+(``planner/preflight.py``). A Hugging Face model trains on its own tokenizer and can
+be exported back to a directory transformers loads (``export_dir``, ``hf.export``).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -20,8 +32,17 @@ from protrain.executor.check import check
 from protrain.executor.errors import ConfigError
 
 from .data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
-from .models import build, check_name
+from .models import build, check_name, is_hf_name
 from .report import human_bytes
+
+LOG_EVERY = 10
+"""Steps between plain log lines when stdout is not a terminal and no --log-every is given."""
+
+
+class Losses(list):
+    """The per-step losses of a run; ``interrupted`` says whether Ctrl-C ended it early."""
+
+    interrupted: bool = False
 
 
 def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
@@ -52,33 +73,55 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
 def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
           seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
           trace_path: str | None = None, echo: Callable[[str], None] = print,
-          progress: bool = True, save_every: int | None = None, save_dir: str | None = None,
+          progress: bool | None = True, save_every: int | None = None, save_dir: str | None = None,
           resume: str | None = None, eval_every: int | None = None,
-          max_grad_norm: float | None = None) -> list[float]:
+          max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
+          text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
+          export_dir: str | None = None) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
     ``eval_every`` K: hold the corpus's tail out of training and print its loss every
     K steps. ``max_grad_norm``: clip gradients to this global norm (the plan must have
     been made for it, ``protrain plan --max-grad-norm``: the executor refuses otherwise).
 
-    ``save_every`` K: checkpoint to ``save_dir`` every K steps and at the end.
-    ``resume``: a checkpoint root (or step directory) to continue from, under this
-    plan (the plan may differ from the one the checkpoint was written under).
-    Ctrl-C stops after the current step and, when checkpointing, saves first; a
-    second Ctrl-C interrupts at once — the last complete checkpoint stays intact
+    ``save_dir``: checkpoint there at the end and on Ctrl-C, and every ``save_every``
+    K steps; the newest ``keep`` checkpoints stay. ``resume``: a checkpoint root (or
+    step directory) to continue from, under this plan (the plan may differ from the one
+    the checkpoint was written under). Ctrl-C stops after the current step and, when
+    checkpointing, saves first (the result's ``interrupted`` is then True); a second
+    Ctrl-C interrupts at once — the last complete checkpoint stays intact
     (executor/checkpoint.py [Note: atomicity]).
+
+    ``tokenizer``: a tokenizer directory, or ``"bytes"``; by default a Hugging Face
+    model's directory's own tokenizer when it has one, else byte-level tokens.
+    ``progress``: True draws a bar when stdout is a terminal (and no ``log_every``),
+    False never; otherwise plain lines every ``log_every`` (default 10) steps.
+    ``export_dir``: write the trained Hugging Face model there (``hf.export``).
     """
     if save_every is not None and save_dir is None:
         raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
+    from .preflight import output_dir, output_file
+
+    output_file(trace_path, "--trace")
+    output_file(metrics_path, "--metrics")
+    output_dir(save_dir, "--save-dir")
+    if export_dir is not None:
+        if not is_hf_name(model_name):
+            raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
+                              "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
+        output_dir(export_dir, "--export", create=False, must_be_empty=True)
     plan = P.load(plan_path)
     rank, world, rank_device = _init_distributed(timeout_s)
     try:
+        bar = bool(progress) and log_every is None and sys.stdout.isatty()
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
                       trace_path=trace_path if rank == 0 else None,
-                      echo=echo if rank == 0 else (lambda _: None), progress=progress and rank == 0,
+                      echo=echo if rank == 0 else (lambda _: None), progress=bar and rank == 0,
                       save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
-                      max_grad_norm=max_grad_norm)
+                      max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
+                      log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
+                      export_dir=export_dir)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -87,14 +130,41 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                 dist.destroy_process_group()
 
 
+def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
+    """The tokenizer directory to use (None: byte-level); see ``train``'s docstring."""
+    if tokenizer == "bytes":
+        return None
+    if tokenizer is not None:
+        return tokenizer
+    if is_hf_name(model_name):
+        from .hf import parse_hf_name
+
+        path = Path(parse_hf_name(model_name)[0])
+        directory = path if path.is_dir() else path.parent
+        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+            return str(directory)
+    return None
+
+
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
            progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
-           max_grad_norm=None) -> list[float]:
+           max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
+           metrics_path=None, export_dir=None) -> Losses:
+    from .preflight import host_memory_for_build
+
     check_name(model_name)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok_dir = _tokenizer_dir(model_name, tokenizer)
+    source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
+    echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "
+         + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level"))
+    host_memory_for_build(model_name, what="train")
     model = build(model_name, device="cpu", seed=seed)
-    check(plan, model, where=plan_path)
-    source = load_tokens(data_path)
+    loaded = getattr(model, "weights_loaded_from", None)
+    echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
+                                       else f"random init (seed {seed})")
+         + (f"; then the checkpoint's ({resume})" if resume else ""))
+    check(plan, model, where=plan_path, name=model_name)
     vocab_check(source, model.lm_head.weight.shape[0])
     t = plan.training
     heldout = None
@@ -103,9 +173,22 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
     engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev)
     try:
-        return _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
-                     progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
-                     resume=resume, eval_every=eval_every, heldout=heldout)
+        losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
+                       progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
+                       resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,
+                       metrics_path=metrics_path)
+        if export_dir is not None:
+            if losses.interrupted:
+                echo(f"not exported to {export_dir}: the run was interrupted")
+            else:
+                from .hf import export, parse_hf_name
+
+                state = engine.state_dict()["model"]  # a collective on several ranks
+                if rank == 0:
+                    export(model, state, export_dir, config_path=parse_hf_name(model_name)[0],
+                           tokenizer_dir=tok_dir)
+                    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+        return losses
     finally:
         engine.close()
 
@@ -116,7 +199,8 @@ def heldout_loss(engine, heldout: list) -> float:
 
 
 def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, trace_path, save_every,
-          save_dir, resume, eval_every=None, heldout=None) -> list[float]:
+          save_dir, resume, eval_every=None, heldout=None, keep=2, log_every=LOG_EVERY,
+          metrics_path=None) -> Losses:
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
@@ -130,9 +214,13 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
             echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
                  "and not the other): from here the training windows differ from the first run's")
         echo(f"resumed from {resume} at step {engine.steps_done}")
+        if engine.steps_done >= steps:
+            echo(f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps {steps} counts "
+                 f"the total; give --steps {engine.steps_done + steps} to train {steps} more")
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
-    losses: list[float] = []
+    losses = Losses()
+    metrics = open(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115 (closed below)
     bar = None
     if progress:
         from rich.progress import (
@@ -145,7 +233,7 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
 
         bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
-        task = bar.add_task("train", total=steps, status="")
+        task = bar.add_task("train", total=steps, completed=engine.steps_done, status="")
         bar.start()
     t0 = time.perf_counter()
     recorder = None
@@ -158,7 +246,7 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
 
     def checkpoint() -> None:
         path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
-                                           "heldout_split": heldout_split})
+                                           "heldout_split": heldout_split}, keep=keep)
         echo(f"saved {path}")
 
     first = engine.steps_done
@@ -169,23 +257,33 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                 drawn += t.grad_accum
                 losses.append(result.loss)
                 stopping = _agree(stop.requested, engine)  # every rank stops after the same step
-                if save_every is not None and (engine.steps_done % save_every == 0 or engine.steps_done == steps
-                                               or stopping):
+                done = engine.steps_done
+                if save_dir is not None and ((save_every is not None and done % save_every == 0)
+                                             or done == steps or stopping):
                     checkpoint()
                 if stopping:
-                    echo(f"interrupted after step {engine.steps_done}"
-                         + (f"; resume with --resume {save_dir}" if save_every is not None else ""))
+                    losses.interrupted = True
+                    echo(f"interrupted after step {done}"
+                         + (f"; resume with --resume {save_dir}" if save_dir is not None else ""))
                     break
-                if eval_every is not None and engine.steps_done % eval_every == 0:
-                    echo(f"step {engine.steps_done:5d}  held-out loss {heldout_loss(engine, heldout):.4f}")
                 tps = tokens_per_step / max(result.timings["total"], 1e-9)
+                record = {"step": done, "loss": result.loss, "tokens_per_s": round(tps, 1),
+                          "peak_bytes": result.peak_bytes, "time_s": round(time.perf_counter() - t0, 3)}
+                if eval_every is not None and done % eval_every == 0:
+                    record["heldout_loss"] = heldout_loss(engine, heldout)
+                    echo(f"step {done:5d}  held-out loss {record['heldout_loss']:.4f}")
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
                 status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
                           + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
                 if bar is not None:
                     bar.update(task, advance=1, status=status)
-                elif step % 10 == 0 or step == steps - 1:
-                    echo(f"step {step:5d}  {status}")
+                elif done % log_every == 0 or done == steps or step == first:
+                    echo(f"step {done:5d}  {status}")
     finally:
+        if metrics is not None:
+            metrics.close()
         if bar is not None:
             bar.stop()
         if recorder is not None:

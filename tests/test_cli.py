@@ -25,13 +25,14 @@ FROZEN_OPTIONS = {
     "models": ["--help"],
     "plan": ["--batch", "--blocks", "--budget", "--device", "--dtype", "--grad-accum",
              "--hardware", "--help", "--hf-config", "--host-memory", "--max-grad-norm", "--model", "--output",
-             "--profile", "--seq", "--solver", "--world-size"],
+             "--profile", "--reprobe", "--seq", "--solver", "--world-size"],
     "profile": ["--analytic", "--batch", "--blocks", "--device", "--dtype", "--hardware", "--help",
-               "--hf-config", "--iterations", "--model", "--output", "--seq"],
+               "--hf-config", "--iterations", "--model", "--output", "--reprobe", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--blocks", "--data", "--eval-every", "--help", "--hf-config", "--lr", "--max-grad-norm", "--model",
-              "--plan", "--resume", "--save-dir", "--save-every", "--seed", "--steps", "--timeout", "--trace"],
+    "train": ["--blocks", "--data", "--eval-every", "--export", "--help", "--hf-config", "--keep", "--log-every",
+              "--lr", "--max-grad-norm", "--metrics", "--model", "--plan", "--resume", "--save-dir", "--save-every",
+              "--seed", "--steps", "--text-field", "--timeout", "--tokenizer", "--trace"],
     "validate": ["--help", "--model"],
 }
 
@@ -124,7 +125,7 @@ def test_quickstart_profiles_plans_and_trains(tmp_path):
     first, last = result.output.split("trained 20 steps")[1].split("loss ")[1].split(" → ")
     assert float(last.strip()) < float(first)
     # The measured peak equals the prediction on CPU (the ledger model is exact there).
-    line = [x for x in result.output.splitlines() if x.startswith("step    19")][0]
+    line = [x for x in result.output.splitlines() if x.startswith("step    20")][0]
     peak, predicted = line.split("peak ")[1].split(" / predicted ")
     assert peak.strip() == predicted.strip()
 

@@ -118,7 +118,7 @@ def test_too_short_corpus_is_a_config_error(tmp_path):
     assert x.tolist() == [list(b"012345678")] * 2 and y.tolist() == [list(b"123456789")] * 2
     with pytest.raises(ConfigError, match="too few") as info:
         batches(src, micro_batch=1, seq_len=10, seed=0)  # raises at the call, not at next()
-    assert "--seq-len 9" in info.value.hint
+    assert "--seq 9" in info.value.hint and "--seq-len" not in info.value.hint
 
 
 @pytest.mark.parametrize(

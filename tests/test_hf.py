@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,7 +313,9 @@ def test_names_and_cli_option_pair(hf):
     assert hf.hf_model_name("cfg/llama", "model.layers") == "hf:cfg/llama#model.layers"
     assert hf.parse_hf_name("hf:cfg/llama#model.layers") == ("cfg/llama", "model.layers")
     assert hf.parse_hf_name("hf:cfg/config.json") == ("cfg/config.json", None)
-    assert hf.model_name_option(None, "cfg", None) == "hf:cfg"
+    # Paths from the command line are made absolute: a plan names its model from any directory.
+    assert hf.model_name_option(None, "cfg", None) == f"hf:{Path.cwd() / 'cfg'}"
+    assert hf.model_name_option("hf:cfg#model.layers", None, None) == f"hf:{Path.cwd() / 'cfg'}#model.layers"
     assert hf.model_name_option("gpt2", None, None) == "gpt2"
     with pytest.raises(ConfigError, match="both name the model"):
         hf.model_name_option("gpt2", "cfg", None)
@@ -385,9 +388,13 @@ def test_safetensors_checkpoints_load(hf, cfg_dirs, tmp_path):
     for (n, p), q in zip(source.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), n
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
-    # The config file alone means the architecture only: the seed's weights.
-    fresh = build(f"hf:{ckpt / 'config.json'}", seed=0)
-    assert not torch.equal(fresh.transformer.wte.weight, source.transformer.wte.weight)
+    assert loaded.weights_loaded_from == [ckpt / "model.safetensors"]
+    # Naming the config.json of a checkpoint directory loads the same weights (it used to
+    # mean a random init while the directory meant the checkpoint, and neither said which).
+    same = build(f"hf:{ckpt / 'config.json'}", seed=0)
+    assert torch.equal(same.transformer.wte.weight, source.transformer.wte.weight)
+    assert same.weights_loaded_from == [ckpt / "model.safetensors"]
+    assert build(f"hf:{cfg_dirs['gpt2']}", seed=0).weights_loaded_from == []  # a config alone: the seed's init
 
     # GPT-2's original checkpoints: no "transformer." prefix and causal-mask buffers.
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(ckpt / "model.safetensors").items()}

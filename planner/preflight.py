@@ -1,0 +1,91 @@
+"""Checks a command runs before its long work: output paths, host memory, the budget.
+
+A search, a profile or a training run that fails at its last line (an output
+directory that does not exist, a checkpoint root that is not writable) has wasted
+its time; a model built on the CPU that does not fit the host is an OOM kill with no
+message. Each check here is cheap, raises ``ConfigError`` with a HINT, and runs
+before anything expensive.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
+
+from .report import human_bytes
+
+
+def output_file(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse a file path ``flag`` will write that cannot be written (checked, not created)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: directory {parent} does not exist",
+                          f"create it first (mkdir -p {parent}) or give {flag} another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+
+
+def output_dir(path: str | os.PathLike | None, flag: str, *, create: bool = True,
+               must_be_empty: bool = False) -> None:
+    """Refuse a directory ``flag`` will write into that cannot be written; create it if asked."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a file, not a directory", f"give {flag} a directory path")
+    if must_be_empty and p.is_dir() and any(p.iterdir()):
+        raise ConfigError(f"{flag} {p}: the directory is not empty", f"give {flag} a new or empty directory")
+    if create:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{flag} {p}: cannot create the directory ({e.strerror})",
+                              f"give {flag} a path you can write") from None
+        where = p
+    else:
+        where = next((q for q in [p, *p.parents] if q.exists()), Path("."))
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM available now (MemAvailable, capped by a cgroup limit)."""
+    from .hardware import _host_memory
+
+    return _host_memory()[1]
+
+
+def host_memory_for_build(model_name: str, *, bytes_per_param: int = 4, what: str = "build") -> None:
+    """Refuse to build ``model_name`` on the CPU when its fp32 parameters alone exceed free RAM.
+
+    Counted on the meta device (nothing allocated). ``bytes_per_param``: 4 for the
+    build itself; a caller that will also hold masters and Adam states asks for more.
+    """
+    from .models import describe
+
+    n = describe(model_name).n_params
+    need, available = n * bytes_per_param, available_host_memory()
+    if available and need > available:
+        raise HostMemoryError(
+            f"{model_name} has {n:,} parameters: to {what} it on the CPU needs about {human_bytes(need)} of "
+            f"host memory, and {human_bytes(available)} is available here",
+            "use a smaller model (`protrain models` lists their sizes), or a machine with more RAM; "
+            "`protrain plan --hardware SPEC --model NAME` plans a big model without building it",
+            need=need, available=available)
+
+
+def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
+    """Refuse a budget larger than the device it is for (``spec``: the profile's hardware)."""
+    if budget_bytes > spec.device_memory_bytes:
+        raise BudgetError(
+            f"budget {human_bytes(budget_bytes)} exceeds the {human_bytes(spec.device_memory_bytes)} of device "
+            f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
+            f"give --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')} or less (its usable memory), "
+            "or profile for the card you mean (`protrain profile --hardware SPEC`)")
