@@ -295,3 +295,33 @@ def test_embedding_max_norm_renormalisation_is_kept(plan):
 def test_max_norm_under_emulation():
     model = build(max_norm=1.0, experts=2)
     lockstep(model, plan_for(model, "offload"), steps=4, emulated=4)
+
+
+@pytest.mark.parametrize("plan", ["persist", "offload"])
+def test_max_norm_write_reaches_the_bf16_master(plan):
+    """Under 16-bit compute the renormalisation is done on the bf16 copy; it must reach the
+    fp32 master (else the next step overwrites it). lr=0 and no decay: the master then holds
+    exactly the written-back rows, which equal the bf16 rounding of a plain renorm up to
+    bf16 arithmetic (embedding_renorm_ computes the norm in bf16: atol 1 bf16 ulp near 1)."""
+    model = build(max_norm=0.5)
+    ref = copy.deepcopy(model)
+    persistent, n_buffer, policies = PLANS[plan]
+    blocks = [f"blocks.{i}" for i in range(3)]
+    training = P.Training(micro_batch=B, seq_len=T, compute_dtype="bfloat16", master_dtype="float32",
+                          world_size=1, grad_accum=1)
+    n = len(emit(copy.deepcopy(model), name="c", blocks=blocks, training=training, chunk_numel=4608,
+                 persistent=[], n_buffer=64, policies=policies).chunks.items)
+    p = emit(copy.deepcopy(model), name="c", blocks=blocks, training=training, chunk_numel=4608,
+             persistent=list(range(n)) if persistent == "all" else persistent, n_buffer=n_buffer,
+             policies=policies)
+    engine = wrap(model, p, AdamWConfig(lr=0.0, weight_decay=0.0), device="cpu")
+    (x, y), = data(3, 1)
+    engine.step((x, y))
+    got = engine.state_dict()["model"]["emb.weight"]
+    engine.close()
+    with torch.no_grad():
+        ref.emb(x)  # the renormalisation plain PyTorch applies
+    rows = x.unique()
+    assert not torch.equal(ref.emb.weight[rows], build(max_norm=0.5).emb.weight[rows])  # it did renorm
+    torch.testing.assert_close(got[rows], ref.emb.weight[rows].detach(), rtol=0, atol=8e-3)
+    assert got[rows].norm(dim=1).max() <= 0.5 + 8e-3
