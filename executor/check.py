@@ -59,6 +59,7 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
     the fingerprint agrees (it covers everything above, so this last test only fires
     if the plan's own listing was edited inconsistently).
     """
+    run_name = name  # `name` is reused by the loops below
     # One list per kind of problem, each capped on display, so a plan for an entirely
     # different model shows some of each kind rather than 20 lines of the first.
     blocks_bad: list[str] = []
@@ -103,7 +104,7 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
         raise FingerprintError(
             f"{where} was made for another model ({plan.model.name}, {len(planned)} parameters; "
             f"this model has {len(live)}):\n  " + "\n  ".join(problems),
-            f"make a plan for this model: `protrain plan --model {name} …`" if name else
+            f"make a plan for this model: `protrain plan --model {run_name} …`" if run_name else
             "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
             f"or run the plan's model, {plan.model.name}",
         )

@@ -133,7 +133,7 @@ def ladder(family: str, seq_len: int) -> list[GPT2Config] | list[LlamaConfig]:
     if family == "llama":
         return llama_ladder(seq_len)
     raise ConfigError(f"unknown model family {family!r}{did_you_mean(family, FAMILIES)}; "
-                      f"choose one of {', '.join(FAMILIES)}", "e.g. --family gpt2")
+                      f"choose one of {', '.join(FAMILIES)}", "pass family='gpt2' or 'llama'")
 
 
 def n_params(cfg: GPT2Config | LlamaConfig) -> int:

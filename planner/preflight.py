@@ -87,5 +87,5 @@ def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
         raise BudgetError(
             f"budget {human_bytes(budget_bytes)} exceeds the {human_bytes(spec.device_memory_bytes)} of device "
             f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
-            f"give --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')} or less (its usable memory), "
-            "or profile for the card you mean (`protrain profile --hardware SPEC`)")
+            f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or less (its usable "
+            "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)")

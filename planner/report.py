@@ -242,7 +242,7 @@ def _render_departures(plan: Plan, priced: list[Departure] | None) -> list[str]:
              "S C C … K K)",
              f"              this plan is {gain / 1e3:.1f} ms/iteration faster "
              f"({100 * gain / max(base.iter_time_us, 1):.2f}%), peak "
-             f"{human_bytes(s.chosen.peak_memory_bytes - base.peak_memory_bytes)} "
+             f"{human_bytes(abs(s.chosen.peak_memory_bytes - base.peak_memory_bytes))} "
              f"{'more' if s.chosen.peak_memory_bytes >= base.peak_memory_bytes else 'less'}; "
              f"{len(deps)} departure{'s' * (len(deps) != 1)}"
              + (", each priced by undoing it alone (time, peak it saves):" if priced is not None else

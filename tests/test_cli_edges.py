@@ -1,0 +1,293 @@
+"""Sharp edges a new user hit (issue #18), one test each, and no traceback without --debug.
+
+Each test here failed on 754c22f (the commit before the fixes): a silent wrong result,
+a traceback, or an option or message that did not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from protrain.planner.cli import main
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
+TRAIN = ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def no_traceback(r, code: int = 1) -> None:
+    """Exit ``code`` through sys.exit, as one paragraph: no exception escaped to click."""
+    assert r.exit_code == code, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def profile_3090(tmp_path_factory):
+    out = tmp_path_factory.mktemp("p") / "gpt2-tiny.rtx3090.json"
+    r = run("profile", "--model", "gpt2-tiny", "--analytic", "--hardware", "rtx3090", "--batch", "2", "--seq", "32",
+            "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+# 1 ---------------------------------------------------------------- budget vs card
+
+
+@pytest.mark.parametrize("budget", ["70GiB", "1e3TiB"])
+def test_budget_larger_than_the_card_is_refused(profile_3090, tmp_path, budget):
+    r = run("plan", "--profile", profile_3090, "--budget", budget, "-o", tmp_path / "x.json")
+    no_traceback(r)
+    assert "exceeds" in r.output and "rtx3090" in r.output and "23.69 GiB" in r.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_hardware_next_to_a_profile_is_refused_not_ignored(profile_3090, tmp_path):
+    r = run("plan", "--profile", profile_3090, "--hardware", "a100-80g", "-o", tmp_path / "x.json")
+    no_traceback(r)
+    assert "--hardware a100-80g with --profile" in r.output and "rtx3090" in r.output
+
+
+# 2 ---------------------------------------------------------------- I/O without tracebacks, paths checked first
+
+
+def test_output_paths_are_checked_before_the_work(profile_3090, tmp_path):
+    missing = tmp_path / "missing" / "x.json"
+    r = run("plan", "--profile", profile_3090, "-o", missing)
+    no_traceback(r)
+    assert "does not exist" in r.output and "searched" not in r.output  # refused before the search
+    r = run("profile", "--model", "gpt2-tiny", "--analytic", "--hardware", "cpu", "--batch", "1", "--seq", "8",
+            "-o", missing)
+    no_traceback(r)
+    r = run("explain", EXAMPLE, "--profile", profile_3090, "--trace", missing)
+    no_traceback(r)
+    assert "runners-up" not in r.output  # before the report
+    r = run(*TRAIN, "--steps", "1", "--trace", missing)
+    no_traceback(r)
+    assert "step" not in r.output  # before training, not after it
+    (tmp_path / "file").write_text("x")
+    r = run("quickstart", "--out", tmp_path / "file" / "q")
+    no_traceback(r)
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "file" / "ck")
+    no_traceback(r)
+    assert "--save-dir" in r.output and "step" not in r.output
+    r = run("hardware", "probe", "-o", missing)
+    no_traceback(r)
+
+
+def test_a_failed_save_cleans_up_and_says_what_it_needed(tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, path, *a, **k):
+        if Path(path).name == "model.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    r = run(*TRAIN, "--steps", "2", "--save-dir", tmp_path / "ck")
+    no_traceback(r)
+    assert "No space left on device" in r.output and "MiB" in r.output and "free" in r.output
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".tmp-")]
+
+
+# 3 ---------------------------------------------------------------- --save-dir alone saves at the end
+
+
+def test_save_dir_without_save_every_saves_at_the_end(tmp_path):
+    r = run(*TRAIN, "--steps", "2", "--save-dir", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+
+
+# 5 ---------------------------------------------------------------- hints
+
+
+def test_model_mismatch_hint_names_the_model_being_trained():
+    r = run("train", "--plan", EXAMPLE, "--model", "llama-tiny", "--steps", "1")
+    no_traceback(r)
+    assert "protrain plan --model llama-tiny" in r.output and "--model gpt2-tiny …" not in r.output
+
+
+def test_resolve_hint_names_the_save_dir_flag(tmp_path):
+    from protrain.executor.checkpoint import resolve
+    from protrain.executor.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as e:
+        resolve(tmp_path)
+    assert "--save-dir" in e.value.hint and "--save-every" not in e.value.hint
+
+
+# 6 ---------------------------------------------------------------- logs for files, metrics for scripts
+
+
+def test_plain_log_lines_and_a_metrics_file(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = run(*TRAIN, "--steps", "4", "--log-every", "2", "--metrics", metrics, "--eval-every", "2")
+    assert r.exit_code == 0, r.output
+    steps = [int(x.split()[1]) for x in r.output.splitlines() if x.startswith("step") and " loss " in x
+             and "held-out" not in x]
+    assert steps == [1, 2, 4]  # the first step, then every K
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [m["step"] for m in records] == [1, 2, 3, 4]
+    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in records)
+    assert ["heldout_loss" in m for m in records] == [False, True, False, True]
+    # Not a terminal (CliRunner's stdout): plain lines every 10 steps by default, no bar.
+    r = run(*TRAIN, "--steps", "11")
+    assert [int(x.split()[1]) for x in r.output.splitlines() if x.startswith("step")] == [1, 10, 11]
+    assert "━" not in r.output
+
+
+# 7 ---------------------------------------------------------------- size check before building on the CPU
+
+
+def test_a_model_too_big_for_the_host_is_refused_before_building(monkeypatch):
+    import protrain.planner.preflight as pf
+
+    monkeypatch.setattr(pf, "available_host_memory", lambda: 1 << 30)
+    r = run("quickstart", "--model", "llama-7b", "--steps", "1")
+    no_traceback(r)
+    assert "host memory" in r.output and "1.00 GiB is available" in r.output and "GiB" in r.output
+    r = run("train", "--plan", EXAMPLE, "--model", "llama-7b", "--steps", "1")
+    no_traceback(r)
+    assert "host memory" in r.output
+
+
+# 8 ---------------------------------------------------------------- binary data
+
+
+def test_binary_data_is_refused(tmp_path):
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)) * 64)
+    r = run(*TRAIN, "--steps", "1", "--data", blob)
+    no_traceback(r)
+    assert "is not text" in r.output and "NUL" in r.output
+
+
+# 9 ---------------------------------------------------------------- the rest
+
+
+def test_resuming_a_finished_run_says_so_and_keep_prunes(tmp_path):
+    r = run(*TRAIN, "--steps", "3", "--save-every", "1", "--save-dir", tmp_path, "--keep", "1")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+    r = run(*TRAIN, "--steps", "3", "--resume", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "nothing to train" in r.output and "--steps 6" in r.output
+
+
+def test_hf_plans_name_their_model_from_any_directory(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64)))
+    monkeypatch.chdir(tmp_path)
+    r = run("plan", "--hf-config", "m", "--hardware", "cpu", "--batch", "1", "--seq", "16", "-o", "plan.json")
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(d)  # elsewhere: the plan still names its model
+    r = run("validate", tmp_path / "plan.json")
+    assert r.exit_code == 0 and "fingerprint matches" in r.output, r.output
+
+
+def test_probe_is_cached_per_machine_and_names_are_checked_first(tmp_path, monkeypatch):
+    import protrain.planner.hardware as H
+    from protrain.planner.spec import find_spec
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = []
+
+    def counting(*a, **k):  # the committed CPU spec stands in for a 10 s measurement
+        calls.append(1)
+        return find_spec("cpu")
+
+    monkeypatch.setattr(H, "probe", counting)
+    r = run("plan", "--model", "gpt2-tinyy", "--batch", "2", "--seq", "16", "--device", "cpu", "-o", tmp_path / "x")
+    no_traceback(r)
+    assert "did you mean 'gpt2-tiny'" in r.output and calls == []  # no probe for a mistyped name
+    args = ["plan", "--model", "gpt2-tiny", "--batch", "2", "--seq", "16", "--device", "cpu", "--budget", "4MiB"]
+    r = run(*args, "-o", tmp_path / "a.json")
+    assert r.exit_code == 0 and len(calls) == 1, r.output
+    assert next((tmp_path / "cache" / "protrain").glob("probe-*-cpu.json")).is_file()
+    r = run(*args, "-o", tmp_path / "b.json")
+    assert r.exit_code == 0 and len(calls) == 1 and "(--reprobe measures again)" in r.output, r.output
+    r = run(*args, "--reprobe", "-o", tmp_path / "c.json")
+    assert r.exit_code == 0 and len(calls) == 2, r.output
+
+
+def test_models_table_builds_no_model_whole(monkeypatch):
+    import protrain.planner.models as M
+
+    def whole(*a, **k):
+        raise AssertionError("`protrain models` built a whole model")
+
+    monkeypatch.setattr(M, "describe", whole)
+    monkeypatch.setattr(M, "build", whole)
+    r = run("models")
+    assert r.exit_code == 0, r.output
+    assert "68.98B" in r.output
+
+
+def test_explain_plot_without_profile_fails_before_the_report():
+    r = run("explain", EXAMPLE, "--plot", "x.png")
+    no_traceback(r)
+    assert "runners-up" not in r.output and "Pareto" not in r.output and "--profile" in r.output
+
+
+def test_peak_difference_has_no_minus_sign_before_less():
+    import msgspec
+
+    from protrain.executor import plan as P
+    from protrain.planner.report import _render_departures
+
+    plan = P.load(EXAMPLE)
+    s = plan.provenance.search
+    base = msgspec.structs.replace(s.chosen, peak_memory_bytes=s.chosen.peak_memory_bytes + (3 << 20))
+    plan = msgspec.structs.replace(  # a plan off the paper's space, whose four-count runner-up needs more
+        plan, placement=msgspec.structs.replace(plan.placement, persistent=[1]),
+        provenance=msgspec.structs.replace(plan.provenance, search=msgspec.structs.replace(s, runners_up=[base])))
+    text = "\n".join(_render_departures(plan, None))
+    assert "peak 3.00 MiB less" in text and "-3.00" not in text
+
+
+# every command, bad inputs, as a user runs it: no Traceback on stderr
+
+
+@pytest.mark.slow
+def test_no_traceback_from_bad_inputs_in_a_real_process(tmp_path):
+    blob = tmp_path / "b.bin"
+    blob.write_bytes(b"\0" * 4096)
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ["plan", "--profile", EXAMPLE, "-o", tmp_path / "missing" / "x.json"],
+        ["plan", "--model", "gpt2-tiny", "--hardware", "rtx3090", "--batch", "1", "--seq", "8", "--budget", "1e3TiB",
+         "-o", tmp_path / "x.json"],
+        ["explain", EXAMPLE, "--plot", tmp_path / "x.png"],
+        ["train", "--plan", EXAMPLE, "--model", "gpt2-tiny", "--data", blob, "--steps", "1"],
+        ["train", "--plan", EXAMPLE, "--model", "gpt2-tiny", "--steps", "1", "--save-dir", tmp_path / "file" / "d"],
+        ["train", "--plan", EXAMPLE, "--model", "gpt2-tiny", "--steps", "1", "--trace", tmp_path / "no" / "t.json"],
+        ["quickstart", "--out", tmp_path / "file" / "q"],
+        ["show", tmp_path / "missing.json"],
+        ["validate", blob],
+    ]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for args in cases:
+        p = subprocess.run([sys.executable, "-m", "protrain.planner.cli", *map(str, args)], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert p.returncode in (1, 2), (args, p.stdout, p.stderr)
+        assert "Traceback" not in p.stderr + p.stdout, (args, p.stderr)
+        assert p.stderr.startswith("error: ") or "Error:" in p.stderr, (args, p.stderr)
