@@ -163,6 +163,7 @@ class Engine:
         """
         batches = [batch] if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor) else list(batch)
         self._check_batch(batches)
+        self.replayer.check_trainable(self.names)
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         self.ledger.reset_peak()

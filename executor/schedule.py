@@ -190,6 +190,18 @@ class Replayer:
                 if id(p) in self.param_slot:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
+    def check_trainable(self, names: dict[int, str]) -> None:
+        """Refuse a step after ``requires_grad`` changed since wrap: hooks, countdowns and the
+        optimizer's state were set up for the parameters trainable then."""
+        for c in self.store.chunks:
+            for p, _, _ in c.params:
+                if p.requires_grad != (id(p) in self.param_slot):
+                    raise ConfigError(
+                        f"parameter {names[id(p)]!r} was {'frozen' if p.requires_grad else 'trainable'} "
+                        f"at wrap and is {'trainable' if p.requires_grad else 'frozen'} now",
+                        "set requires_grad before wrap(model, plan); to change it, close the engine, "
+                        "save its state_dict and wrap again")
+
     def uninstall(self) -> None:
         for h in self.handles:
             h.remove()

@@ -32,6 +32,7 @@ from torch import nn
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.emulation import emulate
+from protrain.executor.errors import ConfigError
 from protrain.planner.emit import emit
 
 V, B, T = 40, 2, 8  # vocab, micro-batch, sequence length
@@ -325,3 +326,17 @@ def test_max_norm_write_reaches_the_bf16_master(plan):
     assert not torch.equal(ref.emb.weight[rows], build(max_norm=0.5).emb.weight[rows])  # it did renorm
     torch.testing.assert_close(got[rows], ref.emb.weight[rows].detach(), rtol=0, atol=8e-3)
     assert got[rows].norm(dim=1).max() <= 0.5 + 8e-3
+
+
+def test_requires_grad_changed_after_wrap_is_refused():
+    """Unfreezing after wrap would train a parameter with no hook, silently never stepped."""
+    model = build(frozen_emb=True)
+    engine = wrap(model, plan_for(model, "offload"), CONFIG, device="cpu")
+    try:
+        (xy,) = data(0, 1)
+        engine.step(xy)
+        model.emb.weight.requires_grad_(True)
+        with pytest.raises(ConfigError, match="'emb.weight' was frozen at wrap and is trainable now"):
+            engine.step(xy)
+    finally:
+        engine.close()
