@@ -22,7 +22,15 @@ schedule must fetch every chunk a segment uses (``plan.simulate_residency``).
 off during backward, ``AccumulateGrad`` adds into an existing ``.grad`` in place,
 so gradients land in the chunk with no copy. We zero the buffers and never set
 ``.grad`` to ``None``. A tied parameter is one Parameter object under two names,
-so it has one slot and one gradient.
+so it has one slot and one gradient. A frozen parameter's ``.grad`` stays None.
+
+[Note: frozen chunks]
+A chunk whose parameters are all frozen (``requires_grad=False``) never steps, so
+it gets no gradient buffer (device or host), no Adam moments and no fp32 master:
+its values live only in the compute-dtype chunk (persistent) or home (offloaded),
+and ``state_dict`` reports them from there (under 16-bit compute, the rounded
+values). A frozen parameter that shares a chunk with trainable ones still has
+the chunk's buffers under it (they are flat); it just never steps.
 """
 
 from __future__ import annotations
@@ -77,6 +85,9 @@ class Chunk:
         self.master_init: torch.Tensor | None = None
         self.residency = Residency.RESIDENT
         self.grad_live = True  # gradient buffer has device storage
+        # Some parameter requires grad. A chunk of frozen parameters only has no gradient
+        # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
+        self.trainable = True
         # The upload issued by the last fetch/prefetch, until compute has waited on it.
         self.upload: Copy | None = None
         # The last upload that read ``home``: the CPU step waits for it before writing home.
@@ -127,10 +138,11 @@ class ChunkStore:
         # download's target), and a compute-dtype staging buffer for gradients that cannot
         # land in the accumulator directly (16-bit compute, or later micro-batches).
         self.staged = not fp32 or plan.training.grad_accum > 1
-        n_off = len(plan.chunks.items) - len(persistent)
-        per_chunk = (HostArena.span(shard_numel, self.dtype) * (2 if self.staged else 1)
-                     + HostArena.span(shard_numel, torch.float32))
-        self.arena = HostArena(n_off * per_chunk, pin=copies.cuda)
+        home = HostArena.span(shard_numel, self.dtype)
+        grads = HostArena.span(shard_numel, self.dtype) * self.staged + HostArena.span(shard_numel, torch.float32)
+        self.arena = HostArena(sum(home + grads * any(params[p.name].requires_grad for p in spec.params)
+                                   for spec in plan.chunks.items if spec.id not in persistent),
+                               pin=copies.cuda)
         self.chunks: list[Chunk] = []
         chunk_bytes = shard_numel * comm.world * self.element_bytes(self.dtype)
         copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
@@ -162,7 +174,8 @@ class ChunkStore:
         with self.copies.pooled():  # values and gradients come from the chunk pool
             c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
                       self.dtype, self.device)
-        fp32 = self.dtype == torch.float32
+        c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
+        fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
         where = self.device if persistent else torch.device("cpu")
         image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)
         with torch.no_grad():
@@ -170,19 +183,24 @@ class ChunkStore:
                 p = params[ps.name]
                 image[ps.offset: ps.offset + ps.numel].copy_(p.detach().reshape(-1))
                 p.data = c.dev[ps.offset: ps.offset + ps.numel].view(p.shape)  # [Note: chunk storage resize]
-                p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
+                if p.requires_grad:  # a frozen parameter's .grad stays None, as in PyTorch
+                    p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
                 c.params.append((p, ps.offset, ps.numel))
                 c.versions.append(p._version)
             if persistent:
-                if not fp32:
+                if image is not c.dev:
                     c.dev.copy_(image)
-                    c.master_init = image
+                    c.master_init = image if c.trainable else None
                 self.ledger.alloc("chunks", c.nbytes)
-                self.ledger.alloc("grads", c.nbytes)
+                if c.trainable:
+                    self.ledger.alloc("grads", c.nbytes)
+                else:
+                    self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
+                    c.grad_live = False
                 return c
             c.home = self.arena.take(shard_numel, self.dtype)
             c.home.copy_(image[c.shard])
-            if not fp32:
+            if not fp32 and c.trainable:
                 c.master_init = image[c.shard].clone()
         self.ledger.host_alloc(c.home.numel() * c.home.element_size())
         self.copies.resize(c.dev, 0, f"chunk {c.id}")
@@ -285,7 +303,7 @@ class ChunkStore:
         """A new optimizer step: zero persistent gradients, forget who had a gradient."""
         for c in self.chunks:
             c.has_grad.clear()
-            if c.persistent:
+            if c.persistent and c.trainable:
                 c.dev_grad.zero_()
 
     # -- gradient buffers of offloaded chunks
@@ -293,7 +311,7 @@ class ChunkStore:
     def open_grad(self, cid: int) -> None:
         """Give the chunk's gradient buffer device storage, zeroed, if it has none."""
         c = self.chunks[cid]
-        if not c.grad_live:
+        if not c.grad_live and c.trainable:
             self.copies.resize(c.dev_grad, c.nbytes, f"gradients of chunk {cid}")
             c.dev_grad.zero_()
             self.ledger.alloc("grads", c.nbytes)

@@ -301,7 +301,7 @@ class Engine:
             # Persistent chunks are replicated: average their gradients over the ranks
             # (executor/dist.py [Note: sharding]), in chunk order on every rank.
             for c in self.store.chunks:
-                if c.persistent:
+                if c.persistent and c.trainable:
                     self.comm.all_reduce(c.dev_grad, f"gradients of chunk {c.id}")
                     c.dev_grad.div_(self.comm.world)
         inv_scale = 1.0 / self.scaler.scale
@@ -341,10 +341,11 @@ class Engine:
         for c in self.store.chunks:
             master = self._whole(c, o.master[c.id])
             moments = {k: self._whole(c, v[c.id]) for k, v in (("exp_avg", o.exp_avg),
-                                                                 ("exp_avg_sq", o.exp_avg_sq))}
+                                                                 ("exp_avg_sq", o.exp_avg_sq))
+                       if c.trainable}
             for i, (p, off, n) in enumerate(c.params):
                 name = self.names[id(p)]
-                model[name] = master[off: off + n].view(p.shape).detach().cpu().clone()
+                model[name] = master[off: off + n].view(p.shape).detach().float().cpu().clone()
                 if o.counts[c.id][i]:
                     optim[name] = {"step": o.steps[c.id][i].detach().cpu().clone(),
                                    **{k: v[off: off + n].view(p.shape).cpu().clone()
@@ -387,7 +388,7 @@ class Engine:
                     return full[mine]
 
                 master.copy_(image(lambda nm: model[nm]))
-                if optim:  # per parameter; one without state (never stepped) starts afresh
+                if optim and c.trainable:  # per parameter; one never stepped starts afresh
                     zero = {"step": torch.zeros(()), "exp_avg": torch.zeros(()), "exp_avg_sq": torch.zeros(())}
                     state = {nm: optim.get(nm, zero) for nm in names}
                     for key, moment in (("exp_avg", self.optim.exp_avg), ("exp_avg_sq", self.optim.exp_avg_sq)):

@@ -149,7 +149,11 @@ class ChunkOptimizer:
         # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
         for c in store.chunks:
-            if c.persistent:
+            if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
+                m = c.dev if c.persistent else c.home
+                self.exp_avg[c.id] = self.exp_avg_sq[c.id] = torch.zeros(0, device=m.device)
+                lo = c.shard.start if not c.persistent and store.comm.world > 1 else 0
+            elif c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py.
                 m = c.dev if fp32 else c.master_init
                 if not fp32:
@@ -171,8 +175,9 @@ class ChunkOptimizer:
                 lo = c.shard.start if store.comm.world > 1 else 0
             c.master_init = None
             self.master[c.id] = m
-            self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
-            self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
+            if c.trainable:
+                self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
+                self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
             self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
             self.counts[c.id] = [0] * len(c.params)
             hi = lo + m.numel()
@@ -216,6 +221,8 @@ class ChunkOptimizer:
         the world size (the global batch's mean gradient).
         """
         c = self.store.chunks[cid]
+        if not c.trainable:
+            return  # no gradient buffer, nothing to step (chunks.py [Note: frozen chunks])
         acc = self.cpu_grad[cid]
         comm = self.store.comm
         if not c.grad_live:
@@ -257,6 +264,8 @@ class ChunkOptimizer:
         for the parameters that received one this step."""
         views = {}
         for c in self.store.chunks:
+            if not c.trainable:
+                continue
             flat = c.dev_grad if c.persistent else self.cpu_grad[c.id]
             for i in self.stepping(c.id):
                 p, off, n = c.params[i]
@@ -277,11 +286,11 @@ class ChunkOptimizer:
         if comm.world > 1:
             sq = torch.zeros((), dtype=torch.float32, device=self.store.device)
             for c in self.store.chunks:
-                if not c.persistent:
+                if not c.persistent and c.trainable:
                     sq += self.cpu_grad[c.id].double().square().sum().float().to(sq.device)
             comm.all_reduce(sq, "the gradient norm")
             for c in self.store.chunks:
-                if c.persistent:
+                if c.persistent and c.trainable:
                     sq += c.dev_grad.double().square().sum().float()
             return sq.sqrt()
         views = self.grad_views()  # as clip_grad_norm_, parameters without a gradient are skipped

@@ -340,3 +340,29 @@ def test_requires_grad_changed_after_wrap_is_refused():
             engine.step(xy)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("plan", ["persist", "offload"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frozen_chunk_holds_no_optimizer_or_gradient_memory(plan, dtype):
+    """A chunk of frozen parameters only (the embedding here) gets no gradient buffer, no
+    moments, no fp32 master and no host gradient accumulator (chunks.py [Note: frozen chunks])."""
+    model = build(frozen_emb=True)
+    p = plan_for(model, plan)
+    if dtype != "float32":
+        p = P.load(P.dump(p).replace(b'"compute_dtype": "float32"', b'"compute_dtype": "bfloat16"'))
+    frozen = [c.id for c in p.chunks.items if [x.name for x in c.params] == ["emb.weight"]]
+    assert frozen, [[x.name for x in c.params] for c in p.chunks.items]
+    engine = wrap(model, p, CONFIG, device="cpu")
+    try:
+        (xy,) = data(0, 1)
+        engine.step(xy)
+        c, o = engine.store.chunks[frozen[0]], engine.optim
+        assert not c.trainable and not c.grad_live and c.dev_grad.untyped_storage().nbytes() == 0
+        assert o.exp_avg[c.id].numel() == 0 and frozen[0] not in o.cpu_grad
+        assert o.master[c.id] is (c.dev if c.persistent else c.home)
+        assert model.emb.weight.grad is None
+        sd = engine.state_dict()
+        assert "emb.weight" not in sd["optim"] and sd["model"]["emb.weight"].dtype == torch.float32
+    finally:
+        engine.close()
