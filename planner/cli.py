@@ -371,7 +371,9 @@ def hardware() -> None:
 def probe(output, device, quick):
     """Measure this machine (GPU via NVML, copy bandwidth, Adam rates) into a spec file."""
     from .hardware import probe_to_file
+    from .preflight import output_file
 
+    output_file(output, "--output")  # before the measurements, not after them
     probe_to_file(output, device=device, quick=quick, echo=click.echo)
 
 
@@ -390,8 +392,10 @@ def probe(output, device, quick):
 @click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
 def quickstart(model_name, steps, data_path, out_dir, budget, seed):
     """Profile → plan → train a small model end to end on whatever device is present."""
+    from .preflight import output_dir
     from .quickstart import run
 
+    output_dir(out_dir, "--out")
     run(model_name=model_name, steps=steps, data_path=data_path, out_dir=out_dir, budget=budget,
         seed=seed, echo=click.echo)
 

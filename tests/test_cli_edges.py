@@ -83,6 +83,7 @@ def test_output_paths_are_checked_before_the_work(profile_3090, tmp_path):
     assert "--save-dir" in r.output and "step" not in r.output
     r = run("hardware", "probe", "-o", missing)
     no_traceback(r)
+    assert "does not exist" in r.output and "probing" not in r.output.lower()  # before the measurements
 
 
 def test_a_failed_save_cleans_up_and_says_what_it_needed(tmp_path, monkeypatch):
