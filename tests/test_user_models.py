@@ -114,3 +114,29 @@ def test_planning_a_live_model_changes_nothing(cls):
         assert torch.equal(v, after[k]), k
     assert [m.training for m in model.modules()] == flags
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_batchnorm_under_checkpoint_updates_twice_as_plain_checkpoint_does():
+    """Item 7: a checkpointed block's forward runs again in backward, so BatchNorm's
+    running statistics are updated twice per step, exactly as ``torch.utils.checkpoint``
+    (non-reentrant) does on the plain model; protrain matches that, bit for bit."""
+    import anyworker as W
+
+    spec = {"seed": 5, "vocab": 17, "d": 7, "pos": False, "tie_head": True, "tie_blocks": False,
+            "repeat": False, "top_unused": 0, "frozen_frac": 0.0, "micro": 2, "seq": 4, "accum": 2,
+            "steps": 4,
+            "blocks": [{"h": 5, "bias": True, "dropout": 0.2, "bn": True, "spare": 0, "buffer": False}] * 2,
+            "plans": []}
+    model = W.build(spec)
+    plan = emit(model, name="any", blocks=["blocks.0", "blocks.1"], training=P.Training(
+        micro_batch=2, seq_len=4, compute_dtype="float32", master_dtype="float32", world_size=1,
+        grad_accum=2), chunk_numel=512, persistent=[0], n_buffer=2, policies=["checkpoint", "keep"])
+    assert W.train(spec, plan) == {"status": "ok"}  # losses, parameters and buffers equal
+
+    # What plain PyTorch does, which the line above matched: two updates per micro-batch.
+    from torch.utils.checkpoint import checkpoint
+
+    bn = model.blocks[0]
+    x = torch.randn(2, 4, 7, requires_grad=True)
+    checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert int(bn.bn.num_batches_tracked) == 2
