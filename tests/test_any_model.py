@@ -25,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -113,14 +112,9 @@ def check(spec: dict) -> None:
 def cases(n: int):
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck))
 
-# Found by this file (#15 item 1), open: a float32 parameter ends one ulp (1.5e-8) off
-# AdamW(fused=True) after 4 steps, e.g. wte.weight (17, 1) of a d=1 model with every
-# parameter in one chunk. Not the optimizer: the gradients already differ at step 0,
-# because BLAS sums `g @ W` in another order when W is a view at an element offset that is
-# not 16-byte aligned (checked: 16-35 of 50 trials differ at offsets 1-3 mod 4, 0 of 50 at
-# aligned ones). Fix: align parameter offsets in planner/layout.py; then drop this mark.
-EXECUTOR_DRIFT = pytest.mark.xfail(reason="#15 item 1: parameters at unaligned chunk offsets change BLAS "
-                                   "summation order (planner/layout.py must align offsets)", strict=False)
+# Found by this file (#15 item 1): with parameters at unaligned chunk offsets, a float32
+# parameter ended one ulp off AdamW(fused=True), because BLAS sums `g @ W` in another
+# order when W is an unaligned view; planner/layout.py now aligns every offset.
 
 
 @cases(110)
@@ -135,14 +129,12 @@ def test_frozen_subsets(spec):
     check(spec)
 
 
-@EXECUTOR_DRIFT
 @cases(30)
 @given(specs(unused=True, tie=False))
 def test_unused_parameters(spec):
     check(spec)
 
 
-@EXECUTOR_DRIFT
 @cases(30)
 @given(specs(frozen=0.0, unused=False, tie=False))
 def test_odd_widths_plain(spec):

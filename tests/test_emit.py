@@ -37,16 +37,30 @@ def test_trace_llama_untied_head():
 
 
 def test_layout_keeps_a_block_in_one_chunk_when_it_fits():
+    from protrain.planner.layout import ALIGN_NUMEL as A
+
     order = ["a", "b1", "b2", "c"]
-    numel = {"a": 6, "b1": 3, "b2": 3, "c": 2}
+    numel = {"a": 6 * A, "b1": 3 * A, "b2": 3 * A, "c": 2 * A}
     groups = {"a": "pre", "b1": "blk", "b2": "blk", "c": "post"}
-    chunks = assign(order, numel, groups, chunk_numel=10)
+    chunks = assign(order, numel, groups, chunk_numel=10 * A)
     assert [[s.name for s in c] for c in chunks] == [["a"], ["b1", "b2", "c"]]
     # A group larger than a chunk is split rather than refused.
-    chunks = assign(order, {**numel, "b1": 8, "b2": 8}, groups, chunk_numel=10)
+    chunks = assign(order, {**numel, "b1": 8 * A, "b2": 8 * A}, groups, chunk_numel=10 * A)
     assert [[s.name for s in c] for c in chunks] == [["a"], ["b1"], ["b2", "c"]]
-    with pytest.raises(ConfigError, match="at least 11 elements"):
-        assign(order, {**numel, "a": 11}, groups, chunk_numel=10)
+    with pytest.raises(ConfigError, match=f"at least {10 * A + 1} elements"):
+        assign(order, {**numel, "a": 10 * A + 1}, groups, chunk_numel=10 * A)
+
+
+def test_layout_aligns_every_parameter():
+    """Offsets are multiples of ALIGN_NUMEL: an unaligned parameter view makes BLAS sum in
+    another order than on the parameter's own allocation (#15; see planner/layout.py)."""
+    from protrain.planner.layout import ALIGN_NUMEL as A
+
+    order = ["a", "b", "c", "d"]
+    numel = {"a": 17, "b": 1, "c": 36, "d": 5}
+    chunks = assign(order, numel, dict.fromkeys(order, "g"), chunk_numel=4 * A)
+    assert [(s.name, s.offset) for c in chunks for s in c] == [("a", 0), ("b", A), ("c", 2 * A), ("d", 0)]
+    assert len(chunks) == 2  # d (at 4A) would not fit the first chunk's 4A elements
 
 
 def test_schedule_rules_on_a_chain():
