@@ -23,32 +23,13 @@ import contextlib
 import pytest
 import torch
 from harness import assert_same_state, lockstep, make_model, make_plan
+from test_parity import MATRIX, _plan  # the same policy matrix, here under the emulation
 
 from protrain.executor import AdamWConfig, transfer, wrap
 from protrain.executor.emulation import AsyncHazard, emulate
 from protrain.planner.data import batches, load_tokens
 
 SEEDS = (1, 2, 3)
-
-# (persistent, n_buffer, policies): the parity matrix of tests/test_parity.py.
-MATRIX = {
-    "all-persistent": ("all", 0, "keep"),
-    "offloaded-buf1": ([], 1, "keep"),
-    "offloaded-buf2": ([], 2, "keep"),
-    "mixed": ([0, 2], 2, "keep"),
-    "all-checkpoint": ([], 2, "checkpoint"),
-    "all-swap": ([], 2, "swap"),
-    "interleaved": ([0], 2, "swap checkpoint keep swap"),
-    "interleaved-2": ([1, 3], 3, "checkpoint swap checkpoint keep"),
-}
-
-
-def _plan(model: str, case: str, **kw):
-    persistent, n_buffer, policies = MATRIX[case]
-    if model == "gpt2-4" and n_buffer == 1:
-        n_buffer = 2  # GPT-2's tied head uses the embedding chunk and ln_f's at once
-    return make_plan(model, persistent=persistent, n_buffer=n_buffer, policies=policies, **kw)
-
 
 @pytest.fixture
 def delays(monkeypatch):
