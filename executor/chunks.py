@@ -238,8 +238,7 @@ class ChunkStore:
             return
         # n_buffer is the plan's bound on resident offloaded chunks; the validator's
         # replay checks it, and this holds the executor to it.
-        resident = sum(1 for x in self.chunks if not x.persistent and x.residency is Residency.RESIDENT)
-        assert resident < self.n_buffer, f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
+        assert len(self.resident_offloaded()) < self.n_buffer, f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
         if c.pending is not None:
             c.pending.result()  # the updated weights must be in home before we read it
             c.pending = None

@@ -229,7 +229,7 @@ class ChunkOptimizer:
             # Never fetched in this backward (every parameter unused or frozen): no gradient
             # buffer, so no copy. The accumulator must read zero for the micro-batches after.
             if first_micro_batch:
-                previous, c.pending = c.pending, None
+                previous = c.pending
                 c.pending = self.worker.submit(lambda: (previous and previous.result(), acc.zero_()))
             return
         src = c.dev_grad

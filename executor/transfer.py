@@ -88,9 +88,6 @@ class Copy:
             else:
                 self.event.wait()
 
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
-
 
 class HostArena:
     """One host allocation holding every pinned buffer whose size the plan fixes.

@@ -50,7 +50,7 @@ MUTANTS = [
            "            c.pending.result()  # the updated weights", "            pass  # the updated weights",
            (f"{R}::test_parity_with_delays",)),
     Mutant("fetch bounded by n_buffer", "chunks.py",
-           "        assert resident < self.n_buffer", "        assert True",
+           "        assert len(self.resident_offloaded()) < self.n_buffer", "        assert True",
            (f"{G}::test_fetch_beyond_n_buffer_is_an_invariant_error",)),
     Mutant("worker waits for the gradient download", "optim.py",
            "            down.synchronize()  # a wait", "            pass  # a wait",
