@@ -15,7 +15,7 @@ node that saved the parameter, and ``param.grad`` all keep pointing at the same
 StorageImpl, whose data pointer is simply swapped. So autograd's saved views stay
 valid across a release/fetch cycle and no module is ever re-pointed. Touching a
 released chunk's parameter is an error (zero-byte storage), which is why the
-schedule must fetch every chunk a segment uses (``plan.simulate_residency``).
+schedule must fetch every chunk a segment uses (``validation.simulate_residency``).
 
 [Note: gradients in chunks]
 ``param.grad`` is pre-set to a view of the chunk's gradient buffer. With grad mode

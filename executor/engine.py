@@ -42,9 +42,10 @@ from .dist import Comm
 from .errors import BudgetError, ConfigError, NonFiniteLossError
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .plan import POST, PRE, Plan, validate
+from .plan import POST, PRE, Plan
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
+from .validation import validate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

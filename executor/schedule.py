@@ -18,7 +18,7 @@ block's own backward. *Post-backward* is the same Function on the block's input:
 its backward runs once the gradient w.r.t. the input exists, i.e. after the
 block's backward. A begin replays ``swap_in``, ``fetch`` (and waits for those
 uploads), then ``prefetch``; an end replays ``offload`` and ``release`` — the
-rules ``plan.simulate_residency`` checks, so a loaded plan cannot overflow its
+rules ``validation.simulate_residency`` checks, so a loaded plan cannot overflow its
 buffers here.
 
 The block's input is its hidden states: the first positional argument, or the

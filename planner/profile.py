@@ -174,6 +174,7 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
     Chunks are sized to the largest segment so that each segment lives in one chunk.
     """
     from protrain.executor import plan as P
+    from protrain.executor import validation as V
 
     from .emit import assemble, model_facts
 
@@ -190,7 +191,7 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
         return assemble(facts, training=training, chunk_numel=chunk_numel,
                         persistent=list(range(n_chunks)), n_buffer=0,
                         policies=["keep"] * len(blocks)), facts
-    need = max(len(c) for c in P.segment_chunks(probe).values())
+    need = max(len(c) for c in V.segment_chunks(probe).values())
     return assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
                     n_buffer=need, policies=["keep"] * len(blocks)), facts
 

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
+from protrain.executor import validation as V
 from protrain.executor.errors import ProtrainError
 
 LR, WD = 1e-2, 0.1
@@ -119,7 +120,7 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
             n = len(probe.chunks.items)
             persistent = {"persistent": list(range(n)), "offloaded": [],
                           "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1]}[ps["kind"]]
-            need = max((len(ids - set(persistent)) for ids in P.segment_chunks(probe).values()), default=0)
+            need = max((len(ids - set(persistent)) for ids in V.segment_chunks(probe).values()), default=0)
             out.append((label, assemble(facts, training=training, chunk_numel=chunk, persistent=persistent,
                                         n_buffer=max(1, need) + ps["extra_buffers"], policies=policies)))
         except ProtrainError as e:

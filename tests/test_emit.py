@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from protrain.executor import plan as P
+from protrain.executor import validation as V
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.planner.emit import build_schedule, emit
 from protrain.planner.graph import trace
@@ -97,7 +98,7 @@ def test_emit_matrix_is_valid_and_deterministic(name, n_persist, n_buffer, polic
         assert (name, n_buffer) == ("gpt2-tiny", 1)  # the tied head needs two chunks at once
         return
     assert P.dump(a) == P.dump(emit(build(name, device="meta"), **kw))
-    residency = P.simulate_residency(a)
+    residency = V.simulate_residency(a)
     assert max(len(r) for _, _, r in residency) <= a.placement.n_buffer
 
 

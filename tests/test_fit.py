@@ -9,7 +9,7 @@ import pytest
 import torch
 from planfactory import gpu_spec
 
-from protrain.executor import plan as P
+from protrain.executor import validation as V
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.planner.fit import (
     gpt2_ladder,
@@ -62,7 +62,7 @@ def test_largest_gpt2_grows_with_the_budget():
     ladder = gpt2_ladder(SEQ)
     for r, budget in zip(results, (GiB // 2, GiB, 2 * GiB)):
         plan = r.plan
-        P.validate(plan)  # a well-formed plan …
+        V.validate(plan)  # a well-formed plan …
         assert plan.prediction.peak_memory_bytes <= budget  # … that fits the device …
         assert r.host_bytes <= SMALL.host_memory_bytes  # … and the host
         assert plan.training.micro_batch == r.micro_batch in MICRO

@@ -6,7 +6,7 @@ import pytest
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
+from protrain.executor import validation as V
 from protrain.planner.data import batches, load_tokens
 
 
@@ -19,7 +19,7 @@ from protrain.planner.data import batches, load_tokens
 def test_probe_matches_the_plan(model, persistent, n_buffer, policies):
     plan = make_plan(model, persistent=persistent, n_buffer=n_buffer, policies=policies)
     engine = wrap(make_model(model), plan, AdamWConfig(), device="cpu")
-    expected = P.simulate_residency(plan)
+    expected = V.simulate_residency(plan)
     data = batches(load_tokens(), 4, 32, 0)
     chunk_bytes = plan.chunks.chunk_numel * 4
     for _ in range(2):  # the second step starts from what the first left behind

@@ -63,6 +63,7 @@ from bench_executor import BENCHMARKS_MD, ROOT, build_model, machine, write_sect
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor import plan as P  # noqa: E402
+from protrain.executor import validation as V  # noqa: E402
 from protrain.executor.dist import Comm  # noqa: E402
 from protrain.planner.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
 from protrain.planner.data import batches, load_tokens  # noqa: E402
@@ -303,7 +304,7 @@ def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tu
     """Train ``name`` on W = 1, 2, 3 ranks; the section's table for it and the figures for the reading."""
     t_model = time.perf_counter()
     probe_plan = make_plan(name, 1, args.batch, args.seq, chunk_numel, [], 10**6)
-    need = P.segment_chunks(probe_plan)
+    need = V.segment_chunks(probe_plan)
     n_chunks = len(probe_plan.chunks.items)
     persistent = [0]  # the embeddings' chunk stays (the paper's choice); the rest is offloaded
     n_buffer = max(2, max(len(ids - set(persistent)) for ids in need.values()))

@@ -47,6 +47,7 @@ import torch
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
+from protrain.executor import validation as V
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.emit import emit
 from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, block_paths, materialize
@@ -105,7 +106,7 @@ def make_variants(name: str, tr: P.Training, chunk_numel: int, n_buffer: int) ->
     # A probe plan tells us the layout: how many chunks and which ones each segment uses.
     probe = plan([], 10**6, ["keep"] * nb)
     n_chunks = len(probe.chunks.items)
-    need = P.segment_chunks(probe)
+    need = V.segment_chunks(probe)
 
     def buffers_for(persistent: list[int]) -> int:
         # emit refuses fewer buffers than one segment's offloaded chunks; raise to that.

@@ -1,0 +1,245 @@
+"""What a well-typed plan must also satisfy: ``validate``, and the residency replay it runs.
+
+``plan.py`` is the format (Structs, canonical ``dump``, ``load``); this module is its
+semantics: every parameter in one chunk, the placement a partition, one policy per
+block, and the schedule replayed on chunk ids (``simulate_residency``) so that a plan
+that loads can never overflow its buffers or free an upload in flight. ``load`` calls
+``validate``; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from .errors import PlanError
+from .plan import POST, PRE, SCHEMA_VERSION, Plan, plan_fingerprint, segments
+
+
+def validate(plan: Plan, where: str = "<plan>") -> None:
+    """Check the invariants a well-typed plan must also satisfy; raise ``PlanError`` on the first.
+
+    Every parameter in exactly one chunk, inside it and not overlapping another; the
+    placement partitions the chunks; one policy per block; the schedule names only
+    existing chunks and segments and, replayed, keeps every segment's parameters
+    resident without ever holding more than ``n_buffer`` offloaded chunks.
+    """
+
+    def fail(path: str, what: str, hint: str = "regenerate the plan with `protrain plan`") -> None:
+        raise PlanError(f"{where}: {what} - at `{path}`", hint)
+
+    if plan.schema_version != SCHEMA_VERSION:
+        fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+
+    # -- training ↔ schedule: fp16's loss scaler checks every gradient for overflow
+    # before any parameter changes, so no CPU step may start during backward.
+    if plan.training.compute_dtype == "float16" and plan.schedule.cpu_adam != "after_backward":
+        fail("$.schedule.cpu_adam", f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
+             "'after_backward' (the loss scaler's overflow check needs every gradient before any step)")
+
+    # -- model
+    blocks = plan.model.blocks
+    seen_blocks: set[str] = set()
+    for i, b in enumerate(blocks):
+        if b in (PRE, POST) or not b:
+            fail(f"$.model.blocks[{i}]", f"{b!r} is not a module path")
+        if b in seen_blocks:
+            fail(f"$.model.blocks[{i}]", f"block {b!r} is listed twice")
+        seen_blocks.add(b)
+
+    # -- chunks: ids, bounds, overlaps, one chunk per parameter
+    cap = plan.chunks.chunk_numel
+    owner: dict[str, int] = {}
+    n_params = 0
+    for ci, chunk in enumerate(plan.chunks.items):
+        cpath = f"$.chunks.list[{ci}]"
+        if chunk.id != ci:
+            fail(f"{cpath}.id", f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}")
+        spans = []
+        for pi, p in enumerate(chunk.params):
+            ppath = f"{cpath}.params[{pi}]"
+            numel = 1
+            for s in p.shape:
+                numel *= s
+            if numel != p.numel:
+                fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {numel}")
+            if p.offset + p.numel > cap:
+                fail(
+                    f"{ppath}.offset",
+                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}",
+                )
+            if p.name in owner:
+                fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
+            owner[p.name] = ci
+            spans.append((p.offset, p.offset + p.numel, pi, p.name))
+            n_params += p.numel
+        spans.sort()
+        for (_, end_a, _, name_a), (start_b, _, pi_b, name_b) in zip(spans, spans[1:]):
+            if start_b < end_a:
+                fail(f"{cpath}.params[{pi_b}].offset", f"{name_b} overlaps {name_a} in chunk {ci}")
+    if n_params != plan.model.n_params:
+        fail("$.model.n_params", f"chunks hold {n_params} elements but the model declares {plan.model.n_params}")
+    for field, names in (("pre_block_params", plan.model.pre_block_params),
+                         ("post_block_params", plan.model.post_block_params)):
+        for i, name in enumerate(names):
+            if name not in owner:
+                fail(f"$.model.{field}[{i}]", f"parameter {name!r} is in no chunk")
+    for i, pair in enumerate(plan.model.tied):
+        if len(pair) != 2:
+            fail(f"$.model.tied[{i}]", f"expected a [name, alias] pair, got {len(pair)} names")
+        if pair[0] not in owner:
+            fail(f"$.model.tied[{i}][0]", f"tied parameter {pair[0]!r} is in no chunk")
+        if pair[1] in owner:
+            fail(f"$.model.tied[{i}][1]", f"alias {pair[1]!r} must not have a chunk slot of its own")
+    if plan.model.fingerprint != plan_fingerprint(plan):
+        fail("$.model.fingerprint", "does not match the parameters listed in the chunks (the file was edited)")
+
+    # -- placement
+    n_chunks = len(plan.chunks.items)
+    pl = plan.placement
+    for field, ids in (("persistent", pl.persistent), ("offloaded", pl.offloaded)):
+        for i, c in enumerate(ids):
+            if c >= n_chunks:
+                fail(f"$.placement.{field}[{i}]", f"unknown chunk id {c} (the plan has {n_chunks} chunks)")
+        if ids != sorted(set(ids)):
+            fail(f"$.placement.{field}", "chunk ids must be ascending and unique")
+    both = set(pl.persistent) & set(pl.offloaded)
+    if both:
+        fail("$.placement.offloaded", f"chunks {sorted(both)} are both persistent and offloaded")
+    if len(pl.persistent) + len(pl.offloaded) != n_chunks:
+        missing = sorted(set(range(n_chunks)) - set(pl.persistent) - set(pl.offloaded))
+        fail("$.placement", f"chunks {missing} are neither persistent nor offloaded")
+    if pl.n_persist != len(pl.persistent):
+        fail("$.placement.n_persist", f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent")
+    if pl.offloaded and pl.n_buffer < 1:
+        fail("$.placement.n_buffer", "offloaded chunks need at least one device buffer")
+
+    # -- activations
+    if [a.block for a in plan.activations] != blocks:
+        got = [a.block for a in plan.activations]
+        i = next((i for i, (a, b) in enumerate(zip(got, blocks)) if a != b), min(len(got), len(blocks)))
+        fail(f"$.activations[{i}]", f"expected one policy per block in model.blocks order; "
+             f"expected {blocks[i] if i < len(blocks) else 'nothing'!r}, got {got[i] if i < len(got) else 'nothing'!r}")
+
+    simulate_residency(plan, where)
+
+
+def segment_chunks(plan: Plan) -> dict[str, set[int]]:
+    """Chunk ids holding the parameters each segment uses (persistent chunks included)."""
+    owner = {p.name: c.id for c in plan.chunks.items for p in c.params}
+    need: dict[str, set[int]] = {s: set() for s in segments(plan)}
+    need[PRE] = {owner[n] for n in plan.model.pre_block_params}
+    need[POST] = {owner[n] for n in plan.model.post_block_params}
+    for name, cid in owner.items():
+        for b in plan.model.blocks:
+            if name.startswith(b + "."):
+                need[b].add(cid)
+                break
+    return need
+
+
+def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str, frozenset[int]]]:
+    """Replay the schedule on the chunk ids alone; return (phase, segment, resident) per step.
+
+    Replay rules (the executor follows exactly these):
+    1. A step starts: ``swap_in`` (backward), then every id in ``fetch`` becomes
+       resident (waiting if it is in flight), then every id in ``prefetch`` starts
+       loading and counts as resident from then on.
+    2. The segment runs; every offloaded chunk holding a parameter it uses must be
+       in ``fetch`` of this step (so the executor waits on it).
+    3. The step ends: ``offload`` (backward), then ``release`` frees the buffers.
+    4. A prefetched chunk is fetched by a later step before it is released and before
+       backward ends: only a fetch waits for the upload, so a prefetch that no fetch
+       follows could still be writing the buffer when its storage is freed.
+    Resident offloaded chunks never exceed ``n_buffer``; forward's resident set
+    carries into backward, and backward ends with nothing resident. Each offloaded
+    chunk is offloaded exactly once in backward, no earlier than the last step that
+    uses it; each swapped block is swapped in exactly once, no later than its own
+    backward step, and no other block is.
+    """
+
+    def fail(path: str, what: str) -> None:
+        raise PlanError(f"{where}: {what} - at `{path}`", "regenerate the plan with `protrain plan`")
+
+    offloaded = set(plan.placement.offloaded)
+    n_buffer = plan.placement.n_buffer
+    need = segment_chunks(plan)
+    order = segments(plan)
+    swapped = {a.block for a in plan.activations if a.policy == "swap"}
+    resident: set[int] = set()
+    trace: list[tuple[str, str, frozenset[int]]] = []
+    offloaded_at: dict[int, int] = {}
+    swapped_in_at: dict[str, int] = {}
+    last_use_bwd: dict[int, int] = {}
+    in_flight: dict[int, str] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
+
+    for phase, steps, expected in (("forward", plan.schedule.forward, order),
+                                   ("backward", plan.schedule.backward, order[::-1])):
+        got = [s.segment for s in steps]
+        if got != expected:
+            i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+            want = expected[i] if i < len(expected) else "nothing"
+            have = got[i] if i < len(got) else "nothing"
+            fail(f"$.schedule.{phase}[{i}].segment", f"expected segment {want!r}, got {have!r}")
+        for si, step in enumerate(steps):
+            spath = f"$.schedule.{phase}[{si}]"
+            for field in ("fetch", "prefetch", "release", "offload"):
+                ids = getattr(step, field)
+                for i, c in enumerate(ids):
+                    if c not in offloaded:
+                        kind = "persistent" if c < len(plan.chunks.items) else "unknown"
+                        fail(f"{spath}.{field}[{i}]", f"chunk {c} is {kind}; events name offloaded chunks only")
+                if len(set(ids)) != len(ids):
+                    fail(f"{spath}.{field}", f"chunk ids repeat: {ids}")
+            if phase == "forward" and (step.offload or step.swap_in):
+                fail(f"{spath}", "`offload` and `swap_in` are backward-only events")
+            for i, b in enumerate(step.swap_in):
+                if b not in swapped:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} has no `swap` policy")
+                if b in swapped_in_at:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in twice")
+                if order[::-1].index(b) < si:
+                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward")
+                swapped_in_at[b] = si
+            resident |= set(step.fetch)
+            for c in step.fetch:
+                in_flight.pop(c, None)  # the fetch waits for the upload
+            for i, c in enumerate(step.prefetch):
+                if c in resident:
+                    fail(f"{spath}.prefetch[{i}]", f"chunk {c} is already resident")
+                in_flight[c] = f"{spath}.prefetch[{i}]"
+            resident |= set(step.prefetch)
+            if len(resident) > n_buffer:
+                fail(f"{spath}", f"{len(resident)} offloaded chunks resident {sorted(resident)} "
+                     f"but placement.n_buffer is {n_buffer}")
+            missing = (need[step.segment] & offloaded) - set(step.fetch)
+            if missing:
+                fail(f"{spath}.fetch", f"segment {step.segment!r} uses chunks {sorted(missing)}, "
+                     "which must be fetched by this step")
+            trace.append((phase, step.segment, frozenset(resident)))
+            if phase == "backward":
+                for c in need[step.segment] & offloaded:
+                    last_use_bwd[c] = si
+                for i, c in enumerate(step.offload):
+                    if c in offloaded_at:
+                        fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
+                    offloaded_at[c] = si
+            for i, c in enumerate(step.release):
+                if c not in resident:
+                    fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
+                if c in in_flight:
+                    fail(in_flight[c], f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
+                         "frees it (its upload could still be writing the freed buffer)")
+            resident -= set(step.release)
+
+    for c, path in in_flight.items():
+        fail(path, f"chunk {c} is prefetched but never fetched before backward ends "
+             "(its upload could still be in flight when the iteration ends)")
+    if resident:
+        fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
+    for c in sorted(offloaded):
+        if c not in offloaded_at:
+            fail("$.schedule.backward", f"offloaded chunk {c} is never offloaded in backward")
+        if offloaded_at[c] < last_use_bwd.get(c, -1):
+            fail(f"$.schedule.backward[{offloaded_at[c]}].offload",
+                 f"chunk {c} is offloaded before its last use in backward (step {last_use_bwd[c]})")
+    for b in sorted(swapped - set(swapped_in_at)):
+        fail("$.schedule.backward", f"swapped block {b!r} is never swapped in")
+    return trace
