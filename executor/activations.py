@@ -5,10 +5,12 @@
   (non-reentrant, RNG state preserved, so dropout masks in the recomputation equal
   the first forward's). Only the block's input is kept.
 - ``swap``: the block's forward runs under ``saved_tensors_hooks`` whose pack hook
-  copies every saved tensor that is not a chunk's parameter storage to host memory
-  (on the D2H stream on CUDA) and drops the device copy; the schedule's ``swap_in``
-  event brings them back ahead of the block's backward, and the unpack hook waits
-  for that copy (or copies synchronously if no swap-in was scheduled yet).
+  copies the storage of every saved tensor that is not a chunk's parameter storage
+  to host memory, once per storage (on the D2H stream on CUDA), and drops the device
+  copy; the schedule's ``swap_in`` event brings the storages back ahead of the
+  block's backward, and the unpack hook waits for that copy (or copies synchronously
+  if no swap-in was scheduled yet) and rebuilds the saved view on it. See
+  [Note: swap per storage].
 
 [Note: policy wrappers]
 Checkpoint and swap replace the block's ``forward`` attribute with a wrapper, so
@@ -16,11 +18,38 @@ the module's forward hooks (where the schedule lives) run once per forward and
 never during recomputation: ``torch.utils.checkpoint`` re-runs the original
 forward function, not the module call. Recomputation therefore cannot re-trigger
 forward-only events. The wrapper is removed by ``uninstall``.
+
+[Note: swap per storage]
+Autograd saves views: slices of a fused projection (``qkv[..., :d]``), a transposed
+key, several views of one base, broadcasts with stride 0. Backward picks kernels by
+layout (a non-dense operand takes a strided loop that sums in another order), so a
+swap must give back each saved tensor with its exact size, stride and storage
+offset, views of one base still sharing one storage; a per-tensor ``empty_like``
+does neither (it makes non-dense views contiguous, and copies a base once per view).
+So a swapped block moves storages, not tensors:
+
+- the first time one forward of the block saves a view of a device storage, the
+  whole storage's bytes are downloaded (``uint8``, so views of another dtype and
+  stride-0 broadcasts need no special case), into one ``SwapHandle``;
+- every saved view is packed as (handle, dtype, size, stride, storage offset) and
+  unpacked as exactly that view of the handle's swapped-in device storage (``set_``);
+  ``swap_in`` uploads each handle once, so the views share one device copy again;
+- storages are keyed by data pointer within one forward call of the block. That
+  forward holds each swapped storage until it returns, so no new storage can take a
+  key's address meanwhile; the cost model already charges a swapped block's saved
+  bytes on the device during its own forward segment (planner/cost.py). A storage
+  written in place after its download (its version counter moved) is downloaded
+  again, so each view comes back with the bytes it was saved with;
+- what a swap moves per segment is therefore the bytes of the distinct storages it
+  saves (``segment_swap_bytes``). Under keep the CPU count fills it by the same rule,
+  for the profiler (it also counts the few bytes of 0-dim and host tensors, which a
+  swap leaves where they are). A storage two blocks save is moved by each of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,15 +65,23 @@ from .transfer import Copy, CopyEngine
 
 
 class SwapHandle:
-    """One swapped tensor: its host copy, and its device copy once swapped in."""
+    """One swapped storage: its host copy, and its device copy once swapped in.
+
+    See [Note: swap per storage]; the saved tensors are views of it.
+    """
 
     __slots__ = ("host", "down", "dev", "up")
 
     def __init__(self, host: torch.Tensor, down: Copy):
-        self.host = host  # host copy, same shape/strides/dtype; pinned on CUDA
+        self.host = host  # 1D uint8 (storage nbytes,), the storage's bytes; pinned on CUDA
         self.down = down  # the D2H copy that fills `host`
-        self.dev: torch.Tensor | None = None  # device copy after swap-in
+        self.dev: torch.Tensor | None = None  # 1D uint8 (storage nbytes,) once swapped in
         self.up: Copy | None = None  # the H2D copy that fills `dev`
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1D uint8 tensor over all of ``storage`` (``(nbytes,)``, on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class Activations:
@@ -59,14 +96,18 @@ class Activations:
         modules = dict(model.named_modules())
         self.blocks = {a.block: (modules[a.block], a.policy) for a in plan.activations}
         self.segment = PRE  # segment whose forward is running (set by the schedule)
-        # Swapped tensors per block, in pack order; emptied when the block's backward ends.
+        # Swapped storages per block, in pack order; emptied when the block's backward ends.
         self.swapped: dict[str, list[SwapHandle]] = {b: [] for b in self.blocks}
         # CPU ledger: storage → (segment, bytes) of activations counted now, and per-segment sums.
         self.counted: dict[int, tuple[str, int]] = {}
         self.segment_bytes: dict[str, int] = {}
-        # Per-tensor (not de-duplicated) bytes of the same tensors: what a swap would move.
-        # Read by the profiler; reset by it too.
-        self.segment_tensor_bytes: dict[str, int] = {}
+        # What a swap of the segment moves (swapped blocks) or would move (counted ones):
+        # bytes of the distinct storages it saves. See [Note: swap per storage]. Read and
+        # reset by the profiler; its storages per segment, until the segment's backward ends.
+        self.segment_swap_bytes: dict[str, int] = {}
+        self._swap_counted: dict[str, set[int]] = {}
+        # The same dict under its old name, which planner/profile.py still reads.
+        self.segment_tensor_bytes = self.segment_swap_bytes
         self._originals: dict[str, Callable] = {}
 
     # -- installation
@@ -103,7 +144,8 @@ class Activations:
         return forward
 
     def _swapped(self, name: str, original: Callable) -> Callable:
-        def pack(t: torch.Tensor):
+        # See [Note: swap per storage].
+        def pack(live: dict[int, tuple[torch.Tensor, int, SwapHandle]], t: torch.Tensor):
             if self.store.owns(t):
                 return (False, t)  # a parameter: its chunk's residency is the schedule's business
             if t.device != self.store.device or t.dim() == 0:
@@ -111,25 +153,39 @@ class Activations:
                 # as CPU int64 scalars (a D2H copy of a host tensor has no stream to record
                 # on), and a 0-dim tensor is not worth a copy. Kept as it is.
                 return (False, t)
-            # preserve_format keeps the original's strides where it is dense, so backward
-            # formulas that care about layout see what they saved.
-            host = torch.empty_like(t, device="cpu", pin_memory=self.copies.cuda)
-            handle = SwapHandle(host, self.copies.download(host, t, name="swap_out"))
-            self.swapped[name].append(handle)
-            return (True, handle)
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            held = live.get(key)
+            if held is None or held[1] != t._version:  # new storage, or written since its download
+                src = _bytes_of(storage)  # (nbytes,) uint8 on the device
+                host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self.copies.cuda)
+                handle = SwapHandle(host, self.copies.download(host, src, name="swap_out"))
+                self.swapped[name].append(handle)
+                held = live[key] = (src, t._version, handle)  # src: see the Note's third point
+                # Each download counts (a storage rewritten in place is moved twice).
+                self.segment_swap_bytes[name] = self.segment_swap_bytes.get(name, 0) + src.numel()
+            return (True, (held[2], t.dtype, t.shape, t.stride(), t.storage_offset()))
 
         def unpack(packed):
             is_swapped, x = packed
             if not is_swapped:
                 return x
-            if x.dev is None:  # not swapped in ahead of time: bring it back now
-                self._swap_in_one(x, name)
-            x.up.wait()
-            return x.dev
+            h, dtype, size, stride, offset = x
+            if h.dev is None:  # not swapped in ahead of time: bring it back now
+                self._swap_in_one(h, name)
+            h.up.wait()
+            # The saved view, exactly: same size, stride and offset, on the swapped-in storage.
+            return torch.empty(0, dtype=dtype, device=h.dev.device).set_(
+                h.dev.untyped_storage(), offset, size, stride)
 
         def forward(*args, **kwargs):
-            with saved_tensors_hooks(pack, unpack):
-                return original(*args, **kwargs)
+            # Storages this call swapped: data pointer → (device bytes held, version, handle).
+            live: dict[int, tuple[torch.Tensor, int, SwapHandle]] = {}
+            try:
+                with saved_tensors_hooks(functools.partial(pack, live), unpack):
+                    return original(*args, **kwargs)
+            finally:
+                live.clear()  # the device storages may go once their downloads are done
 
         return forward
 
@@ -142,15 +198,15 @@ class Activations:
                 self._swap_in_one(h, block)
 
     def _swap_in_one(self, h: SwapHandle, block: str) -> None:
-        h.dev = torch.empty_strided(h.host.shape, h.host.stride(), dtype=h.host.dtype,
-                                    device=self.store.device)
+        h.dev = torch.empty(h.host.numel(), dtype=torch.uint8, device=self.store.device)
         h.up = self.copies.upload(h.dev, h.host, name="swap_in", after=h.down)
-        if self.count:
-            self._add(id(h), block, h.dev.untyped_storage().nbytes())
+        if self.count:  # one count per swapped storage, however many views it backs
+            self._add(id(h), block, h.dev.numel())
 
     def end_backward(self, segment: str) -> None:
         """The segment's backward is over: its saved activations are gone."""
         self.swapped.get(segment, []).clear()
+        self._swap_counted.pop(segment, None)
         if self.count:
             nbytes = self.segment_bytes.pop(segment, 0)
             if nbytes:
@@ -176,10 +232,16 @@ class Activations:
     def _count(self, t: torch.Tensor, segment: str) -> None:
         if not self.count or self.store.owns(t):
             return
-        self.segment_tensor_bytes[segment] = (self.segment_tensor_bytes.get(segment, 0)
-                                              + t.numel() * t.element_size())
         s = t.untyped_storage()
+        self._add_swap(segment, s.data_ptr(), s.nbytes())
         self._add(s.data_ptr(), segment, s.nbytes())
+
+    def _add_swap(self, segment: str, key: int, nbytes: int) -> None:
+        """Count a storage in what a swap of ``segment`` moves, once per storage and segment."""
+        seen = self._swap_counted.setdefault(segment, set())
+        if key not in seen:
+            seen.add(key)
+            self.segment_swap_bytes[segment] = self.segment_swap_bytes.get(segment, 0) + nbytes
 
     def _add(self, key: int, segment: str, nbytes: int) -> None:
         if key in self.counted:

@@ -29,10 +29,11 @@ The model, op by op (``_OpCounter``):
 - **Saved activations**: ``saved_tensors_hooks`` during forward, attributed to the
   running segment, exactly as the executor's CPU ledger counts them
   (``executor/activations.py``): parameter storages skipped, each storage counted
-  once (by the first segment that saves it) for ``saved_bytes``, each tensor's dense
-  size for ``saved_tensor_bytes`` (swap copies each saved tensor into an
-  ``empty_like``). On meta the storage identity is ``untyped_storage()._cdata``
-  (meta storages have no data pointer).
+  once (by the first segment that saves it) for ``saved_bytes``, and once per
+  segment that saves it for ``saved_tensor_bytes`` (what a swap moves: each swapped
+  block copies every storage it saves once, see [Note: swap per storage] in
+  executor/activations.py). On meta the storage identity is
+  ``untyped_storage()._cdata`` (meta storages have no data pointer).
 - **Transient peaks**: a simulated allocator. Every storage an op creates is live
   from that op until Python and autograd drop it (a weakref on the storage);
   parameters and their preset gradient buffers (the executor's chunks) are not
@@ -137,7 +138,7 @@ class SegmentCount:
     saved_bytes: int = 0
     """Saved activations, one count per storage, first segment owns it (ledger rule)."""
     saved_tensor_bytes: int = 0
-    """Saved activations, dense size per tensor (what swap moves)."""
+    """Saved activations, one count per storage and segment (what swap moves)."""
     input_bytes: int = 0
     """Storage bytes of the segment's input activation."""
 
@@ -341,13 +342,16 @@ def count_segments(
     counter = _OpCounter(spec, segments, external)
     counter.counts[PRE].input_bytes = idx.untyped_storage().nbytes()
     owner: dict[int, str] = {}  # saved storage → the segment that counted it
+    moved: set[tuple[str, int]] = set()  # (segment, saved storage) counted in saved_tensor_bytes
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in param_storages:
             seg = counter.counts[counter.segment]
-            seg.saved_tensor_bytes += t.numel() * t.element_size()
+            if (counter.segment, key) not in moved:
+                moved.add((counter.segment, key))
+                seg.saved_tensor_bytes += storage.nbytes()
             if key not in owner:
                 owner[key] = counter.segment
                 seg.saved_bytes += storage.nbytes()
