@@ -41,6 +41,7 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
+from .accounting import pool_slots
 from .memory import Ledger
 from .plan import Plan
 from .transfer import Copy, CopyEngine, HostArena
@@ -103,19 +104,6 @@ class Chunk:
         # Each parameter's ``_version`` when last synced with home/master: a forward that
         # writes a parameter in place bumps it. See [Note: in-place writes in forward].
         self.versions: list[int] = []
-
-
-def pool_slots(plan: Plan) -> int:
-    """Chunk-sized device buffers the plan holds at most at once: each persistent chunk's
-    values and gradients, ``n_buffer`` offloaded chunks' values, and the offloaded
-    gradient buffers open at once in backward (from a chunk's backward fetch to its
-    offload). What the chunk pool is sized for."""
-    open_grads, most = set(), 0
-    for step in plan.schedule.backward:
-        open_grads |= set(step.fetch)
-        most = max(most, len(open_grads))
-        open_grads -= set(step.offload)
-    return 2 * len(plan.placement.persistent) + plan.placement.n_buffer + most
 
 
 class ChunkStore:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import accounting
 from .activations import Activations
 from .check import check
 from .chunks import DTYPES, ChunkStore
@@ -123,6 +124,7 @@ class Engine:
         try:
             self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
             self.optim = ChunkOptimizer(self.store, config)
+            self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
                                      config.scale_window)
             self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
@@ -139,6 +141,16 @@ class Engine:
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
         self.steps_done = 0
+
+    def _expect_accounting(self, plan: Plan) -> None:
+        """What wrap allocated must be what ``accounting.py`` says, and so must every step
+        boundary's model states (``Ledger.check``, called by the replayer)."""
+        trainable = [c.trainable for c in self.store.chunks]
+        walk = accounting.walk(plan, trainable=trainable)
+        if self.ledger.host_bytes != walk.host_bytes:
+            raise AssertionError(f"host states: counted {self.ledger.host_bytes} B, accounting.py "
+                                 f"says {walk.host_bytes} B")
+        self.ledger.expected = accounting.expected_states(plan, trainable)
 
     # -- the training step
 
@@ -213,7 +225,7 @@ class Engine:
             loss_t /= self.comm.world
         loss_value = loss_t.item()
         reserved, retries = self.ledger.allocator_stats()
-        return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.peak_bytes(),
+        return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
                           skipped=skipped, timings=timings, reserved_peak_bytes=reserved,
                           alloc_retries=retries)
 
@@ -279,7 +291,7 @@ class Engine:
             held = torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            held = peak = self.ledger.peak_bytes()
+            held = peak = self.ledger.device_peak_bytes()
         budget = self.plan.request.budget_bytes or max(predicted, held)
         return BudgetError(
             f"out of device memory in the {phase}"

@@ -15,10 +15,13 @@ bytes itself at every place it allocates or frees device-side state:
   their backward ends; checkpointed blocks: their input; swapped blocks: only
   between swap-in and the end of their backward).
 
-The CPU count is exact for what it names and deterministic, so tests hold it
-against a formula. It does not see op-internal temporaries or the activations a
-checkpointed block recomputes during its own backward (no hook exposes them);
-those are the allocator's business on CUDA.
+The count is exact for what it names and deterministic. Its model states
+(``chunks``, ``grads``, ``optim`` and the host bytes) are held to
+``executor/accounting.py`` at every step boundary (``check``), on CUDA too, so the
+single memory model and the executor's hooks cannot drift apart unnoticed. It does
+not see op-internal temporaries or the activations a checkpointed block recomputes
+during its own backward (no hook exposes them); those are the allocator's business
+on CUDA.
 """
 
 from __future__ import annotations
@@ -32,39 +35,49 @@ class Ledger:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        # Counted bytes per kind (CPU; kept on CUDA too, for reports).
+        # Counted bytes per kind (CPU; kept on CUDA too, for reports and ``check``).
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)
-        self.current = 0  # sum of self.bytes
-        self.peak = 0  # max of self.current since reset_peak()
+        self.current_bytes = 0  # sum of self.bytes
+        self.peak_bytes = 0  # max of self.current_bytes since reset_peak()
         # Host bytes of offloaded states on this rank: homes, fp32 masters, moments,
         # gradient accumulators (all shards under ZeRO-3). Allocated once, at wrap.
-        self.host = 0
+        self.host_bytes = 0
+        # accounting.expected_states: (phase, segment, "begin"|"end") → model-state bytes.
+        self.expected: dict[tuple[str, str, str], dict[str, int]] = {}
 
     def host_alloc(self, nbytes: int) -> None:
-        self.host += nbytes
+        self.host_bytes += nbytes
+
+    def check(self, phase: str, segment: str, when: str, deferred_grads: int = 0) -> None:
+        """Hold the counted model states to ``accounting.expected_states`` at a step boundary.
+        ``deferred_grads``: gradient bytes whose offload waits for autograd (schedule.py
+        [Note: gradient completion]), still open past the plan's moment."""
+        want = self.expected.get((phase, segment, when))
+        if want is None:
+            return
+        got = {k: self.bytes[k] for k in want}
+        want = {**want, "grads": want["grads"] + deferred_grads}
+        assert got == want, f"ledger != accounting.py at {when} of {phase} {segment}: counted {got}, expected {want}"
 
     def alloc(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
-        self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
 
     def free(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] -= nbytes
-        self.current -= nbytes
+        self.current_bytes -= nbytes
         assert self.bytes[kind] >= 0, f"ledger underflow: {kind=} {self.bytes[kind]=}"
 
     def reset_peak(self) -> None:
-        self.peak = self.current
+        self.peak_bytes = self.current_bytes
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peak_bytes(self) -> int:
+    def device_peak_bytes(self) -> int:
         """Peak device bytes since ``reset_peak``: the allocator's on CUDA, the count on CPU."""
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else self.peak
-
-    def current_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else self.current
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else self.peak_bytes
 
     def allocator_stats(self) -> tuple[int, int]:
         """(peak reserved bytes since ``reset_peak``, allocation retries so far): CUDA only."""

@@ -156,28 +156,26 @@ class ChunkOptimizer:
             elif c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py.
                 m = c.dev if fp32 else c.master_init
-                if not fp32:
-                    store.ledger.alloc("optim", c.numel * 4)
-                store.ledger.alloc("optim", c.numel * 8)  # exp_avg and exp_avg_sq, fp32
                 lo = 0
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.home.numel()
                 m = c.home if fp32 else c.master_init
                 self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
-                host = n * (8 + 4)  # moments + gradient accumulator, fp32
-                if not fp32:
-                    host += n * 4  # master
                 if store.staged:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
-                    host += n * store.element_bytes(store.dtype)
-                store.ledger.host_alloc(host)
                 lo = c.shard.start if store.comm.world > 1 else 0
             c.master_init = None
             self.master[c.id] = m
             if c.trainable:
                 self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
+                # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
+                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], *([m] if not fp32 else []),
+                       *([self.cpu_grad[c.id]] if not c.persistent else []),
+                       *([self.staging[c.id]] if c.id in self.staging else [])]
+                nbytes = sum(x.numel() * x.element_size() for x in own)
+                store.ledger.alloc("optim", nbytes) if c.persistent else store.ledger.host_alloc(nbytes)
             self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
             self.counts[c.id] = [0] * len(c.params)
             hi = lo + m.numel()

@@ -229,6 +229,7 @@ class Replayer:
             self.probe.append((phase.value, segment, resident,
                                sum(self.store.storage_bytes(c.id) for c in self.store.chunks
                                    if not c.persistent)))
+        self._check(phase, segment, "begin")
 
     def end(self, phase: Phase, segment: str) -> None:
         step = self.steps[(phase, segment)]
@@ -240,6 +241,14 @@ class Replayer:
             self.acts.end_backward(segment)
         for c in step.release:
             self.store.release(c)
+        self._check(phase, segment, "end")
+
+    def _check(self, phase: Phase, segment: str, when: str) -> None:
+        """``Ledger.check``: the model states counted now are what accounting.py streams."""
+        done = self.offload_order[:self.next_offload]
+        deferred = sum(self.store.chunks[c].nbytes for c in self.requested.difference(done)
+                       if self.store.chunks[c].grad_live)
+        self.store.ledger.check(phase.value, segment, when, deferred)
 
     def start_backward(self) -> None:
         self.remaining = dict(self.n_params)

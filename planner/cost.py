@@ -55,20 +55,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protrain.executor import accounting as A
 from protrain.executor.plan import POST, PRE
 
-from .emit import ModelFacts
 from .layout import assign, groups
 from .profile import Profile
 from .report import block_policies  # noqa: F401  (re-exported: the paper's layout)
+from .rules import ModelFacts
 from .spec import link_bandwidth
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-ALPHA_GPU = 1.10
-"""Fragmentation factor on CUDA: allocator block rounding and cached-but-free
-segments. TODO(#5): fit from measured vs predicted peaks once a GPU run exists;
-1.10 is the paper's reported worst case (≤ 10% over-prediction target)."""
+DTYPE_BYTES = A.DTYPE_BYTES
+ALPHA_GPU = A.ALPHA_GPU
 
 
 SWAP_OVERHEAD_US = 30.0
@@ -89,6 +86,14 @@ def facts_from_profile(profile: Profile) -> ModelFacts:
                       order=[p.name for p in profile.params], uses=uses)
 
 
+def segment_bytes(profile: Profile) -> A.SegmentBytes:
+    """The profile's activation bytes per segment, as ``executor/accounting.py`` takes them."""
+    segs = profile.segments
+    return A.SegmentBytes(saved=[x.saved_bytes for x in segs], swapped=[x.saved_tensor_bytes for x in segs],
+                          inputs=[x.input_bytes for x in segs], fwd_peak=[x.fwd_peak_bytes for x in segs],
+                          bwd_peak=[x.bwd_peak_bytes for x in segs], gpu=profile.hardware.kind == "gpu")
+
+
 @dataclass(frozen=True)
 class Terms:
     """Everything the models need, precomputed for one profile and chunk size."""
@@ -99,6 +104,7 @@ class Terms:
     chunk_bytes: int  # compute dtype
     chunk_params: np.ndarray  # (C,) parameter elements in each chunk
     state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master)
+    host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
     gpu: bool
     # Per segment, forward order (S = n_blocks + 2).
     comp_fwd: np.ndarray  # (S,) µs
@@ -144,7 +150,7 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
 
 
 def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
-               cpu_adam: str = "during_backward") -> Terms:
+               cpu_adam: str = "during_backward", grad_accum: int = 1) -> Terms:
     """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
     for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``)."""
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
@@ -152,7 +158,8 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     need, per_chunk = chunk_need(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
-    cb = DTYPE_BYTES[profile.training.compute_dtype]
+    eb = A.element_bytes(profile.training.compute_dtype, grad_accum)
+    cb = eb.compute
     W = world_size
     # Device buffers are padded to W shards (executor/dist.py [Note: sharding]).
     chunk_numel = -(-chunk_numel // W) * W
@@ -178,14 +185,15 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         used = [s for s in range(S) if c in need[s]]
         first_bwd, last_bwd = (max(used), min(used)) if used else (0, 0)
         offload_at[last_bwd, c] = 1  # backward order: the smallest index is reached last
-        grad_live[last_bwd: first_bwd + 1, c] = 1
+        if used:  # a chunk no segment uses is never fetched in backward: no gradient buffer
+            grad_live[last_bwd: first_bwd + 1, c] = 1
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
     big = 64 * 2**20
     return Terms(
         chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
         chunk_bytes=chunk_bytes, chunk_params=per_chunk,
-        state_bytes_per_elem=2 * cb + 8 + (4 if cb != 4 else 0),
+        state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
         gpu=spec.kind == "gpu",
         comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
         saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
@@ -250,12 +258,8 @@ def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
 
 
 def host_bytes_per_chunk(t: Terms) -> int:
-    """Host bytes per rank of one offloaded chunk: its shard's home (compute dtype), Adam
-    moments and gradient accumulator (fp32), and for 16-bit compute a separate fp32
-    master plus a staging buffer: what the executor's ledger counts as ``host``."""
-    shard_numel = t.chunk_numel // t.world_size
-    cb = t.chunk_bytes // t.chunk_numel
-    return shard_numel * (cb + 8 + 4 + ((4 + cb) if cb != 4 else 0))
+    """Host bytes per rank of one trainable offloaded chunk (``accounting.element_bytes``)."""
+    return t.chunk_numel // t.world_size * t.host_bytes_per_elem
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -341,7 +345,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
-    # -- peak memory, paper Eqs. 8-11 walked per step in the ledger's terms
+    # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
     m = memory_terms(t, off, n_buffer, grid)
     fwd_steps = m.held + m.swap_out + m.fwd_transient
     bwd_steps = m.held + m.swapped_in + m.grads
@@ -380,11 +384,11 @@ class MemoryTerms:
     """
 
     states: float  # persistent chunks' parameters, gradients, masters and moments
-    resident: float  # device buffers of the offloaded chunks
+    resident: float  # the offloaded chunks' device buffers, reserved for the whole run
     held: np.ndarray  # (G, S) activations held after forward segment s / until its backward
     swap_out: np.ndarray  # (G, S) swapped activations still on the device at forward s (GPU only)
     swapped_in: np.ndarray  # (G, S) swapped activations back on the device at backward s
-    grads: np.ndarray  # (S,) offloaded chunks' gradient buffers alive at backward s
+    grads: np.ndarray  # (S,) offloaded chunks' gradient buffers open at backward s
     recompute: np.ndarray  # (G, S) a checkpointed block's recomputed activations (GPU only)
     fwd_transient: np.ndarray | float  # (S,) transient peak in forward (0 on CPU)
     bwd_transient: np.ndarray | float  # (S,) transient peak in backward (0 on CPU)
@@ -392,7 +396,7 @@ class MemoryTerms:
 
 
 def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> MemoryTerms:
-    """Terms of paper Eqs. 8-11 in the executor ledger's accounting; ``off`` marks offloaded chunks."""
+    """Terms of paper Eqs. 8-11 in ``executor/accounting.py``'s stream; ``off`` marks offloaded chunks."""
     n_off = int(off.sum())
     held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
     back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward

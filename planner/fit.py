@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
 
@@ -66,7 +67,6 @@ FAMILIES = ("gpt2", "llama")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 """Micro-batch candidates tried at the largest fitting size."""
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ---------------------------------------------------------------------------- ladders
@@ -232,10 +232,8 @@ def host_need_bytes(plan: P.Plan) -> int:
 def _host_floor_bytes(n: int, budget_bytes: int, dtype: str) -> int:
     """A lower bound of the host need of any plan for ``n`` parameters: what is left to
     offload when the whole budget holds persistent states (module docstring)."""
-    cb = DTYPE_BYTES[dtype]
-    state = 2 * cb + 8 + (4 if cb != 4 else 0)  # as cost.make_terms' state_bytes_per_elem
-    host = cb + 12 + ((4 + cb) if cb != 4 else 0)  # as cost.evaluate's host bytes per element
-    return max(0, n - budget_bytes // state) * host
+    eb = accounting.element_bytes(dtype)
+    return max(0, n - budget_bytes // eb.persistent) * eb.host
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,

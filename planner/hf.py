@@ -4,9 +4,28 @@ A model is built from a LOCAL ``config.json`` (never from the hub: we read the J
 ourselves and call no ``from_pretrained``), or adapted from a model the caller
 already holds, and comes back as an ``HFCausalLM``: a module whose forward takes
 ``(idx, targets)`` and returns the loss, as the zoo's models do, so the planner and
-the executor treat it like any zoo model. Supported architectures are the five in
-``ARCHITECTURES``; the module names are Hugging Face's own, so a plan for
-``hf:./llama`` names ``model.layers.3.self_attn.q_proj.weight`` as the checkpoint does.
+the executor treat it like any zoo model. The module names are Hugging Face's own, so
+a plan for ``hf:./llama`` names ``model.layers.3.self_attn.q_proj.weight`` as the
+checkpoint does.
+
+Which models: whatever ``AutoModelForCausalLM.from_config`` builds from the
+config.json's ``model_type`` in the installed transformers (``causal_lm_classes``),
+with ``architectures``, when present, naming that class or another causal LM of the
+same config class. ``load_config`` refuses, each with its reason and never
+suggesting another model_type (a near name is another architecture, and building
+it would silently train a different model):
+
+- ``auto_map`` configs: their code lives in the model's repository
+  (``trust_remote_code``), and protrain runs no downloaded code;
+- a model_type this transformers does not know (the hint: upgrade transformers), or
+  one it builds no causal LM for (encoders such as T5 or ViT);
+- ``architectures`` naming another head (``BertForMaskedLM``) or another family's class;
+- the families in ``REFUSED``, whose forward syncs the device on values
+  (data-dependent control flow we cannot plan around).
+
+tests/test_hf_families.py trains a matrix of families (dense, fused-qkv,
+parallel-residual, ALiBi, MLA, sliding-window, soft-capped, attention sinks,
+state-space, hybrid, mixture-of-experts) exactly under every plan kind.
 
 Model names ``hf:PATH`` and ``hf:PATH#BLOCKS`` (PATH: a ``config.json`` or the
 directory holding it; BLOCKS: the module path of the block list, e.g.
@@ -26,24 +45,47 @@ What we set, and why:
 
 - **Attention**: ``ATTENTION``, our own entry in transformers' attention registry:
   causal ``F.scaled_dot_product_attention`` with GQA by repeating k/v heads, the call
-  the zoo's models make. Because it has no entry in the *mask* registry, transformers
-  builds no mask at all (``masking_utils`` returns None for such implementations):
-  no T x T mask tensor per forward, and no data-dependent checks on the token ids
-  (packed-sequence detection reads values, which fails on ``meta`` and syncs the
-  device on CUDA). With the zoo's weights, a LLaMA built here gives the zoo's loss
-  and gradients bit for bit, and so does GPT-2 with the zoo's GELU kernel
-  (``gelu_pytorch_tanh``; GPT-2's own ``gelu_new`` differs in the last bits).
-  Padding masks, sliding windows shorter than the sequence and logit soft-capping
-  are refused, not approximated; GPT-2's ``reorder_and_upcast_attn`` (an eager-only
-  fp32 upcast) does not apply.
+  the zoo's models make, for every call it computes exactly; the rest go to the
+  family's own implementation (see [Note: which attention]). Because ours has no
+  entry in the *mask* registry, transformers builds no mask at all
+  (``masking_utils`` returns None for such implementations): no T x T mask tensor per
+  forward, and no data-dependent checks (packed-sequence detection reads position
+  values, which fails on ``meta`` and syncs the device on CUDA). With the zoo's
+  weights, a LLaMA built here gives the zoo's loss and gradients bit for bit, and so
+  does GPT-2 with the zoo's GELU kernel (``gelu_pytorch_tanh``; GPT-2's own
+  ``gelu_new`` differs in the last bits). Families whose attention is their own code
+  (BLOOM, MPT: no attention interface) keep it.
+- **Experts**: ``EXPERTS``, transformers' ``grouped_mm`` experts (tokens sorted by
+  expert, one grouped GEMM; nothing read back to the host), which also runs on
+  ``meta`` in fp32 (``grouped_experts``). Not transformers' ``eager`` experts, whose
+  loop over the experts hit reads the routing back every layer.
 - **No KV cache** (``use_cache=False``), no LayerDrop (a skipped layer would skip the
-  plan's events), and dropout 0 unless asked (as ``models.build``).
+  plan's events), and dropout 0 unless asked (as ``models.build``): every config field
+  named ``*dropout``/``*pdrop`` (``_DROPOUT_FIELD``).
 - **Build on meta, then materialise**: the config is instantiated on ``meta``
   (llama-7b in ~0.05 s, nothing allocated); on a real device the storage is created
   with ``to_empty`` and initialised by transformers' own ``init_weights`` (per-model
   rules such as GPT-2's scaled residual projections, and the RoPE ``inv_freq``
   buffers) under a forked global RNG seeded with ``seed``, so the caller's RNG state
   is untouched and equal seeds give equal weights.
+- **Blocks**: the first ``nn.ModuleList`` of ``num_hidden_layers`` modules (hybrid
+  families mix layer classes there), else the longest list of one class.
+
+[Note: which attention]
+Causal SDPA computes a layer's attention exactly when the layer asks for plain causal
+attention: no mask of its own, no sliding window shorter than the sequence, no
+keyword beyond the bookkeeping ones in ``_IGNORED_KWARGS`` (soft-capping, attention
+sinks ``s_aux``, an ALiBi ``position_bias`` all say otherwise). Anything else goes,
+call by call, to the family's own default implementation (``"sdpa"`` or
+``"eager"``: what ``from_pretrained`` would pick, recorded on every module as
+``OWN``; eager whenever the call needs soft-capping or sinks, which transformers'
+SDPA path refuses or drops), with the mask transformers itself would build for that
+layer (causal, or causal within the window) from positions alone: nothing reads a
+token value, so the data path does not sync, and the decision depends only on
+shapes and the config, so it is the same on meta, in the forward and in a
+checkpointed block's recomputation. Where that implementation cannot be found (a
+modeling file without ``eager_attention_forward``) the call is refused with a
+ConfigError naming the layer and what it needed.
 
 [Note: one module tree]
 ``HFCausalLM`` must not register the transformers model as a child: that would
@@ -73,21 +115,28 @@ from protrain.executor.errors import ConfigError, did_you_mean
 
 from .models import HF_PREFIX, ModelInfo, count_params, find_block_list, is_hf_name, lm_loss
 
-ATTENTION = "protrain_sdpa"
-"""Our attention implementation's name in transformers' registry (see the module docstring)."""
+ATTENTION = "protrain_causal"
+"""Our attention implementation's name in transformers' registry (see the module docstring).
 
-ARCHITECTURES = {
-    "gpt2": "GPT2LMHeadModel",
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "opt": "OPTForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
+It must not contain "sdpa" (or "flash", "flex"): transformers takes any name holding
+"sdpa" for its own SDPA and refuses it for families whose classes do not support SDPA."""
+
+EXPERTS = "protrain_grouped_mm"
+"""Our mixture-of-experts implementation's name in transformers' experts registry."""
+
+REFUSED = {
+    "gpt_neo": "its own attention code (it cannot use protrain's) builds the mask with transformers' "
+               "packed-sequence check, which reads position values back to the host: a device sync in "
+               "every forward, and no forward on meta for planning",
+    "jetmoe": "its mixture-of-experts router reads the tokens-per-expert counts back to the host "
+              "(expert_size.tolist()): a device sync in every forward that depends on the data",
 }
-"""model_type → the causal-LM class we build for it."""
+"""model_type → why protrain refuses it. Everything else ``AutoModelForCausalLM`` builds
+from a local config.json is accepted; tests/test_hf_families.py trains a family matrix."""
 
-# Config fields that are dropout probabilities in the supported architectures.
-_DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "dropout",
-                   "activation_dropout")
+# Config fields that are dropout probabilities: "dropout", "attention_dropout",
+# "resid_pdrop", "hidden_dropout_prob", ... (the names vary by family).
+_DROPOUT_FIELD = re.compile(r"(^|_)(dropout|pdrop)(_prob|_rate)?$")
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
@@ -97,30 +146,17 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal SDPA with the zoo's kernel choices, in transformers' attention-function signature.
 
     query (B, nh, T, hs), key/value (B, nkv, T, hs) → output (B, T, nh, hs), no weights.
+    A call that asks for more than plain causal attention (see ``_needs_own``) is
+    handed to the family's own implementation instead: see [Note: which attention].
     """
     T = query.size(-2)
-    if attention_mask is not None:
-        raise ConfigError(
-            f"{type(module).__name__}: protrain's attention is causal only, but the model passed "
-            f"an attention mask of shape {tuple(attention_mask.shape)}",
-            "train on packed token streams without padding (what protrain's data loader gives)",
-        )
-    window = kwargs.get("sliding_window")
-    if window is not None and T > window:
-        raise ConfigError(
-            f"{type(module).__name__}: sequence length {T} exceeds the sliding window ({window}); "
-            "protrain plans full causal attention, which equals sliding-window attention only "
-            "up to the window",
-            f"use --seq {window} or less",
-        )
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ConfigError(f"{type(module).__name__}: attention with {name} is not supported",
-                              "use one of the supported architectures: " + ", ".join(ARCHITECTURES.values()))
+    reason = _needs_own(module, T, attention_mask, kwargs)
+    if reason is not None:
+        return _own_attention(module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs)
     groups = query.size(1) // key.size(1)
     if groups > 1:
         # Repeat k/v per query group (HF's repeat_kv, the zoo's choice) rather than
@@ -136,6 +172,105 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return y.transpose(1, 2).contiguous(), None
 
 
+# Keyword arguments a family's attention module may pass that plain causal attention
+# may ignore: bookkeeping for caches, kernels we do not use and the model's outputs
+# (MoE layers pass output_router_logits down). Any other keyword with a value
+# (softcap, s_aux, position_bias, ...) sends the call to the family's own code.
+_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "layer_idx",
+                             "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                             "output_router_logits", "output_hidden_states", "return_dict"})
+
+
+def _needs_own(module: nn.Module, T: int, attention_mask: torch.Tensor | None, kwargs: dict) -> str | None:
+    """Why this call needs the family's own attention, or None when causal SDPA computes it exactly."""
+    if attention_mask is not None:
+        # transformers makes no mask for our implementation (it is not in the mask
+        # registry), so a mask here is one the family built itself (from positions,
+        # never from token values): its own kernel applies it.
+        return f"a mask of shape {tuple(attention_mask.shape)} built by the model"
+    window = kwargs.get("sliding_window")
+    if window is not None and T > window:
+        return f"a sliding window of {window} < sequence length {T}"
+    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
+        return "non-causal attention"
+    extra = sorted(k for k, v in kwargs.items()
+                   if v is not None and k not in _IGNORED_KWARGS and k not in ("sliding_window", "is_causal"))
+    return f"{', '.join(extra)}" if extra else None
+
+
+_EAGER_ONLY = ("softcap", "s_aux")
+"""Keywords only a family's eager attention computes (transformers' SDPA path refuses or drops them)."""
+
+OWN = "_protrain_own_attention"
+"""Attribute ``from_model`` sets on every module: the family's own implementation
+(``"sdpa"`` or ``"eager"``) that ``causal_attention`` hands a call to when it must."""
+
+
+def _own_attention(module: nn.Module, query, key, value, attention_mask, dropout, scaling, reason: str,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call as the family's own default implementation makes it, with the mask transformers would build.
+
+    See [Note: which attention]. The mask (causal, or causal within the sliding
+    window) comes from transformers' own mask functions on positions alone, so it
+    is the one the family would use and reads no token values.
+    """
+    import sys
+
+    _transformers()
+    from transformers import masking_utils
+
+    own = getattr(module, OWN, "eager")
+    if any(v is not None for k, v in kwargs.items() if k in _EAGER_ONLY):
+        own = "eager"  # transformers' SDPA refuses soft-capping and ignores sinks; eager computes both
+    if own == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+    else:
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise ConfigError(f"{type(module).__name__}: this attention needs {reason}, which protrain's "
+                              "causal attention does not compute, and its module has no eager_attention_forward "
+                              "to hand it to: no exact path",
+                              "train another family (planner/hf.py, [Note: which attention], says which work)")
+    causal = kwargs.get("is_causal", True) is not False and getattr(module, "is_causal", True) is not False
+    if attention_mask is None and causal:
+        T = query.size(-2)
+        window = kwargs.get("sliding_window")
+        mask_fn = (masking_utils.sliding_window_causal_mask_function(window) if window is not None
+                   else masking_utils.causal_mask_function)
+        make = masking_utils.sdpa_mask if own == "sdpa" else masking_utils.eager_mask
+        attention_mask = make(batch_size=query.size(0), q_length=T, kv_length=T, mask_function=mask_fn,
+                              local_size=window, dtype=query.dtype, device=query.device)  # (B, 1, T, T) or None
+    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts, runnable on ``meta`` in any dtype.
+
+    hidden_states (N, C), top_k_index/top_k_weights (N, k) → (N, C). On a real device
+    this *is* ``grouped_mm_experts_forward`` (sort by expert, one grouped matmul,
+    offsets from ``histc``: nothing reads a routing decision back to the host). Only
+    on ``meta`` in a dtype other than bf16, where torch's meta kernel for grouped_mm
+    applies the CUDA kernel's bf16-only rule (the CPU kernel computes fp32), the
+    grouped matmuls run in bf16 and are cast back: shapes are all meta has, and the
+    analytic profile of an fp32 MoE then counts those two casts (an estimate).
+    """
+    from transformers.integrations import moe
+
+    if hidden_states.device.type != "meta" or hidden_states.dtype == torch.bfloat16:
+        return moe.grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    exact = moe._grouped_mm
+
+    def bf16_grouped_mm(input, weight, offs):
+        return exact(input.to(torch.bfloat16), weight.to(torch.bfloat16), offs=offs).to(input.dtype)
+
+    moe._grouped_mm = bf16_grouped_mm  # only for this meta call; restored below
+    try:
+        return moe.grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    finally:
+        moe._grouped_mm = exact
+
+
 def _transformers():
     """transformers (the optional extra), with our attention registered in it.
 
@@ -148,6 +283,9 @@ def _transformers():
         raise ConfigError(f"Hugging Face models need the transformers package ({e})",
                           "pip install 'protrain[hf]'  (or: pip install transformers safetensors)") from e
     transformers.AttentionInterface.register(ATTENTION, causal_attention)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, grouped_experts)
     return transformers
 
 
@@ -212,8 +350,28 @@ def config_file(path: str | Path) -> Path:
     return f
 
 
+def causal_lm_classes() -> dict[str, str]:
+    """model_type → the causal-LM class this transformers builds for it (``AutoModelForCausalLM``'s table)."""
+    _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+_LIST_TYPES = ("python -c 'from transformers.models.auto.modeling_auto import "
+               "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as m; print(*sorted(m))'")
+
+
 def load_config(path: str | Path):
-    """Read a local config.json into its transformers config class; returns (config, class name)."""
+    """Read a local config.json into its transformers config class; returns (config, class name).
+
+    ``AutoConfig.for_model(model_type, **fields)`` and the class
+    ``AutoModelForCausalLM`` would build, with nothing downloaded and no remote code.
+    Refused, each with its reason (see the module docstring): configs with
+    ``auto_map`` (remote code), model types this transformers does not know or builds
+    no causal LM for, ``architectures`` naming a class other than a causal LM of this
+    model type, and the families in ``REFUSED``.
+    """
     f = config_file(path)
     try:
         raw = json.loads(f.read_text(encoding="utf-8"))
@@ -225,41 +383,79 @@ def load_config(path: str | Path):
     if not isinstance(raw, dict):
         raise ConfigError(f"{f}: expected a JSON object, found {type(raw).__name__}",
                           "a Hugging Face config.json is one object with model_type and the sizes")
-    model_type = raw.get("model_type")
-    archs = raw.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    supported = ", ".join(ARCHITECTURES.values())
-    if model_type not in ARCHITECTURES:
-        known = f"model_type {model_type!r}{did_you_mean(str(model_type), ARCHITECTURES)}" if model_type \
-            else "no model_type"
-        raise ConfigError(f"{f}: {known}; protrain builds these architectures: {supported}",
-                          "set model_type to one of gpt2, llama, mistral, opt, qwen2, or build the model "
-                          "yourself and pass it to protrain.planner.hf.from_model")
-    if arch is not None and arch != ARCHITECTURES[model_type]:
+    yourself = "or build the model yourself and pass it to protrain.planner.hf.from_model"
+    if raw.get("auto_map"):
         raise ConfigError(
-            f"{f}: architecture {arch!r}{did_you_mean(arch, ARCHITECTURES.values())} is not supported "
-            f"(model_type {model_type!r} builds {ARCHITECTURES[model_type]}); supported: {supported}",
-            f"set \"architectures\": [\"{ARCHITECTURES[model_type]}\"], or build the model yourself "
-            "and pass it to protrain.planner.hf.from_model",
-        )
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
+            f"{f}: auto_map names code from the model's own repository ({', '.join(sorted(raw['auto_map']))}); "
+            "protrain builds only what transformers implements itself and never runs downloaded code "
+            "(trust_remote_code)",
+            f"use a config.json whose model_type transformers implements, {yourself}")
+    model_type = raw.get("model_type")
     transformers = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    classes = causal_lm_classes()
+    version = f"transformers {transformers.__version__}"
+    # Never suggest another model_type: a near name is another architecture, and
+    # building it would silently train a different model.
+    listing = f"the model types it builds as causal LMs: {_LIST_TYPES}"
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{f}: no model_type; it names the architecture transformers builds",
+                          "use the config.json that came with the model (config.save_pretrained(DIR) writes one)")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{f}: model_type {model_type!r} is unknown to {version}",
+                          f"a newer transformers may implement it (pip install -U transformers); {listing}")
+    if model_type not in classes:
+        raise ConfigError(f"{f}: model_type {model_type!r} has no causal-LM class in {version} "
+                          "(it is not a decoder language model), and protrain trains causal LMs",
+                          f"{yourself}; {listing}")
+    if model_type in REFUSED:
+        raise ConfigError(f"{f}: model_type {model_type!r} is refused: {REFUSED[model_type]}",
+                          f"{yourself} (the same limits apply), or train another family")
+    cls = classes[model_type]
+    archs = raw.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{f}: transformers rejects this {model_type} config: {e}",
-                          f"fix {f}") from e
-    return config, ARCHITECTURES[model_type]
+    except (TypeError, ValueError, *_strict_errors()) as e:
+        raise ConfigError(f"{f}: {version} rejects this {model_type} config: {e}", f"fix {f}") from e
+    if arch is not None and arch != cls:
+        other = getattr(transformers, arch, None) if arch in classes.values() else None
+        if other is None or getattr(other, "config_class", None) is not type(config):
+            raise ConfigError(
+                f"{f}: architectures names {arch!r}, which is not a causal LM of model_type {model_type!r} "
+                f"(for it {version} builds {cls})",
+                f"set \"architectures\": [\"{cls}\"] to train it as a causal LM, {yourself}")
+        cls = arch
+    return config, cls
+
+
+def _strict_errors() -> tuple[type[Exception], ...]:
+    # transformers 5 validates configs with huggingface_hub's strict dataclasses,
+    # whose errors derive from Exception only.
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _text_config(config):
+    """The language model's config: ``config`` itself, or its text part in a multimodal family."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def _training_config(config, dropout: float) -> None:
     """Set what training with a plan needs, in place (see the module docstring)."""
-    for name in _DROPOUT_FIELDS:
-        if isinstance(getattr(config, name, None), float | int):
-            setattr(config, name, float(dropout))
-    if getattr(config, "layerdrop", 0.0):
-        config.layerdrop = 0.0
-    config.use_cache = False
+    for c in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
+        for name, value in c.to_dict().items():
+            if _DROPOUT_FIELD.search(name) and isinstance(value, float | int) and not isinstance(value, bool):
+                setattr(c, name, float(dropout))
+        if getattr(c, "layerdrop", 0.0):
+            c.layerdrop = 0.0
+        c.use_cache = False
 
 
 # ---------------------------------------------------------------------------- the wrapper
@@ -280,7 +476,7 @@ class HFCausalLM(nn.Module):
         self._modules = model._modules
         self.config = model.config
         self.blocks = list(blocks)  # module paths of the transformer blocks, in order
-        self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.max_seq_len = int(getattr(_text_config(model.config), "max_position_embeddings", 0) or 0)
         self.train(model.training)
 
     def protrain_blocks(self) -> list[str]:
@@ -328,16 +524,29 @@ class HFCausalLM(nn.Module):
         return logits if targets is None else lm_loss(logits, targets)
 
 
+def _own_default(model) -> str:
+    """The attention implementation transformers picks for this class by default: "sdpa" or "eager"."""
+    try:
+        own = model.get_correct_attn_implementation(None)
+    except (ValueError, ImportError):
+        own = "eager"
+    return own if own in ("sdpa", "eager") else "eager"
+
+
 def _skip_padding_check(input_ids, attention_mask) -> None:
     """Stands in for ``warn_if_padding_and_no_attention_mask``: our batches have no padding,
     and the check reads token values (an error on meta, a device sync on CUDA)."""
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> list[str]:
-    """Block paths: the children of ``blocks`` (``"model.layers"`` or ``"model.layers.*"``), or
-    of the longest ``nn.ModuleList`` of modules of one class when ``blocks`` is None."""
+    """Block paths: the children of ``blocks`` (``"model.layers"`` or ``"model.layers.*"``); when
+    ``blocks`` is None, of the first ``nn.ModuleList`` holding ``config.num_hidden_layers`` modules
+    (hybrid families mix layer classes in it: Jamba's attention and Mamba layers), else of the
+    longest ``nn.ModuleList`` of modules of one class."""
     if blocks is None:
-        path = find_block_list(model)
+        n_layers = getattr(_text_config(model.config), "num_hidden_layers", None)
+        stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+        path = stacks[0] if stacks else find_block_list(model)
         if path is None:
             raise ConfigError(f"cannot find the transformer blocks of {type(model).__name__}: it has no "
                               "nn.ModuleList of modules of one class",
@@ -380,11 +589,15 @@ def from_model(model: nn.Module, *, blocks: str | None = None) -> HFCausalLM:
                           "blocks at random, and a plan's schedule needs every block to run",
                           "set model.config.layerdrop = 0.0 and the decoder's .layerdrop = 0.0 first")
     model.config.use_cache = False
-    if hasattr(model, "set_attn_implementation"):
+    own = _own_default(model)
+    # Families that compute attention in their own code (no attention interface:
+    # BLOOM, MPT, ...) keep it; transformers would only log that it cannot switch.
+    if model._can_set_attn_implementation():
         model.set_attn_implementation(ATTENTION)
-    else:  # transformers 4.x
-        model.config._attn_implementation = ATTENTION
+    if model._can_set_experts_implementation():
+        model.set_experts_implementation(EXPERTS)
     for m in model.modules():
+        setattr(m, OWN, own)  # see [Note: which attention]
         if isinstance(m, PreTrainedModel):
             m.warn_if_padding_and_no_attention_mask = _skip_padding_check
     return HFCausalLM(model, find_blocks(model, blocks))
@@ -417,7 +630,6 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
 
     config, arch = load_config(source)
     _training_config(config, 0.0 if dropout is None else dropout)
-    config._attn_implementation = ATTENTION
     with torch.device("meta"):
         model = getattr(_transformers(), arch)(config)
     wrapped = from_model(model, blocks=blocks)
@@ -442,10 +654,12 @@ def describe(name: str) -> ModelInfo:
     """Size and shape of ``hf:PATH`` (built on meta; allocates nothing)."""
     path, blocks = parse_hf_name(name)
     model = build(path, blocks=blocks, device="meta")
-    c = model.config
-    return ModelInfo(name=name, family=c.model_type, n_params=count_params(model),
-                     n_blocks=len(model.blocks), hidden=c.hidden_size, n_head=c.num_attention_heads,
-                     n_kv_head=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+    c = _text_config(model.config)
+    # State-space families have no attention heads (0 in the table).
+    n_head = getattr(c, "num_attention_heads", None) or 0
+    return ModelInfo(name=name, family=model.config.model_type, n_params=count_params(model),
+                     n_blocks=len(model.blocks), hidden=getattr(c, "hidden_size", 0) or 0, n_head=n_head,
+                     n_kv_head=getattr(c, "num_key_value_heads", None) or n_head,
                      vocab_size=c.vocab_size, max_seq_len=model.max_seq_len)
 
 

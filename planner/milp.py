@@ -626,7 +626,8 @@ def explain_departures(profile, plan) -> list[Departure]:
     runners = plan.provenance.search.runners_up
     if is_four_count(plan) or not runners:
         return []
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam)
+    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
+                   plan.training.grad_accum)
     chosen = to_choice(t, plan.placement.persistent, plan.placement.n_buffer, [a.policy for a in plan.activations])
     b = runners[0]
     baseline = Choice(b.n_persist, b.n_buffer, b.n_swap, b.n_checkpoint, float(b.iter_time_us),

@@ -86,7 +86,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, _ = choose_chunk_numel(facts)
-    terms = make_terms(profile, chunk_numel, world_size, cpu_adam)
+    terms = make_terms(profile, chunk_numel, world_size, cpu_adam, grad_accum)
     result = SOLVERS[solver](terms, budget_bytes, host_budget)
     best = result.best
     if best is None and result.min_host_bytes < float("inf"):

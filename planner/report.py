@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protrain.executor import accounting
 from protrain.executor.plan import Plan
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POLICY_LETTER = {"keep": "K", "swap": "S", "checkpoint": "C"}
 
 
@@ -120,25 +120,6 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def model_state_bytes(plan: Plan) -> dict[str, int]:
-    """Model-state bytes the plan places, by where they live (per rank).
-
-    Device: each persistent chunk holds parameters and gradients in the compute
-    dtype plus fp32 master weights and two Adam moments (12 bytes per element);
-    each of the ``n_buffer`` buffers holds one offloaded chunk's parameters and
-    gradients. Host: each offloaded chunk's compute-dtype home plus its fp32 master
-    and moments.
-    """
-    t = plan.training
-    cb = DTYPE_BYTES[t.compute_dtype]
-    elems = plan.chunks.chunk_numel // t.world_size
-    return {
-        "dev_persistent_bytes": plan.placement.n_persist * elems * (2 * cb + 12),
-        "dev_buffer_bytes": plan.placement.n_buffer * plan.chunks.chunk_numel * 2 * cb,
-        "cpu_offloaded_bytes": len(plan.placement.offloaded) * elems * (cb + 12),
-    }
-
-
 def render_show(plan: Plan, source: str = "") -> str:
     m, t, h, pl = plan.model, plan.training, plan.hardware, plan.placement
     pred = plan.prediction
@@ -158,9 +139,11 @@ def render_show(plan: Plan, source: str = "") -> str:
         f"  activations   {policy_strip(plan)}   (K keep, S swap, C checkpoint)",
         f"  cpu adam      {plan.schedule.cpu_adam.replace('_', ' ')}"
         + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),
-        "  model states",
+        "  model states  (per rank: persistent chunks and offloaded buffers on the device, offloaded states on the host)",
     ]
-    for name, value in model_state_bytes(plan).items():
+    walk = accounting.walk(plan)  # per rank; the same figures the prediction holds
+    for name, value in (("states_bytes", walk.states_bytes), ("buffers_bytes", walk.buffers_bytes),
+                        ("host_bytes", walk.host_bytes)):
         lines.append(f"    {name:<22} {human_bytes(value)}")
     if pred.iter_time_us or pred.peak_memory_bytes:
         lines.append(f"  predicted     {pred.iter_time_us / 1e6:.3f} s/iteration, "

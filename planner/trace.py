@@ -145,7 +145,8 @@ def _terms_for(profile: Profile, plan: P.Plan):
             "(model fingerprints differ)",
             "pass the profile the plan was made from (`protrain plan --profile FILE`)",
         )
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam)
+    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
+                   plan.training.grad_accum)
     if t.n_chunks != len(plan.chunks.items):
         raise ConfigError(
             f"the profile lays {profile.model.name} out in {t.n_chunks} chunks of "

@@ -63,7 +63,7 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
             engine.save(save)  # every rank: collectives and barriers inside
         if rank == 0:
             torch.save(sd, Path(out) / "state.pt")
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host,
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host_bytes,
                                                                 "peak": peak}))
         engine.close()
     finally:

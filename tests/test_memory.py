@@ -32,7 +32,7 @@ def states_after_wrap(plan) -> int:
 
 def run_step(plan, model="gpt2-4"):
     engine = wrap(make_model(model), plan, AdamWConfig(), device="cpu")
-    after_wrap = engine.ledger.current
+    after_wrap = engine.ledger.current_bytes
     fwd_end = {}
     original_end = engine.replayer.end
 
@@ -56,7 +56,7 @@ def test_after_wrap_and_after_step(dtype, persistent, n_buffer, policies):
     engine, after_wrap, fwd_end, res = run_step(plan)
     assert after_wrap == states_after_wrap(plan)
     # After the step: every offloaded chunk released, every activation freed.
-    assert engine.ledger.current == after_wrap
+    assert engine.ledger.current_bytes == after_wrap
     assert engine.ledger.bytes["activations"] == 0
     assert fwd_end["activations"] > 0
     assert res.peak_bytes >= after_wrap + fwd_end["activations"]

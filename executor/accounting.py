@@ -1,0 +1,311 @@
+"""Bytes where, when: one iteration of a plan as a stream of allocations and frees.
+
+This is protrain's one memory model. The cost model's vectorised walk is
+property-tested equal to it (tests/test_accounting.py), the executor's ledger is
+checked against it at every step boundary while training (``Ledger.check``), and
+``show``, ``fit`` and the chunk pool read their figures from it. Plain data in,
+plain data out: no torch.
+
+What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
+``chunk_numel`` padded to a multiple of ``W``; its shard is ``numel / W``):
+
+- **device, from wrap on** — each persistent chunk (replicated): values and
+  gradients in the compute dtype, and if trainable its fp32 Adam moments (8 B per
+  element) and an fp32 master (4 B) unless the compute dtype is fp32 (the chunk is
+  its own master). A frozen chunk has no gradients, moments or master.
+- **device, reserved** — ``min(n_buffer, offloaded chunks)`` chunk buffers for the
+  offloaded chunks' values (the whole gathered chunk each), from wrap on: the chunk
+  pool holds them for the run (transfer.py [Note: chunk memory pool]). Which chunk
+  occupies them changes per step (``where == "buffers"`` events: from the step that
+  fetches or prefetches a chunk to the step that releases it); that is what the
+  CPU ledger counts, and it never exceeds the reservation (validation.py).
+- **device, per step** — an offloaded chunk's gradients (if trainable) from its
+  first fetch in backward to the end of the step that offloads them.
+- **device, activations** (given per segment, from a profile): a keep block or a
+  segment outside the blocks holds ``saved`` from its forward to the end of its
+  backward, a checkpointed block its ``inputs``; a swapped block holds nothing
+  after forward and ``swapped`` from the step that swaps it in to the end of its
+  backward. On a GPU also: a swapped block's ``saved`` while its D2H copy is in
+  flight (its own forward step and the next one), a checkpointed block's
+  recomputed ``saved`` during its backward, and each step's transient peak.
+- **host** — each offloaded chunk's shard: its home (compute dtype) and, if
+  trainable, moments (8 B), the fp32 gradient accumulator (4 B), an fp32 master
+  (4 B, 16-bit compute only) and a compute-dtype staging buffer for gradients that
+  cannot land in the accumulator directly (16-bit compute, or ``grad_accum > 1``).
+  Swapped activations: every swapped block's ``swapped`` bytes at the turn from
+  forward to backward.
+
+The device peak is the largest running total over the stream, times ``alpha``
+(allocator fragmentation on a GPU, 1 on a CPU). Within a step the order is: swap-in,
+fetches, opened gradients, prefetches; activations; transients (allocated, then
+freed); offloads, the segment's activations, releases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .plan import Plan, Schedule, Step, segments
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ALPHA_GPU = 1.10
+"""Fragmentation factor on CUDA: allocator block rounding and cached-but-free
+segments. 1.10 is the paper's reported worst case (≤ 10% over-prediction target);
+not yet fitted to a measured GPU peak."""
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per chunk element of each model state, for one training setup."""
+
+    compute: int  # values, gradients, the offloaded home and staging
+    persistent: int  # a trainable persistent chunk on the device: values, gradients, moments, master
+    host: int  # a trainable offloaded chunk's shard on the host: home, moments, accumulator, master, staging
+
+
+def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
+    """Per-element bytes of a trainable chunk's states (see the module docstring)."""
+    cb = DTYPE_BYTES[compute_dtype]
+    master = 4 if cb != 4 else 0
+    staging = cb if (cb != 4 or grad_accum > 1) else 0
+    return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + 4 + master + staging)
+
+
+@dataclass(frozen=True)
+class SegmentBytes:
+    """Activation bytes per segment in forward order (``<pre>``, blocks, ``<post>``), from a profile."""
+
+    saved: Sequence[int]  # what keeping the segment's saved tensors holds
+    swapped: Sequence[int]  # what swapping them moves (and brings back)
+    inputs: Sequence[int]  # what a checkpointed block keeps: its inputs
+    fwd_peak: Sequence[int]  # transient peak in forward (counted on a GPU only)
+    bwd_peak: Sequence[int]  # transient peak in backward (counted on a GPU only)
+    gpu: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """One allocation (``nbytes > 0``) or free (``< 0``)."""
+
+    phase: str  # "wrap", "forward" or "backward"
+    segment: str  # the step's segment; "" at wrap
+    where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
+    kind: str  # device: chunks, buffers, grads, optim (model states); activations (held),
+    # swapped_in, swap_out (in flight to the host), transient (incl. recomputation);
+    # "buffers": chunks; host: home, optim, swap; "step" (0 bytes) marks each step's start
+    nbytes: int
+    chunk: int = -1
+    block: str = ""
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The stream and the figures derived from it."""
+
+    events: list[Event]
+    states_bytes: int  # persistent chunks' states, from wrap on
+    buffers_bytes: int  # the offloaded chunks' reserved device buffers
+    activation_walk_bytes: int  # most device bytes above those two at once (gradients, activations)
+    peak_bytes: float  # (states + buffers + walk) × alpha
+    host_bytes: int  # offloaded chunks' states on the host
+    host_swap_bytes: int  # swapped activations on the host at the turn
+    alpha: float
+
+
+def events(plan: Plan, acts: SegmentBytes | None = None,
+           trainable: Sequence[bool] | None = None) -> list[Event]:
+    """The allocation stream of wrap and one iteration (see the module docstring)."""
+    t = plan.training
+    W = t.world_size
+    numel = -(-plan.chunks.chunk_numel // W) * W
+    eb = element_bytes(t.compute_dtype, t.grad_accum)
+    chunk_bytes, shard = numel * eb.compute, numel // W
+    train = list(trainable) if trainable is not None else [True] * len(plan.chunks.items)
+    segs = segments(plan)
+    policy = {a.block: a.policy for a in plan.activations}
+    out: list[Event] = []
+
+    def ev(phase, seg, where, kind, nbytes, chunk=-1, block=""):
+        if nbytes:
+            out.append(Event(phase, seg, where, kind, nbytes, chunk, block))
+
+    for c in plan.placement.persistent:
+        ev("wrap", "", "device", "chunks", chunk_bytes, c)
+        if train[c]:
+            ev("wrap", "", "device", "grads", chunk_bytes, c)
+            ev("wrap", "", "device", "optim", numel * (eb.persistent - 2 * eb.compute), c)
+    ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
+    for c in plan.placement.offloaded:
+        ev("wrap", "", "host", "home", shard * eb.compute, c)
+        if train[c]:
+            ev("wrap", "", "host", "optim", shard * (eb.host - eb.compute), c)
+
+    def act(i: int, field: str) -> int:
+        return int(getattr(acts, field)[i]) if acts is not None else 0
+
+    gpu = acts is not None and acts.gpu
+    held = [act(i, "inputs") if policy.get(s) == "checkpoint" else 0 if policy.get(s) == "swap"
+            else act(i, "saved") for i, s in enumerate(segs)]
+
+    def chunk_events(phase, s, changes):
+        for kind, c, sign in changes:
+            if kind == "chunks":
+                ev(phase, s, "buffers", kind, sign * chunk_bytes, c)
+            elif train[c]:
+                ev(phase, s, "device", kind, sign * chunk_bytes, c)
+
+    back_in: set[str] = set()
+    for phase, step, begin, end in chunk_steps(plan.schedule):
+        s = step.segment
+        i = segs.index(s)
+        out.append(Event(phase, s, "device", "step", 0))  # marks the step's start
+        for b in step.swap_in:
+            back_in.add(b)
+            ev(phase, s, "device", "swapped_in", act(segs.index(b), "swapped"), block=b)
+        chunk_events(phase, s, begin)
+        if phase == "forward":
+            ev(phase, s, "device", "activations", held[i], block=s)
+            if gpu and policy.get(s) == "swap":
+                ev(phase, s, "device", "swap_out", act(i, "saved"), block=s)
+            transient = act(i, "fwd_peak") if gpu else 0
+        else:
+            transient = act(i, "bwd_peak") + (act(i, "saved") if policy.get(s) == "checkpoint" else 0) if gpu else 0
+        ev(phase, s, "device", "transient", transient)
+        ev(phase, s, "device", "transient", -transient)
+        chunk_events(phase, s, end)
+        if phase == "forward":
+            if gpu and i and policy.get(segs[i - 1]) == "swap":
+                ev(phase, s, "device", "swap_out", -act(i - 1, "saved"), block=segs[i - 1])
+            if i == len(segs) - 1:  # the turn: every swapped block's activations are on the host
+                for b in plan.model.blocks:
+                    if policy[b] == "swap":
+                        ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
+        else:
+            ev(phase, s, "device", "activations", -held[i], block=s)
+            if s in back_in:
+                ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)
+                ev(phase, s, "host", "swap", -act(i, "swapped"), block=s)
+    return out
+
+
+def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
+    """The schedule's chunk changes, step by step: ``(phase, step, begin, end)`` where
+    ``begin`` (after the step's swap-ins: fetches, gradients opened, prefetches) and
+    ``end`` (offloaded gradients, releases) are lists of ``(kind, chunk, +1 | -1)``,
+    kind ``chunks`` (values) or ``grads``. The executor's replay rules
+    (``validation.simulate_residency``): a chunk's gradients open at its first fetch in
+    backward and close when it is offloaded."""
+    resident: set[int] = set()
+    grads: set[int] = set()
+    for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
+        for step in steps:
+            begin, end = [], []
+            for c in step.fetch:
+                if c not in resident:
+                    resident.add(c)
+                    begin.append(("chunks", c, 1))
+            for c in step.fetch if phase == "backward" else ():
+                if c not in grads:
+                    grads.add(c)
+                    begin.append(("grads", c, 1))
+            for c in step.prefetch:
+                if c not in resident:
+                    resident.add(c)
+                    begin.append(("chunks", c, 1))
+            for c in step.offload:
+                if c in grads:
+                    grads.discard(c)
+                    end.append(("grads", c, -1))
+            for c in step.release:
+                if c in resident:
+                    resident.discard(c)
+                    end.append(("chunks", c, -1))
+            yield phase, step, begin, end
+
+
+def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None) -> Walk:
+    """``events`` and its figures: the peaks on the device and the host."""
+    stream = events(plan, acts, trainable)
+    alpha = ALPHA_GPU if acts is not None and acts.gpu else 1.0
+    states = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "device" and e.kind != "buffers")
+    buffers = sum(e.nbytes for e in stream if e.phase == "wrap" and e.kind == "buffers")
+    host = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "host")
+    high = step_highs(stream)
+    most = max((sum(k.values()) for _, _, k in high), default=0)
+    swap = most_swap = 0
+    for e in stream:
+        if e.phase != "wrap" and e.where == "host":
+            swap += e.nbytes
+            most_swap = max(most_swap, swap)
+    return Walk(stream, states_bytes=states, buffers_bytes=buffers, activation_walk_bytes=most,
+                peak_bytes=(states + buffers + most) * alpha, host_bytes=host, host_swap_bytes=most_swap,
+                alpha=alpha)
+
+
+STATE_KINDS = ("chunks", "grads", "optim")
+"""Device kinds that are model states (the rest are activations)."""
+
+
+def _by_step(stream: Sequence[Event], occupancy: bool = False) -> list[tuple[str, str, list[Event]]]:
+    """The device events after wrap (and with ``occupancy`` the reserved buffers'), grouped by
+    step (``step`` markers start each group)."""
+    out: list[tuple[str, str, list[Event]]] = []
+    for e in stream:
+        if e.kind == "step":
+            out.append((e.phase, e.segment, []))
+        elif e.phase != "wrap" and (e.where == "device" or occupancy and e.where == "buffers"):
+            out[-1][2].append(e)
+    return out
+
+
+def step_highs(stream: Sequence[Event]) -> list[tuple[str, str, dict[str, int]]]:
+    """Device bytes allocated after wrap, by kind, at each step's high point (after its
+    allocations, before its frees: a step allocates before it frees), in step order."""
+    totals: dict[str, int] = {}
+    out = []
+    for phase, segment, evs in _by_step(stream):
+        high = dict(totals)
+        for e in evs:
+            if e.nbytes > 0:
+                high[e.kind] = high.get(e.kind, 0) + e.nbytes
+            totals[e.kind] = totals.get(e.kind, 0) + e.nbytes
+        out.append((phase, segment, high))
+    return out
+
+
+def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict[tuple[str, str, str], dict[str, int]]:
+    """Device model-state bytes as the executor's ledger counts them (``STATE_KINDS``;
+    ``chunks``: persistent chunks' values plus the chunks occupying the reserved buffers) at
+    every step's begin (after its fetches and prefetches) and end (after its releases):
+    what ``Ledger.check`` holds the executor to. Keys ``(phase, segment, "begin" | "end")``."""
+    stream = events(plan, None, trainable)
+    totals = dict.fromkeys(STATE_KINDS, 0)
+    for e in stream:
+        if e.phase == "wrap" and e.where == "device" and e.kind in STATE_KINDS:
+            totals[e.kind] += e.nbytes
+    out = {}
+    for phase, segment, evs in _by_step(stream, occupancy=True):
+        for e in evs:
+            if e.nbytes > 0:
+                totals[e.kind] += e.nbytes
+        out[(phase, segment, "begin")] = dict(totals)
+        for e in evs:
+            if e.nbytes < 0:
+                totals[e.kind] += e.nbytes
+        out[(phase, segment, "end")] = dict(totals)
+    return out
+
+
+def pool_slots(plan: Plan) -> int:
+    """Chunk-sized device buffers the plan holds at most at once: each persistent chunk's
+    values and gradients, ``n_buffer`` offloaded chunks' values, and the offloaded
+    gradient buffers open at once in backward (from a chunk's backward fetch to its
+    offload). What the chunk pool is sized for."""
+    open_grads, most = set(), 0
+    for step in plan.schedule.backward:
+        open_grads |= set(step.fetch)
+        most = max(most, len(open_grads))
+        open_grads -= set(step.offload)
+    return 2 * len(plan.placement.persistent) + plan.placement.n_buffer + most

@@ -1,0 +1,124 @@
+"""executor/accounting.py is the one memory model: the cost model's vectorised walk equals
+its stream on random plans, and what `show` prints is what the plan predicted."""
+
+from __future__ import annotations
+
+import glob
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planfactory import gpu_spec, random_facts, synthetic_profile
+
+from protrain.executor import accounting as A
+from protrain.executor import plan as P
+from protrain.planner.cost import (
+    choose_chunk_numel,
+    facts_from_profile,
+    make_terms,
+    min_buffers,
+    predict_plan,
+    segment_bytes,
+)
+from protrain.planner.emit import assemble
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES: list[int] = []
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_facts(), st.integers(0, 2**31))
+def test_cost_model_peak_is_the_accounting_peak(facts, seed):
+    EXAMPLES.append(seed)
+    # A random valid plan: device kind, dtype, world size, grad accumulation, chunk size,
+    # any persistent set, any workable buffer count, any policy strip.
+    rng = random.Random(seed)
+    spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
+    if rng.random() < 0.4:
+        spec = msgspec.structs.replace(spec, kind="cpu")
+    dtype = rng.choice(["float32", "bfloat16"])
+    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
+                             dtype=dtype, rng=rng)
+    world, accum = rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 1, 2, 3])
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    size = rng.choice([size, size + rng.randint(1, size)])
+    t = make_terms(prof, size, world, grad_accum=accum)
+    persistent = sorted(rng.sample(range(t.n_chunks), rng.randint(0, t.n_chunks)))
+    n_off = t.n_chunks - len(persistent)
+    least = min_buffers(t, persistent)
+    n_buffer = rng.randint(least, n_off + 1) if n_off else rng.randint(0, 2)
+    strip = [rng.choice(["keep", "swap", "checkpoint"]) for _ in facts.blocks]
+    training = P.Training(micro_batch=1, seq_len=1024, compute_dtype=dtype, master_dtype="float32",
+                          world_size=world, grad_accum=accum)
+    plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
+                    n_buffer=n_buffer, policies=strip)
+
+    walk = A.walk(plan, segment_bytes(prof))
+    pred = predict_plan(t, persistent, n_buffer, strip)
+    b = pred.breakdown
+    assert walk.peak_bytes == pred.peak_bytes
+    assert (walk.states_bytes, walk.buffers_bytes, walk.activation_walk_bytes) == (
+        b["states_bytes"], b["buffers_bytes"], b["activation_walk_bytes"])
+    assert (walk.host_bytes, walk.host_swap_bytes) == (b["host_bytes"], b["host_swap_bytes"])
+
+
+def test_a_frozen_chunk_has_no_gradients_moments_or_master():
+    plan = _library()[0]
+    everything = A.walk(plan)
+    frozen = A.walk(plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items])
+    eb = A.element_bytes(plan.training.compute_dtype, plan.training.grad_accum)
+    numel = plan.chunks.chunk_numel
+    assert everything.states_bytes - frozen.states_bytes == numel * (eb.persistent - eb.compute)
+
+
+def test_element_bytes():
+    # fp32: values + gradients + moments on the device; the chunk is its own master.
+    assert A.element_bytes("float32") == A.ElementBytes(compute=4, persistent=16, host=16)
+    # fp32 with accumulation: a staging buffer, because later micro-batches cannot land in place.
+    assert A.element_bytes("float32", grad_accum=2).host == 20
+    assert A.element_bytes("bfloat16") == A.ElementBytes(compute=2, persistent=16, host=20)
+
+
+def _library() -> list[P.Plan]:
+    return [P.load(f) for f in sorted(glob.glob(str(ROOT / "plans" / "*" / "*.json")))
+            if "/profiles/" not in f and "/hardware/" not in f and "/schema/" not in f]
+
+
+def test_show_prints_the_predictions_figures_for_every_library_plan():
+    from protrain.planner.report import human_bytes, render_show
+
+    plans = _library()
+    assert len(plans) >= 20
+    for plan in plans:
+        text = render_show(plan)
+        walk = A.walk(plan)
+        shown = {"states_bytes": walk.states_bytes, "buffers_bytes": walk.buffers_bytes, "host_bytes": walk.host_bytes}
+        for key, value in shown.items():
+            line = next(ln for ln in text.splitlines() if ln.split()[:1] == [key])
+            assert line.split(None, 1)[1] == human_bytes(value), (key, line)
+        b = plan.prediction.breakdown
+        if b:  # a plan the search made: its prediction holds the same figures
+            assert shown == {k: b[k] for k in shown}, plan.model.name
+
+
+def test_cost_search_and_milp_do_not_import_torch():
+    import subprocess
+
+    code = ("import sys; import protrain.planner.cost, protrain.planner.search, protrain.planner.milp, "
+            "protrain.executor.accounting; sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["pool_slots"])
+def test_the_chunk_pool_is_sized_by_the_accounting(name):
+    from protrain.executor import chunks
+
+    assert getattr(chunks, name) is getattr(A, name)
+
+
+def test_the_property_ran_on_500_plans():
+    assert len(EXAMPLES) >= 500 or not EXAMPLES  # (not run in this session: nothing to count)
