@@ -93,7 +93,7 @@ class Event:
     segment: str  # the step's segment; "" at wrap
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
     kind: str  # device: chunks, buffers, grads, optim (model states); activations (held),
-    # swapped_in, swap_out (in flight to the host), transient (incl. recomputation);
+    # swapped_in, swap_out (in flight to the host), recompute, transient;
     # "buffers": chunks; host: home, optim, swap; "step" (0 bytes) marks each step's start
     nbytes: int
     chunk: int = -1
@@ -169,9 +169,9 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev(phase, s, "device", "activations", held[i], block=s)
             if gpu and policy.get(s) == "swap":
                 ev(phase, s, "device", "swap_out", act(i, "saved"), block=s)
-            transient = act(i, "fwd_peak") if gpu else 0
-        else:
-            transient = act(i, "bwd_peak") + (act(i, "saved") if policy.get(s) == "checkpoint" else 0) if gpu else 0
+        elif gpu and policy.get(s) == "checkpoint":
+            ev(phase, s, "device", "recompute", act(i, "saved"), block=s)
+        transient = act(i, "fwd_peak" if phase == "forward" else "bwd_peak") if gpu else 0
         ev(phase, s, "device", "transient", transient)
         ev(phase, s, "device", "transient", -transient)
         chunk_events(phase, s, end)
@@ -183,6 +183,8 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
                     if policy[b] == "swap":
                         ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
         else:
+            if gpu and policy.get(s) == "checkpoint":
+                ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
             ev(phase, s, "device", "activations", -held[i], block=s)
             if s in back_in:
                 ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)

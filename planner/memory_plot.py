@@ -1,4 +1,4 @@
-"""The cost model's peak-memory walk (paper Eqs. 8-11), step by step, and its plot.
+"""The plan's predicted device memory (paper Eqs. 8-11), step by step, and its plot.
 
 ``memory_timeline`` / ``memory_walk`` give the walk's terms per forward and backward
 step; its maximum is the plan's predicted peak. ``plot_memory`` draws it as stacked
@@ -15,14 +15,14 @@ from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
 
 from .profile import Profile
-from .trace import _policy_masks, _terms_for
+from .trace import _terms_for
 
 # ------------------------------------------------------------------- memory walk
 
 
 @dataclass(frozen=True)
 class MemoryStep:
-    """One step of the cost model's memory walk, its terms in bytes (before ``alpha``)."""
+    """One step of the memory walk, its terms in bytes (before ``alpha``)."""
 
     label: str
     """``forward <seg>`` or ``backward <seg>``."""
@@ -47,41 +47,29 @@ class MemoryStep:
 
     @property
     def total_bytes(self) -> float:
-        # Summed in cost.evaluate's order, so the float is the same to the last bit.
-        # A forward step has no swapped_in/grads/recompute and a backward step no
-        # swapping_out: the zeros they add leave the sum bit-identical.
+        # Integers until the last multiplication, as accounting.walk sums them.
         walk = self.activations + self.swapping_out + self.swapped_in + self.grads + self.recompute + self.transient
         return (self.states + self.buffers + walk) * self.alpha
 
 
 def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
-    """The cost model's walk (``cost.evaluate``, paper Eqs. 8-11) for the plan, term by term:
-    forward steps ``<pre>`` … ``<post>``, then backward steps ``<post>`` … ``<pre>``.
+    """The plan's device memory step by step, term by term: forward steps ``<pre>`` …
+    ``<post>``, then backward steps ``<post>`` … ``<pre>``.
 
-    The terms come from ``cost.memory_terms``, the function ``evaluate`` uses, so the
-    largest ``total_bytes`` is the plan's predicted peak to the byte (tested).
+    Read from ``executor/accounting.py``'s stream (each step at its high point), the
+    model the cost model is tested equal to, so the largest ``total_bytes`` is the plan's
+    predicted peak to the byte (tested).
     """
-    import numpy as np
+    from protrain.executor import accounting
 
-    from .cost import memory_terms
+    from .cost import segment_bytes
 
-    t = _terms_for(profile, plan)
-    off = np.zeros(t.n_chunks, dtype=np.int64)
-    off[list(plan.placement.offloaded)] = 1
-    m = memory_terms(t, off, plan.placement.n_buffer, _policy_masks(plan))
-    states, resident, alpha = m.states, m.resident, m.alpha
-    held, swap_out, swapped_in, grads = m.held[0], m.swap_out[0], m.swapped_in[0], m.grads
-    segs = P.segments(plan)
-    out = []
-    for s, seg in enumerate(segs):
-        out.append(MemoryStep(f"forward {seg}", states, resident, float(held[s]), float(swap_out[s]),
-                              0.0, 0.0, 0.0, float(t.fwd_peak[s]) if t.gpu else 0.0, alpha))
-    for s in range(len(segs) - 1, -1, -1):
-        recompute = float(m.recompute[0, s])
-        transient = float(t.bwd_peak[s]) if t.gpu else 0.0
-        out.append(MemoryStep(f"backward {segs[s]}", states, resident, float(held[s]), 0.0,
-                              float(swapped_in[s]), float(grads[s]), recompute, transient, alpha))
-    return out
+    _terms_for(profile, plan)  # refuses a profile of another model or layout
+    w = accounting.walk(plan, segment_bytes(profile))
+    return [MemoryStep(f"{phase} {seg}", w.states_bytes, w.buffers_bytes, k.get("activations", 0),
+                       k.get("swap_out", 0), k.get("swapped_in", 0), k.get("grads", 0), k.get("recompute", 0),
+                       k.get("transient", 0), w.alpha)
+            for phase, seg, k in accounting.step_highs(w.events)]
 
 
 def memory_timeline(profile: Profile, plan: P.Plan) -> list[tuple[str, int]]:
