@@ -569,9 +569,12 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> list[str]:
 def from_model(model: nn.Module, *, blocks: str | None = None) -> HFCausalLM:
     """Adapt a transformers causal LM the caller built (or loaded) to protrain.
 
-    Sets our attention and ``use_cache=False`` on it (in place); dropout stays as
-    the caller set it. LayerDrop is refused: it skips blocks at random, and with them
-    the plan's events.
+    Sets, in place: our attention (where the class computes attention through
+    transformers' attention interface), our experts implementation (where it has
+    fused experts), ``use_cache=False``, and on every module the family's own
+    attention implementation for [Note: which attention]. Dropout stays as the
+    caller set it. LayerDrop is refused: it skips blocks at random, and with them the
+    plan's events.
     """
     PreTrainedModel = _transformers().PreTrainedModel
     if not isinstance(model, PreTrainedModel):

@@ -1,6 +1,6 @@
 """Every Hugging Face causal-LM family, exact under every plan, from a local config.json (#20).
 
-A family matrix: tiny random configs (hidden 32-64, 2-3 layers, vocabulary 256 for the
+A family matrix: tiny random configs (hidden 64, 2 layers, vocabulary 256 for the
 byte-level corpus) of dense, fused-qkv, parallel-residual, ALiBi, MLA, sliding-window,
 soft-capped, attention-sink, state-space, hybrid and mixture-of-experts families, each
 written to ``tmp_path/<family>/config.json`` and built through the config.json path
@@ -244,6 +244,20 @@ def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, 
     calls.clear()
     build(names["gemma2"], device="meta")(x)
     assert any("softcap" in c for c in calls) and any("sliding window of 8" in c for c in calls), calls
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mamba", "gpt_oss"])
+def test_from_model_adapts_families_without_sdpa(hf, names, family):
+    """These classes do not support SDPA; transformers took our old name, protrain_sdpa, for SDPA and refused it."""
+    import transformers
+
+    config, cls = hf.load_config(names[family][len("hf:"):])
+    assert getattr(transformers, cls)._supports_sdpa is False
+    with torch.device("meta"):
+        user = getattr(transformers, cls)(config)
+    model = hf.from_model(user)
+    assert "sdpa" not in hf.ATTENTION and len(model.blocks) == 2
+    assert {getattr(m, hf.OWN) for m in user.modules()} == {"eager"}  # their own default, for the fallback
 
 
 # ---------------------------------------------------------------------------- planning
