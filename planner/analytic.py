@@ -55,6 +55,15 @@ Kernel choices, where meta and a GPU would differ:
 - ``F.dropout`` on a ``gpu`` spec runs as ``native_dropout`` (CUDA's kernel, a
   1-byte mask); on a ``cpu`` spec as the CPU does (a mask the size of the input).
 
+Mixture-of-experts blocks (``planner/moe.py``): the router's top-k depends on values
+``meta`` does not have, and transformers' grouped GEMM over the experts needs them
+(its groups are the experts' token counts). ``moe.balanced_experts`` runs each fused
+expert bank at balanced load instead: ``tokens x top_k / n_experts`` rows per expert
+in one ``bmm``, so a block is charged for its *active* experts (top-k of n, plus the
+router and any shared experts, which are ordinary modules), while every expert's
+parameters still count as parameters. What routing imbalance can add is bounded in
+[Note: routing imbalance] in planner/moe.py.
+
 Every block is run: a llama-70b step (80 blocks, ~21k ops) is cheap enough on meta
 that we do not profile one block and replicate it, so models whose blocks differ
 (and the first and last blocks, whose neighbours differ) come out right without a
@@ -85,6 +94,7 @@ from protrain.executor.plan import POST, PRE
 from protrain.executor.schedule import Boundary, block_input, first_tensor
 
 from .graph import trace
+from .moe import balanced_experts
 from .profile import (
     PROFILE_VERSION,
     ParamInfo,
@@ -408,7 +418,7 @@ def count_segments(
         handles.append(modules[b].register_forward_pre_hook(pre_hook(i, b), with_kwargs=True))
         handles.append(modules[b].register_forward_hook(post_hook(i, b)))
     try:
-        with _FusedKernels(gpu=spec.kind == "gpu"), counter:
+        with balanced_experts(model), _FusedKernels(gpu=spec.kind == "gpu"), counter:
             counter.begin("fwd", PRE)
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 loss = torch.func.functional_call(model, params, (idx, targets))
@@ -447,7 +457,8 @@ def analytic_profile(
     """
     from .emit import generator
 
-    graph = trace(model, blocks, seq_len=min(seq_len, 8))  # as emit.model_facts traces
+    with balanced_experts(model):  # the trace runs the model too (on meta)
+        graph = trace(model, blocks, seq_len=min(seq_len, 8))  # as emit.model_facts traces
     if progress is not None:
         progress(1, 2)
     counts = count_segments(
