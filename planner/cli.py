@@ -351,11 +351,28 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 @click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
 @click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
 @click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
-def fit(hardware, budget, seq):
-    """The largest GPT-2 and LLaMA family model (and batch) that trains on one device."""
-    from .fit import run_fit
+@hf_options
+@click.option("--host-memory", default=None, metavar="SIZE",
+              help="Host memory a plan may use, with --hf-config [default: the spec's RAM less 10% and 2 GiB].")
+def fit(hardware, budget, seq, hf_config, blocks, host_memory):
+    """The largest GPT-2 and LLaMA family model (and batch) that trains on one device.
 
-    run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo)
+    With --hf-config: whether that model fine-tunes on this card and host instead
+    (total and active parameters, the best micro-batch, what binds); exit status 1
+    when it does not fit.
+    """
+    if hf_config is None:
+        if host_memory is not None or blocks is not None:
+            raise click.UsageError("--host-memory and --blocks go with --hf-config (a model to fit); "
+                                   "the family search uses the spec's host memory")
+        from .fit import run_fit
+
+        run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo)
+        return
+    from .fit_model import run_model_fit
+
+    model_name = model_option(None, hf_config, blocks, required=True)
+    run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo)
 
 
 @main.group()

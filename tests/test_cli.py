@@ -19,7 +19,7 @@ FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
     "diff": ["--help", "--json"],
     "explain": ["--help", "--plot", "--profile", "--trace"],
-    "fit": ["--budget", "--hardware", "--help", "--seq"],
+    "fit": ["--blocks", "--budget", "--hardware", "--help", "--hf-config", "--host-memory", "--seq"],
     "hardware": ["--help"],
     "hardware probe": ["--device", "--help", "--output", "--quick"],
     "models": ["--help"],

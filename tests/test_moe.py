@@ -1,30 +1,39 @@
-"""Mixture-of-experts models (planner/moe.py) in the analytic profile.
+"""Mixture-of-experts models (planner/moe.py) in the analytic profile, and ``fit`` for one model
+(planner/fit_model.py).
 
 What is pinned: detection across the transformers MoE families (experts, top-k, shared
 experts, which blocks); the analytic profile charges the routed experts at top_k / n_experts
 of their all-experts compute (FLOPs against the hand formula) while every expert stays a
 parameter; the balanced stand-in saves what transformers' grouped GEMM saves; the
-analytic block time against a measured CPU profile.
+analytic block time against a measured CPU profile; the fit answer and its report.
 Models are tiny transformers configs built on meta (nothing downloaded).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import time
+from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+from planfactory import gpu_spec
 from torch import nn
 
-from protrain.executor.errors import ConfigError
+from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.plan import POST, PRE
 from protrain.planner import analytic
 from protrain.planner.analytic import analytic_profile, count_segments
+from protrain.planner.fit import host_need_bytes
+from protrain.planner.fit_model import fit_model, render_model_fit, run_model_fit
 from protrain.planner.models import block_paths, count_params
 from protrain.planner.moe import balanced_experts, detect, moe_blocks
 from protrain.planner.spec import find_spec
 
 transformers = pytest.importorskip("transformers")
+MiB = 2**20
 
 H, FFN, E = 64, 128, 8  # hidden, expert width, experts: the tiny Mixtral
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=256)
@@ -295,3 +304,127 @@ def test_moe_block_time_against_a_measured_cpu_profile(capsys):
         assert abs(ratio_a / ratio_m - 1) <= 0.25, lines[-1]
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------- fit for one model
+
+SPEC = msgspec.structs.replace(gpu_spec(mem_gib=1), name="small-1g", host_memory_bytes=8 * 2**30)
+
+
+def test_fit_a_moe_model_reports_active_and_total_and_what_binds():
+    model = build(tiny("mixtral"))
+    layout = detect(model)
+    big = fit_model(model, name="mixtral-tiny", spec=SPEC, seq_len=128)
+    assert big.fits and [p.micro_batch for p in big.probes] == [1, 2, 4, 8, 16]
+    assert (big.total_params, big.active_params) == (layout.total_params, layout.active_params)
+    assert big.active_params < big.total_params
+    assert big.binds.startswith("nothing up to micro-batch 16")
+    text = render_model_fit(big)
+    assert "0.5M total, 0.2M active per token (mixture of experts: top-2 of 8 in 2 blocks)" in text
+    assert "verdict: fits at micro-batch 16 x seq 128" in text and "routing: charged at balanced load" in text
+
+    # 6 MiB: micro-batches 1-4 fit (offloading and checkpointing more as they grow), 8 needs
+    # 7.62 MiB at least, so device memory binds.
+    budget = 6 * MiB
+    mid = fit_model(model, name="mixtral-tiny", spec=SPEC, seq_len=128, budget_bytes=budget)
+    assert [(p.micro_batch, p.fits) for p in mid.probes] == [(1, True), (2, True), (4, True), (8, False)]
+    assert mid.binds.startswith("device memory: needs 7.62 MiB at least, 6.00 MiB budget"), mid.binds
+    best = mid.best
+    assert best.plan.prediction.peak_memory_bytes <= budget and best.micro_batch == 4
+    assert best.tokens_per_s == max(p.tokens_per_s for p in mid.probes)
+    # Host memory: with a small device budget the states must go to the host, which is too small.
+    host = fit_model(model, name="mixtral-tiny", spec=SPEC, seq_len=128, budget_bytes=budget,
+                     host_budget_bytes=MiB)
+    assert not host.fits and host.binds.startswith("host memory: needs")
+    assert "verdict: does not fit, even at micro-batch 1: host memory" in render_model_fit(host)
+    assert host_need_bytes(best.plan) > MiB
+
+
+def test_fit_a_dense_model_has_all_parameters_active():
+    model = build(tiny("mistral"))
+    r = fit_model(model, name="mistral-tiny", spec=SPEC, seq_len=64, micro_batches=(1, 2))
+    assert r.moe is None and r.active_params == r.total_params == count_params(model)
+    assert "(dense: all active)" in render_model_fit(r) and "routing" not in render_model_fit(r)
+
+
+def test_fit_cli_with_an_hf_config(tmp_path):
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=172,
+        num_hidden_layers=2, **ATTN)))
+    runner = CliRunner()
+    t0 = time.perf_counter()
+    r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64"])
+    assert r.exit_code == 0, r.output
+    assert time.perf_counter() - t0 < 20
+    assert "parameters: 0.1M (dense: all active)" in r.output and "verdict: fits at micro-batch 16" in r.output
+    r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64",
+                             "--budget", "64KiB"])
+    assert r.exit_code == 1 and "does not fit" in r.output and "HINT: a larger --budget" in r.output
+    r = runner.invoke(main, ["fit", "--hardware", "rtx3090", "--host-memory", "1GiB"])
+    assert r.exit_code == 2 and "go with --hf-config" in r.output
+
+
+def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=172,
+        num_hidden_layers=2, **ATTN)))
+    lines: list[str] = []
+    with pytest.raises(BudgetError, match="host memory") as e:
+        run_model_fit(f"hf:{d}", "rtx3090", budget="1MiB", host_memory="1KiB", seq_len=64, echo=lines.append)
+    assert "--host-memory" in str(e.value)
+    assert "verdict: does not fit" in lines[-1]
+
+
+# ---------------------------------------------------------------------------- the committed MoE configs
+
+CONFIGS = Path(__file__).resolve().parent.parent / "plans" / "configs"
+
+
+@pytest.mark.parametrize("name,total_b,active_b", [
+    ("mixtral-8x7b", 46.70, 12.88),  # Mistral AI: 46.7B total, 12.9B active
+    ("qwen3-30b-a3b", 30.53, 3.35),  # Qwen: 30.5B total, 3.3B activated
+    # OpenAI: 20.9B total, 3.6B active, which leaves out the input embedding (a lookup,
+    # no FLOPs; 201088 x 2880 = 0.58B); we count every parameter a token touches.
+    ("gpt-oss-20b", 20.91, 4.19),
+])
+def test_committed_moe_configs_total_and_active(name, total_b, active_b):
+    if not (CONFIGS / name / "config.json").is_file():
+        pytest.skip(f"plans/configs/{name} is not there")
+    from protrain.planner.models import build as build_name
+
+    model = build_name(f"hf:{CONFIGS / name}", device="meta")
+    layout = detect(model)
+    assert round(layout.total_params / 1e9, 2) == total_b
+    assert round(layout.active_params / 1e9, 2) == active_b
+    assert moe_blocks(layout, block_paths(model)) == block_paths(model)  # every block is MoE
+
+
+@pytest.mark.slow
+def test_fit_mixtral_8x7b_on_an_h200(capsys):
+    # The real config on meta, end to end through the CLI: with the H200 spec's own host
+    # share (1/8 of a DGX) the states do not fit the host; with 1.5 TiB they do.
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    base = ["fit", "--hf-config", str(CONFIGS / "mixtral-8x7b"), "--hardware", "h200", "--seq", "4096"]
+    runner = CliRunner()
+    t0 = time.perf_counter()
+    r = runner.invoke(main, base)
+    assert r.exit_code == 1 and "verdict: does not fit, even at micro-batch 1: host memory" in r.output
+    r = runner.invoke(main, [*base, "--host-memory", "1.5TiB"])
+    assert r.exit_code == 0, r.output
+    assert "46.70B total, 12.88B active per token (mixture of experts: top-2 of 8 in 32 blocks)" in r.output
+    assert "verdict: fits at micro-batch" in r.output
+    seconds = time.perf_counter() - t0
+    assert seconds < 120
+    with capsys.disabled():
+        print(f"\n{r.output}({seconds:.0f} s)")
