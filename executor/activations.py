@@ -104,12 +104,11 @@ class Activations:
         self.counted: dict[int, tuple[str, int]] = {}
         self.segment_bytes: dict[str, int] = {}
         # What a swap of the segment moves (swapped blocks) or would move (counted ones):
-        # bytes of the distinct storages it saves. See [Note: swap per storage]. Read and
-        # reset by the profiler; its storages per segment, until the segment's backward ends.
+        # bytes of the distinct storages it saves. See [Note: swap per storage]. Reset at
+        # each counted forward, reported in ``saved`` events (events.py); its storages per
+        # segment, until the segment's backward ends.
         self.segment_swap_bytes: dict[str, int] = {}
         self._swap_counted: dict[str, set[int]] = {}
-        # The same dict under its old name, which planner/profile.py still reads.
-        self.segment_tensor_bytes = self.segment_swap_bytes
         self._originals: dict[str, Callable] = {}
 
     # -- installation
@@ -219,10 +218,12 @@ class Activations:
 
     @contextlib.contextmanager
     def counting(self):
-        """Around a whole forward on CPU: count saved tensors held on the device."""
+        """Around a whole forward on CPU (or when a listener asked, ``Engine.on_event``): count
+        saved tensors held on the device; then tell listeners each segment's ``saved`` bytes."""
         if not self.count:
             yield
             return
+        self.segment_swap_bytes.clear()  # this forward's
 
         def pack(t: torch.Tensor):
             self._count(t, self.segment)
@@ -230,6 +231,11 @@ class Activations:
 
         with saved_tensors_hooks(pack, lambda t: t):
             yield
+        if self.copies.events.listeners:  # events.py [Note: events]
+            for seg in {**self.segment_swap_bytes, **self.segment_bytes}:
+                self.copies.events.emit("saved", "mark", phase="forward", segment=seg,
+                                        nbytes=self.segment_bytes.get(seg, 0),
+                                        swap_bytes=self.segment_swap_bytes.get(seg, 0))
 
     def _count(self, t: torch.Tensor, segment: str) -> None:
         if not self.count or self.store.owns(t):

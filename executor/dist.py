@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .errors import PlanError, ProtrainError
+from .events import Events
 
 
 class RankFailure(ProtrainError):
@@ -66,6 +67,7 @@ class Comm:
         # Runs each collective call: directly, or (the asynchronous CPU emulation) on the
         # copy engine's upload worker so gloo sees every rank's calls in plan order.
         self.runner = lambda fn: fn()
+        self.events = Events()  # the engine's, once wrapped (events.py)
 
     def shard_numel(self, numel: int) -> int:
         return -(-numel // self.world)
@@ -73,7 +75,9 @@ class Comm:
     def _run(self, what: str, fn, *args) -> None:
         try:
             with record_function(f"protrain::{what.split()[0]}"):
+                self.events.emit("collective", "begin", detail=what)  # events.py
                 self.runner(lambda: fn(*args))
+                self.events.emit("collective", "end", detail=what)
         except torch.OutOfMemoryError:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it

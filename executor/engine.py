@@ -29,7 +29,7 @@ written in the plan (shared/STYLE.md rule 3).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,7 @@ from .check import check
 from .chunks import DTYPES, ChunkStore
 from .dist import Comm
 from .errors import BudgetError, ConfigError, NonFiniteLossError
+from .events import Listener
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .plan import POST, PRE, Plan
@@ -120,6 +121,8 @@ class Engine:
         self.ledger = Ledger(dev)
         self.copies = CopyEngine(dev)
         self.comm.runner = self.copies.collective  # see executor/emulation.py
+        # The listeners of on_event, shared by every part of the engine (events.py).
+        self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = None
         try:
             self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
@@ -152,6 +155,23 @@ class Engine:
                                  f"says {walk.host_bytes} B")
         self.ledger.expected = accounting.expected_states(plan, trainable)
 
+    # -- observation
+
+    def on_event(self, callback: Listener, *, count_activations: bool = False) -> Callable[[], None]:
+        """Call ``callback(event)`` for everything the engine does, as it does it, until the
+        returned function is called: segments, copies, releases, optimizer steps, collectives
+        (``executor/events.py`` [Note: events] lists each ``Event``). Some events come from
+        the CPU AdamW worker thread, so ``callback`` must be thread-safe and short.
+
+        ``count_activations``: count saved activations also on CUDA (always on CPU, for the
+        ledger), and so receive the ``saved`` events (what the profiler measures). Counting
+        adds a pack hook per saved tensor and stays on for the engine's life. Add listeners
+        between steps.
+        """
+        if count_activations:
+            self.acts.count = True
+        return self.events.listen(callback)
+
     # -- the training step
 
     def _check_batch(self, batches: Sequence[Batch], count: bool = True) -> None:
@@ -177,6 +197,7 @@ class Engine:
         batches = [batch] if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor) else list(batch)
         self._check_batch(batches)
         self.replayer.check_trainable(self.names)
+        self.events.emit("step", "begin")
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         self.ledger.reset_peak()
@@ -225,6 +246,7 @@ class Engine:
             loss_t /= self.comm.world
         loss_value = loss_t.item()
         reserved, retries = self.ledger.allocator_stats()
+        self.events.emit("step", "end", loss=loss_value)
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
                           skipped=skipped, timings=timings, reserved_peak_bytes=reserved,
                           alloc_retries=retries)
@@ -257,6 +279,7 @@ class Engine:
                 m.training = training
             for cid in sorted(self.store.resident_offloaded()):
                 self.store.release(cid)  # waits for a prefetch still in flight
+                self.events.emit("release", "mark", chunk=cid)
         loss_t = loss.detach().float()
         if self.comm.world > 1:
             loss_t = loss_t.clone()
@@ -305,7 +328,8 @@ class Engine:
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step.
         Nothing here waits for the device; see [Note: gradient offload] in optim.py."""
-        self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
+        with self.events.about("offload", chunk=cid):  # names the download (events.py)
+            self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
@@ -336,7 +360,9 @@ class Engine:
                     self.optim.submit_cpu_step(c.id, host_coef, inv_scale)
         for c in self.store.chunks:
             if c.persistent:
+                self.events.emit("device_step", "begin", chunk=c.id)
                 self.optim.step_device(c.id, coef, inv_scale)
+                self.events.emit("device_step", "end", chunk=c.id)
         return grad_norm, False
 
     # -- state in plain PyTorch names

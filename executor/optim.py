@@ -73,7 +73,6 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .chunks import ChunkStore
-from .transfer import delay
 
 
 @dataclass(frozen=True)
@@ -246,7 +245,7 @@ class ChunkOptimizer:
 
         def land() -> None:
             down.synchronize()  # a wait on the copy's event: the only device call here
-            delay("before_grad_land")
+            self.store.copies.events.emit("land", "mark", chunk=cid)  # events.py; worker thread
             if not direct:
                 if first_micro_batch:
                     acc.copy_(dst)
@@ -373,10 +372,10 @@ class ChunkOptimizer:
             # The last upload from home must have read it before the step changes it (in
             # place, for fp32: home is the master). Only a prefetch can still be in flight.
             reads_home.synchronize()
-        delay("before_cpu_adam")
+        self.store.copies.events.emit("cpu_step", "begin", chunk=cid)  # worker thread
         with record_function("protrain::cpu_adam"):
             self._adamw(cid, which, self._grad(cid, coef, inv_scale))
-        delay("before_weights_return")
+        self.store.copies.events.emit("cpu_step", "end", chunk=cid)
         if self.master[cid] is not c.home:
             c.home.copy_(self.master[cid])
 

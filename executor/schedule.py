@@ -142,6 +142,7 @@ class Replayer:
                  offload: Callable[[int], None]):
         self.store = store
         self.acts = acts
+        self.events = store.copies.events  # the engine's listeners (events.py)
         self.offload = offload  # the engine's gradient offload (and CPU step) for one chunk
         self.phase = Phase.IDLE
         self.blocks = list(plan.model.blocks)
@@ -166,17 +167,10 @@ class Replayer:
         self.anchor = torch.zeros((), device=store.device, requires_grad=True)
         self.remaining: dict[int, int] = {}  # chunk → parameters still without gradient
         self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
-        self.offloaded: set[int] = set()  # chunks offloaded in this backward
         # The plan's offload order; offloads happen strictly in it, so every rank issues
         # its gradient collectives in the same order (executor/dist.py).
         self.offload_order = [c for s in plan.schedule.backward for c in s.offload]
         self.next_offload = 0  # index into offload_order
-        # Test probe: (phase, segment, resident offloaded ids, bytes of their storage) per begin.
-        self.probe: list[tuple[str, str, frozenset[int], int]] | None = None
-        # Observer for the profiler: called ("begin", phase, segment) once a step's fetches
-        # are done, and ("end", phase, segment) before its offloads and releases, so the
-        # span between the two is the segment's compute.
-        self.observer: Callable[[str, Phase, str], None] | None = None
         self.handles: list = []
 
     def install(self, model: nn.Module) -> None:
@@ -212,35 +206,33 @@ class Replayer:
     def begin(self, phase: Phase, segment: str) -> None:
         step = self.steps[(phase, segment)]
         for b in step.swap_in:
-            self.acts.swap_in(b)
+            with self.events.about("swap_in", block=b):
+                self.acts.swap_in(b)
         for c in step.fetch:
-            self.store.fetch(c)
+            with self.events.about("fetch", chunk=c):
+                self.store.fetch(c)
         for c in step.fetch:
             self.store.wait(c)
             if phase is Phase.BACKWARD:
                 self.store.open_grad(c)
         for c in step.prefetch:
-            self.store.fetch(c)
-        self.acts.segment = segment
-        if self.observer is not None:
-            self.observer("begin", phase, segment)
-        if self.probe is not None:
-            resident = self.store.resident_offloaded()
-            self.probe.append((phase.value, segment, resident,
-                               sum(self.store.storage_bytes(c.id) for c in self.store.chunks
-                                   if not c.persistent)))
+            with self.events.about("prefetch", chunk=c):
+                self.store.fetch(c)
+        self.acts.segment = self.events.segment = segment
+        # The span from here to ``end`` is the segment's compute (events.py [Note: events]).
+        self.events.emit("segment", "begin", phase=self.phase.value, segment=segment)
         self._check(phase, segment, "begin")
 
     def end(self, phase: Phase, segment: str) -> None:
         step = self.steps[(phase, segment)]
-        if self.observer is not None:
-            self.observer("end", phase, segment)
+        self.events.emit("segment", "end", phase=self.phase.value, segment=segment)
         if phase is Phase.BACKWARD:
             self.requested.update(step.offload)
             self._drain()
             self.acts.end_backward(segment)
         for c in step.release:
             self.store.release(c)
+            self.events.emit("release", "mark", chunk=c)
         self._check(phase, segment, "end")
 
     def _check(self, phase: Phase, segment: str, when: str) -> None:
@@ -253,14 +245,13 @@ class Replayer:
     def start_backward(self) -> None:
         self.remaining = dict(self.n_params)
         self.requested.clear()
-        self.offloaded.clear()
         self.next_offload = 0
 
     def finish_backward(self) -> None:
         """After ``.backward()`` returned: offload whatever the countdown still held back
         (parameters that got no gradient), in plan order."""
         for c in self.offload_order[self.next_offload:]:
-            self._offload(c)
+            self.offload(c)
         self.next_offload = len(self.offload_order)
 
     def _drain(self) -> None:
@@ -270,12 +261,8 @@ class Replayer:
             c = order[self.next_offload]
             if c not in self.requested or self.remaining[c] != 0:
                 return
-            self._offload(c)
+            self.offload(c)
             self.next_offload += 1
-
-    def _offload(self, cid: int) -> None:
-        self.offloaded.add(cid)
-        self.offload(cid)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         cid, i = self.param_slot[id(p)]

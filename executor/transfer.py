@@ -27,34 +27,21 @@ also catches a missing wait, record or release guard.
 - the CPU Adam worker writes a chunk's home only after the last upload that read
   it has completed (``ChunkOptimizer._cpu_step``).
 
-[Note: delay injection]
-``DELAYS`` holds seconds to sleep before named operations. Tests set them to make
-races visible on a CPU box (shared/STYLE.md rule 13): a missing wait then shows up
-as a loss mismatch rather than passing by luck. They are zero in normal runs.
+Every copy is announced to the engine's listeners (``events.py``, [Note: events]):
+``begin`` once the copy stream waits for what it must, ``end`` once the copy is
+queued. A test that sleeps in a listener slows the copy engine down, which makes a
+missing wait show up on a CPU box as a loss mismatch (shared/STYLE.md rule 13).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 
 import torch
 from torch.autograd.profiler import record_function
 
-DELAYS: dict[str, float] = {
-    "before_copy": 0.0,  # before every H2D/D2H copy is issued
-    "before_cpu_adam": 0.0,  # in the CPU optimizer worker, before each chunk's step
-    "before_weights_return": 0.0,  # in the worker, before updated weights reach the chunk's home
-    "before_grad_land": 0.0,  # in the worker, before a downloaded gradient is accumulated
-}
-
-
-def delay(name: str) -> None:
-    """Sleep for ``DELAYS[name]`` seconds (test hook; zero by default)."""
-    seconds = DELAYS[name]
-    if seconds:
-        time.sleep(seconds)
+from .events import Events
 
 
 class Copy:
@@ -155,6 +142,7 @@ class CopyEngine:
 
     def __init__(self, device: torch.device, emulation=None):
         self.device = device
+        self.events = Events()  # the engine's listeners (events.py), shared by its parts
         self.cuda = device.type == "cuda"
         if emulation is None and not self.cuda:
             from .emulation import current
@@ -214,6 +202,14 @@ class CopyEngine:
 
     # -- copies
 
+    def _note(self, name: str, edge: str, src: torch.Tensor, stream) -> None:
+        """Tell the listeners about a copy ([Note: events]); the subject, if any, names it."""
+        ev = self.events
+        if ev.listeners:
+            kind, chunk, block = ev.subject or (name, None, ev.segment)
+            ev.emit(kind, edge, chunk=chunk, block=block, nbytes=src.numel() * src.element_size(),
+                    stream=stream if self.cuda else None)
+
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
                after: Copy | None = None, gather=None) -> Copy:
         """Copy host ``src`` into device ``dst`` (already allocated). See [Note: copy streams].
@@ -224,31 +220,38 @@ class CopyEngine:
         The caller must ``wait()`` on the handle before compute reads ``dst``, and before
         ``dst``'s storage is freed (``free``).
         """
-        delay("before_copy")
         with record_function(f"protrain::{name}"):
             if not self.asynchronous:
+                self._note(name, "begin", src, None)
                 dst.copy_(src)
                 if gather is not None:
                     gather()
+                self._note(name, "end", src, None)
                 return Copy(None, self.device)
             self._wait_compute(self.h2d)  # dst may have been in use by compute until now
             if after is not None and after.event is not None:
                 self.h2d.wait_event(after.event)
-            return Copy(self._launch(self.h2d, dst, src, gather), self.device)
+            self._note(name, "begin", src, self.h2d)
+            copy = Copy(self._launch(self.h2d, dst, src, gather), self.device)
+            self._note(name, "end", src, self.h2d)
+            return copy
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> Copy:
         """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst.
 
         ``src`` may be freed right after this returns: it is recorded on the copy stream.
         """
-        delay("before_copy")
         with record_function(f"protrain::{name}"):
             if not self.asynchronous:
+                self._note(name, "begin", src, None)
                 dst.copy_(src)
+                self._note(name, "end", src, None)
                 return Copy(None, self.device)
             self._wait_compute(self.d2h)  # src is complete
+            self._note(name, "begin", src, self.d2h)
             event = self._launch(self.d2h, dst, src, weak_src=True)
             self._record(src, self.d2h)  # src's memory must outlive the copy
+            self._note(name, "end", src, self.d2h)
             return Copy(event, self.device)
 
     # -- chunk storage

@@ -217,7 +217,8 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     import torch
 
     from protrain.executor import AdamWConfig, wrap
-    from protrain.executor.schedule import Phase, block_input
+    from protrain.executor.events import Event
+    from protrain.executor.schedule import block_input
 
     from .data import batches, load_tokens
 
@@ -232,11 +233,11 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     plan, facts = profiling_plan(model, name=name, blocks=blocks, micro_batch=micro_batch,
                                  seq_len=seq_len, compute_dtype=compute_dtype, bootstrap=bootstrap)
     engine = wrap(model, plan, AdamWConfig(lr=0.0, weight_decay=0.0), device=dev)
-    engine.acts.count = True  # exact saved-tensor counts on CUDA too
 
     segments = facts.segments
     spans: dict[tuple[str, str], list[float]] = {}
-    saved: dict[str, int] = {}
+    saved: dict[str, int] = {}  # segment → saved bytes, counted as the ledger counts them
+    swap_bytes: dict[str, int] = {}  # segment → what a swap of it moves
     peaks: dict[tuple[str, str], int] = {}
     inputs: dict[str, int] = {}
     marks: dict[tuple[str, str], object] = {}
@@ -249,9 +250,13 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
             return ev
         return time.perf_counter()
 
-    def observer(what: str, phase, segment: str) -> None:
-        key = (phase.value, segment)
-        if what == "begin":
+    def observer(ev: Event) -> None:
+        if ev.kind == "saved":
+            saved[ev.segment], swap_bytes[ev.segment] = ev.nbytes, ev.swap_bytes
+        if ev.kind != "segment":
+            return
+        key = (ev.phase, ev.segment)
+        if ev.edge == "begin":
             if cuda:
                 base_alloc[key] = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -267,9 +272,6 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
                              top - max(base_alloc[key], torch.cuda.memory_allocated(dev)))
         else:
             spans.setdefault(key, []).append(end - start)
-        if phase is Phase.FORWARD and segment == segments[-1]:
-            saved.clear()
-            saved.update(engine.acts.segment_bytes)
 
     modules = dict(model.named_modules())
 
@@ -286,17 +288,19 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     handles = [modules[b].register_forward_pre_hook(record_input(b), with_kwargs=True) for b in blocks]
     handles.append(modules[blocks[-1]].register_forward_hook(record_output))
     data = batches(load_tokens(), micro_batch, seq_len, seed)
+    # Exact saved-activation counts on CUDA too: the executor's own counting, from the
+    # first step, so that warmup runs the same hooks as the measured steps.
+    engine.on_event(observer, count_activations=True)
     try:
         for i in range(warmup + iterations):
             if i == warmup:
                 spans.clear()
                 peaks.clear()
-                engine.replayer.observer = observer
             x, y = next(data)
             inputs["<pre>"] = x.to(dev).untyped_storage().nbytes()
-            engine.acts.segment_tensor_bytes.clear()
+            saved.clear()
+            swap_bytes.clear()
             engine.step((x, y))
-            tensor_bytes = dict(engine.acts.segment_tensor_bytes)
             if progress is not None:
                 progress(i + 1, warmup + iterations)
     finally:
@@ -313,7 +317,7 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
             fwd_us=median_us("forward", s),
             bwd_us=median_us("backward", s),
             saved_bytes=saved.get(s, 0),
-            saved_tensor_bytes=tensor_bytes.get(s, 0),
+            saved_tensor_bytes=swap_bytes.get(s, 0),
             input_bytes=inputs.get(s, 0),
             fwd_peak_bytes=peaks.get(("forward", s), 0),
             bwd_peak_bytes=peaks.get(("backward", s), 0),

@@ -6,8 +6,8 @@ Perfetto (ui.perfetto.dev) and ``chrome://tracing`` open:
 
 - ``predicted_trace(profile, plan)``: what the cost model (``cost.py``) believes one
   iteration looks like, lane by lane;
-- ``record_trace(engine)``: what the executor actually did, from the replayer's
-  segment observer and thin wrappers around the engine's copies and CPU Adam;
+- ``record_trace(engine)``: what the executor actually did, from the events the
+  engine emits to its listeners (``Engine.on_event``, executor/events.py);
 - ``merge_traces(predicted, measured)``: both in one file, one process each, so the
   two timelines sit one above the other in the viewer.
 
@@ -41,6 +41,7 @@ from typing import Any
 
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
+from protrain.executor.events import Event
 
 from .profile import Profile
 
@@ -408,23 +409,24 @@ class _Span:
 class MeasuredTrace:
     """Records what an ``Engine`` does while installed; ``to_dict()`` is a Chrome trace.
 
-    Installs ``engine.replayer.observer`` (segment begin/end) and wraps, as instance
-    attributes only, ``replayer.begin`` and ``store.fetch`` (to know which chunk a copy
-    is for and whether it is a fetch or a prefetch), the copy engine's ``upload`` /
-    ``download`` (H2D and D2H spans: fetch, prefetch, swap_in, offload, swap_out),
-    ``optim.offload_grad`` and ``acts.swap_in`` (which chunk or block),
-    ``optim.submit_cpu_step`` and ``optim._cpu_step`` (CPU Adam, timed in the worker
-    thread, counted for the step that submitted it), ``comm``'s collectives (world size
-    > 1) and ``engine.step`` (iterations). ``uninstall()`` puts everything back. Per
-    event the cost is two timestamps (two CUDA timing events on a GPU) and one small
-    record; nothing synchronizes until ``to_dict()``. A swap copies each saved tensor
-    on its own; ``to_dict()`` joins them into one span per block and step (args:
-    ``tensors``, ``busy_us``).
+    Listens through ``engine.on_event`` (executor/events.py, [Note: events]), the
+    engine's one observation interface: segment begin/end (compute spans and the
+    forward/backward phases), each copy's begin/end (H2D and D2H spans: fetch,
+    prefetch, swap_in, offload, swap_out), the CPU AdamW worker's steps (timed in the
+    worker thread, counted for the step that offloaded the chunk's gradients), the
+    collectives (world size > 1) and step begin/end (iterations). ``uninstall()``
+    removes the listener. Per event the cost is one timestamp (a CUDA timing event on
+    a GPU) and one small record; nothing synchronizes until ``to_dict()``. A swap
+    copies each saved storage on its own; ``to_dict()`` joins them into one span per
+    block and step (args: ``tensors``, ``busy_us``).
 
-    On CUDA a copy's span starts when its stream may begin it (we make the copy stream
-    wait for compute, as the copy engine does, before stamping) and ends when it
+    On CUDA a copy's span starts when its stream may begin it (the copy engine has
+    made the stream wait for compute when it announces the copy) and ends when it
     completes, so it is the copy itself, not its queueing.
     """
+
+    COPIES = {"fetch": "H2D", "prefetch": "H2D", "swap_in": "H2D", "offload": "D2H", "swap_out": "D2H"}
+    COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
     def __init__(self, engine, max_steps: int | None = None):
         self.engine = engine
@@ -432,54 +434,25 @@ class MeasuredTrace:
         self.clock: _Clock | None = None
         self.spans: list[_Span] = []  # appended from the main thread and the CPU Adam worker
         self.open: dict[tuple[str, str], Any] = {}  # (phase, segment) → begin stamp
-        self.phase_open: dict[str, Any] = {}  # "forward"/"backward" → begin stamp
+        self.phase_open: dict[str, Any] = {}  # "forward"/"backward"/"optimizer" → begin stamp
+        self.copy_open: dict[str, Any] = {}  # copy kind → begin stamp of the copy being issued
         self.step_index = 0
-        self.cpu_step_of: dict[int, int] = {}  # chunk → step whose CPU Adam was submitted
-        self.current: tuple[Any, str] | None = None  # (Phase, segment) being begun
-        self.context: str = ""  # label of the copy about to be issued
-        self.saved: dict[tuple[object, str], Any] = {}  # (object, attr) → what we replaced
+        self.step_start: Any = None  # stamp of the running step's begin
+        self.cpu_step_of: dict[int, int] = {}  # chunk → step that offloaded its gradients
+        self.cpu_open: dict[int, float] = {}  # chunk → CPU step begin (worker thread)
+        self.remove: Callable[[], None] | None = None  # removes our listener
 
     # -- install / uninstall
 
-    def _patch(self, obj: object, attr: str, make: Callable[[Callable], Any]) -> None:
-        self.saved[(obj, attr)] = obj.__dict__.get(attr, _MISSING)
-        setattr(obj, attr, make(getattr(obj, attr)))
-
     def install(self) -> MeasuredTrace:
-        e = self.engine
-        self.clock = _Clock(e.device)
-        previous = e.replayer.observer
-        self.saved[(e.replayer, "observer")] = previous
-
-        def observer(kind: str, phase, segment: str) -> None:
-            self._observe(kind, phase, segment)
-            if previous is not None:
-                previous(kind, phase, segment)
-
-        e.replayer.observer = observer
-        self._patch(e.replayer, "begin", self._wrap_begin)
-        self._patch(e.store, "fetch", self._wrap_fetch)
-        self._patch(e.copies, "upload", self._wrap_copy("H2D"))
-        self._patch(e.copies, "download", self._wrap_copy("D2H"))
-        self._patch(e.optim, "offload_grad", self._wrap_offload)
-        self._patch(e.optim, "submit_cpu_step", self._wrap_submit)
-        self._patch(e.optim, "_cpu_step", self._wrap_cpu_step)
-        self._patch(e.acts, "swap_in", self._wrap_swap_in)
-        self._patch(e, "step", self._wrap_step)
-        if e.comm.world > 1:
-            for name in ("all_gather", "reduce_scatter", "all_reduce"):
-                self._patch(e.comm, name, self._wrap_collective(name))
+        self.clock = _Clock(self.engine.device)
+        self.remove = self.engine.on_event(self._on_event)
         return self
 
     def uninstall(self) -> None:
-        for (obj, attr), old in self.saved.items():
-            if attr == "observer":
-                obj.observer = old
-            elif old is _MISSING:
-                obj.__dict__.pop(attr, None)  # the class's method shows through again
-            else:
-                setattr(obj, attr, old)
-        self.saved.clear()
+        if self.remove is not None:
+            self.remove()
+            self.remove = None
 
     def __enter__(self) -> MeasuredTrace:
         return self.install()
@@ -494,10 +467,38 @@ class MeasuredTrace:
         if self.max_steps is None or args["step"] < self.max_steps:
             self.spans.append(_Span(name, track, cat, start, end, args))
 
-    def _observe(self, kind: str, phase, segment: str) -> None:
+    def _on_event(self, ev: Event) -> None:
+        kind = ev.kind
+        if kind == "segment":
+            self._segment(ev)
+        elif kind in self.COPIES:
+            self._copy(ev)
+        elif kind == "cpu_step":  # on the CPU Adam worker thread: host time
+            if ev.edge == "begin":
+                self.cpu_open[ev.chunk] = self.clock.host()
+            elif ev.chunk in self.cpu_open:  # (not one that began before we were installed)
+                self._add(f"cpu_adam c{ev.chunk}", "CPU Adam", "cpu_adam", self.cpu_open.pop(ev.chunk),
+                          self.clock.host(), chunk=ev.chunk,
+                          step=self.cpu_step_of.get(ev.chunk, self.step_index))
+        elif kind == "collective":
+            op, _, what = ev.detail.partition(" of ")  # "all-gather of chunk 3"
+            if op not in self.COLLECTIVES:
+                return
+            if ev.edge == "begin":
+                self.copy_open[op] = self.clock.stream()
+            else:
+                end = self.clock.stream()
+                self._add(f"{op.replace('-', '_')} {what}".strip(), "collectives", "collective",
+                          self.copy_open.pop(op, end), end)
+        elif kind == "step":
+            self._step(ev)
+
+    def _segment(self, ev: Event) -> None:
         stamp = self.clock.stream()
-        p = phase.value
-        if kind == "begin":
+        # evaluate replays the forward steps; shown as forward, as before.
+        p = "forward" if ev.phase == "evaluate" else ev.phase
+        segment = ev.segment
+        if ev.edge == "begin":
             self.open[(p, segment)] = stamp
             first = (p == "forward" and segment == P.PRE) or (p == "backward" and segment == P.POST)
             if first:
@@ -512,122 +513,30 @@ class MeasuredTrace:
             if p == "backward":
                 self.phase_open["optimizer"] = stamp
 
-    def _wrap_begin(self, original):
-        def begin(phase, segment):
-            self.current = (phase, segment)
-            try:
-                return original(phase, segment)
-            finally:
-                self.current = None
+    def _copy(self, ev: Event) -> None:
+        stamp = self.clock.stream(ev.stream)  # on the copy stream (CUDA), see the class doc
+        if ev.edge == "begin":
+            self.copy_open[ev.kind] = stamp
+            return
+        if ev.kind == "offload":
+            self.cpu_step_of[ev.chunk] = self.step_index  # the worker may step it after the step ends
+        label = f"{ev.kind} c{ev.chunk}" if ev.chunk is not None else f"{ev.kind} {ev.block}"
+        track = self.COPIES[ev.kind]
+        self._add(label, track, track.lower(), self.copy_open.pop(ev.kind, stamp), stamp,
+                  bytes=ev.nbytes, step=self.step_index)
 
-        return begin
-
-    def _wrap_fetch(self, original):
-        def fetch(cid: int):
-            verb = "fetch"
-            if self.current is not None:
-                step = self.engine.replayer.steps[self.current]
-                verb = "prefetch" if cid in step.prefetch and cid not in step.fetch else "fetch"
-            self.context = f"{verb} c{cid}"
-            try:
-                return original(cid)
-            finally:
-                self.context = ""
-
-        return fetch
-
-    def _wrap_swap_in(self, original):
-        def swap_in(block: str):
-            self.context = f"swap_in {block}"
-            try:
-                return original(block)
-            finally:
-                self.context = ""
-
-        return swap_in
-
-    def _wrap_offload(self, original):
-        def offload_grad(cid: int, *args, **kwargs):
-            self.context = f"offload c{cid}"
-            try:
-                return original(cid, *args, **kwargs)
-            finally:
-                self.context = ""
-
-        return offload_grad
-
-    def _wrap_copy(self, track: str):
-        def make(original):
-            copies = self.engine.copies
-
-            def copy(dst, src, name: str = "fetch" if track == "H2D" else "offload", *args, **kwargs):
-                label = self.context or f"{name} {self.engine.acts.segment}"
-                if name in ("swap_out", "swap_in") and not label.startswith(name):
-                    label = f"{name} {self.engine.acts.segment}"
-                stream = None
-                if copies.cuda:  # stamp on the copy stream once it may start (see class doc)
-                    import torch
-
-                    stream = copies.h2d if track == "H2D" else copies.d2h
-                    stream.wait_stream(torch.cuda.current_stream(copies.device))
-                    after = kwargs.get("after")
-                    if after is not None and after.event is not None:
-                        stream.wait_event(after.event)
-                start = self.clock.stream(stream)
-                result = original(dst, src, name, *args, **kwargs)
-                end = self.clock.stream(stream)
-                nbytes = src.numel() * src.element_size()
-                self._add(label, track, track.lower(), start, end, bytes=nbytes, step=self.step_index)
-                return result
-
-            return copy
-
-        return make
-
-    def _wrap_submit(self, original):
-        def submit_cpu_step(cid: int, *args, **kwargs):
-            self.cpu_step_of[cid] = self.step_index  # the worker may run it after the step ends
-            return original(cid, *args, **kwargs)
-
-        return submit_cpu_step
-
-    def _wrap_cpu_step(self, original):
-        def cpu_step(cid: int, *args, **kwargs):
-            start = self.clock.host()
-            result = original(cid, *args, **kwargs)
-            self._add(f"cpu_adam c{cid}", "CPU Adam", "cpu_adam", start, self.clock.host(), chunk=cid,
-                      step=self.cpu_step_of.get(cid, self.step_index))
-            return result
-
-        return cpu_step
-
-    def _wrap_collective(self, name: str):
-        def make(original):
-            def collective(*args, **kwargs):
-                start = self.clock.stream()
-                result = original(*args, **kwargs)
-                what = args[-1] if args and isinstance(args[-1], str) else ""
-                self._add(f"{name} {what}".strip(), "collectives", "collective", start, self.clock.stream())
-                return result
-
-            return collective
-
-        return make
-
-    def _wrap_step(self, original):
-        def step(*args, **kwargs):
-            start = self.clock.stream()
-            result = original(*args, **kwargs)
-            end = self.clock.stream()
-            if "optimizer" in self.phase_open:
-                self._add("optimizer", "iteration", "phase", self.phase_open.pop("optimizer"), end,
-                          step=self.step_index)
-            self._add(f"step {self.step_index}", "iteration", "step", start, end,
-                      loss=round(result.loss, 6))
-            self.step_index += 1
-            return result
-
-        return step
+    def _step(self, ev: Event) -> None:
+        stamp = self.clock.stream()
+        if ev.edge == "begin":
+            self.step_start = stamp
+            return
+        if "optimizer" in self.phase_open:
+            self._add("optimizer", "iteration", "phase", self.phase_open.pop("optimizer"), stamp,
+                      step=self.step_index)
+        self._add(f"step {self.step_index}", "iteration", "step",
+                  stamp if self.step_start is None else self.step_start, stamp,
+                  loss=round(ev.loss, 6))
+        self.step_index += 1
 
     # -- export
 
@@ -668,15 +577,12 @@ class MeasuredTrace:
         write_trace(self.to_dict(), path)
 
 
-_MISSING = object()
-
-
 @contextlib.contextmanager
 def record_trace(engine, max_steps: int | None = None) -> Iterator[MeasuredTrace]:
     """``with record_trace(engine) as rec: engine.step(...)`` then ``rec.save(path)``.
 
     ``max_steps``: keep the first steps only (a long run's trace stays small; the
-    wrappers stay installed, at the cost of a clock read per event)."""
+    listener stays installed, at the cost of a clock read per event)."""
     rec = MeasuredTrace(engine, max_steps).install()
     try:
         yield rec

@@ -9,6 +9,7 @@ global RNG is saved and restored around each side's step), and use
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +76,33 @@ class Run:
     results: list
 
 
+def sleeper(before_copy: float = 0.0, before_cpu_adam: float = 0.0, before_weights_return: float = 0.0,
+            before_grad_land: float = 0.0):
+    """An ``Engine.on_event`` listener that sleeps at the named points (seconds), to make races
+    visible on a CPU box (shared/STYLE.md rule 13): before every copy is queued; in the CPU
+    AdamW worker before a chunk's step, before its new weights return to the chunk's home,
+    and before a downloaded gradient is accumulated."""
+    seconds = {("begin", k): before_copy for k in ("fetch", "prefetch", "swap_in", "offload", "swap_out")}
+    seconds |= {("begin", "cpu_step"): before_cpu_adam, ("end", "cpu_step"): before_weights_return,
+                ("mark", "land"): before_grad_land}
+
+    def listener(ev) -> None:
+        s = seconds.get((ev.edge, ev.kind))
+        if s:
+            time.sleep(s)
+
+    return listener
+
+
 def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,
-             seed: int = 0) -> Run:
+             seed: int = 0, on_event=None) -> Run:
+    """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
     model = make_model(name)
     ref = copy.deepcopy(model)
     engine = wrap(model, plan, config, device="cpu")
+    if on_event is not None:
+        engine.on_event(on_event)
     opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
                             weight_decay=config.weight_decay, fused=True)
     src = load_tokens()

@@ -20,7 +20,6 @@ from protrain.executor import AdamWConfig, wrap
 from protrain.executor.check import model_fingerprint, tied_pairs
 from protrain.executor.errors import ConfigError
 from protrain.executor.plan import POST, PRE
-from protrain.executor.schedule import Phase
 from protrain.planner.analytic import (
     KERNEL_OVERHEAD_US,
     analytic_profile,
@@ -244,15 +243,12 @@ def ledger_counts(name: str) -> tuple[dict[str, int], dict[str, int], dict[str, 
     model = build(name)  # dropout 0: the same kernels as the analytic run
     engine = wrap(model, plan, AdamWConfig(), device="cpu")
     saved, tensors, inputs = {}, {}, {}
-    original_end = engine.replayer.end
 
-    def end(phase, segment):
-        if phase is Phase.FORWARD and segment == POST:
-            saved.update(engine.acts.segment_bytes)
-            tensors.update(engine.acts.segment_tensor_bytes)
-        original_end(phase, segment)
+    def on_event(ev):  # end of forward: each segment's saved bytes, as the ledger counts them
+        if ev.kind == "saved":
+            saved[ev.segment], tensors[ev.segment] = ev.nbytes, ev.swap_bytes
 
-    engine.replayer.end = end
+    engine.on_event(on_event)
     modules = dict(model.named_modules())
     blocks = plan.model.blocks
     for b in blocks:

@@ -11,9 +11,9 @@ as it would corrupt data on a GPU ([Note: asynchronous CPU emulation]).
   the same plan bit for bit (same arithmetic, only the copies' timing differs);
 - world size 2: the same, over gloo, in subprocesses (tests/test_dist.py's workers).
 
-The delay hooks (``transfer.DELAYS``) still slow the CPU AdamW worker, whose waits
-(fetch after the step, home written after the last upload) the emulation does
-not time.
+Listeners that sleep (``harness.sleeper`` on ``Engine.on_event``) still slow the CPU
+AdamW worker, whose waits (fetch after the step, home written after the last upload)
+the emulation does not time.
 """
 
 from __future__ import annotations
@@ -22,25 +22,18 @@ import contextlib
 
 import pytest
 import torch
-from harness import assert_same_state, lockstep, make_model, make_plan
+from harness import assert_same_state, lockstep, make_model, make_plan, sleeper
 from test_parity import MATRIX, _plan  # the same policy matrix, here under the emulation
 
-from protrain.executor import AdamWConfig, transfer, wrap
+from protrain.executor import AdamWConfig, wrap
 from protrain.executor.emulation import AsyncHazard, emulate
 from protrain.planner.data import batches, load_tokens
 
 SEEDS = (1, 2, 3)
 
-@pytest.fixture
-def delays(monkeypatch):
-    def set_delays(**seconds):
-        for k, v in seconds.items():
-            monkeypatch.setitem(transfer.DELAYS, k, v)
 
-    return set_delays
-
-
-def train(model: str, plan, steps: int, seed: int | None, config: AdamWConfig | None = None):
+def train(model: str, plan, steps: int, seed: int | None, config: AdamWConfig | None = None,
+          on_event=None):
     """(losses, state_dict) of the engine alone; emulated asynchronous when ``seed`` is set."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
     k = plan.training.grad_accum
@@ -48,6 +41,8 @@ def train(model: str, plan, steps: int, seed: int | None, config: AdamWConfig | 
     torch.manual_seed(1234)
     if seed is None:
         engine = wrap(make_model(model), plan, config, device="cpu")
+        if on_event is not None:
+            engine.on_event(on_event)
         losses = [engine.step([next(data) for _ in range(k)]).loss for _ in range(steps)]
         sd = engine.state_dict()
         engine.close()
@@ -101,14 +96,14 @@ def test_async_matrix_equals_sync(case, dtype, grad_accum, seed):
 
 
 @pytest.mark.parametrize("seed,land_delay_s", [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.1)])
-def test_async_clipping_is_exact(seed, land_delay_s, delays):
+def test_async_clipping_is_exact(seed, land_delay_s):
     """Clipping defers the CPU steps; their gradients must have landed (and been accumulated:
     grad_accum 2; with a slow worker in the last case) before the norm is taken."""
     config = AdamWConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=0.05)
-    delays(before_grad_land=land_delay_s)
     with emulate(seed) as emu:
         run = lockstep("llama-4", _plan("llama-4", "interleaved", cpu_adam="after_backward", grad_accum=2),
-                       steps=4 if not land_delay_s else 2, config=config)
+                       steps=4 if not land_delay_s else 2, config=config,
+                       on_event=sleeper(before_grad_land=land_delay_s))
         run.engine.close()
     assert not emu.errors, emu.errors
     assert run.losses == run.ref_losses
@@ -118,23 +113,22 @@ def test_async_clipping_is_exact(seed, land_delay_s, delays):
 @pytest.mark.parametrize("emulated", [False, True])
 @pytest.mark.parametrize("which", ["before_copy", "before_cpu_adam", "before_weights_return"])
 @pytest.mark.parametrize("model,case", [("gpt2-4", "offloaded-buf2"), ("llama-4", "interleaved")])
-def test_parity_with_delays(delays, which, emulated, model, case):
+def test_parity_with_delays(which, emulated, model, case):
     """A slow CPU worker: the next forward's fetch must wait for the chunk's step. With
     synchronous copies the upload reads home at once, so a missing wait reads stale weights."""
-    delays(**{which: 0.002 if which == "before_copy" else 0.02})
+    slow = sleeper(**{which: 0.002 if which == "before_copy" else 0.02})
     with emulate(7) if emulated else contextlib.nullcontext():
-        run = lockstep(model, _plan(model, case), steps=3)
+        run = lockstep(model, _plan(model, case), steps=3, on_event=slow)
         run.engine.close()
     assert run.losses == run.ref_losses
 
 
-def test_staging_is_reused_only_after_the_worker_landed_it(delays):
+def test_staging_is_reused_only_after_the_worker_landed_it():
     """bf16 with gradient accumulation: micro-batch 2's gradient download reuses the staging
     buffer micro-batch 1's gradient is still being accumulated from, on a slow worker."""
     plan = _plan("llama-4", "offloaded-buf2", compute_dtype="bfloat16", grad_accum=2)
     expected = train("llama-4", plan, 2, None)
-    delays(before_grad_land=0.03)
-    got = train("llama-4", plan, 2, None)
+    got = train("llama-4", plan, 2, None, on_event=sleeper(before_grad_land=0.03))
     assert got[0] == expected[0]
     assert_same_sd(got[1], expected[1])
 

@@ -16,16 +16,24 @@ from protrain.planner.data import batches, load_tokens
     ("llama-4", [], 1, "checkpoint"),
     ("llama-4", [1, 3], 2, "keep swap keep checkpoint"),
 ])
-def test_probe_matches_the_plan(model, persistent, n_buffer, policies):
+def test_residency_at_each_segment_begin_matches_the_plan(model, persistent, n_buffer, policies):
     plan = make_plan(model, persistent=persistent, n_buffer=n_buffer, policies=policies)
     engine = wrap(make_model(model), plan, AdamWConfig(), device="cpu")
     expected = V.simulate_residency(plan)
     data = batches(load_tokens(), 4, 32, 0)
     chunk_bytes = plan.chunks.chunk_numel * 4
+    got = []  # (phase, segment, resident offloaded ids, bytes of their storage) per segment begin
+
+    def probe(ev):
+        if ev.kind == "segment" and ev.edge == "begin":
+            store = engine.store
+            got.append((ev.phase, ev.segment, store.resident_offloaded(),
+                        sum(store.storage_bytes(c.id) for c in store.chunks if not c.persistent)))
+
+    engine.on_event(probe)
     for _ in range(2):  # the second step starts from what the first left behind
-        engine.replayer.probe = []
+        got.clear()
         engine.step(next(data))
-        got = engine.replayer.probe
         assert [(ph, seg, res) for ph, seg, res, _ in got] == expected
         for _, seg, resident, nbytes in got:
             assert len(resident) <= plan.placement.n_buffer

@@ -26,8 +26,8 @@ Two parts, each rank a process started by ``torch.multiprocessing.spawn`` (gloo 
    charges a chunk.
 2. End to end, W = 1, 2, 3: each model trained with a plan from ``emit`` (chunk 0
    persistent, the rest offloaded, every block kept), each rank on its slice of
-   the global batch (``batches(..., rank=r, world_size=W)``). ``Comm._run`` is
-   wrapped on the engine's instance, so every collective's wall time is recorded
+   the global batch (``batches(..., rank=r, world_size=W)``). The engine's
+   ``collective`` events (``Engine.on_event``) give every collective's wall time
    with its name; per step we sum them by kind, and per collective take the fastest
    rank's time as the transfer net of waiting for late ranks. The predicted
    communication per step uses the cost model's own counts (``model_counts``), once
@@ -162,17 +162,16 @@ def train_rank(rank: int, world: int, port: int, out: str, name: str, micro: int
     try:
         plan = make_plan(name, world, micro, seq, chunk_numel, persistent, n_buffer)
         engine = wrap(build_model(name, "cpu", 1), plan, AdamWConfig(lr=1e-3), device="cpu")
-        calls: list[tuple[str, float]] = []
-        inner = engine.comm._run  # every collective goes through it (executor/dist.py)
+        calls: list[tuple[str, float]] = []  # (what, seconds) per collective, in issue order
+        began: dict[str, float] = {}
 
-        def timed(what, fn, *args):
-            t0 = time.perf_counter()
-            try:
-                inner(what, fn, *args)
-            finally:
-                calls.append((what, time.perf_counter() - t0))
+        def timed(ev) -> None:  # every collective is announced (executor/events.py)
+            if ev.kind == "collective" and ev.edge == "begin":
+                began[ev.detail] = ev.time_s
+            elif ev.kind == "collective":
+                calls.append((ev.detail, ev.time_s - began.pop(ev.detail)))
 
-        engine.comm._run = timed
+        engine.on_event(timed)
         data = batches(load_tokens(), micro, seq, 1, rank=rank, world_size=world)
         step_s, per_step, losses = [], [], []
         for i in range(warmup + steps):
@@ -547,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Each model trained by `wrap` with a plan from `emit` for W ranks (`Training(world_size=W)`), "
         f"micro-batch {args.batch} × {args.seq} tokens per rank from `batches(..., rank=r, world_size=W)`, "
         f"{args.warmup} warmup + {args.steps} measured steps. Every rank times `engine.step` and every "
-        "collective (`Comm._run` wrapped on the engine's instance, so the name says which chunk and why). "
+        "collective (its begin and end events from `Engine.on_event`, whose name says which chunk and why). "
         "Step: median per rank; × W=1: the slowest rank's over the single process's. In collectives: per "
         "rank, median over steps of the summed collective time, waiting for slower ranks included. Net of "
         "waiting: per collective the fastest rank's time, summed over a step, median over steps. Outside "
