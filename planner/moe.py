@@ -247,13 +247,14 @@ def balanced_experts(model: nn.Module) -> Iterator[MoeLayout | None]:
     Summed over experts this is at most ``a S + E w + b S``, and at balance it is at
     least half of that, so **routing imbalance at most doubles the expert GEMMs'
     time, and costs nothing while every expert's load stays above the ridge point**
-    ``L_e >= w / (a - b)`` (compute-bound everywhere; about ``rate / bandwidth`` rows:
-    ~150 on an H200 in bf16, against a mean load of ``B T top_k / E`` = 1024 for
-    Mixtral at B=1, T=4096). We charge the balanced time and state the bound rather
-    than pay the factor 2, which the routers' load-balancing losses exist to avoid.
-    Not modelled: the grouped kernels' lower efficiency on small groups (measured on
-    CPU: transformers' grouped_mm over 8 experts x 128 rows ran 1.35x the time of one
-    dense GEMM of the same FLOPs; see tests/test_moe.py) and expert parallelism.
+    ``L_e >= w / (a - b)`` (compute-bound everywhere; for wide experts about
+    ``rate x element bytes / (2 x bandwidth)`` rows, ``fit_model.ridge_rows``: ~170 on
+    the H200 spec in bf16, against a mean load of ``B T top_k / E`` = 1024 for Mixtral
+    at B=1, T=4096). We charge the balanced time and state the bound rather than pay
+    the factor 2, which the routers' load-balancing losses exist to avoid.
+    Not modelled: the grouped kernels' lower efficiency on small groups (on our 2-core
+    CPU box, torch's grouped_mm over 8 experts x 128 rows took 1.35x the time of one
+    dense GEMM of the same FLOPs in a micro-benchmark) and expert parallelism.
     """
     layout = detect(model)
     if layout is None:
