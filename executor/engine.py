@@ -67,7 +67,7 @@ class StepResult:
     """Peak device bytes during the step (allocator on CUDA, the ledger's count on CPU)."""
     skipped: bool = False
     """True when fp16 overflow skipped the update."""
-    timings: dict[str, float] = field(default_factory=dict)
+    timings_s: dict[str, float] = field(default_factory=dict)
     """Wall seconds: forward, backward, optim (device steps and waiting for CPU steps), total."""
     reserved_peak_bytes: int = 0
     """CUDA: ``max_memory_reserved`` during the step (what a budget must cover); CPU: 0."""
@@ -248,7 +248,7 @@ class Engine:
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
-                          skipped=skipped, timings=timings, reserved_peak_bytes=reserved,
+                          skipped=skipped, timings_s=timings, reserved_peak_bytes=reserved,
                           alloc_retries=retries)
 
     def evaluate(self, batch: Batch) -> float:

@@ -266,7 +266,7 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                     echo(f"interrupted after step {done}"
                          + (f"; resume with --resume {save_dir}" if save_dir is not None else ""))
                     break
-                tps = tokens_per_step / max(result.timings["total"], 1e-9)
+                tps = tokens_per_step / max(result.timings_s["total"], 1e-9)
                 record = {"step": done, "loss": result.loss, "tokens_per_s": round(tps, 1),
                           "peak_bytes": result.peak_bytes, "time_s": round(time.perf_counter() - t0, 3)}
                 if eval_every is not None and done % eval_every == 0:

@@ -176,7 +176,7 @@ def run_protrain(model: torch.nn.Module, plan: P.Plan, data: list, warmup: int) 
             if i >= warmup:
                 run.step_s.append(t1 - t0)
                 for k in run.phase_s:
-                    run.phase_s[k].append(res.timings[k])
+                    run.phase_s[k].append(res.timings_s[k])
                 run.peak_bytes = max(run.peak_bytes, res.peak_bytes)
     finally:
         eng.close()
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.batch} × {args.seq} tokens; {args.repeats} repeats × ({args.warmup} warmup + "
         f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in all. "
         "Median over all measured steps; the spread is the min–max of the per-repeat medians; "
-        "fwd / bwd / optim are the medians of each phase (protrain: `StepResult.timings`, whose "
+        "fwd / bwd / optim are the medians of each phase (protrain: `StepResult.timings_s`, whose "
         "optim excludes CPU-Adam work that overlaps backward). Ledger peak is "
         "`StepResult.peak_bytes`, the executor's counted device-side bytes "
         "(chunks + grads + optimizer state + saved activations).", "",

@@ -211,7 +211,7 @@ def run_plan(name: str, plan: P.Plan, data: list, warmup: int, seed: int) -> lis
         for i, batch in enumerate(data):
             res = eng.step(batch)
             if i >= warmup:
-                out.append(res.timings["total"])
+                out.append(res.timings_s["total"])
     finally:
         eng.close()
     return out
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         f"time limit {M.MILP_TIME_LIMIT_S:.0f} s, relative gap {M.MILP_REL_GAP:g}. {elapsed:.0f} s in all; load "
         f"average {load0:.2f} before, {load1:.2f} after, on {os.cpu_count()} cores. Baselines: the exhaustive "
         "search's time (1) and its best four-count plan's predicted time (2, 3); in 3 the measured "
-        "ratio is the median `StepResult.timings[\"total\"]` of the MILP plan over the four-count plan's, "
+        "ratio is the median `StepResult.timings_s[\"total\"]` of the MILP plan over the four-count plan's, "
         f"{args.repeats} interleaved runs of ({args.warmup} warmup + {args.steps} measured) steps each, "
         f"micro-batch {args.batch} × {args.seq}.", "",
         "**1. Solve time, llama-70b** (committed analytic profiles, usable memory, no host budget):", "",

@@ -12,7 +12,7 @@ Two questions, two sections of BENCHMARKS.md:
    what the cost model predicted (``cost.predict``) with what the executor reports:
    ``StepResult.peak_bytes`` (the ledger's count on CPU, which the model walks in
    the same terms, so it should match to the byte) and the median of
-   ``StepResult.timings["total"]``. The baseline of every ratio is the measured
+   ``StepResult.timings_s["total"]``. The baseline of every ratio is the measured
    value from the same run.
 2. **Search time.** ``make_plan(profile, budget)`` on analytic profiles of big
    models (llama-70b, gpt2-xl) for datasheet GPUs, at the spec's usable memory and
@@ -163,7 +163,7 @@ def make_configs(prof: Profile, facts: ModelFacts, t: Terms, tr: P.Training) -> 
 
 @dataclass
 class Run:
-    total_s: list[float] = field(default_factory=list)  # StepResult.timings["total"], measured steps
+    total_s: list[float] = field(default_factory=list)  # StepResult.timings_s["total"], measured steps
     fwd_s: list[float] = field(default_factory=list)
     bwd_s: list[float] = field(default_factory=list)
     peak_bytes: int = 0  # max StepResult.peak_bytes over measured steps
@@ -178,9 +178,9 @@ def run_config(name: str, plan: P.Plan, data: list, warmup: int, seed: int) -> R
             res = eng.step(batch)
             run.losses.append(res.loss)
             if i >= warmup:
-                run.total_s.append(res.timings["total"])
-                run.fwd_s.append(res.timings["forward"])
-                run.bwd_s.append(res.timings["backward"])
+                run.total_s.append(res.timings_s["total"])
+                run.fwd_s.append(res.timings_s["forward"])
+                run.bwd_s.append(res.timings_s["backward"])
                 run.peak_bytes = max(run.peak_bytes, res.peak_bytes)
     finally:
         eng.close()
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             f"warmup + {args.steps} measured) steps, configurations interleaved; "
             f"{elapsed_s:.0f} s in all. Predicted: `cost.predict` (for the make_plan row, the "
             "plan's own `prediction`). Measured peak: max `StepResult.peak_bytes` (the ledger); "
-            "measured time: median of `StepResult.timings[\"total\"]` over all measured steps. "
+            "measured time: median of `StepResult.timings_s[\"total\"]` over all measured steps. "
             "Ratios are predicted / measured. Load average "
             f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores. The peak "
             "columns are a consistency check, not fidelity: the CPU memory model walks the "
