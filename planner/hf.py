@@ -130,6 +130,8 @@ REFUSED = {
                "every forward, and no forward on meta for planning",
     "jetmoe": "its mixture-of-experts router reads the tokens-per-expert counts back to the host "
               "(expert_size.tolist()): a device sync in every forward that depends on the data",
+    "dbrx": "its experts loop over the experts the router hit (nonzero on the routing), reading the "
+            "routing back to the host: a device sync in every MoE layer that depends on the data",
 }
 """model_type → why protrain refuses it. Everything else ``AutoModelForCausalLM`` builds
 from a local config.json is accepted; tests/test_hf_families.py trains a family matrix."""
@@ -517,11 +519,39 @@ class HFCausalLM(nn.Module):
         if self.max_seq_len and T > self.max_seq_len:
             raise ConfigError(f"sequence length {T} exceeds the model's max_position_embeddings="
                               f"{self.max_seq_len}", f"use --seq {self.max_seq_len} or less")
-        out = self.hf(input_ids=idx, use_cache=False)
+        if idx.device.type == "meta":
+            out = self._meta_forward(idx)
+        else:
+            out = self.hf(input_ids=idx, use_cache=False)
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
         # Targets are the next tokens already (the data loader shifts them), so the
         # zoo's loss, not transformers' (which shifts labels itself).
         return logits if targets is None else lm_loss(logits, targets)
+
+
+    def _meta_forward(self, idx: torch.Tensor):
+        """The forward on ``meta`` (planning), with a family whose forward reads values refused by name.
+
+        A forward that reads a tensor's values back to the host (``.item()``,
+        ``.tolist()``, ``nonzero`` to size a loop) cannot run on meta, and on a GPU it
+        syncs the device on data every step: such a family is refused here, the first
+        time a plan is made for it, rather than failing with torch's meta error.
+        """
+        try:
+            return self.hf(input_ids=idx, use_cache=False)
+        except (RuntimeError, NotImplementedError) as e:
+            if not _READS_VALUES.search(str(e)):
+                raise
+            family = getattr(self.config, "model_type", type(self.hf).__name__)
+            raise ConfigError(
+                f"model_type {family!r}: its forward reads tensor values back to the host ({str(e).splitlines()[0]}): "
+                "a device sync every step that depends on the data, which protrain cannot plan around",
+                "train another family (planner/hf.py lists the refused ones in REFUSED)") from e
+
+
+# torch's messages when a meta tensor's values are asked for.
+_READS_VALUES = re.compile(r"cannot be called on meta tensors|Cannot copy out of meta tensor|"
+                           r"data-independent implementation does not exist|data-dependent")
 
 
 def _own_default(model) -> str:
