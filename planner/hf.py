@@ -21,7 +21,9 @@ it would silently train a different model):
   one it builds no causal LM for (encoders such as T5 or ViT);
 - ``architectures`` naming another head (``BertForMaskedLM``) or another family's class;
 - the families in ``REFUSED``, whose forward syncs the device on values
-  (data-dependent control flow we cannot plan around).
+  (data-dependent control flow we cannot plan around). A family nobody listed yet
+  that does the same is refused by name the first time it is planned: planning runs
+  its forward on ``meta``, where reading a value fails (``HFCausalLM._meta_forward``).
 
 tests/test_hf_families.py trains a matrix of families (dense, fused-qkv,
 parallel-residual, ALiBi, MLA, sliding-window, soft-capped, attention sinks,
