@@ -165,12 +165,9 @@ PLANS = {
 FAST_PLANS = ["offloaded-checkpoint-accum2", "mixed-strip-accum2"]
 MICRO, SEQ, STEPS = 2, 16, 3
 
-# "family:plan" pairs that drift only under swap, while executor/activations.py's swap
-# of non-dense saved views is being fixed (issue 20 part 1): on 4b26dd3 these drift, and
-# with that fix in the working tree they match (every one a Mamba-style mixer under swap).
-SWAP_XFAIL = {"mamba:offloaded-swap", "mamba:mixed-strip-accum2", "jamba:offloaded-swap",
-              "falcon_mamba:offloaded-swap", "falcon_mamba:mixed-strip-accum2",
-              "zamba2:offloaded-swap", "zamba2:mixed-strip-accum2"}
+# Swap of Mamba-style mixers (mamba, falcon_mamba, jamba's and zamba2's Mamba layers)
+# drifted before c934467 (issue 20 part 1: swap gives back each saved view exactly);
+# they were xfail here until then and are exact now.
 
 
 def model_type(family: str) -> str:
@@ -233,8 +230,6 @@ def plan_params():
             marks = []
             if not (f in FAST and kind in FAST_PLANS):
                 marks.append(pytest.mark.slow)
-            if f"{f}:{kind}" in SWAP_XFAIL:
-                marks.append(pytest.mark.xfail(strict=False, reason="swap layout (issue 20 part 1)"))
             out.append(pytest.param(f, kind, marks=marks, id=f"{f}-{kind}"))
     return out
 
