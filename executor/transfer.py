@@ -12,7 +12,7 @@ to another tensor while either stream may still use it.
 
 On CPU the same calls copy synchronously and return an already-complete handle, so
 CI runs every code path of the executor without a GPU; and under the asynchronous
-CPU emulation (executor/emulation.py) they complete later on worker threads, so CI
+CPU emulation (testing/emulation.py) they complete later on worker threads, so CI
 also catches a missing wait, record or release guard.
 
 [Note: who waits for what]
@@ -36,6 +36,8 @@ missing wait show up on a CPU box as a loss mismatch (shared/STYLE.md rule 13).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import weakref
 
 import torch
@@ -48,7 +50,7 @@ class Copy:
     """Handle of one issued copy (and the collective queued behind it).
 
     ``event``: a ``torch.cuda.Event`` recorded after the copy on its stream, an
-    ``EmulatedEvent`` (see executor/emulation.py), or None on synchronous CPU,
+    ``EmulatedEvent`` (see testing/emulation.py), or None on synchronous CPU,
     where the copy has already happened.
     """
 
@@ -135,7 +137,7 @@ class CopyEngine:
 
     See [Note: copy streams]. Three back-ends behind one interface: CUDA streams and
     events; synchronous CPU copies; and the asynchronous CPU emulation of
-    executor/emulation.py (``emulation``, or ``PROTRAIN_ASYNC_CPU`` in the
+    testing/emulation.py (``emulation``, or ``PROTRAIN_ASYNC_CPU`` in the
     environment), in which this class's own code, waits and records included, runs
     exactly as on CUDA.
     """
@@ -145,9 +147,7 @@ class CopyEngine:
         self.events = Events()  # the engine's listeners (events.py), shared by its parts
         self.cuda = device.type == "cuda"
         if emulation is None and not self.cuda:
-            from .emulation import current
-
-            emulation = current()
+            emulation = _emulation()
         self.emu = None if self.cuda else emulation
         self.asynchronous = self.cuda or self.emu is not None
         # Dedicated copy streams: CUDA streams, emulated worker streams, or None (sync CPU).
@@ -289,3 +289,13 @@ class CopyEngine:
     def close(self) -> None:
         if self.emu is not None:
             self.emu.sweep()
+
+
+def _emulation():
+    """The asynchronous CPU emulation a new CPU copy engine should use, if a test turned it on
+    (``testing.emulation.emulate``) or ``PROTRAIN_ASYNC_CPU`` is set; None otherwise. The
+    runtime imports the test device only then."""
+    emu = sys.modules.get("protrain.testing.emulation")
+    if emu is None and os.environ.get("PROTRAIN_ASYNC_CPU"):
+        import protrain.testing.emulation as emu
+    return emu.current() if emu is not None else None

@@ -79,7 +79,7 @@ def test_zero3_matches_single_process(tmp_path, name, world):
 def test_async_zero3_equals_sync(tmp_path, monkeypatch):
     """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
     all-gathers run on the copy worker, later; losses and state equal the synchronous run's
-    bit for bit (same arithmetic; executor/emulation.py)."""
+    bit for bit (same arithmetic; testing/emulation.py)."""
     name = "llama-tiny"
     persistent, n_buffer, policies = [], 6, ["swap", "checkpoint"]
     runs = {}

@@ -31,7 +31,7 @@ from torch import nn
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.executor.emulation import emulate
+from protrain.testing.emulation import emulate
 from protrain.executor.errors import ConfigError
 from protrain.planner.emit import emit
 

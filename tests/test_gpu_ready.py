@@ -19,7 +19,7 @@ from harness import make_model, make_plan
 from protrain.executor import AdamWConfig, ProtrainError, wrap
 from protrain.executor import transfer as T
 from protrain.executor.dist import Comm
-from protrain.executor.emulation import emulate
+from protrain.testing.emulation import emulate
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.schedule import Phase
 from protrain.planner.data import batches, load_tokens

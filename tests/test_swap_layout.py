@@ -27,7 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.executor.emulation import emulate
+from protrain.testing.emulation import emulate
 from protrain.executor.validation import segment_chunks
 from protrain.planner.emit import emit
 from protrain.planner.models import lm_loss

@@ -130,13 +130,14 @@ MUTANTS = [
 
 
 def scratch(root: Path) -> Path:
-    """A ``protrain`` package: a copy of ``root``'s executor/, its planner/ linked."""
+    """A ``protrain`` package: a copy of ``root``'s executor/, its planner/ and testing/ linked."""
     top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
     pkg = top / "protrain"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     shutil.copytree(root / "executor", pkg / "executor", ignore=shutil.ignore_patterns("__pycache__"))
     (pkg / "planner").symlink_to(root / "planner")
+    (pkg / "testing").symlink_to(root / "testing")
     return top
 
 
