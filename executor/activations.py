@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from .chunks import ChunkStore
 from .memory import Ledger
 from .plan import PRE, Plan
-from .transfer import Copy, CopyEngine
+from .transfer import CopyEngine, CopyHandle
 
 
 class SwapHandle:
@@ -74,11 +74,11 @@ class SwapHandle:
 
     __slots__ = ("host", "down", "dev", "up")
 
-    def __init__(self, host: torch.Tensor, down: Copy):
+    def __init__(self, host: torch.Tensor, down: CopyHandle):
         self.host = host  # 1D uint8 (storage nbytes,), the storage's bytes; pinned on CUDA
         self.down = down  # the D2H copy that fills `host`
         self.dev: torch.Tensor | None = None  # 1D uint8 (storage nbytes,) once swapped in
-        self.up: Copy | None = None  # the H2D copy that fills `dev`
+        self.up: CopyHandle | None = None  # the H2D copy that fills `dev`
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

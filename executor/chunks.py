@@ -44,7 +44,7 @@ from torch import nn
 from .accounting import pool_slots
 from .memory import Ledger
 from .plan import Plan
-from .transfer import Copy, CopyEngine, HostArena
+from .transfer import CopyEngine, CopyHandle, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,9 +90,9 @@ class Chunk:
         # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
         self.trainable = True
         # The upload issued by the last fetch/prefetch, until compute has waited on it.
-        self.upload: Copy | None = None
+        self.upload: CopyHandle | None = None
         # The last upload that read ``home``: the CPU step waits for it before writing home.
-        self.last_upload: Copy | None = None
+        self.last_upload: CopyHandle | None = None
         # Host work on this chunk's buffers queued on the CPU worker (gradient accumulation,
         # the AdamW step, writing home); the next fetch or offload of the chunk waits for it.
         self.pending: Future | None = None

@@ -46,7 +46,7 @@ from torch.autograd.profiler import record_function
 from .events import Events
 
 
-class Copy:
+class CopyHandle:
     """Handle of one issued copy (and the collective queued behind it).
 
     ``event``: a ``torch.cuda.Event`` recorded after the copy on its stream, an
@@ -211,7 +211,7 @@ class CopyEngine:
                     stream=stream if self.cuda else None)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
-               after: Copy | None = None, gather=None) -> Copy:
+               after: CopyHandle | None = None, gather=None) -> CopyHandle:
         """Copy host ``src`` into device ``dst`` (already allocated). See [Note: copy streams].
 
         ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
@@ -227,16 +227,16 @@ class CopyEngine:
                 if gather is not None:
                     gather()
                 self._note(name, "end", src, None)
-                return Copy(None, self.device)
+                return CopyHandle(None, self.device)
             self._wait_compute(self.h2d)  # dst may have been in use by compute until now
             if after is not None and after.event is not None:
                 self.h2d.wait_event(after.event)
             self._note(name, "begin", src, self.h2d)
-            copy = Copy(self._launch(self.h2d, dst, src, gather), self.device)
+            copy = CopyHandle(self._launch(self.h2d, dst, src, gather), self.device)
             self._note(name, "end", src, self.h2d)
             return copy
 
-    def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> Copy:
+    def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> CopyHandle:
         """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst.
 
         ``src`` may be freed right after this returns: it is recorded on the copy stream.
@@ -246,13 +246,13 @@ class CopyEngine:
                 self._note(name, "begin", src, None)
                 dst.copy_(src)
                 self._note(name, "end", src, None)
-                return Copy(None, self.device)
+                return CopyHandle(None, self.device)
             self._wait_compute(self.d2h)  # src is complete
             self._note(name, "begin", src, self.d2h)
             event = self._launch(self.d2h, dst, src, weak_src=True)
             self._record(src, self.d2h)  # src's memory must outlive the copy
             self._note(name, "end", src, self.d2h)
-            return Copy(event, self.device)
+            return CopyHandle(event, self.device)
 
     # -- chunk storage
 

@@ -157,20 +157,6 @@ def _terms_for(profile: Profile, plan: P.Plan):
     return t
 
 
-def _policy_masks(plan: P.Plan):
-    """A one-row ``PolicyGrid`` holding the plan's own per-block policies."""
-    import numpy as np
-
-    from .cost import PolicyGrid
-
-    S = len(plan.model.blocks) + 2
-    swap, ckpt = np.zeros((1, S)), np.zeros((1, S))
-    for b, a in enumerate(plan.activations):
-        swap[0, b + 1] = a.policy == "swap"
-        ckpt[0, b + 1] = a.policy == "checkpoint"
-    return PolicyGrid(np.array([int(swap.sum())]), np.array([int(ckpt.sum())]), swap, ckpt)
-
-
 # ------------------------------------------------------------------ predicted trace
 
 

@@ -19,10 +19,10 @@ from harness import make_model, make_plan
 from protrain.executor import AdamWConfig, ProtrainError, wrap
 from protrain.executor import transfer as T
 from protrain.executor.dist import Comm
-from protrain.testing.emulation import emulate
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.schedule import Phase
 from protrain.planner.data import batches, load_tokens
+from protrain.testing.emulation import emulate
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 
@@ -127,15 +127,15 @@ def test_no_blocking_device_reads_in_backward_or_the_worker(monkeypatch, dtype, 
             monkeypatch.setattr(torch.Tensor, name, forbidden(name, getattr(torch.Tensor, name)))
         monkeypatch.setattr(torch.cuda, "synchronize", forbidden("synchronize", torch.cuda.synchronize))
         # A host wait on one copy is the worker's to make (after its download), never backward's.
-        host_wait = T.Copy.synchronize
+        host_wait = T.CopyHandle.synchronize
 
         def copy_synchronize(self):
             if engine.replayer.phase is Phase.BACKWARD and threading.current_thread() is threading.main_thread():
-                calls.append("Copy.synchronize on backward")
+                calls.append("CopyHandle.synchronize on backward")
                 raise AssertionError("backward waited for a copy on the host")
             return host_wait(self)
 
-        monkeypatch.setattr(T.Copy, "synchronize", copy_synchronize)
+        monkeypatch.setattr(T.CopyHandle, "synchronize", copy_synchronize)
         data = batches(load_tokens(), 4, 32, 0)
         for _ in range(2):
             engine.step([next(data) for _ in range(grad_accum)])
