@@ -29,9 +29,10 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   flight (its own forward step and the next one), a checkpointed block's
   recomputed ``saved`` during its backward, and each step's transient peak.
 - **host** — each offloaded chunk's shard: its home (compute dtype) and, if
-  trainable, moments (8 B), the fp32 gradient accumulator (4 B), an fp32 master
-  (4 B, 16-bit compute only) and a compute-dtype staging buffer for gradients that
-  cannot land in the accumulator directly (16-bit compute, or ``grad_accum > 1``).
+  trainable, moments (8 B) and an fp32 master (4 B, 16-bit compute only). With
+  16-bit compute and no accumulation the gradients land in the home (14 B in all);
+  otherwise an fp32 gradient accumulator (4 B) and, with ``grad_accum > 1``, a
+  compute-dtype staging buffer for the later micro-batches.
   Swapped activations: every swapped block's ``swapped`` bytes at the turn from
   forward to backward.
 
@@ -69,8 +70,11 @@ def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
     """Per-element bytes of a trainable chunk's states (see the module docstring)."""
     cb = DTYPE_BYTES[compute_dtype]
     master = 4 if cb != 4 else 0
-    staging = cb if (cb != 4 or grad_accum > 1) else 0
-    return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + 4 + master + staging)
+    if cb != 4 and grad_accum == 1:  # gradients land in the home (optim.py [Note: gradients land in home])
+        grads = 0
+    else:  # an fp32 accumulator, and a staging buffer for the micro-batches after the first
+        grads = 4 + (cb if grad_accum > 1 else 0)
+    return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + master + grads)
 
 
 @dataclass(frozen=True)

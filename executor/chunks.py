@@ -122,12 +122,15 @@ class ChunkStore:
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
         fp32 = self.dtype == torch.float32
         # One pinned arena for every offloaded chunk's host buffers ([Note: pinned arena]
-        # in transfer.py): its home (compute dtype), its fp32 gradient accumulator (the
-        # download's target), and a compute-dtype staging buffer for gradients that cannot
-        # land in the accumulator directly (16-bit compute, or later micro-batches).
-        self.staged = not fp32 or plan.training.grad_accum > 1
+        # in transfer.py): its home (compute dtype) and, unless its gradients land in the
+        # home (optim.py [Note: gradients land in home]), an fp32 gradient accumulator (the
+        # download's target) and, with grad_accum > 1, a compute-dtype staging buffer for
+        # the micro-batches that cannot land in the accumulator directly.
+        self.grad_in_home = not fp32 and plan.training.grad_accum == 1
+        self.staged = plan.training.grad_accum > 1
         home = HostArena.span(shard_numel, self.dtype)
-        grads = HostArena.span(shard_numel, self.dtype) * self.staged + HostArena.span(shard_numel, torch.float32)
+        grads = 0 if self.grad_in_home else (HostArena.span(shard_numel, self.dtype) * self.staged
+                                             + HostArena.span(shard_numel, torch.float32))
         self.arena = HostArena(sum(home + grads * any(params[p.name].requires_grad for p in spec.params)
                                    for spec in plan.chunks.items if spec.id not in persistent),
                                pin=copies.cuda)

@@ -62,6 +62,20 @@ The copy lands directly in the fp32 accumulator when nothing needs converting
 (fp32 compute, first micro-batch); otherwise in the chunk's staging buffer, which
 the next offload of the chunk reuses only after the worker has consumed it
 (``Chunk.pending``, a host-side wait that in practice is long over).
+
+[Note: gradients land in home]
+With 16-bit compute and no gradient accumulation, an offloaded chunk's home is free
+from its last use in backward until its CPU step: its values are the fp32 master
+rounded (an invariant: wrap, every step and every in-place write keep it), and the
+step writes them again. So the gradients land in the home itself, and the chunk has
+no accumulator and no staging buffer: 14 host bytes per element (home 2, master 4,
+moments 8) instead of 20. The step reads ``home.float()`` (a transient fp32 copy on
+the worker, one chunk at a time), divided by the world size under ZeRO-3 as the
+accumulator was, so the arithmetic is the accumulator's. A chunk whose gradients did
+not land (never fetched in backward) steps on zeros under ZeRO-3; one that landed
+but has nothing to step gets its home back from the master. Its uploads were all
+waited on by compute before its last backward segment, so the download, ordered
+after compute, never races one.
 """
 
 from __future__ import annotations
@@ -147,6 +161,8 @@ class ChunkOptimizer:
         # Host staging for gradients that cannot land in the accumulator directly (16-bit
         # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
+        # Chunks whose gradients landed in their home this step ([Note: gradients land in home]).
+        self.in_home: set[int] = set()
         for c in store.chunks:
             if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
                 m = c.dev if c.persistent else c.home
@@ -160,7 +176,8 @@ class ChunkOptimizer:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.home.numel()
                 m = c.home if fp32 else c.master_init
-                self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
+                if not store.grad_in_home:  # [Note: gradients land in home]
+                    self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
                 if store.staged:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
                 lo = c.shard.start if store.comm.world > 1 else 0
@@ -171,7 +188,7 @@ class ChunkOptimizer:
                 self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
                 own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], *([m] if not fp32 else []),
-                       *([self.cpu_grad[c.id]] if not c.persistent else []),
+                       *([self.cpu_grad[c.id]] if c.id in self.cpu_grad else []),
                        *([self.staging[c.id]] if c.id in self.staging else [])]
                 nbytes = sum(x.numel() * x.element_size() for x in own)
                 store.ledger.alloc("optim", nbytes) if c.persistent else store.ledger.host_alloc(nbytes)
@@ -220,12 +237,14 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         if not c.trainable:
             return  # no gradient buffer, nothing to step (chunks.py [Note: frozen chunks])
-        acc = self.cpu_grad[cid]
+        home = self.store.grad_in_home
+        acc = c.home if home else self.cpu_grad[cid]
         comm = self.store.comm
+        self.in_home.discard(cid)
         if not c.grad_live:
             # Never fetched in this backward (every parameter unused or frozen): no gradient
             # buffer, so no copy. The accumulator must read zero for the micro-batches after.
-            if first_micro_batch:
+            if first_micro_batch and not home:
                 previous = c.pending
                 c.pending = self.worker.submit(lambda: (previous and previous.result(), acc.zero_()))
             return
@@ -233,7 +252,7 @@ class ChunkOptimizer:
         if comm.world > 1:
             src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
             comm.reduce_scatter(src, c.dev_grad, f"gradients of chunk {cid}")
-        direct = src.dtype == torch.float32 and first_micro_batch
+        direct = home or (src.dtype == torch.float32 and first_micro_batch)
         dst = acc if direct else self.staging[cid]
         if c.pending is not None:  # the worker may still read dst (or acc) from the last offload
             c.pending.result()
@@ -241,7 +260,9 @@ class ChunkOptimizer:
         with record_function("protrain::offload"):
             down = self.store.copies.download(dst, src)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
-        divide = comm.world if comm.world > 1 and last_micro_batch else 1
+        divide = comm.world if comm.world > 1 and last_micro_batch and not home else 1
+        if home:
+            self.in_home.add(cid)
 
         def land() -> None:
             down.synchronize()  # a wait on the copy's event: the only device call here
@@ -263,7 +284,7 @@ class ChunkOptimizer:
         for c in self.store.chunks:
             if not c.trainable:
                 continue
-            flat = c.dev_grad if c.persistent else self.cpu_grad[c.id]
+            flat = c.dev_grad if c.persistent else self._host_grad(c.id)
             for i in self.stepping(c.id):
                 p, off, n = c.params[i]
                 views[id(p)] = flat[off: off + n].view(p.shape)
@@ -284,7 +305,7 @@ class ChunkOptimizer:
             sq = torch.zeros((), dtype=torch.float32, device=self.store.device)
             for c in self.store.chunks:
                 if not c.persistent and c.trainable:
-                    sq += self.cpu_grad[c.id].double().square().sum().float().to(sq.device)
+                    sq += self._host_grad(c.id).double().square().sum().float().to(sq.device)
             comm.all_reduce(sq, "the gradient norm")
             for c in self.store.chunks:
                 if c.persistent and c.trainable:
@@ -302,7 +323,7 @@ class ChunkOptimizer:
     def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
         """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
         c = self.store.chunks[cid]
-        g = c.dev_grad if c.persistent else self.cpu_grad[cid]
+        g = c.dev_grad if c.persistent else self._host_grad(cid)
         if g.dtype != torch.float32:
             g = g.float()  # a fresh fp32 copy; the compute-dtype buffer is zeroed next step
         if inv_scale != 1.0:
@@ -312,6 +333,17 @@ class ChunkOptimizer:
             # float on the worker: exactly the fp32 value, so the same products)
             g.mul_(coef)
         return g
+
+    def _host_grad(self, cid: int) -> torch.Tensor:
+        """An offloaded chunk's gradient on the host: its fp32 accumulator, or for gradients in
+        the home a fresh fp32 copy of them, divided by the world size (zeros when none landed)."""
+        if not self.store.grad_in_home:
+            return self.cpu_grad[cid]
+        c = self.store.chunks[cid]
+        if cid not in self.in_home:
+            return torch.zeros(c.home.numel(), dtype=torch.float32)
+        g = c.home.float()
+        return g.div_(self.store.comm.world) if self.store.comm.world > 1 else g
 
     def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:
         """``torch._fused_adamw_`` on the parameters ``which`` of the chunk, as
@@ -367,6 +399,8 @@ class ChunkOptimizer:
         """On the worker: AdamW on the host master, then the new weights into home."""
         c = self.store.chunks[cid]
         if not which:
+            if cid in self.in_home:  # the gradients overwrote the home: its values come back
+                c.home.copy_(self.master[cid])
             return
         if reads_home is not None:
             # The last upload from home must have read it before the step changes it (in

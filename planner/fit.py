@@ -32,9 +32,9 @@ Ladders (the interpolation rules):
 Fitting means: ``make_plan`` finds a configuration under the device budget whose
 host need fits the host budget (``planning.default_host_budget``: the spec's host
 RAM less 10% and 2 GiB for the OS and the process). Host need = the plan's
-``host_bytes`` (every offloaded chunk's compute-dtype home, fp32 master, Adam
-moments, gradient accumulator and staging buffer: 20 B per element in bf16, 16 in
-fp32; the executor's ledger counts the same) plus ``host_swap_bytes`` (the swapped
+``host_bytes`` (every offloaded chunk's states, ``accounting.element_bytes``: 14 B
+per element in bf16 without gradient accumulation, 16 in fp32, 20 when accumulating;
+the executor's ledger is held to the same) plus ``host_swap_bytes`` (the swapped
 blocks' activations). The search itself honours the host limit, so a slower plan
 keeping more chunks on the device is chosen when the fastest one would not fit the
 host. Before profiling a rung we drop it if even the best case (every byte of the

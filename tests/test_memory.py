@@ -100,25 +100,29 @@ def test_peak_falls_as_plans_offload_more(capsys):
     assert peaks["all-persistent keep"] - peaks["all-offloaded keep"] >= moved
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype):
-    """[Note: pinned arena]: every offloaded chunk's home, fp32 gradient accumulator (the
-    download's target) and bf16 gradient staging is a slice of one allocation made at
+@pytest.mark.parametrize("dtype,grad_accum", [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)])
+def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype, grad_accum):
+    """[Note: pinned arena]: every offloaded chunk's home and, unless its gradients land in
+    the home (bf16 without accumulation), its fp32 gradient accumulator (the download's
+    target) and with accumulation a staging buffer, is a slice of one allocation made at
     wrap, exactly as large as the plan's chunks need."""
     from protrain.executor.transfer import HostArena
 
-    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype=dtype)
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype=dtype,
+                     grad_accum=grad_accum)
     engine = wrap(make_model("gpt2-4"), plan, device="cpu")
     store, arena = engine.store, engine.store.arena
     off = [c for c in store.chunks if not c.persistent]
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     n = off[0].home.numel()
-    per_chunk = (HostArena.span(n, torch_dtype) * (1 if dtype == "float32" else 2)
-                 + HostArena.span(n, torch.float32))
+    in_home = dtype == "bfloat16" and grad_accum == 1
+    per_chunk = HostArena.span(n, torch_dtype) + (0 if in_home else (
+        HostArena.span(n, torch.float32) + HostArena.span(n, torch_dtype) * (grad_accum > 1)))
     assert len(off) >= 2 and arena.buffer.numel() == len(off) * per_chunk == arena.offset
     base = arena.buffer.untyped_storage().data_ptr()
     buffers = [c.home for c in off] + list(engine.optim.staging.values()) + list(engine.optim.cpu_grad.values())
-    assert len(buffers) == len(off) * (2 if dtype == "float32" else 3)
+    assert len(buffers) == len(off) * (1 if in_home else 2 + (grad_accum > 1))
     assert all(b.untyped_storage().data_ptr() == base for b in buffers)
-    engine.step(next(batches(load_tokens(), 4, 32, 0)))  # and it trains
+    data = batches(load_tokens(), 4, 32, 0)
+    engine.step([next(data) for _ in range(grad_accum)])  # and it trains
     engine.close()

@@ -154,7 +154,9 @@ def test_a_forgotten_wait_reads_poison():
 
 def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
     """A prefetch still reading home when the chunk's CPU step runs must see the old weights."""
-    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16")
+    # grad_accum 2: the accumulator layout, whose gradients the test can set by hand
+    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16",
+                     grad_accum=2)
     with emulate(3, min_delay_s=0.05, max_delay_s=0.05, tail_p=0.0):
         engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(lr=0.1), device="cpu")
         store, optim = engine.store, engine.optim

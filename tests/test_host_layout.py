@@ -1,0 +1,116 @@
+"""optim.py [Note: gradients land in home]: with 16-bit compute and no accumulation an
+offloaded chunk keeps 14 host bytes per element (home, master, moments) and its
+gradients land in its home. The arithmetic must be the accumulator's: the same steps
+as a persistent chunk's, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import make_model, make_plan
+from torch import nn
+
+from protrain.executor import AdamWConfig, accounting, wrap
+from protrain.planner.data import batches, load_tokens
+from protrain.planner.emit import emit
+from protrain.testing.emulation import emulate
+
+CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, plan, steps=3, config=CONFIG, data=None):
+    torch.manual_seed(1234)  # dropout draws the same masks in both runs
+    engine = wrap(model, plan, config, device="cpu")
+    data = data or batches(load_tokens(), 4, 32, 0)
+    losses = [engine.step(next(data)).loss for _ in range(steps)]
+    sd = engine.state_dict()
+    host = engine.ledger.host_bytes
+    engine.close()
+    return losses, sd, host
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    for name, t in a[1]["model"].items():
+        assert torch.equal(t, b[1]["model"][name]), name
+    for name, st in a[1]["optim"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous):
+    config = AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
+    cpu_adam = "after_backward" if clip else None
+    offloaded = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16",
+                          cpu_adam=cpu_adam)
+    persistent = make_plan("gpt2-4", persistent="all", n_buffer=0, policies="keep", compute_dtype="bfloat16",
+                           cpu_adam=cpu_adam)
+    want = _train(make_model("gpt2-4"), persistent, config=config)
+    with emulate(7) if asynchronous else _nothing():
+        got = _train(make_model("gpt2-4"), offloaded, config=config)
+    _same(got, want)
+    # 14 host bytes per element of every offloaded chunk, as accounting.py says
+    shard = offloaded.chunks.chunk_numel
+    assert got[2] == accounting.walk(offloaded).host_bytes == len(offloaded.placement.offloaded) * shard * 14
+
+
+class _Gate(nn.Module):
+    """A block whose only parameter gets no gradient (used under no_grad): its chunk is
+    fetched in backward and its gradient buffer opened, but nothing of it steps."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(-1, 1, d * d).view(d, d))
+
+    def forward(self, x):
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate)
+        return x @ g
+
+
+class _Tiny(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()), _Gate(d)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for b in self.h:
+            x = b(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_chunk_with_nothing_to_step_gets_its_home_back():
+    # Block h.1's chunk holds only its gate: its (zero) gradient buffer lands in the home
+    # and nothing steps; the next forward must still read the weights, as plain PyTorch.
+    import copy
+
+    from protrain.executor import plan as P
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    training = P.Training(micro_batch=2, seq_len=8, compute_dtype="bfloat16", master_dtype="float32",
+                          world_size=1, grad_accum=1)
+
+    def plan(persistent):
+        return emit(model, name="tiny", blocks=["h.0", "h.1"], training=training, chunk_numel=2048,
+                    persistent=persistent, n_buffer=2, policies=["keep", "keep"])
+
+    off = plan([])
+    assert any([p.name for p in c.params] == ["h.1.gate"] for c in off.chunks.items)
+    data = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(4)]
+    want = _train(copy.deepcopy(model), plan(list(range(len(off.chunks.items)))), data=iter(data))
+    got = _train(copy.deepcopy(model), off, data=iter(data))
+    _same(got, want)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
