@@ -50,7 +50,12 @@ SHAPES: dict[str, tuple[int, int]] = {
     "llama-13b": (4, 2048),
     "llama-34b": (1, 4096),
     "llama-70b": (1, 4096),
+    "llama-3.1-8b": (4, 2048),
+    "mixtral-8x7b": (1, 4096),
 }
+# Library models that are Hugging Face config.json files under plans/configs/ (no weights):
+# one dense, one mixture of experts. Their profiles and plans carry the library name.
+HF_CONFIGS = {"llama-3.1-8b": "plans/configs/llama-3.1-8b", "mixtral-8x7b": "plans/configs/mixtral-8x7b"}
 HARDWARE = ["rtx3090", "rtx4090", "a100-40g", "a100-80g", "h100", "h200"]
 WORLD_SIZES = (1, 4)
 COMPUTE_DTYPE = "bfloat16"
@@ -107,6 +112,17 @@ def analytic_profile_bytes(entry: Entry, spec_path: str) -> bytes:
     from protrain.planner.profile import dump_profile
     from protrain.planner.profiling import build_profile
 
+    if entry.model in HF_CONFIGS:  # named by its library name, not by a machine's path
+        from protrain.planner.analytic import analytic_profile
+        from protrain.planner.models import block_paths, build
+        from protrain.planner.spec import find_spec
+
+        root = Path(spec_path).resolve().parents[2]
+        model = build(f"hf:{root / HF_CONFIGS[entry.model]}", device="meta")
+        profile = analytic_profile(model, name=entry.model, blocks=block_paths(model),
+                                   micro_batch=entry.micro_batch, seq_len=entry.seq_len,
+                                   compute_dtype=COMPUTE_DTYPE, spec=find_spec(spec_path))
+        return dump_profile(profile)
     profile = build_profile(model_name=entry.model, batch=entry.micro_batch, seq=entry.seq_len,
                             dtype=COMPUTE_DTYPE, device=None, analytic=True, hardware=spec_path,
                             echo=lambda _line: None)
