@@ -291,7 +291,13 @@ class _FusedKernels(TorchFunctionMode):
             groups = q.size(-3) // k.size(-3)
             k = k.repeat_interleave(groups, dim=-3)
             v = v.repeat_interleave(groups, dim=-3)
-        return _SDPA_CPU(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        dv = v.size(-1)
+        if dv != q.size(-1):
+            # The flash kernel takes one head size for q, k and v; MLA (DeepSeek) has narrower
+            # value heads. Padding v with zeros counts the P @ V product at q's head size (an
+            # over-estimate of (d_q - d_v) / d_v on that one matmul) and the same memory.
+            v = F.pad(v, (0, q.size(-1) - dv))
+        return _SDPA_CPU(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :dv]
 
 
 def _dropout_args(input, p=0.5, training=True, inplace=False):

@@ -308,19 +308,15 @@ def test_from_model_adapts_families_without_sdpa(hf, names, family):
 # ---------------------------------------------------------------------------- planning
 
 
-# planner/analytic.py runs every SDPA call as the CPU flash kernel, which needs one head
-# size for q, k and v; multi-head latent attention has v heads narrower than q/k heads
-# (the real dispatcher picks the math kernel). Reported; the measured profile plans them.
-ANALYTIC_XFAIL = {f: "analytic SDPA-as-flash assumes v head size == q head size (planner/analytic.py)"
-                  for f in ("deepseek_v2", "deepseek_v3")}
+MLA = ("deepseek_v2", "deepseek_v3")
+"""Multi-head latent attention: value heads narrower than q/k heads (analytic.py pads v for
+the flash-kernel count); planned analytically like the rest, and from a measured profile too."""
 
 
 def cli_params(fast: list[str]):
     out = []
     for f in FAMILIES:
         marks = [] if f in fast else [pytest.mark.slow]
-        if f in ANALYTIC_XFAIL:
-            marks.append(pytest.mark.xfail(strict=True, reason=ANALYTIC_XFAIL[f]))
         out.append(pytest.param(f, marks=marks))
     return out
 
@@ -346,8 +342,8 @@ def test_cli_plans_every_family_from_its_directory(hf, names, family, tmp_path):
     assert info.family == model_type(family) and info.n_blocks == len(plan.model.blocks)
 
 
-@pytest.mark.parametrize("family", sorted(ANALYTIC_XFAIL))
-def test_cli_plans_from_a_measured_profile_where_analytic_cannot(hf, names, family, tmp_path):
+@pytest.mark.parametrize("family", MLA)
+def test_cli_plans_from_a_measured_profile_too(hf, names, family, tmp_path):
     r = plan_cli(names[family][len("hf:"):], tmp_path / "plan.json", "--device", "cpu")
     assert r.exit_code == 0, r.output
 
