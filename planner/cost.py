@@ -19,13 +19,18 @@ schedule; ``after_backward`` (clipping, fp16) starts every CPU step after backwa
 ``T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)`` (from when the last
 gradients land, if that is later than the end of backward).
 Per segment ``s`` of forward (``<pre>``, blocks, ``<post>``):
-``t_fwd(s) = max(comp_fwd(s), up(s+1), swap_out(s))`` — the schedule prefetches the
-next segment's chunks while ``s`` computes (one-segment pipeline), uploads go
-H2D while swap-outs go D2H (PCIe is full duplex, so they do not share a lane).
+``t_fwd(s) = max(comp_fwd(s), up(s+1), swap_out(s), (up(s+1) + swap_out(s)) / LINK_DUPLEX)``
+— the schedule prefetches the next segment's chunks while ``s`` computes
+(one-segment pipeline); uploads go H2D while swap-outs go D2H, two directions of
+one link that do not add up to twice one direction (see ``LINK_DUPLEX``).
 The first segment's uploads are not hidden. Backward, in reverse:
-``t_bwd(s) = max(comp_bwd(s) + recompute(s), refetch(next) + swap_in(next), grad_offload(s))``
-where swap-ins share the H2D lane with chunk re-fetches (the paper's "derate the
-link" — here literally summed on the lane). On a ``cpu`` device every copy is
+``t_bwd(s) = max(comp_bwd(s) + recompute(s), h2d(s), grad_offload(s), (h2d(s) + grad_offload(s)) / LINK_DUPLEX)``
+with ``h2d(s) = refetch(next) + swap_in(next)``: swap-ins share the H2D lane with
+chunk re-fetches (the paper's "contention for shared resources" — here literally
+summed on the lane), and the H2D lane shares the link with the gradient offloads
+going D2H. Gradient offloads never share the D2H lane with swap-outs: a swap-out
+ends within its own forward segment (the segment lasts at least as long), and
+gradients go down only in backward. On a ``cpu`` device every copy is
 synchronous, so the max becomes a sum.
 
 Transfer counts are an upper bound of what ``emit.build_schedule`` issues
@@ -74,6 +79,24 @@ pinned host allocations, a pack/unpack hook call per saved tensor and the event
 waits. Without it a swap whose copies hide under compute would cost nothing and
 the search would swap blocks even with memory to spare. TODO(#5): measure on a
 GPU (the CPU benchmark cannot separate it from the synchronous copy)."""
+
+
+LINK_DUPLEX = 1.45
+"""Bytes a host link moves with copies running both ways at once, as a multiple of what it
+moves one way: the two directions of a segment's copies (H2D uploads and swap-ins, D2H
+swap-outs and gradient offloads) take at least ``(t_h2d + t_d2h) / LINK_DUPLEX`` together,
+each at its one-way rate. PCIe is full duplex on paper (2.0); measured it is not.
+nvbandwidth's ``host_to_device_bidirectional_memcpy_ce`` times H2D while a D2H copy
+runs: on PCIe Gen4 x16, an A100 PCIe moves 25-26 GB/s one way and 12-13 H2D + 24 D2H
+both ways (NVIDIA/nvbandwidth#11), an A100-SXM4 ~11 H2D + ~25 D2H (nvbandwidth#53):
+(12.5 + 24) / 25.5 = 1.43; eight RTX 4090s 24-26 one way, 11-16 H2D both ways
+(nvbandwidth#15; D2H not shown). One Gen5 host (RTX 5090, Xeon 8458P) keeps 51 of
+56 GB/s H2D both ways (tinygrad/open-gpu-kernel-modules#29), closer to 2: for a Gen5
+card this over-charges a link-bound segment (never a compute-bound one, where the max
+is the compute). Under ZeRO-3 ``t_up``/``t_down`` include the collective, charged on
+the link too (exact for GeForce cards, whose NCCL goes through host memory; a small
+over-charge over NVLink). TODO(#17): probe the bidirectional rate
+(``protrain hardware probe``) and carry it in the spec."""
 
 
 def facts_from_profile(profile: Profile) -> ModelFacts:
@@ -306,9 +329,12 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     recompute = grid.ckpt * t.comp_fwd  # (G, S) a checkpointed block re-runs its forward
     comp_b = t.comp_bwd + recompute
     if t.gpu:
-        t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), swap_out).sum(axis=1) + late_f.sum()
-                 + up_f[0] + swap_overhead)
-        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), grad_down) + late_b  # (G, S)
+        # Each lane alone, and both directions of the link together (LINK_DUPLEX).
+        duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (G, S)
+        t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f)).sum(axis=1)
+                 + late_f.sum() + up_f[0] + swap_overhead)
+        duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (G, S)
+        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b  # (G, S)
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         t_fwd = t.comp_fwd.sum() + up_f.sum() + swap_out.sum(axis=1)

@@ -19,8 +19,9 @@ and bytes-per-gigabyte. The solution is rounded and re-evaluated by
 Every ``max`` in ``cost.evaluate`` is of terms the objective increases with, so
 ``T ≥ each term`` is tight at an optimum. The two ``min``s (how many uploads run
 ahead in a free buffer, forward and backward) enter each segment time as
-``max(c, a·t_up, x) + (u − a)·t_up``, which never increases with ``a``, so
-``a ≤ u, a ≤ spare`` with ``a`` free is tight too. The forward→backward buffer
+``max(c, a·t_up, x, (a·t_up + x) / LINK_DUPLEX) + (u − a)·t_up``, which never
+increases with ``a`` (``LINK_DUPLEX`` > 1), so ``a ≤ u, a ≤ spare`` with ``a`` free
+is tight too. The forward→backward buffer
 cache ("the ``n_buffer`` offloaded chunks used last in forward are still
 resident") is a rank condition on a fixed order, ``cached_c ≤ off_c`` and
 ``Σ_{i before c} off_i ≤ n_buffer − 1`` when cached; caching only lowers
@@ -63,6 +64,7 @@ import numpy as np
 
 from .cost import (
     ALPHA_GPU,
+    LINK_DUPLEX,
     SWAP_OVERHEAD_US,
     Terms,
     evaluate,
@@ -311,6 +313,9 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
             m.ge(m.one(Tf[s]) - late, comp_f[s], f"Tf ≥ compute, forward {s}")
             m.ge(m.one(Tf[s]) - U * t_up, 0, f"Tf ≥ H2D lane, forward {s}")
             m.ge(m.one(Tf[s]) - seg_swap(s, out_ms[s]) - late, 0, f"Tf ≥ D2H lane, forward {s}")
+            # [Constraint] Tf[s] ≥ (uploads ahead + swap-out) / LINK_DUPLEX + late uploads (both ways)
+            m.ge(m.one(Tf[s]) - (m.one(af[s], t_up) + seg_swap(s, out_ms[s])) * (1 / LINK_DUPLEX) - late, 0,
+                 f"Tf ≥ link both ways, forward {s}")
         t_fwd = Expr.dot(Tf, 1.0) + u_f[0] * t_up + n_swaps * (SWAP_OVERHEAD_US * MS)
         # [Variable] ab[s]: chunks for backward s-1 that load ahead while s computes
         ab = m.var("ab", S)
@@ -325,6 +330,10 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
                 m.le(m.one(ab[s]) - spare[s], 0, f"ahead ≤ spare buffers, backward {s}")
                 # [Constraint] Tb[s] ≥ H2D lane: re-fetches of s-1 + swap-in of s-1 (shared link)
                 m.ge(m.one(Tb[s]) - R * t_up - seg_swap(s - 1, in_ms[s - 1]), 0, f"Tb ≥ H2D lane, backward {s}")
+                # [Constraint] Tb[s] ≥ (re-fetches ahead + swap-in of s-1 + gradient offload) / LINK_DUPLEX
+                #              + late re-fetches (the link both ways)
+                m.ge(m.one(Tb[s]) - (m.one(ab[s], t_up) + seg_swap(s - 1, in_ms[s - 1]) + grad_down[s])
+                     * (1 / LINK_DUPLEX) - late, 0, f"Tb ≥ link both ways, backward {s}")
             # [Constraint] Tb[s] ≥ compute + recompute (checkpoint) + late re-fetches
             m.ge(m.one(Tb[s]) - seg_ckpt(s, comp_f[s]) - late, comp_b[s], f"Tb ≥ compute, backward {s}")
             # [Constraint] Tb[s] ≥ gradient offload (D2H lane) + late re-fetches

@@ -159,6 +159,32 @@ def _fixed_facts(n_blocks: int = 4):
                       order=order, uses=uses)
 
 
+def test_both_directions_share_the_link(monkeypatch):
+    # Copies both ways at once move LINK_DUPLEX (1.45) times one direction's bytes, not 2x
+    # (cost.LINK_DUPLEX: nvbandwidth on PCIe Gen4). A link-bound plan whose segments send
+    # uploads one way while swap-outs (forward) or gradient offloads (backward) go the
+    # other is slower than two independent lanes would make it, and faster than one lane.
+    from protrain.planner import cost
+
+    facts = _fixed_facts()
+    prof = synthetic_profile(facts, gpu_spec(link_gbps=0.01), block_us=1, act_bytes=10**5)
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    t = make_terms(prof, size)
+    measured = cost.LINK_DUPLEX
+
+    def time(duplex: float, persistent, n_buffer: int, policies) -> float:
+        monkeypatch.setattr(cost, "LINK_DUPLEX", duplex)
+        return cost.predict_plan(t, persistent, n_buffer, policies).time_us
+
+    offloaded = ([], min_buffers(t, 0) + 1, ["swap", "keep", "swap", "keep"])
+    one_lane, both, duplex = (time(d, *offloaded) for d in (1.0, measured, 2.0))
+    assert one_lane > both > duplex
+    # Every chunk persistent: swap-outs (D2H, forward) and swap-ins (H2D, backward) never
+    # run at the same time, so the duplex factor changes nothing.
+    persistent = (list(range(t.n_chunks)), 0, ["swap", "keep", "swap", "keep"])
+    assert time(1.0, *persistent) == time(measured, *persistent) == time(2.0, *persistent)
+
+
 @pytest.mark.parametrize("cpu_adam_rate", [1e6, 1e12])  # CPU Adam the bottleneck, or nearly free
 def test_after_backward_prediction_is_the_formula(cpu_adam_rate):
     # A link so fast that every offloaded chunk's gradients land before backward ends, so
