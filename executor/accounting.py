@@ -32,7 +32,8 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   trainable, moments (8 B) and an fp32 master (4 B, 16-bit compute only). With
   16-bit compute and no accumulation the gradients land in the home (14 B in all);
   otherwise an fp32 gradient accumulator (4 B) and, with ``grad_accum > 1``, a
-  compute-dtype staging buffer for the later micro-batches.
+  compute-dtype staging buffer for the later micro-batches. Gradients in the home are
+  stepped from an fp32 copy, one chunk at a time (``scratch_bytes``).
   Swapped activations: every swapped block's ``swapped`` bytes at the turn from
   forward to backward.
 
@@ -75,6 +76,12 @@ def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
     else:  # an fp32 accumulator, and a staging buffer for the micro-batches after the first
         grads = 4 + (cb if grad_accum > 1 else 0)
     return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + master + grads)
+
+
+def scratch_bytes(compute_dtype: str, grad_accum: int = 1) -> int:
+    """Per element of one chunk's shard: the CPU step's fp32 copy of gradients that landed in
+    the home (optim.py [Note: gradients land in home]); one chunk at a time (one worker)."""
+    return 4 if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,8 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         ev("wrap", "", "host", "home", shard * eb.compute, c)
         if train[c]:
             ev("wrap", "", "host", "optim", shard * (eb.host - eb.compute), c)
+    if any(train[c] for c in plan.placement.offloaded):
+        ev("wrap", "", "host", "scratch", shard * scratch_bytes(t.compute_dtype, t.grad_accum))
 
     def act(i: int, field: str) -> int:
         return int(getattr(acts, field)[i]) if acts is not None else 0

@@ -69,9 +69,10 @@ from its last use in backward until its CPU step: its values are the fp32 master
 rounded (an invariant: wrap, every step and every in-place write keep it), and the
 step writes them again. So the gradients land in the home itself, and the chunk has
 no accumulator and no staging buffer: 14 host bytes per element (home 2, master 4,
-moments 8) instead of 20. The step reads ``home.float()`` (a transient fp32 copy on
-the worker, one chunk at a time), divided by the world size under ZeRO-3 as the
-accumulator was, so the arithmetic is the accumulator's. A chunk whose gradients did
+moments 8) instead of 20, plus one shard-sized fp32 ``scratch`` for the whole run:
+the step copies the home's gradients into it (one chunk at a time: one worker),
+divided by the world size under ZeRO-3 as the accumulator was, so the arithmetic is
+the accumulator's. A chunk whose gradients did
 not land (never fetched in backward) steps on zeros under ZeRO-3; one that landed
 but has nothing to step gets its home back from the master. Its uploads were all
 waited on by compute before its last backward segment, so the download, ordered
@@ -161,8 +162,10 @@ class ChunkOptimizer:
         # Host staging for gradients that cannot land in the accumulator directly (16-bit
         # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
-        # Chunks whose gradients landed in their home this step ([Note: gradients land in home]).
+        # Chunks whose gradients landed in their home this step, and the fp32 buffer the CPU
+        # step reads them through, one chunk at a time ([Note: gradients land in home]).
         self.in_home: set[int] = set()
+        self.scratch = torch.empty(0)
         for c in store.chunks:
             if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
                 m = c.dev if c.persistent else c.home
@@ -200,6 +203,9 @@ class ChunkOptimizer:
             if (m.device.type == "cpu" and (c.persistent or store.comm.world == 1)
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
+        if store.grad_in_home and any(not c.persistent and c.trainable for c in store.chunks):
+            self.scratch = torch.empty(store.comm.shard_numel(store.chunks[0].numel), dtype=torch.float32)
+            store.ledger.host_alloc(self.scratch.numel() * 4)
         store.write_master = self._adopt_written
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
@@ -284,7 +290,7 @@ class ChunkOptimizer:
         for c in self.store.chunks:
             if not c.trainable:
                 continue
-            flat = c.dev_grad if c.persistent else self._host_grad(c.id)
+            flat = c.dev_grad if c.persistent else c.home if self.store.grad_in_home else self.cpu_grad[c.id]
             for i in self.stepping(c.id):
                 p, off, n = c.params[i]
                 views[id(p)] = flat[off: off + n].view(p.shape)
@@ -335,14 +341,15 @@ class ChunkOptimizer:
         return g
 
     def _host_grad(self, cid: int) -> torch.Tensor:
-        """An offloaded chunk's gradient on the host: its fp32 accumulator, or for gradients in
-        the home a fresh fp32 copy of them, divided by the world size (zeros when none landed)."""
+        """An offloaded chunk's fp32 gradient on the host: its accumulator, or for gradients in
+        the home their copy in ``scratch``, divided by the world size (zeros when none landed);
+        valid until the next call (one chunk at a time: the worker, or the norm after it)."""
         if not self.store.grad_in_home:
             return self.cpu_grad[cid]
-        c = self.store.chunks[cid]
+        g = self.scratch
         if cid not in self.in_home:
-            return torch.zeros(c.home.numel(), dtype=torch.float32)
-        g = c.home.float()
+            return g.zero_()
+        g.copy_(self.store.chunks[cid].home)
         return g.div_(self.store.comm.world) if self.store.comm.world > 1 else g
 
     def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:

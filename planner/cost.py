@@ -128,6 +128,7 @@ class Terms:
     chunk_params: np.ndarray  # (C,) parameter elements in each chunk
     state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master)
     host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
+    host_scratch_bytes: int  # the CPU step's fp32 gradient copy of one chunk (accounting.scratch_bytes)
     gpu: bool
     # Per segment, forward order (S = n_blocks + 2).
     comp_fwd: np.ndarray  # (S,) µs
@@ -217,6 +218,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
         chunk_bytes=chunk_bytes, chunk_params=per_chunk,
         state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
+        host_scratch_bytes=shard_bytes // cb * A.scratch_bytes(profile.training.compute_dtype, grad_accum),
         gpu=spec.kind == "gpu",
         comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
         saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
@@ -384,7 +386,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = n_off * host_bytes_per_chunk(t)
+    host = n_off * host_bytes_per_chunk(t) + (t.host_scratch_bytes if n_off else 0)
     host_swap = grid.swap @ t.saved_tensor  # (G,)
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),

@@ -1,0 +1,153 @@
+"""Host bytes per offloaded parameter, measured: peak RSS of a real training step against
+``executor/accounting.py``'s prediction (issue 17).
+
+Each case runs in a fresh process: it reads ``VmRSS`` (the baseline: torch imported,
+nothing built), builds the model (fp32, on CPU), wraps it under a plan whose chunks
+are all offloaded, trains ``--steps`` steps, and reads ``VmHWM`` (the process's peak
+RSS). ``(VmHWM - baseline) / offloaded parameters`` is what training cost the host per
+parameter at its peak, the model's own fp32 weights included while they lived (wrap
+moves them into chunks and frees them). The prediction is ``accounting.walk(plan)``'s
+host bytes (+ the swapped activations, none here) over the same parameters.
+
+    python tools/bench_host.py                # print the table
+    python tools/bench_host.py --write        # and replace its section in BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = [  # (zoo model, compute dtype, grad_accum)
+    ("gpt2-medium", "bfloat16", 1),
+    ("gpt2-medium", "float32", 1),
+    ("gpt2-medium", "bfloat16", 2),
+]
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def run_case(model_name: str, dtype: str, accum: int, steps: int) -> dict:
+    import torch
+
+    from protrain.executor import accounting, wrap
+    from protrain.executor import plan as P
+    from protrain.planner.cost import choose_chunk_numel
+    from protrain.planner.data import batches, load_tokens
+    from protrain.planner.emit import emit, model_facts
+    from protrain.planner.models import block_paths, build
+
+    torch.set_num_threads(2)
+    meta = build(model_name, device="meta")
+    blocks = block_paths(meta)
+    size, _ = choose_chunk_numel(model_facts(meta, model_name, blocks))
+    training = P.Training(micro_batch=1, seq_len=64, compute_dtype=dtype, master_dtype="float32",
+                          world_size=1, grad_accum=accum)
+    plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
+                n_buffer=3, policies=["checkpoint"] * len(blocks))
+    del meta
+    baseline = _kib("VmRSS")
+    model = build(model_name, device="cpu")
+    n = sum(p.numel() for p in model.parameters())
+    engine = wrap(model, plan, device="cpu")
+    del model
+    wrapped = _kib("VmRSS")
+    data = batches(load_tokens(), plan.training.micro_batch, plan.training.seq_len, 0)
+    t0 = time.perf_counter()
+    device_peak = 0
+    for _ in range(steps):
+        device_peak = max(device_peak, engine.step([next(data) for _ in range(accum)]).peak_bytes)
+    seconds = time.perf_counter() - t0
+    engine.close()
+    peak = _kib("VmHWM")
+    walk = accounting.walk(plan)
+    offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
+    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "params": n, "offloaded": offloaded,
+            "wrapped_per_param": (wrapped - baseline) / offloaded,
+            "measured_per_param": (peak - baseline - device_peak) / offloaded,
+            "device_peak_per_param": device_peak / offloaded,
+            "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
+            "chunk_numel": plan.chunks.chunk_numel, "step_s": seconds / steps}
+
+
+def render(rows: list[dict], cmd: str) -> str:
+    lines = [
+        "## Host bytes per offloaded parameter (tools/bench_host.py)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"date {time.strftime('%Y-%m-%d')}.",
+        "",
+        "A fresh process per row builds the model in fp32 on the CPU, wraps it under a plan with "
+        "every chunk offloaded (checkpointed blocks, micro-batch 1 × 64) and trains one step. "
+        "*After wrap*: RSS once wrap has moved the weights into chunks, minus the RSS before the "
+        "model was built (torch imported), per offloaded parameter. *Peak*: the process's peak RSS "
+        "(`VmHWM`) minus that baseline and minus the step's device peak as the CPU ledger counts it "
+        "(on a CPU run the \"device\" is host memory too), per offloaded parameter: what the host "
+        "states cost at their worst, including allocator slack and the CPU step's transient fp32 "
+        "gradient of one chunk. *Predicted*: `accounting.walk(plan).host_bytes` per offloaded "
+        "parameter (chunk padding and the CPU step's one-chunk fp32 scratch included, hence above "
+        "the per-element figure). *After wrap* is below it where pages are not yet touched (the "
+        "fp32 accumulators are written by the first step).",
+        "",
+        "| model | params | compute | grad accum | chunk | predicted B/param | after wrap | peak | peak / predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | "
+                     f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
+                     f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
+                     f"{r['measured_per_param'] / r['predicted_per_param']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    doc = path.read_text()
+    head = text.splitlines()[0]
+    if head in doc:
+        start = doc.index(head)
+        nxt = doc.find("\n## ", start + 1)
+        doc = doc[:start] + text + ("\n" + doc[nxt + 1:] if nxt != -1 else "")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    path.write_text(doc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
+    args = ap.parse_args()
+    if args.case:
+        name, dtype, accum = args.case.split(",")
+        print(json.dumps(run_case(name, dtype, int(accum), args.steps)))
+        return 0
+    rows = []
+    for name, dtype, accum in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", f"{name},{dtype},{accum}",
+                              "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(rows[-1], file=sys.stderr)
+    text = render(rows, "python tools/bench_host.py --write")
+    print(text)
+    if args.write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
