@@ -32,35 +32,25 @@ state-space, hybrid, mixture-of-experts) exactly under every plan kind.
 Model names ``hf:PATH`` and ``hf:PATH#BLOCKS`` (PATH: a ``config.json`` or the
 directory holding it; BLOCKS: the module path of the block list, e.g.
 ``model.layers``) are resolved by ``planner/models.py``, so every command that takes
-a zoo name takes these too. A directory that also holds ``model.safetensors`` (or a
-sharded ``model.safetensors.index.json``) is a checkpoint: its weights are loaded
-when the model is built on a real device, whether PATH names the directory or the
-``config.json`` in it (the built model's ``weights_loaded_from`` lists the files; empty:
-initialised from the seed). ``hf_model_name`` and ``model_name_option`` make these
+a zoo name takes these too. ``hf_model_name`` and ``model_name_option`` make these
 names from ``--hf-config PATH [--blocks PATH]``, with PATH made absolute so a plan
-made here names its model from any directory. ``export`` writes a trained model
-back as a directory transformers loads.
+made here names its model from any directory. A directory that also holds
+``model.safetensors`` (or a sharded ``model.safetensors.index.json``) is a
+checkpoint: its weights are loaded when the model is built on a real device, whether
+PATH names the directory or the ``config.json`` in it (the built model's
+``weights_loaded_from`` lists the files; empty: initialised from the seed).
+``export`` writes a trained model back as a directory transformers loads. Reading
+and writing those files is ``planner/hf_checkpoint.py``'s job.
 transformers is imported on first use (``_transformers``), so parsing a name does
 not need it.
 
 What we set, and why:
 
-- **Attention**: ``ATTENTION``, our own entry in transformers' attention registry:
-  causal ``F.scaled_dot_product_attention`` with GQA by repeating k/v heads, the call
-  the zoo's models make, for every call it computes exactly; the rest go to the
-  family's own implementation (see [Note: which attention]). Because ours has no
-  entry in the *mask* registry, transformers builds no mask at all
-  (``masking_utils`` returns None for such implementations): no T x T mask tensor per
-  forward, and no data-dependent checks (packed-sequence detection reads position
-  values, which fails on ``meta`` and syncs the device on CUDA). With the zoo's
-  weights, a LLaMA built here gives the zoo's loss and gradients bit for bit, and so
-  does GPT-2 with the zoo's GELU kernel (``gelu_pytorch_tanh``; GPT-2's own
-  ``gelu_new`` differs in the last bits). Families whose attention is their own code
-  (BLOOM, MPT: no attention interface) keep it.
-- **Experts**: ``EXPERTS``, transformers' ``grouped_mm`` experts (tokens sorted by
-  expert, one grouped GEMM; nothing read back to the host), which also runs on
-  ``meta`` in fp32 (``grouped_experts``). Not transformers' ``eager`` experts, whose
-  loop over the experts hit reads the routing back every layer.
+- **Attention**: ``ATTENTION``, our causal SDPA in transformers' attention registry,
+  for every call it computes exactly, and the family's own implementation for the
+  rest (``planner/hf_attention.py``, [Note: which attention]).
+- **Experts**: ``EXPERTS``, transformers' ``grouped_mm`` experts (nothing read back to
+  the host), also runnable on ``meta`` in fp32 (``planner/hf_experts.py``).
 - **No KV cache** (``use_cache=False``), no LayerDrop (a skipped layer would skip the
   plan's events), and dropout 0 unless asked (as ``models.build``): every config field
   named ``*dropout``/``*pdrop`` (``_DROPOUT_FIELD``).
@@ -72,22 +62,6 @@ What we set, and why:
   is untouched and equal seeds give equal weights.
 - **Blocks**: the first ``nn.ModuleList`` of ``num_hidden_layers`` modules (hybrid
   families mix layer classes there), else the longest list of one class.
-
-[Note: which attention]
-Causal SDPA computes a layer's attention exactly when the layer asks for plain causal
-attention: no mask of its own, no sliding window shorter than the sequence, no
-keyword beyond the bookkeeping ones in ``_IGNORED_KWARGS`` (soft-capping, attention
-sinks ``s_aux``, an ALiBi ``position_bias`` all say otherwise). Anything else goes,
-call by call, to the family's own default implementation (``"sdpa"`` or
-``"eager"``: what ``from_pretrained`` would pick, recorded on every module as
-``OWN``; eager whenever the call needs soft-capping or sinks, which transformers'
-SDPA path refuses or drops), with the mask transformers itself would build for that
-layer (causal, or causal within the window) from positions alone: nothing reads a
-token value, so the data path does not sync, and the decision depends only on
-shapes and the config, so it is the same on meta, in the forward and in a
-checkpointed block's recomputation. Where that implementation cannot be found (a
-modeling file without ``eager_attention_forward``) the call is refused with a
-ConfigError naming the layer and what it needed.
 
 [Note: one module tree]
 ``HFCausalLM`` must not register the transformers model as a child: that would
@@ -105,26 +79,37 @@ checks it.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from protrain.executor.errors import ConfigError, did_you_mean
 
+from .hf_attention import ATTENTION, OWN, causal_attention, own_default
+from .hf_checkpoint import (
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    config_file,
+    export,
+    has_checkpoint,
+    load_weights,
+    refuse_pickles,
+    weight_files,
+)
+from .hf_experts import EXPERTS, grouped_experts
 from .models import HF_PREFIX, ModelInfo, count_params, find_block_list, is_hf_name, lm_loss
 
-ATTENTION = "protrain_causal"
-"""Our attention implementation's name in transformers' registry (see the module docstring).
-
-It must not contain "sdpa" (or "flash", "flex"): transformers takes any name holding
-"sdpa" for its own SDPA and refuses it for families whose classes do not support SDPA."""
-
-EXPERTS = "protrain_grouped_mm"
-"""Our mixture-of-experts implementation's name in transformers' experts registry."""
+__all__ = [
+    # re-exported: callers import the whole Hugging Face adapter as protrain.planner.hf
+    "ATTENTION", "EXPERTS", "OWN", "TOKENIZER_FILES", "WEIGHTS_FILE", "WEIGHTS_INDEX",
+    "causal_attention", "config_file", "export", "grouped_experts", "load_weights", "weight_files",
+    # this module's own
+    "REFUSED", "HFCausalLM", "build", "causal_lm_classes", "describe", "find_blocks", "from_model",
+    "hf_model_name", "load_config", "model_name_option", "parse_hf_name",
+]
 
 REFUSED = {
     "gpt_neo": "its own attention code (it cannot use protrain's) builds the mask with transformers' "
@@ -141,142 +126,10 @@ from a local config.json is accepted; tests/test_hf_families.py trains a family 
 # Config fields that are dropout probabilities: "dropout", "attention_dropout",
 # "resid_pdrop", "hidden_dropout_prob", ... (the names vary by family).
 _DROPOUT_FIELD = re.compile(r"(^|_)(dropout|pdrop)(_prob|_rate)?$")
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-
-
-# ---------------------------------------------------------------------------- attention
-
-
-def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal SDPA with the zoo's kernel choices, in transformers' attention-function signature.
-
-    query (B, nh, T, hs), key/value (B, nkv, T, hs) → output (B, T, nh, hs), no weights.
-    A call that asks for more than plain causal attention (see ``_needs_own``) is
-    handed to the family's own implementation instead: see [Note: which attention].
-    """
-    T = query.size(-2)
-    reason = _needs_own(module, T, attention_mask, kwargs)
-    if reason is not None:
-        return _own_attention(module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs)
-    groups = query.size(1) // key.size(1)
-    if groups > 1:
-        # Repeat k/v per query group (HF's repeat_kv, the zoo's choice) rather than
-        # enable_gqa: every SDPA backend takes it, so the kernel does not change with dtype.
-        key = key.repeat_interleave(groups, dim=1)  # (B, nh, T, hs)
-        value = value.repeat_interleave(groups, dim=1)  # (B, nh, T, hs)
-    hs = query.size(-1)
-    # The kernel's own default scale when it is the usual 1/sqrt(hs), so the
-    # arithmetic is the zoo's exactly; otherwise (GPT-2's per-layer scaling) the given one.
-    default = scaling is None or scaling in (hs**-0.5, 1.0 / math.sqrt(hs))
-    y = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                       scale=None if default else scaling)  # (B, nh, T, hs)
-    return y.transpose(1, 2).contiguous(), None
-
-
-# Keyword arguments a family's attention module may pass that plain causal attention
-# may ignore: bookkeeping for caches, kernels we do not use and the model's outputs
-# (MoE layers pass output_router_logits down). Any other keyword with a value
-# (softcap, s_aux, position_bias, ...) sends the call to the family's own code.
-_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "layer_idx",
-                             "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                             "output_router_logits", "output_hidden_states", "return_dict"})
-
-
-def _needs_own(module: nn.Module, T: int, attention_mask: torch.Tensor | None, kwargs: dict) -> str | None:
-    """Why this call needs the family's own attention, or None when causal SDPA computes it exactly."""
-    if attention_mask is not None:
-        # transformers makes no mask for our implementation (it is not in the mask
-        # registry), so a mask here is one the family built itself (from positions,
-        # never from token values): its own kernel applies it.
-        return f"a mask of shape {tuple(attention_mask.shape)} built by the model"
-    window = kwargs.get("sliding_window")
-    if window is not None and T > window:
-        return f"a sliding window of {window} < sequence length {T}"
-    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
-        return "non-causal attention"
-    extra = sorted(k for k, v in kwargs.items()
-                   if v is not None and k not in _IGNORED_KWARGS and k not in ("sliding_window", "is_causal"))
-    return f"{', '.join(extra)}" if extra else None
-
-
-_EAGER_ONLY = ("softcap", "s_aux")
-"""Keywords only a family's eager attention computes (transformers' SDPA path refuses or drops them)."""
-
-OWN = "_protrain_own_attention"
-"""Attribute ``from_model`` sets on every module: the family's own implementation
-(``"sdpa"`` or ``"eager"``) that ``causal_attention`` hands a call to when it must."""
-
-
-def _own_attention(module: nn.Module, query, key, value, attention_mask, dropout, scaling, reason: str,
-                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The call as the family's own default implementation makes it, with the mask transformers would build.
-
-    See [Note: which attention]. The mask (causal, or causal within the sliding
-    window) comes from transformers' own mask functions on positions alone, so it
-    is the one the family would use and reads no token values.
-    """
-    import sys
-
-    _transformers()
-    from transformers import masking_utils
-
-    own = getattr(module, OWN, "eager")
-    if any(v is not None for k, v in kwargs.items() if k in _EAGER_ONLY):
-        own = "eager"  # transformers' SDPA refuses soft-capping and ignores sinks; eager computes both
-    if own == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-    else:
-        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if fn is None:
-            raise ConfigError(f"{type(module).__name__}: this attention needs {reason}, which protrain's "
-                              "causal attention does not compute, and its module has no eager_attention_forward "
-                              "to hand it to: no exact path",
-                              "train another family (planner/hf.py, [Note: which attention], says which work)")
-    causal = kwargs.get("is_causal", True) is not False and getattr(module, "is_causal", True) is not False
-    if attention_mask is None and causal:
-        T = query.size(-2)
-        window = kwargs.get("sliding_window")
-        mask_fn = (masking_utils.sliding_window_causal_mask_function(window) if window is not None
-                   else masking_utils.causal_mask_function)
-        make = masking_utils.sdpa_mask if own == "sdpa" else masking_utils.eager_mask
-        attention_mask = make(batch_size=query.size(0), q_length=T, kv_length=T, mask_function=mask_fn,
-                              local_size=window, dtype=query.dtype, device=query.device)  # (B, 1, T, T) or None
-    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' ``grouped_mm`` experts, runnable on ``meta`` in any dtype.
-
-    hidden_states (N, C), top_k_index/top_k_weights (N, k) → (N, C). On a real device
-    this *is* ``grouped_mm_experts_forward`` (sort by expert, one grouped matmul,
-    offsets from ``histc``: nothing reads a routing decision back to the host). Only
-    on ``meta`` in a dtype other than bf16, where torch's meta kernel for grouped_mm
-    applies the CUDA kernel's bf16-only rule (the CPU kernel computes fp32), the
-    grouped matmuls run in bf16 and are cast back: shapes are all meta has, and the
-    analytic profile of an fp32 MoE then counts those two casts (an estimate).
-    """
-    from transformers.integrations import moe
-
-    if hidden_states.device.type != "meta" or hidden_states.dtype == torch.bfloat16:
-        return moe.grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    exact = moe._grouped_mm
-
-    def bf16_grouped_mm(input, weight, offs):
-        return exact(input.to(torch.bfloat16), weight.to(torch.bfloat16), offs=offs).to(input.dtype)
-
-    moe._grouped_mm = bf16_grouped_mm  # only for this meta call; restored below
-    try:
-        return moe.grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    finally:
-        moe._grouped_mm = exact
 
 
 def _transformers():
-    """transformers (the optional extra), with our attention registered in it.
+    """transformers (the optional extra), with our attention and experts registered in it.
 
     Imported on first use, not with this module, so that model names can be parsed
     (and the CLI can start) without it; registering is a dict update, safe to repeat.
@@ -341,17 +194,6 @@ def model_name_option(model: str | None, hf_config: str | None, blocks: str | No
 
 
 # ---------------------------------------------------------------------------- config
-
-
-def config_file(path: str | Path) -> Path:
-    """The ``config.json`` that ``path`` names (the file itself, or the one in the directory)."""
-    p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
-    if not f.is_file():
-        where = f"{p} holds no config.json" if p.is_dir() else f"{p}: no such file"
-        raise ConfigError(f"Hugging Face model: {where}",
-                          "point hf:PATH at a config.json, or at the directory that holds it")
-    return f
 
 
 def causal_lm_classes() -> dict[str, str]:
@@ -556,15 +398,6 @@ _READS_VALUES = re.compile(r"cannot be called on meta tensors|Cannot copy out of
                            r"data-independent implementation does not exist|data-dependent")
 
 
-def _own_default(model) -> str:
-    """The attention implementation transformers picks for this class by default: "sdpa" or "eager"."""
-    try:
-        own = model.get_correct_attn_implementation(None)
-    except (ValueError, ImportError):
-        own = "eager"
-    return own if own in ("sdpa", "eager") else "eager"
-
-
 def _skip_padding_check(input_ids, attention_mask) -> None:
     """Stands in for ``warn_if_padding_and_no_attention_mask``: our batches have no padding,
     and the check reads token values (an error on meta, a device sync on CUDA)."""
@@ -624,7 +457,7 @@ def from_model(model: nn.Module, *, blocks: str | None = None) -> HFCausalLM:
                           "blocks at random, and a plan's schedule needs every block to run",
                           "set model.config.layerdrop = 0.0 and the decoder's .layerdrop = 0.0 first")
     model.config.use_cache = False
-    own = _own_default(model)
+    own = own_default(model)
     # Families that compute attention in their own code (no attention interface:
     # BLOOM, MPT, ...) keep it; transformers would only log that it cannot switch.
     if model._can_set_attn_implementation():
@@ -675,9 +508,9 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
     # The checkpoint beside config.json, whichever of the two the caller named.
     directory = config_file(source).parent
     files = weight_files(weights) if weights is not None else (
-        weight_files(directory) if _has_checkpoint(directory) else [])
+        weight_files(directory) if has_checkpoint(directory) else [])
     if not files and weights is None:
-        _refuse_pickles(directory)
+        refuse_pickles(directory)
     if files:
         load_weights(wrapped, files)
     wrapped.weights_loaded_from = list(files)  # what train reports; empty: the seed's init
@@ -696,154 +529,3 @@ def describe(name: str) -> ModelInfo:
                      n_blocks=len(model.blocks), hidden=getattr(c, "hidden_size", 0) or 0, n_head=n_head,
                      n_kv_head=getattr(c, "num_key_value_heads", None) or n_head,
                      vocab_size=c.vocab_size, max_seq_len=model.max_seq_len)
-
-
-# ---------------------------------------------------------------------------- weights
-
-
-def _has_checkpoint(d: Path) -> bool:
-    return (d / WEIGHTS_FILE).is_file() or (d / WEIGHTS_INDEX).is_file()
-
-
-def _refuse_pickles(d: Path) -> None:
-    pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
-    if pickles:
-        raise ConfigError(
-            f"{d} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: protrain loads safetensors only "
-            "(torch pickles can run code when loaded)",
-            "convert the checkpoint to safetensors (model.save_pretrained(DIR) in transformers writes it), "
-            "or copy config.json alone to a new directory to train from a random init",
-        )
-
-
-def weight_files(weights: str | Path | list[str | Path]) -> list[Path]:
-    """The safetensors files ``weights`` names: files, a directory, or an index json."""
-    if isinstance(weights, list | tuple):
-        return [f for w in weights for f in weight_files(w)]
-    w = Path(weights)
-    if w.is_dir():
-        if (w / WEIGHTS_INDEX).is_file():
-            w = w / WEIGHTS_INDEX
-        elif (w / WEIGHTS_FILE).is_file():
-            return [w / WEIGHTS_FILE]
-        else:
-            raise ConfigError(f"{w} holds neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}",
-                              "point at the directory of a safetensors checkpoint")
-    if not w.is_file():
-        raise ConfigError(f"weights file {w}: no such file", "give a .safetensors file or its directory")
-    if w.name.endswith(".json"):
-        try:
-            shards = sorted(set(json.loads(w.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{w}: not a safetensors index (a JSON object with a weight_map)",
-                              "write the checkpoint again with save_pretrained") from e
-        return [w.parent / s for s in shards]
-    if w.suffix != ".safetensors":
-        raise ConfigError(f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
-                          "convert the checkpoint with model.save_pretrained(DIR) in transformers")
-    return [w]
-
-
-@torch.no_grad()
-def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
-    """Copy tensors from safetensors ``files`` into ``model``'s parameters (cast to their dtype).
-
-    Names may carry the base-model prefix or not (GPT-2's original checkpoints say
-    ``h.0.attn.c_attn.weight``); keys transformers itself ignores (old causal-mask
-    buffers) are skipped. Every parameter must be given (a tied one under either
-    name); anything else is an error listing what is missing or unexpected.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = {n for n, _ in model.named_buffers()}
-    prefix = getattr(model.hf, "base_model_prefix", "")
-    # Old LLaMA-family checkpoints store a RoPE inv_freq per layer; transformers skips those too.
-    patterns = [*(getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq$"]
-    ignore = [re.compile(pat) for pat in patterns]
-    loaded: set[int] = set()
-    unexpected, mismatched = [], []
-    for f in files:
-        try:
-            tensors = load_file(str(f), device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise ConfigError(f"{f}: cannot read as safetensors ({e})", "check the file is complete") from e
-        for key, t in tensors.items():
-            name = key if key in params or not prefix else f"{prefix}.{key}"
-            if name not in params:
-                if key not in buffers and not any(pat.search(key) for pat in ignore):
-                    unexpected.append(key)
-                continue
-            p = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                mismatched.append(f"{key}: file {list(t.shape)}, model {list(p.shape)}")
-                continue
-            p.copy_(t)
-            loaded.add(id(p))
-    missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
-
-    def listed(what: str, names: list[str]) -> list[str]:
-        return [f"{what}: {', '.join(names[:5])}" + (" …" if len(names) > 5 else "")] if names else []
-
-    problems = listed("missing", missing) + listed("unexpected", unexpected) + mismatched[:5]
-    if problems:
-        where = str(files[0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
-        raise ConfigError(f"weights in {where} do not fit "
-                          f"{type(model.hf).__name__}:\n  " + "\n  ".join(problems),
-                          "use the checkpoint saved with this config.json (same directory)")
-
-
-# ---------------------------------------------------------------------------- export
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json")
-"""Files copied from the tokenizer directory into an export, when present."""
-
-
-def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Path, *,
-           config_path: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write ``model`` with weights ``state`` as a Hugging Face directory; returns it.
-
-    ``state``: parameter name → tensor in the model's own names (``Engine.state_dict()
-    ["model"]``: the fp32 masters). Written: ``config.json`` (a copy of ``config_path``,
-    the file the model was built from, so dropout and cache settings are the user's and
-    not training's; without it, the live config less our attention implementation),
-    ``model.safetensors`` (tied aliases stored once, as
-    ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
-    directory appears whole: it is written under a temporary name and renamed.
-    """
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        if config_path is not None:
-            shutil.copyfile(config_file(config_path), tmp / "config.json")
-        else:
-            config = model.config.to_dict()
-            for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
-                config.pop(key, None)
-            config["use_cache"] = True  # what generation wants; training set it off
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
-        params = dict(model.named_parameters(remove_duplicate=False))
-        tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / name).is_file():
-                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
-        if out.is_dir():
-            out.rmdir()  # checked empty before training (preflight.output_dir)
-        os.replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export {out}: {e.strerror}",
-                          "check the directory is writable and the disk has space") from None
-    return out

@@ -268,14 +268,16 @@ def test_forward_equals_the_familys_own_implementation(hf, names, family):
 
 def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, monkeypatch):
     """Windows shorter than the sequence, soft-capping and sinks go to the family's code; nothing else does."""
+    from protrain.planner import hf_attention
+
     calls: list[str] = []
-    real = hf._own_attention
+    real = hf_attention._own_attention
 
     def spy(module, *args, **kwargs):
         calls.append(args[-1] if len(args) >= 7 else kwargs.get("reason", "?"))
         return real(module, *args, **kwargs)
 
-    monkeypatch.setattr(hf, "_own_attention", spy)
+    monkeypatch.setattr(hf_attention, "_own_attention", spy)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     # mixtral: 0 (its layers pass output_router_logits, bookkeeping we may ignore)
     expected = {"llama": 0, "mistral": 0, "mixtral": 0, "mistral-window": 2, "gemma2": 2, "gpt_oss": 2}

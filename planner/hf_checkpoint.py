@@ -1,0 +1,185 @@
+"""A Hugging Face model directory on disk: its config.json, safetensors weights in, an export out.
+
+A directory that holds ``config.json`` and ``model.safetensors`` (or a sharded
+``model.safetensors.index.json``) is a checkpoint: ``hf.build`` loads its weights
+(``load_weights``) when the model is built on a real device, whether ``hf:PATH``
+names the directory or the ``config.json`` in it. Only safetensors are read: a
+directory holding torch pickles (``*.bin``, ``*.pt``) and no safetensors is refused
+(``refuse_pickles``), because unpickling can run code. ``export`` writes a trained
+model back as a directory transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from protrain.executor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from .hf import HFCausalLM
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def config_file(path: str | Path) -> Path:
+    """The ``config.json`` that ``path`` names (the file itself, or the one in the directory)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        where = f"{p} holds no config.json" if p.is_dir() else f"{p}: no such file"
+        raise ConfigError(f"Hugging Face model: {where}",
+                          "point hf:PATH at a config.json, or at the directory that holds it")
+    return f
+
+
+def has_checkpoint(d: Path) -> bool:
+    """Whether directory ``d`` holds a safetensors checkpoint (one file, or a sharded index)."""
+    return (d / WEIGHTS_FILE).is_file() or (d / WEIGHTS_INDEX).is_file()
+
+
+def refuse_pickles(d: Path) -> None:
+    """Refuse directory ``d`` when it holds torch pickles in place of safetensors."""
+    pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    if pickles:
+        raise ConfigError(
+            f"{d} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: protrain loads safetensors only "
+            "(torch pickles can run code when loaded)",
+            "convert the checkpoint to safetensors (model.save_pretrained(DIR) in transformers writes it), "
+            "or copy config.json alone to a new directory to train from a random init",
+        )
+
+
+def weight_files(weights: str | Path | list[str | Path]) -> list[Path]:
+    """The safetensors files ``weights`` names: files, a directory, or an index json."""
+    if isinstance(weights, list | tuple):
+        return [f for w in weights for f in weight_files(w)]
+    w = Path(weights)
+    if w.is_dir():
+        if (w / WEIGHTS_INDEX).is_file():
+            w = w / WEIGHTS_INDEX
+        elif (w / WEIGHTS_FILE).is_file():
+            return [w / WEIGHTS_FILE]
+        else:
+            raise ConfigError(f"{w} holds neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}",
+                              "point at the directory of a safetensors checkpoint")
+    if not w.is_file():
+        raise ConfigError(f"weights file {w}: no such file", "give a .safetensors file or its directory")
+    if w.name.endswith(".json"):
+        try:
+            shards = sorted(set(json.loads(w.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{w}: not a safetensors index (a JSON object with a weight_map)",
+                              "write the checkpoint again with save_pretrained") from e
+        return [w.parent / s for s in shards]
+    if w.suffix != ".safetensors":
+        raise ConfigError(f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
+                          "convert the checkpoint with model.save_pretrained(DIR) in transformers")
+    return [w]
+
+
+@torch.no_grad()
+def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
+    """Copy tensors from safetensors ``files`` into ``model``'s parameters (cast to their dtype).
+
+    Names may carry the base-model prefix or not (GPT-2's original checkpoints say
+    ``h.0.attn.c_attn.weight``); keys transformers itself ignores (old causal-mask
+    buffers) are skipped. Every parameter must be given (a tied one under either
+    name); anything else is an error listing what is missing or unexpected.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = {n for n, _ in model.named_buffers()}
+    prefix = getattr(model.hf, "base_model_prefix", "")
+    # Old LLaMA-family checkpoints store a RoPE inv_freq per layer; transformers skips those too.
+    patterns = [*(getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq$"]
+    ignore = [re.compile(pat) for pat in patterns]
+    loaded: set[int] = set()
+    unexpected, mismatched = [], []
+    for f in files:
+        try:
+            tensors = load_file(str(f), device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f}: cannot read as safetensors ({e})", "check the file is complete") from e
+        for key, t in tensors.items():
+            name = key if key in params or not prefix else f"{prefix}.{key}"
+            if name not in params:
+                if key not in buffers and not any(pat.search(key) for pat in ignore):
+                    unexpected.append(key)
+                continue
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                mismatched.append(f"{key}: file {list(t.shape)}, model {list(p.shape)}")
+                continue
+            p.copy_(t)
+            loaded.add(id(p))
+    missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
+
+    def listed(what: str, names: list[str]) -> list[str]:
+        return [f"{what}: {', '.join(names[:5])}" + (" …" if len(names) > 5 else "")] if names else []
+
+    problems = listed("missing", missing) + listed("unexpected", unexpected) + mismatched[:5]
+    if problems:
+        where = str(files[0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
+        raise ConfigError(f"weights in {where} do not fit "
+                          f"{type(model.hf).__name__}:\n  " + "\n  ".join(problems),
+                          "use the checkpoint saved with this config.json (same directory)")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json")
+"""Files copied from the tokenizer directory into an export, when present."""
+
+
+def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Path, *,
+           config_path: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``model`` with weights ``state`` as a Hugging Face directory; returns it.
+
+    ``state``: parameter name → tensor in the model's own names (``Engine.state_dict()
+    ["model"]``: the fp32 masters). Written: ``config.json`` (a copy of ``config_path``,
+    the file the model was built from, so dropout and cache settings are the user's and
+    not training's; without it, the live config less our attention implementation),
+    ``model.safetensors`` (tied aliases stored once, as
+    ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
+    directory appears whole: it is written under a temporary name and renamed.
+    """
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if config_path is not None:
+            shutil.copyfile(config_file(config_path), tmp / "config.json")
+        else:
+            config = model.config.to_dict()
+            for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
+                config.pop(key, None)
+            config["use_cache"] = True  # what generation wants; training set it off
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        if out.is_dir():
+            out.rmdir()  # checked empty before training (preflight.output_dir)
+        os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write the export {out}: {e.strerror}",
+                          "check the directory is writable and the disk has space") from None
+    return out
