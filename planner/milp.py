@@ -425,9 +425,11 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         # [Constraint] peak at backward step s ≤ budget
         m.le(back * a + m.one(Hv[s], alpha), 1.0, f"peak at backward {s} ≤ budget")
     if host_budget_bytes is not None and math.isfinite(host_budget_bytes):
-        # + the step's scratch whenever anything could be offloaded (the cost model adds it only
-        # when something is: here a constant, so the program is a little conservative there)
-        host = n_off * float(host_bytes_per_chunk(t)) + float(t.host_scratch_bytes) + _sum(seg_swap(s, float(t.saved_tensor[s])) for s in range(S))
+        # + the CPU step's scratch when anything is offloaded, as the cost model charges it:
+        # 1 - q[C] is 1 exactly when fewer than C chunks are persistent
+        scratch = (1.0 - m.one(q[C])) * float(t.host_scratch_bytes)
+        host = (n_off * float(host_bytes_per_chunk(t)) + scratch
+                + _sum(seg_swap(s, float(t.saved_tensor[s])) for s in range(S)))
         # [Constraint] host bytes (offloaded chunk states + swapped activations) ≤ host budget
         m.le(host * (1.0 / max(host_budget_bytes, 1.0)), 1.0 if host_budget_bytes > 0 else 0.0, "host ≤ host budget")
     if paper_space:
