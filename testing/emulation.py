@@ -58,24 +58,25 @@ class AsyncHazard(ProtrainError):
     """A stream-ordering bug: memory freed or read while a copy still used it."""
 
 
-_host_marked: dict[int, weakref.ref] = {}  # id -> tensor: host tensors standing in the device
+_host_marked: dict[int, weakref.ref] = {}  # storage data_ptr -> the marked tensor
 
 
 def host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Mark ``t`` as living on the host although the emulated device is the CPU too.
+    """Mark ``t``'s storage as living on the host although the emulated device is the CPU too.
 
     Tests use it for what a GPU model keeps on the host, such as the philox seed and
     offset that flash/efficient SDPA save for backward: a D2H copy from such a tensor
-    (or recording it on a copy stream, which has no CPU kernel) fails, as on CUDA.
+    or any view of its storage (or recording it on a copy stream, which has no CPU
+    kernel) fails, as on CUDA. The mark lasts as long as ``t``.
     """
-    key = id(t)
+    key = t.untyped_storage().data_ptr()
     _host_marked[key] = weakref.ref(t, lambda _r: _host_marked.pop(key, None))
     return t
 
 
 def _is_host(t: torch.Tensor) -> bool:
-    r = _host_marked.get(id(t))
-    return r is not None and r() is t
+    r = _host_marked.get(t.untyped_storage().data_ptr())
+    return r is not None and r() is not None
 
 
 def poison(t: torch.Tensor, whole_storage: bool = False) -> None:
