@@ -15,7 +15,8 @@ from protrain.executor.errors import BudgetError, HostMemoryError
 
 from .cost import (
     DTYPE_BYTES,
-    choose_chunk_numel,
+    Terms,
+    chunk_candidates,
     facts_from_profile,
     make_terms,
     min_buffers,
@@ -67,7 +68,10 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
               max_grad_norm: float | None = None) -> tuple[P.Plan, SearchResult]:
     """The fastest plan that fits ``budget_bytes`` of device memory and ``host_budget_bytes``
     of host memory per rank (default: ``default_host_budget`` of the profile's hardware)
-    per the cost model, and the search behind it. ``solver``: a key of ``search.SOLVERS``.
+    per the cost model, and the search behind it, over the chunk sizes of
+    ``cost.chunk_candidates`` (``search_chunk_sizes``). ``solver``: a key of
+    ``search.SOLVERS``; a solver other than ``exhaustive`` runs at the size the
+    exhaustive search chose.
     ``max_grad_norm``: the training will clip gradients, so the plan's CPU AdamW steps
     run after backward (``emit.cpu_adam_schedule``) and are predicted that way.
 
@@ -85,9 +89,10 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     cpu_adam = cpu_adam_schedule(profile.training.compute_dtype, max_grad_norm)
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
-    chunk_numel, _ = choose_chunk_numel(facts)
-    terms = make_terms(profile, chunk_numel, world_size, cpu_adam, grad_accum)
-    result = SOLVERS[solver](terms, budget_bytes, host_budget)
+    chunk_numel, terms, result = search_chunk_sizes(profile, facts, budget_bytes, host_budget,
+                                                    world_size, cpu_adam, grad_accum)
+    if solver != "exhaustive":  # another solver refines the configuration at that size
+        result = SOLVERS[solver](terms, budget_bytes, host_budget)
     best = result.best
     if best is None and result.min_host_bytes < float("inf"):
         raise host_error(profile, result, budget_bytes, host_budget, world_size,
@@ -139,6 +144,31 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
         ),
     )
     return plan, result
+
+
+def search_chunk_sizes(profile: Profile, facts, budget_bytes: int, host_budget: int, world_size: int,
+                       cpu_adam: str, grad_accum: int) -> tuple[int, Terms, SearchResult]:
+    """Run the exhaustive search at every size of ``cost.chunk_candidates`` and keep the
+    best plan by the search's own order (``Choice.key``; ties to the smaller chunk).
+
+    When nothing fits at any size, the size whose search came closest: the least host
+    need among configurations that fit the device if any does (a host refusal), else
+    the least device peak. The returned result counts the space and the evaluations of
+    every size searched."""
+    sizes, _ = chunk_candidates(facts)
+    runs = []
+    for size in sizes:
+        terms = make_terms(profile, size, world_size, cpu_adam, grad_accum)
+        runs.append((size, terms, SOLVERS["exhaustive"](terms, budget_bytes, host_budget)))
+    fitting = [r for r in runs if r[2].best is not None]
+    if fitting:
+        chosen = min(fitting, key=lambda r: r[2].best.key())  # min keeps the first (smaller) on ties
+    else:
+        chosen = min(runs, key=lambda r: (r[2].min_host_bytes, r[2].min_peak_bytes))
+    size, terms, result = chosen
+    result.space_size = sum(r[2].space_size for r in runs)
+    result.evaluated = sum(r[2].evaluated for r in runs)
+    return size, terms, result
 
 
 def host_error(profile: Profile, result: SearchResult, budget_bytes: int, host_budget: int,

@@ -75,7 +75,10 @@ def _milp_plan(model: str, budget_share: float) -> P.Plan:
 
 @pytest.mark.parametrize("model", ["gpt2-4", "llama-4"])
 def test_milp_plans_replay_exactly(model):
-    plan = _milp_plan(model, 0.5)
+    # 0.4 of the way from the least to the most memory: both models' MILP plans keep a
+    # non-prefix set persistent there (at 0.5 llama-4's chunk size, now searched by
+    # make_plan, gives a prefix).
+    plan = _milp_plan(model, 0.4)
     assert plan.provenance.search.solver.startswith("milp (HiGHS ")
     assert plan.placement.persistent != list(range(plan.placement.n_persist))  # not a prefix
     run = lockstep(model, plan, steps=8)

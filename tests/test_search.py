@@ -58,6 +58,47 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share):
         assert result.min_host_bytes > host_budget  # refused for the host, and says by how much
 
 
+def test_chunk_sizes_tie_to_the_smaller_and_drop_the_dominated():
+    # Equal blocks tile 1x, 2x, 3x, 4x a block equally well: the waste ties, and the
+    # smaller chunk is the finer one (issue 17 item 4a: ties used to go to the larger).
+    from protrain.planner.cost import chunk_candidates
+
+    facts = _llama_like(name="llama-7b")
+    sizes, waste = chunk_candidates(facts)
+    assert sizes == sorted(sizes) and sizes[0] == min(waste)  # the 1x size is always searched
+    assert all(waste[a] > waste[b] for a, b in zip(sizes, sizes[1:]))  # each one wastes less
+    least = min(waste.values())
+    assert choose_chunk_numel(facts)[0] == min(s for s in waste if waste[s] == least) == sizes[-1]
+    # No size left out is worth a search: a smaller candidate wastes no more.
+    for s in set(waste) - set(sizes):
+        assert any(t < s and waste[t] <= waste[s] for t in sizes), s
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_facts(), st.integers(0, 2**31), st.floats(0.05, 1.0))
+def test_make_plan_keeps_the_best_chunk_size(facts, seed, where):
+    # make_plan searches every chunk_candidates size and keeps the best plan by the
+    # search's own order; the smaller size on ties.
+    from protrain.planner.cost import chunk_candidates
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(facts, gpu_spec(link_gbps=rng.choice([2.0, 24.0])), block_us=rng.uniform(10, 5000),
+                             act_bytes=rng.randint(10**3, 10**7), rng=rng)
+    sizes, _ = chunk_candidates(facts_from_profile(prof))
+    results = {s: exhaustive(t, math.inf) for s in sizes for t in [make_terms(prof, s)]}
+    peaks = [r.min_peak_bytes for r in results.values()]
+    budget = int(min(peaks) + where * (max(r.best.peak_bytes for r in results.values()) - min(peaks))) + 1
+    results = {s: exhaustive(make_terms(prof, s), budget) for s in sizes}
+    fitting = {s: r.best.key() for s, r in results.items() if r.best is not None}
+    try:
+        plan, result = make_plan(prof, budget)
+    except BudgetError:
+        assert not fitting
+        return
+    want = min(fitting, key=lambda s: (fitting[s], s))
+    assert plan.chunks.chunk_numel == want and result.best.key() == fitting[want]
+
+
 def _llama_like(n_layers=80, name="llama-70b"):
     from protrain.planner.emit import model_facts
     from protrain.planner.models import block_paths, build
