@@ -3,10 +3,10 @@
 The space, for ``C`` chunks and ``N`` blocks:
 
 - ``n_persist`` in ``0..C`` — the first chunks in execution order;
-- ``n_buffer`` in ``need..min(need + EXTRA_BUFFERS, C - n_persist)``, where
-  ``need`` is the most offloaded chunks one segment uses (fewer cannot run);
-  extra buffers only add prefetch room and forward→backward caching, whose value
-  saturates after a couple of chunks;
+- ``n_buffer`` in ``need..C - n_persist``, where ``need`` is the most offloaded
+  chunks one segment uses (fewer cannot run); every buffer more adds prefetch room
+  and one more chunk still resident at the forward→backward turn (its first
+  re-fetch is saved), up to every offloaded chunk (the paper's Table 4 reaches 46);
 - ``n_swap`` in ``0..ceil(N / interval)``, where the swap interval is how many
   blocks' forward compute one block's swap-out needs to hide behind;
 - ``n_checkpoint`` in ``0..N - n_swap``.
@@ -15,7 +15,19 @@ The space, for ``C`` chunks and ``N`` blocks:
 chunk's states on the device (more than the buffer it may free), so once no
 configuration at some ``n_persist`` fits the budget, none at a larger one does
 and the loop stops (the pruning). Inside, every ``(n_swap, n_checkpoint)`` pair
-is evaluated at once by ``cost.evaluate`` (numpy over the grid).
+is evaluated at once by ``cost.evaluate`` (numpy over the grid), for ``n_buffer``
+in ``need..need + DENSE_BUFFERS``.
+
+[Buffers past the dense range] A configuration's peak grows with ``n_buffer`` (a
+buffer more is a chunk more on the device) and its time never grows (more
+prefetch room, more chunks cached); both are properties of ``cost.evaluate``,
+tested. So past the dense range the memory bounds the range, not a constant: a
+pair is evaluated at ``n_buffer + 1`` only if it fit at ``n_buffer``, and only
+while it could still enter the search's best six (the winner and the runners-up),
+judged by a lower bound of its key: its time with every offloaded chunk buffered
+(one evaluation at ``C - n_persist``) and its peak at ``n_buffer``. Exact (tested
+against brute force over the whole space); the Pareto front holds the
+configurations evaluated.
 
 Choice: the fastest feasible configuration; ties (times compared in whole µs)
 break toward less memory, then fewer recomputed blocks, then lexicographically.
@@ -31,6 +43,7 @@ the paper's space (any persistent set, any policy strip).
 
 from __future__ import annotations
 
+import heapq
 import math
 import time as _time
 from dataclasses import dataclass, field
@@ -38,9 +51,15 @@ from typing import Protocol
 
 import numpy as np
 
-from .cost import Terms, block_policies, evaluate, host_need, min_buffers, policy_grid
+from .cost import PolicyGrid, Terms, block_policies, evaluate, host_need, min_buffers, policy_grid
 
-EXTRA_BUFFERS = 2
+DENSE_BUFFERS = 2
+"""Buffers beyond ``need`` evaluated for every policy pair (prefetch room: most of
+the value of buffers); more are searched only where they can win ([Buffers past
+the dense range])."""
+
+TOP = 6
+"""The search keeps the best configuration and the next five (``runners_up``)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -136,50 +155,92 @@ def space(t: Terms) -> list[tuple[int, int]]:
     for n_persist in range(t.n_chunks + 1):
         n_off = t.n_chunks - n_persist
         need = min_buffers(t, n_persist)
-        top = min(need + EXTRA_BUFFERS, n_off)
-        out += [(n_persist, nb) for nb in range(need, max(need, top) + 1)]
+        out += [(n_persist, nb) for nb in range(need, max(need, n_off) + 1)]
     return out
+
+
+def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
+    """The pairs ``idx`` of ``grid`` (a smaller grid for ``cost.evaluate``)."""
+    return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx])
 
 
 def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
     start = _time.perf_counter()
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
-    outer = space(t)
     host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
     rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
     evaluated = 0
     min_peak = min_host = math.inf
+    frontier: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (np, nb, pairs that fit, their peaks)
+
+    def record(n_persist: int, n_buffer: int, idx: np.ndarray, time, peak, host, ok) -> None:
+        """Keep the configurations that fit (``ok``) as rows, and each call's own Pareto points."""
+        for j in np.nonzero(ok)[0]:
+            sw, ck = pairs[idx[j]]
+            rows.append((round(float(time[j])), float(peak[j]), ck, n_persist, n_buffer, sw, ck,
+                         float(time[j]), float(host[j])))
+        best_t = math.inf  # host-feasible points only; per call only the call's own front
+        for j in np.lexsort((time, peak)):
+            if host[j] <= host_cap and time[j] < best_t:
+                best_t = float(time[j])
+                all_points.append((float(time[j]), float(peak[j]), (n_persist, n_buffer, *pairs[idx[j]])))
+
+    every = np.arange(len(pairs))
     current, fits_here = None, False
-    for n_persist, n_buffer in outer:
-        if current is not None and n_persist != current:
-            if not fits_here:
-                break  # [Pruning] more persistent chunks only add device memory
-            fits_here = False
-        current = n_persist
-        time, peak, parts = evaluate(t, n_persist, n_buffer, grid)
-        host = host_need(parts)
-        evaluated += len(pairs)
-        min_peak = min(min_peak, float(peak.min()))
-        dev_ok = peak <= budget_bytes
-        fits_here |= bool(dev_ok.any())
-        if dev_ok.any():
-            min_host = min(min_host, float(host[dev_ok].min()))
-        ok = dev_ok & (host <= host_cap)
-        for g in np.nonzero(ok)[0]:
-            sw, ck = pairs[g]
-            rows.append((round(float(time[g])), float(peak[g]), ck, n_persist, n_buffer, sw, ck, float(time[g]),
-                         float(host[g])))
-        # Pareto candidates (host-feasible only): per (np, nb) only the grid's own front.
-        order = np.lexsort((time, peak))
-        best_t = math.inf
-        for g in order:
-            if host[g] <= host_cap and time[g] < best_t:
-                best_t = float(time[g])
-                all_points.append((float(time[g]), float(peak[g]), (n_persist, n_buffer, *pairs[g])))
+    for n_persist in range(t.n_chunks + 1):
+        n_off = t.n_chunks - n_persist
+        need = min_buffers(t, n_persist)
+        top = max(need, min(need + DENSE_BUFFERS, n_off))
+        if current is not None and not fits_here:
+            break  # [Pruning] more persistent chunks only add device memory
+        current, fits_here = n_persist, False
+        for n_buffer in range(need, top + 1):
+            time, peak, parts = evaluate(t, n_persist, n_buffer, grid)
+            host = host_need(parts)
+            evaluated += len(pairs)
+            min_peak = min(min_peak, float(peak.min()))
+            dev_ok = peak <= budget_bytes
+            fits_here |= bool(dev_ok.any())
+            if dev_ok.any():
+                min_host = min(min_host, float(host[dev_ok].min()))
+            ok = dev_ok & (host <= host_cap)
+            record(n_persist, n_buffer, every, time, peak, host, ok)
+            if n_buffer == top and top < n_off and ok.any():
+                frontier.append((n_persist, n_buffer, np.nonzero(ok)[0], peak[ok]))
+
+    # [Buffers past the dense range] (module docstring): grow n_buffer one at a time
+    # for the pairs that still fit and could still enter the best TOP.
+    best = heapq.nsmallest(TOP, rows)  # the best TOP rows so far
+
+    def bar() -> tuple[float, float]:
+        """What a key must not exceed (time in whole µs, then peak) to enter the best TOP."""
+        return (best[-1][0], best[-1][1]) if len(best) == TOP else (math.inf, math.inf)
+
+    for n_persist, n_buffer, idx, peak_at in frontier:
+        n_off = t.n_chunks - n_persist
+        bound, _, _ = evaluate(t, n_persist, n_off, _subgrid(grid, idx))  # time with every chunk buffered
+        evaluated += len(idx)
+        lower = np.array([round(float(x)) for x in bound])
+        while len(idx) and n_buffer < n_off:
+            b0, b1 = bar()
+            keep = np.array([(lower[j], peak_at[j]) <= (b0, b1) for j in range(len(idx))], dtype=bool)
+            idx, lower = idx[keep], lower[keep]
+            if not len(idx):
+                break
+            n_buffer += 1
+            time, peak, parts = evaluate(t, n_persist, n_buffer, _subgrid(grid, idx))
+            host = host_need(parts)
+            evaluated += len(idx)
+            ok = (peak <= budget_bytes) & (host <= host_cap)
+            n_rows = len(rows)
+            record(n_persist, n_buffer, idx, time, peak, host, ok)
+            best = heapq.nsmallest(TOP, best + rows[n_rows:])
+            idx, lower, peak_at = idx[ok], lower[ok], peak[ok]
+
     rows.sort()
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8]) for r in rows[:6]]
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8]) for r in rows[:TOP]]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
         if tm < best_t:
@@ -189,7 +250,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         best=choices[0] if choices else None,
         front=front,
         runners_up=choices[1:],
-        space_size=len(outer) * len(pairs),
+        space_size=len(space(t)) * len(pairs),
         evaluated=evaluated,
         seconds=_time.perf_counter() - start,
         min_peak_bytes=min_peak,

@@ -13,12 +13,21 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
-from protrain.planner.cost import choose_chunk_numel, facts_from_profile, make_terms, predict
+from protrain.planner.cost import (
+    choose_chunk_numel,
+    facts_from_profile,
+    make_terms,
+    min_buffers,
+    policy_grid,
+    predict,
+)
 from protrain.planner.planning import make_plan
 from protrain.planner.search import exhaustive, policy_pairs, space
 
 
-def brute_force(t, budget, host_budget=math.inf):
+def brute_force(t, budget, host_budget=math.inf, top=1):
+    """The best ``top`` configurations of the whole space (every buffer count up to every
+    offloaded chunk), by the search's order; the best alone when ``top`` is 1."""
     rows = []
     for n_persist, n_buffer in space(t):
         for sw, ck in policy_pairs(t):
@@ -26,6 +35,8 @@ def brute_force(t, budget, host_budget=math.inf):
             host = p.breakdown["host_bytes"] + p.breakdown["host_swap_bytes"]
             if p.peak_bytes <= budget and host <= host_budget:
                 rows.append((round(p.time_us), p.peak_bytes, ck, n_persist, n_buffer, sw, ck))
+    if top > 1:
+        return sorted(rows)[:top]
     return min(rows) if rows else None
 
 
@@ -48,14 +59,41 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share):
              for a, b in space(t) for s, c in policy_pairs(t)]
     host_budget = None if host_share is None else host_share * max(hosts)
     result = exhaustive(t, budget, host_budget)
-    expected = brute_force(t, budget, math.inf if host_budget is None else host_budget)
-    got = result.best
-    assert (got is None) == (expected is None)
-    if got is not None:
-        assert (got.n_persist, got.n_buffer, got.n_swap, got.n_checkpoint) == expected[3:]
+    expected = brute_force(t, budget, math.inf if host_budget is None else host_budget, top=6)
+    got = [result.best, *result.runners_up] if result.best is not None else []
+    # The winner and the runners-up are the brute force's best six, in order, although
+    # buffers past the dense range are searched only where they can enter them.
+    assert [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in got] == [r[3:] for r in expected]
     assert math.isclose(result.min_peak_bytes, min(peaks))
     if host_budget is not None and got is None and expected is None and result.min_host_bytes < math.inf:
         assert result.min_host_bytes > host_budget  # refused for the host, and says by how much
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_facts(), st.integers(0, 2**31), st.booleans())
+def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
+    # What the search's buffer pruning rests on ([Buffers past the dense range]): at any
+    # placement and strip, a buffer more never lowers the peak and never adds time.
+    import msgspec
+
+    from protrain.planner.cost import evaluate
+
+    rng = random.Random(seed)
+    spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
+    if not gpu:
+        spec = msgspec.structs.replace(spec, kind="cpu")
+    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
+                             rng=rng)
+    t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0])
+    grid = policy_grid(t.n_blocks, policy_pairs(t))
+    for n_persist in range(t.n_chunks):
+        n_off = t.n_chunks - n_persist
+        prev = None
+        for n_buffer in range(min_buffers(t, n_persist), n_off + 1):
+            time, peak, _ = evaluate(t, n_persist, n_buffer, grid)
+            if prev is not None:
+                assert (peak >= prev[1]).all() and (time <= prev[0] + 1e-9).all(), (n_persist, n_buffer)
+            prev = (time, peak)
 
 
 def test_chunk_sizes_tie_to_the_smaller_and_drop_the_dominated():
