@@ -185,8 +185,9 @@ def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     """A fused expert bank's forward at perfectly balanced load; runs on ``meta``.
 
     The same signature and result shape as transformers' experts forward
-    (``integrations/moe.py``, ``grouped_mm_experts_forward``), and the same ops in the
-    same order, except the grouped GEMM: that one's groups are the experts' token
+    (``integrations/moe.py``, ``grouped_mm_experts_forward``), and the same kernels in
+    the same order, forward and backward (tests/test_moe.py counts them), except the
+    grouped GEMM: that one's groups are the experts' token
     counts, known only from the routing's values, which ``meta`` does not have. Here
     each expert gets ``ceil(S / n_experts)`` rows (``S = tokens x top_k``), and the
     grouped GEMM becomes one ``bmm`` over (n_experts, rows, in) — the same FLOPs
@@ -200,23 +201,37 @@ def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     n_exp = down.shape[0]
     s = n_tok * top_k
     rows = -(-s // n_exp)
-    _, perm = torch.sort(top_k_index.reshape(-1))  # (S,): grouped by expert, as transformers sorts
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # (S,): grouped by expert, as transformers sorts
+    # The grouped GEMM's offsets, computed as transformers computes them (a cast, histc,
+    # cumsum: three kernels in every MoE block's forward, on any device); the bmm does not
+    # read them, but the block launches them, so they are charged. (E,)
+    torch.cumsum(torch.histc(expert_ids.float(), bins=n_exp, min=0, max=n_exp - 1), dim=0, dtype=torch.int32)
     x = hidden_states[perm // top_k]  # (S, H)
     if rows * n_exp != s:
         x = torch.cat([x, x.new_zeros(rows * n_exp - s, hidden)])
     x = x.view(n_exp, rows, hidden)  # (E, rows, H)
+
+    def bias_rows(bias: torch.Tensor) -> torch.Tensor:
+        # Each row's expert bias, gathered by expert id as transformers gathers it (its
+        # kernels: the gather, and in backward a scatter into the bias gradient).
+        b = bias[expert_ids]  # (S, out)
+        if rows * n_exp != s:
+            b = torch.cat([b, b.new_zeros(rows * n_exp - s, b.size(-1))])
+        return b.view(n_exp, rows, -1)  # (E, rows, out)
+
     up = self.gate_up_proj if self.has_gate else self.up_proj
     h = torch.bmm(x, up if self.is_transposed else up.transpose(1, 2))  # (E, rows, 2I or I)
     if self.has_bias:
-        bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
-        h = h + bias.unsqueeze(1)
+        h.add_(bias_rows(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias))  # in place, as theirs
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)  # (E, rows, I)
     y = torch.bmm(h, down if self.is_transposed else down.transpose(1, 2))  # (E, rows, H)
     if self.has_bias:
-        y = y + self.down_proj_bias.unsqueeze(1)
+        y.add_(bias_rows(self.down_proj_bias))
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
-    y = y.reshape(rows * n_exp, hidden)[:s]  # (S, H)
+    y = y.reshape(rows * n_exp, hidden)  # (E x rows, H)
+    if rows * n_exp != s:
+        y = y[:s]  # (S, H); only when padded: a slice costs a slice_backward kernel
     weighted = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # (S, H)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(s, device=perm.device)
@@ -254,7 +269,10 @@ def balanced_experts(model: nn.Module) -> Iterator[MoeLayout | None]:
     the factor 2, which the routers' load-balancing losses exist to avoid.
     Not modelled: the grouped kernels' lower efficiency on small groups (on our 2-core
     CPU box, torch's grouped_mm over 8 experts x 128 rows took 1.35x the time of one
-    dense GEMM of the same FLOPs in a micro-benchmark) and expert parallelism.
+    dense GEMM of the same FLOPs in a micro-benchmark; at 64 rows, one thread, ~1.2x in
+    the tiny Mixtral's block), on a CPU the routing ops' per-row cost (softmax and top-k
+    over n_experts columns, the sort, the gathers: ~3x what their bytes plus the kernel
+    overhead charge, there), and expert parallelism.
     """
     layout = detect(model)
     if layout is None:
