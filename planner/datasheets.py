@@ -40,7 +40,12 @@ HOST_ADAM_EFFICIENCY = 0.6  # CPU AdamW reaches ~60% of STREAM bandwidth (DeepSp
 #                             CPU-Adam on a DGX-2 host: 1e9 params in ~0.25 s ≈ 112 of ~180 GB/s)
 
 _PCIE = {
-    # gen: (h2d, d2h) achievable pinned bytes/s at large sizes, CUDA bandwidthTest-like
+    # gen: (h2d, d2h) achievable pinned bytes/s at large sizes, CUDA bandwidthTest-like.
+    # Gen4 checked against public nvbandwidth runs (issue 17 item 4d), one way at a
+    # time: RTX 4090s (the 3090's link, PCIe 4.0 x16) 23.9-26.4 H2D, 26.3-27.1 D2H
+    # (NVIDIA/nvbandwidth#15); A100 PCIe 25-26 both ways (#11). 24 / 25 sits at the
+    # low end of that, as a consumer board's root complex tends to; kept. Both ways at
+    # once the link is slower than that, see cost.LINK_DUPLEX.
     4: (24 * GB, 25 * GB),  # Gen4 x16: 32 GB/s raw per direction, 24-26 GB/s measured
     5: (50 * GB, 52 * GB),  # Gen5 x16: 64 GB/s raw per direction, 45-55 GB/s measured
 }
