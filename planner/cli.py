@@ -353,26 +353,32 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 @click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
 @hf_options
 @click.option("--host-memory", default=None, metavar="SIZE",
-              help="Host memory a plan may use, with --hf-config [default: the spec's RAM less 10% and 2 GiB].")
-def fit(hardware, budget, seq, hf_config, blocks, host_memory):
-    """The largest GPT-2 and LLaMA family model (and batch) that trains on one device.
+              help="Host RAM of the machine, shared by the --world-size ranks: each rank may use "
+                   "SIZE/N less 10% and 2 GiB [default: N times the spec's RAM, which is one rank's share].")
+@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True,
+              help="Ranks (ZeRO-3), one device each, sharing --host-memory.")
+def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size):
+    """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
 
+    Prints, per family, the largest size, its plan's time and memory, which resource
+    binds at that size (device or host memory) and which stops the next size up.
     With --hf-config: whether that model fine-tunes on this card and host instead
     (total and active parameters, the best micro-batch, what binds); exit status 1
     when it does not fit.
     """
     if hf_config is None:
-        if host_memory is not None or blocks is not None:
-            raise click.UsageError("--host-memory and --blocks go with --hf-config (a model to fit); "
-                                   "the family search uses the spec's host memory")
+        if blocks is not None:
+            raise click.UsageError("--blocks goes with --hf-config (a model to fit)")
         from .fit import run_fit
 
-        run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo)
+        run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo, host_memory=host_memory,
+                world_size=world_size)
         return
     from .fit_model import run_model_fit
 
     model_name = model_option(None, hf_config, blocks, required=True)
-    run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo)
+    run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo,
+                  world_size=world_size)
 
 
 @main.group()

@@ -4,9 +4,10 @@ For a family (``gpt2``, ``llama``) we lay its shapes out on a *ladder*: a list o
 configurations ordered by parameter count that passes through the zoo's sizes and
 interpolates between them (rules below). Bisection on the ladder finds the largest
 rung whose analytic profile (``analytic.analytic_profile`` on a meta model) gets a
-feasible plan from ``planning.make_plan`` at world size 1 and whose host memory
-need fits the host; then, at that size, bisection over the candidate micro-batches
-finds the largest that still fits. A probe profiles one (size, micro-batch) pair:
+feasible plan from ``planning.make_plan`` at the world size asked (``N`` ranks,
+ZeRO-3: ``make_plan(..., world_size=N)``) and whose host memory need fits the host;
+then, at that size, bisection over the candidate micro-batches finds the largest
+that still fits. A probe profiles one (size, micro-batch) pair:
 2-8 s for a big model on a 2-core box, so a family costs about 7 size probes and
 2-3 micro-batch probes.
 
@@ -29,17 +30,31 @@ Ladders (the interpolation rules):
   up to dim 5120 (as 7B and 13B), grouped-query attention above with dim rounded
   to 512 and ``gcd(n_head, 8)`` (4 or 8) key/value heads (8 for 34B and 70B). Vocabulary 32000, untied head.
 
-Fitting means: ``make_plan`` finds a configuration under the device budget whose
-host need fits the host budget (``planning.default_host_budget``: the spec's host
-RAM less 10% and 2 GiB for the OS and the process). Host need = the plan's
-``host_bytes`` (every offloaded chunk's states, ``accounting.element_bytes``: 14 B
-per element in bf16 without gradient accumulation, 16 in fp32, 20 when accumulating;
-the executor's ledger is held to the same) plus ``host_swap_bytes`` (the swapped
-blocks' activations). The search itself honours the host limit, so a slower plan
-keeping more chunks on the device is chosen when the fastest one would not fit the
-host. Before profiling a rung we drop it if even the best case (every byte of the
-device budget holding persistent chunk states) leaves more to offload than the host
-budget holds: that needs only the parameter count.
+Fitting means: ``make_plan`` finds a configuration under the device budget (per
+rank) whose host need fits the host budget per rank. The host budget is
+``planning.host_budget_per_rank(SIZE, N)``: the machine's host RAM (``--host-memory
+SIZE``, default ``N`` times the spec's ``host_memory_bytes``, one rank's share)
+shared by the ``N`` ranks, each
+rank's share less 10% (the OS) and 2 GiB (its process) — the rule of
+``planning.default_host_budget``, which is this at one rank with the spec's RAM.
+Host need = the plan's ``host_bytes`` (each offloaded chunk's shard of states on the
+host, ``accounting.element_bytes``: 14 B per element in bf16 without gradient
+accumulation, 16 in fp32, 20 when accumulating, and the CPU step's scratch; the
+executor's ledger is held to the same) plus ``host_swap_bytes`` (the swapped blocks'
+activations). The search itself honours the host limit, so a slower plan keeping
+more chunks on the device is chosen when the fastest one would not fit the host.
+Before profiling a rung we drop it if even the best case leaves more to offload than
+the host budget holds: every byte of the device budget holding persistent parameters
+at their compute dtype alone (``element_bytes(...).compute``: a persistent chunk's
+parameters are whole on every rank, whatever else of its states is sharded), the
+rest offloaded and sharded over the ``N`` ranks. That needs only the parameter
+count, and stays a lower bound whatever the state layout charges beyond it.
+
+What binds: for the largest fitting size, the resource nearer its limit in the
+winning plan (device peak over the device budget, host need over the host budget);
+for the next size up, the resource its probe ran out of (``device memory``: no
+configuration fits the device budget; ``host memory``: configurations fit the
+device, none the host).
 
 Bisection assumes "fits" is monotone along the ladder, which holds as long as a
 bigger rung is bigger in every term (states, activations), as both ladders are by
@@ -178,6 +193,7 @@ class FitResult:
     hardware: str
     budget_bytes: int
     host_memory_bytes: int
+    """The machine's host RAM, shared by ``world_size`` ranks."""
     seq_len: int
     compute_dtype: str
     config: GPT2Config | LlamaConfig
@@ -188,14 +204,35 @@ class FitResult:
     iter_time_us: int
     """Predicted iteration time at that micro-batch."""
     tokens_per_s: float
+    """Tokens per second over all ranks (each rank runs ``micro_batch`` sequences)."""
     peak_bytes: int
     host_bytes: int
-    """Host need (the plan's host_bytes plus swapped activations)."""
+    """Host need per rank (the plan's host_bytes plus swapped activations)."""
     plan: P.Plan
     limit: str
     """What stops the next rung (its probe's reason), or ``end of the ladder``."""
     probes: list[Probe] = field(default_factory=list)
     seconds: float = 0.0
+    world_size: int = 1
+    host_budget_bytes: int = 0
+    """Host bytes per rank a plan may use (``planning.host_budget_per_rank``)."""
+    next_config: GPT2Config | LlamaConfig | None = None
+    """The next rung up, which does not fit (None at the end of the ladder)."""
+
+    @property
+    def binds(self) -> str:
+        """The resource nearer its limit in the winning plan, with both shares."""
+        device = self.peak_bytes / self.budget_bytes
+        host = self.host_bytes / max(self.host_budget_bytes, 1)
+        if device >= host:
+            return f"device memory ({device:.0%} of the budget; host {host:.0%})"
+        return f"host memory ({host:.0%} of the host budget; device {device:.0%})"
+
+    @property
+    def next_binds(self) -> str:
+        """What the next size up ran out of: ``device memory``, ``host memory`` or ``-``."""
+        head = self.limit.split(":")[0]
+        return head if head in ("device memory", "host memory") else "-"
 
 
 _PROFILES: dict[tuple, Profile] = {}
@@ -229,29 +266,30 @@ def host_need_bytes(plan: P.Plan) -> int:
     return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
 
 
-def _host_floor_bytes(n: int, budget_bytes: int, dtype: str) -> int:
-    """A lower bound of the host need of any plan for ``n`` parameters: what is left to
-    offload when the whole budget holds persistent states (module docstring)."""
+def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1) -> int:
+    """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
+    left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
+    persistent parameters at their compute dtype alone (module docstring)."""
     eb = accounting.element_bytes(dtype)
-    return max(0, n - budget_bytes // eb.persistent) * eb.host
+    return max(0, n - budget_bytes // eb.compute) * eb.host // world_size
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
-           budget_bytes: int) -> Probe:
-    from .planning import default_host_budget, make_plan
+           budget_bytes: int, host_budget_bytes: int, world_size: int = 1) -> Probe:
+    from .planning import make_plan
     from .report import human_bytes
 
     t0 = time.perf_counter()
     n = n_params(cfg)
-    host_budget = default_host_budget(spec)
-    floor = _host_floor_bytes(n, budget_bytes, dtype)
+    host_budget = host_budget_bytes
+    floor = _host_floor_bytes(n, budget_bytes, dtype, world_size)
     if floor > host_budget:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
                      time.perf_counter() - t0)
     profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest)
     try:
-        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget)
+        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size)
     except HostMemoryError as e:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs {human_bytes(e.need)}, {human_bytes(e.available)} usable",
@@ -269,16 +307,25 @@ def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpe
 def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None = None,
                     seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
                     compute_dtype: str = "bfloat16",
-                    progress: Callable[[Probe], None] | None = None) -> FitResult:
-    """The largest rung of ``family``'s ladder that trains on one ``spec`` device, and the
-    largest of ``micro_batches`` at that size (see the module docstring).
+                    progress: Callable[[Probe], None] | None = None,
+                    host_memory_bytes: int | None = None, world_size: int = 1) -> FitResult:
+    """The largest rung of ``family``'s ladder that trains on ``world_size`` ``spec``
+    devices (ZeRO-3), and the largest of ``micro_batches`` at that size (see the module
+    docstring).
 
-    ``budget_bytes`` defaults to the spec's usable memory. Raises ``BudgetError`` when
-    not even the smallest rung fits at the smallest micro-batch.
+    ``budget_bytes`` (per rank) defaults to the spec's usable memory; ``host_memory_bytes``
+    (the machine's RAM, shared by the ranks) to ``world_size`` times the spec's
+    ``host_memory_bytes`` (a spec's host RAM is one rank's share). Raises
+    ``BudgetError`` when not even the smallest rung fits at the smallest micro-batch.
     """
+    from .planning import host_budget_per_rank
+
     t0 = time.perf_counter()
     configs = ladder(family, seq_len)
     budget = spec.usable_memory_bytes if budget_bytes is None else budget_bytes
+    # A spec's host RAM is one rank's share (``HardwareSpec``), so N ranks' machine has N of them.
+    host_memory = spec.host_memory_bytes * world_size if host_memory_bytes is None else host_memory_bytes
+    host_budget = host_budget_per_rank(host_memory, world_size)
     if not micro_batches or min(micro_batches) < 1:
         raise ConfigError(f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16")
     mbs = sorted(set(micro_batches))
@@ -287,22 +334,21 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
 
     def probe(i: int, mb: int) -> Probe:
         p = _probe(configs[i], mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
-                   budget_bytes=budget)
+                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size)
         probes.append(p)
         if progress is not None:
             progress(p)
         return p
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
-    from .planning import default_host_budget
-
     hi = next((i for i, c in enumerate(configs)
-               if _host_floor_bytes(n_params(c), budget, compute_dtype) > default_host_budget(spec)),
+               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size) > host_budget),
               len(configs))
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):
         limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
-                       digest=digest, budget_bytes=budget).reason
+                       digest=digest, budget_bytes=budget, host_budget_bytes=host_budget,
+                       world_size=world_size).reason
     # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -318,7 +364,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
             f"not even the smallest {family} ({describe(configs[0])}, {n_params(configs[0]) / 1e6:.0f}M "
             f"parameters) fits {spec.name} with a {human_bytes(budget)} budget at micro-batch {mbs[0]} "
             f"× seq {seq_len}: {limit}",
-            "raise --budget, or try a shorter sequence",
+            "raise --budget or --host-memory, or try a shorter sequence",
         )
     # Largest micro-batch at that size: mbs[0] fits; bisect over the rest.
     m_lo, m_hi = 0, len(mbs)
@@ -333,12 +379,14 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     assert plan is not None, f"{best=}"
     iter_us = plan.prediction.iter_time_us
     return FitResult(
-        family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=spec.host_memory_bytes,
+        family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=host_memory,
         seq_len=seq_len, compute_dtype=compute_dtype, config=configs[lo], n_params=best.n_params,
         micro_batch=best.micro_batch, iter_time_us=iter_us,
-        tokens_per_s=best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
+        tokens_per_s=world_size * best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
         peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
         plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
+        world_size=world_size, host_budget_bytes=host_budget,
+        next_config=configs[lo + 1] if lo + 1 < len(configs) else None,
     )
 
 
@@ -352,8 +400,10 @@ def render_fit(results: Sequence[FitResult]) -> str:
     if not results:
         return "no results"
     r0 = results[0]
-    lines = [f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget, "
-             f"{human_bytes(r0.host_memory_bytes)} host, seq {r0.seq_len}, {r0.compute_dtype}, one device"]
+    ranks = "one device" if r0.world_size == 1 else f"{r0.world_size} ranks (ZeRO-3)"
+    lines = [f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
+             f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} per rank usable), "
+             f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"]
     head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host")
     rows = [head]
     for r in results:
@@ -367,23 +417,28 @@ def render_fit(results: Sequence[FitResult]) -> str:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     for r in results:
-        lines.append(f"{r.family}: next size stopped by {r.limit} "
-                     f"({len(r.probes)} probes, {r.seconds:.0f} s)")
+        nxt = (f"next size ({n_params(r.next_config) / 1e9:.2f}B) stopped by {r.limit}" if r.next_config
+               else f"next size: {r.limit}")
+        lines.append(f"{r.family}: binds {r.binds}; {nxt} ({len(r.probes)} probes, {r.seconds:.0f} s)")
     return "\n".join(lines)
 
 
 def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
             families: Sequence[str] = FAMILIES, micro_batches: Sequence[int] = MICRO_BATCHES,
-            compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print) -> list[FitResult]:
-    """``protrain fit --hardware X [--budget SIZE]``: search every family, print the table."""
+            compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
+            host_memory: str | None = None, world_size: int = 1) -> list[FitResult]:
+    """``protrain fit --hardware X [--budget SIZE] [--host-memory SIZE] [--world-size N]``:
+    search every family, print the table."""
     from .planning import parse_budget
     from .spec import find_spec
 
     spec = find_spec(hardware)
     budget_bytes = parse_budget(budget) if budget else None
+    host_bytes = parse_budget(host_memory) if host_memory else None
     results = []
     for family in families:
-        echo(f"fit      {family}: bisecting the ladder on {spec.name} …")
+        on = spec.name if world_size == 1 else f"{world_size} x {spec.name}"
+        echo(f"fit      {family}: bisecting the ladder on {on} …")
 
         def progress(p: Probe) -> None:
             echo(f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
@@ -391,6 +446,7 @@ def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
 
         results.append(largest_fitting(family, spec, budget_bytes=budget_bytes, seq_len=seq_len,
                                        micro_batches=micro_batches, compute_dtype=compute_dtype,
-                                       progress=progress))
+                                       progress=progress, host_memory_bytes=host_bytes,
+                                       world_size=world_size))
     echo(render_fit(results))
     return results

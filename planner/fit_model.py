@@ -5,8 +5,9 @@ the question for one given model, typically a Hugging Face config.json built on
 ``meta`` (nothing allocated, nothing downloaded). For each candidate micro-batch,
 smallest first, it does what ``fit._probe`` does for a ladder rung: an analytic
 profile of the model on the spec (``analytic.analytic_profile``), then
-``planning.make_plan`` at world size 1 under the device budget and the host
-budget. A micro-batch fits when ``make_plan`` returns a plan; it does not when it
+``planning.make_plan`` at the world size asked (ZeRO-3) under the device budget and
+the host budget per rank (``--host-memory SIZE`` is the machine's RAM, shared by
+the ranks as ``planning.host_budget_per_rank`` says). A micro-batch fits when ``make_plan`` returns a plan; it does not when it
 raises ``BudgetError`` (no configuration under the device budget) or
 ``HostMemoryError`` (configurations fit the device, none the host: the search
 honours the host limit, so a slower plan that keeps more on the device is chosen
@@ -60,8 +61,8 @@ class BatchProbe:
     def tokens_per_s(self) -> float:
         if self.plan is None or not self.plan.prediction.iter_time_us:
             return 0.0
-        t = self.plan.training
-        return t.micro_batch * t.seq_len / (self.plan.prediction.iter_time_us / 1e6)
+        t = self.plan.training  # every rank runs its own micro-batch
+        return t.world_size * t.micro_batch * t.seq_len / (self.plan.prediction.iter_time_us / 1e6)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class ModelFit:
     budget_bytes: int
     """Device memory a plan may use."""
     host_budget_bytes: int
-    """Host memory a plan may use (``--host-memory``, or the spec's RAM less the reserve)."""
+    """Host memory a plan may use per rank (``--host-memory`` shared by the ranks, or the
+    spec's RAM, each less the reserve: ``planning.host_budget_per_rank``)."""
     seq_len: int
     compute_dtype: str
     total_params: int
@@ -85,6 +87,8 @@ class ModelFit:
     seconds: float = 0.0
     ridge_rows: float = 0.0
     """Rows per expert above which an expert GEMM is compute-bound on this spec (MoE only)."""
+    world_size: int = 1
+    """Ranks (ZeRO-3), one device each."""
 
     @property
     def best(self) -> BatchProbe | None:
@@ -122,7 +126,7 @@ def fit_model(model: nn.Module, *, name: str, spec: HardwareSpec, seq_len: int,
               budget_bytes: int | None = None, host_budget_bytes: int | None = None,
               micro_batches: Sequence[int] = MICRO_BATCHES, compute_dtype: str = "bfloat16",
               blocks: list[str] | None = None,
-              progress: Callable[[BatchProbe], None] | None = None) -> ModelFit:
+              progress: Callable[[BatchProbe], None] | None = None, world_size: int = 1) -> ModelFit:
     """Probe ``micro_batches`` (ascending, until one does not fit) for ``model`` (built on
     meta) on one ``spec`` device; see the module docstring.
 
@@ -149,7 +153,7 @@ def fit_model(model: nn.Module, *, name: str, spec: HardwareSpec, seq_len: int,
         profile = analytic_profile(model, name=name, blocks=blocks, micro_batch=mb, seq_len=seq_len,
                                    compute_dtype=compute_dtype, spec=spec)
         try:
-            plan, _ = make_plan(profile, budget, host_budget_bytes=host_budget)
+            plan, _ = make_plan(profile, budget, host_budget_bytes=host_budget, world_size=world_size)
         except HostMemoryError as e:
             probe = BatchProbe(mb, False, f"host memory: needs {human_bytes(e.need)}, "
                                f"{human_bytes(e.available)} usable", time.perf_counter() - t1)
@@ -171,7 +175,8 @@ def fit_model(model: nn.Module, *, name: str, spec: HardwareSpec, seq_len: int,
                     seq_len=seq_len, compute_dtype=compute_dtype, total_params=total,
                     active_params=layout.active_params if layout else total, moe=layout, probes=probes,
                     seconds=time.perf_counter() - t0,
-                    ridge_rows=ridge_rows(spec, DTYPES[compute_dtype].itemsize) if layout else 0.0)
+                    ridge_rows=ridge_rows(spec, DTYPES[compute_dtype].itemsize) if layout else 0.0,
+                    world_size=world_size)
 
 
 # ---------------------------------------------------------------------------- report
@@ -190,7 +195,8 @@ def render_model_fit(r: ModelFit) -> str:
     from .report import human_bytes
 
     lines = [f"fit {r.name} on {r.hardware}: {human_bytes(r.budget_bytes)} device budget, "
-             f"{human_bytes(r.host_budget_bytes)} host budget, seq {r.seq_len}, {r.compute_dtype}, one device"]
+             f"{human_bytes(r.host_budget_bytes)} host budget per rank, seq {r.seq_len}, {r.compute_dtype}, "
+             + ("one device" if r.world_size == 1 else f"{r.world_size} ranks (ZeRO-3)")]
     if r.moe is None:
         lines.append(f"parameters: {_params(r.total_params)} (dense: all active)")
     else:
@@ -243,19 +249,20 @@ def render_model_fit(r: ModelFit) -> str:
 
 def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, host_memory: str | None = None,
                   seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
-                  compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print) -> ModelFit:
+                  compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
+                  world_size: int = 1) -> ModelFit:
     """``protrain fit --hf-config DIR --hardware X``: build ``model_name`` on meta, probe, print.
 
     Raises ``BudgetError`` (exit status 1) after the report when nothing fits, so that
     scripts can tell the two answers apart.
     """
     from .models import build
-    from .planning import parse_budget
+    from .planning import host_budget_per_rank, parse_budget
     from .spec import find_spec
 
     spec = find_spec(hardware)
     budget_bytes = parse_budget(budget) if budget else None
-    host_bytes = parse_budget(host_memory) if host_memory else None
+    host_bytes = host_budget_per_rank(parse_budget(host_memory), world_size) if host_memory else None
     model = build(model_name, device="meta")
     echo(f"fit      {model_name}: probing micro-batches on {spec.name} …")
 
@@ -264,7 +271,7 @@ def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, 
 
     result = fit_model(model, name=model_name, spec=spec, seq_len=seq_len, budget_bytes=budget_bytes,
                        host_budget_bytes=host_bytes, micro_batches=micro_batches, compute_dtype=compute_dtype,
-                       progress=progress)
+                       progress=progress, world_size=world_size)
     echo(render_model_fit(result))
     if not result.fits:
         resource = result.binds.split(":")[0]

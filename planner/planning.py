@@ -44,6 +44,16 @@ set), which on the executor's per-chunk pinned homes and per-tensor swap buffers
 cost more than this share; see the issue 9 report."""
 
 
+def host_budget_per_rank(host_memory_bytes: int, world_size: int = 1) -> int:
+    """Host bytes one rank's plan may use when ``world_size`` ranks share a machine with
+    ``host_memory_bytes`` of RAM (``protrain fit --host-memory SIZE --world-size N``):
+    its share ``SIZE / N``, less ``HOST_RESERVE_FRACTION`` of it (the OS and page cache
+    of the whole machine, shared out) and ``HOST_RESERVE_BYTES`` (each rank is a process
+    of its own). ``default_host_budget`` is this at one rank."""
+    usable = int(host_memory_bytes / world_size * (1 - HOST_RESERVE_FRACTION)) - HOST_RESERVE_BYTES
+    return max(0, usable)
+
+
 def default_host_budget(spec: HardwareSpec) -> int:
     """Host bytes per rank a plan may use on ``spec``: its ``host_memory_bytes`` less
     ``HOST_RESERVE_FRACTION`` of it and ``HOST_RESERVE_BYTES``.
@@ -54,8 +64,7 @@ def default_host_budget(spec: HardwareSpec) -> int:
     is the same RAM; its share is not subtracted here (a measured CPU spec sets both
     to MemTotal), so there the check is necessary, not sufficient.
     """
-    usable = int(spec.host_memory_bytes * (1 - HOST_RESERVE_FRACTION)) - HOST_RESERVE_BYTES
-    return max(0, usable)
+    return host_budget_per_rank(spec.host_memory_bytes, 1)
 
 
 def profile_digest(profile: Profile) -> str:
@@ -225,4 +234,5 @@ def parse_budget(text: str) -> int:
     return int(value * units[unit])
 
 
-__all__ = ["make_plan", "parse_budget", "profile_digest", "default_host_budget", "DTYPE_BYTES"]
+__all__ = ["make_plan", "parse_budget", "profile_digest", "default_host_budget", "host_budget_per_rank",
+           "DTYPE_BYTES"]

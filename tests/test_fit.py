@@ -13,6 +13,7 @@ from protrain.executor import validation as V
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.planner.fit import (
     gpt2_ladder,
+    host_need_bytes,
     largest_fitting,
     llama_ladder,
     n_params,
@@ -85,10 +86,67 @@ def test_run_fit_prints_one_row_per_family(tmp_path):
     (r,) = run_fit(str(path), budget="1GiB", seq_len=SEQ, families=("gpt2",), micro_batches=MICRO,
                    echo=lines.append)
     table = lines[-1].splitlines()
-    assert table[0].startswith("fit on small-2g: 1.00 GiB device budget, 8.00 GiB host, seq 256")
+    # 8 GiB of host RAM, one rank: 8 x 0.9 - 2 = 5.2 GiB usable (planning.default_host_budget).
+    assert table[0].startswith("fit on small-2g: 1.00 GiB device budget per rank, 8.00 GiB host RAM "
+                               "(5.20 GiB per rank usable), seq 256")
+    assert table[0].endswith("one device")
     assert table[1].split()[:4] == ["family", "params", "shape", "micro-batch"]
     assert table[3].startswith("gpt2") and f"{r.n_params / 1e9:.2f}B" in table[3]
-    assert "next size stopped by" in table[-1]
+    # What binds at the winner (with both shares), and what stopped the next size up.
+    assert table[-1].startswith(f"gpt2: binds {r.binds}; next size ({n_params(r.next_config) / 1e9:.2f}B) "
+                                f"stopped by {r.limit}")
+    assert r.binds.startswith(("device memory (", "host memory (")) and r.next_binds in ("device memory",
+                                                                                            "host memory")
+
+
+def test_host_budget_per_rank_is_the_share_less_the_reserve():
+    # --host-memory SIZE --world-size N: each rank gets SIZE / N, less 10% and 2 GiB, the
+    # rule a spec's own host RAM gets at one rank.
+    from protrain.planner.planning import default_host_budget, host_budget_per_rank
+
+    assert host_budget_per_rank(384 * GiB, 4) == int(96 * GiB * 0.9) - 2 * GiB
+    assert host_budget_per_rank(384 * GiB) == int(384 * GiB * 0.9) - 2 * GiB
+    assert default_host_budget(SMALL) == host_budget_per_rank(SMALL.host_memory_bytes, 1)
+    assert host_budget_per_rank(GiB, 8) == 0  # less than the reserve: nothing, never negative
+
+
+def test_more_ranks_shard_the_host():
+    # The same host RAM per rank (8 GiB for one, 32 GiB for four): offloaded states
+    # shard over the ranks (ZeRO-3), so four ranks fit a larger model.
+    from protrain.planner.fit import _host_floor_bytes
+
+    one = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO,
+                          host_memory_bytes=8 * GiB)
+    four = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO,
+                           host_memory_bytes=32 * GiB, world_size=4)
+    assert one.host_budget_bytes == four.host_budget_bytes == int(8 * GiB * 0.9) - 2 * GiB
+    assert four.n_params > one.n_params
+    for r, world in ((one, 1), (four, 4)):
+        assert r.plan.training.world_size == r.plan.request.world_size == world
+        assert r.peak_bytes <= GiB and r.host_bytes <= r.host_budget_bytes
+        assert r.tokens_per_s == pytest.approx(world * r.micro_batch * SEQ / (r.iter_time_us / 1e6))
+        # The pre-profile floor never exceeds what a fitting plan needs (it only skips rungs).
+        for p in r.probes:
+            if p.fits:
+                assert _host_floor_bytes(p.n_params, GiB, "bfloat16", world) <= \
+                    host_need_bytes(p.plan), (world, p.n_params)
+    # Without --host-memory, N ranks get N times the spec's host RAM (one rank's share each).
+    two = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO, world_size=2)
+    assert two.host_memory_bytes == 2 * SMALL.host_memory_bytes
+    assert two.host_budget_bytes == one.host_budget_bytes
+
+
+def test_fit_command_passes_host_memory_and_world_size(monkeypatch):
+    from click.testing import CliRunner
+
+    from protrain.planner import fit as F
+    from protrain.planner.cli import main
+
+    seen = {}
+    monkeypatch.setattr(F, "run_fit", lambda hardware, **kw: seen.update(kw, hardware=hardware))
+    r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--host-memory", "384GiB", "--world-size", "4"])
+    assert r.exit_code == 0, r.output
+    assert (seen["hardware"], seen["host_memory"], seen["world_size"]) == ("rtx3090", "384GiB", 4)
 
 
 def test_errors_name_the_fix():

@@ -499,8 +499,8 @@ def test_fit_cli_with_an_hf_config(tmp_path):
     r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64",
                              "--budget", "64KiB"])
     assert r.exit_code == 1 and "does not fit" in r.output and "HINT: a larger --budget" in r.output
-    r = runner.invoke(main, ["fit", "--hardware", "rtx3090", "--host-memory", "1GiB"])
-    assert r.exit_code == 2 and "go with --hf-config" in r.output
+    r = runner.invoke(main, ["fit", "--hardware", "rtx3090", "--blocks", "model.layers"])
+    assert r.exit_code == 2 and "goes with --hf-config" in r.output
 
 
 def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
