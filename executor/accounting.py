@@ -9,10 +9,12 @@ plain data out: no torch.
 What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
 ``chunk_numel`` padded to a multiple of ``W``; its shard is ``numel / W``):
 
-- **device, from wrap on** — each persistent chunk (replicated): values and
-  gradients in the compute dtype, and if trainable its fp32 Adam moments (8 B per
-  element) and an fp32 master (4 B) unless the compute dtype is fp32 (the chunk is
-  its own master). A frozen chunk has no gradients, moments or master.
+- **device, from wrap on** — each persistent chunk: values and gradients in the
+  compute dtype (whole on every rank), and if trainable its fp32 Adam moments (8 B
+  per element) and an fp32 master (4 B) unless the compute dtype is fp32 (the chunk
+  is its own master): for the whole chunk (replicated), or for this rank's shard
+  only when ``placement.shard_persistent_states``. A frozen chunk has no gradients,
+  moments or master.
 - **device, reserved** — ``min(n_buffer, offloaded chunks)`` chunk buffers for the
   offloaded chunks' values (the whole gathered chunk each), from wrap on: the chunk
   pool holds them for the run (transfer.py [Note: chunk memory pool]). Which chunk
@@ -142,11 +144,12 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         if nbytes:
             out.append(Event(phase, seg, where, kind, nbytes, chunk, block))
 
+    own = shard if W > 1 and plan.placement.shard_persistent_states else numel  # persistent optimizer states
     for c in plan.placement.persistent:
         ev("wrap", "", "device", "chunks", chunk_bytes, c)
         if train[c]:
             ev("wrap", "", "device", "grads", chunk_bytes, c)
-            ev("wrap", "", "device", "optim", numel * (eb.persistent - 2 * eb.compute), c)
+            ev("wrap", "", "device", "optim", own * (eb.persistent - 2 * eb.compute), c)
     ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
     for c in plan.placement.offloaded:
         ev("wrap", "", "host", "home", shard * eb.compute, c)

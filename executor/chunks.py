@@ -89,6 +89,10 @@ class Chunk:
         # Some parameter requires grad. A chunk of frozen parameters only has no gradient
         # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
         self.trainable = True
+        # This rank keeps only its shard of the chunk's master and moments (offloaded chunks
+        # under ZeRO-3; trainable persistent ones when the plan shards their states). See
+        # executor/dist.py [Note: sharding]; set by ChunkStore._lay_out.
+        self.sharded = False
         # The upload issued by the last fetch/prefetch, until compute has waited on it.
         self.upload: CopyHandle | None = None
         # The last upload that read ``home``: the CPU step waits for it before writing home.
@@ -118,6 +122,7 @@ class ChunkStore:
         self.dtype = DTYPES[plan.training.compute_dtype]
         self.n_buffer = plan.placement.n_buffer
         persistent = set(plan.placement.persistent)
+        self.shard_persistent = plan.placement.shard_persistent_states and comm.world > 1
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
         fp32 = self.dtype == torch.float32
@@ -166,6 +171,7 @@ class ChunkStore:
             c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
                       self.dtype, self.device)
         c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
+        c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
         where = self.device if persistent else torch.device("cpu")
         image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)

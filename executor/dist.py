@@ -11,19 +11,30 @@ rank's. A fetch uploads the own shard into its slot of the device buffer and
 all-gathers the rest; gradients are reduce-scattered (then averaged) and only the
 own shard goes down to the host, where only the own shard is stepped.
 
-*Persistent* chunks are replicated: every rank holds the whole chunk, its master
-and moments on the device, all-reduces (and averages) the gradients after
-backward and steps identically. Sharding them (ZeRO-1/2) would save
-``(W-1)/W`` of 12 bytes per persistent element per rank at the price of an extra
-all-gather after every step; persistent chunks are the few the planner keeps
-because they are cheap to keep, so we replicate (the cost model charges the
-all-reduce). TODO(#6): let the planner weigh sharded persistence.
+*Persistent* chunks keep their values and gradients whole on every rank (forward
+and backward read them without a fetch). Their fp32 master and Adam moments are
+either replicated or sharded, as ``placement.shard_persistent_states`` says:
+
+- replicated (``false``): every rank holds the whole chunk's master and moments,
+  all-reduces (and averages) the gradients after backward and steps the whole
+  chunk identically;
+- sharded (``true``, ZeRO-1/2 for these chunks): rank r keeps the master and
+  moments of only its shard (the same slices as an offloaded chunk's), the
+  gradients are reduce-scattered (then averaged) into its slice of the gradient
+  buffer, it steps that slice, and the updated values are all-gathered into
+  every rank's chunk. That saves ``(W-1)/W`` of the 12 (fp32: 8) optimizer
+  bytes per persistent element per rank and ``(W-1)/W`` of the device Adam time,
+  for the same ring traffic (reduce-scatter + all-gather = one all-reduce). gloo's
+  reduce-scatter is its all-reduce and a slice (BENCHMARKS.md), so on CPU the two
+  layouts sum the ranks' gradients alike and train bit for bit alike
+  (tests/test_dist.py); NCCL's two collectives may sum in other orders.
 
 Collectives are issued in the plan's order on every rank — fetches in schedule
 order, gradient reduce-scatters in the plan's offload order (the engine holds back
-a chunk whose turn has not come) — so hooks can never make ranks diverge and
-deadlock. A failing collective (a rank died, the timeout of
-``init_process_group`` expired) becomes a ``RankFailure`` naming the operation.
+a chunk whose turn has not come), persistent chunks' collectives in chunk order
+after backward — so hooks can never make ranks diverge and deadlock. A failing
+collective (a rank died, the timeout of ``init_process_group`` expired) becomes a
+``RankFailure`` naming the operation.
 """
 
 from __future__ import annotations

@@ -335,10 +335,15 @@ class Engine:
 
     def _finish_update(self) -> tuple[float | None, bool]:
         if self.comm.world > 1:
-            # Persistent chunks are replicated: average their gradients over the ranks
-            # (executor/dist.py [Note: sharding]), in chunk order on every rank.
+            # Average persistent chunks' gradients over the ranks, in chunk order on every
+            # rank (executor/dist.py [Note: sharding]): all of it where the states are
+            # replicated; this rank's shard, into its slice of the buffer, where sharded.
             for c in self.store.chunks:
-                if c.persistent and c.trainable:
+                if c.persistent and c.trainable and c.sharded:
+                    g = torch.empty(c.shard.stop - c.shard.start, dtype=c.dev_grad.dtype, device=self.device)
+                    self.comm.reduce_scatter(g, c.dev_grad, f"gradients of chunk {c.id}")
+                    c.dev_grad[c.shard].copy_(g.div_(self.comm.world))
+                elif c.persistent and c.trainable:
                     self.comm.all_reduce(c.dev_grad, f"gradients of chunk {c.id}")
                     c.dev_grad.div_(self.comm.world)
         inv_scale = 1.0 / self.scaler.scale
@@ -385,8 +390,8 @@ class Engine:
             for i, (p, off, n) in enumerate(c.params):
                 name = self.names[id(p)]
                 model[name] = master[off: off + n].view(p.shape).detach().float().cpu().clone()
-                if o.counts[c.id][i]:
-                    optim[name] = {"step": o.steps[c.id][i].detach().cpu().clone(),
+                if o.counts[c.id][i]:  # (counts, not steps: the same on every rank under ZeRO-3)
+                    optim[name] = {"step": torch.tensor(float(o.counts[c.id][i])),
                                    **{k: v[off: off + n].view(p.shape).cpu().clone()
                                       for k, v in moments.items()}}
         for name, alias in self.plan.model.tied:
@@ -394,9 +399,9 @@ class Engine:
         return {"model": model, "optim": optim}
 
     def _whole(self, c, t: torch.Tensor) -> torch.Tensor:
-        """A chunk-length tensor: ``t`` itself, or for a sharded (offloaded, world > 1)
-        chunk the all-gather of every rank's shard ``t``."""
-        if self.comm.world == 1 or c.persistent:
+        """A chunk-length tensor: ``t`` itself, or for a sharded chunk (``Chunk.sharded``)
+        the all-gather of every rank's shard ``t``."""
+        if not c.sharded:
             return t
         full = torch.empty(c.numel, dtype=t.dtype, device=self.device)
         full[c.shard].copy_(t)
@@ -418,28 +423,29 @@ class Engine:
                 master = self.optim.master[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them.
-                mine = c.shard if (self.comm.world > 1 and not c.persistent) else slice(None)
+                mine = c.shard if c.sharded else slice(None)
 
-                def image(get, c=c, names=names, mine=mine):
+                def image(get, c=c, names=names):
                     full = torch.zeros(c.numel, dtype=torch.float32)
                     for (_p, off, n), name in zip(c.params, names):
                         full[off: off + n].copy_(get(name).reshape(-1))
-                    return full[mine]
+                    return full
 
-                master.copy_(image(lambda nm: model[nm]))
+                values = image(lambda nm: model[nm])
+                master.copy_(values[mine])
                 if optim and c.trainable:  # per parameter; one never stepped starts afresh
                     zero = {"step": torch.zeros(()), "exp_avg": torch.zeros(()), "exp_avg_sq": torch.zeros(())}
                     state = {nm: optim.get(nm, zero) for nm in names}
                     for key, moment in (("exp_avg", self.optim.exp_avg), ("exp_avg_sq", self.optim.exp_avg_sq)):
                         moment[c.id].copy_(image(lambda nm, key=key, state=state:
-                                                 state[nm][key].expand(model[nm].shape)))
+                                                 state[nm][key].expand(model[nm].shape))[mine])
                     for i, nm in enumerate(names):
                         self.optim.steps[c.id][i].fill_(float(state[nm]["step"]))
                         self.optim.counts[c.id][i] = int(float(state[nm]["step"]))
-                # Compute-dtype copies follow the masters.
+                # Compute-dtype copies follow the masters (a persistent chunk's whole values).
                 target = c.dev if c.persistent else c.home
                 if target is not master:
-                    target.copy_(master.to(dtype))
+                    target.copy_((values if c.persistent else master).to(dtype))
 
     # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)
 

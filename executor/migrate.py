@@ -48,7 +48,24 @@ def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2}
+def v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    """Add ``placement.shard_persistent_states = false``: the v2 executor replicated every
+    persistent chunk's master and moments on every rank, whatever the world size, so
+    that is what a v2 plan was made (and predicted) for."""
+    doc = dict(doc)  # pure, as v1_to_v2
+    placement = doc.get("placement")
+    if not isinstance(placement, dict):
+        return doc  # the strict decode reports the missing or malformed section
+    if "shard_persistent_states" in placement:  # as in v1_to_v2: no accidental validity
+        raise PlanError("plan schema 2 has no `placement.shard_persistent_states` (added in schema 3) - "
+                        "at `$.placement.shard_persistent_states`",
+                        "set `schema_version` to 3 if the file was written for it, or regenerate the plan "
+                        "with `protrain plan`")
+    doc["placement"] = {**placement, "shard_persistent_states": False}
+    return doc
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 

@@ -3,7 +3,9 @@ CPU (a worker thread) for offloaded ones, global-norm clipping and fp16 loss sca
 
 [Note: optimizer placement]
 A persistent chunk's fp32 master and Adam moments live on the device and are
-stepped after backward with the fused AdamW kernel on the device. An
+stepped after backward with the fused AdamW kernel on the device (under ZeRO-3 with
+``placement.shard_persistent_states``, this rank's shard of them: executor/dist.py
+[Note: sharding]). An
 offloaded chunk's master and moments live in host memory; when its gradients
 reach the host (``offload``), a single worker thread steps it with the fused
 AdamW kernel on CPU tensors while backward goes on, then writes the
@@ -28,8 +30,10 @@ arithmetic: on CPU, when every parameter's numel and the chunk's are multiples o
 thread split is in whole cache lines, so threading changes nothing), every
 parameter has a gradient this step and all share one step count. On the device
 we always take the per-parameter call, like the reference. Under ZeRO-3 a
-parameter may straddle two shards; each rank steps its piece as one tensor, so
-odd-sized parameters are exact only when they do not straddle (world size 1).
+parameter may straddle two shards (of an offloaded chunk, or of a persistent one
+whose states are sharded); each rank steps its piece as one tensor, so a
+straddling parameter is exact only when its first piece is a whole number of
+vectors (a parameter that does not straddle always is).
 
 [Note: which parameters step]
 Plain AdamW skips a parameter whose ``.grad`` is None: no update, no decay, no
@@ -170,11 +174,12 @@ class ChunkOptimizer:
             if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
                 m = c.dev if c.persistent else c.home
                 self.exp_avg[c.id] = self.exp_avg_sq[c.id] = torch.zeros(0, device=m.device)
-                lo = c.shard.start if not c.persistent and store.comm.world > 1 else 0
             elif c.persistent:
-                # See [Note: masters from the user's fp32 values] in chunks.py.
+                # See [Note: masters from the user's fp32 values] in chunks.py. Sharded: this
+                # rank's slice only (for fp32 a view of it in the chunk); dist.py [Note: sharding].
                 m = c.dev if fp32 else c.master_init
-                lo = 0
+                if c.sharded:
+                    m = m[c.shard] if fp32 else m[c.shard].clone()
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.home.numel()
@@ -183,7 +188,7 @@ class ChunkOptimizer:
                     self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
                 if store.staged:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
-                lo = c.shard.start if store.comm.world > 1 else 0
+            lo = c.shard.start if c.sharded else 0  # where the master starts in the chunk
             c.master_init = None
             self.master[c.id] = m
             if c.trainable:
@@ -200,7 +205,7 @@ class ChunkOptimizer:
             hi = lo + m.numel()
             self.spans[c.id] = [(max(off, lo) - lo, min(off + n, hi) - lo) if off < hi and off + n > lo
                                 else None for _, off, n in c.params]
-            if (m.device.type == "cpu" and (c.persistent or store.comm.world == 1)
+            if (m.device.type == "cpu" and not c.sharded
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
         if store.grad_in_home and any(not c.persistent and c.trainable for c in store.chunks):
@@ -222,13 +227,11 @@ class ChunkOptimizer:
         """A parameter was written in place in forward (16-bit compute): its master follows."""
         c = self.store.chunks[cid]
         m = self.master[cid]
-        if c.persistent:
-            m[off: off + n].copy_(c.dev[off: off + n])
-        else:
-            lo = c.shard.start if self.store.comm.world > 1 else 0
-            a, b = max(off, lo), min(off + n, lo + m.numel())
-            if a < b:
-                m[a - lo: b - lo].copy_(c.home[a - lo: b - lo])
+        lo = c.shard.start if c.sharded else 0
+        src = c.dev[lo: lo + m.numel()] if c.persistent else c.home  # in master coordinates
+        a, b = max(off, lo), min(off + n, lo + m.numel())
+        if a < b:
+            m[a - lo: b - lo].copy_(src[a - lo: b - lo])
 
     # -- gradients
 
@@ -303,18 +306,20 @@ class ChunkOptimizer:
         stack: the same reduction order as plain PyTorch, so clipping is bit-exact
         on CPU fp32. Host accumulators' norms are moved to the device to be stacked.
         Under ZeRO-3 (no parameter is whole on one rank) it is the square root of the
-        all-reduced sum of squares of the own shards plus the replicated persistent
-        chunks' (counted once).
+        all-reduced sum of squares of the own shards (offloaded chunks, and persistent
+        ones whose states are sharded: their reduce-scattered slices) plus the
+        replicated persistent chunks' (counted once).
         """
         comm = self.store.comm
         if comm.world > 1:
             sq = torch.zeros((), dtype=torch.float32, device=self.store.device)
             for c in self.store.chunks:
-                if not c.persistent and c.trainable:
-                    sq += self._host_grad(c.id).double().square().sum().float().to(sq.device)
+                if c.sharded and c.trainable:
+                    g = c.dev_grad[c.shard] if c.persistent else self._host_grad(c.id)
+                    sq += g.double().square().sum().float().to(sq.device)
             comm.all_reduce(sq, "the gradient norm")
             for c in self.store.chunks:
-                if c.persistent and c.trainable:
+                if c.persistent and c.trainable and not c.sharded:
                     sq += c.dev_grad.double().square().sum().float()
             return sq.sqrt()
         views = self.grad_views()  # as clip_grad_norm_, parameters without a gradient are skipped
@@ -329,7 +334,7 @@ class ChunkOptimizer:
     def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
         """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
         c = self.store.chunks[cid]
-        g = c.dev_grad if c.persistent else self._host_grad(cid)
+        g = self._host_grad(cid) if not c.persistent else c.dev_grad[c.shard] if c.sharded else c.dev_grad
         if g.dtype != torch.float32:
             g = g.float()  # a fresh fp32 copy; the compute-dtype buffer is zeroed next step
         if inv_scale != 1.0:
@@ -364,18 +369,20 @@ class ChunkOptimizer:
             torch._foreach_add_(steps, 1)
             torch._fused_adamw_([m], [g], [ea], [es], [], [steps[0]], **self.hyper)
         else:  # _per_param: one view per parameter, as the reference's tensor list
+            # A parameter without a piece on this rank counts its step all the same, so that
+            # every rank's counts (state_dict's "step") are the parameter's.
             spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
-            if not spans:
-                return
-            st = [steps[i] for i, _ in spans]
-            torch._foreach_add_(st, 1)
-            torch._fused_adamw_(*([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st,
-                                **self.hyper)
+            if spans:
+                st = [steps[i] for i, _ in spans]
+                torch._foreach_add_(st, 1)
+                torch._fused_adamw_(*([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st,
+                                    **self.hyper)
         for i in which:
             counts[i] += 1
 
     def step_device(self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0) -> None:
-        """Update a persistent chunk on the device."""
+        """Update a persistent chunk on the device: the whole chunk, or with sharded states
+        this rank's shard, then every rank's updated shard into every rank's chunk."""
         c = self.store.chunks[cid]
         self.store.write_back(cid)  # a forward's in-place writes reach the master first
         which = self.stepping(cid)
@@ -383,8 +390,11 @@ class ChunkOptimizer:
             return
         with record_function("protrain::dev_adam"):
             self._adamw(cid, which, self._grad(cid, coef, inv_scale))
-            if self.master[cid] is not c.dev:
-                c.dev.copy_(self.master[cid])
+            own = c.dev[c.shard] if c.sharded else c.dev
+            if self.master[cid].data_ptr() != own.data_ptr():  # fp32: the master is the chunk
+                own.copy_(self.master[cid])
+        if c.sharded:
+            self.store.comm.all_gather(c.dev, f"chunk {cid}")
 
     def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0) -> None:
         """Queue an offloaded chunk's CPU step (after its gradients have landed: the worker

@@ -33,6 +33,9 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
   The v1 executor decided it at run time (after backward with clipping or fp16,
   during it otherwise), so a plan could not say which schedule it was predicted
   for. ``migrate.v1_to_v2`` fills it the way the v1 executor ran without clipping.
+- 3: ``placement.shard_persistent_states`` (binding): under ZeRO-3 each rank keeps the
+  fp32 master and Adam moments of only its shard of every persistent chunk. The v2
+  executor replicated them on every rank; ``migrate.v2_to_v3`` writes ``false``.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -50,7 +53,7 @@ import msgspec
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version ``dump`` writes."""
 
 MIN_SCHEMA_VERSION = 1
@@ -218,6 +221,12 @@ class Placement(Binding):
     """Ids of persistent chunks, ascending."""
     offloaded: list[NonNegInt]
     """Ids of offloaded chunks (home in CPU memory, CPU optimizer), ascending."""
+    shard_persistent_states: bool
+    """World size > 1 only: each rank keeps the fp32 master and Adam moments of only its
+    shard of every trainable persistent chunk (values and gradients stay whole on every
+    rank); gradients are reduce-scattered instead of all-reduced, each rank steps its
+    shard and the updated values are all-gathered. ``false``: replicated on every rank
+    (executor/dist.py [Note: sharding])."""
 
 
 class Activation(Binding):

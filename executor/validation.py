@@ -34,6 +34,12 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         fail("$.schedule.cpu_adam", f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
              "'after_backward' (the loss scaler's overflow check needs every gradient before any step)")
 
+    # -- training ↔ placement: one rank has nothing to shard over. Refused rather than read
+    # as replicated, so that a plan's flag always says what the executor does.
+    if plan.placement.shard_persistent_states and plan.training.world_size == 1:
+        fail("$.placement.shard_persistent_states", "is true but the plan is for one rank (world_size 1)",
+             "set it to false, or make the plan with `protrain plan --world-size N` (N > 1)")
+
     # -- model
     blocks = plan.model.blocks
     seen_blocks: set[str] = set()

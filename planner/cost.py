@@ -126,7 +126,7 @@ class Terms:
     n_blocks: int
     chunk_bytes: int  # compute dtype
     chunk_params: np.ndarray  # (C,) parameter elements in each chunk
-    state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master)
+    state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master), replicated
     host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
     host_scratch_bytes: int  # the CPU step's fp32 gradient copy of one chunk (accounting.scratch_bytes)
     gpu: bool
@@ -151,9 +151,11 @@ class Terms:
     swap_out_us_per_byte: float
     swap_in_us_per_byte: float
     cpu_adam_us_per_param: float  # per parameter of a chunk (already / world size)
-    dev_adam_us_per_param: float
+    dev_adam_us_per_param: float  # per parameter of a persistent chunk (/ world size if sharded)
     world_size: int = 1
-    allreduce_us_per_chunk: float = 0.0  # a persistent chunk's gradient all-reduce (replicated)
+    allreduce_us_per_chunk: float = 0.0  # a persistent chunk's collectives after backward (see make_terms)
+    shard_persistent: bool = False  # the plan's placement.shard_persistent_states (world size > 1)
+    persist_chunk_bytes: int = 0  # device bytes of one trainable persistent chunk (accounting.events)
     cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
 
 
@@ -174,9 +176,12 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
 
 
 def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
-               cpu_adam: str = "during_backward", grad_accum: int = 1) -> Terms:
+               cpu_adam: str = "during_backward", grad_accum: int = 1,
+               shard_persistent: bool | None = None) -> Terms:
     """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
-    for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``)."""
+    for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``) and persistent
+    optimizer states sharded over the ranks or not (default: sharded when the world
+    size is above 1, as ``emit.assemble`` writes plans)."""
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
     facts = facts_from_profile(profile)
     need, per_chunk = chunk_need(facts, chunk_numel)
@@ -185,6 +190,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     eb = A.element_bytes(profile.training.compute_dtype, grad_accum)
     cb = eb.compute
     W = world_size
+    shard = W > 1 and (shard_persistent is None or shard_persistent)
     # Device buffers are padded to W shards (executor/dist.py [Note: sharding]).
     chunk_numel = -(-chunk_numel // W) * W
     chunk_bytes = chunk_numel * cb
@@ -230,11 +236,16 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         t_up=shard_bytes / link_bandwidth(spec, shard_bytes, "h2d") * 1e6 + gather_us,
         t_down=shard_bytes / link_bandwidth(spec, shard_bytes, "d2h") * 1e6 + gather_us,
         world_size=W,
+        # A persistent chunk's gradients: an all-reduce (replicated states), or (sharded) a
+        # reduce-scatter and, after the step, an all-gather of the values: the same ring
+        # traffic, 2 (W-1)/W of a chunk. Sharded, each rank steps 1/W of the chunk.
         allreduce_us_per_chunk=2 * gather_us,
+        shard_persistent=shard,
+        persist_chunk_bytes=chunk_numel * 2 * cb + chunk_numel // (W if shard else 1) * (eb.persistent - 2 * cb),
         swap_out_us_per_byte=1e6 / link_bandwidth(spec, big, "d2h"),
         swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
         cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
-        dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s,
+        dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / (W if shard else 1),
         cpu_adam=cpu_adam,
     )
 
@@ -441,7 +452,7 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     swap_out = out_each.copy()
     swap_out[:, 1:] += out_each[:, :-1]
     return MemoryTerms(
-        states=(t.n_chunks - n_off) * t.chunk_numel * t.state_bytes_per_elem,
+        states=(t.n_chunks - n_off) * t.persist_chunk_bytes,
         resident=min(n_buffer, n_off) * t.chunk_bytes,
         held=np.cumsum(held_each, axis=1),
         swap_out=swap_out,

@@ -149,6 +149,7 @@ def _section_differs(key: str, value: Any) -> bool:
     if key == "placement":
         return (value["n_persist"]["a"] != value["n_persist"]["b"]
                 or value["n_buffer"]["a"] != value["n_buffer"]["b"]
+                or value["shard_persistent_states"]["a"] != value["shard_persistent_states"]["b"]
                 or bool(value["to_offloaded"] or value["to_persistent"]))
     if key == "activations":
         return bool(value["changed"])
@@ -198,6 +199,7 @@ def _diff_placement(a: Plan, b: Plan) -> dict[str, Any]:
     return {
         "n_persist": _pair(la.n_persist, lb.n_persist),
         "n_buffer": _pair(la.n_buffer, lb.n_buffer),
+        "shard_persistent_states": _pair(la.shard_persistent_states, lb.shard_persistent_states),
         # Only chunk ids present in both plans can change residency.
         "to_offloaded": sorted(set(la.persistent) & set(lb.offloaded)),
         "to_persistent": sorted(set(la.offloaded) & set(lb.persistent)),
@@ -368,11 +370,18 @@ def _render_placement(p: dict[str, Any]) -> list[str]:
     head = "; ".join(f"{k} {v['a']} → {v['b']}" if v["a"] != v["b"] else f"{k} {v['a']} (same)"
                      for k, v in (("n_persist", np_), ("n_buffer", nb)))
     lines = [f"  placement     {head}"]
+    sh = p["shard_persistent_states"]
+    if sh["a"] != sh["b"]:
+        lines.append(f"                persistent optimizer states {_sharding(sh['a'])} → {_sharding(sh['b'])}")
     if p["to_offloaded"]:
         lines.append(f"                persistent → offloaded: chunks {_ids(p['to_offloaded'])}")
     if p["to_persistent"]:
         lines.append(f"                offloaded → persistent: chunks {_ids(p['to_persistent'])}")
     return lines
+
+
+def _sharding(sharded: bool) -> str:
+    return "sharded" if sharded else "replicated"
 
 
 def _render_activations(act: dict[str, Any]) -> list[str]:

@@ -20,6 +20,8 @@ rule, so two runs of the planner give the same bytes:
 - **cpu_adam**: ``after_backward`` when the training needs every gradient before any
   update (gradient clipping was requested, or fp16 compute, whose loss scaler checks
   for overflow first), else ``during_backward`` (``cpu_adam_schedule``).
+- **shard_persistent_states**: on whenever the world size is above 1 (it never costs
+  memory or time in the cost model; ``cost.make_terms``).
 """
 
 from __future__ import annotations
@@ -72,13 +74,17 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
              request: P.Request | None = None, hardware: P.Hardware | None = None,
              prediction: P.Prediction | None = None,
              provenance: P.Provenance | None = None,
-             cpu_adam: P.CpuAdam | None = None) -> P.Plan:
+             cpu_adam: P.CpuAdam | None = None,
+             shard_persistent_states: bool | None = None) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
     configurations use the first ``n_persist``); ``policies`` gives
     ``keep``/``swap``/``checkpoint`` per block. ``cpu_adam`` defaults to
-    ``cpu_adam_schedule`` of the compute dtype and the request's ``max_grad_norm``.
+    ``cpu_adam_schedule`` of the compute dtype and the request's ``max_grad_norm``;
+    ``shard_persistent_states`` to ``world_size > 1`` (sharding persistent chunks'
+    optimizer states saves device memory and device Adam time for the same traffic:
+    ``cost.make_terms``).
     """
     blocks = facts.blocks
     if len(policies) != len(blocks):
@@ -137,7 +143,9 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
         hardware=hardware or P.Hardware(),
         chunks=chunks,
         placement=P.Placement(n_persist=len(persistent_ids), n_buffer=n_buffer,
-                              persistent=persistent_ids, offloaded=offloaded),
+                              persistent=persistent_ids, offloaded=offloaded,
+                              shard_persistent_states=(training.world_size > 1 if shard_persistent_states is None
+                                                       else shard_persistent_states)),
         activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
         schedule=schedule,
         prediction=prediction or P.Prediction(),

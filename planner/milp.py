@@ -399,7 +399,7 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     # [Variable] K = Σ off (the offloaded count, one variable so the memory rows stay sparse)
     K = int(m.var("n_off")[0])
     m.eq(m.one(K) - n_off, 0, "offloaded count")
-    states = (C - m.one(K)) * float(t.chunk_numel * t.state_bytes_per_elem)
+    states = (C - m.one(K)) * float(t.persist_chunk_bytes)
     base = states + m.one(nb, float(t.chunk_bytes))  # + n_buffer device buffers
     # [Variable] H[s] ≥ 0: activations held after forward s, in budgets (a chain):
     # keep → saved, checkpoint → input, swap → none
@@ -640,7 +640,7 @@ def explain_departures(profile, plan) -> list[Departure]:
     if is_four_count(plan) or not runners:
         return []
     t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
-                   plan.training.grad_accum)
+                   plan.training.grad_accum, plan.placement.shard_persistent_states)
     chosen = to_choice(t, plan.placement.persistent, plan.placement.n_buffer, [a.policy for a in plan.activations])
     b = runners[0]
     baseline = Choice(b.n_persist, b.n_buffer, b.n_swap, b.n_checkpoint, float(b.iter_time_us),

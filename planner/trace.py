@@ -19,7 +19,8 @@ compute     ``forward <seg>``, ``recompute <block>``, ``backward <seg>``, ``adam
 H2D         ``fetch cN``, ``prefetch cN``, ``swap_in <block>``
 D2H         ``offload cN`` (gradients), ``swap_out <block>``
 CPU Adam    ``cpu_adam cN``
-collectives ``all_gather cN``, ``reduce_scatter cN``, ``all_reduce`` (world size > 1)
+collectives ``all_gather cN``, ``reduce_scatter cN``, ``all_reduce`` or (persistent states
+            sharded) ``reduce_scatter+all_gather`` (world size > 1)
 ==========  =========================================================================
 
 Event names use the plan's verbs (shared/STYLE.md rule 7), so a name in a trace is a
@@ -147,7 +148,7 @@ def _terms_for(profile: Profile, plan: P.Plan):
             "pass the profile the plan was made from (`protrain plan --profile FILE`)",
         )
     t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
-                   plan.training.grad_accum)
+                   plan.training.grad_accum, plan.placement.shard_persistent_states)
     if t.n_chunks != len(plan.chunks.items):
         raise ConfigError(
             f"the profile lays {profile.model.name} out in {t.n_chunks} chunks of "
@@ -307,7 +308,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             now = ce if t.gpu else lanes.free["compute"]
         events.append(_x("backward", "iteration", bwd_start, now - bwd_start, pid, "phase", micro_batch=micro))
 
-    # -- optimizer: persistent chunks' all-reduce (replicated under ZeRO-3), device Adam;
+    # -- optimizer: persistent chunks' collectives under ZeRO-3, device Adam;
     # with cpu_adam "after_backward" the CPU steps too, once the last gradients landed
     opt_start = now
     if after_backward:
@@ -320,7 +321,8 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     n_persist = len(plan.placement.persistent)
     if W > 1 and n_persist:
         s, now = lanes.run("collectives", now, n_persist * t.allreduce_us_per_chunk)
-        events.append(_x("all_reduce", "collectives", s, now - s, pid, "collective", chunks=n_persist))
+        name = "reduce_scatter+all_gather" if t.shard_persistent else "all_reduce"  # dist.py [Note: sharding]
+        events.append(_x(name, "collectives", s, now - s, pid, "collective", chunks=n_persist))
     n_dev = int(sum(int(t.chunk_params[c]) for c in plan.placement.persistent))
     if n_dev:
         s, now = lanes.run("compute", now, n_dev * t.dev_adam_us_per_param)

@@ -27,12 +27,13 @@ MICRO, SEQ, LR = 2, 32, 2e-3
 
 
 def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
-              micro: int = MICRO, chunk_numel: int = 65536) -> P.Plan:
+              micro: int = MICRO, chunk_numel: int = 65536, dtype: str = "float32", **config) -> P.Plan:
+    """``config``: more of ``emit.assemble``'s options (``cpu_adam``, ``shard_persistent_states``)."""
     meta = build(name, device="meta")
-    training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
+    training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype=dtype, master_dtype="float32",
                           world_size=world, grad_accum=1)
     return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=chunk_numel,
-                persistent=persistent, n_buffer=n_buffer, policies=policies)
+                persistent=persistent, n_buffer=n_buffer, policies=policies, **config)
 
 
 def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
@@ -66,6 +67,29 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
         Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host_bytes,
                                                                 "peak": peak}))
         engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_plans(rank: int, world: int, port: int, out: str, runs: list[tuple]) -> None:
+    """Train each ``(label, model name, plan file, steps, max_grad_norm)`` of ``runs`` in turn,
+    in one process group; write each run's losses, gradient norms and the optimizer's
+    device bytes per rank, and rank 0's state dict."""
+    init(rank, world, port)
+    try:
+        for label, name, path, steps, clip in runs:
+            plan = P.load(path)
+            engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip),
+                          device="cpu")
+            data = batches(load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world)
+            results = [engine.step(next(data)) for _ in range(steps)]
+            sd = engine.state_dict()
+            if rank == 0:
+                torch.save(sd, Path(out) / f"{label}.pt")
+            Path(out, f"{label}-rank{rank}.json").write_text(json.dumps({
+                "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+                "optim": engine.ledger.bytes["optim"]}))
+            engine.close()
     finally:
         dist.destroy_process_group()
 

@@ -44,9 +44,10 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
                              dtype=dtype, rng=rng)
     world, accum = rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 1, 2, 3])
+    shard = world > 1 and rng.random() < 0.5  # persistent optimizer states sharded over the ranks
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     size = rng.choice([size, size + rng.randint(1, size)])
-    t = make_terms(prof, size, world, grad_accum=accum)
+    t = make_terms(prof, size, world, grad_accum=accum, shard_persistent=shard)
     persistent = sorted(rng.sample(range(t.n_chunks), rng.randint(0, t.n_chunks)))
     n_off = t.n_chunks - len(persistent)
     least = min_buffers(t, persistent)
@@ -55,7 +56,7 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     training = P.Training(micro_batch=1, seq_len=1024, compute_dtype=dtype, master_dtype="float32",
                           world_size=world, grad_accum=accum)
     plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
-                    n_buffer=n_buffer, policies=strip)
+                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard)
 
     walk = A.walk(plan, segment_bytes(prof))
     pred = predict_plan(t, persistent, n_buffer, strip)
@@ -66,13 +67,17 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     assert (walk.host_bytes, walk.host_swap_bytes) == (b["host_bytes"], b["host_swap_bytes"])
 
 
-def test_a_frozen_chunk_has_no_gradients_moments_or_master():
-    plan = _library()[0]
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_frozen_chunk_has_no_gradients_moments_or_master(world):
+    plan = next(p for p in _library() if p.training.world_size == world and p.placement.persistent)
+    assert plan.placement.shard_persistent_states == (world > 1)  # the planner shards when it can
     everything = A.walk(plan)
     frozen = A.walk(plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items])
     eb = A.element_bytes(plan.training.compute_dtype, plan.training.grad_accum)
-    numel = plan.chunks.chunk_numel
-    assert everything.states_bytes - frozen.states_bytes == numel * (eb.persistent - eb.compute)
+    numel = -(-plan.chunks.chunk_numel // world) * world
+    # gradients (whole on every rank), and this rank's shard of the moments and master
+    assert everything.states_bytes - frozen.states_bytes == numel * eb.compute + numel // world * (
+        eb.persistent - 2 * eb.compute)
 
 
 def test_element_bytes():

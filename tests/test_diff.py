@@ -215,8 +215,19 @@ def test_placement_change_names_n_persist_and_the_chunks_that_moved():
     assert "offloaded → persistent: chunks 1-2" in back
     d = diff_json(a, b)
     assert d["placement"] == {"n_persist": {"a": 3, "b": 1}, "n_buffer": {"a": 2, "b": 3},
+                              "shard_persistent_states": {"a": False, "b": False},
                               "to_offloaded": [1, 2], "to_persistent": []}
     assert "placement" in d["differs"] and "schedule" in d["differs"]
+
+
+def test_sharding_persistent_states_is_a_placement_change():
+    a = gpt2_4()
+    b = replace(a, training=replace(a.training, world_size=2),
+                placement=replace(a.placement, shard_persistent_states=True))
+    text, _ = render_diff(a, b, "a", "b")
+    assert "persistent optimizer states replicated → sharded" in text
+    assert diff_json(a, b)["placement"]["shard_persistent_states"] == {"a": False, "b": True}
+    assert "placement" in diff_json(a, b)["differs"]
 
 
 # ------------------------------------------------------------------ models

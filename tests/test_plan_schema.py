@@ -258,8 +258,8 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 2 to 3"):
-        M.migrate({"schema_version": 2}, 2, target=3)
+    with pytest.raises(PlanError, match="no migration from plan schema 3 to 4"):
+        M.migrate({"schema_version": 3}, 3, target=4)
 
 
 V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
@@ -269,7 +269,7 @@ def test_v1_fixture_migrates_to_cpu_adam_during_backward():
     # The frozen v1 file is float32 and the v1 executor overlapped CPU steps with
     # backward unless clipping was configured: the migration writes that down.
     plan = P.load(V1)
-    assert plan.schema_version == 2 and plan.schedule.cpu_adam == "during_backward"
+    assert plan.schema_version == P.SCHEMA_VERSION and plan.schedule.cpu_adam == "during_backward"
     assert plan.request.max_grad_norm is None
 
 
@@ -300,6 +300,48 @@ def test_v1_malformed_schedule_fails_in_the_strict_decode():
     doc = json.loads(V1.read_bytes())
     del doc["training"]
     assert "training" in _load_err(doc)
+
+
+V2 = ROOT / "tests" / "fixtures" / "plans" / "v2" / "gpt2-tiny-clip.json"
+
+
+def test_v2_fixture_migrates_to_replicated_persistent_states():
+    # The v2 executor replicated persistent chunks' masters and moments on every rank.
+    plan = P.load(V2)
+    assert plan.schema_version == P.SCHEMA_VERSION and plan.placement.shard_persistent_states is False
+    assert P.load(V1).placement.shard_persistent_states is False  # v1 → v2 → v3
+
+
+def test_v2_to_v3_is_pure_and_keeps_the_rest():
+    doc = json.loads(V2.read_bytes())
+    doc["training"]["world_size"] = 4  # a v2 plan for 4 ranks ran replicated too
+    before = json.dumps(doc)
+    out = M.v2_to_v3(doc)
+    assert json.dumps(doc) == before  # the input is not touched
+    assert out["placement"] == {**doc["placement"], "shard_persistent_states": False}
+    assert {k: v for k, v in out.items() if k != "placement"} == {k: v for k, v in doc.items() if k != "placement"}
+
+
+def test_v2_file_with_a_v3_field_is_refused():
+    doc = json.loads(V2.read_bytes())
+    doc["placement"]["shard_persistent_states"] = True
+    msg = _load_err(doc)
+    assert "$.placement.shard_persistent_states" in msg and "schema 2" in msg
+    doc["placement"] = "persistent"  # malformed: left to the strict decode
+    assert "$.placement" in _load_err(doc)
+
+
+def test_sharded_persistent_states_need_several_ranks():
+    doc = _doc()
+    assert doc["training"]["world_size"] == 1 and doc["placement"]["shard_persistent_states"] is False
+    doc["placement"]["shard_persistent_states"] = True
+    msg = _load_err(doc)
+    assert "$.placement.shard_persistent_states" in msg and "one rank" in msg
+    del doc["placement"]["shard_persistent_states"]
+    assert "shard_persistent_states" in _load_err(doc)  # required: a plan says which
+    doc["placement"]["shard_persistent_states"] = True
+    doc["training"]["world_size"] = 2
+    assert P.load(json.dumps(doc).encode()).placement.shard_persistent_states
 
 
 def test_cpu_adam_is_required_and_closed():
