@@ -20,7 +20,17 @@ The model, op by op (``_OpCounter``):
   operands and ``matmul_fp32_flops_per_s`` for fp32 ones (the op's first floating
   input decides). Per op, not per segment: a layer norm is memory-bound even in a
   segment whose matmuls are compute-bound, and a per-segment roofline would hide it.
-  Ops that launch no kernel (views, ``detach``, ``empty``) cost nothing.
+  Ops that launch no kernel (views, ``detach``, ``empty``) cost nothing, except in
+  forward on a ``cpu`` spec (below).
+- **CPU forward, eager**: on a ``cpu`` spec the host runs the model's Python and
+  the dispatcher in line with the kernels, so in forward an op that launches no kernel
+  costs ``CPU_FORWARD_FREE_OP_US``, and every saved tensor ``CPU_SAVED_TENSOR_US``
+  for the executor's ledger hook. Neither is charged in backward, which runs in the
+  autograd engine's C++ (backward times land within 25% without). Not modelled, so a
+  CPU forward still comes out short (tests/test_moe.py says by how much): kernels that
+  miss the roofline on a CPU at small sizes (flash SDPA at head size 16, softmax and
+  top-k over a few experts, row gathers, the grouped GEMM at a few dozen rows per
+  expert) and extra Python in transformers' MoE code.
 - **Segments in backward**: identity autograd Functions on each block's input and
   output, as the executor's ``_Boundary`` (see [Note: segment boundaries] in
   executor/schedule.py). Gradient buffers are preset on the parameters, so each
@@ -109,6 +119,26 @@ KERNEL_OVERHEAD_US = 5.0
 """Fixed cost added to every op that launches a kernel: launch latency plus the tail of a
 small kernel that never reaches the roofline (a few µs on current GPUs)."""
 
+CPU_FORWARD_FREE_OP_US = 5.0
+"""On a ``cpu`` spec, in forward: what an op that launches no kernel (a view, ``t``,
+``_unsafe_view``, ``empty``) costs, with the model's Python between ops folded in. A GPU
+hides that host time behind the kernels it queues; a CPU runs it in line. Measured as
+(forward time − 5 µs per kernel op) / ops without a kernel, at B=1, T=1 where kernels
+cost next to nothing, one thread, the thread's CPU clock: transformers' tiny Llama
+5.3 µs (91 kernel ops, 98 without), the zoo's gpt2-tiny 3.7, llama-tiny 1.9; a bare
+``x.view(...)`` in a Python loop is 1.0 µs, the rest is the Python around it. We take
+transformers' figure rounded down, the heavier code. Backward runs in the autograd engine's C++ with
+no Python between ops, and is not charged."""
+
+CPU_SAVED_TENSOR_US = 5.5
+"""On a ``cpu`` spec, in forward: the executor's ledger hook per saved tensor (a Python
+``saved_tensors_hooks`` pack that counts the storage and detaches it; on CPU the ledger
+always counts, ``executor/activations.py``). Parameters pass through the hook too.
+Measured with ``Engine.step`` on transformers' tiny Mistral and Mixtral (B=4, T=64, one
+thread, the thread's CPU clock), the forward with counting on less off, over the pack
+calls (89 and 111): 5.7 and 5.6 µs; 5.3 and 4.6 in a second run with the other core
+busy."""
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _aten = torch.ops.aten
@@ -132,8 +162,12 @@ class PhaseCount:
     """Bytes read and written by the ops that launch kernels."""
     kernels: int = 0
     """Ops that launch a kernel (each costs ``KERNEL_OVERHEAD_US``)."""
+    free_ops: int = 0
+    """Ops without a kernel charged ``CPU_FORWARD_FREE_OP_US`` (cpu spec, forward only)."""
+    saved_tensors: int = 0
+    """Pack-hook calls charged ``CPU_SAVED_TENSOR_US`` (cpu spec, forward only)."""
     time_s: float = 0.0
-    """Sum over ops of the per-op roofline time plus overhead."""
+    """Sum over ops of the per-op roofline time plus overhead (plus, cpu spec forward, the eager costs)."""
     peak_bytes: int = 0
     """Transient peak above the larger of the live bytes at begin and end."""
 
@@ -174,6 +208,11 @@ class _OpCounter(TorchDispatchMode):
         # Running phase ("fwd"/"bwd") and segment; moved by begin().
         self.phase, self.segment = "fwd", PRE
         self.counts = {s: SegmentCount(s) for s in segments}
+        # A cpu spec's forward charges the host's eager costs (CPU_FORWARD_FREE_OP_US,
+        # CPU_SAVED_TENSOR_US); muted while our own pack hook detaches a saved tensor,
+        # whose cost is in CPU_SAVED_TENSOR_US.
+        self.cpu = spec.kind == "cpu"
+        self.muted = False
         # Simulated allocator: storage key (_cdata) → weakref that un-counts it on death.
         self.external = external  # parameters, gradient buffers, token ids: never counted
         self.tracked: dict[int, weakref.ref] = {}
@@ -206,7 +245,18 @@ class _OpCounter(TorchDispatchMode):
             self._track(t)
         if not self._free(func, args, kwargs, outs):
             self._charge(func, args, kwargs, out, outs)
+        elif self.cpu and self.phase == "fwd" and not self.muted:
+            c = self._phase_count()
+            c.free_ops += 1
+            c.time_s += CPU_FORWARD_FREE_OP_US * 1e-6
         return out
+
+    def saved(self) -> None:
+        """A tensor saved for backward: on a cpu spec the executor's ledger hook runs for it."""
+        if self.cpu and self.phase == "fwd":
+            c = self._phase_count()
+            c.saved_tensors += 1
+            c.time_s += CPU_SAVED_TENSOR_US * 1e-6
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -361,6 +411,7 @@ def count_segments(
     moved: set[tuple[str, int]] = set()  # (segment, saved storage) counted in saved_tensor_bytes
 
     def pack(t: torch.Tensor):
+        counter.saved()
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in param_storages:
@@ -371,7 +422,11 @@ def count_segments(
             if key not in owner:
                 owner[key] = counter.segment
                 seg.saved_bytes += storage.nbytes()
-        return t.detach()  # not t: a saved output must not point back at its grad_fn
+        counter.muted = True  # the executor's hook detaches too: in CPU_SAVED_TENSOR_US
+        try:
+            return t.detach()  # not t: a saved output must not point back at its grad_fn
+        finally:
+            counter.muted = False
 
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t

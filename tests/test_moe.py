@@ -396,10 +396,10 @@ def test_moe_over_dense_backward_against_a_probed_cpu_spec(probed_block_us):
     # The MoE block over its dense twin, analytic against measured: what the MoE charge
     # adds to a dense block, with the errors both share cancelling. Charging all eight
     # experts would make the analytic ratio ~2.6. Measured 1.21-1.24 analytic against
-    # 1.17-1.32. The forward's ratio is printed, not asserted: 1.15-1.19 analytic against
-    # 1.35-1.54 measured (0.77-0.85), inside 25% by as little as 2%, because the MoE's own
-    # forward costs on a CPU (routing ops per row, more saved tensors for the ledger's
-    # hook) are under-charged; the test below says by how much and why.
+    # 1.17-1.32. The forward's ratio is printed, not asserted: 1.17-1.18 analytic against
+    # 1.38-1.67 measured, because the MoE's own forward costs on a CPU (routing kernels
+    # per row, the grouped GEMM, transformers' MoE Python) are under-charged; the MoE
+    # forward test below says by how much and why.
     _, times = probed_block_us
     ratio_a = times["moe"][0][1] / times["dense"][0][1]
     ratio_m = times["moe"][1][1] / times["dense"][1][1]
@@ -407,18 +407,29 @@ def test_moe_over_dense_backward_against_a_probed_cpu_spec(probed_block_us):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the CPU forward's per-op costs are not in analytic.py's model: views (free there, ~4 us "
-    "each here), the CPU ledger's pack hook per saved tensor (~5 us), routing ops that run "
-    "per row (softmax/topk over 8 experts, sort, gathers), CPU flash SDPA at head size 16; "
-    "measured 0.45-0.53x (MoE), 0.58-0.68x (dense). See the comment in the test"))
+def test_dense_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
+    # Absolute, within 25%, the dense twin: the forward on a cpu spec charges the host's
+    # eager costs, ops without a kernel (views, metadata: CPU_FORWARD_FREE_OP_US) and the
+    # ledger's pack hook per saved tensor (CPU_SAVED_TENSOR_US), both measured apart from
+    # this test (see their docstrings in planner/analytic.py). Before them 0.58-0.68x;
+    # with them 0.86-0.98x in seven runs on a quiet box (probes of 81-97 GFLOP/s), 0.72-0.83x
+    # with another of our processes on the second core (the backward test fails there too).
+    _, times = probed_block_us
+    (a, _), (m, _) = times["dense"]
+    assert abs(a / m - 1) <= 0.25, (a, m)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "the MoE block's CPU forward costs more than analytic.py's per-op model charges: routing "
+    "kernels that run per row (softmax/top-k over 8 experts, sort, histc, row gathers), the "
+    "grouped GEMM below the matmul rate, extra Python in transformers' MoE path; measured "
+    "0.68-0.77x. Not strict: it straddles the bound. See the comment in the test"))
 def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
-    # Where the forward's gap comes from, per block of the tiny models at B=4, T=64, one
-    # thread, CPU clock, a probe of 90 GFLOP/s (dense / MoE, us; ops timed one by one
-    # under a dispatch mode on the bare layer; the executor's share is measure() less the
-    # bare layer, 60-175 / 280-290 over two runs):
-    #   measured 1165 / 1837, analytic 757 / 894
-    #   view and metadata ops, which analytic.py charges nothing:   +162 / +175 (41 / 43 ops)
+    # Where the MoE forward's gap comes from, per block at B=4, T=64, one thread, CPU clock.
+    # The first diagnostic (a probe of 90 GFLOP/s, ops timed one by one under a dispatch
+    # mode on the bare layer; dense / MoE, us): measured 1165 / 1837, analytic 757 / 894:
+    #   view and metadata ops, which analytic.py charged nothing:   +162 / +175 (41 / 43 ops)
     #   the executor: the CPU ledger's Python pack hook per saved
     #   tensor (on CPU always; 38 / 49 per block), segment events:    +59 / +288
     #   transformers' Python between the ops:                         +89 / +120
@@ -428,15 +439,21 @@ def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
     #   per-row cost, charged as bytes + 5 us):                          0 / +183
     #   matmuls (grouped_mm at 64 rows per expert: ~0.85x of mm):      +15 / +96
     #   other elementwise (charged at DRAM bandwidth, run in cache):    -7 / -10
-    # Backward has the same kinds of error but runs in the autograd engine's C++ (no
-    # Python per op, no pack hooks), and there the elementwise over-charge cancels the
-    # rest. Only the routing ops and the grouped GEMM's efficiency are the MoE's own, and
-    # moe.py cannot charge per-row or per-op CPU costs: analytic.py prices every op (issue
-    # 20). Strict: when analytic.py learns CPU per-op costs this passes and the marker goes.
+    # The first three rows are now charged on a cpu spec (CPU_FORWARD_FREE_OP_US per op
+    # without a kernel, 44 / 49 per block, the Python between ops folded in;
+    # CPU_SAVED_TENSOR_US per pack, 38 / 49), which
+    # brings the dense twin within 25% (test above) but not the MoE block: 0.68-0.77x in
+    # seven quiet runs (0.45-0.53x before; 0.58x with the second core busy).
+    # What is left is the MoE's own: the routing kernels and the grouped GEMM miss the
+    # roofline on a CPU (isolated, one thread: softmax over (256, 8) 38 us, charged 5;
+    # grouped_mm 0.87x of bmm; in the model, with cold caches, worse), and transformers'
+    # MoE path runs Python the per-op cost does not cover (at B=1, T=1, where kernels
+    # are free, the tiny Mixtral's forward is ~160 us per MoE block above 5 us an op;
+    # the dense twin's ~25 us). Charging those would mean per-kernel CPU efficiencies
+    # fitted to this block; the backward (C++, within 25%) does not need them.
     _, times = probed_block_us
-    for name in ("moe", "dense"):
-        (a, _), (m, _) = times[name]
-        assert abs(a / m - 1) <= 0.25, (name, a, m)
+    (a, _), (m, _) = times["moe"]
+    assert abs(a / m - 1) <= 0.25, (a, m)
 
 
 # ---------------------------------------------------------------------------- fit for one model
