@@ -355,6 +355,7 @@ class Engine:
             grad_norm = total.item()
             if self.scaler.enabled and not torch.isfinite(total).item():
                 self.scaler.update(overflow=True)
+                self.optim.discard_home_grads()
                 return grad_norm, True  # skip: no master changes; grads are zeroed next step
             self.scaler.update(overflow=False)
             if self.config.max_grad_norm is not None:

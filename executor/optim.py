@@ -430,6 +430,13 @@ class ChunkOptimizer:
         if self.master[cid] is not c.home:
             c.home.copy_(self.master[cid])
 
+    def discard_home_grads(self) -> None:
+        """A skipped step (fp16 overflow): the homes that hold gradients get their weights back
+        from the master, so the next fetch uploads the unchanged model. Call after ``wait_all``."""
+        for cid in sorted(self.in_home):
+            self.store.chunks[cid].home.copy_(self.master[cid])
+        self.in_home.clear()
+
     def wait_all(self) -> None:
         """Wait for every chunk's queued host work (re-raising the first error)."""
         for c in self.store.chunks:
