@@ -34,8 +34,11 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   trainable, moments (8 B) and an fp32 master (4 B, 16-bit compute only). With
   16-bit compute and no accumulation the gradients land in the home (14 B in all);
   otherwise an fp32 gradient accumulator (4 B) and, with ``grad_accum > 1``, a
-  compute-dtype staging buffer for the later micro-batches. Gradients in the home are
-  stepped from an fp32 copy, one chunk at a time (``scratch_bytes``).
+  compute-dtype staging buffer for the later micro-batches. A *homeless* chunk
+  (``placement.homeless``) has no home (12 B in all): its uploads and gradients pass
+  through the plan's ``n_host_slots`` pinned slots of one shard each. Gradients in a
+  home or a slot are stepped through an fp32 scratch of ``STEP_PIECE`` elements, one
+  piece at a time (``scratch_bytes``): bounded by the executor, not by the model.
   Swapped activations: every swapped block's ``swapped`` bytes at the turn from
   forward to backward.
 
@@ -73,17 +76,22 @@ def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
     """Per-element bytes of a trainable chunk's states (see the module docstring)."""
     cb = DTYPE_BYTES[compute_dtype]
     master = 4 if cb != 4 else 0
-    if cb != 4 and grad_accum == 1:  # gradients land in the home (optim.py [Note: gradients land in home])
-        grads = 0
-    else:  # an fp32 accumulator, and a staging buffer for the micro-batches after the first
-        grads = 4 + (cb if grad_accum > 1 else 0)
+    # 16-bit without accumulation: the gradients land in the home (optim.py [Note: gradients
+    # land in home]); else an fp32 accumulator, and staging for the micro-batches after the first
+    grads = 0 if cb != 4 and grad_accum == 1 else 4 + (cb if grad_accum > 1 else 0)
     return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + master + grads)
 
 
-def scratch_bytes(compute_dtype: str, grad_accum: int = 1) -> int:
-    """Per element of one chunk's shard: the CPU step's fp32 copy of gradients that landed in
-    the home (optim.py [Note: gradients land in home]); one chunk at a time (one worker)."""
-    return 4 if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
+STEP_PIECE = 1 << 20
+"""fp32 elements of 16-bit gradients (in a home or a slot) the CPU step reads at once (a
+multiple of optim.VEC_ALIGN; optim.py ``_adamw_pieces``)."""
+
+
+def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
+    """The CPU step's fp32 scratch, through which it reads 16-bit gradients that landed in a
+    home or a slot (optim.py ``_adamw_pieces``): one ``STEP_PIECE``, or a shard if smaller.
+    Present when some trainable chunk is offloaded; one chunk at a time (one worker)."""
+    return 4 * min(shard, STEP_PIECE) if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ class Event:
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
     kind: str  # device: chunks, buffers, grads, optim (model states); activations (held),
     # swapped_in, swap_out (in flight to the host), recompute, transient;
-    # "buffers": chunks; host: home, optim, swap; "step" (0 bytes) marks each step's start
+    # "buffers": chunks; host: home, optim, scratch, slots, swap; "step" (0 bytes) marks each step's start
     nbytes: int
     chunk: int = -1
     block: str = ""
@@ -151,12 +159,15 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev("wrap", "", "device", "grads", chunk_bytes, c)
             ev("wrap", "", "device", "optim", own * (eb.persistent - 2 * eb.compute), c)
     ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
+    homeless = set(plan.placement.homeless)
     for c in plan.placement.offloaded:
-        ev("wrap", "", "host", "home", shard * eb.compute, c)
+        if c not in homeless:
+            ev("wrap", "", "host", "home", shard * eb.compute, c)
         if train[c]:
             ev("wrap", "", "host", "optim", shard * (eb.host - eb.compute), c)
     if any(train[c] for c in plan.placement.offloaded):
-        ev("wrap", "", "host", "scratch", shard * scratch_bytes(t.compute_dtype, t.grad_accum))
+        ev("wrap", "", "host", "scratch", scratch_bytes(t.compute_dtype, t.grad_accum, shard))
+    ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
 
     def act(i: int, field: str) -> int:
         return int(getattr(acts, field)[i]) if acts is not None else 0

@@ -101,10 +101,8 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
     if not problems and model_fingerprint(model, plan.model.blocks) != plan.model.fingerprint:
         problems.append("fingerprint differs although every parameter matches (the plan was edited)")
     if problems:
-        raise FingerprintError(
-            f"{where} was made for another model ({plan.model.name}, {len(planned)} parameters; "
-            f"this model has {len(live)}):\n  " + "\n  ".join(problems),
-            f"make a plan for this model: `protrain plan --model {run_name} …`" if run_name else
-            "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
-            f"or run the plan's model, {plan.model.name}",
-        )
+        raise FingerprintError(f"{where} was made for another model ({plan.model.name}, {len(planned)} parameters; "
+                               f"this model has {len(live)}):\n  " + "\n  ".join(problems),
+                               f"make a plan for this model: `protrain plan --model {run_name} …`" if run_name else
+                               "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
+                               f"or run the plan's model, {plan.model.name}")

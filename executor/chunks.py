@@ -35,15 +35,18 @@ the chunk's buffers under it (they are flat); it just never steps.
 
 from __future__ import annotations
 
+import collections
 import enum
 from concurrent.futures import Future
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from .accounting import pool_slots
 from .memory import Ledger
 from .plan import Plan
+from .errors import ConfigError
 from .transfer import CopyEngine, CopyHandle, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,13 +74,13 @@ class Chunk:
         self.persistent = persistent
         self.numel = numel
         self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
-        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * dtype.itemsize
         # Parameters' values; params' .data are views. 1D (numel,), device, compute dtype.
         self.dev = torch.zeros(numel, dtype=dtype, device=device)
         # Gradients; params' .grad are views. 1D (numel,), device, compute dtype.
         self.dev_grad = torch.zeros(numel, dtype=dtype, device=device)
-        # Offloaded chunks only: this rank's shard of the values between fetches.
-        # 1D (shard_numel,), host (pinned on CUDA), compute dtype.
+        # Offloaded chunks only, unless homeless ([Note: host slots]): this rank's
+        # shard of the values between fetches. 1D (shard_numel,), host (pinned on CUDA), compute dtype.
         self.home: torch.Tensor | None = None
         # 16-bit compute only, between wrap and the optimizer's construction: the fp32
         # values of the user's parameters (the masters start from these, not from the
@@ -130,17 +133,24 @@ class ChunkStore:
         # in transfer.py): its home (compute dtype) and, unless its gradients land in the
         # home (optim.py [Note: gradients land in home]), an fp32 gradient accumulator (the
         # download's target) and, with grad_accum > 1, a compute-dtype staging buffer for
-        # the micro-batches that cannot land in the accumulator directly.
+        # the micro-batches that cannot land in the accumulator directly. Homeless chunks have
+        # no home, and the plan's host slots are carved from it too ([Note: host slots]).
         self.grad_in_home = not fp32 and plan.training.grad_accum == 1
         self.staged = plan.training.grad_accum > 1
+        self.homeless = set(plan.placement.homeless)
+        n_slots = plan.placement.n_host_slots
         home = HostArena.span(shard_numel, self.dtype)
         grads = 0 if self.grad_in_home else (HostArena.span(shard_numel, self.dtype) * self.staged
                                              + HostArena.span(shard_numel, torch.float32))
-        self.arena = HostArena(sum(home + grads * any(params[p.name].requires_grad for p in spec.params)
-                                   for spec in plan.chunks.items if spec.id not in persistent),
-                               pin=copies.cuda)
+        self.arena = HostArena(sum(home * (spec.id not in self.homeless)
+                                   + grads * any(params[p.name].requires_grad for p in spec.params)
+                                   for spec in plan.chunks.items if spec.id not in persistent)
+                               + n_slots * home, pin=copies.cuda)
+        # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
+        # chunk's fetch rounds its values from there; write_back writes into them.
+        self.masters: dict[int, torch.Tensor] = {}
         self.chunks: list[Chunk] = []
-        chunk_bytes = shard_numel * comm.world * self.element_bytes(self.dtype)
+        chunk_bytes = shard_numel * comm.world * self.dtype.itemsize
         copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
         try:
             for spec in plan.chunks.items:
@@ -148,9 +158,10 @@ class ChunkStore:
         except BaseException:
             self.arena.close()  # a failed wrap must not leave host memory pinned
             raise
-        # The optimizer's hook for a parameter written in place under 16-bit compute (its
-        # fp32 master follows): (chunk id, offset, numel) -> None. Set by ChunkOptimizer.
-        self.write_master = None
+        # The host slots (see [Note: host slots]), free for a next use once guard() returns:
+        # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute dtype.
+        self.slots = collections.deque((self.arena.take(shard_numel, self.dtype), None) for _ in range(n_slots))
+        self.ledger.host_alloc(n_slots * shard_numel * self.dtype.itemsize)
         self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
         self._refresh_live()
 
@@ -195,19 +206,19 @@ class ChunkStore:
                     self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
                     c.grad_live = False
                 return c
-            c.home = self.arena.take(shard_numel, self.dtype)
-            c.home.copy_(image[c.shard])
             if not fp32 and c.trainable:
                 c.master_init = image[c.shard].clone()
-        self.ledger.host_alloc(c.home.numel() * c.home.element_size())
+            if c.id not in self.homeless:
+                c.home = self.arena.take(shard_numel, self.dtype)
+                c.home.copy_(image[c.shard])
+                self.ledger.host_alloc(c.home.numel() * c.home.element_size())
+            elif not c.trainable:  # its master would be its only copy, and frozen chunks have none
+                raise ConfigError(f"chunk {c.id} is homeless (placement.homeless) but its parameters are frozen",
+                                  "make the plan for the model with its parameters frozen as they are now")
         self.copies.resize(c.dev, 0, f"chunk {c.id}")
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
         c.residency, c.grad_live = Residency.RELEASED, False
         return c
-
-    @staticmethod
-    def element_bytes(dtype: torch.dtype) -> int:
-        return torch.empty((), dtype=dtype).element_size()
 
     def storage_bytes(self, cid: int) -> int:
         """Bytes of device storage the chunk's parameters hold now (0 when released)."""
@@ -242,11 +253,37 @@ class ChunkStore:
         self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
-        c.upload = self.copies.upload(c.dev[c.shard], c.home,
+        src = c.home
+        if src is None:  # homeless: the master rounded into a slot ([Note: host slots])
+            src = self.take_slot()
+            with record_function("protrain::round_master"):
+                src.copy_(self.masters[cid])
+        c.upload = self.copies.upload(c.dev[c.shard], src,
                                       gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
                                       if self.comm.world > 1 else None)
+        if c.home is None:
+            self.slots.append((src, c.upload.synchronize))
         c.last_upload = c.upload
         c.residency = Residency.RESIDENT
+
+    def take_slot(self) -> torch.Tensor:
+        """A host slot, once its last use is over.
+
+        [Note: host slots] A homeless chunk (``placement.homeless``) keeps no compute-dtype
+        home: its fp32 master is its only host copy (12 B per element with the moments).
+        A fetch rounds the master into a slot and uploads from it; an offload downloads the
+        gradients into a slot and the CPU step reads them from there. A slot goes back to
+        ``slots`` as soon as its use is *issued*, with a guard: the host waits for it before
+        the slot's next use writes it (the upload's event, or the CPU step that reads the
+        gradients), so a slot is never overwritten under an upload still reading it or a step
+        still reading gradients. ``placement.n_host_slots`` slots, whatever the model: too
+        few only make the host wait for a copy or a step sooner (both always complete:
+        neither waits for the main thread).
+        """
+        slot, guard = self.slots.popleft()
+        if guard is not None:
+            guard()
+        return slot
 
     def wait(self, cid: int) -> None:
         """Make compute wait until the chunk's upload has landed."""
@@ -286,14 +323,13 @@ class ChunkStore:
             if p._version == c.versions[i]:
                 continue
             c.versions[i] = p._version
+            lo, hi = (c.shard.start, c.shard.stop) if c.sharded else (0, c.numel)  # home and master
+            a, b = max(off, lo), min(off + n, hi)  # the parameter's piece on this rank
             with torch.no_grad():
-                if not c.persistent:
-                    lo, hi = c.shard.start, c.shard.stop
-                    a, b = max(off, lo), min(off + n, hi)
-                    if a < b:
-                        c.home[a - lo: b - lo].copy_(c.dev[a:b])
-            if self.dtype != torch.float32 and self.write_master is not None:
-                self.write_master(cid, off, n)
+                if a < b and c.home is not None:
+                    c.home[a - lo: b - lo].copy_(c.dev[a:b])
+                if a < b and self.dtype != torch.float32:  # (fp32: the chunk or home is the master)
+                    self.masters[cid][a - lo: b - lo].copy_(c.dev[a:b])
 
     def begin_step(self) -> None:
         """A new optimizer step: zero persistent gradients, forget who had a gradient."""

@@ -68,11 +68,9 @@ class Comm:
         if self.world != plan_world_size:
             where = (f"torch.distributed has {self.world} ranks" if self.active
                      else "torch.distributed is not initialised (one rank)")
-            raise PlanError(
-                f"plan is for world size {plan_world_size} but {where}",
-                f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
-                f"`protrain plan --world-size {self.world} …`",
-            )
+            raise PlanError(f"plan is for world size {plan_world_size} but {where}",
+                            f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
+                            f"`protrain plan --world-size {self.world} …`")
         self._all_gather = _op("all_gather")
         self._reduce_scatter = _op("reduce_scatter")
         # Runs each collective call: directly, or (the asynchronous CPU emulation) on the
@@ -92,11 +90,9 @@ class Comm:
         except torch.OutOfMemoryError:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
-            raise RankFailure(
-                f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
-                "another rank probably died or the process group timed out",
-                "look at the other ranks' logs; resume from the last checkpoint",
-            ) from None
+            raise RankFailure(f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
+                              "another rank probably died or the process group timed out",
+                              "look at the other ranks' logs; resume from the last checkpoint") from None
 
     def all_gather(self, full: torch.Tensor, what: str) -> None:
         """Fill ``full`` (W shards) from every rank's own shard, in place."""
@@ -109,6 +105,13 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, what: str) -> None:
         self._run(f"all-reduce of {what}", dist.all_reduce, t)
+
+    def mean(self, t: torch.Tensor, what: str) -> float:
+        """The mean over the ranks of the scalar ``t`` (left unchanged), on every rank."""
+        if self.world > 1:
+            t = t.clone()
+            self.all_reduce(t, what)
+        return (t / self.world).item()
 
     def barrier(self, what: str) -> None:
         if self.world > 1:

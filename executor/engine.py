@@ -182,11 +182,9 @@ class Engine:
         for i, (x, y) in enumerate(batches):
             for what, tensor in (("idx", x), ("targets", y)):
                 if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
-                    raise ConfigError(
-                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
-                        f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
-                        "batch the data as the plan says, or make a plan for this shape with `protrain plan`",
-                    )
+                    raise ConfigError(f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
+                                      f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
+                                      "batch the data as the plan says, or make a plan for this shape with `protrain plan`")
 
     def step(self, batch: Batch | Sequence[Batch]) -> StepResult:
         """One optimizer step over the plan's ``grad_accum`` micro-batches.
@@ -240,11 +238,7 @@ class Engine:
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
         loss_t = torch.stack(losses).float().mean() if k > 1 else losses[0].float()
-        if self.comm.world > 1:  # report the global batch's loss on every rank
-            loss_t = loss_t.clone()
-            self.comm.all_reduce(loss_t, "the loss")
-            loss_t /= self.comm.world
-        loss_value = loss_t.item()
+        loss_value = self.comm.mean(loss_t, "the loss")  # the global batch's, on every rank
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
@@ -280,12 +274,7 @@ class Engine:
             for cid in sorted(self.store.resident_offloaded()):
                 self.store.release(cid)  # waits for a prefetch still in flight
                 self.events.emit("release", "mark", chunk=cid)
-        loss_t = loss.detach().float()
-        if self.comm.world > 1:
-            loss_t = loss_t.clone()
-            self.comm.all_reduce(loss_t, "the evaluation loss")
-            loss_t /= self.comm.world
-        return loss_t.item()
+        return self.comm.mean(loss.detach().float(), "the evaluation loss")
 
     def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
         """Stop before a NaN/inf loss reaches backward and the optimizer.
@@ -444,8 +433,8 @@ class Engine:
                         self.optim.steps[c.id][i].fill_(float(state[nm]["step"]))
                         self.optim.counts[c.id][i] = int(float(state[nm]["step"]))
                 # Compute-dtype copies follow the masters (a persistent chunk's whole values).
-                target = c.dev if c.persistent else c.home
-                if target is not master:
+                target = c.dev if c.persistent else c.home  # None: homeless, the master alone
+                if target is not None and target is not master:
                     target.copy_((values if c.persistent else master).to(dtype))
 
     # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)

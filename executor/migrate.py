@@ -21,6 +21,26 @@ from .errors import PlanError
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int) -> dict[str, Any]:
+    """``doc`` with ``fields`` added to its ``section``: pure (the caller's dicts stay as they
+    were), and touching only what it adds. A malformed or missing section is left for the
+    strict decode to report; a field already there is refused, because the old version's
+    binding sections forbid unknown fields and a migration must not make an invalid old
+    file valid by accident."""
+    doc = dict(doc)
+    body = doc.get(section)
+    if not isinstance(body, dict):
+        return doc
+    for key in fields:
+        if key in body:
+            raise PlanError(f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
+                            f"- at `$.{section}.{key}`",
+                            f"set `schema_version` to {version + 1} if the file was written for it, or "
+                            "regenerate the plan with `protrain plan`")
+    doc[section] = {**body, **fields}
+    return doc
+
+
 def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     """Add ``schedule.cpu_adam``: what the v1 executor did for this plan without clipping.
 
@@ -32,40 +52,25 @@ def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     a plan is refused by the executor with the fix (replan with ``--max-grad-norm``),
     so nothing here guesses the user's clipping.
     """
-    doc = dict(doc)  # pure: the caller's dict (and its nested ones) stay as they were
-    schedule = doc.get("schedule")
-    if not isinstance(schedule, dict):
-        return doc  # the strict decode reports the missing or malformed section
-    if "cpu_adam" in schedule:
-        # v1 binding sections forbid unknown fields: do not let a migration make an
-        # invalid v1 file valid by accident.
-        raise PlanError("plan schema 1 has no `schedule.cpu_adam` (added in schema 2) - at `$.schedule.cpu_adam`",
-                        "set `schema_version` to 2 if the file was written for it, or regenerate the plan "
-                        "with `protrain plan`")
     training = doc.get("training")
     dtype = training.get("compute_dtype") if isinstance(training, dict) else None
-    doc["schedule"] = {**schedule, "cpu_adam": "after_backward" if dtype == "float16" else "during_backward"}
-    return doc
+    return _add(doc, "schedule", {"cpu_adam": "after_backward" if dtype == "float16" else "during_backward"}, 1)
 
 
 def v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
     """Add ``placement.shard_persistent_states = false``: the v2 executor replicated every
     persistent chunk's master and moments on every rank, whatever the world size, so
     that is what a v2 plan was made (and predicted) for."""
-    doc = dict(doc)  # pure, as v1_to_v2
-    placement = doc.get("placement")
-    if not isinstance(placement, dict):
-        return doc  # the strict decode reports the missing or malformed section
-    if "shard_persistent_states" in placement:  # as in v1_to_v2: no accidental validity
-        raise PlanError("plan schema 2 has no `placement.shard_persistent_states` (added in schema 3) - "
-                        "at `$.placement.shard_persistent_states`",
-                        "set `schema_version` to 3 if the file was written for it, or regenerate the plan "
-                        "with `protrain plan`")
-    doc["placement"] = {**placement, "shard_persistent_states": False}
-    return doc
+    return _add(doc, "placement", {"shard_persistent_states": False}, 2)
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3}
+def v3_to_v4(doc: dict[str, Any]) -> dict[str, Any]:
+    """Add ``placement.homeless = []`` and ``placement.n_host_slots = 0``: the v3 executor
+    kept every offloaded chunk's home on the host."""
+    return _add(doc, "placement", {"homeless": [], "n_host_slots": 0}, 3)
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 
@@ -77,10 +82,8 @@ def migrate(doc: dict[str, Any], version: int, target: int | None = None) -> dic
     for v in range(version, target):
         step = MIGRATIONS.get(v)
         if step is None:
-            raise PlanError(
-                f"no migration from plan schema {v} to {v + 1}",
-                "regenerate the plan with `protrain plan`",
-            )
+            raise PlanError(f"no migration from plan schema {v} to {v + 1}",
+                            "regenerate the plan with `protrain plan`")
         doc = step(doc)
         doc["schema_version"] = v + 1
     return doc

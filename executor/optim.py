@@ -73,14 +73,15 @@ from its last use in backward until its CPU step: its values are the fp32 master
 rounded (an invariant: wrap, every step and every in-place write keep it), and the
 step writes them again. So the gradients land in the home itself, and the chunk has
 no accumulator and no staging buffer: 14 host bytes per element (home 2, master 4,
-moments 8) instead of 20, plus one shard-sized fp32 ``scratch`` for the whole run:
-the step copies the home's gradients into it (one chunk at a time: one worker),
-divided by the world size under ZeRO-3 as the accumulator was, so the arithmetic is
-the accumulator's. A chunk whose gradients did
-not land (never fetched in backward) steps on zeros under ZeRO-3; one that landed
-but has nothing to step gets its home back from the master. Its uploads were all
-waited on by compute before its last backward segment, so the download, ordered
-after compute, never races one.
+moments 8) instead of 20, plus one fp32 ``scratch`` of ``STEP_PIECE`` elements for the
+whole run: the step copies the home's gradients into it a piece at a time (one chunk
+at a time: one worker), divided by the world size under ZeRO-3 as the accumulator
+was, so the arithmetic is the accumulator's (``_adamw_pieces``). A homeless chunk
+(chunks.py [Note: host slots]) is the same with a slot for the home: 12 B. A chunk
+whose gradients did not land (never fetched in backward) steps on zeros under
+ZeRO-3; one that landed but has nothing to step gets its home back from the master.
+Its uploads were all waited on by compute before its last backward segment, so the
+download, ordered after compute, never races one.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.profiler import record_function
 
+from .accounting import STEP_PIECE
 from .chunks import ChunkStore
 
 
@@ -147,7 +149,7 @@ class ChunkOptimizer:
                           weight_decay=config.weight_decay, eps=config.eps, maximize=False)
         # One fp32 master per chunk: 1D (numel,), device for persistent chunks, host for
         # offloaded ones; the chunk's own tensor when the compute dtype is fp32.
-        self.master: dict[int, torch.Tensor] = {}
+        self.master: dict[int, torch.Tensor] = store.masters
         # Adam moments, same shape and place as the master; zero until a parameter's first step.
         self.exp_avg: dict[int, torch.Tensor] = {}
         self.exp_avg_sq: dict[int, torch.Tensor] = {}
@@ -166,9 +168,12 @@ class ChunkOptimizer:
         # Host staging for gradients that cannot land in the accumulator directly (16-bit
         # compute, later micro-batches): 1D (shard_numel,), pinned host, compute dtype.
         self.staging: dict[int, torch.Tensor] = {}
-        # Chunks whose gradients landed in their home this step, and the fp32 buffer the CPU
-        # step reads them through, one chunk at a time ([Note: gradients land in home]).
-        self.in_home: set[int] = set()
+        # Chunks whose gradients landed this step in their home, or for homeless chunks in a
+        # host slot (chunks.py [Note: host slots]), until their CPU step: the 16-bit buffer,
+        # 1D (shard_numel,), pinned host. [Note: gradients land in home]
+        self.landed: dict[int, torch.Tensor] = {}
+        # The fp32 buffer the CPU step reads those gradients through, a piece at a time:
+        # 1D (min(shard_numel, STEP_PIECE),), host; one chunk at a time (one worker).
         self.scratch = torch.empty(0)
         for c in store.chunks:
             if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
@@ -182,7 +187,7 @@ class ChunkOptimizer:
                     m = m[c.shard] if fp32 else m[c.shard].clone()
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
-                n = c.home.numel()
+                n = c.shard.stop - c.shard.start
                 m = c.home if fp32 else c.master_init
                 if not store.grad_in_home:  # [Note: gradients land in home]
                     self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
@@ -195,10 +200,9 @@ class ChunkOptimizer:
                 self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
-                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], *([m] if not fp32 else []),
-                       *([self.cpu_grad[c.id]] if c.id in self.cpu_grad else []),
-                       *([self.staging[c.id]] if c.id in self.staging else [])]
-                nbytes = sum(x.numel() * x.element_size() for x in own)
+                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 else None,
+                       self.cpu_grad.get(c.id), self.staging.get(c.id)]
+                nbytes = sum(x.numel() * x.element_size() for x in own if x is not None)
                 store.ledger.alloc("optim", nbytes) if c.persistent else store.ledger.host_alloc(nbytes)
             self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
             self.counts[c.id] = [0] * len(c.params)
@@ -209,9 +213,9 @@ class ChunkOptimizer:
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
         if store.grad_in_home and any(not c.persistent and c.trainable for c in store.chunks):
-            self.scratch = torch.empty(store.comm.shard_numel(store.chunks[0].numel), dtype=torch.float32)
+            shard = store.comm.shard_numel(store.chunks[0].numel)
+            self.scratch = torch.empty(min(shard, STEP_PIECE), dtype=torch.float32)
             store.ledger.host_alloc(self.scratch.numel() * 4)
-        store.write_master = self._adopt_written
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
 
@@ -222,16 +226,6 @@ class ChunkOptimizer:
         if self.store.comm.world > 1:
             return [i for i, (p, _, _) in enumerate(c.params) if p.requires_grad]
         return sorted(c.has_grad)
-
-    def _adopt_written(self, cid: int, off: int, n: int) -> None:
-        """A parameter was written in place in forward (16-bit compute): its master follows."""
-        c = self.store.chunks[cid]
-        m = self.master[cid]
-        lo = c.shard.start if c.sharded else 0
-        src = c.dev[lo: lo + m.numel()] if c.persistent else c.home  # in master coordinates
-        a, b = max(off, lo), min(off + n, lo + m.numel())
-        if a < b:
-            m[a - lo: b - lo].copy_(src[a - lo: b - lo])
 
     # -- gradients
 
@@ -249,7 +243,7 @@ class ChunkOptimizer:
         home = self.store.grad_in_home
         acc = c.home if home else self.cpu_grad[cid]
         comm = self.store.comm
-        self.in_home.discard(cid)
+        self.landed.pop(cid, None)
         if not c.grad_live:
             # Never fetched in this backward (every parameter unused or frozen): no gradient
             # buffer, so no copy. The accumulator must read zero for the micro-batches after.
@@ -257,6 +251,8 @@ class ChunkOptimizer:
                 previous = c.pending
                 c.pending = self.worker.submit(lambda: (previous and previous.result(), acc.zero_()))
             return
+        if acc is None:  # homeless: the gradients land in a slot (chunks.py [Note: host slots])
+            acc = self.store.take_slot()
         src = c.dev_grad
         if comm.world > 1:
             src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
@@ -271,7 +267,7 @@ class ChunkOptimizer:
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
         divide = comm.world if comm.world > 1 and last_micro_batch and not home else 1
         if home:
-            self.in_home.add(cid)
+            self.landed[cid] = acc
 
         def land() -> None:
             down.synchronize()  # a wait on the copy's event: the only device call here
@@ -346,15 +342,13 @@ class ChunkOptimizer:
         return g
 
     def _host_grad(self, cid: int) -> torch.Tensor:
-        """An offloaded chunk's fp32 gradient on the host: its accumulator, or for gradients in
-        the home their copy in ``scratch``, divided by the world size (zeros when none landed);
-        valid until the next call (one chunk at a time: the worker, or the norm after it)."""
+        """An offloaded chunk's fp32 gradient on the host: its accumulator, or for 16-bit
+        gradients that landed (home or slot) a fresh fp32 copy, divided by the world size
+        (zeros when none landed). For the ZeRO-3 norm; the CPU step reads landed gradients
+        in pieces (``_adamw_pieces``)."""
         if not self.store.grad_in_home:
             return self.cpu_grad[cid]
-        g = self.scratch
-        if cid not in self.in_home:
-            return g.zero_()
-        g.copy_(self.store.chunks[cid].home)
+        g = self.landed[cid].float() if cid in self.landed else torch.zeros(self.master[cid].numel())
         return g.div_(self.store.comm.world) if self.store.comm.world > 1 else g
 
     def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:
@@ -380,6 +374,32 @@ class ChunkOptimizer:
         for i in which:
             counts[i] += 1
 
+    def _adamw_pieces(self, cid: int, which: list[int], grads: torch.Tensor | None,
+                      coef: float | None, inv_scale: float) -> None:
+        """``_adamw`` on 16-bit gradients that landed in the home or a slot (``grads``; None:
+        zeros): they reach the fp32 ``scratch`` one piece at a time, then as ``_grad`` (divided
+        by the world size, unscaled, clipped; per element). A piece starts a multiple of
+        ``STEP_PIECE`` (of ``VEC_ALIGN``) elements into its parameter, so the kernel takes its
+        vector path on the same elements as in one call per parameter ([Note: optimizer
+        placement]): the same arithmetic, bit for bit, with no shard-sized fp32 copy."""
+        m, ea, es, steps = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid], self.steps[cid]
+        spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
+        torch._foreach_add_([steps[i] for i, _ in spans], 1)
+        for i, (lo, hi) in spans:
+            for a in range(lo, hi, STEP_PIECE):
+                b = min(a + STEP_PIECE, hi)
+                g = self.scratch[: b - a]
+                g.copy_(grads[a:b]) if grads is not None else g.zero_()
+                if self.store.comm.world > 1:
+                    g.div_(self.store.comm.world)
+                if inv_scale != 1.0:
+                    g.mul_(inv_scale)
+                if coef is not None:
+                    g.mul_(coef)
+                torch._fused_adamw_([m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper)
+        for i in which:
+            self.counts[cid][i] += 1
+
     def step_device(self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0) -> None:
         """Update a persistent chunk on the device: the whole chunk, or with sharded states
         this rank's shard, then every rank's updated shard into every rank's chunk."""
@@ -403,20 +423,24 @@ class ChunkOptimizer:
         previous = c.pending
         reads_home = c.last_upload
         which = self.stepping(cid)  # now, on this thread: complete once the chunk is offloaded
+        grads = self.landed.pop(cid, None)
 
         def run() -> None:
             if previous is not None:
                 previous.result()  # re-raise the landing's error, if any
-            self._cpu_step(cid, which, coef, inv_scale, reads_home)
+            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads)
 
         c.pending = self.worker.submit(run)
+        if c.home is None and grads is not None:  # the slot is free once this step has read it
+            self.store.slots.append((grads, c.pending.result))
 
     def _cpu_step(self, cid: int, which: list[int], coef: float | None, inv_scale: float,
-                  reads_home=None) -> None:
-        """On the worker: AdamW on the host master, then the new weights into home."""
+                  reads_home=None, grads: torch.Tensor | None = None) -> None:
+        """On the worker: AdamW on the host master, then the new weights into home (if any).
+        ``grads``: where 16-bit gradients landed (home or slot; None: none did)."""
         c = self.store.chunks[cid]
         if not which:
-            if cid in self.in_home:  # the gradients overwrote the home: its values come back
+            if grads is not None and grads is c.home:  # gradients overwrote it: the values come back
                 c.home.copy_(self.master[cid])
             return
         if reads_home is not None:
@@ -425,17 +449,20 @@ class ChunkOptimizer:
             reads_home.synchronize()
         self.store.copies.events.emit("cpu_step", "begin", chunk=cid)  # worker thread
         with record_function("protrain::cpu_adam"):
-            self._adamw(cid, which, self._grad(cid, coef, inv_scale))
+            if self.store.grad_in_home:
+                self._adamw_pieces(cid, which, grads, coef, inv_scale)
+            else:
+                self._adamw(cid, which, self._grad(cid, coef, inv_scale))
         self.store.copies.events.emit("cpu_step", "end", chunk=cid)
-        if self.master[cid] is not c.home:
+        if c.home is not None and self.master[cid] is not c.home:
             c.home.copy_(self.master[cid])
 
     def discard_home_grads(self) -> None:
         """A skipped step (fp16 overflow): the homes that hold gradients get their weights back
         from the master, so the next fetch uploads the unchanged model. Call after ``wait_all``."""
-        for cid in sorted(self.in_home):
+        for cid in sorted(self.landed):  # fp16: no chunk is homeless (validation.py)
             self.store.chunks[cid].home.copy_(self.master[cid])
-        self.in_home.clear()
+        self.landed.clear()
 
     def wait_all(self) -> None:
         """Wait for every chunk's queued host work (re-raising the first error)."""

@@ -36,6 +36,10 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
 - 3: ``placement.shard_persistent_states`` (binding): under ZeRO-3 each rank keeps the
   fp32 master and Adam moments of only its shard of every persistent chunk. The v2
   executor replicated them on every rank; ``migrate.v2_to_v3`` writes ``false``.
+- 4: ``placement.homeless`` and ``placement.n_host_slots`` (binding): offloaded chunks
+  that keep no compute-dtype home on the host (12 B per element instead of 14), and the
+  pinned slots their uploads and gradients pass through. The v3 executor kept every
+  home; ``migrate.v3_to_v4`` writes ``[]`` and ``0``.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -53,7 +57,7 @@ import msgspec
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The version ``dump`` writes."""
 
 MIN_SCHEMA_VERSION = 1
@@ -227,6 +231,16 @@ class Placement(Binding):
     rank); gradients are reduce-scattered instead of all-reduced, each rank steps its
     shard and the updated values are all-gathered. ``false``: replicated on every rank
     (executor/dist.py [Note: sharding])."""
+    homeless: list[NonNegInt] = []
+    """Offloaded chunks that keep no compute-dtype home on the host, ascending: each fetch
+    rounds the fp32 master into a pinned slot and uploads from it, and the gradients land
+    in a slot until the CPU step has read them (executor/chunks.py [Note: host slots]).
+    16-bit compute, ``grad_accum`` 1 and ``schedule.cpu_adam = during_backward`` only (a
+    gradient must not outlive its CPU step); trainable chunks only (the fp32 master is
+    then the only host copy of the values)."""
+    n_host_slots: NonNegInt = 0
+    """Pinned compute-dtype slots of one chunk shard each, shared by the homeless chunks'
+    uploads and gradients; 0 exactly when ``homeless`` is empty."""
 
 
 class Activation(Binding):
@@ -443,43 +457,33 @@ def load(source: str | Path | bytes) -> Plan:
             with open(source, "rb") as f:
                 data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
-            raise PlanError(
-                f"{where}: cannot read the plan file ({e.strerror or e})",
-                "check the path, or make a plan with `protrain plan`",
-            ) from None
+            raise PlanError(f"{where}: cannot read the plan file ({e.strerror or e})",
+                            "check the path, or make a plan with `protrain plan`") from None
     if len(data) > MAX_PLAN_BYTES:
         raise PlanError(f"{where}: larger than {MAX_PLAN_BYTES >> 20} MiB; no plan is that big",
                         "check the path: is this a plan file?")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PlanError(
-            f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file",
-            "regenerate the plan with `protrain plan`",
-        ) from None
+        raise PlanError(f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file",
+                        "regenerate the plan with `protrain plan`") from None
     try:
         header = msgspec.json.decode(data, type=_Header)
     except RecursionError:  # msgspec's guard against deeply nested documents
         raise PlanError(f"{where}: JSON nested too deeply; no plan is",
                         "regenerate the plan with `protrain plan`") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise PlanError(
-            f"{where}: not a protrain plan: {e}",
-            "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`",
-        ) from None
+        raise PlanError(f"{where}: not a protrain plan: {e}",
+                        "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`") from None
     version = header.schema_version
     if version > SCHEMA_VERSION:
-        raise PlanError(
-            f"{where}: plan schema {version} is newer than this protrain reads "
-            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
-            "upgrade protrain, or regenerate the plan with this version's `protrain plan`",
-        )
+        raise PlanError(f"{where}: plan schema {version} is newer than this protrain reads "
+                        f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+                        "upgrade protrain, or regenerate the plan with this version's `protrain plan`")
     if version < MIN_SCHEMA_VERSION:
-        raise PlanError(
-            f"{where}: plan schema {version} is older than this protrain reads "
-            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
-            "regenerate the plan with `protrain plan`",
-        )
+        raise PlanError(f"{where}: plan schema {version} is older than this protrain reads "
+                        f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+                        "regenerate the plan with `protrain plan`")
     if version < SCHEMA_VERSION:
         from .migrate import migrate  # only old files pay for it
 

@@ -104,11 +104,9 @@ def first_tensor(x) -> tuple[torch.Tensor, Callable]:
         return x, lambda t: t
     if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
         return x[0], lambda t: type(x)((t, *x[1:]))
-    raise ConfigError(
-        f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
-        "(or a tuple whose first element is the hidden states)",
-        "choose block paths whose modules map hidden states to hidden states (`--blocks`)",
-    )
+    raise ConfigError(f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
+                      "(or a tuple whose first element is the hidden states)",
+                      "choose block paths whose modules map hidden states to hidden states (`--blocks`)")
 
 
 HIDDEN_STATES = "hidden_states"
@@ -128,11 +126,9 @@ def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torc
         return x, lambda t: (put(t), kwargs)
     if isinstance(kwargs.get(HIDDEN_STATES), torch.Tensor):
         return kwargs[HIDDEN_STATES], lambda t: (args, {**kwargs, HIDDEN_STATES: t})
-    raise ConfigError(
-        f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
-        f"take the hidden states first or as {HIDDEN_STATES}=",
-        "choose block paths whose modules map hidden states to hidden states (`--blocks`)",
-    )
+    raise ConfigError(f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
+                      f"take the hidden states first or as {HIDDEN_STATES}=",
+                      "choose block paths whose modules map hidden states to hidden states (`--blocks`)")
 
 
 class Replayer:

@@ -26,6 +26,8 @@ also catches a missing wait, record or release guard.
   Adam worker, before it accumulates or steps);
 - the CPU Adam worker writes a chunk's home only after the last upload that read
   it has completed (``ChunkOptimizer._cpu_step``).
+- a host slot is written again only after its last use is over: the upload that
+  read it, or the CPU step that read the gradients in it (``ChunkStore.take_slot``).
 
 Every copy is announced to the engine's listeners (``events.py``, [Note: events]):
 ``begin`` once the copy stream waits for what it must, ``end`` once the copy is
@@ -113,11 +115,10 @@ class HostArena:
     @classmethod
     def span(cls, numel: int, dtype: torch.dtype) -> int:
         """Bytes one ``take(numel, dtype)`` uses, alignment included."""
-        size = numel * torch.empty((), dtype=dtype).element_size()
-        return -(-size // cls.ALIGN) * cls.ALIGN
+        return -(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         assert self.offset + size <= self.buffer.numel(), "arena sized smaller than the plan needs"
         t = self.buffer[self.offset: self.offset + size].view(dtype)
         self.offset += self.span(numel, dtype)

@@ -67,10 +67,8 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
             if numel != p.numel:
                 fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {numel}")
             if p.offset + p.numel > cap:
-                fail(
-                    f"{ppath}.offset",
-                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}",
-                )
+                fail(f"{ppath}.offset",
+                     f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}")
             if p.name in owner:
                 fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
             owner[p.name] = ci
@@ -116,6 +114,16 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         fail("$.placement.n_persist", f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent")
     if pl.offloaded and pl.n_buffer < 1:
         fail("$.placement.n_buffer", "offloaded chunks need at least one device buffer")
+    # homeless chunks (chunks.py [Note: host slots]): their gradients live in a slot only
+    # until their CPU step, so nothing may hold the step back, and there must be slots.
+    if pl.homeless != sorted(set(pl.homeless)) or not set(pl.homeless) <= set(pl.offloaded):
+        fail("$.placement.homeless", "must be offloaded chunk ids, ascending and unique")
+    t = plan.training
+    if pl.homeless and (t.compute_dtype == "float32" or t.grad_accum != 1 or plan.schedule.cpu_adam != "during_backward"):
+        fail("$.placement.homeless", "needs 16-bit compute, grad_accum 1 and schedule.cpu_adam "
+             "'during_backward' (fp32 chunks are their own home; accumulated or held gradients need one)")
+    if (pl.n_host_slots > 0) != bool(pl.homeless):
+        fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {len(pl.homeless)} homeless chunks (at least 1 if any, else 0)")
 
     # -- activations
     if [a.block for a in plan.activations] != blocks:

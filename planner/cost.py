@@ -128,7 +128,7 @@ class Terms:
     chunk_params: np.ndarray  # (C,) parameter elements in each chunk
     state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master), replicated
     host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
-    host_scratch_bytes: int  # the CPU step's fp32 gradient copy of one chunk (accounting.scratch_bytes)
+    host_scratch_bytes: int  # the CPU step's fp32 gradient scratch, one piece (accounting.scratch_bytes)
     gpu: bool
     # Per segment, forward order (S = n_blocks + 2).
     comp_fwd: np.ndarray  # (S,) µs
@@ -224,7 +224,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
         chunk_bytes=chunk_bytes, chunk_params=per_chunk,
         state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
-        host_scratch_bytes=shard_bytes // cb * A.scratch_bytes(profile.training.compute_dtype, grad_accum),
+        host_scratch_bytes=A.scratch_bytes(profile.training.compute_dtype, grad_accum, shard_bytes // cb),
         gpu=spec.kind == "gpu",
         comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
         saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),

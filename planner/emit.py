@@ -38,7 +38,7 @@ from protrain.executor.errors import ConfigError
 
 from .graph import ExecutionGraph, trace
 from .layout import assign, groups
-from .rules import ModelFacts, build_schedule, cpu_adam_schedule  # noqa: F401  (emit's API)
+from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # noqa: F401  (emit's API)
 
 
 def generator() -> P.Generator:
@@ -75,7 +75,8 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
              prediction: P.Prediction | None = None,
              provenance: P.Provenance | None = None,
              cpu_adam: P.CpuAdam | None = None,
-             shard_persistent_states: bool | None = None) -> P.Plan:
+             shard_persistent_states: bool | None = None,
+             homeless: Sequence[int] = ()) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
@@ -84,7 +85,8 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     ``cpu_adam_schedule`` of the compute dtype and the request's ``max_grad_norm``;
     ``shard_persistent_states`` to ``world_size > 1`` (sharding persistent chunks'
     optimizer states saves device memory and device Adam time for the same traffic:
-    ``cost.make_terms``).
+    ``cost.make_terms``). ``homeless``: offloaded chunks that keep no home on the host
+    (``placement.homeless``, with ``HOST_SLOTS`` slots).
     """
     blocks = facts.blocks
     if len(policies) != len(blocks):
@@ -145,7 +147,8 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
         placement=P.Placement(n_persist=len(persistent_ids), n_buffer=n_buffer,
                               persistent=persistent_ids, offloaded=offloaded,
                               shard_persistent_states=(training.world_size > 1 if shard_persistent_states is None
-                                                       else shard_persistent_states)),
+                                                       else shard_persistent_states),
+                              homeless=sorted(homeless), n_host_slots=HOST_SLOTS if homeless else 0),
         activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
         schedule=schedule,
         prediction=prediction or P.Prediction(),

@@ -25,6 +25,13 @@ def cpu_adam_schedule(compute_dtype: str, max_grad_norm: float | None = None) ->
     return "after_backward" if max_grad_norm is not None or compute_dtype == "float16" else "during_backward"
 
 
+HOST_SLOTS = 2
+"""``placement.n_host_slots`` of a plan with homeless chunks (executor/transfer.py [Note: host
+slots]): one slot for the upload in flight and one for the gradients waiting for their CPU
+step, so a fetch rarely waits for a step and an offload rarely for an upload. A constant, not a
+function of the model: the pool is what the 12 B layout adds to the host."""
+
+
 def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded: set[int],
                    n_buffer: int, swapped: Sequence[str],
                    cpu_adam: P.CpuAdam = "during_backward") -> P.Schedule:

@@ -5,12 +5,13 @@ as a persistent chunk's, bit for bit."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from harness import make_model, make_plan
 from torch import nn
 
-from protrain.executor import AdamWConfig, accounting, wrap
+from protrain.executor import AdamWConfig, accounting, optim, wrap
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.emit import emit
 from protrain.testing.emulation import emulate
@@ -40,7 +41,11 @@ def _same(a, b):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous):
+def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous, monkeypatch):
+    # Pieces of 3 vectors: every parameter steps in pieces through the scratch (optim.py
+    # _adamw_pieces), unscaled and clipped per piece
+    monkeypatch.setattr(accounting, "STEP_PIECE", 192)
+    monkeypatch.setattr(optim, "STEP_PIECE", 192)
     config = AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
     cpu_adam = "after_backward" if clip else None
     offloaded = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16",
@@ -51,10 +56,10 @@ def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous):
     with emulate(7) if asynchronous else _nothing():
         got = _train(make_model("gpt2-4"), offloaded, config=config)
     _same(got, want)
-    # 14 host bytes per element of every offloaded chunk and one chunk's fp32 scratch, as
-    # accounting.py says and the ledger counted
+    # 14 host bytes per element of every offloaded chunk and the fp32 scratch of one step
+    # piece, as accounting.py says and the ledger counted
     shard = offloaded.chunks.chunk_numel
-    assert got[2] == accounting.walk(offloaded).host_bytes == (len(offloaded.placement.offloaded) * 14 + 4) * shard
+    assert got[2] == accounting.walk(offloaded).host_bytes == len(offloaded.placement.offloaded) * 14 * shard + 4 * 192
 
 
 class _Gate(nn.Module):
@@ -115,3 +120,47 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# -- homeless chunks (placement.homeless; executor/chunks.py [Note: host slots])
+
+
+def _slots(plan, n):
+    return msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, n_host_slots=n))
+
+
+@pytest.mark.parametrize("policies", ["keep", "checkpoint"])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_homeless_chunks_train_bit_for_bit_as_kept_homes(policies, asynchronous, monkeypatch):
+    # The 12 B layout moves bytes, never the math: homeless (every offloaded chunk, then
+    # some; one slot, so that every use of it waits for the last) trains bit for bit as the
+    # same plan with every home kept (bf16 on CPU), and the host holds what accounting.py
+    # says: 12 B per element, the slots and one step piece. Pieces of 3 vectors, so that
+    # parameters are stepped in many pieces.
+    monkeypatch.setattr(accounting, "STEP_PIECE", 192)
+    monkeypatch.setattr(optim, "STEP_PIECE", 192)
+    kept = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16")
+    want = _train(make_model("gpt2-4"), kept)
+    off = kept.placement.offloaded
+    for homeless, slots in (("all", 2), ("all", 1), (off[::2], 3)):
+        plan = _slots(make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies,
+                                compute_dtype="bfloat16", homeless=homeless), slots)
+        with emulate(11) if asynchronous else _nothing():
+            got = _train(make_model("gpt2-4"), plan)
+        _same(got, want)
+        walk = accounting.walk(plan)
+        assert got[2] == walk.host_bytes
+    shard = kept.chunks.chunk_numel
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16",
+                     homeless="all")
+    assert accounting.walk(plan).host_bytes == (12 * len(off) + 2 * 2) * shard + 4 * 192
+    assert accounting.walk(kept).host_bytes == 14 * len(off) * shard + 4 * 192
+
+
+def test_homeless_plans_are_refused_where_a_gradient_must_wait():
+    from protrain.executor.errors import PlanError
+
+    for kw in (dict(compute_dtype="float32"), dict(compute_dtype="bfloat16", grad_accum=2),
+               dict(compute_dtype="bfloat16", cpu_adam="after_backward"), dict(compute_dtype="float16")):
+        with pytest.raises(PlanError, match="homeless"):
+            make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", homeless="all", **kw)

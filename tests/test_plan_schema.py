@@ -258,8 +258,8 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 3 to 4"):
-        M.migrate({"schema_version": 3}, 3, target=4)
+    with pytest.raises(PlanError, match="no migration from plan schema 4 to 5"):
+        M.migrate({"schema_version": 4}, 4, target=5)
 
 
 V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
@@ -387,3 +387,37 @@ def test_prefetch_fetched_later_across_forward_and_backward_is_fine():
     assert bwd[2]["segment"] == "transformer.h.0" and bwd[2]["fetch"] == [1]
     plan = P.load(json.dumps(doc).encode())
     assert plan.schedule.forward[3].prefetch == [1]
+
+
+V3 = ROOT / "tests" / "fixtures" / "plans" / "v3" / "gpt2-tiny-w2-sharded.json"
+V4 = ROOT / "tests" / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json"
+
+
+def test_v3_to_v4_keeps_every_home():
+    # The v3 executor kept every offloaded chunk's home: no homeless chunk, no slots.
+    for old in (V1, V2, V3):
+        placement = P.load(old).placement
+        assert placement.homeless == [] and placement.n_host_slots == 0
+    doc = json.loads(V3.read_bytes())
+    before = json.dumps(doc)
+    out = M.v3_to_v4(doc)
+    assert json.dumps(doc) == before  # pure
+    assert out["placement"] == {**doc["placement"], "homeless": [], "n_host_slots": 0}
+    doc["placement"]["homeless"] = [1]
+    msg = _load_err(doc)
+    assert "$.placement.homeless" in msg and "schema 3" in msg
+
+
+def test_homeless_chunks_are_validated():
+    plan = P.load(V4)
+    assert plan.placement.homeless == [1, 2] and plan.placement.n_host_slots == 2
+    doc = json.loads(V4.read_bytes())
+    for key, value, words in (("homeless", [2, 1], "ascending"), ("homeless", [0], "offloaded"),
+                              ("n_host_slots", 0, "at least 1")):
+        bad = json.loads(json.dumps(doc))
+        bad["placement"][key] = value
+        msg = _load_err(bad)
+        assert f"$.placement.{key}" in msg and words in msg, msg
+    bad = json.loads(json.dumps(doc))
+    bad["placement"]["homeless"] = []
+    assert "at least 1" in _load_err(bad)  # slots without homeless chunks

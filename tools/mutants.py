@@ -38,6 +38,7 @@ class Mutant:
 
 R = "tests/test_races.py"
 G = "tests/test_gpu_ready.py"
+H = "tests/test_host_layout.py::test_homeless_chunks_train_bit_for_bit_as_kept_homes"
 MUTANTS = [
     Mutant("compute waits for a chunk's upload", "chunks.py",
            "            c.upload.wait()\n            c.upload = None\n\n    def release",
@@ -122,9 +123,15 @@ MUTANTS = [
            "                c.home.copy_(self.master[cid])\n            return\n",
            "                pass\n            return\n",
            ("tests/test_host_layout.py::test_a_chunk_with_nothing_to_step_gets_its_home_back",)),
-    Mutant("gradients in home read through the scratch", "optim.py",
-           "        g.copy_(self.store.chunks[cid].home)\n", "",
-           ("tests/test_host_layout.py::test_gradients_in_home_step_like_a_persistent_chunk",)),
+    Mutant("gradients in home or slot read through the scratch", "optim.py",
+           "                g.copy_(grads[a:b]) if grads is not None else g.zero_()", "                g.zero_()",
+           ("tests/test_host_layout.py::test_gradients_in_home_step_like_a_persistent_chunk", f"{H}[False-keep]")),
+    Mutant("homeless: a slot is reused after the upload that read it", "chunks.py",
+           "            self.slots.append((src, c.upload.synchronize))", "            self.slots.append((src, None))",
+           (f"{H}[True-keep]",)),
+    Mutant("homeless: a slot is reused after the CPU step that read its gradients", "optim.py",
+           "            self.store.slots.append((grads, c.pending.result))", "            self.store.slots.append((grads, None))",
+           (f"{H}[True-keep]",)),
     Mutant("arena finaliser unpins", "transfer.py",
            "            self._unpin = weakref.finalize(self, _unregister, self.buffer)",
            "            self._unpin = weakref.finalize(self, _unregister, self.buffer)\n"
