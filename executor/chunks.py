@@ -44,9 +44,9 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .accounting import pool_slots
+from .errors import ConfigError
 from .memory import Ledger
 from .plan import Plan
-from .errors import ConfigError
 from .transfer import CopyEngine, CopyHandle, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

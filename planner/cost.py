@@ -63,10 +63,11 @@ import numpy as np
 from protrain.executor import accounting as A
 from protrain.executor.plan import POST, PRE
 
+from .datasheets import ADAM_BYTES_PER_PARAM
 from .layout import assign, groups
 from .profile import Profile
 from .report import block_policies  # noqa: F401  (re-exported: the paper's layout)
-from .rules import ModelFacts
+from .rules import HOST_SLOTS, ModelFacts
 from .spec import link_bandwidth
 
 DTYPE_BYTES = A.DTYPE_BYTES
@@ -157,6 +158,11 @@ class Terms:
     shard_persistent: bool = False  # the plan's placement.shard_persistent_states (world size > 1)
     persist_chunk_bytes: int = 0  # device bytes of one trainable persistent chunk (accounting.events)
     cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
+    # Homeless chunks ([Homeless chunks] in ``evaluate``; executor/chunks.py [Note: host slots]).
+    homeless_ok: bool = False  # 16-bit compute, grad_accum 1, CPU steps during backward
+    home_bytes: int = 0  # host bytes of one offloaded chunk's home (per rank): what homeless saves
+    slot_pool_bytes: int = 0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
+    convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
 
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
@@ -247,6 +253,13 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
         dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / (W if shard else 1),
         cpu_adam=cpu_adam,
+        homeless_ok=cb != 4 and grad_accum == 1 and cpu_adam == "during_backward",
+        home_bytes=shard_bytes,
+        slot_pool_bytes=HOST_SLOTS * shard_bytes,
+        # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
+        # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
+        # per parameter; planner/datasheets.py): the same bandwidth moves (4 + cb) B per element.
+        convert_us=shard_bytes // cb * (4 + cb) / (spec.cpu_adam_params_per_s * ADAM_BYTES_PER_PARAM) * 1e6,
     )
 
 
@@ -298,13 +311,23 @@ def host_bytes_per_chunk(t: Terms) -> int:
     return t.chunk_numel // t.world_size * t.host_bytes_per_elem
 
 
-def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray, dict]:
+def homeless_order(off: np.ndarray) -> np.ndarray:
+    """The offloaded chunks (``off``: (C,) mask) in the order the search makes them homeless:
+    last in execution order first. Those are the chunks still resident at the turn from
+    forward to backward, so their masters are rounded for one upload per iteration, not two."""
+    return np.nonzero(off)[0][::-1]
+
+
+def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
+             homeless: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
     the grid holds any strips (``policy_grid`` for the paper's, ``strips_grid`` for
     others). Returns ``(time, peak, parts)``; ``parts`` holds the named terms (arrays
-    over the grid) that ``predict`` reports as the breakdown.
+    over the grid) that ``predict`` reports as the breakdown. ``homeless``: the plan's
+    homeless chunks; None: the fewest (in ``homeless_order``) that bring the host need
+    under ``host_cap``, per strip ([Homeless chunks]).
     """
     C = t.n_chunks
     off = offload_mask(t, persist)  # (C,) offloaded chunks
@@ -313,6 +336,38 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
     cached = np.zeros(C, dtype=np.int64)
     cached[order[:n_buffer]] = 1
+
+    # -- host memory per rank (paper: none; issue 9): the offloaded chunks' states, and
+    # the swapped blocks' saved tensors, all on the host at the forward→backward turn
+    # (each block's come back only during backward). Separate terms: the first is what
+    # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
+    host = n_off * host_bytes_per_chunk(t) + (t.host_scratch_bytes if n_off else 0)
+    host_swap = grid.swap @ t.saved_tensor  # (G,)
+    # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
+    # the plan gains HOST_SLOTS pinned slots (once); each fetch of it rounds its master
+    # into a slot on the main thread before the upload is issued, which holds back the
+    # segment's compute as much (charged serially, on GPU and CPU alike; backward's also
+    # hold back the gradient landings, hence the CPU steps).
+    uploads_f = t.up_fwd.sum(axis=0)  # (C,) forward uploads of each chunk
+    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
+    uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
+    G = len(grid.swap)
+    if homeless is None:
+        over = host + host_swap - host_cap  # (G,)
+        k = np.zeros(G, dtype=np.int64)
+        if t.homeless_ok and n_off and t.home_bytes:
+            need = np.ceil(np.maximum(over + t.slot_pool_bytes, 0) / t.home_bytes)
+            k = np.where(over > 0, np.minimum(need, n_off), 0).astype(np.int64)
+        first = homeless_order(off)  # the k first of these are homeless
+        conv_f = np.append(0, np.cumsum(uploads_f[first]))[k] * t.convert_us  # (G,)
+        conv_b = np.append(0, np.cumsum(uploads_b[first]))[k] * t.convert_us
+    else:
+        h = np.zeros(C, dtype=np.int64)
+        h[list(homeless)] = 1
+        k = np.full(G, int(h.sum()), dtype=np.int64)
+        conv_f = np.full(G, float(uploads_f @ h) * t.convert_us)
+        conv_b = np.full(G, float(uploads_b @ h) * t.convert_us)
+    host = host - k * t.home_bytes + (k > 0) * t.slot_pool_bytes  # (G,)
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
     n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
@@ -382,6 +437,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
             cpu_done = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
+    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b  # [Homeless chunks]
+    cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
@@ -393,18 +450,13 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid) -> t
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
     states, resident = m.states, m.resident
     peak = (states + resident + walk) * m.alpha
-    # Host memory per rank (paper: none; issue 9): the offloaded chunks' states, and
-    # the swapped blocks' saved tensors, all on the host at the forward→backward turn
-    # (each block's come back only during backward). Separate terms: the first is what
-    # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = n_off * host_bytes_per_chunk(t) + (t.host_scratch_bytes if n_off else 0)
-    host_swap = grid.swap @ t.saved_tensor  # (G,)
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
         "t_cpu_optim_done_us": cpu_done,
         "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
-        "host_bytes": np.full_like(time, host), "host_swap_bytes": host_swap,
+        "host_bytes": host.astype(np.float64), "host_swap_bytes": host_swap,
+        "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
     }
     return time, peak, parts
 
@@ -480,15 +532,19 @@ class Prediction:
     breakdown: dict[str, float]
 
 
-def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> Prediction:
-    """One four-count configuration through the same arrays the search uses (a 1×1 grid)."""
-    time, peak, parts = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]))
+def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int,
+            host_cap: float = math.inf) -> Prediction:
+    """One four-count configuration through the same arrays the search uses (a 1×1 grid),
+    with as many homeless chunks as ``host_cap`` asks for ([Homeless chunks])."""
+    time, peak, parts = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]), host_cap)
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 
-def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str]) -> Prediction:
-    """Any configuration: persistent chunks anywhere, any policy strip (same arrays again)."""
-    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]))
+def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str],
+                 homeless: Sequence[int] = ()) -> Prediction:
+    """Any configuration: persistent chunks anywhere, any policy strip, any homeless chunks
+    (same arrays again)."""
+    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless)
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 

@@ -39,7 +39,8 @@ rank's share less 10% (the OS) and 2 GiB (its process) — the rule of
 ``planning.default_host_budget``, which is this at one rank with the spec's RAM.
 Host need = the plan's ``host_bytes`` (each offloaded chunk's shard of states on the
 host, ``accounting.element_bytes``: 14 B per element in bf16 without gradient
-accumulation, 16 in fp32, 20 when accumulating, and the CPU step's scratch; the
+accumulation, 12 for the chunks the search makes homeless to fit the host, 16 in
+fp32, 20 when accumulating, and the CPU step's scratch; the
 executor's ledger is held to the same) plus ``host_swap_bytes`` (the swapped blocks'
 activations). The search itself honours the host limit, so a slower plan keeping
 more chunks on the device is chosen when the fastest one would not fit the host.
@@ -271,7 +272,8 @@ def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
     persistent parameters at their compute dtype alone (module docstring)."""
     eb = accounting.element_bytes(dtype)
-    return max(0, n - budget_bytes // eb.compute) * eb.host // world_size
+    host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
+    return max(0, n - budget_bytes // eb.compute) * host // world_size
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,

@@ -33,7 +33,11 @@ Choice: the fastest feasible configuration; ties (times compared in whole µs)
 break toward less memory, then fewer recomputed blocks, then lexicographically.
 Feasible means the predicted device peak fits the budget and, when a host budget
 is given, the predicted host bytes (offloaded chunk states + swapped activations,
-``cost.evaluate``'s ``host_bytes`` + ``host_swap_bytes``) fit it too. Pruning
+``cost.evaluate``'s ``host_bytes`` + ``host_swap_bytes``) fit it too; where they
+would not, ``cost.evaluate`` makes the fewest offloaded chunks homeless that make them
+fit (12 B per element on the host instead of 14, a conversion per fetch charged in
+the time: cost.py [Homeless chunks]), so a plan that fits only that way is chosen,
+and a plan that fits anyway keeps every home. Pruning
 looks at the device only: more persistent chunks need *less* host memory, so a
 configuration refused for host memory does not stop the outer loop.
 
@@ -51,7 +55,16 @@ from typing import Protocol
 
 import numpy as np
 
-from .cost import PolicyGrid, Terms, block_policies, evaluate, host_need, min_buffers, policy_grid
+from .cost import (
+    PolicyGrid,
+    Terms,
+    block_policies,
+    evaluate,
+    homeless_order,
+    host_need,
+    min_buffers,
+    policy_grid,
+)
 
 DENSE_BUFFERS = 2
 """Buffers beyond ``need`` evaluated for every policy pair (prefetch room: most of
@@ -80,9 +93,17 @@ class Choice:
     """The per-block strip when it is not ``block_policies`` of the counts; None: that layout."""
     host_bytes: float = field(default=0.0, compare=False)
     """Predicted host bytes per rank (offloaded chunk states + swapped activations)."""
+    n_homeless: int = field(default=0, compare=False)
+    """Offloaded chunks without a home on the host (``cost.homeless_order``'s first ones)."""
 
     def persistent_ids(self) -> list[int]:
         return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
+
+    def homeless_ids(self, n_chunks: int) -> list[int]:
+        """The homeless chunk ids, ascending: the first ``n_homeless`` of ``cost.homeless_order``."""
+        off = np.ones(n_chunks, dtype=np.int64)
+        off[self.persistent_ids()] = 0
+        return sorted(int(c) for c in homeless_order(off)[:self.n_homeless])
 
     def strip(self, n_blocks: int) -> list[str]:
         return list(self.policies) if self.policies is not None else \
@@ -169,18 +190,19 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
     host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
-    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host)
+    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
     evaluated = 0
     min_peak = min_host = math.inf
     frontier: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (np, nb, pairs that fit, their peaks)
 
-    def record(n_persist: int, n_buffer: int, idx: np.ndarray, time, peak, host, ok) -> None:
+    def record(n_persist: int, n_buffer: int, idx: np.ndarray, time, peak, parts, ok) -> None:
         """Keep the configurations that fit (``ok``) as rows, and each call's own Pareto points."""
+        host = host_need(parts)
         for j in np.nonzero(ok)[0]:
             sw, ck = pairs[idx[j]]
             rows.append((round(float(time[j])), float(peak[j]), ck, n_persist, n_buffer, sw, ck,
-                         float(time[j]), float(host[j])))
+                         float(time[j]), float(host[j]), int(parts["n_homeless"][j])))
         best_t = math.inf  # host-feasible points only; per call only the call's own front
         for j in np.lexsort((time, peak)):
             if host[j] <= host_cap and time[j] < best_t:
@@ -197,7 +219,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             break  # [Pruning] more persistent chunks only add device memory
         current, fits_here = n_persist, False
         for n_buffer in range(need, top + 1):
-            time, peak, parts = evaluate(t, n_persist, n_buffer, grid)
+            time, peak, parts = evaluate(t, n_persist, n_buffer, grid, host_cap)
             host = host_need(parts)
             evaluated += len(pairs)
             min_peak = min(min_peak, float(peak.min()))
@@ -206,7 +228,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             if dev_ok.any():
                 min_host = min(min_host, float(host[dev_ok].min()))
             ok = dev_ok & (host <= host_cap)
-            record(n_persist, n_buffer, every, time, peak, host, ok)
+            record(n_persist, n_buffer, every, time, peak, parts, ok)
             if n_buffer == top and top < n_off and ok.any():
                 frontier.append((n_persist, n_buffer, np.nonzero(ok)[0], peak[ok]))
 
@@ -220,7 +242,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
 
     for n_persist, n_buffer, idx, peak_at in frontier:
         n_off = t.n_chunks - n_persist
-        bound, _, _ = evaluate(t, n_persist, n_off, _subgrid(grid, idx))  # time with every chunk buffered
+        bound, _, _ = evaluate(t, n_persist, n_off, _subgrid(grid, idx), host_cap)  # every chunk buffered
         evaluated += len(idx)
         lower = np.array([round(float(x)) for x in bound])
         while len(idx) and n_buffer < n_off:
@@ -230,17 +252,17 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             if not len(idx):
                 break
             n_buffer += 1
-            time, peak, parts = evaluate(t, n_persist, n_buffer, _subgrid(grid, idx))
+            time, peak, parts = evaluate(t, n_persist, n_buffer, _subgrid(grid, idx), host_cap)
             host = host_need(parts)
             evaluated += len(idx)
             ok = (peak <= budget_bytes) & (host <= host_cap)
             n_rows = len(rows)
-            record(n_persist, n_buffer, idx, time, peak, host, ok)
+            record(n_persist, n_buffer, idx, time, peak, parts, ok)
             best = heapq.nsmallest(TOP, best + rows[n_rows:])
             idx, lower, peak_at = idx[ok], lower[ok], peak[ok]
 
     rows.sort()
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8]) for r in rows[:TOP]]
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9]) for r in rows[:TOP]]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
         if tm < best_t:

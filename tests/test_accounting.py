@@ -55,11 +55,14 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     strip = [rng.choice(["keep", "swap", "checkpoint"]) for _ in facts.blocks]
     training = P.Training(micro_batch=1, seq_len=1024, compute_dtype=dtype, master_dtype="float32",
                           world_size=world, grad_accum=accum)
+    # Homeless chunks (placement.homeless) where the plan may have them: any offloaded subset.
+    offloaded = [c for c in range(t.n_chunks) if c not in persistent]
+    homeless = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if t.homeless_ok else []
     plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
-                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard)
+                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless)
 
     walk = A.walk(plan, segment_bytes(prof))
-    pred = predict_plan(t, persistent, n_buffer, strip)
+    pred = predict_plan(t, persistent, n_buffer, strip, homeless)
     b = pred.breakdown
     assert walk.peak_bytes == pred.peak_bytes
     assert (walk.states_bytes, walk.buffers_bytes, walk.activation_walk_bytes) == (

@@ -11,15 +11,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
+from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
 from protrain.planner.cost import (
     choose_chunk_numel,
+    chunk_candidates,
+    evaluate,
     facts_from_profile,
     make_terms,
     min_buffers,
     policy_grid,
     predict,
+    predict_plan,
 )
 from protrain.planner.planning import make_plan
 from protrain.planner.search import exhaustive, policy_pairs, space
@@ -31,7 +35,7 @@ def brute_force(t, budget, host_budget=math.inf, top=1):
     rows = []
     for n_persist, n_buffer in space(t):
         for sw, ck in policy_pairs(t):
-            p = predict(t, n_persist, n_buffer, sw, ck)
+            p = predict(t, n_persist, n_buffer, sw, ck, host_budget)  # homeless where the host asks
             host = p.breakdown["host_bytes"] + p.breakdown["host_swap_bytes"]
             if p.peak_bytes <= budget and host <= host_budget:
                 rows.append((round(p.time_us), p.peak_bytes, ck, n_persist, n_buffer, sw, ck))
@@ -233,3 +237,45 @@ def test_nothing_fits_names_the_smallest_budget(gpt2xl):
         make_plan(prof, 5 * 2**30)
     msg = str(e.value)
     assert "smallest predicted peak" in msg and "--budget" in msg and "micro-batch of" in msg
+
+
+def test_a_tight_host_makes_the_fewest_chunks_homeless(gpt2xl):
+    # cost.py [Homeless chunks]: with host memory between what every home kept needs and
+    # what the 12 B layout needs, the plan drops the homes of the fewest chunks that make
+    # it fit (one fewer would not), charges their conversions, and the prediction is the
+    # accounting's (the plan says which chunks). With room, every home is kept.
+    prof = synthetic_profile(gpt2xl, gpu_spec(), block_us=5000, act_bytes=2**26)
+    budget = 8 * 2**30
+    roomy, _ = make_plan(prof, budget, host_budget_bytes=2**40)
+    assert roomy.placement.homeless == [] and roomy.placement.n_host_slots == 0
+    # the least host any configuration that fits the device needs with every home kept, over
+    # the chunk sizes make_plan searches: a budget just under it needs homeless chunks
+    need = math.inf
+    for size in chunk_candidates(facts_from_profile(prof))[0]:
+        t = make_terms(prof, size)
+        grid = policy_grid(t.n_blocks, policy_pairs(t))
+        for a, b in space(t):
+            _, peak, parts = evaluate(t, a, b, grid)
+            fits = peak <= budget
+            if fits.any():
+                need = min(need, float((parts["host_bytes"] + parts["host_swap_bytes"])[fits].min()))
+    need -= 1
+    plan, result = make_plan(prof, budget, host_budget_bytes=int(need))
+    homeless = plan.placement.homeless
+    assert homeless and plan.placement.n_host_slots == 2
+    assert homeless == sorted(plan.placement.offloaded)[-len(homeless):]  # last in execution order
+    b = plan.prediction.breakdown
+    assert b["host_bytes"] + b["host_swap_bytes"] <= need and b["n_homeless"] == len(homeless)
+    assert b["t_convert_us"] > 0 and plan.prediction.iter_time_us >= roomy.prediction.iter_time_us
+    walk = accounting.walk(plan)
+    assert walk.host_bytes == b["host_bytes"]
+    t = make_terms(prof, plan.chunks.chunk_numel)
+    fewer = predict_plan(t, plan.placement.persistent, plan.placement.n_buffer,
+                         [a.policy for a in plan.activations], homeless[1:])
+    assert fewer.breakdown["host_bytes"] + fewer.breakdown["host_swap_bytes"] > need
+    # no homeless chunk where a gradient must wait for its step (clipping)
+    try:
+        clipped = make_plan(prof, budget, host_budget_bytes=int(need), max_grad_norm=1.0)[0]
+    except BudgetError:
+        clipped = None
+    assert clipped is None or not clipped.placement.homeless
