@@ -30,7 +30,8 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   backward. On a GPU also: a swapped block's ``saved`` while its D2H copy is in
   flight (its own forward step and the next one), a checkpointed block's
   recomputed ``saved`` during its backward, and each step's transient peak.
-- **host** — each offloaded chunk's shard: its home (compute dtype) and, if
+- **host** — each offloaded chunk's shard (at one rank: the chunk up to its last
+  parameter, ``host_numel``, not its padding): its home (compute dtype) and, if
   trainable, moments (8 B) and an fp32 master (4 B, 16-bit compute only). With
   16-bit compute and no accumulation the gradients land in the home (14 B in all);
   otherwise an fp32 gradient accumulator (4 B) and, with ``grad_accum > 1``, a
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from .plan import Plan, Schedule, Step, segments
 
@@ -85,6 +87,18 @@ def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
 STEP_PIECE = 1 << 20
 """fp32 elements of 16-bit gradients (in a home or a slot) the CPU step reads at once (a
 multiple of optim.VEC_ALIGN; optim.py ``_adamw_pieces``)."""
+
+
+def host_numel(plan: Plan, cid: int) -> int:
+    """Elements of offloaded chunk ``cid`` whose states one rank keeps on the host (home,
+    master, moments, gradient buffers): its shard under ZeRO-3; at one rank the chunk up to
+    its last parameter, rounded up to 64 elements (optim.VEC_ALIGN), not its padding."""
+    W = plan.training.world_size
+    numel = -(-plan.chunks.chunk_numel // W) * W
+    if W > 1:
+        return numel // W
+    end = max((p.offset + p.numel for p in plan.chunks.items[cid].params), default=0)
+    return min(numel, -(-end // 64) * 64)
 
 
 def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
@@ -161,10 +175,11 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
     ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
     homeless = set(plan.placement.homeless)
     for c in plan.placement.offloaded:
+        n = host_numel(plan, c)
         if c not in homeless:
-            ev("wrap", "", "host", "home", shard * eb.compute, c)
+            ev("wrap", "", "host", "home", n * eb.compute, c)
         if train[c]:
-            ev("wrap", "", "host", "optim", shard * (eb.host - eb.compute), c)
+            ev("wrap", "", "host", "optim", n * (eb.host - eb.compute), c)
     if any(train[c] for c in plan.placement.offloaded):
         ev("wrap", "", "host", "scratch", scratch_bytes(t.compute_dtype, t.grad_accum, shard))
     ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
@@ -263,11 +278,8 @@ def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool]
     host = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "host")
     high = step_highs(stream)
     most = max((sum(k.values()) for _, _, k in high), default=0)
-    swap = most_swap = 0
-    for e in stream:
-        if e.phase != "wrap" and e.where == "host":
-            swap += e.nbytes
-            most_swap = max(most_swap, swap)
+    # swapped activations on the host: the most the running total of their events reaches
+    most_swap = max(accumulate((e.nbytes for e in stream if e.phase != "wrap" and e.where == "host"), initial=0))
     return Walk(stream, states_bytes=states, buffers_bytes=buffers, activation_walk_bytes=most,
                 peak_bytes=(states + buffers + most) * alpha, host_bytes=host, host_swap_bytes=most_swap,
                 alpha=alpha)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from .accounting import pool_slots
+from .accounting import host_numel, pool_slots
 from .errors import ConfigError
 from .memory import Ledger
 from .plan import Plan
@@ -74,6 +74,10 @@ class Chunk:
         self.persistent = persistent
         self.numel = numel
         self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
+        # The elements whose master and moments (and home, if offloaded) this rank keeps: the
+        # whole chunk, or its shard (sharded), or at one rank an offloaded chunk up to its last
+        # parameter (accounting.host_numel: its padding has no host state). Set by _lay_out.
+        self.own = slice(0, numel)
         self.nbytes = numel * dtype.itemsize
         # Parameters' values; params' .data are views. 1D (numel,), device, compute dtype.
         self.dev = torch.zeros(numel, dtype=dtype, device=device)
@@ -139,13 +143,14 @@ class ChunkStore:
         self.staged = plan.training.grad_accum > 1
         self.homeless = set(plan.placement.homeless)
         n_slots = plan.placement.n_host_slots
-        home = HostArena.span(shard_numel, self.dtype)
-        grads = 0 if self.grad_in_home else (HostArena.span(shard_numel, self.dtype) * self.staged
-                                             + HostArena.span(shard_numel, torch.float32))
-        self.arena = HostArena(sum(home * (spec.id not in self.homeless)
-                                   + grads * any(params[p.name].requires_grad for p in spec.params)
-                                   for spec in plan.chunks.items if spec.id not in persistent)
-                               + n_slots * home, pin=copies.cuda)
+        span = HostArena.span
+        size = n_slots * span(shard_numel, self.dtype)
+        for spec in (s for s in plan.chunks.items if s.id not in persistent):
+            n = host_numel(plan, spec.id)
+            size += span(n, self.dtype) * (spec.id not in self.homeless)
+            if not self.grad_in_home and any(params[p.name].requires_grad for p in spec.params):
+                size += span(n, self.dtype) * self.staged + span(n, torch.float32)
+        self.arena = HostArena(size, pin=copies.cuda)
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.
         self.masters: dict[int, torch.Tensor] = {}
@@ -154,7 +159,8 @@ class ChunkStore:
         copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
         try:
             for spec in plan.chunks.items:
-                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, spec.id in persistent))
+                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, spec.id in persistent,
+                                                 host_numel(plan, spec.id)))
         except BaseException:
             self.arena.close()  # a failed wrap must not leave host memory pinned
             raise
@@ -166,7 +172,7 @@ class ChunkStore:
         self._refresh_live()
 
     def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, comm,
-                 persistent: bool) -> Chunk:
+                 persistent: bool, own_numel: int) -> Chunk:
         """Build one chunk: views for its parameters, its values, a home if offloaded.
 
         [Note: masters from the user's fp32 values]
@@ -183,6 +189,7 @@ class ChunkStore:
                       self.dtype, self.device)
         c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
         c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
+        c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
         where = self.device if persistent else torch.device("cpu")
         image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)
@@ -207,10 +214,10 @@ class ChunkStore:
                     c.grad_live = False
                 return c
             if not fp32 and c.trainable:
-                c.master_init = image[c.shard].clone()
+                c.master_init = image[c.own].clone()
             if c.id not in self.homeless:
-                c.home = self.arena.take(shard_numel, self.dtype)
-                c.home.copy_(image[c.shard])
+                c.home = self.arena.take(own_numel, self.dtype)
+                c.home.copy_(image[c.own])
                 self.ledger.host_alloc(c.home.numel() * c.home.element_size())
             elif not c.trainable:  # its master would be its only copy, and frozen chunks have none
                 raise ConfigError(f"chunk {c.id} is homeless (placement.homeless) but its parameters are frozen",
@@ -219,10 +226,6 @@ class ChunkStore:
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
         c.residency, c.grad_live = Residency.RELEASED, False
         return c
-
-    def storage_bytes(self, cid: int) -> int:
-        """Bytes of device storage the chunk's parameters hold now (0 when released)."""
-        return self.chunks[cid].dev.untyped_storage().nbytes()
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of some chunk's parameter storage (not an activation)."""
@@ -253,12 +256,12 @@ class ChunkStore:
         self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
-        src = c.home
-        if src is None:  # homeless: the master rounded into a slot ([Note: host slots])
-            src = self.take_slot()
+        src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
+        n = c.own.stop - c.own.start
+        if c.home is None:  # homeless: the master rounded into a slot ([Note: host slots])
             with record_function("protrain::round_master"):
-                src.copy_(self.masters[cid])
-        c.upload = self.copies.upload(c.dev[c.shard], src,
+                src[:n].copy_(self.masters[cid])
+        c.upload = self.copies.upload(c.dev[c.own], src[:n],
                                       gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
                                       if self.comm.world > 1 else None)
         if c.home is None:
@@ -323,7 +326,7 @@ class ChunkStore:
             if p._version == c.versions[i]:
                 continue
             c.versions[i] = p._version
-            lo, hi = (c.shard.start, c.shard.stop) if c.sharded else (0, c.numel)  # home and master
+            lo, hi = c.own.start, c.own.stop  # where home and master start and end
             a, b = max(off, lo), min(off + n, hi)  # the parameter's piece on this rank
             with torch.no_grad():
                 if a < b and c.home is not None:

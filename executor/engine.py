@@ -237,8 +237,8 @@ class Engine:
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
-        loss_t = torch.stack(losses).float().mean() if k > 1 else losses[0].float()
-        loss_value = self.comm.mean(loss_t, "the loss")  # the global batch's, on every rank
+        # the mean over micro-batches (of one: itself), then over ranks: the global batch's loss
+        loss_value = self.comm.mean(torch.stack(losses).float().mean(), "the loss")
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
@@ -413,7 +413,7 @@ class Engine:
                 master = self.optim.master[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them.
-                mine = c.shard if c.sharded else slice(None)
+                mine = c.own
 
                 def image(get, c=c, names=names):
                     full = torch.zeros(c.numel, dtype=torch.float32)

@@ -124,13 +124,9 @@ class LossScaler:
     def update(self, overflow: bool) -> None:
         if not self.enabled:
             return
-        if overflow:
-            self.scale /= 2.0
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps % self.window == 0:
-                self.scale *= 2.0
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow or self.good_steps % self.window == 0:  # halve on overflow, double after a window
+            self.scale *= 0.5 if overflow else 2.0
 
 
 VEC_ALIGN = 64
@@ -182,18 +178,16 @@ class ChunkOptimizer:
             elif c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py. Sharded: this
                 # rank's slice only (for fp32 a view of it in the chunk); dist.py [Note: sharding].
-                m = c.dev if fp32 else c.master_init
-                if c.sharded:
-                    m = m[c.shard] if fp32 else m[c.shard].clone()
+                m = c.dev[c.own] if fp32 else c.master_init[c.own].clone() if c.sharded else c.master_init
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
-                n = c.shard.stop - c.shard.start
+                n = c.own.stop - c.own.start
                 m = c.home if fp32 else c.master_init
                 if not store.grad_in_home:  # [Note: gradients land in home]
                     self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
                 if store.staged:
                     self.staging[c.id] = store.arena.take(n, store.dtype)
-            lo = c.shard.start if c.sharded else 0  # where the master starts in the chunk
+            lo = c.own.start  # where the master starts in the chunk
             c.master_init = None
             self.master[c.id] = m
             if c.trainable:
@@ -253,7 +247,7 @@ class ChunkOptimizer:
             return
         if acc is None:  # homeless: the gradients land in a slot (chunks.py [Note: host slots])
             acc = self.store.take_slot()
-        src = c.dev_grad
+        src = c.dev_grad[c.own]  # (at one rank, not the padding past the last parameter)
         if comm.world > 1:
             src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
             comm.reduce_scatter(src, c.dev_grad, f"gradients of chunk {cid}")
@@ -263,7 +257,7 @@ class ChunkOptimizer:
             c.pending.result()
             c.pending = None
         with record_function("protrain::offload"):
-            down = self.store.copies.download(dst, src)
+            down = self.store.copies.download(dst[: src.numel()], src)  # (a slot: one shard)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
         divide = comm.world if comm.world > 1 and last_micro_batch and not home else 1
         if home:
@@ -330,7 +324,7 @@ class ChunkOptimizer:
     def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
         """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
         c = self.store.chunks[cid]
-        g = self._host_grad(cid) if not c.persistent else c.dev_grad[c.shard] if c.sharded else c.dev_grad
+        g = self._host_grad(cid) if not c.persistent else c.dev_grad[c.own]
         if g.dtype != torch.float32:
             g = g.float()  # a fresh fp32 copy; the compute-dtype buffer is zeroed next step
         if inv_scale != 1.0:
@@ -410,7 +404,7 @@ class ChunkOptimizer:
             return
         with record_function("protrain::dev_adam"):
             self._adamw(cid, which, self._grad(cid, coef, inv_scale))
-            own = c.dev[c.shard] if c.sharded else c.dev
+            own = c.dev[c.own]
             if self.master[cid].data_ptr() != own.data_ptr():  # fp32: the master is the chunk
                 own.copy_(self.master[cid])
         if c.sharded:

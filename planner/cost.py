@@ -130,6 +130,7 @@ class Terms:
     state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master), replicated
     host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
     host_scratch_bytes: int  # the CPU step's fp32 gradient scratch, one piece (accounting.scratch_bytes)
+    host_numel: np.ndarray  # (C,) host elements of each offloaded chunk per rank (accounting.host_numel)
     gpu: bool
     # Per segment, forward order (S = n_blocks + 2).
     comp_fwd: np.ndarray  # (S,) µs
@@ -160,19 +161,21 @@ class Terms:
     cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
     # Homeless chunks ([Homeless chunks] in ``evaluate``; executor/chunks.py [Note: host slots]).
     homeless_ok: bool = False  # 16-bit compute, grad_accum 1, CPU steps during backward
-    home_bytes: int = 0  # host bytes of one offloaded chunk's home (per rank): what homeless saves
+    home_bytes_per_elem: int = 0  # an offloaded chunk's home, per host element: what homeless saves
     slot_pool_bytes: int = 0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
     convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
 
 
-def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray]:
-    """Chunks each segment uses, and parameter elements per chunk, for one chunk size."""
+def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray, np.ndarray]:
+    """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
+    parameter ends (elements), for one chunk size."""
     numel = {n: math.prod(s) for n, s, _ in facts.params}
     slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
     need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
     per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
-    return need, per_chunk
+    ends = np.array([max(s.offset + s.numel for s in chunk) for chunk in slots], dtype=np.int64)
+    return need, per_chunk, ends
 
 
 def collective_bandwidth(spec, size_bytes: int) -> float:
@@ -190,7 +193,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     size is above 1, as ``emit.assemble`` writes plans)."""
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
     facts = facts_from_profile(profile)
-    need, per_chunk = chunk_need(facts, chunk_numel)
+    need, per_chunk, ends = chunk_need(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
     eb = A.element_bytes(profile.training.compute_dtype, grad_accum)
@@ -254,7 +257,10 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / (W if shard else 1),
         cpu_adam=cpu_adam,
         homeless_ok=cb != 4 and grad_accum == 1 and cpu_adam == "during_backward",
-        home_bytes=shard_bytes,
+        home_bytes_per_elem=cb,
+        # Host elements of each offloaded chunk per rank (accounting.host_numel): its shard,
+        # or at one rank the chunk up to its last parameter (rounded up to 64), not its padding.
+        host_numel=np.full(C, chunk_numel // W) if W > 1 else np.minimum(chunk_numel, -(-ends // 64) * 64),
         slot_pool_bytes=HOST_SLOTS * shard_bytes,
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
@@ -306,9 +312,9 @@ def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
     return off
 
 
-def host_bytes_per_chunk(t: Terms) -> int:
-    """Host bytes per rank of one trainable offloaded chunk (``accounting.element_bytes``)."""
-    return t.chunk_numel // t.world_size * t.host_bytes_per_elem
+def host_bytes_per_chunk(t: Terms) -> np.ndarray:
+    """(C,) host bytes per rank of each chunk, trainable and offloaded (``accounting.events``)."""
+    return t.host_numel * t.host_bytes_per_elem
 
 
 def homeless_order(off: np.ndarray) -> np.ndarray:
@@ -341,7 +347,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = n_off * host_bytes_per_chunk(t) + (t.host_scratch_bytes if n_off else 0)
+    host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if n_off else 0)
     host_swap = grid.swap @ t.saved_tensor  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
     # the plan gains HOST_SLOTS pinned slots (once); each fetch of it rounds its master
@@ -355,19 +361,21 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
         k = np.zeros(G, dtype=np.int64)
-        if t.homeless_ok and n_off and t.home_bytes:
-            need = np.ceil(np.maximum(over + t.slot_pool_bytes, 0) / t.home_bytes)
-            k = np.where(over > 0, np.minimum(need, n_off), 0).astype(np.int64)
         first = homeless_order(off)  # the k first of these are homeless
+        saved = np.cumsum(t.host_numel[first] * t.home_bytes_per_elem)  # (n_off,) by the first k
+        if t.homeless_ok and n_off and t.home_bytes_per_elem:
+            k = np.where(over > 0, np.minimum(np.searchsorted(saved, over + t.slot_pool_bytes) + 1, n_off), 0)
         conv_f = np.append(0, np.cumsum(uploads_f[first]))[k] * t.convert_us  # (G,)
         conv_b = np.append(0, np.cumsum(uploads_b[first]))[k] * t.convert_us
+        dropped = np.append(0, saved)[k]
     else:
         h = np.zeros(C, dtype=np.int64)
         h[list(homeless)] = 1
         k = np.full(G, int(h.sum()), dtype=np.int64)
         conv_f = np.full(G, float(uploads_f @ h) * t.convert_us)
         conv_b = np.full(G, float(uploads_b @ h) * t.convert_us)
-    host = host - k * t.home_bytes + (k > 0) * t.slot_pool_bytes  # (G,)
+        dropped = np.full(G, float(t.host_numel @ h) * t.home_bytes_per_elem)
+    host = host - dropped + (k > 0) * t.slot_pool_bytes  # (G,)
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
     n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
@@ -590,7 +598,7 @@ def chunk_candidates(facts: ModelFacts) -> tuple[list[int], dict[int, int]]:
     waste, count = {}, {}
     for f in CHUNK_GRID:
         size = -(-int(largest * f) // 1024) * 1024
-        _, per_chunk = chunk_need(facts, size)
+        _, per_chunk, _ = chunk_need(facts, size)
         waste[size], count[size] = len(per_chunk) * size - total, len(per_chunk)
     fine = sorted(s for s in waste if count[s] >= MIN_CHUNKS)
     if not fine:  # too few chunks whatever the size: the size giving the most, least waste

@@ -428,7 +428,7 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         # + the CPU step's scratch when anything is offloaded, as the cost model charges it:
         # 1 - q[C] is 1 exactly when fewer than C chunks are persistent
         scratch = (1.0 - m.one(q[C])) * float(t.host_scratch_bytes)
-        host = (n_off * float(host_bytes_per_chunk(t)) + scratch
+        host = (Expr.dot(off, host_bytes_per_chunk(t)) + scratch
                 + _sum(seg_swap(s, float(t.saved_tensor[s])) for s in range(S)))
         # [Constraint] host bytes (offloaded chunk states + swapped activations) ≤ host budget
         m.le(host * (1.0 / max(host_budget_bytes, 1.0)), 1.0 if host_budget_bytes > 0 else 0.0, "host ≤ host budget")

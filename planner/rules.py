@@ -25,11 +25,12 @@ def cpu_adam_schedule(compute_dtype: str, max_grad_norm: float | None = None) ->
     return "after_backward" if max_grad_norm is not None or compute_dtype == "float16" else "during_backward"
 
 
-HOST_SLOTS = 2
-"""``placement.n_host_slots`` of a plan with homeless chunks (executor/transfer.py [Note: host
-slots]): one slot for the upload in flight and one for the gradients waiting for their CPU
-step, so a fetch rarely waits for a step and an offload rarely for an upload. A constant, not a
-function of the model: the pool is what the 12 B layout adds to the host."""
+HOST_SLOTS = 1
+"""``placement.n_host_slots`` of a plan with homeless chunks (executor/chunks.py [Note: host
+slots]). One shard-sized slot: it is what the 12 B layout adds to the host, so it is kept to
+one (the issue's bound: a pool set by the plan, not by the model's size). A fetch then waits
+for the last upload or CPU step that used the slot; the cost model does not charge that wait.
+"""
 
 
 def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded: set[int],

@@ -256,7 +256,9 @@ class AsyncCPU:
             if other is not stream:
                 stream.wait_event(ev)
         key = t.untyped_storage()._cdata
-        done = stream.submit(lambda: t.untyped_storage().resize_(0), delay=False)
+        # The recorded tensors (views of the storage among them: a copy's source) live until
+        # the free runs, after their copies, as the allocator keeps a recorded block.
+        done = stream.submit(lambda: (recorded, t.untyped_storage().resize_(0)), delay=False)
         with self.lock:
             self.deferred_frees[key] = done
         return True

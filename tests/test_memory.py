@@ -114,11 +114,13 @@ def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype, grad_accum):
     store, arena = engine.store, engine.store.arena
     off = [c for c in store.chunks if not c.persistent]
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    n = off[0].home.numel()
     in_home = dtype == "bfloat16" and grad_accum == 1
-    per_chunk = HostArena.span(n, torch_dtype) + (0 if in_home else (
-        HostArena.span(n, torch.float32) + HostArena.span(n, torch_dtype) * (grad_accum > 1)))
-    assert len(off) >= 2 and arena.buffer.numel() == len(off) * per_chunk == arena.offset
+
+    def per_chunk(n: int) -> int:  # n: the chunk's host elements (accounting.host_numel)
+        return HostArena.span(n, torch_dtype) + (0 if in_home else (
+            HostArena.span(n, torch.float32) + HostArena.span(n, torch_dtype) * (grad_accum > 1)))
+
+    assert len(off) >= 2 and arena.buffer.numel() == sum(per_chunk(c.home.numel()) for c in off) == arena.offset
     base = arena.buffer.untyped_storage().data_ptr()
     buffers = [c.home for c in off] + list(engine.optim.staging.values()) + list(engine.optim.cpu_grad.values())
     assert len(buffers) == len(off) * (1 if in_home else 2 + (grad_accum > 1))

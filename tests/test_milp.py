@@ -118,7 +118,7 @@ def test_free_program_is_never_worse(facts, seed, where, gpu, host_share, cpu_ad
     t, _ = _terms(facts, seed, gpu, cpu_adam=cpu_adam)
     budget = _budget(t, where)
     # A host budget that binds sometimes: a share of the all-offloaded host need.
-    host_budget = host_share * M.host_bytes_per_chunk(t) * t.n_chunks
+    host_budget = host_share * M.host_bytes_per_chunk(t).sum()
     base = exhaustive(t, budget, host_budget)
     result = M.solve(t, budget, host_budget, time_limit_s=60)
     assert (base.best is None) == (result.best is None)
@@ -292,7 +292,7 @@ def test_swapped_activations_are_a_host_term():
     swapped = {b for b, pol in zip(prof.model.blocks, strip) if pol == "swap"}
     expected = sum(s.saved_tensor_bytes for s in prof.segments if s.segment in swapped)
     assert p.breakdown["host_swap_bytes"] == pytest.approx(expected)
-    assert p.breakdown["host_bytes"] == t.n_chunks * M.host_bytes_per_chunk(t) + t.host_scratch_bytes
+    assert p.breakdown["host_bytes"] == M.host_bytes_per_chunk(t).sum() + t.host_scratch_bytes
     assert np.isclose(predict_plan(t, [], min_buffers(t, 0), ["keep"] * t.n_blocks).breakdown["host_swap_bytes"], 0)
 
 

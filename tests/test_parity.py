@@ -83,5 +83,7 @@ def test_frozen_fixture_plans_train_exactly(path):
     plan = P.load(path)
     if plan.training.world_size > 1:
         pytest.skip("a multi-rank plan: tests/test_dist.py trains it")
+    if plan.training.compute_dtype != "float32":
+        pytest.skip("16-bit (homeless chunks): tests/test_host_layout.py trains it against its homes kept")
     run = lockstep(plan.model.name, plan, steps=5)
     assert run.losses == run.ref_losses

@@ -167,7 +167,7 @@ def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
         store.chunks[1].has_grad.update(range(len(store.chunks[1].params)))  # as the hooks would
         optim.submit_cpu_step(cid)  # the step changes home; it must wait for the upload
         store.wait(cid)
-        landed = store.chunks[1].dev[store.chunks[1].shard].clone()
+        landed = store.chunks[1].dev[store.chunks[1].own].clone()  # (what home holds)
         optim.wait_all()
         assert not torch.equal(store.chunks[1].home, before)  # the step did change home
         assert torch.equal(landed, before)  # ... but the upload read the old weights

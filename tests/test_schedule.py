@@ -28,7 +28,7 @@ def test_residency_at_each_segment_begin_matches_the_plan(model, persistent, n_b
         if ev.kind == "segment" and ev.edge == "begin":
             store = engine.store
             got.append((ev.phase, ev.segment, store.resident_offloaded(),
-                        sum(store.storage_bytes(c.id) for c in store.chunks if not c.persistent)))
+                        sum(store.chunks[c.id].dev.untyped_storage().nbytes() for c in store.chunks if not c.persistent)))
 
     engine.on_event(probe)
     for _ in range(2):  # the second step starts from what the first left behind
@@ -39,10 +39,10 @@ def test_residency_at_each_segment_begin_matches_the_plan(model, persistent, n_b
             assert len(resident) <= plan.placement.n_buffer
             assert nbytes == len(resident) * chunk_bytes, seg  # released chunks: 0 bytes
         for c in plan.placement.offloaded:
-            assert engine.store.storage_bytes(c) == 0
+            assert engine.store.chunks[c].dev.untyped_storage().nbytes() == 0
             assert engine.store.chunks[c].dev_grad.untyped_storage().nbytes() == 0
         for c in plan.placement.persistent:
-            assert engine.store.storage_bytes(c) == chunk_bytes
+            assert engine.store.chunks[c].dev.untyped_storage().nbytes() == chunk_bytes
 
 
 def test_offloads_happen_once_per_chunk_per_micro_batch():

@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = [  # (zoo model, compute dtype, grad_accum)
-    ("gpt2-medium", "bfloat16", 1),
-    ("gpt2-medium", "float32", 1),
-    ("gpt2-medium", "bfloat16", 2),
+CASES = [  # (zoo model, compute dtype, grad_accum, homeless: every offloaded chunk without a home)
+    ("gpt2-medium", "bfloat16", 1, True),
+    ("gpt2-medium", "bfloat16", 1, False),
+    ("gpt2-medium", "float32", 1, False),
+    ("gpt2-medium", "bfloat16", 2, False),
 ]
 
 
@@ -39,7 +40,18 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def run_case(model_name: str, dtype: str, accum: int, steps: int) -> dict:
+def _warm_up(torch, dtype: str) -> None:
+    """One small forward and backward in the compute dtype before the baseline is read: the
+    first ops start the autograd engine, the intra-op thread pool and the kernels' own
+    buffers (tens of MB, once per process), which are no host state of the plan."""
+    dt = getattr(torch, dtype)
+    emb = torch.nn.Embedding(1024, 256, dtype=dt)
+    x = emb(torch.randint(0, 1024, (1, 64)))
+    torch.nn.functional.cross_entropy((x @ emb.weight.t()).flatten(0, 1).float(),
+                                      torch.randint(0, 1024, (64,))).backward()
+
+
+def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int) -> dict:
     import torch
 
     from protrain.executor import accounting, wrap
@@ -57,7 +69,11 @@ def run_case(model_name: str, dtype: str, accum: int, steps: int) -> dict:
                           world_size=1, grad_accum=accum)
     plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
                 n_buffer=3, policies=["checkpoint"] * len(blocks))
+    if homeless:  # placement.homeless: every offloaded chunk, with the planner's HOST_SLOTS slots
+        plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
+                    n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.offloaded)
     del meta
+    _warm_up(torch, dtype)
     baseline = _kib("VmRSS")
     model = build(model_name, device="cpu")
     n = sum(p.numel() for p in model.parameters())
@@ -74,7 +90,8 @@ def run_case(model_name: str, dtype: str, accum: int, steps: int) -> dict:
     peak = _kib("VmHWM")
     walk = accounting.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
-    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "params": n, "offloaded": offloaded,
+    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless,
+            "slots": plan.placement.n_host_slots, "params": n, "offloaded": offloaded,
             "wrapped_per_param": (wrapped - baseline) / offloaded,
             "measured_per_param": (peak - baseline - device_peak) / offloaded,
             "device_peak_per_param": device_peak / offloaded,
@@ -91,22 +108,27 @@ def render(rows: list[dict], cmd: str) -> str:
         f"date {time.strftime('%Y-%m-%d')}.",
         "",
         "A fresh process per row builds the model in fp32 on the CPU, wraps it under a plan with "
-        "every chunk offloaded (checkpointed blocks, micro-batch 1 × 64) and trains one step. "
+        "every chunk offloaded (checkpointed blocks, micro-batch 1 × 64) and trains one step. *Homes*: "
+        "kept (a compute-dtype copy per offloaded chunk, 14 B per element in bf16), or none: every "
+        "offloaded chunk in `placement.homeless` (12 B: fp32 master and Adam moments; uploads and "
+        "gradients pass through the plan's `n_host_slots` pinned slots of one shard each). "
         "*After wrap*: RSS once wrap has moved the weights into chunks, minus the RSS before the "
         "model was built (torch imported), per offloaded parameter. *Peak*: the process's peak RSS "
         "(`VmHWM`) minus that baseline and minus the step's device peak as the CPU ledger counts it "
         "(on a CPU run the \"device\" is host memory too), per offloaded parameter: what the host "
-        "states cost at their worst, including allocator slack and the CPU step's transient fp32 "
-        "gradient of one chunk. *Predicted*: `accounting.walk(plan).host_bytes` per offloaded "
-        "parameter (chunk padding and the CPU step's one-chunk fp32 scratch included, hence above "
-        "the per-element figure). *After wrap* is below it where pages are not yet touched (the "
-        "fp32 accumulators are written by the first step).",
+        "states cost at their worst, allocator slack included. *Predicted*: "
+        "`accounting.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's host "
+        "states stop at its last parameter (`accounting.host_numel`, not the chunk's padding), plus "
+        "the slots and the CPU step's fp32 scratch of one 1M-element piece. *After wrap* is below it "
+        "where pages are not yet touched (slots and fp32 accumulators are first written by the step).",
         "",
-        "| model | params | compute | grad accum | chunk | predicted B/param | after wrap | peak | peak / predicted |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | params | compute | grad accum | homes | chunk | predicted B/param | after wrap | peak | "
+        "peak / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | "
+        homes = f"none (homeless, {r['slots']} slot)" if r["homeless"] else "kept"
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | {homes} | "
                      f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
                      f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
                      f"{r['measured_per_param'] / r['predicted_per_param']:.3f} |")
@@ -133,12 +155,12 @@ def main() -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
     args = ap.parse_args()
     if args.case:
-        name, dtype, accum = args.case.split(",")
-        print(json.dumps(run_case(name, dtype, int(accum), args.steps)))
+        name, dtype, accum, homeless = args.case.split(",")
+        print(json.dumps(run_case(name, dtype, int(accum), homeless == "1", args.steps)))
         return 0
     rows = []
-    for name, dtype, accum in CASES:
-        out = subprocess.run([sys.executable, __file__, "--case", f"{name},{dtype},{accum}",
+    for name, dtype, accum, homeless in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", f"{name},{dtype},{accum},{int(homeless)}",
                               "--steps", str(args.steps)], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], file=sys.stderr)

@@ -99,10 +99,15 @@ def llama70b_row() -> str:
 def layout_note() -> str:
     from protrain.executor import accounting
 
+    from protrain.planner.rules import HOST_SLOTS
+
     eb = accounting.element_bytes("bfloat16")
     return (f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "
-            f"parameter and {eb.persistent} B of device memory per persistent one "
-            "(`accounting.element_bytes`), plus one chunk's CPU-step scratch per rank")
+            f"parameter, {eb.host - eb.compute} B for the chunks a plan makes homeless when the host "
+            f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
+            "of device memory per persistent one (`accounting.element_bytes`); at one rank an offloaded "
+            "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
+            f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank")
 
 
 def section(rows: list[dict], llama: str, seconds: float) -> str:
@@ -147,8 +152,8 @@ def reading(rows: list[dict]) -> str:
     text = (f"Reading. Ratios to the paper: {ratios}. The next size up is stopped by host memory in "
             f"{len(host_bound)} of {len(rows)} servers")
     if host_bound:
-        text += (": the host bytes per offloaded parameter (the header's figure; issue 17 item 1 "
-                 "brings them toward 12), not the device, bound these sizes; with the host out of the "
+        text += (": the host bytes per offloaded parameter (the header's figures: 12 B where the "
+                 "plan drops homes), not the device, bound these sizes; with the host out of the "
                  "way the device alone would allow "
                  + ", ".join(_bound(r) for r in rows)
                  + ". Rerun this tool after a host-layout change to refresh the table.")
