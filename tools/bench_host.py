@@ -113,7 +113,7 @@ def render(rows: list[dict], cmd: str) -> str:
         "offloaded chunk in `placement.homeless` (12 B: fp32 master and Adam moments; uploads and "
         "gradients pass through the plan's `n_host_slots` pinned slots of one shard each). "
         "*After wrap*: RSS once wrap has moved the weights into chunks, minus the RSS before the "
-        "model was built (torch imported), per offloaded parameter. *Peak*: the process's peak RSS "
+        "model was built (torch imported, one small forward and backward run), per offloaded parameter. *Peak*: the process's peak RSS "
         "(`VmHWM`) minus that baseline and minus the step's device peak as the CPU ledger counts it "
         "(on a CPU run the \"device\" is host memory too), per offloaded parameter: what the host "
         "states cost at their worst, allocator slack included. *Predicted*: "
@@ -132,7 +132,30 @@ def render(rows: list[dict], cmd: str) -> str:
                      f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
                      f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
                      f"{r['measured_per_param'] / r['predicted_per_param']:.3f} |")
+    lines += ["", reading(rows)]
     return "\n".join(lines) + "\n"
+
+
+def reading(rows: list[dict]) -> str:
+    """What the homeless row says against the kept one of the same model and dtype."""
+    pairs = [(h, k) for h in rows if h["homeless"] for k in rows
+             if not k["homeless"] and (k["model"], k["dtype"], k["grad_accum"]) == (h["model"], h["dtype"], h["grad_accum"])]
+    if not pairs:
+        return ""
+    h, k = pairs[0]
+    over = [r["measured_per_param"] - r["predicted_per_param"] for r in (h, k)]
+    return (f"Reading. Without homes the host peak is {h['measured_per_param']:.2f} B per offloaded "
+            f"parameter against {k['measured_per_param']:.2f} with them "
+            f"({k['measured_per_param'] - h['measured_per_param']:.2f} B less; predicted "
+            f"{h['predicted_per_param']:.2f} and {k['predicted_per_param']:.2f}). After wrap they hold "
+            f"{h['wrapped_per_param']:.2f} and {k['wrapped_per_param']:.2f} B (the states alone: slot and "
+            "scratch are not touched yet); "
+            f"the peak exceeds the prediction by {over[0]:.2f} and {over[1]:.2f} B per parameter, the "
+            "same with and without homes, so not the host layout: most likely transients of the step "
+            "that the CPU ledger (the subtracted device peak) does not count, e.g. the weight gradient "
+            "of the tied 51.5M-element embedding, a tensor of its own before it is accumulated into its "
+            "chunk (51.5M x 2 B = 0.29 B per parameter; not isolated here). On a GPU those live on the "
+            "device.")
 
 
 def write_section(text: str) -> None:

@@ -98,7 +98,6 @@ def llama70b_row() -> str:
 
 def layout_note() -> str:
     from protrain.executor import accounting
-
     from protrain.planner.rules import HOST_SLOTS
 
     eb = accounting.element_bytes("bfloat16")
