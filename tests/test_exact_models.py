@@ -31,9 +31,9 @@ from torch import nn
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.testing.emulation import emulate
 from protrain.executor.errors import ConfigError
 from protrain.planner.emit import emit
+from protrain.testing.emulation import emulate
 
 V, B, T = 40, 2, 8  # vocab, micro-batch, sequence length
 CONFIG = AdamWConfig(lr=3e-2, weight_decay=0.1)  # a large lr: drift shows within steps

@@ -27,10 +27,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.testing.emulation import emulate
 from protrain.executor.validation import segment_chunks
 from protrain.planner.emit import emit
 from protrain.planner.models import lm_loss
+from protrain.testing.emulation import emulate
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.
