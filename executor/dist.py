@@ -83,12 +83,16 @@ class Comm:
     def shard_numel(self, numel: int) -> int:
         return -(-numel // self.world)
 
-    def _run(self, what: str, fn, *args) -> None:
+    def _run(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its failure a ``RankFailure``; returns what it returns (an
+        ``async_op`` collective's work: its end event then means issued, not done)."""
+        out = []
         try:
             with record_function(f"protrain::{what.split()[0]}"):
                 self.events.emit("collective", "begin", detail=what)  # events.py
-                self.runner(lambda: fn(*args))
+                self.runner(lambda: out.append(fn(*args, **kwargs)))
                 self.events.emit("collective", "end", detail=what)
+            return out[0]
         except torch.OutOfMemoryError:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
@@ -103,12 +107,17 @@ class Comm:
         n = full.numel() // self.world
         self._run(f"all-gather of {what}", self._all_gather, full, full[self.rank * n:(self.rank + 1) * n])
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
-        """``shard`` = the sum over ranks of this rank's slice of ``full``."""
-        self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full)
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+        """``shard`` = the sum over ranks of this rank's slice of ``full`` (``async_op``: the
+        work to ``wait`` on)."""
+        return self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full, async_op=async_op)
 
-    def all_reduce(self, t: torch.Tensor, what: str) -> None:
-        self._run(f"all-reduce of {what}", dist.all_reduce, t)
+    def all_reduce(self, t: torch.Tensor, what: str, async_op: bool = False):
+        return self._run(f"all-reduce of {what}", dist.all_reduce, t, async_op=async_op)
+
+    def wait(self, work, what: str) -> None:
+        """Wait for an ``async_op`` collective's work; a failure is a ``RankFailure`` too."""
+        self._run(f"wait for {what}", work.wait)
 
     def barrier(self, what: str) -> None:
         if self.world > 1:

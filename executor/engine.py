@@ -140,6 +140,7 @@ class Engine:
         # Per-step state, set in step().
         self._first_micro = True  # the micro-batch being run is the step's first
         self._last_micro = True  # ... and/or its last (CPU steps may start)
+        self._reducing: dict[int, object] = {}  # persistent chunk → its reduction's work
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
@@ -239,12 +240,8 @@ class Engine:
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
-        loss_t = torch.stack(losses).float().mean() if k > 1 else losses[0].float()
-        if self.comm.world > 1:  # report the global batch's loss on every rank
-            loss_t = loss_t.clone()
-            self.comm.all_reduce(loss_t, "the loss")
-            loss_t /= self.comm.world
-        loss_value = loss_t.item()
+        loss_value = self._global_mean(torch.stack(losses).float().mean() if k > 1 else losses[0].float(),
+                                       "the loss")
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
@@ -280,12 +277,15 @@ class Engine:
             for cid in sorted(self.store.resident_offloaded()):
                 self.store.release(cid)  # waits for a prefetch still in flight
                 self.events.emit("release", "mark", chunk=cid)
-        loss_t = loss.detach().float()
+        return self._global_mean(loss.detach().float(), "the evaluation loss")
+
+    def _global_mean(self, value: torch.Tensor, what: str) -> float:
+        """The mean of a rank's 0-dim ``value`` over the ranks: the global batch's, on every rank."""
         if self.comm.world > 1:
-            loss_t = loss_t.clone()
-            self.comm.all_reduce(loss_t, "the evaluation loss")
-            loss_t /= self.comm.world
-        return loss_t.item()
+            value = value.clone()
+            self.comm.all_reduce(value, what)
+            value /= self.comm.world
+        return value.item()
 
     def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
         """Stop before a NaN/inf loss reaches backward and the optimizer.
@@ -327,25 +327,32 @@ class Engine:
 
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step.
-        Nothing here waits for the device; see [Note: gradient offload] in optim.py."""
+        Nothing here waits for the device; see [Note: gradient offload] in optim.py.
+        A persistent chunk's (ZeRO-3): start their reduction ([Note: overlapped reductions])."""
+        c, what = self.store.chunks[cid], f"gradients of chunk {cid}"
+        if c.persistent and self._last_micro:  # sharded: in place, into this rank's slice
+            self._reducing[cid] = (self.comm.reduce_scatter(c.dev_grad[c.shard], c.dev_grad, what, async_op=True)
+                                   if c.sharded else self.comm.all_reduce(c.dev_grad, what, async_op=True))
+        if c.persistent:
+            return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
             self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
     def _finish_update(self) -> tuple[float | None, bool]:
-        if self.comm.world > 1:
-            # Average persistent chunks' gradients over the ranks, in chunk order on every
-            # rank (executor/dist.py [Note: sharding]): all of it where the states are
-            # replicated; this rank's shard, into its slice of the buffer, where sharded.
-            for c in self.store.chunks:
-                if c.persistent and c.trainable and c.sharded:
-                    g = torch.empty(c.shard.stop - c.shard.start, dtype=c.dev_grad.dtype, device=self.device)
-                    self.comm.reduce_scatter(g, c.dev_grad, f"gradients of chunk {c.id}")
-                    c.dev_grad[c.shard].copy_(g.div_(self.comm.world))
-                elif c.persistent and c.trainable:
-                    self.comm.all_reduce(c.dev_grad, f"gradients of chunk {c.id}")
-                    c.dev_grad.div_(self.comm.world)
+        # [Note: overlapped reductions]
+        # Under ZeRO-3 each trainable persistent chunk's gradients were summed over the
+        # ranks by a collective that backward started when they were complete (the
+        # replayer's offload order, the same on every rank; executor/dist.py [Note:
+        # sharding]): all of the buffer where the states are replicated, this rank's slice
+        # in place where sharded. It ran beside the rest of backward; here it is waited on
+        # and averaged. The sums are the collectives' own, as when they ran after backward.
+        for cid, work in sorted(self._reducing.items()):
+            self.comm.wait(work, f"the reduction of chunk {cid}'s gradients")
+            c = self.store.chunks[cid]
+            (c.dev_grad[c.shard] if c.sharded else c.dev_grad).div_(self.comm.world)
+        self._reducing.clear()
         inv_scale = 1.0 / self.scaler.scale
         coef = None
         grad_norm = None
