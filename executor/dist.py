@@ -16,7 +16,7 @@ and backward read them without a fetch). Their fp32 master and Adam moments are
 either replicated or sharded, as ``placement.shard_persistent_states`` says:
 
 - replicated (``false``): every rank holds the whole chunk's master and moments,
-  all-reduces (and averages) the gradients after backward and steps the whole
+  all-reduces (and averages) the gradients and steps the whole
   chunk identically;
 - sharded (``true``, ZeRO-1/2 for these chunks): rank r keeps the master and
   moments of only its shard (the same slices as an offloaded chunk's), the
@@ -31,8 +31,10 @@ either replicated or sharded, as ``placement.shard_persistent_states`` says:
 
 Collectives are issued in the plan's order on every rank — fetches in schedule
 order, gradient reduce-scatters in the plan's offload order (the engine holds back
-a chunk whose turn has not come), persistent chunks' collectives in chunk order
-after backward — so hooks can never make ranks diverge and deadlock. A failing
+a chunk whose turn has not come), persistent chunks' reductions in that same order
+at the end of the backward step of their first segment, asynchronously, waited on
+after backward (engine.py [Note: overlapped reductions]), their all-gathers after
+the step in chunk order — so hooks can never make ranks diverge and deadlock. A failing
 collective (a rank died, the timeout of ``init_process_group`` expired) becomes a
 ``RankFailure`` naming the operation.
 """
