@@ -16,7 +16,7 @@ and backward read them without a fetch). Their fp32 master and Adam moments are
 either replicated or sharded, as ``placement.shard_persistent_states`` says:
 
 - replicated (``false``): every rank holds the whole chunk's master and moments,
-  all-reduces (and averages) the gradients after backward and steps the whole
+  all-reduces (and averages) the gradients and steps the whole
   chunk identically;
 - sharded (``true``, ZeRO-1/2 for these chunks): rank r keeps the master and
   moments of only its shard (the same slices as an offloaded chunk's), the
@@ -31,8 +31,10 @@ either replicated or sharded, as ``placement.shard_persistent_states`` says:
 
 Collectives are issued in the plan's order on every rank — fetches in schedule
 order, gradient reduce-scatters in the plan's offload order (the engine holds back
-a chunk whose turn has not come), persistent chunks' collectives in chunk order
-after backward — so hooks can never make ranks diverge and deadlock. A failing
+a chunk whose turn has not come), persistent chunks' reductions in that same order
+at the end of the backward step of their first segment, asynchronously, waited on
+after backward (engine.py [Note: overlapped reductions]), their all-gathers after
+the step in chunk order — so hooks can never make ranks diverge and deadlock. A failing
 collective (a rank died, the timeout of ``init_process_group`` expired) becomes a
 ``RankFailure`` naming the operation.
 """
@@ -81,12 +83,16 @@ class Comm:
     def shard_numel(self, numel: int) -> int:
         return -(-numel // self.world)
 
-    def _run(self, what: str, fn, *args) -> None:
+    def _run(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its failure a ``RankFailure``; returns what it returns (an
+        ``async_op`` collective's work: its end event then means issued, not done)."""
+        out = []
         try:
             with record_function(f"protrain::{what.split()[0]}"):
                 self.events.emit("collective", "begin", detail=what)  # events.py
-                self.runner(lambda: fn(*args))
+                self.runner(lambda: out.append(fn(*args, **kwargs)))
                 self.events.emit("collective", "end", detail=what)
+            return out[0]
         except torch.OutOfMemoryError:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
@@ -99,12 +105,17 @@ class Comm:
         n = full.numel() // self.world
         self._run(f"all-gather of {what}", self._all_gather, full, full[self.rank * n:(self.rank + 1) * n])
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
-        """``shard`` = the sum over ranks of this rank's slice of ``full``."""
-        self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full)
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+        """``shard`` = the sum over ranks of this rank's slice of ``full`` (``async_op``: the
+        work to ``wait`` on)."""
+        return self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full, async_op=async_op)
 
-    def all_reduce(self, t: torch.Tensor, what: str) -> None:
-        self._run(f"all-reduce of {what}", dist.all_reduce, t)
+    def all_reduce(self, t: torch.Tensor, what: str, async_op: bool = False):
+        return self._run(f"all-reduce of {what}", dist.all_reduce, t, async_op=async_op)
+
+    def wait(self, work, what: str) -> None:
+        """Wait for an ``async_op`` collective's work; a failure is a ``RankFailure`` too."""
+        self._run(f"wait for {what}", work.wait)
 
     def mean(self, t: torch.Tensor, what: str) -> float:
         """The mean over the ranks of the scalar ``t`` (left unchanged), on every rank."""

@@ -140,6 +140,7 @@ class Engine:
         # Per-step state, set in step().
         self._first_micro = True  # the micro-batch being run is the step's first
         self._last_micro = True  # ... and/or its last (CPU steps may start)
+        self._reducing: dict[int, tuple] = {}  # persistent chunk → (its reduction's output, work)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
@@ -285,14 +286,13 @@ class Engine:
         skipped instead (the scaler sees the non-finite gradients).
         """
         value = loss.detach().float().item()
-        if value == value and abs(value) != float("inf"):
-            return
-        raise NonFiniteLossError(
-            f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
-            f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
-            "optimizer state are those of the previous step",
-            "resume from the last checkpoint with a lower learning rate (or gradient clipping), "
-            "and check the data around this step")
+        if not abs(value) < float("inf"):  # NaN or ±inf
+            raise NonFiniteLossError(
+                f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
+                f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
+                "optimizer state are those of the previous step",
+                "resume from the last checkpoint with a lower learning rate (or gradient clipping), "
+                "and check the data around this step")
 
     def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
         """What ran out, where, against what the plan predicted, and the budget to plan with."""
@@ -316,25 +316,39 @@ class Engine:
 
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step.
-        Nothing here waits for the device; see [Note: gradient offload] in optim.py."""
+        Nothing here waits for the device; see [Note: gradient offload] in optim.py.
+        A persistent chunk's (ZeRO-3): start their reduction ([Note: overlapped reductions])."""
+        c, what = self.store.chunks[cid], f"gradients of chunk {cid}"
+        if c.persistent and self._last_micro:  # sharded: this rank's slice ([Note: overlapped reductions])
+            out = (c.dev_grad if not c.sharded else c.dev_grad[c.shard] if self.device.type == "cuda"
+                   else c.dev_grad.new_empty(c.shard.stop - c.shard.start))
+            self._reducing[cid] = (out, self.comm.reduce_scatter(out, c.dev_grad, what, async_op=True)
+                                   if c.sharded else self.comm.all_reduce(out, what, async_op=True))
+        if c.persistent:
+            return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
             self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
     def _finish_update(self) -> tuple[float | None, bool]:
-        if self.comm.world > 1:
-            # Average persistent chunks' gradients over the ranks, in chunk order on every
-            # rank (executor/dist.py [Note: sharding]): all of it where the states are
-            # replicated; this rank's shard, into its slice of the buffer, where sharded.
-            for c in self.store.chunks:
-                if c.persistent and c.trainable and c.sharded:
-                    g = torch.empty(c.shard.stop - c.shard.start, dtype=c.dev_grad.dtype, device=self.device)
-                    self.comm.reduce_scatter(g, c.dev_grad, f"gradients of chunk {c.id}")
-                    c.dev_grad[c.shard].copy_(g.div_(self.comm.world))
-                elif c.persistent and c.trainable:
-                    self.comm.all_reduce(c.dev_grad, f"gradients of chunk {c.id}")
-                    c.dev_grad.div_(self.comm.world)
+        # [Note: overlapped reductions]
+        # Under ZeRO-3 each trainable persistent chunk's gradients were summed over the
+        # ranks by a collective that backward started when they were complete (the
+        # replayer's offload order, the same on every rank; executor/dist.py [Note:
+        # sharding]): all of the buffer where the states are replicated, this rank's slice
+        # where sharded. It ran beside the rest of backward; here it is waited on and
+        # averaged. The sums are the collectives' own, as when they ran after backward.
+        # The sharded slice: in place on CUDA (NCCL reduces in place when the output is
+        # the rank's slice of the input: no memory beyond what accounting.py counts); on
+        # gloo into a buffer of its own, since an in-place asynchronous reduce-scatter
+        # aborted a rank ("terminate called without an active exception") in 2 of ~20
+        # runs of tests/test_dist.py, 0 of 10 with the buffer.
+        for cid, (out, work) in sorted(self._reducing.items()):
+            self.comm.wait(work, f"the reduction of chunk {cid}'s gradients")
+            c = self.store.chunks[cid]
+            c.dev_grad[c.shard].copy_(out.div_(self.comm.world)) if c.sharded else out.div_(self.comm.world)
+        self._reducing.clear()
         inv_scale = 1.0 / self.scaler.scale
         coef = None
         grad_norm = None

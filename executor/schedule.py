@@ -37,7 +37,11 @@ so an offload waits for a per-chunk countdown driven by
 ``register_post_accumulate_grad_hook``: when the plan's moment has come *and*
 every trainable parameter of the chunk has its gradient, the offload happens.
 Whatever is left when backward returns (parameters that got no gradient) is
-offloaded then. The same hooks, on every trainable parameter (persistent chunks
+offloaded then. Under ZeRO-3 a trainable persistent chunk takes the same path: its
+moment is the end of the backward step of the first segment that uses it, and
+its "offload" starts its gradient reduction across the ranks, asynchronously, so
+it runs beside the rest of backward (engine.py [Note: overlapped reductions]).
+The same hooks, on every trainable parameter (persistent chunks
 too), record which parameters got a gradient (``Chunk.has_grad``): only those
 step (optim.py [Note: which parameters step]). Frozen parameters get no hook.
 
@@ -63,6 +67,7 @@ from .activations import Activations
 from .chunks import ChunkStore
 from .errors import ConfigError, ProtrainError
 from .plan import POST, PRE, Plan, Step
+from .validation import segment_chunks
 
 
 class Phase(enum.Enum):
@@ -153,9 +158,10 @@ class Replayer:
         # never gets a gradient); see [Note: gradient completion].
         self.param_slot: dict[int, tuple[int, int]] = {}  # id(param) → (chunk id, index in params)
         self.n_params: dict[int, int] = {}
+        reduce = store.comm.world > 1  # persistent chunks' reductions join the order
         for c in store.chunks:
             trainable = [i for i, (p, _, _) in enumerate(c.params) if p.requires_grad]
-            if not c.persistent:
+            if not c.persistent or (reduce and trainable):
                 self.n_params[c.id] = len(trainable)
             for i in trainable:
                 self.param_slot[id(c.params[i][0])] = (c.id, i)
@@ -165,7 +171,13 @@ class Replayer:
         self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
         # The plan's offload order; offloads happen strictly in it, so every rank issues
         # its gradient collectives in the same order (executor/dist.py).
-        self.offload_order = [c for s in plan.schedule.backward for c in s.offload]
+        self.complete = {s.segment: list(s.offload) for s in plan.schedule.backward}
+        # chunk → the first segment (in forward order) that uses it: the earliest one wins
+        first = {c: seg for seg, ids in reversed(segment_chunks(plan).items()) for c in ids}
+        for c in store.chunks:
+            if c.persistent and c.id in self.n_params:
+                self.complete[first.get(c.id, PRE)].append(c.id)
+        self.offload_order = [c for s in plan.schedule.backward for c in self.complete[s.segment]]
         self.next_offload = 0  # index into offload_order
         self.handles: list = []
 
@@ -223,7 +235,7 @@ class Replayer:
         step = self.steps[(phase, segment)]
         self.events.emit("segment", "end", phase=self.phase.value, segment=segment)
         if phase is Phase.BACKWARD:
-            self.requested.update(step.offload)
+            self.requested.update(self.complete[segment])
             self._drain()
             self.acts.end_backward(segment)
         for c in step.release:
@@ -235,7 +247,7 @@ class Replayer:
         """``Ledger.check``: the model states counted now are what accounting.py streams."""
         done = self.offload_order[:self.next_offload]
         deferred = sum(self.store.chunks[c].nbytes for c in self.requested.difference(done)
-                       if self.store.chunks[c].grad_live)
+                       if self.store.chunks[c].grad_live and not self.store.chunks[c].persistent)
         self.store.ledger.check(phase.value, segment, when, deferred)
 
     def start_backward(self) -> None:
@@ -264,7 +276,7 @@ class Replayer:
         cid, i = self.param_slot[id(p)]
         self.store.chunks[cid].has_grad.add(i)  # optim.py [Note: which parameters step]
         if cid not in self.remaining:
-            return  # persistent
+            return  # persistent, one rank
         self.remaining[cid] -= 1
         if self.remaining[cid] == 0 and cid in self.requested:
             self._drain()

@@ -25,12 +25,13 @@ The model, op by op (``_OpCounter``):
 - **CPU forward, eager**: on a ``cpu`` spec the host runs the model's Python and
   the dispatcher in line with the kernels, so in forward an op that launches no kernel
   costs ``CPU_FORWARD_FREE_OP_US``, and every saved tensor ``CPU_SAVED_TENSOR_US``
-  for the executor's ledger hook. Neither is charged in backward, which runs in the
-  autograd engine's C++ (backward times land within 25% without). Not modelled, so a
-  CPU forward still comes out short (tests/test_moe.py says by how much): kernels that
-  miss the roofline on a CPU at small sizes (flash SDPA at head size 16, softmax and
-  top-k over a few experts, row gathers, the grouped GEMM at a few dozen rows per
-  expert) and extra Python in transformers' MoE code.
+  for the executor's ledger hook. A routed expert bank adds ``CPU_MOE_EXPERT_US`` per
+  expert its tokens reach and ``CPU_MOE_ROW_US`` per routed row (token x top_k): the
+  routing kernels that run per row and the grouped GEMM's per-expert GEMMs, which the
+  per-op roofline misses on a CPU. None of these is charged in backward, which runs in
+  the autograd engine's C++ (backward times land within 25% without). Not modelled,
+  so a CPU forward can still come out short (tests/test_moe.py says by how much): flash
+  SDPA at small head sizes runs below the matmul rate.
 - **Segments in backward**: identity autograd Functions on each block's input and
   output, as the executor's ``_Boundary`` (see [Note: segment boundaries] in
   executor/schedule.py). Gradient buffers are preset on the parameters, so each
@@ -139,6 +140,31 @@ thread, the thread's CPU clock), the forward with counting on less off, over the
 calls (89 and 111): 5.7 and 5.6 µs; 5.3 and 4.6 in a second run with the other core
 busy."""
 
+CPU_MOE_EXPERT_US = 14.0
+"""On a ``cpu`` spec, in forward: what each routed expert a MoE block's tokens reach costs
+the host beyond the per-op model (``min(n_experts, tokens x top_k)`` per bank call, at
+balanced load). transformers' grouped GEMM on a CPU runs one small GEMM per expert and
+group (up, down), on expert weights fetched cold, plus its per-group dispatch; the bmm
+that stands in for it (``moe.balanced_forward``) is charged as one kernel at the matmul
+rate. Measured with ``CPU_MOE_ROW_US`` by ``tools/bench_moe_cpu.py``: the MoE block's forward
+(a measured profile, one thread, the thread's CPU clock) less its analytic charge, less
+the same for its dense twin (what the two share cancels), on eight Mixtral-shaped configs
+that are not the tested ones (hidden 32-128, expert width 32-128, 4-32 experts, top-1 to
+top-4, 1-1536 routed rows, B*T 1-512, T <= 64), each block the least of 4-7 runs on
+the shared 2-core box, least squares over the pair: 14.3 us and 0.51 us (leave-one-out
+error 209 us rms against differences of 130-960 us; single runs of the tool, on a busy
+box, gave 13.9-15.6 us and 0.28-0.60 us). Not charged in backward (measured within 25%
+without)."""
+
+CPU_MOE_ROW_US = 0.5
+"""On a ``cpu`` spec, in forward: what each routed row (a token's visit to one expert,
+``tokens x top_k`` per bank call) costs the host beyond the per-op model: the routing's
+kernels run per row on a CPU (softmax and top-k over a few experts per token, the sort,
+the row gathers, the weighting and the un-permute; isolated, one thread, softmax over
+(256, 8) took 38 us where its bytes and the kernel overhead charge 5), and the grouped
+GEMM's rows run below the square-matmul rate. Measured with ``CPU_MOE_EXPERT_US`` (its
+docstring says how)."""
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _aten = torch.ops.aten
@@ -166,6 +192,10 @@ class PhaseCount:
     """Ops without a kernel charged ``CPU_FORWARD_FREE_OP_US`` (cpu spec, forward only)."""
     saved_tensors: int = 0
     """Pack-hook calls charged ``CPU_SAVED_TENSOR_US`` (cpu spec, forward only)."""
+    experts_run: int = 0
+    """Routed experts given rows, summed over bank calls, charged ``CPU_MOE_EXPERT_US`` (cpu spec, forward only)."""
+    routed_rows: int = 0
+    """Routed (token, expert) rows, summed over bank calls, charged ``CPU_MOE_ROW_US`` (cpu spec, forward only)."""
     time_s: float = 0.0
     """Sum over ops of the per-op roofline time plus overhead (plus, cpu spec forward, the eager costs)."""
     peak_bytes: int = 0
@@ -257,6 +287,16 @@ class _OpCounter(TorchDispatchMode):
             c = self._phase_count()
             c.saved_tensors += 1
             c.time_s += CPU_SAVED_TENSOR_US * 1e-6
+
+    def routed(self, n_tokens: int, top_k: int, n_experts: int) -> None:
+        """A routed expert bank runs (``moe.balanced_experts``): on a cpu spec, its host costs."""
+        if self.cpu and self.phase == "fwd" and not self.muted:
+            rows = n_tokens * top_k
+            experts = min(n_experts, rows)  # at balanced load, every expert a row reaches
+            c = self._phase_count()
+            c.experts_run += experts
+            c.routed_rows += rows
+            c.time_s += (experts * CPU_MOE_EXPERT_US + rows * CPU_MOE_ROW_US) * 1e-6
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -479,7 +519,11 @@ def count_segments(
         handles.append(modules[b].register_forward_pre_hook(pre_hook(i, b), with_kwargs=True))
         handles.append(modules[b].register_forward_hook(post_hook(i, b)))
     try:
-        with balanced_experts(model), _FusedKernels(gpu=spec.kind == "gpu"), counter:
+        with (
+            balanced_experts(model, on_bank=counter.routed),
+            _FusedKernels(gpu=spec.kind == "gpu"),
+            counter,
+        ):
             counter.begin("fwd", PRE)
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 loss = torch.func.functional_call(model, params, (idx, targets))

@@ -422,7 +422,22 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
     t_cpu = n_params_off * t.cpu_adam_us_per_param
-    t_gpu = n_params_dev * t.dev_adam_us_per_param + (C - n_off) * t.allreduce_us_per_chunk
+    # [Overlapped reductions] Under ZeRO-3 a persistent chunk's gradient reduction (an
+    # all-reduce, or sharded a reduce-scatter) starts when backward has ended the first
+    # segment using it, one after another on the collective lane, beside backward
+    # (executor/engine.py [Note: overlapped reductions]); what is left of them when
+    # backward ends delays the device step. Sharded, the all-gather of the updated values
+    # follows the step. The lane is charged alone: the offloaded chunks' reduce-scatters
+    # (in t_down, on the host link) are not made to wait for it.
+    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
+    if reduce_us:
+        for s in range(len(t.comp_fwd) - 1, -1, -1):
+            for _ in np.nonzero(t.offload_at[s] * (1 - off))[0]:
+                reduced = np.maximum(reduced, end_b[:, s]) + reduce_us
+    gather_after = (C - n_off) * (t.allreduce_us_per_chunk - reduce_us)
+    t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
+             + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
     # the CPU steps could all overlap backward. They cannot start before their gradients
     # land: one worker steps the offloaded chunks in offload order, each no earlier than
@@ -461,7 +476,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
         "t_cpu_optim_done_us": cpu_done,
-        "t_gpu_optim_us": np.full_like(time, t_gpu), "states_bytes": np.full_like(time, states),
+        "t_gpu_optim_us": t_gpu + np.zeros_like(time), "states_bytes": np.full_like(time, states),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
         "host_bytes": host.astype(np.float64), "host_swap_bytes": host_swap,
         "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,

@@ -356,10 +356,32 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     ends = [m.one(E[s]) for s in range(S)]
     params = t.chunk_params.astype(np.float64)
     n_params = float(params.sum())
-    t_gpu = (n_params * t.dev_adam_us_per_param + C * t.allreduce_us_per_chunk) * MS \
-        - Expr.dot(off, (params * t.dev_adam_us_per_param + t.allreduce_us_per_chunk) * MS)
+    # [Overlapped reductions] cost.evaluate: persistent chunks' reductions (reduce_us each)
+    # on the collective lane from the end of their first segment's backward; sharded, the
+    # all-gather after the step (gather_us) stays after backward.
+    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    gather_us = t.allreduce_us_per_chunk - reduce_us
+    t_gpu = (n_params * t.dev_adam_us_per_param + C * gather_us) * MS \
+        - Expr.dot(off, (params * t.dev_adam_us_per_param + gather_us) * MS)
     # [CPU Adam timeline] one worker, chunks in offload order (cost.evaluate's loop).
     events = [(s, c) for s in range(S - 1, -1, -1) for c in np.nonzero(t.offload_at[s])[0]]
+    if reduce_us and events:
+        # [Variable] R[k] ≥ 0: when the collective lane is done with the k-th chunk in
+        # offload order (an offloaded chunk takes no time on it)
+        R = m.var("R", len(events))
+        r = reduce_us * MS
+        for k, (s, c) in enumerate(events):
+            prev = m.one(R[k - 1]) if k else Expr()
+            # [Constraint] R[k] ≥ R[k-1] + r·(1 - off[c])  (the lane is busy until then)
+            m.ge(m.one(R[k]) - prev + m.one(off[c], r), r, f"reduction after the previous, chunk {c}")
+            # [Constraint] R[k] ≥ E[s] + r·(1 - off[c])  (its gradients are complete; for an
+            #              offloaded chunk R[k] ≥ E[s] ≤ T_bwd, which costs nothing below)
+            m.ge(m.one(R[k]) - ends[s] + m.one(off[c], r), r, f"reduction after its backward, chunk {c}")
+        # [Variable] Tr ≥ 0: what is left of the reductions when backward ends
+        Tr = int(m.var("Tr")[0])
+        # [Constraint] Tr ≥ R[last] - T_bwd
+        m.ge(m.one(Tr) - m.one(R[-1]) + t_bwd, 0, "reductions' tail after backward")
+        t_gpu = t_gpu + m.one(Tr)
     # [Variable] Z ≥ max(T_bwd + T_gpu_optim, CPU worker done)
     Z = int(m.var("Z")[0])
     m.ge(m.one(Z) - t_bwd - t_gpu, 0, "Z ≥ T_bwd + T_gpu_optim")

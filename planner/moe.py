@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -239,13 +239,31 @@ def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return out.to(hidden_states.dtype)
 
 
+def _balanced_forward_for(on_bank: Callable[[int, int, int], None] | None):
+    """``balanced_forward``, telling ``on_bank`` (tokens, top_k, experts) first when given."""
+    if on_bank is None:
+        return balanced_forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        n_tok, top_k = top_k_index.shape
+        on_bank(n_tok, top_k, self.down_proj.shape[0])
+        return balanced_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    return forward
+
+
 @contextlib.contextmanager
-def balanced_experts(model: nn.Module) -> Iterator[MoeLayout | None]:
+def balanced_experts(
+    model: nn.Module, on_bank: Callable[[int, int, int], None] | None = None
+) -> Iterator[MoeLayout | None]:
     """Within this context every routed expert bank of ``model`` runs ``balanced_forward``.
 
     Yields the layout (None for a dense model, which is left alone). The banks'
     forward is replaced on the instances only and restored on exit, so other models
     of the same class, and the model after the context, route as before.
+    ``on_bank(n_tokens, top_k, n_experts)``, if given, is called at each bank call
+    before its kernels run: the analytic profile charges a CPU's per-expert and
+    per-routed-row costs there (``analytic.CPU_MOE_EXPERT_US``, ``CPU_MOE_ROW_US``).
     [Note: routing imbalance] says what the balanced charge leaves out.
 
     [Note: routing imbalance]
@@ -267,12 +285,13 @@ def balanced_experts(model: nn.Module) -> Iterator[MoeLayout | None]:
     the H200 spec in bf16, against a mean load of ``B T top_k / E`` = 1024 for Mixtral
     at B=1, T=4096). We charge the balanced time and state the bound rather than pay
     the factor 2, which the routers' load-balancing losses exist to avoid.
-    Not modelled: the grouped kernels' lower efficiency on small groups (on our 2-core
-    CPU box, torch's grouped_mm over 8 experts x 128 rows took 1.35x the time of one
-    dense GEMM of the same FLOPs in a micro-benchmark; at 64 rows, one thread, ~1.2x in
-    the tiny Mixtral's block), on a CPU the routing ops' per-row cost (softmax and top-k
-    over n_experts columns, the sort, the gathers: ~3x what their bytes plus the kernel
-    overhead charge, there), and expert parallelism.
+    Not modelled on a ``gpu`` spec: the grouped kernels' lower efficiency on small groups
+    (on our 2-core CPU box, torch's grouped_mm over 8 experts x 128 rows took 1.35x the
+    time of one dense GEMM of the same FLOPs in a micro-benchmark); on any spec, expert
+    parallelism. On a ``cpu`` spec the analytic profile does charge, in forward, what the grouped GEMM's
+    per-expert GEMMs and the routing ops' per-row work (softmax and top-k over n_experts
+    columns, the sort, the gathers) cost the host beyond the per-op model
+    (``analytic.CPU_MOE_EXPERT_US``, ``CPU_MOE_ROW_US``, measured by tools/bench_moe_cpu.py).
     """
     layout = detect(model)
     if layout is None:
@@ -291,7 +310,7 @@ def balanced_experts(model: nn.Module) -> Iterator[MoeLayout | None]:
         for path in layout.banks:
             m = modules[path]
             saved.append((m, m.__dict__.get("forward")))
-            m.forward = types.MethodType(balanced_forward, m)
+            m.forward = types.MethodType(_balanced_forward_for(on_bank), m)
         yield layout
     finally:
         for m, before in saved:

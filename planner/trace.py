@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
 from protrain.executor.events import Event
@@ -170,8 +172,10 @@ class _Lanes:
         self.sync = sync
         self.free = {name: 0.0 for name in TRACKS}
 
-    def run(self, lane: str, at: float, dur: float) -> tuple[float, float]:
-        key = "compute" if self.sync and lane != "CPU Adam" else lane
+    def run(self, lane: str, at: float, dur: float, background: bool = False) -> tuple[float, float]:
+        """``background``: runs on a thread of its own on a ``cpu`` device too (an asynchronous
+        collective: gloo's threads)."""
+        key = "compute" if self.sync and lane != "CPU Adam" and not background else lane
         start = max(at, self.free[key])
         self.free[key] = start + dur
         return start, start + dur
@@ -216,6 +220,12 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     W = t.world_size
     # t_up / t_down include the collective under ZeRO-3 (cost.make_terms); split them.
     coll_us = t.allreduce_us_per_chunk / 2
+    # Persistent chunks' reductions start in backward (cost.evaluate [Overlapped reductions]).
+    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    reduce_name = "reduce_scatter" if t.shard_persistent else "all_reduce"  # dist.py [Note: sharding]
+    reduce_at: dict[str, list[int]] = {}
+    for c in plan.placement.persistent if W > 1 else []:
+        reduce_at.setdefault(segs[int(np.argmax(t.offload_at[:, c]))], []).append(c)
     up_us, down_us = t.t_up - coll_us, t.t_down - coll_us
     lanes = _Lanes(sync=not t.gpu)
     after_backward = plan.schedule.cpu_adam == "after_backward"  # CPU steps wait for the end of backward
@@ -303,6 +313,9 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
                     a0, a1 = lanes.run("CPU Adam", grads_down[c], n * t.cpu_adam_us_per_param)
                     events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam",
                                      chunk=c, params=n))
+            for c in reduce_at.get(step.segment, []) if last_micro else []:
+                r0, r1 = lanes.run("collectives", ce, reduce_us, background=True)
+                events.append(_x(f"{reduce_name} c{c}", "collectives", r0, r1 - r0, pid, "collective", chunk=c))
             for c in step.release:
                 ready.pop(c, None)
             now = ce if t.gpu else lanes.free["compute"]
@@ -320,13 +333,14 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
                 events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam", chunk=c, params=n))
     n_persist = len(plan.placement.persistent)
     if W > 1 and n_persist:
-        s, now = lanes.run("collectives", now, n_persist * t.allreduce_us_per_chunk)
-        name = "reduce_scatter+all_gather" if t.shard_persistent else "all_reduce"  # dist.py [Note: sharding]
-        events.append(_x(name, "collectives", s, now - s, pid, "collective", chunks=n_persist))
+        now = max(now, lanes.free["collectives"])  # the engine waits for the reductions
     n_dev = int(sum(int(t.chunk_params[c]) for c in plan.placement.persistent))
     if n_dev:
         s, now = lanes.run("compute", now, n_dev * t.dev_adam_us_per_param)
         events.append(_x("adam (device)", "compute", s, now - s, pid, "compute", params=n_dev))
+    if W > 1 and n_persist and t.shard_persistent:  # the updated shards to every rank
+        s, now = lanes.run("collectives", now, n_persist * (t.allreduce_us_per_chunk - reduce_us))
+        events.append(_x("all_gather", "collectives", s, now - s, pid, "collective", chunks=n_persist))
     end = max(now, lanes.free["CPU Adam"])
     events.append(_x("optimizer", "iteration", opt_start, end - opt_start, pid, "phase"))
 

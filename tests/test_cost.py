@@ -303,3 +303,26 @@ def test_swap_out_in_flight_terms():
         else:
             want = [0] * 6  # synchronous copies: gone when the segment ends
         assert m.swap_out[0].tolist() == want, kind
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_persistent_reductions_hide_under_backward(shard):
+    # Under ZeRO-3 each persistent chunk's reduction starts when backward has ended the
+    # first segment using it (engine.py [Note: overlapped reductions]). With long blocks
+    # every reduction but the last chunk's (the embedding's: complete only when backward
+    # ends) hides under the backward of the blocks before it; with blocks of ~no time
+    # they all run after backward, one after another, as before the overlap.
+    from protrain.planner.cost import predict_plan
+
+    facts = _fixed_facts()
+    for block_us, hidden in ((10**5, True), (1e-3, False)):
+        prof = synthetic_profile(facts, gpu_spec(link_gbps=1.0), block_us=block_us, act_bytes=10**3)
+        size, _ = choose_chunk_numel(facts_from_profile(prof))
+        t = make_terms(prof, size, world_size=2, shard_persistent=shard)
+        C = t.n_chunks
+        assert C >= 3 and t.allreduce_us_per_chunk > 0
+        b = predict_plan(t, list(range(C)), 0, ["keep"] * 4).breakdown
+        reduce_us = t.allreduce_us_per_chunk / (2 if shard else 1)
+        adam = int(t.chunk_params.sum()) * t.dev_adam_us_per_param + C * (t.allreduce_us_per_chunk - reduce_us)
+        tail = reduce_us if hidden else C * reduce_us
+        assert b["t_gpu_optim_us"] == pytest.approx(adam + tail, rel=1e-9, abs=1e-3), (block_us, b)

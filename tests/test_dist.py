@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distworker import LR, MICRO, SEQ, die, make_plan, run_plans, train
+from distworker import LR, MICRO, SEQ, die, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
 from protrain.executor import plan as P
@@ -192,6 +192,30 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
             assert torch.equal(sd["model"][n], t), (seed, n)
         for n, st in sync_sd["optim"].items():
             assert all(torch.equal(sd["optim"][n][k], st[k]) for k in ("exp_avg", "exp_avg_sq")), (seed, n)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_persistent_reductions_start_inside_backward(tmp_path, shard):
+    """Each persistent chunk's gradient reduction is issued at the end of the backward step
+    of the first segment that uses it (engine.py [Note: overlapped reductions]), so it runs
+    beside the rest of backward, and is waited on only after backward."""
+    spawn(events, 2, str(tmp_path), "gpt2-tiny", [1, 2], shard)
+    got = json.loads((tmp_path / "events.json").read_text())
+    ev = [tuple(e) for e in got["events"]]
+    blocks = got["blocks"]
+
+    def at(kind, edge, segment):
+        return ev.index((kind, edge, "backward", segment, ""))
+
+    backward_end = at("segment", "end", "<pre>")
+    for cid, block in zip(got["persistent"], blocks):  # chunk 1 holds block 0, chunk 2 block 1
+        op = "reduce-scatter" if shard else "all-reduce"
+        issued = ev.index(("collective", "begin", "", "", f"{op} of gradients of chunk {cid}"))
+        # after its block's backward, before the segment backward visits next
+        after = blocks[blocks.index(block) - 1] if block != blocks[0] else "<pre>"
+        assert at("segment", "end", block) < issued < at("segment", "begin", after), (cid, ev)
+        waited = ev.index(("collective", "begin", "", "", f"wait for the reduction of chunk {cid}'s gradients"))
+        assert waited > backward_end
 
 
 @pytest.mark.slow

@@ -231,7 +231,7 @@ def test_balanced_banks_save_what_the_grouped_gemm_saves():
     cfg = tiny("mixtral")
     balanced = block_counts(cfg, dtype="bfloat16")
     stock = analytic.balanced_experts
-    analytic.balanced_experts = lambda _model: contextlib.nullcontext()
+    analytic.balanced_experts = lambda _model, **_: contextlib.nullcontext()
     try:
         grouped = block_counts(cfg, dtype="bfloat16")
     finally:
@@ -317,12 +317,15 @@ def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def probed_block_us():
-    """The tiny Mixtral block and its dense twin against a spec probed on this machine.
+    """The tiny Mixtral block, its dense twin and a tiny Qwen3-MoE block against a spec probed on this machine.
 
     Returns the probed spec and, per model, ((analytic fwd_us, bwd_us), (measured fwd_us,
     bwd_us)): the analytic profile planned with the probed spec, the measured profile of
     the same model (real weights) run with it. The dense twin has the same attention and
-    one MLP as wide as the two experts a token visits.
+    one MLP as wide as the two experts a token visits. The Qwen3-MoE (16 experts, top-4,
+    every block MoE, head size 16, q/k norms) is the second family: another router and
+    other routing sizes (1024 routed rows over 16 experts, against Mixtral's 512 over 8),
+    none of which the CPU MoE constants were measured on.
 
     Two things keep the numbers about this machine and not about its neighbours:
 
@@ -348,7 +351,8 @@ def probed_block_us():
             mp.setattr(time, "perf_counter", time.thread_time)  # measure() and the probe read it
             spec = probe("cpu", quick=True)
             pair = {}
-            for name, cfg in (("dense", tiny("mistral")), ("moe", tiny("mixtral"))):
+            for name, cfg in (("dense", tiny("mistral")), ("moe", tiny("mixtral")),
+                              ("qwen3_moe", tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2))):
                 meta = build(cfg)
                 c = count_segments(meta, blocks=block_paths(meta), micro_batch=PROFILE_B, seq_len=PROFILE_T,
                                    compute_dtype="float32", spec=spec)
@@ -369,7 +373,7 @@ def _report(spec, times) -> list[str]:
              f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock)"]
     for i, phase in enumerate(("fwd", "bwd")):
         row = []
-        for name in ("dense", "moe"):
+        for name in times:
             a, m = times[name][0][i], times[name][1][i]
             row.append(f"{name} analytic {a:.0f} us, measured {m:.0f} us ({a / m:.2f}x)")
         ratio_a = times["moe"][0][i] / times["dense"][0][i]
@@ -396,10 +400,10 @@ def test_moe_over_dense_backward_against_a_probed_cpu_spec(probed_block_us):
     # The MoE block over its dense twin, analytic against measured: what the MoE charge
     # adds to a dense block, with the errors both share cancelling. Charging all eight
     # experts would make the analytic ratio ~2.6. Measured 1.21-1.24 analytic against
-    # 1.17-1.32. The forward's ratio is printed, not asserted: 1.17-1.18 analytic against
-    # 1.38-1.67 measured, because the MoE's own forward costs on a CPU (routing kernels
-    # per row, the grouped GEMM, transformers' MoE Python) are under-charged; the MoE
-    # forward test below says by how much and why.
+    # 1.17-1.32. The forward's ratio is printed, not asserted: on a cpu spec it carries
+    # the MoE's own host costs (CPU_MOE_EXPERT_US, CPU_MOE_ROW_US; the MoE forward test
+    # below), 1.47-1.50 analytic against 1.42-1.61 measured in seven runs (1.17-1.18
+    # against 1.38-1.67 before them).
     _, times = probed_block_us
     ratio_a = times["moe"][0][1] / times["dense"][0][1]
     ratio_m = times["moe"][1][1] / times["dense"][1][1]
@@ -420,15 +424,13 @@ def test_dense_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "the MoE block's CPU forward costs more than analytic.py's per-op model charges: routing "
-    "kernels that run per row (softmax/top-k over 8 experts, sort, histc, row gathers), the "
-    "grouped GEMM below the matmul rate, extra Python in transformers' MoE path; measured "
-    "0.68-0.77x. Not strict: it straddles the bound. See the comment in the test"))
-def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
-    # Where the MoE forward's gap comes from, per block at B=4, T=64, one thread, CPU clock.
-    # The first diagnostic (a probe of 90 GFLOP/s, ops timed one by one under a dispatch
-    # mode on the bare layer; dense / MoE, us): measured 1165 / 1837, analytic 757 / 894:
+@pytest.mark.parametrize("family", ["moe", "qwen3_moe"])
+def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us, family):
+    # Absolute, within 25%, the tiny Mixtral block and a tiny Qwen3-MoE block (the second
+    # family: 16 experts, top-4, its own router and q/k norms). Where the Mixtral forward's
+    # gap came from, per block at B=4, T=64, one thread, CPU clock; the first diagnostic (a
+    # probe of 90 GFLOP/s, ops timed one by one under a dispatch mode on the bare layer;
+    # dense / MoE, us): measured 1165 / 1837, analytic 757 / 894:
     #   view and metadata ops, which analytic.py charged nothing:   +162 / +175 (41 / 43 ops)
     #   the executor: the CPU ledger's Python pack hook per saved
     #   tensor (on CPU always; 38 / 49 per block), segment events:    +59 / +288
@@ -439,21 +441,21 @@ def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
     #   per-row cost, charged as bytes + 5 us):                          0 / +183
     #   matmuls (grouped_mm at 64 rows per expert: ~0.85x of mm):      +15 / +96
     #   other elementwise (charged at DRAM bandwidth, run in cache):    -7 / -10
-    # The first three rows are now charged on a cpu spec (CPU_FORWARD_FREE_OP_US per op
-    # without a kernel, 44 / 49 per block, the Python between ops folded in;
-    # CPU_SAVED_TENSOR_US per pack, 38 / 49), which
-    # brings the dense twin within 25% (test above) but not the MoE block: 0.68-0.77x in
-    # seven quiet runs (0.45-0.53x before; 0.58x with the second core busy).
-    # What is left is the MoE's own: the routing kernels and the grouped GEMM miss the
-    # roofline on a CPU (isolated, one thread: softmax over (256, 8) 38 us, charged 5;
-    # grouped_mm 0.87x of bmm; in the model, with cold caches, worse), and transformers'
-    # MoE path runs Python the per-op cost does not cover (at B=1, T=1, where kernels
-    # are free, the tiny Mixtral's forward is ~160 us per MoE block above 5 us an op;
-    # the dense twin's ~25 us). Charging those would mean per-kernel CPU efficiencies
-    # fitted to this block; the backward (C++, within 25%) does not need them.
+    # The first three rows are charged on a cpu spec by CPU_FORWARD_FREE_OP_US and
+    # CPU_SAVED_TENSOR_US, which brought the dense twin within 25% (test above) and the
+    # Mixtral block to 0.68-0.77x. The MoE's own rows (routing ops, the grouped GEMM) are
+    # charged per routed expert bank by CPU_MOE_EXPERT_US per expert reached (8 here, 16
+    # for the Qwen3-MoE) and CPU_MOE_ROW_US per routed row (512 here, 1024 for the
+    # Qwen3-MoE): +376 / +736 us. Both were measured by tools/bench_moe_cpu.py on other
+    # Mixtral shapes (the MoE block less its dense twin, against the analytic charge),
+    # none of them these two blocks (see their docstrings in planner/analytic.py).
+    # Measured in seven runs at load 3-6 on the 2-core box (probes of 84-95 GFLOP/s):
+    # Mixtral 0.80-0.95x (median 0.85; 0.68-0.77x before), Qwen3-MoE 1.03-1.13x (median
+    # 1.10; 0.71-0.73x before), the dense twin 0.84-0.97x in the same runs. By hand, the
+    # same way (three runs): OLMoE 0.88-0.93x, Qwen2-MoE (a shared expert) 0.91-0.98x.
     _, times = probed_block_us
-    (a, _), (m, _) = times["moe"]
-    assert abs(a / m - 1) <= 0.25, (a, m)
+    (a, _), (m, _) = times[family]
+    assert abs(a / m - 1) <= 0.25, (family, a, m)
 
 
 # ---------------------------------------------------------------------------- fit for one model
