@@ -499,16 +499,22 @@ def test_fit_a_dense_model_has_all_parameters_active():
     assert "(dense: all active)" in render_model_fit(r) and "routing" not in render_model_fit(r)
 
 
-def test_fit_cli_with_an_hf_config(tmp_path):
-    from click.testing import CliRunner
-
-    from protrain.planner.cli import main
-
+def _llama_dir(tmp_path):
+    """A local directory holding a tiny Llama's config.json (nothing downloaded)."""
     d = tmp_path / "llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=172,
         num_hidden_layers=2, **ATTN)))
+    return d
+
+
+def test_fit_cli_with_an_hf_config(tmp_path):
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    d = _llama_dir(tmp_path)
     runner = CliRunner()
     t0 = time.perf_counter()
     r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64"])
@@ -523,11 +529,7 @@ def test_fit_cli_with_an_hf_config(tmp_path):
 
 
 def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
-    d = tmp_path / "llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=172,
-        num_hidden_layers=2, **ATTN)))
+    d = _llama_dir(tmp_path)
     lines: list[str] = []
     with pytest.raises(BudgetError, match="host memory") as e:
         run_model_fit(f"hf:{d}", "rtx3090", budget="1MiB", host_memory="1KiB", seq_len=64, echo=lines.append)
