@@ -45,7 +45,7 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
 
 The device peak is the largest running total over the stream, times ``alpha``
 (allocator fragmentation on a GPU, 1 on a CPU). Within a step the order is: swap-in,
-fetches, opened gradients, prefetches; activations; transients (allocated, then
+fetches and prefetches, opened gradients; activations; transients (allocated, then
 freed); offloads, the segment's activations, releases.
 """
 
@@ -236,7 +236,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
 
 def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
     """The schedule's chunk changes, step by step: ``(phase, step, begin, end)`` where
-    ``begin`` (after the step's swap-ins: fetches, gradients opened, prefetches) and
+    ``begin`` (after the step's swap-ins: fetches and prefetches, gradients opened) and
     ``end`` (offloaded gradients, releases) are lists of ``(kind, chunk, +1 | -1)``,
     kind ``chunks`` (values) or ``grads``. The executor's replay rules
     (``validation.simulate_residency``): a chunk's gradients open at its first fetch in
@@ -246,7 +246,7 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
     for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
         for step in steps:
             begin, end = [], []
-            for c in step.fetch:
+            for c in (*step.fetch, *step.prefetch):
                 if c not in resident:
                     resident.add(c)
                     begin.append(("chunks", c, 1))
@@ -254,10 +254,6 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
                 if c not in grads:
                     grads.add(c)
                     begin.append(("grads", c, 1))
-            for c in step.prefetch:
-                if c not in resident:
-                    resident.add(c)
-                    begin.append(("chunks", c, 1))
             for c in step.offload:
                 if c in grads:
                     grads.discard(c)

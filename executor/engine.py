@@ -426,8 +426,7 @@ class Engine:
             for c in self.store.chunks:
                 master = self.optim.master[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
-                # Whole-chunk fp32 images (padding zero), then this rank's part of them.
-                mine = c.own
+                # Whole-chunk fp32 images (padding zero), then this rank's part of them (c.own).
 
                 def image(get, c=c, names=names):
                     full = torch.zeros(c.numel, dtype=torch.float32)
@@ -436,13 +435,13 @@ class Engine:
                     return full
 
                 values = image(lambda nm: model[nm])
-                master.copy_(values[mine])
+                master.copy_(values[c.own])
                 if optim and c.trainable:  # per parameter; one never stepped starts afresh
                     zero = {"step": torch.zeros(()), "exp_avg": torch.zeros(()), "exp_avg_sq": torch.zeros(())}
                     state = {nm: optim.get(nm, zero) for nm in names}
                     for key, moment in (("exp_avg", self.optim.exp_avg), ("exp_avg_sq", self.optim.exp_avg_sq)):
                         moment[c.id].copy_(image(lambda nm, key=key, state=state:
-                                                 state[nm][key].expand(model[nm].shape))[mine])
+                                                 state[nm][key].expand(model[nm].shape))[c.own])
                     for i, nm in enumerate(names):
                         self.optim.steps[c.id][i].fill_(float(state[nm]["step"]))
                         self.optim.counts[c.id][i] = int(float(state[nm]["step"]))

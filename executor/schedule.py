@@ -158,11 +158,17 @@ class Replayer:
         # never gets a gradient); see [Note: gradient completion].
         self.param_slot: dict[int, tuple[int, int]] = {}  # id(param) → (chunk id, index in params)
         self.n_params: dict[int, int] = {}
-        reduce = store.comm.world > 1  # persistent chunks' reductions join the order
+        # The chunks whose gradients are complete at the end of each backward step: the
+        # plan's offloads and, under ZeRO-3, each trainable persistent chunk at the end of
+        # the first segment (in forward order) that uses it, for its reduction.
+        self.complete = {s.segment: list(s.offload) for s in plan.schedule.backward}
+        first = {c: seg for seg, ids in reversed(segment_chunks(plan).items()) for c in ids}
         for c in store.chunks:
             trainable = [i for i, (p, _, _) in enumerate(c.params) if p.requires_grad]
-            if not c.persistent or (reduce and trainable):
+            if not c.persistent or (store.comm.world > 1 and trainable):
                 self.n_params[c.id] = len(trainable)
+                if c.persistent:
+                    self.complete[first.get(c.id, PRE)].append(c.id)
             for i in trainable:
                 self.param_slot[id(c.params[i][0])] = (c.id, i)
         # See [Note: boundaries on tensors without grad]. 0-dim, device, never gets a gradient.
@@ -171,12 +177,6 @@ class Replayer:
         self.requested: set[int] = set()  # chunks whose plan-given offload moment has passed
         # The plan's offload order; offloads happen strictly in it, so every rank issues
         # its gradient collectives in the same order (executor/dist.py).
-        self.complete = {s.segment: list(s.offload) for s in plan.schedule.backward}
-        # chunk → the first segment (in forward order) that uses it: the earliest one wins
-        first = {c: seg for seg, ids in reversed(segment_chunks(plan).items()) for c in ids}
-        for c in store.chunks:
-            if c.persistent and c.id in self.n_params:
-                self.complete[first.get(c.id, PRE)].append(c.id)
         self.offload_order = [c for s in plan.schedule.backward for c in self.complete[s.segment]]
         self.next_offload = 0  # index into offload_order
         self.handles: list = []
