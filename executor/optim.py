@@ -283,7 +283,8 @@ class ChunkOptimizer:
         for c in self.store.chunks:
             if not c.trainable:
                 continue
-            flat = c.dev_grad if c.persistent else c.home if self.store.grad_in_home else self.cpu_grad[c.id]
+            # 16-bit: where the gradients landed (home or slot), as _host_grad and the CPU step read them
+            flat = c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home else self.cpu_grad[c.id]
             for i in self.stepping(c.id):
                 p, off, n = c.params[i]
                 views[id(p)] = flat[off: off + n].view(p.shape)

@@ -165,6 +165,13 @@ class Terms:
     slot_pool_bytes: int = 0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
     convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
 
+    @property
+    def reduce_us_per_chunk(self) -> float:
+        """A persistent chunk's gradient reduction, which starts in backward ([Overlapped
+        reductions] in ``evaluate``): the all-reduce, or sharded the reduce-scatter; the rest of
+        ``allreduce_us_per_chunk`` (sharded: the all-gather) runs after the step."""
+        return self.allreduce_us_per_chunk / (2 if self.shard_persistent else 1)
+
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray, np.ndarray]:
     """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
@@ -429,7 +436,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # backward ends delays the device step. Sharded, the all-gather of the updated values
     # follows the step. The lane is charged alone: the offloaded chunks' reduce-scatters
     # (in t_down, on the host link) are not made to wait for it.
-    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    reduce_us = t.reduce_us_per_chunk
     reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
     if reduce_us:
         for s in range(len(t.comp_fwd) - 1, -1, -1):

@@ -359,7 +359,7 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     # [Overlapped reductions] cost.evaluate: persistent chunks' reductions (reduce_us each)
     # on the collective lane from the end of their first segment's backward; sharded, the
     # all-gather after the step (gather_us) stays after backward.
-    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    reduce_us = t.reduce_us_per_chunk
     gather_us = t.allreduce_us_per_chunk - reduce_us
     t_gpu = (n_params * t.dev_adam_us_per_param + C * gather_us) * MS \
         - Expr.dot(off, (params * t.dev_adam_us_per_param + gather_us) * MS)

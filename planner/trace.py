@@ -221,7 +221,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     # t_up / t_down include the collective under ZeRO-3 (cost.make_terms); split them.
     coll_us = t.allreduce_us_per_chunk / 2
     # Persistent chunks' reductions start in backward (cost.evaluate [Overlapped reductions]).
-    reduce_us = t.allreduce_us_per_chunk / (2 if t.shard_persistent else 1)
+    reduce_us = t.reduce_us_per_chunk
     reduce_name = "reduce_scatter" if t.shard_persistent else "all_reduce"  # dist.py [Note: sharding]
     reduce_at: dict[str, list[int]] = {}
     for c in plan.placement.persistent if W > 1 else []:
