@@ -23,6 +23,12 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   CPU ledger counts, and it never exceeds the reservation (validation.py).
 - **device, per step** — an offloaded chunk's gradients (if trainable) from its
   first fetch in backward to the end of the step that offloads them.
+- **device, shared gradients** — a trainable parameter that more than one segment
+  uses (a tied embedding and LM head): autograd holds the gradient of its later use
+  until the earlier use's backward adds the other (one input buffer of its
+  ``AccumulateGrad`` node), so ``numel`` compute-dtype bytes stay on the device from
+  the end of the later segment's backward to the end of the earlier one's
+  (``shared_grads``; measured in tests/test_shared_grads.py).
 - **device, activations** (given per segment, from a profile): a keep block or a
   segment outside the blocks holds ``saved`` from its forward to the end of its
   backward, a checkpointed block its ``inputs``; a swapped block holds nothing
@@ -51,11 +57,12 @@ freed); offloads, the segment's activations, releases.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from .plan import Plan, Schedule, Step, segments
+from .plan import POST, PRE, Plan, Schedule, Step, segments
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -108,6 +115,22 @@ def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
     return 4 * min(shard, STEP_PIECE) if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
 
 
+def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None) -> Counter[tuple[str, int]]:
+    """Bytes of the gradients autograd holds for trainable parameters two segments use
+    (module docstring): ``[(segment, 1)]`` opened at that backward step (the one after the
+    later use), ``[(segment, -1)]`` closed at its end (the earlier use)."""
+    segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
+    pre, post = set(plan.model.pre_block_params), set(plan.model.post_block_params)
+    for c in plan.chunks.items:
+        for p in c.params:
+            u = [i for i, s in enumerate(segs) if s == PRE and p.name in pre or s == POST and p.name in post
+                 or p.name.startswith(s + ".")]
+            if len(u) > 1 and (trainable is None or trainable[c.id]):
+                out[segs[u[-1] - 1], 1] += p.numel * cb
+                out[segs[u[0]], -1] += p.numel * cb
+    return out
+
+
 @dataclass(frozen=True)
 class SegmentBytes:
     """Activation bytes per segment in forward order (``<pre>``, blocks, ``<post>``), from a profile."""
@@ -127,7 +150,7 @@ class Event:
     phase: str  # "wrap", "forward" or "backward"
     segment: str  # the step's segment; "" at wrap
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
-    kind: str  # device: chunks, buffers, grads, optim (model states); activations (held),
+    kind: str  # device: chunks, buffers, grads, optim (model states); activations (held), shared_grads,
     # swapped_in, swap_out (in flight to the host), recompute, transient;
     # "buffers": chunks; host: home, optim, scratch, slots, swap; "step" (0 bytes) marks each step's start
     nbytes: int
@@ -198,6 +221,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             elif train[c]:
                 ev(phase, s, "device", kind, sign * chunk_bytes, c)
 
+    shared = shared_grads(plan, train)
     back_in: set[str] = set()
     for phase, step, begin, end in chunk_steps(plan.schedule):
         s = step.segment
@@ -207,6 +231,8 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             back_in.add(b)
             ev(phase, s, "device", "swapped_in", act(segs.index(b), "swapped"), block=b)
         chunk_events(phase, s, begin)
+        if phase == "backward":
+            ev(phase, s, "device", "shared_grads", shared[s, 1])
         if phase == "forward":
             ev(phase, s, "device", "activations", held[i], block=s)
             if gpu and policy.get(s) == "swap":
@@ -228,6 +254,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             if gpu and policy.get(s) == "checkpoint":
                 ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
             ev(phase, s, "device", "activations", -held[i], block=s)
+            ev(phase, s, "device", "shared_grads", -shared[s, -1])
             if s in back_in:
                 ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)
                 ev(phase, s, "host", "swap", -act(i, "swapped"), block=s)
@@ -324,6 +351,7 @@ def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict
             totals[e.kind] += e.nbytes
     out = {}
     for phase, segment, evs in _by_step(stream, occupancy=True):
+        evs = [e for e in evs if e.kind in STATE_KINDS]
         for e in evs:
             if e.nbytes > 0:
                 totals[e.kind] += e.nbytes

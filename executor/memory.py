@@ -13,7 +13,10 @@ bytes itself at every place it allocates or frees device-side state:
 - ``activations``: tensors saved for backward and held on the device, counted once
   per storage (keep blocks and the segments outside blocks: from forward until
   their backward ends; checkpointed blocks: their input; swapped blocks: only
-  between swap-in and the end of their backward).
+  between swap-in and the end of their backward);
+- ``shared_grads``: the gradient autograd holds for a parameter two segments use (a
+  tied weight) from the later segment's backward to the earlier one's, counted by
+  ``accounting.shared_grads``'s rule (autograd allocates it; no hook sees it).
 
 The count is exact for what it names and deterministic. Its model states
 (``chunks``, ``grads``, ``optim`` and the host bytes) are held to
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("chunks", "grads", "optim", "activations")
+KINDS = ("chunks", "grads", "optim", "activations", "shared_grads")
 
 
 class Ledger:

@@ -63,6 +63,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import accounting
 from .activations import Activations
 from .chunks import ChunkStore
 from .errors import ConfigError, ProtrainError
@@ -180,6 +181,9 @@ class Replayer:
         self.offload_order = [c for s in plan.schedule.backward for c in self.complete[s.segment]]
         self.next_offload = 0  # index into offload_order
         self.handles: list = []
+        # The CPU ledger counts the gradient autograd holds between two segments' backward
+        # steps (a tied weight's; accounting.shared_grads): no hook sees that buffer.
+        self.shared = accounting.shared_grads(plan, [c.trainable for c in store.chunks])
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._guard))
@@ -223,6 +227,8 @@ class Replayer:
             self.store.wait(c)
             if phase is Phase.BACKWARD:
                 self.store.open_grad(c)
+        if phase is Phase.BACKWARD:
+            self.store.ledger.alloc("shared_grads", self.shared[segment, 1])
         for c in step.prefetch:
             with self.events.about("prefetch", chunk=c):
                 self.store.fetch(c)
@@ -238,6 +244,7 @@ class Replayer:
             self.requested.update(self.complete[segment])
             self._drain()
             self.acts.end_backward(segment)
+            self.store.ledger.free("shared_grads", self.shared[segment, -1])
         for c in step.release:
             self.store.release(c)
             self.events.emit("release", "mark", chunk=c)

@@ -146,6 +146,7 @@ class Terms:
     offload_at: np.ndarray  # (S, C) 1 if the chunk's gradients leave at segment s's backward end
     grad_live: np.ndarray  # (S, C) 1 if the chunk's gradient buffer lives at segment s's backward
     uses: np.ndarray  # (S, C) 1 if segment s uses the chunk
+    shared_grads: np.ndarray  # (S,) bytes of gradients autograd holds at backward s (accounting.shared_grads)
     last_fwd_use: np.ndarray  # (C,) forward index of the chunk's last use
     # Link times (µs) for one chunk, and per byte of swap traffic.
     t_up: float
@@ -233,6 +234,13 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         offload_at[last_bwd, c] = 1  # backward order: the smallest index is reached last
         if used:  # a chunk no segment uses is never fetched in backward: no gradient buffer
             grad_live[last_bwd: first_bwd + 1, c] = 1
+    # A parameter two segments use (a tied embedding and head): its gradient is held from
+    # the end of the later one's backward to the end of the earlier one's (accounting.shared_grads).
+    shared = np.zeros(S)
+    for n, shape, _ in facts.params:
+        used = [s for s in range(S) if n in facts.uses[facts.segments[s]]]
+        if len(used) > 1:
+            shared[min(used): max(used)] += math.prod(shape) * cb
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
     big = 64 * 2**20
@@ -246,6 +254,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
         fwd_peak=arr("fwd_peak_bytes"), bwd_peak=arr("bwd_peak_bytes"),
         up_fwd=up_fwd, up_bwd=up_bwd, offload_at=offload_at, grad_live=grad_live, uses=uses,
+        shared_grads=shared,
         last_fwd_use=last_fwd,
         # A fetch uploads the own shard, then all-gathers; gradients reduce-scatter, then
         # the own shard goes down. With W = 1 both collectives cost nothing.
@@ -474,7 +483,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
     m = memory_terms(t, off, n_buffer, grid)
     fwd_steps = m.held + m.swap_out + m.fwd_transient
-    bwd_steps = m.held + m.swapped_in + m.grads
+    bwd_steps = m.held + m.swapped_in + m.grads + m.shared_grads
     if t.gpu:
         bwd_steps = bwd_steps + m.recompute + m.bwd_transient
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
@@ -510,6 +519,7 @@ class MemoryTerms:
     swap_out: np.ndarray  # (G, S) swapped activations still on the device at forward s (GPU only)
     swapped_in: np.ndarray  # (G, S) swapped activations back on the device at backward s
     grads: np.ndarray  # (S,) offloaded chunks' gradient buffers open at backward s
+    shared_grads: np.ndarray  # (S,) gradients autograd holds at backward s (a tied weight's)
     recompute: np.ndarray  # (G, S) a checkpointed block's recomputed activations (GPU only)
     fwd_transient: np.ndarray | float  # (S,) transient peak in forward (0 on CPU)
     bwd_transient: np.ndarray | float  # (S,) transient peak in backward (0 on CPU)
@@ -542,6 +552,7 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
         # block s-1's, whose swap-in the schedule issues as segment s begins.
         swapped_in=back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1),
         grads=(t.grad_live @ off) * t.chunk_bytes,
+        shared_grads=t.shared_grads,
         recompute=grid.ckpt * t.saved if t.gpu else np.zeros_like(held_each),
         fwd_transient=t.fwd_peak if t.gpu else 0.0,
         bwd_transient=t.bwd_peak if t.gpu else 0.0,

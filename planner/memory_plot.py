@@ -37,7 +37,8 @@ class MemoryStep:
     swapped_in: float
     """Swapped blocks' activations back on the device (backward)."""
     grads: float
-    """Gradient buffers of offloaded chunks alive at this backward step."""
+    """Gradient buffers of offloaded chunks alive at this backward step, and the gradients
+    autograd holds for parameters two segments use (``accounting.shared_grads``)."""
     recompute: float
     """A checkpointed block's recomputed activations during its backward (GPU only)."""
     transient: float
@@ -67,7 +68,7 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
     _terms_for(profile, plan)  # refuses a profile of another model or layout
     w = accounting.walk(plan, segment_bytes(profile))
     return [MemoryStep(f"{phase} {seg}", w.states_bytes, w.buffers_bytes, k.get("activations", 0),
-                       k.get("swap_out", 0), k.get("swapped_in", 0), k.get("grads", 0), k.get("recompute", 0),
+                       k.get("swap_out", 0), k.get("swapped_in", 0), k.get("grads", 0) + k.get("shared_grads", 0), k.get("recompute", 0),
                        k.get("transient", 0), w.alpha)
             for phase, seg, k in accounting.step_highs(w.events)]
 

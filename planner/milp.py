@@ -441,7 +441,7 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         # [Constraint] peak at forward step s ≤ budget
         m.le(fwd * a + m.one(Hv[s], alpha), 1.0, f"peak at forward {s} ≤ budget")
         back = (base + seg_swap(s, float(t.saved_tensor[s])) + seg_swap(s - 1, float(t.saved_tensor[s - 1]))
-                + Expr.dot(off, t.grad_live[s]) * float(t.chunk_bytes))
+                + Expr.dot(off, t.grad_live[s]) * float(t.chunk_bytes) + float(t.shared_grads[s]))
         if t.gpu:
             back = back + seg_ckpt(s, float(t.saved[s])) + float(t.bwd_peak[s])
         # [Constraint] peak at backward step s ≤ budget
