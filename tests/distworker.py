@@ -88,7 +88,7 @@ def run_plans(rank: int, world: int, port: int, out: str, runs: list[tuple]) -> 
                 torch.save(sd, Path(out) / f"{label}.pt")
             Path(out, f"{label}-rank{rank}.json").write_text(json.dumps({
                 "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-                "optim": engine.ledger.bytes["optim"]}))
+                "optim": engine.ledger.bytes["optim"], "host": engine.ledger.host_bytes}))
             engine.close()
     finally:
         dist.destroy_process_group()

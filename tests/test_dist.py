@@ -166,6 +166,32 @@ def test_sharded_persistent_states_train_as_replicated_on_three_ranks(tmp_path):
         _assert_same_training(out[dtype], out[f"{dtype}-replicated"], 3)
 
 
+def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
+    """ZeRO-3 with the 12 B host layout (every offloaded chunk homeless: each rank's shard is
+    converted from its master into a slot at every fetch, and its reduce-scattered gradients
+    land in a slot) trains bit for bit as the same plan with homes kept (bf16, 2 ranks, 10
+    steps), and each rank holds what accounting.py says: 2 B per shard element less, plus the
+    slot."""
+    from protrain.executor import accounting
+
+    kept = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16")
+    off = kept.placement.offloaded
+    homeless = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16", homeless=off)
+    assert homeless.placement.homeless == off and homeless.placement.n_host_slots >= 1
+    out = _run_plans(tmp_path, 2, "gpt2-tiny", [("kept", kept, None), ("homeless", homeless, None)], 10)
+    (ranks_h, sd_h), (ranks_k, sd_k) = out["homeless"], out["kept"]
+    assert [r["losses"] for r in ranks_h] == [r["losses"] for r in ranks_k]
+    for n, t in sd_k["model"].items():
+        assert torch.equal(sd_h["model"][n], t), n
+    for n, st in sd_k["optim"].items():
+        assert all(torch.equal(sd_h["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
+    shard = kept.chunks.chunk_numel // 2
+    assert all(r["host"] == accounting.walk(homeless).host_bytes for r in ranks_h)
+    assert all(r["host"] == accounting.walk(kept).host_bytes for r in ranks_k)
+    slots = homeless.placement.n_host_slots * shard * 2
+    assert accounting.walk(kept).host_bytes - accounting.walk(homeless).host_bytes == 2 * shard * len(off) - slots
+
+
 def test_async_zero3_equals_sync(tmp_path, monkeypatch):
     """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
     all-gathers run on the copy worker, later; losses and state equal the synchronous run's
