@@ -110,6 +110,16 @@ class Comm:
         work to ``wait`` on)."""
         return self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full, async_op=async_op)
 
+    def start_reduce_scatter(self, full: torch.Tensor, own: slice, what: str) -> tuple[torch.Tensor, object]:
+        """Start summing this rank's slice ``own`` of ``full`` over the ranks: ``(out, work)``.
+        ``out`` is the slice itself on CUDA (NCCL reduces in place when the output is the
+        rank's slice of the input: no memory beyond what accounting.py counts), a buffer of
+        its own on CPU: an in-place asynchronous gloo reduce-scatter aborted a rank
+        ("terminate called without an active exception") in 2 of ~20 runs of
+        tests/test_dist.py, 0 of 10 with the buffer."""
+        out = full[own] if full.is_cuda else full.new_empty(own.stop - own.start)
+        return out, self.reduce_scatter(out, full, what, async_op=True)
+
     def all_reduce(self, t: torch.Tensor, what: str, async_op: bool = False):
         return self._run(f"all-reduce of {what}", dist.all_reduce, t, async_op=async_op)
 

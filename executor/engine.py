@@ -320,10 +320,8 @@ class Engine:
         A persistent chunk's (ZeRO-3): start their reduction ([Note: overlapped reductions])."""
         c, what = self.store.chunks[cid], f"gradients of chunk {cid}"
         if c.persistent and self._last_micro:  # sharded: this rank's slice ([Note: overlapped reductions])
-            out = (c.dev_grad if not c.sharded else c.dev_grad[c.shard] if self.device.type == "cuda"
-                   else c.dev_grad.new_empty(c.shard.stop - c.shard.start))
-            self._reducing[cid] = (out, self.comm.reduce_scatter(out, c.dev_grad, what, async_op=True)
-                                   if c.sharded else self.comm.all_reduce(out, what, async_op=True))
+            self._reducing[cid] = (self.comm.start_reduce_scatter(c.dev_grad, c.shard, what) if c.sharded
+                                   else (c.dev_grad, self.comm.all_reduce(c.dev_grad, what, async_op=True)))
         if c.persistent:
             return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
@@ -339,11 +337,8 @@ class Engine:
         # sharding]): all of the buffer where the states are replicated, this rank's slice
         # where sharded. It ran beside the rest of backward; here it is waited on and
         # averaged. The sums are the collectives' own, as when they ran after backward.
-        # The sharded slice: in place on CUDA (NCCL reduces in place when the output is
-        # the rank's slice of the input: no memory beyond what accounting.py counts); on
-        # gloo into a buffer of its own, since an in-place asynchronous reduce-scatter
-        # aborted a rank ("terminate called without an active exception") in 2 of ~20
-        # runs of tests/test_dist.py, 0 of 10 with the buffer.
+        # The sharded slice is reduced in place on CUDA, into a buffer on gloo
+        # (``Comm.start_reduce_scatter``).
         for cid, (out, work) in sorted(self._reducing.items()):
             self.comm.wait(work, f"the reduction of chunk {cid}'s gradients")
             c = self.store.chunks[cid]
