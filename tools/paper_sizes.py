@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import subprocess
 import sys
 import time
@@ -158,15 +159,27 @@ def reading(rows: list[dict]) -> str:
                  + ". Rerun this tool after a host-layout change to refresh the table.")
     else:
         text += "."
-    same = [r4["server"].split(",")[0] for r1 in rows for r4 in rows
-            if r1["command"].endswith("--world-size 1") and r4["command"].endswith("--world-size 4")
-            and r4["command"].split("--world-size")[0] == r1["command"].split("--world-size")[0]
-            and r4["params_b"] <= r1["params_b"]]
-    if same:
-        text += (f" {' and '.join(same)} fit no larger a model than one card: the four ranks share the "
-                 "one machine's host RAM (each offloaded state is already sharded, so the total is the "
-                 "same), and each rank keeps its own copy of the persistent chunks' states, so the other "
-                 "three cards add no room for them (issue 17 item 2 shards those).")
+    for r1 in rows:
+        for r4 in rows:
+            if not (r1["command"].endswith("--world-size 1") and r4["command"].endswith("--world-size 4")
+                    and r4["command"].split("--world-size")[0] == r1["command"].split("--world-size")[0]
+                    and r4["params_b"] <= r1["params_b"] and "needs" in r1["next"] and "needs" in r4["next"]):
+                continue
+            need1, use1 = _needs(r1["next"])
+            need4, use4 = _needs(r4["next"])
+            text += (f" {r4['server'].split(',')[0]} fits no larger a model than one card: at the next size "
+                     f"the four ranks need {4 * need4:.1f} GiB of host RAM in all against one rank's "
+                     f"{need1:.1f} (the persistent chunks' optimizer states are sharded over the cards, "
+                     f"so more of the model stays on the devices), but have {4 * use4:.1f} GiB usable "
+                     f"against {use1:.1f} (each rank's budget is its share less 10% and 2 GiB), and the "
+                     "ladder's next rung is too far up for the difference to reach it.")
+    return text
+
+
+def _needs(limit: str) -> tuple[float, float]:
+    """``(needed, usable)`` GiB per rank, from a ``needs X GiB, Y GiB usable`` limit."""
+    m = re.search(r"needs ([\d.]+) GiB, ([\d.]+) GiB usable", limit)
+    return float(m.group(1)), float(m.group(2))
     return text
 
 
