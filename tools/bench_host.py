@@ -168,7 +168,11 @@ def reading(rows: list[dict]) -> str:
             "embedding, so the slot is 0.30 B per parameter at 355M and 0.25 at 774M), the step's "
             "scratch, and allocator slack. Before this round the tied embedding's held gradient "
             "(51.5M x 2 B = 0.29 B per parameter at 355M) was not in the ledger's device count and "
-            "read as host bytes: 12.77 then. The homes-kept and fp32 rows are the same layouts as before.")
+            "read as host bytes: 12.77 then. The fp32 row reads below its prediction because its host "
+            "high-water comes at the end of backward (the fp32 accumulators are first written as "
+            "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
+            "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
+            "resident from allocation.")
 
 
 def write_section(text: str) -> None:
