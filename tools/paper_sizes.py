@@ -180,7 +180,6 @@ def _needs(limit: str) -> tuple[float, float]:
     """``(needed, usable)`` GiB per rank, from a ``needs X GiB, Y GiB usable`` limit."""
     m = re.search(r"needs ([\d.]+) GiB, ([\d.]+) GiB usable", limit)
     return float(m.group(1)), float(m.group(2))
-    return text
 
 
 def main() -> None:
