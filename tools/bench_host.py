@@ -163,6 +163,7 @@ def reading(rows: list[dict]) -> str:
             + ", ".join(f"{r['model']} {r['measured_per_param']:.2f} (mmap threshold fixed "
                         f"{r['measured_mmap_per_param']:.2f}; predicted {r['predicted_per_param']:.2f})" for r in h)
             + f". Peak over predicted across all rows: {min(ratios):.3f} to {max(ratios):.3f}. "
+            + _marginal(h) +
             f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
             "12 B of states: the slot of one chunk shard (the chunk must hold the 51.5M-element "
             "embedding, so the slot is 0.30 B per parameter at 355M and 0.25 at 774M), the step's "
@@ -173,6 +174,19 @@ def reading(rows: list[dict]) -> str:
             "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
             "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
             "resident from allocation.")
+
+
+def _marginal(h: list[dict]) -> str:
+    """Host bytes per parameter *added* from the smallest homeless model to the largest
+    (peak and predicted): what a larger model costs, free of what does not grow with it."""
+    if len(h) < 2:
+        return ""
+    a, b = min(h, key=lambda r: r["offloaded"]), max(h, key=lambda r: r["offloaded"])
+    slope = {k: (b[k] * b["offloaded"] - a[k] * a["offloaded"]) / (b["offloaded"] - a["offloaded"])
+             for k in ("measured_per_param", "measured_mmap_per_param", "predicted_per_param")}
+    return (f"From {a['model']} to {b['model']} each added parameter cost {slope['measured_per_param']:.2f} B "
+            f"({slope['measured_mmap_per_param']:.2f} with the threshold fixed; predicted "
+            f"{slope['predicted_per_param']:.2f}). ")
 
 
 def write_section(text: str) -> None:
