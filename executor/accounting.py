@@ -28,7 +28,9 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   until the earlier use's backward adds the other (one input buffer of its
   ``AccumulateGrad`` node), so ``numel`` compute-dtype bytes stay on the device from
   the end of the later segment's backward to the end of the earlier one's
-  (``shared_grads``; measured in tests/test_shared_grads.py).
+  (``shared_grads``; measured in tests/test_shared_grads.py). Trainable is per chunk
+  here, as everywhere in this module: a frozen tied weight in a trainable chunk is
+  counted though autograd holds nothing for it (an over-count, never an under-count).
 - **device, activations** (given per segment, from a profile): a keep block or a
   segment outside the blocks holds ``saved`` from its forward to the end of its
   backward, a checkpointed block its ``inputs``; a swapped block holds nothing

@@ -236,11 +236,14 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
             grad_live[last_bwd: first_bwd + 1, c] = 1
     # A parameter two segments use (a tied embedding and head): its gradient is held from
     # the end of the later one's backward to the end of the earlier one's (accounting.shared_grads).
+    segs_of: dict[str, list[int]] = {}  # parameter → the segments using it, in forward order
+    for s, seg in enumerate(facts.segments):
+        for n in set(facts.uses[seg]):
+            segs_of.setdefault(n, []).append(s)
     shared = np.zeros(S)
     for n, shape, _ in facts.params:
-        used = [s for s in range(S) if n in facts.uses[facts.segments[s]]]
-        if len(used) > 1:
-            shared[min(used): max(used)] += math.prod(shape) * cb
+        if len(segs_of.get(n, ())) > 1:
+            shared[segs_of[n][0]: segs_of[n][-1]] += math.prod(shape) * cb
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
     big = 64 * 2**20

@@ -102,7 +102,7 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
         ("activations held", [m.activations * a for m in walk], "#55a868"),
         ("activations swapping out", [m.swapping_out * a for m in walk], "#a6d96a"),
         ("swapped-in activations", [m.swapped_in * a for m in walk], "#8fd175"),
-        ("offloaded gradient buffers", [m.grads * a for m in walk], "#dd8452"),
+        ("gradient buffers (offloaded chunks, tied weights)", [m.grads * a for m in walk], "#dd8452"),
         ("recomputed activations", [m.recompute * a for m in walk], "#937860"),
         ("transient peak", [m.transient * a for m in walk], "#c44e52"),
     ]

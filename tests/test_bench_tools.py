@@ -316,6 +316,10 @@ def test_paper_sizes_section_says_what_binds():
     assert ("4 x rtx3090 fits no larger a model than one card: at the next size the four ranks need 346.0 GiB "
             "of host RAM in all against one rank's 349.0") in text
     assert "but have 337.6 GiB usable against 343.0" in text
+    # a limit that is not a probe's host need (the host floor's "needs at least") says no totals
+    floor = ps.section([row(1, 34, "needs at least 400 GiB, 343 GiB usable"), row(4, 37, "needs 86.5 GiB, 84.4 GiB usable")],
+                       "llama-70b: plans.", 2.0)
+    assert "fits no larger a model" not in floor
 
 
 def test_bench_host_reads_its_rows():

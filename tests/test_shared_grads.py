@@ -2,8 +2,9 @@
 device between their backward steps (executor/accounting.py ``shared_grads``).
 
 The rule's premise is autograd's, measured here with the profiler's allocation events
-in plain PyTorch; the rule itself is checked on plans and, through the CPU ledger,
-against the cost model (tests/test_memory.py compares ledger and prediction)."""
+in plain PyTorch and inside ``engine.step``; the rule itself is checked on a plan and
+in the CPU ledger here, and against the cost model by tests/test_accounting.py's
+property test (tied models included)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def test_the_executor_leaves_the_hold_as_autograd_makes_it():
     engine.on_event(lambda e: seen.append((e.segment, e.edge, engine.ledger.bytes["shared_grads"]))
                     if e.kind == "segment" and e.phase == "backward" else None)
     _held_across(lambda: engine.step((idx[:, :-1], idx[:, 1:])), n)
+    assert engine.ledger.bytes["shared_grads"] == 0  # closed when <pre>'s backward ended
     engine.close()
     blocks = plan.model.blocks
     want = [("<post>", "begin", 0), ("<post>", "end", 0)]
@@ -100,8 +102,8 @@ def test_shared_grads_rule_on_a_tied_plan():
     n = wte.numel() * 2
     assert accounting.shared_grads(plan) == {(plan.model.blocks[-1], 1): n, ("<pre>", -1): n}
     owner = next(c.id for c in plan.chunks.items for p in c.params if p.name == "transformer.wte.weight")
-    frozen = [c.id != owner for c in plan.chunks.items]
-    assert not accounting.shared_grads(plan, frozen)
+    trainable = [c.id != owner for c in plan.chunks.items]  # the tied weight's chunk frozen
+    assert not accounting.shared_grads(plan, trainable)
     # in the stream: opened at the backward step after <post>, closed at the end of <pre>'s
     held = [(e.phase, e.segment, e.nbytes) for e in accounting.events(plan) if e.kind == "shared_grads"]
     assert held == [("backward", plan.model.blocks[-1], wte.numel() * 2), ("backward", "<pre>", -wte.numel() * 2)]

@@ -125,9 +125,9 @@ def render(rows: list[dict], cmd: str) -> str:
         "model was built (torch imported, the corpus read, one small forward and backward run), per "
         "offloaded parameter. *Peak*: the process's peak RSS (`VmHWM`) minus that baseline and minus "
         "the step's device peak as the CPU ledger counts it (on a CPU run the \"device\" is host "
-        "memory too; the ledger counts the chunk buffers, gradients, saved activations and, since "
-        "this round, the gradient autograd holds for the tied embedding between the head's backward "
-        "and the embedding's, `accounting.shared_grads`), per offloaded parameter: what the host "
+        "memory too; the ledger counts the chunk buffers, gradients, saved activations and the "
+        "gradient autograd holds for the tied embedding between the head's backward and the "
+        "embedding's, `accounting.shared_grads`), per offloaded parameter: what the host "
         "states cost at their worst, allocator slack included. *Peak, mmap threshold 1 MiB*: the same "
         "in a process started with `MALLOC_MMAP_THRESHOLD_=1048576`; glibc's default raises its mmap "
         "threshold as mapped blocks are freed, so freed device-side blocks of the CPU run (op "
@@ -157,19 +157,23 @@ def render(rows: list[dict], cmd: str) -> str:
 def reading(rows: list[dict]) -> str:
     """The figures the issue asks for, read off the rows."""
     h = [r for r in rows if r["homeless"]]
+    if not h:
+        return ""
     worst = max(h, key=lambda r: r["measured_per_param"])
     ratios = [r[k] / r["predicted_per_param"] for r in rows for k in ("measured_per_param", "measured_mmap_per_param")]
+    slot = ", ".join(f"{r['slots'] * r['chunk_numel'] * 2 / r['offloaded']:.2f} B at {r['model']}" for r in h)
     return ("Reading. Homeless (12 B layout), peak host bytes per offloaded parameter: "
             + ", ".join(f"{r['model']} {r['measured_per_param']:.2f} (mmap threshold fixed "
                         f"{r['measured_mmap_per_param']:.2f}; predicted {r['predicted_per_param']:.2f})" for r in h)
             + f". Peak over predicted across all rows: {min(ratios):.3f} to {max(ratios):.3f}. "
             + _marginal(h) +
             f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
-            "12 B of states: the slot of one chunk shard (the chunk must hold the 51.5M-element "
-            "embedding, so the slot is 0.30 B per parameter at 355M and 0.25 at 774M), the step's "
-            "scratch, and allocator slack. Before this round the tied embedding's held gradient "
-            "(51.5M x 2 B = 0.29 B per parameter at 355M) was not in the ledger's device count and "
-            "read as host bytes: 12.77 then. The fp32 row reads below its prediction because its host "
+            f"12 B of states: the slots of one chunk shard each (a chunk holds at least the largest "
+            f"parameter, GPT-2's tied embedding: {slot} per parameter), the step's scratch, and allocator "
+            "slack. The device count subtracted includes the gradient autograd holds for the tied "
+            "embedding between the head's backward and the embedding's (`accounting.shared_grads`, "
+            "51.5M x 2 B = 0.29 B per parameter at 355M), which is device memory on a GPU. "
+            "The fp32 row reads below its prediction because its host "
             "high-water comes at the end of backward (the fp32 accumulators are first written as "
             "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
             "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "

@@ -163,7 +163,7 @@ def reading(rows: list[dict]) -> str:
         for r4 in rows:
             if not (r1["command"].endswith("--world-size 1") and r4["command"].endswith("--world-size 4")
                     and r4["command"].split("--world-size")[0] == r1["command"].split("--world-size")[0]
-                    and r4["params_b"] <= r1["params_b"] and "needs" in r1["next"] and "needs" in r4["next"]):
+                    and r4["params_b"] <= r1["params_b"] and _needs(r1["next"]) and _needs(r4["next"])):
                 continue
             need1, use1 = _needs(r1["next"])
             need4, use4 = _needs(r4["next"])
@@ -176,10 +176,11 @@ def reading(rows: list[dict]) -> str:
     return text
 
 
-def _needs(limit: str) -> tuple[float, float]:
-    """``(needed, usable)`` GiB per rank, from a ``needs X GiB, Y GiB usable`` limit."""
-    m = re.search(r"needs ([\d.]+) GiB, ([\d.]+) GiB usable", limit)
-    return float(m.group(1)), float(m.group(2))
+def _needs(limit: str) -> tuple[float, float] | None:
+    """``(needed, usable)`` GiB per rank, from a probe's ``host memory: needs X GiB, Y GiB
+    usable``; None for any other limit (the device, the host floor's ``needs at least``)."""
+    m = re.search(r"host memory: needs ([\d.]+) GiB, ([\d.]+) GiB usable", limit)
+    return (float(m.group(1)), float(m.group(2))) if m else None
 
 
 def main() -> None:
