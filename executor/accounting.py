@@ -28,9 +28,10 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   until the earlier use's backward adds the other (one input buffer of its
   ``AccumulateGrad`` node), so ``numel`` compute-dtype bytes stay on the device from
   the end of the later segment's backward to the end of the earlier one's
-  (``shared_grads``; measured in tests/test_shared_grads.py). Trainable is per chunk
-  here, as everywhere in this module: a frozen tied weight in a trainable chunk is
-  counted though autograd holds nothing for it (an over-count, never an under-count).
+  (``shared_grads``; measured in tests/test_shared_grads.py). The stream takes
+  trainability per chunk, as everywhere in this module, so a frozen tied weight in a
+  trainable chunk is counted (an over-count); the CPU ledger, which knows each
+  parameter, does not count it.
 - **device, activations** (given per segment, from a profile): a keep block or a
   segment outside the blocks holds ``saved`` from its forward to the end of its
   backward, a checkpointed block its ``inputs``; a swapped block holds nothing
@@ -60,7 +61,7 @@ freed); offloads, the segment's activations, releases.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -117,17 +118,19 @@ def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
     return 4 * min(shard, STEP_PIECE) if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
 
 
-def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None) -> Counter[tuple[str, int]]:
+def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
+                 frozen: Collection[str] = ()) -> Counter[tuple[str, int]]:
     """Bytes of the gradients autograd holds for trainable parameters two segments use
     (module docstring): ``[(segment, 1)]`` opened at that backward step (the one after the
-    later use), ``[(segment, -1)]`` closed at its end (the earlier use)."""
+    later use), ``[(segment, -1)]`` closed at its end (the earlier use). ``frozen``: names
+    of parameters without gradients (the executor knows them; the planner does not)."""
     segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
     pre, post = set(plan.model.pre_block_params), set(plan.model.post_block_params)
     for c in plan.chunks.items:
         for p in c.params:
             u = [i for i, s in enumerate(segs) if s == PRE and p.name in pre or s == POST and p.name in post
                  or p.name.startswith(s + ".")]
-            if len(u) > 1 and (trainable is None or trainable[c.id]):
+            if len(u) > 1 and (trainable is None or trainable[c.id]) and p.name not in frozen:
                 out[segs[u[-1] - 1], 1] += p.numel * cb
                 out[segs[u[0]], -1] += p.numel * cb
     return out

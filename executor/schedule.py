@@ -183,7 +183,8 @@ class Replayer:
         self.handles: list = []
         # The CPU ledger counts the gradient autograd holds between two segments' backward
         # steps (a tied weight's; accounting.shared_grads): no hook sees that buffer.
-        self.shared = accounting.shared_grads(plan, [c.trainable for c in store.chunks])
+        self.shared = accounting.shared_grads(plan, [c.trainable for c in store.chunks],
+                                              {n for n, p in model.named_parameters() if not p.requires_grad})
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._guard))

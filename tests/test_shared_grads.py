@@ -107,3 +107,60 @@ def test_shared_grads_rule_on_a_tied_plan():
     # in the stream: opened at the backward step after <post>, closed at the end of <pre>'s
     held = [(e.phase, e.segment, e.nbytes) for e in accounting.events(plan) if e.kind == "shared_grads"]
     assert held == [("backward", plan.model.blocks[-1], wte.numel() * 2), ("backward", "<pre>", -wte.numel() * 2)]
+
+
+def _ledger_trace(engine, run):
+    """The CPU ledger's shared-gradient count at each backward segment's begin, while ``run()``."""
+    seen = []
+    engine.on_event(lambda e: seen.append(engine.ledger.bytes["shared_grads"])
+                    if e.kind == "segment" and e.phase == "backward" and e.edge == "begin" else None)
+    run()
+    return seen
+
+
+def test_a_frozen_tied_weight_holds_nothing():
+    # a model we did not design for it: GPT-2 with its tied embedding frozen (its chunk
+    # stays trainable: wpe and the first block's parameters share it): autograd computes no
+    # gradient for it, and the ledger, which knows each parameter, counts none
+    from protrain.executor import wrap
+    from protrain.planner.models import build
+
+    meta, plan = _plan("float32")
+    model = build("gpt2-tiny", device="cpu")
+    model.transformer.wte.weight.requires_grad_(False)
+    engine = wrap(model, plan, device="cpu")
+    owner = next(c for c in plan.chunks.items if any(p.name == "transformer.wte.weight" for p in c.params))
+    assert engine.store.chunks[owner.id].trainable
+    idx = torch.randint(0, 100, (1, 9))
+    step = lambda: engine.step((idx[:, :-1], idx[:, 1:]))  # noqa: E731
+    assert set(_ledger_trace(engine, step)) == {0}
+    with pytest.raises(AssertionError):
+        _held_across(step, meta.transformer.wte.weight.numel() * 4)
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["gemma", "gpt2"])
+def test_transformers_tied_families_hold_it_as_counted(family, tmp_path):
+    # transformers' own tied families (embed_tokens / wte and lm_head), offloaded and
+    # checkpointed with two micro-batches: the hold is there in each, and the ledger counts
+    # it through every block's backward
+    pytest.importorskip("transformers")
+    from test_hf_families import MICRO, SEQ, make_plan, write_family
+
+    from protrain.executor import wrap
+    from protrain.planner import hf
+    from protrain.planner.data import batches, load_tokens
+    from protrain.planner.models import build
+
+    name = write_family(tmp_path / family, family, hf)
+    plan = make_plan(name, "offloaded-checkpoint-accum2")
+    (tied, _), = plan.model.tied
+    n = next(p.numel for c in plan.chunks.items for p in c.params if p.name == tied) * 4
+    engine = wrap(build(name, seed=1), plan, device="cpu")
+    data = batches(load_tokens(), MICRO, SEQ, 0)
+    step = lambda: engine.step([next(data), next(data)])  # noqa: E731
+    blocks = len(plan.model.blocks)
+    assert _ledger_trace(engine, step) == ([0] + [n] * (blocks + 1)) * 2  # <post>, blocks, <pre>; twice
+    _held_across(step, n)
+    assert engine.ledger.bytes["shared_grads"] == 0
+    engine.close()
