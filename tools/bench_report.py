@@ -8,7 +8,8 @@ import os
 import statistics
 from pathlib import Path
 
-from bench_train import SECTION, human
+from bench_backends import human
+from bench_train import SECTION
 
 
 def load_records(paths: list[str]) -> list[dict]:
