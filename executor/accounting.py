@@ -65,7 +65,8 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from .plan import POST, PRE, Plan, Schedule, Step, segments
+from .plan import Plan, Schedule, Step, segments
+from .validation import param_segments
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -125,14 +126,13 @@ def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
     later use), ``[(segment, -1)]`` closed at its end (the earlier use). ``frozen``: names
     of parameters without gradients (the executor knows them; the planner does not)."""
     segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
-    pre, post = set(plan.model.pre_block_params), set(plan.model.post_block_params)
+    uses = param_segments(plan)
     for c in plan.chunks.items:
         for p in c.params:
-            u = [i for i, s in enumerate(segs) if s == PRE and p.name in pre or s == POST and p.name in post
-                 or p.name.startswith(s + ".")]
+            u = uses[p.name]
             if len(u) > 1 and (trainable is None or trainable[c.id]) and p.name not in frozen:
-                out[segs[u[-1] - 1], 1] += p.numel * cb
-                out[segs[u[0]], -1] += p.numel * cb
+                out[segs[segs.index(u[-1]) - 1], 1] += p.numel * cb
+                out[u[0], -1] += p.numel * cb
     return out
 
 

@@ -135,17 +135,24 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     simulate_residency(plan, where)
 
 
+def param_segments(plan: Plan) -> dict[str, list[str]]:
+    """The segments that use each chunked parameter, in forward order: ``<pre>`` and ``<post>``
+    as the model lists them, and the block whose path prefixes its name."""
+    pre, post = set(plan.model.pre_block_params), set(plan.model.post_block_params)
+    out = {}
+    for p in (p for c in plan.chunks.items for p in c.params):
+        block = next((b for b in plan.model.blocks if p.name.startswith(b + ".")), None)
+        out[p.name] = [s for s, used in ((PRE, p.name in pre), (block, block), (POST, p.name in post)) if used]
+    return out
+
+
 def segment_chunks(plan: Plan) -> dict[str, set[int]]:
     """Chunk ids holding the parameters each segment uses (persistent chunks included)."""
     owner = {p.name: c.id for c in plan.chunks.items for p in c.params}
     need: dict[str, set[int]] = {s: set() for s in segments(plan)}
-    need[PRE] = {owner[n] for n in plan.model.pre_block_params}
-    need[POST] = {owner[n] for n in plan.model.post_block_params}
-    for name, cid in owner.items():
-        for b in plan.model.blocks:
-            if name.startswith(b + "."):
-                need[b].add(cid)
-                break
+    for name, segs in param_segments(plan).items():
+        for s in segs:
+            need[s].add(owner[name])
     return need
 
 
