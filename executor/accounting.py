@@ -15,6 +15,11 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   is its own master): for the whole chunk (replicated), or for this rank's shard
   only when ``placement.shard_persistent_states``. A frozen chunk has no gradients,
   moments or master.
+- **device, device-homed chunks** (``placement.device_homed``) — each one's fp32
+  master and moments for the elements it would keep on the host (``host_numel``:
+  this rank's shard), ``HOMED_BYTES`` per element, from wrap on, and once, if any,
+  the device steps' fp32 scratch of one ``STEP_PIECE`` (chunks.py [Note: device
+  homes]); nothing of them on the host.
 - **device, reserved** — ``min(n_buffer, offloaded chunks)`` chunk buffers for the
   offloaded chunks' values (the whole gathered chunk each), from wrap on: the chunk
   pool holds them for the run (transfer.py [Note: chunk memory pool]). Which chunk
@@ -94,6 +99,10 @@ def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
     grads = 0 if cb != 4 and grad_accum == 1 else 4 + (cb if grad_accum > 1 else 0)
     return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + master + grads)
 
+
+HOMED_BYTES = 12
+"""Device bytes per element of a device-homed chunk's shard: fp32 master and the two fp32
+Adam moments, whatever the compute dtype (chunks.py [Note: device homes])."""
 
 STEP_PIECE = 1 << 20
 """fp32 elements of 16-bit gradients (in a home or a slot) the CPU step reads at once (a
@@ -201,14 +210,21 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev("wrap", "", "device", "grads", chunk_bytes, c)
             ev("wrap", "", "device", "optim", own * (eb.persistent - 2 * eb.compute), c)
     ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
-    homeless = set(plan.placement.homeless)
+    homeless, homed = set(plan.placement.homeless), set(plan.placement.device_homed)
+    for c in plan.placement.device_homed:
+        if train[c]:
+            ev("wrap", "", "device", "optim", host_numel(plan, c) * HOMED_BYTES, c)
+    if homed:
+        ev("wrap", "", "device", "optim", 4 * min(shard, STEP_PIECE))
     for c in plan.placement.offloaded:
         n = host_numel(plan, c)
+        if c in homed:
+            continue
         if c not in homeless:
             ev("wrap", "", "host", "home", n * eb.compute, c)
         if train[c]:
             ev("wrap", "", "host", "optim", n * (eb.host - eb.compute), c)
-    if any(train[c] for c in plan.placement.offloaded):
+    if any(train[c] for c in plan.placement.offloaded if c not in homed):
         ev("wrap", "", "host", "scratch", scratch_bytes(t.compute_dtype, t.grad_accum, shard))
     ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
 

@@ -31,6 +31,19 @@ its values live only in the compute-dtype chunk (persistent) or home (offloaded)
 and ``state_dict`` reports them from there (under 16-bit compute, the rounded
 values). A frozen parameter that shares a chunk with trainable ones still has
 the chunk's buffers under it (they are flat); it just never steps.
+
+[Note: device homes]
+A *device-homed* chunk (``placement.device_homed``) is offloaded in the schedule: it
+is fetched into a buffer for its segments and released after, and its gradients are
+complete at its offload. But it keeps nothing on the host: this rank's shard of its
+fp32 master and Adam moments (12 B per element) stays on the device. A fetch rounds
+the master into the chunk's buffer (a device copy on the copy stream, then the ZeRO-3
+all-gather), and at its offload the gradients are reduce-scattered into a shard and
+the chunk steps on the device at once (optim.py ``step_homed``), on the main thread,
+so the next fetch's copy (which waits for compute) reads the updated master. Under
+ZeRO-3 this is ZeRO-3 on the device: ``16/W`` B per parameter on each of ``W`` cards
+(12/W of states beside the shared buffers) against a persistent chunk's whole values
+and gradients, which is why the planner reaches for it when the host runs out.
 """
 
 from __future__ import annotations
@@ -96,6 +109,8 @@ class Chunk:
         # Some parameter requires grad. A chunk of frozen parameters only has no gradient
         # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
         self.trainable = True
+        # Its master and moments stay on the device, nothing on the host ([Note: device homes]).
+        self.homed = False
         # This rank keeps only its shard of the chunk's master and moments (offloaded chunks
         # under ZeRO-3; trainable persistent ones when the plan shards their states). See
         # executor/dist.py [Note: sharding]; set by ChunkStore._lay_out.
@@ -142,10 +157,11 @@ class ChunkStore:
         self.grad_in_home = not fp32 and plan.training.grad_accum == 1
         self.staged = plan.training.grad_accum > 1
         self.homeless = set(plan.placement.homeless)
+        self.homed = set(plan.placement.device_homed)  # [Note: device homes]
         n_slots = plan.placement.n_host_slots
         span = HostArena.span
         size = n_slots * span(shard_numel, self.dtype)
-        for spec in (s for s in plan.chunks.items if s.id not in persistent):
+        for spec in (s for s in plan.chunks.items if s.id not in persistent and s.id not in self.homed):
             n = host_numel(plan, spec.id)
             size += span(n, self.dtype) * (spec.id not in self.homeless)
             if not self.grad_in_home and any(params[p.name].requires_grad for p in spec.params):
@@ -188,10 +204,14 @@ class ChunkStore:
             c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
                       self.dtype, self.device)
         c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
+        c.homed = spec.id in self.homed
+        if c.homed and not c.trainable:  # its master would be its only copy, and frozen chunks have none
+            raise ConfigError(f"chunk {c.id} is device-homed (placement.device_homed) but its parameters are frozen",
+                              "make the plan for the model with its parameters frozen as they are now")
         c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
-        where = self.device if persistent else torch.device("cpu")
+        where = self.device if persistent or c.homed else torch.device("cpu")
         image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)
         with torch.no_grad():
             for ps in spec.params:
@@ -213,9 +233,9 @@ class ChunkStore:
                     self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
                     c.grad_live = False
                 return c
-            if not fp32 and c.trainable:
+            if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
                 c.master_init = image[c.own].clone()
-            if c.id not in self.homeless:
+            if c.id not in self.homeless and not c.homed:
                 c.home = self.arena.take(own_numel, self.dtype)
                 c.home.copy_(image[c.own])
                 self.ledger.host_alloc(c.home.numel() * c.home.element_size())
@@ -256,15 +276,18 @@ class ChunkStore:
         self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
-        src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
         n = c.own.stop - c.own.start
-        if c.home is None:  # homeless: the master rounded into a slot ([Note: host slots])
+        if c.homed:  # the device master, rounded by the copy itself ([Note: device homes])
+            src = self.masters[cid]
+        else:
+            src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
+        if c.home is None and not c.homed:  # homeless: the master rounded into a slot ([Note: host slots])
             with record_function("protrain::round_master"):
                 src[:n].copy_(self.masters[cid])
         c.upload = self.copies.upload(c.dev[c.own], src[:n],
                                       gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
                                       if self.comm.world > 1 else None)
-        if c.home is None:
+        if c.home is None and not c.homed:
             self.slots.append((src, c.upload.synchronize))
         c.last_upload = c.upload
         c.residency = Residency.RESIDENT
@@ -331,7 +354,7 @@ class ChunkStore:
             with torch.no_grad():
                 if a < b and c.home is not None:
                     c.home[a - lo: b - lo].copy_(c.dev[a:b])
-                if a < b and self.dtype != torch.float32:  # (fp32: the chunk or home is the master)
+                if a < b and (self.dtype != torch.float32 or c.homed):  # (fp32: the chunk or home is the master)
                     self.masters[cid][a - lo: b - lo].copy_(c.dev[a:b])
 
     def begin_step(self) -> None:

@@ -324,6 +324,9 @@ class Engine:
                                    else (c.dev_grad, self.comm.all_reduce(c.dev_grad, what, async_op=True)))
         if c.persistent:
             return
+        if c.homed:  # steps now, on the device (chunks.py [Note: device homes]; grad_accum 1)
+            self.optim.step_homed(cid)
+            return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
             self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
         if self._last_micro and not self._defer_cpu_steps:

@@ -70,7 +70,13 @@ def v3_to_v4(doc: dict[str, Any]) -> dict[str, Any]:
     return _add(doc, "placement", {"homeless": [], "n_host_slots": 0}, 3)
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4}
+def v4_to_v5(doc: dict[str, Any]) -> dict[str, Any]:
+    """Add ``placement.device_homed = []``: the v4 executor kept every offloaded chunk's
+    master and moments on the host."""
+    return _add(doc, "placement", {"device_homed": []}, 4)
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 

@@ -179,6 +179,8 @@ class ChunkOptimizer:
                 # See [Note: masters from the user's fp32 values] in chunks.py. Sharded: this
                 # rank's slice only (for fp32 a view of it in the chunk); dist.py [Note: sharding].
                 m = c.dev[c.own] if fp32 else c.master_init[c.own].clone() if c.sharded else c.master_init
+            elif c.homed:  # chunks.py [Note: device homes]: the master alone, on the device
+                m = c.master_init
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.own.stop - c.own.start
@@ -194,10 +196,10 @@ class ChunkOptimizer:
                 self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
                 # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
-                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 else None,
+                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 or c.homed else None,
                        self.cpu_grad.get(c.id), self.staging.get(c.id)]
                 nbytes = sum(x.numel() * x.element_size() for x in own if x is not None)
-                store.ledger.alloc("optim", nbytes) if c.persistent else store.ledger.host_alloc(nbytes)
+                store.ledger.alloc("optim", nbytes) if c.persistent or c.homed else store.ledger.host_alloc(nbytes)
             self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
             self.counts[c.id] = [0] * len(c.params)
             hi = lo + m.numel()
@@ -206,10 +208,15 @@ class ChunkOptimizer:
             if (m.device.type == "cpu" and not c.sharded
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
-        if store.grad_in_home and any(not c.persistent and c.trainable for c in store.chunks):
-            shard = store.comm.shard_numel(store.chunks[0].numel)
-            self.scratch = torch.empty(min(shard, STEP_PIECE), dtype=torch.float32)
+        shard = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
+        if store.grad_in_home and any(not c.persistent and not c.homed and c.trainable for c in store.chunks):
+            self.scratch = torch.empty(shard, dtype=torch.float32)
             store.ledger.host_alloc(self.scratch.numel() * 4)
+        # The device steps' fp32 scratch, as ``scratch`` for the host's ([Note: device homes] in chunks.py).
+        self.dev_scratch = torch.empty(0)
+        if any(c.homed for c in store.chunks):
+            self.dev_scratch = torch.empty(shard, dtype=torch.float32, device=store.device)
+            store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
 
@@ -282,6 +289,8 @@ class ChunkOptimizer:
         views = {}
         for c in self.store.chunks:
             if not c.trainable:
+                continue
+            if c.homed:  # stepped at its offload: its gradients are gone ([Note: device homes])
                 continue
             # 16-bit: where the gradients landed (home or slot), as _host_grad and the CPU step read them
             flat = c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home else self.cpu_grad[c.id]
@@ -378,12 +387,13 @@ class ChunkOptimizer:
         vector path on the same elements as in one call per parameter ([Note: optimizer
         placement]): the same arithmetic, bit for bit, with no shard-sized fp32 copy."""
         m, ea, es, steps = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid], self.steps[cid]
+        scratch = self.dev_scratch if self.store.chunks[cid].homed else self.scratch
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
         torch._foreach_add_([steps[i] for i, _ in spans], 1)
         for i, (lo, hi) in spans:
             for a in range(lo, hi, STEP_PIECE):
                 b = min(a + STEP_PIECE, hi)
-                g = self.scratch[: b - a]
+                g = scratch[: b - a]
                 g.copy_(grads[a:b]) if grads is not None else g.zero_()
                 if self.store.comm.world > 1:
                     g.div_(self.store.comm.world)
@@ -410,6 +420,29 @@ class ChunkOptimizer:
                 own.copy_(self.master[cid])
         if c.sharded:
             self.store.comm.all_gather(c.dev, f"chunk {cid}")
+
+    def step_homed(self, cid: int) -> None:
+        """Step a device-homed chunk whose gradients are complete (its offload in backward):
+        reduce-scatter them into this rank's shard (ZeRO-3), step its master on the device
+        through the device scratch, free the gradient buffer. Arithmetic of ``_adamw_pieces``,
+        as a homeless chunk's CPU step. See chunks.py [Note: device homes]."""
+        c, comm = self.store.chunks[cid], self.store.comm
+        which = self.stepping(cid)  # complete: the chunk is offloaded
+        grads = None
+        if c.grad_live:
+            grads = c.dev_grad[c.own]  # (at one rank, not the padding past the last parameter)
+            if comm.world > 1:
+                grads = torch.empty(c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device)
+                comm.reduce_scatter(grads, c.dev_grad, f"gradients of chunk {cid}")
+        # No wait for an upload reading the master: compute waited for each of this chunk's
+        # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after them.
+        self.store.copies.events.emit("device_step", "begin", chunk=cid)
+        with record_function("protrain::dev_adam"):
+            if which:
+                self._adamw_pieces(cid, which, grads, None, 1.0)
+        self.store.copies.events.emit("device_step", "end", chunk=cid)
+        if c.grad_live:
+            self.store.close_grad(cid)
 
     def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0) -> None:
         """Queue an offloaded chunk's CPU step (after its gradients have landed: the worker

@@ -40,6 +40,10 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
   that keep no compute-dtype home on the host (12 B per element instead of 14), and the
   pinned slots their uploads and gradients pass through. The v3 executor kept every
   home; ``migrate.v3_to_v4`` writes ``[]`` and ``0``.
+- 5: ``placement.device_homed`` (binding): offloaded chunks whose fp32 master and Adam
+  moments (this rank's shard) live on the device instead of the host, stepped on the
+  device as their gradients complete. The v4 executor kept them all on the host;
+  ``migrate.v4_to_v5`` writes ``[]``.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -57,7 +61,7 @@ import msgspec
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The version ``dump`` writes."""
 
 MIN_SCHEMA_VERSION = 1
@@ -224,7 +228,9 @@ class Placement(Binding):
     persistent: list[NonNegInt]
     """Ids of persistent chunks, ascending."""
     offloaded: list[NonNegInt]
-    """Ids of offloaded chunks (home in CPU memory, CPU optimizer), ascending."""
+    """Ids of offloaded chunks, ascending: fetched into the buffers for their segments,
+    released after; their home and optimizer are on the host (CPU AdamW) unless
+    ``device_homed`` says otherwise."""
     shard_persistent_states: bool
     """World size > 1 only: each rank keeps the fp32 master and Adam moments of only its
     shard of every trainable persistent chunk (values and gradients stay whole on every
@@ -241,6 +247,13 @@ class Placement(Binding):
     n_host_slots: NonNegInt = 0
     """Pinned compute-dtype slots of one chunk shard each, shared by the homeless chunks'
     uploads and gradients; 0 exactly when ``homeless`` is empty."""
+    device_homed: list[NonNegInt] = []
+    """Offloaded chunks that keep nothing on the host, ascending: this rank's shard of the
+    fp32 master and Adam moments (12 B per element) stays on the device; a fetch rounds
+    the master into the chunk's buffer (and all-gathers under ZeRO-3), and the chunk is
+    stepped on the device as soon as its gradients are complete in backward
+    (executor/chunks.py [Note: device homes]). ``grad_accum`` 1 and
+    ``schedule.cpu_adam = during_backward`` only; trainable chunks only; never homeless."""
 
 
 class Activation(Binding):

@@ -124,6 +124,15 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
              "'during_backward' (fp32 chunks are their own home; accumulated or held gradients need one)")
     if (pl.n_host_slots > 0) != bool(pl.homeless):
         fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {len(pl.homeless)} homeless chunks (at least 1 if any, else 0)")
+    # device-homed chunks (chunks.py [Note: device homes]) step as their gradients complete
+    if pl.device_homed != sorted(set(pl.device_homed)) or not set(pl.device_homed) <= set(pl.offloaded):
+        fail("$.placement.device_homed", "must be offloaded chunk ids, ascending and unique")
+    if set(pl.device_homed) & set(pl.homeless):
+        fail("$.placement.device_homed", f"chunks {sorted(set(pl.device_homed) & set(pl.homeless))} are also "
+             "homeless: a device-homed chunk keeps nothing on the host")
+    if pl.device_homed and (t.grad_accum != 1 or plan.schedule.cpu_adam != "during_backward"):
+        fail("$.placement.device_homed", "needs grad_accum 1 and schedule.cpu_adam 'during_backward' "
+             "(the chunk steps as soon as its gradients are complete)")
 
     # -- activations
     if [a.block for a in plan.activations] != blocks:

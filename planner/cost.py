@@ -165,6 +165,10 @@ class Terms:
     home_bytes_per_elem: int = 0  # an offloaded chunk's home, per host element: what homeless saves
     slot_pool_bytes: int = 0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
     convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
+    # Device-homed chunks ([Device homes] in ``evaluate``; executor/chunks.py [Note: device homes]).
+    homed_ok: bool = False  # grad_accum 1, steps during backward
+    homed_scratch_bytes: int = 0  # the device steps' fp32 scratch, once if any chunk is device-homed
+    homed_adam_us_per_param: float = 0.0  # a device-homed chunk's step on the device (its shard)
 
     @property
     def reduce_us_per_chunk(self) -> float:
@@ -281,6 +285,9 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         # or at one rank the chunk up to its last parameter (rounded up to 64), not its padding.
         host_numel=np.full(C, chunk_numel // W) if W > 1 else np.minimum(chunk_numel, -(-ends // 64) * 64),
         slot_pool_bytes=HOST_SLOTS * shard_bytes,
+        homed_ok=grad_accum == 1 and cpu_adam == "during_backward",
+        homed_scratch_bytes=4 * min(shard_bytes // cb, A.STEP_PIECE),
+        homed_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / W,
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
         # per parameter; planner/datasheets.py): the same bandwidth moves (4 + cb) B per element.
@@ -344,7 +351,8 @@ def homeless_order(off: np.ndarray) -> np.ndarray:
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
-             homeless: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+             homeless: Sequence[int] | None = None,
+             homed: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
@@ -352,7 +360,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     others). Returns ``(time, peak, parts)``; ``parts`` holds the named terms (arrays
     over the grid) that ``predict`` reports as the breakdown. ``homeless``: the plan's
     homeless chunks; None: the fewest (in ``homeless_order``) that bring the host need
-    under ``host_cap``, per strip ([Homeless chunks]).
+    under ``host_cap``, per strip ([Homeless chunks]), and where even every offloaded chunk
+    homeless does not, the fewest device-homed ones ([Device homes]). ``homed``: the plan's
+    device-homed chunks, with ``homeless`` given.
     """
     C = t.n_chunks
     off = offload_mask(t, persist)  # (C,) offloaded chunks
@@ -377,13 +387,34 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
     uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
     G = len(grid.swap)
+    # [Device homes] A device-homed chunk keeps its master and moments (this rank's shard,
+    # HOMED_BYTES per element) on the device and nothing on the host, and steps on the
+    # device as its gradients complete (executor/chunks.py [Note: device homes]). The search
+    # reaches for them only where every offloaded chunk homeless still leaves the host over
+    # its cap: the fewest, first in execution order (their CPU steps would come last, after
+    # backward; the homeless ones are the last). Charged: their device states (and one
+    # fp32 scratch), their steps on the device, serially inside backward; no CPU step and
+    # no conversion. Their fetches and gradient offloads are charged as a host chunk's (the
+    # link share of ``t_up`` / ``t_down`` is not crossed: an over-estimate of the time).
+    offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
         k = np.zeros(G, dtype=np.int64)
         first = homeless_order(off)  # the k first of these are homeless
         saved = np.cumsum(t.host_numel[first] * t.home_bytes_per_elem)  # (n_off,) by the first k
-        if t.homeless_ok and n_off and t.home_bytes_per_elem:
+        homeless_on = t.homeless_ok and n_off and t.home_bytes_per_elem
+        if homeless_on:
             k = np.where(over > 0, np.minimum(np.searchsorted(saved, over + t.slot_pool_bytes) + 1, n_off), 0)
+        kd = np.zeros(G, dtype=np.int64)
+        left = over - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # what homeless chunks leave
+        if t.homed_ok and n_off:
+            per = t.host_numel[offs] * (t.host_bytes_per_elem - (t.home_bytes_per_elem if homeless_on else 0))
+            kd = np.where(left > 0, np.minimum(np.searchsorted(np.cumsum(per), left) + 1, n_off), 0)
+        unhomed = host - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # the host need without them
+        k = np.minimum(k, n_off - kd)  # a device-homed chunk is not homeless
+        rank = np.full(C, C, dtype=np.int64)
+        rank[offs] = np.arange(n_off)
+        is_homed = rank[None, :] < kd[:, None]  # (G, C)
         conv_f = np.append(0, np.cumsum(uploads_f[first]))[k] * t.convert_us  # (G,)
         conv_b = np.append(0, np.cumsum(uploads_b[first]))[k] * t.convert_us
         dropped = np.append(0, saved)[k]
@@ -394,7 +425,16 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         conv_f = np.full(G, float(uploads_f @ h) * t.convert_us)
         conv_b = np.full(G, float(uploads_b @ h) * t.convert_us)
         dropped = np.full(G, float(t.host_numel @ h) * t.home_bytes_per_elem)
-    host = host - dropped + (k > 0) * t.slot_pool_bytes  # (G,)
+        is_homed = np.zeros((G, C), dtype=bool)
+        is_homed[:, list(homed)] = True
+        kd = np.full(G, len(homed), dtype=np.int64)
+        unhomed = None
+    mask = is_homed.astype(np.float64)
+    host = host - dropped + (k > 0) * t.slot_pool_bytes - mask @ (t.host_numel * t.host_bytes_per_elem)  # (G,)
+    unhomed = host if unhomed is None else unhomed
+    host = host - (kd == n_off) * (t.host_scratch_bytes if n_off else 0)  # nothing left to step on the host
+    homed_dev = mask @ (t.host_numel * A.HOMED_BYTES) + (kd > 0) * t.homed_scratch_bytes  # (G,)
+    homed_params = mask @ t.chunk_params  # (G,)
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
     n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
@@ -440,7 +480,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
-    t_cpu = n_params_off * t.cpu_adam_us_per_param
+    t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
     # [Overlapped reductions] Under ZeRO-3 a persistent chunk's gradient reduction (an
     # all-reduce, or sharded a reduce-scatter) starts when backward has ended the first
     # segment using it, one after another on the collective lane, beside backward
@@ -476,10 +516,11 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         for c in np.nonzero(t.offload_at[s] * off)[0]:
             ready = end_b[:, s] + t.t_down
             landed = np.maximum(landed, ready)
-            cpu_done = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+            stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+            cpu_done = np.where(is_homed[:, c], cpu_done, stepped)  # [Device homes]: no CPU step
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
-    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b  # [Homeless chunks]
+    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_params * t.homed_adam_us_per_param  # [Homeless chunks], [Device homes]
     cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
@@ -490,15 +531,18 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     if t.gpu:
         bwd_steps = bwd_steps + m.recompute + m.bwd_transient
     walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
-    states, resident = m.states, m.resident
+    states, resident = m.states + homed_dev, m.resident  # [Device homes]
     peak = (states + resident + walk) * m.alpha
     parts = {
-        "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": np.full_like(time, t_cpu),
+        "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": t_cpu + np.zeros_like(time),
         "t_cpu_optim_done_us": cpu_done,
-        "t_gpu_optim_us": t_gpu + np.zeros_like(time), "states_bytes": np.full_like(time, states),
+        "t_gpu_optim_us": t_gpu + np.zeros_like(time), "states_bytes": states + np.zeros_like(time),
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
         "host_bytes": host.astype(np.float64), "host_swap_bytes": host_swap,
         "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
+        "n_device_homed": kd.astype(np.float64),
+        # what the search reports when nothing fits: the figures without device homes
+        "homed_peak_bytes": homed_dev * m.alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
     }
     return time, peak, parts
 
@@ -585,10 +629,11 @@ def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: 
 
 
 def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str],
-                 homeless: Sequence[int] = ()) -> Prediction:
+                 homeless: Sequence[int] = (), homed: Sequence[int] = ()) -> Prediction:
     """Any configuration: persistent chunks anywhere, any policy strip, any homeless chunks
-    (same arrays again)."""
-    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless)
+    and device-homed ones (the first offloaded chunks; same arrays again)."""
+    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless,
+                                 homed=homed)
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 

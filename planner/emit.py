@@ -76,7 +76,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
              provenance: P.Provenance | None = None,
              cpu_adam: P.CpuAdam | None = None,
              shard_persistent_states: bool | None = None,
-             homeless: Sequence[int] = ()) -> P.Plan:
+             homeless: Sequence[int] = (), device_homed: Sequence[int] = ()) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
@@ -86,7 +86,8 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     ``shard_persistent_states`` to ``world_size > 1`` (sharding persistent chunks'
     optimizer states saves device memory and device Adam time for the same traffic:
     ``cost.make_terms``). ``homeless``: offloaded chunks that keep no home on the host
-    (``placement.homeless``, with ``HOST_SLOTS`` slots).
+    (``placement.homeless``, with ``HOST_SLOTS`` slots). ``device_homed``: offloaded
+    chunks whose master and moments stay on the device (``placement.device_homed``).
     """
     blocks = facts.blocks
     if len(policies) != len(blocks):
@@ -148,7 +149,8 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
                               persistent=persistent_ids, offloaded=offloaded,
                               shard_persistent_states=(training.world_size > 1 if shard_persistent_states is None
                                                        else shard_persistent_states),
-                              homeless=sorted(homeless), n_host_slots=HOST_SLOTS if homeless else 0),
+                              homeless=sorted(homeless), n_host_slots=HOST_SLOTS if homeless else 0,
+                              device_homed=sorted(device_homed)),
         activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
         schedule=schedule,
         prediction=prediction or P.Prediction(),

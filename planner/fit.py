@@ -39,7 +39,8 @@ rank's share less 10% (the OS) and 2 GiB (its process) — the rule of
 ``planning.default_host_budget``, which is this at one rank with the spec's RAM.
 Host need = the plan's ``host_bytes`` (each offloaded chunk's shard of states on the
 host, ``accounting.element_bytes``: 14 B per element in bf16 without gradient
-accumulation, 12 for the chunks the search makes homeless to fit the host, 16 in
+accumulation, 12 for the chunks the search makes homeless to fit the host, none for
+those it then homes on the device (12 B per element of their shard on the card), 16 in
 fp32, 20 when accumulating, and the CPU step's scratch; the
 executor's ledger is held to the same) plus ``host_swap_bytes`` (the swapped blocks'
 activations). The search itself honours the host limit, so a slower plan keeping
@@ -47,9 +48,16 @@ more chunks on the device is chosen when the fastest one would not fit the host.
 Before profiling a rung we drop it if even the best case leaves more to offload than
 the host budget holds: every byte of the device budget holding persistent parameters
 at their compute dtype alone (``element_bytes(...).compute``: a persistent chunk's
-parameters are whole on every rank, whatever else of its states is sharded), the
-rest offloaded and sharded over the ``N`` ranks. That needs only the parameter
+parameters are whole on every rank, whatever else of its states is sharded), or, if
+that holds more, device-homed at ``HOMED_BYTES / N`` per parameter (their shard of
+master and moments: chunks.py [Note: device homes]), the rest offloaded and sharded
+over the ``N`` ranks. That needs only the parameter
 count, and stays a lower bound whatever the state layout charges beyond it.
+
+Between the largest fitting rung and the next one, deeper models of the fitting rung's
+width (one layer more at a time, staying below the next rung's size) are bisected the
+same way: the rungs are up to 16% apart, the answer then within one layer (~1.4% at
+70 layers); depth alone keeps every term growing, so fitting stays monotone.
 
 What binds: for the largest fitting size, the resource nearer its limit in the
 winning plan (device peak over the device budget, host need over the host budget);
@@ -64,6 +72,7 @@ construction (tested).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -270,10 +279,13 @@ def host_need_bytes(plan: P.Plan) -> int:
 def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1) -> int:
     """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
-    persistent parameters at their compute dtype alone (module docstring)."""
+    persistent parameters at their compute dtype alone, or device-homed ones at their shard of
+    master and moments (``accounting.HOMED_BYTES / world_size``), whichever holds more (module
+    docstring)."""
     eb = accounting.element_bytes(dtype)
     host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
-    return max(0, n - budget_bytes // eb.compute) * host // world_size
+    on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // accounting.HOMED_BYTES)
+    return max(0, n - on_device) * host // world_size
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
@@ -334,8 +346,8 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     digest = hashlib.sha256(dump_spec(spec)).hexdigest()
     probes: list[Probe] = []
 
-    def probe(i: int, mb: int) -> Probe:
-        p = _probe(configs[i], mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
+    def probe(i: int | GPT2Config | LlamaConfig, mb: int) -> Probe:
+        p = _probe(configs[i] if isinstance(i, int) else i, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
                    budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size)
         probes.append(p)
         if progress is not None:
@@ -368,11 +380,29 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
             f"× seq {seq_len}: {limit}",
             "raise --budget or --host-memory, or try a shorter sequence",
         )
+    # [Between rungs] The rungs are up to 16% apart. Between the largest that fits and the
+    # next, deeper models of its width (every term grows with depth: fitting stays
+    # monotone) narrow the answer: bisection over the depths that stay below the next rung.
+    config = configs[lo]
+    next_config = configs[lo + 1] if lo + 1 < len(configs) else None
+    if next_config is not None:
+        deeper = [dataclasses.replace(config, n_layer=d) for d in range(config.n_layer + 1, 2 * config.n_layer)]
+        deeper = [c for c in deeper if n_params(c) < n_params(next_config)]
+        d_lo, d_hi = -1, len(deeper)
+        while d_hi - d_lo > 1:
+            mid = (d_lo + d_hi) // 2
+            p = probe(deeper[mid], mbs[0])
+            if p.fits:
+                d_lo, best, config = mid, p, deeper[mid]
+            else:
+                d_hi, limit = mid, p.reason
+        if d_hi < len(deeper):
+            next_config = deeper[d_hi]
     # Largest micro-batch at that size: mbs[0] fits; bisect over the rest.
     m_lo, m_hi = 0, len(mbs)
     while m_hi - m_lo > 1:
         mid = (m_lo + m_hi) // 2
-        p = probe(lo, mbs[mid])
+        p = probe(config, mbs[mid])
         if p.fits:
             m_lo, best = mid, p
         else:
@@ -382,13 +412,13 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     iter_us = plan.prediction.iter_time_us
     return FitResult(
         family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=host_memory,
-        seq_len=seq_len, compute_dtype=compute_dtype, config=configs[lo], n_params=best.n_params,
+        seq_len=seq_len, compute_dtype=compute_dtype, config=config, n_params=best.n_params,
         micro_batch=best.micro_batch, iter_time_us=iter_us,
         tokens_per_s=world_size * best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
         peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
         plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
         world_size=world_size, host_budget_bytes=host_budget,
-        next_config=configs[lo + 1] if lo + 1 < len(configs) else None,
+        next_config=next_config,
     )
 
 

@@ -122,7 +122,8 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
         )
     persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
     homeless = best.homeless_ids(terms.n_chunks)  # [Homeless chunks] in cost.py
-    pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless)
+    homed = best.homed_ids(terms.n_chunks)  # [Device homes] in cost.py
+    pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless, homed)
     spec = profile.hardware
     training = P.Training(micro_batch=profile.training.micro_batch, seq_len=profile.training.seq_len,
                           compute_dtype=profile.training.compute_dtype, master_dtype="float32",
@@ -130,7 +131,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     plan = assemble(
         facts, training=training, chunk_numel=chunk_numel,
         persistent=persistent, n_buffer=best.n_buffer, policies=policies, cpu_adam=cpu_adam,
-        shard_persistent_states=terms.shard_persistent, homeless=homeless,
+        shard_persistent_states=terms.shard_persistent, homeless=homeless, device_homed=homed,
         request=P.Request(model=profile.model.name, hardware=spec.name, budget_bytes=budget_bytes,
                           micro_batch=training.micro_batch, seq_len=training.seq_len,
                           compute_dtype=training.compute_dtype, world_size=world_size,

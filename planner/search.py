@@ -37,7 +37,10 @@ is given, the predicted host bytes (offloaded chunk states + swapped activations
 would not, ``cost.evaluate`` makes the fewest offloaded chunks homeless that make them
 fit (12 B per element on the host instead of 14, a conversion per fetch charged in
 the time: cost.py [Homeless chunks]), so a plan that fits only that way is chosen,
-and a plan that fits anyway keeps every home. Pruning
+and a plan that fits anyway keeps every home. Where even every offloaded chunk homeless
+would not fit the host, the fewest first offloaded chunks are homed on the device
+instead (their master and moments on the device, nothing on the host: cost.py [Device
+homes]), which the device peak then carries. Pruning
 looks at the device only: more persistent chunks need *less* host memory, so a
 configuration refused for host memory does not stop the outer loop.
 
@@ -95,6 +98,9 @@ class Choice:
     """Predicted host bytes per rank (offloaded chunk states + swapped activations)."""
     n_homeless: int = field(default=0, compare=False)
     """Offloaded chunks without a home on the host (``cost.homeless_order``'s first ones)."""
+    n_homed: int = field(default=0, compare=False)
+    """Offloaded chunks homed on the device (the first offloaded ones in execution order;
+    cost.py [Device homes])."""
 
     def persistent_ids(self) -> list[int]:
         return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
@@ -104,6 +110,11 @@ class Choice:
         off = np.ones(n_chunks, dtype=np.int64)
         off[self.persistent_ids()] = 0
         return sorted(int(c) for c in homeless_order(off)[:self.n_homeless])
+
+    def homed_ids(self, n_chunks: int) -> list[int]:
+        """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device homes])."""
+        persistent = set(self.persistent_ids())
+        return [c for c in range(n_chunks) if c not in persistent][:self.n_homed]
 
     def strip(self, n_blocks: int) -> list[str]:
         return list(self.policies) if self.policies is not None else \
@@ -190,7 +201,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
     host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
-    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless)
+    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
     evaluated = 0
     min_peak = min_host = math.inf
@@ -202,7 +213,8 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         for j in np.nonzero(ok)[0]:
             sw, ck = pairs[idx[j]]
             rows.append((round(float(time[j])), float(peak[j]), ck, n_persist, n_buffer, sw, ck,
-                         float(time[j]), float(host[j]), int(parts["n_homeless"][j])))
+                         float(time[j]), float(host[j]), int(parts["n_homeless"][j]),
+                         int(parts["n_device_homed"][j])))
         best_t = math.inf  # host-feasible points only; per call only the call's own front
         for j in np.lexsort((time, peak)):
             if host[j] <= host_cap and time[j] < best_t:
@@ -222,11 +234,15 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             time, peak, parts = evaluate(t, n_persist, n_buffer, grid, host_cap)
             host = host_need(parts)
             evaluated += len(pairs)
-            min_peak = min(min_peak, float(peak.min()))
+            # What a refusal reports: the device peak and host need without device homes
+            # (cost.py [Device homes]), so "host memory" names the host when it binds.
+            plain_peak = peak - parts["homed_peak_bytes"]
+            min_peak = min(min_peak, float(plain_peak.min()))
+            plain_ok = plain_peak <= budget_bytes
+            if plain_ok.any():
+                min_host = min(min_host, float((parts["unhomed_host_bytes"] + parts["host_swap_bytes"])[plain_ok].min()))
             dev_ok = peak <= budget_bytes
-            fits_here |= bool(dev_ok.any())
-            if dev_ok.any():
-                min_host = min(min_host, float(host[dev_ok].min()))
+            fits_here |= bool(plain_ok.any())  # (device homes only add device bytes: dev_ok ⊆ plain_ok)
             ok = dev_ok & (host <= host_cap)
             record(n_persist, n_buffer, every, time, peak, parts, ok)
             if n_buffer == top and top < n_off and ok.any():
@@ -262,7 +278,8 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             idx, lower, peak_at = idx[ok], lower[ok], peak[ok]
 
     rows.sort()
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9]) for r in rows[:TOP]]
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10])
+               for r in rows[:TOP]]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
         if tm < best_t:

@@ -51,21 +51,22 @@ def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
 
 def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
               compute_dtype: str = "float32", chunk_numel: int = CHUNK,
-              cpu_adam: str | None = None, homeless=()) -> P.Plan:
+              cpu_adam: str | None = None, homeless=(), device_homed=()) -> P.Plan:
     meta = make_model(name, device="meta") if name in CONFIGS else build(name, device="meta")
     blocks = block_paths(meta)
     if isinstance(policies, str):
         policies = [policies] * len(blocks) if policies in ("keep", "swap", "checkpoint") else policies.split()
     training = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype=compute_dtype,
                           master_dtype="float32", world_size=1, grad_accum=grad_accum)
-    if "all" in (persistent, homeless):  # every chunk / every offloaded chunk (placement.homeless)
+    if "all" in (persistent, homeless, device_homed):  # every chunk / every offloaded chunk
         n = len(emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
                      persistent=[], n_buffer=64, policies=policies).chunks.items)
         persistent = list(range(n)) if persistent == "all" else persistent
         homeless = [c for c in range(n) if c not in set(persistent)] if homeless == "all" else homeless
+        device_homed = [c for c in range(n) if c not in set(persistent)] if device_homed == "all" else device_homed
     return emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
                 persistent=persistent, n_buffer=n_buffer, policies=policies, cpu_adam=cpu_adam,
-                homeless=homeless)
+                homeless=homeless, device_homed=device_homed)
 
 
 @dataclass

@@ -58,11 +58,16 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     # Homeless chunks (placement.homeless) where the plan may have them: any offloaded subset.
     offloaded = [c for c in range(t.n_chunks) if c not in persistent]
     homeless = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if t.homeless_ok else []
+    # Device-homed chunks (placement.device_homed), where the plan may have them: any of the rest.
+    rest = [c for c in offloaded if c not in homeless]
+    homed = sorted(rng.sample(rest, rng.randint(0, len(rest)))) if t.homed_ok and rng.random() < 0.5 else []
+    cpu_adam = "during_backward" if (homeless or homed) else None
     plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
-                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless)
+                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless,
+                    device_homed=homed, cpu_adam=cpu_adam)
 
     walk = A.walk(plan, segment_bytes(prof))
-    pred = predict_plan(t, persistent, n_buffer, strip, homeless)
+    pred = predict_plan(t, persistent, n_buffer, strip, homeless, homed)
     b = pred.breakdown
     assert walk.peak_bytes == pred.peak_bytes
     assert (walk.states_bytes, walk.buffers_bytes, walk.activation_walk_bytes) == (

@@ -326,3 +326,52 @@ def test_persistent_reductions_hide_under_backward(shard):
         adam = int(t.chunk_params.sum()) * t.dev_adam_us_per_param + C * (t.allreduce_us_per_chunk - reduce_us)
         tail = reduce_us if hidden else C * reduce_us
         assert b["t_gpu_optim_us"] == pytest.approx(adam + tail, rel=1e-9, abs=1e-3), (block_us, b)
+
+
+def test_device_homes_fill_what_homeless_chunks_leave():
+    """cost.py [Device homes]: under a host cap that every offloaded chunk homeless still
+    misses, the fewest first offloaded chunks are homed on the device: the host need then
+    fits, the device carries their 12 B per element, their steps leave the CPU timeline for
+    backward, and an explicit prediction of the same sets gives the same numbers."""
+    from pathlib import Path
+
+    from protrain.executor import accounting as A
+    from protrain.planner.cost import (
+        choose_chunk_numel,
+        evaluate,
+        facts_from_profile,
+        host_need,
+        make_terms,
+        policy_grid,
+        predict_plan,
+    )
+    from protrain.planner.profile import load_profile
+
+    root = Path(__file__).resolve().parent.parent
+    prof = load_profile(root / "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json")
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    t = make_terms(prof, size, world_size=4)
+    assert t.homed_ok
+    grid = policy_grid(t.n_blocks, [(0, t.n_blocks)])
+    nb = 2
+    _, peak0, free = evaluate(t, 0, nb, grid)
+    all_homeless = float(free["host_bytes"][0]) - float(t.host_numel.sum()) * t.home_bytes_per_elem + t.slot_pool_bytes
+    cap = 0.6 * all_homeless
+    time, peak, parts = evaluate(t, 0, nb, grid, host_cap=cap)
+    kd = int(parts["n_device_homed"][0])
+    assert 0 < kd < t.n_chunks and host_need(parts)[0] <= cap
+    homed = list(range(kd))  # the first offloaded chunks (all chunks are offloaded here)
+    homeless = sorted(range(kd, t.n_chunks))[-int(parts["n_homeless"][0]):] if parts["n_homeless"][0] else []
+    # device: 12 B per element of each homed chunk's shard and one fp32 scratch, times alpha
+    extra = sum(int(t.host_numel[c]) for c in homed) * A.HOMED_BYTES + t.homed_scratch_bytes
+    assert peak[0] == pytest.approx(peak0[0] + extra * (A.ALPHA_GPU if t.gpu else 1.0))
+    assert parts["homed_peak_bytes"][0] == pytest.approx(peak[0] - peak0[0])
+    # no CPU step for them; their device steps inside backward
+    n_homed = int(t.chunk_params[:kd].sum())
+    assert parts["t_cpu_optim_us"][0] == pytest.approx(free["t_cpu_optim_us"][0] - n_homed * t.cpu_adam_us_per_param)
+    on_host = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [])
+    assert parts["t_cpu_optim_done_us"][0] < on_host.breakdown["t_cpu_optim_done_us"]  # the tail went
+    assert parts["t_bwd_us"][0] == pytest.approx(on_host.breakdown["t_bwd_us"] + n_homed * t.homed_adam_us_per_param)
+    again = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, homed)
+    assert (again.time_us, again.peak_bytes) == (float(time[0]), float(peak[0]))
+    assert again.breakdown["host_bytes"] == float(parts["host_bytes"][0])

@@ -192,6 +192,52 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     assert accounting.walk(kept).host_bytes - accounting.walk(homeless).host_bytes == 2 * shard * len(off) - slots
 
 
+def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:
+    """Bit for bit as the host layout, and each rank's host and device bytes as accounting.py says."""
+    from protrain.executor import accounting
+
+    (ranks_d, sd_d), (ranks_h, sd_h) = out[label], out[host_label]
+    assert [r["losses"] for r in ranks_d] == [r["losses"] for r in ranks_h], label
+    for n, t in sd_h["model"].items():
+        assert torch.equal(sd_d["model"][n], t), (label, n)
+    for n, st in sd_h["optim"].items():
+        assert all(torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), (label, n)
+    walk = accounting.walk(plan)
+    assert all(r["host"] == walk.host_bytes for r in ranks_d), label
+    homed = sum(e.nbytes for e in walk.events if e.phase == "wrap" and e.where == "device" and e.kind == "optim"
+                and e.chunk in plan.placement.device_homed)
+    assert homed == 12 * len(plan.placement.device_homed) * plan.chunks.chunk_numel // plan.training.world_size
+    assert all(r["optim"] >= homed for r in ranks_d), label
+
+
+def test_device_homed_chunks_train_as_host_homes_on_two_ranks(tmp_path):
+    """ZeRO-3 on the device (chunks.py [Note: device homes]): each rank keeps its shard of the
+    offloaded chunks' master and moments on the device, all-gathers at fetch and steps as
+    the reduce-scattered gradients arrive. Bit for bit as the same plans with host homes
+    (fp32 and bf16, 2 ranks, 10 steps), with nothing left on the host."""
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        host = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype)
+        homed = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype,
+                          device_homed=host.placement.offloaded)
+        runs += [(f"{dtype}-host", host, None), (f"{dtype}-homed", homed, None)]
+    out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 10)
+    for i, dtype in enumerate(("float32", "bfloat16")):
+        _assert_homed_as_host(out, f"{dtype}-homed", f"{dtype}-host", runs[2 * i + 1][1])
+        assert all(r["host"] == 0 for r in out[f"{dtype}-homed"][0])
+
+
+@pytest.mark.slow
+def test_device_homed_chunks_train_as_host_homes_on_three_ranks(tmp_path):
+    """Three ranks, fp32, some chunks device-homed beside host homes and a sharded persistent
+    chunk (whole-vector shards, as in the three-rank test above): bit for bit."""
+    host = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664)
+    homed = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664,
+                      device_homed=host.placement.offloaded[::2])
+    out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("homed", homed, None)], 10)
+    _assert_homed_as_host(out, "homed", "host", homed)
+
+
 def test_async_zero3_equals_sync(tmp_path, monkeypatch):
     """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
     all-gathers run on the copy worker, later; losses and state equal the synchronous run's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -70,13 +71,37 @@ def test_largest_gpt2_grows_with_the_budget():
         assert r.n_params == plan.model.n_params == n_params(r.config)
         assert r.tokens_per_s == pytest.approx(r.micro_batch * SEQ / (r.iter_time_us / 1e6))
         # The next rung was ruled out, for a reason that names the memory that ran out.
-        nxt = ladder[ladder.index(r.config) + 1]
+        nxt = r.next_config  # the next rung, or a deeper model of this width ([Between rungs])
+        assert nxt in ladder or dataclasses.replace(nxt, n_layer=nxt.n_layer - 1) == r.config
         assert not any(p.fits for p in r.probes if p.config == nxt)
         assert r.limit.startswith(("device memory", "host memory")), r.limit
         # A larger micro-batch than the one chosen did not fit (or none was offered).
         bigger = [p for p in r.probes if p.config == r.config and p.micro_batch > r.micro_batch]
         assert all(not p.fits for p in bigger)
     assert {r.limit.split(":")[0] for r in results} == {"device memory", "host memory"}
+
+
+def test_fit_refines_between_rungs_by_depth(monkeypatch):
+    """[Between rungs] in fit.py: past the largest fitting rung, deeper models of its width
+    that stay below the next rung are bisected; the answer is the deepest that fits, and
+    the next size up is one layer more. A stand-in probe fits every model up to a size
+    between two rungs."""
+    import protrain.planner.fit as F
+    from protrain.executor import plan as P
+
+    ladder = gpt2_ladder(SEQ)
+    rung, after = ladder[70], ladder[71]
+    cap = (n_params(rung) + n_params(after)) // 2
+    plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json")
+    monkeypatch.setattr(F, "_host_floor_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(F, "_probe", lambda cfg, mb, **kw: F.Probe(
+        cfg, n_params(cfg), mb, n_params(cfg) <= cap, "fits" if n_params(cfg) <= cap else "device memory: no",
+        0.0, plan if n_params(cfg) <= cap else None))
+    r = largest_fitting("gpt2", SMALL, seq_len=SEQ, micro_batches=(1,))
+    assert r.config.n_embd == rung.n_embd and r.config.n_layer > rung.n_layer
+    assert n_params(r.config) <= cap < n_params(r.next_config) < n_params(after)
+    assert r.next_config == dataclasses.replace(r.config, n_layer=r.config.n_layer + 1)
+    assert r.limit == "device memory: no"
 
 
 def test_run_fit_prints_one_row_per_family(tmp_path):

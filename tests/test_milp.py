@@ -126,7 +126,8 @@ def test_free_program_is_never_worse(facts, seed, where, gpu, host_share, cpu_ad
         return
     got = result.best
     assert got.key() <= base.best.key()
-    again = predict_plan(t, got.persistent_ids(), got.n_buffer, got.strip(t.n_blocks))
+    again = predict_plan(t, got.persistent_ids(), got.n_buffer, got.strip(t.n_blocks),
+                         got.homeless_ids(t.n_chunks), got.homed_ids(t.n_chunks))
     assert again.time_us == got.time_us and again.peak_bytes <= budget
     assert again.breakdown["host_bytes"] + again.breakdown["host_swap_bytes"] <= host_budget
     assert result.baseline == base.best

@@ -258,8 +258,8 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 4 to 5"):
-        M.migrate({"schema_version": 4}, 4, target=5)
+    with pytest.raises(PlanError, match="no migration from plan schema 5 to 6"):
+        M.migrate({"schema_version": 5}, 5, target=6)
 
 
 V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
