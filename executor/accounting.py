@@ -211,10 +211,12 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev("wrap", "", "device", "optim", own * (eb.persistent - 2 * eb.compute), c)
     ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
     homeless, homed = set(plan.placement.homeless), set(plan.placement.device_homed)
-    for c in plan.placement.device_homed:
+    for c in plan.placement.device_homed:  # (a frozen one: its values, in the compute dtype)
         if train[c]:
             ev("wrap", "", "device", "optim", host_numel(plan, c) * HOMED_BYTES, c)
-    if homed:
+        else:
+            ev("wrap", "", "device", "chunks", host_numel(plan, c) * eb.compute, c)
+    if any(train[c] for c in homed):
         ev("wrap", "", "device", "optim", 4 * min(shard, STEP_PIECE))
     for c in plan.placement.offloaded:
         n = host_numel(plan, c)

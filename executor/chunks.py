@@ -37,13 +37,16 @@ A *device-homed* chunk (``placement.device_homed``) is offloaded in the schedule
 is fetched into a buffer for its segments and released after, and its gradients are
 complete at its offload. But it keeps nothing on the host: this rank's shard of its
 fp32 master and Adam moments (12 B per element) stays on the device. A fetch rounds
-the master into the chunk's buffer (a device copy on the copy stream, then the ZeRO-3
-all-gather), and at its offload the gradients are reduce-scattered into a shard and
-the chunk steps on the device at once (optim.py ``step_homed``), on the main thread,
-so the next fetch's copy (which waits for compute) reads the updated master. Under
-ZeRO-3 this is ZeRO-3 on the device: ``16/W`` B per parameter on each of ``W`` cards
-(12/W of states beside the shared buffers) against a persistent chunk's whole values
-and gradients, which is why the planner reaches for it when the host runs out.
+the master into the chunk's buffer (a device copy on the copy stream, which first waits
+for compute, then the ZeRO-3 all-gather), and at its offload, inside backward, the
+gradients are reduce-scattered into a shard and the chunk steps on the device at once
+(optim.py ``step_homed``: on the compute stream, from autograd's thread on CUDA), after
+its forward's in-place writes reached the master. So the next fetch reads the updated
+master. Per card that is 12/W B per parameter of state beside the shared buffers,
+against a persistent chunk's whole values and gradients (2 + 2 B in bf16) plus 12/W:
+ZeRO-3 on the device, which is why the planner reaches for it when the host runs out.
+A frozen device-homed chunk (no master, no moments) keeps its values' shard on the
+device in the compute dtype (its ``home``), and the fetch copies from there.
 """
 
 from __future__ import annotations
@@ -96,13 +99,15 @@ class Chunk:
         self.dev = torch.zeros(numel, dtype=dtype, device=device)
         # Gradients; params' .grad are views. 1D (numel,), device, compute dtype.
         self.dev_grad = torch.zeros(numel, dtype=dtype, device=device)
-        # Offloaded chunks only, unless homeless ([Note: host slots]): this rank's
-        # shard of the values between fetches. 1D (shard_numel,), host (pinned on CUDA), compute dtype.
+        # Offloaded chunks only, unless homeless ([Note: host slots]) or device-homed ([Note:
+        # device homes]; a frozen one's is on the device): this rank's shard of the values
+        # between fetches. 1D (shard_numel,), host (pinned on CUDA), compute dtype.
         self.home: torch.Tensor | None = None
-        # 16-bit compute only, between wrap and the optimizer's construction: the fp32
-        # values of the user's parameters (the masters start from these, not from the
-        # rounded chunk). 1D: (numel,) device for persistent chunks, (shard_numel,) host
-        # for offloaded ones. See [Note: masters from the user's fp32 values].
+        # 16-bit compute only (and device-homed chunks), between wrap and the optimizer's
+        # construction: the fp32 values of the user's parameters (the masters start from
+        # these, not from the rounded chunk). 1D: (numel,) device for persistent chunks,
+        # (shard_numel,) host for offloaded ones, device for device-homed ones.
+        # See [Note: masters from the user's fp32 values].
         self.master_init: torch.Tensor | None = None
         self.residency = Residency.RESIDENT
         self.grad_live = True  # gradient buffer has device storage
@@ -196,18 +201,16 @@ class ChunkStore:
         not from their 16-bit rounding: a plan moves tensors, it never changes the
         math. So the chunk's values are first assembled in fp32 (``master_init``),
         the optimizer adopts that as the master, and the compute-dtype chunk (device)
-        or home (host) is cast from it. Persistent chunks assemble on the device (their
-        master lives there); offloaded ones on the host, one shard at a time, so wrap
-        never needs a whole offloaded model on the device.
+        or home (host) is cast from it. Persistent and device-homed chunks assemble on the
+        device (their master lives there; one chunk's fp32 image at a time); offloaded ones
+        on the host, one shard at a time, so wrap never needs a whole offloaded model on
+        the device.
         """
         with self.copies.pooled():  # values and gradients come from the chunk pool
             c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
                       self.dtype, self.device)
         c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
         c.homed = spec.id in self.homed
-        if c.homed and not c.trainable:  # its master would be its only copy, and frozen chunks have none
-            raise ConfigError(f"chunk {c.id} is device-homed (placement.device_homed) but its parameters are frozen",
-                              "make the plan for the model with its parameters frozen as they are now")
         c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
@@ -235,7 +238,10 @@ class ChunkStore:
                 return c
             if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
                 c.master_init = image[c.own].clone()
-            if c.id not in self.homeless and not c.homed:
+            if c.homed and not c.trainable:  # no master: its values stay on the device ([Note: device homes])
+                c.home = image[c.own].to(self.dtype)
+                self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
+            elif c.id not in self.homeless and not c.homed:
                 c.home = self.arena.take(own_numel, self.dtype)
                 c.home.copy_(image[c.own])
                 self.ledger.host_alloc(c.home.numel() * c.home.element_size())
@@ -277,7 +283,7 @@ class ChunkStore:
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         n = c.own.stop - c.own.start
-        if c.homed:  # the device master, rounded by the copy itself ([Note: device homes])
+        if c.homed and c.trainable:  # the device master, rounded by the copy itself ([Note: device homes])
             src = self.masters[cid]
         else:
             src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
@@ -340,7 +346,8 @@ class ChunkStore:
         that write; a release that frees the device copy would lose it. A Parameter's
         ``_version`` is its own counter (``param.data = view`` keeps it; our copies into
         the chunk go through the chunk tensor and do not bump it), so a changed version
-        means the model wrote it. Before a release, and before a persistent chunk's step,
+        means the model wrote it. Before a release, and before a chunk's step (a persistent
+        chunk's, or an offloaded chunk's offload, which its step follows: engine.py ``_offload``),
         such a parameter's device values go to its home (offloaded chunks) and, under
         16-bit compute, to its fp32 master. On CUDA this copy blocks the host (a rare path).
         """

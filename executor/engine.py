@@ -38,7 +38,7 @@ from torch import nn
 from . import accounting
 from .activations import Activations
 from .check import check
-from .chunks import DTYPES, ChunkStore
+from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
 from .errors import BudgetError, ConfigError, NonFiniteLossError
 from .events import Listener
@@ -324,6 +324,10 @@ class Engine:
                                    else (c.dev_grad, self.comm.all_reduce(c.dev_grad, what, async_op=True)))
         if c.persistent:
             return
+        # A forward's in-place writes reach home and master before the step reads them (and not
+        # after, from the release at this segment's end: chunks.py [Note: in-place writes in forward]).
+        if c.residency is Residency.RESIDENT:
+            self.store.write_back(cid)
         if c.homed:  # steps now, on the device (chunks.py [Note: device homes]; grad_accum 1)
             self.optim.step_homed(cid)
             return

@@ -25,7 +25,7 @@ land           mark        CPU worker thread: a chunk's gradients reached the ho
                            are accumulated (``chunk``)
 cpu_step       begin, end  CPU worker thread: a chunk's AdamW update; its new weights are written
                            to the chunk's home after ``end`` (``chunk``)
-device_step    begin, end  a persistent chunk's AdamW update on the device (``chunk``)
+device_step    begin, end  a persistent or device-homed chunk's AdamW update on the device (``chunk``)
 collective     begin, end  a collective (world size > 1) (``detail``: which and of what, e.g.
                            "all-gather of chunk 3"); a fetch's all-gather runs on the copy
                            engine's upload stream (CUDA) or worker thread (CPU emulation)

@@ -1,11 +1,14 @@
-"""The optimizer: fp32 masters, AdamW on the device for persistent chunks and on the
-CPU (a worker thread) for offloaded ones, global-norm clipping and fp16 loss scaling.
+"""The optimizer: fp32 masters, AdamW on the device for persistent (and device-homed)
+chunks and on the CPU (a worker thread) for offloaded ones, global-norm clipping and fp16
+loss scaling.
 
 [Note: optimizer placement]
 A persistent chunk's fp32 master and Adam moments live on the device and are
 stepped after backward with the fused AdamW kernel on the device (under ZeRO-3 with
 ``placement.shard_persistent_states``, this rank's shard of them: executor/dist.py
-[Note: sharding]). An
+[Note: sharding]). A device-homed chunk's (this rank's shard) live on the device too and
+step in backward as soon as its gradients are complete (``step_homed``; chunks.py
+[Note: device homes]). Any other
 offloaded chunk's master and moments live in host memory; when its gradients
 reach the host (``offload``), a single worker thread steps it with the fused
 AdamW kernel on CPU tensors while backward goes on, then writes the
@@ -143,8 +146,9 @@ class ChunkOptimizer:
         fp32 = store.dtype == torch.float32
         self.hyper = dict(amsgrad=False, lr=config.lr, beta1=config.betas[0], beta2=config.betas[1],
                           weight_decay=config.weight_decay, eps=config.eps, maximize=False)
-        # One fp32 master per chunk: 1D (numel,), device for persistent chunks, host for
-        # offloaded ones; the chunk's own tensor when the compute dtype is fp32.
+        # One fp32 master per chunk: 1D (numel,), device for persistent and device-homed
+        # chunks (their shard), host for other offloaded ones; the chunk's own tensor (or
+        # home) when the compute dtype is fp32, except for a device-homed chunk.
         self.master: dict[int, torch.Tensor] = store.masters
         # Adam moments, same shape and place as the master; zero until a parameter's first step.
         self.exp_avg: dict[int, torch.Tensor] = {}
@@ -214,7 +218,7 @@ class ChunkOptimizer:
             store.ledger.host_alloc(self.scratch.numel() * 4)
         # The device steps' fp32 scratch, as ``scratch`` for the host's ([Note: device homes] in chunks.py).
         self.dev_scratch = torch.empty(0)
-        if any(c.homed for c in store.chunks):
+        if any(c.homed and c.trainable for c in store.chunks):
             self.dev_scratch = torch.empty(shard, dtype=torch.float32, device=store.device)
             store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
         # One worker: CPU steps run in submission order, overlapping the main thread.

@@ -253,7 +253,8 @@ class Placement(Binding):
     the master into the chunk's buffer (and all-gathers under ZeRO-3), and the chunk is
     stepped on the device as soon as its gradients are complete in backward
     (executor/chunks.py [Note: device homes]). ``grad_accum`` 1 and
-    ``schedule.cpu_adam = during_backward`` only; trainable chunks only; never homeless."""
+    ``schedule.cpu_adam = during_backward`` only; never homeless. A frozen one keeps its
+    values' shard on the device instead."""
 
 
 class Activation(Binding):

@@ -213,7 +213,8 @@ class CopyEngine:
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
                after: CopyHandle | None = None, gather=None) -> CopyHandle:
-        """Copy host ``src`` into device ``dst`` (already allocated). See [Note: copy streams].
+        """Copy ``src`` into device ``dst`` (already allocated): a host home or slot, or a
+        device-homed chunk's device master (chunks.py [Note: device homes]). See [Note: copy streams].
 
         ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
         ``gather``: a collective to run right after the copy, on the same stream (the

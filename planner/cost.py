@@ -393,8 +393,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # reaches for them only where every offloaded chunk homeless still leaves the host over
     # its cap: the fewest, first in execution order (their CPU steps would come last, after
     # backward; the homeless ones are the last). Charged: their device states (and one
-    # fp32 scratch), their steps on the device, serially inside backward; no CPU step and
-    # no conversion. Their fetches and gradient offloads are charged as a host chunk's (the
+    # fp32 scratch), their gradients' reduce-scatter and their steps on the device, serially
+    # inside backward (the step waits for the reduction); no CPU step and no conversion. Their fetches and gradient offloads are charged as a host chunk's (the
     # link share of ``t_up`` / ``t_down`` is not crossed: an over-estimate of the time).
     offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
     if homeless is None:
@@ -520,7 +520,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
             cpu_done = np.where(is_homed[:, c], cpu_done, stepped)  # [Device homes]: no CPU step
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
-    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_params * t.homed_adam_us_per_param  # [Homeless chunks], [Device homes]
+    # [Homeless chunks]; [Device homes]: each one's reduce-scatter and step, serially on compute
+    homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
+    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
     cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 

@@ -8,8 +8,8 @@ feasible plan from ``planning.make_plan`` at the world size asked (``N`` ranks,
 ZeRO-3: ``make_plan(..., world_size=N)``) and whose host memory need fits the host;
 then, at that size, bisection over the candidate micro-batches finds the largest
 that still fits. A probe profiles one (size, micro-batch) pair:
-2-8 s for a big model on a 2-core box, so a family costs about 7 size probes and
-2-3 micro-batch probes.
+2-8 s for a big model on a 2-core box, so a family costs about 7 size probes, up to
+3 more between rungs (below) and 2-3 micro-batch probes.
 
 Ladders (the interpolation rules):
 

@@ -145,7 +145,9 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
         prediction=P.Prediction(
             iter_time_us=round(pred.time_us * grad_accum),
             peak_memory_bytes=round(pred.peak_bytes),
-            breakdown={k: round(v) for k, v in pred.breakdown.items()},
+            # (without the search's own figures of what device homes moved: cost.py [Device homes])
+            breakdown={k: round(v) for k, v in pred.breakdown.items()
+                       if k not in ("homed_peak_bytes", "unhomed_host_bytes")},
         ),
         provenance=P.Provenance(
             profile_digest=profile_digest(profile),

@@ -207,7 +207,10 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     segment at ``max(compute, uploads, swap-outs, offloads)``, where the trace lets a
     swap-out or offload run on past its segment's end as the executor does; the
     trace replays ``grad_accum`` micro-batches (CPU Adam after the last), the cost
-    model multiplies one by ``grad_accum``. ``tests/test_trace.py`` pins the gap.
+    model multiplies one by ``grad_accum``; a device-homed chunk's gradients are
+    reduced and stepped on the device here (no download, no CPU step), where the cost
+    model charges their download as a host chunk's (cost.py [Device homes]).
+    ``tests/test_trace.py`` pins the gap.
     """
     from .cost import SWAP_OVERHEAD_US
 
@@ -217,6 +220,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     index = {s: i for i, s in enumerate(segs)}
     policy = {a.block: a.policy for a in plan.activations}
     offloaded = set(plan.placement.offloaded)
+    homed = set(plan.placement.device_homed)
     W = t.world_size
     # t_up / t_down include the collective under ZeRO-3 (cost.make_terms); split them.
     coll_us = t.allreduce_us_per_chunk / 2
@@ -307,6 +311,17 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             events.append(_x(f"backward {step.segment}", "compute", cs, ce - cs, pid, "compute",
                              segment=step.segment, phase="backward", micro_batch=micro))
             for c in step.offload:
+                if c in homed:  # reduced, then stepped on compute at once (chunks.py [Note: device homes])
+                    at = ce
+                    if W > 1:
+                        r0, at = lanes.run("collectives", ce, coll_us)
+                        events.append(_x(f"reduce_scatter c{c}", "collectives", r0, at - r0, pid, "collective",
+                                         chunk=c))
+                    n = int(t.chunk_params[c])
+                    a0, a1 = lanes.run("compute", at, n * t.homed_adam_us_per_param)
+                    events.append(_x(f"adam (device) c{c}", "compute", a0, a1 - a0, pid, "compute",
+                                     chunk=c, params=n))
+                    continue
                 grads_down[c] = offload(c, ce)
                 if last_micro and c in offloaded and not after_backward:
                     n = int(t.chunk_params[c])

@@ -305,7 +305,8 @@ def test_paper_sizes_section_says_what_binds():
                     server=f"{world} x rtx3090, 384GiB host RAM", params_b=25.42, shape="66L × 5632 (44 heads)",
                     paper_b=paper, micro_batch=8, iter_s=38.6, binds="host memory (97% of the host budget; "
                     "device 95%)", next=f"27.37B: host memory: {needs}",
-                    host_budget=0, device_bound_b=261.57, device_next="end of the ladder", seconds=1.0)
+                    host_budget=0, device_bound_b=261.57, device_next="end of the ladder", seconds=1.0,
+                    placement=f"{world} / 60 / 3 of 72")
 
     text = ps.section([row(1, 34, "needs 349 GiB, 343 GiB usable"), row(4, 37, "needs 86.5 GiB, 84.4 GiB usable")],
                       "llama-70b: plans.", 2.0)
@@ -313,6 +314,7 @@ def test_paper_sizes_section_says_what_binds():
     assert "| 1 x rtx3090, 384GiB host RAM | 25.42B | 66L × 5632 (44 heads) | 34B | 0.75 | 8, 38.6 |" in text
     assert "≥ 261.57B (the ladder's end)" in text and "llama-70b: plans." in text
     assert "stopped by host memory in 2 of 2 servers" in text
+    assert "persistent / homeless / device-homed of all: 1 / 60 / 3 of 72, 4 / 60 / 3 of 72." in text
     assert ("4 x rtx3090 fits no larger a model than one card: at the next size the four ranks need 346.0 GiB "
             "of host RAM in all against one rank's 349.0") in text
     assert "but have 337.6 GiB usable against 343.0" in text

@@ -13,7 +13,7 @@ from harness import assert_same_state, lockstep, make_model, make_plan
 
 from protrain.executor import AdamWConfig, accounting, optim, wrap
 from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError, PlanError
+from protrain.executor.errors import PlanError
 from protrain.planner.data import batches, load_tokens
 from protrain.testing.emulation import emulate
 
@@ -77,22 +77,38 @@ def test_bf16_device_homes_step_as_host_homes(monkeypatch):
     assert accounting.walk(homed).states_bytes - accounting.walk(kept).states_bytes == 12 * moved + 4 * 192
 
 
-def test_in_place_write_in_forward_reaches_the_device_master():
+@pytest.mark.parametrize("n_buffer", [2, 6])
+def test_in_place_write_in_forward_reaches_the_device_master(n_buffer):
     """fp32: a device-homed chunk's master is not its buffer, so a forward's in-place write
-    (nn.Embedding max_norm) must be written back into it before the release."""
+    (nn.Embedding max_norm) must reach it before the release, and before the step: with
+    every chunk buffered, the embedding's chunk stays resident from forward to its last
+    backward segment, where it is offloaded (stepped) and then released. Against plain
+    PyTorch, and the host layout alike."""
     def model():
         m = make_model("gpt2-4")
         m.transformer.wte.max_norm = 0.1  # below the rows' norms at init (~0.16): renormalised
         return m
 
-    ref = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep")
-    homed = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", device_homed="all")
-    a, b = _train(model(), ref), _train(model(), homed)
-    plain = _train(make_model("gpt2-4"), ref)
-    assert plain[0] != a[0]  # the writes matter
-    assert a[0] == b[0]
-    for name, t in a[1]["model"].items():
-        assert torch.equal(t, b[1]["model"][name]), name
+    host = make_plan("gpt2-4", persistent=[], n_buffer=n_buffer, policies="keep")
+    homed = make_plan("gpt2-4", persistent=[], n_buffer=n_buffer, policies="keep", device_homed="all")
+    torch.manual_seed(1234)
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=CONFIG.lr, weight_decay=CONFIG.weight_decay, fused=True)
+    data = batches(load_tokens(), 4, 32, 0)
+    want = []
+    for _ in range(4):
+        loss = ref(*next(data))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    plain = _train(make_model("gpt2-4"), host)
+    assert plain[0] != want  # the writes matter
+    for plan in (host, homed):
+        got = _train(model(), plan)
+        assert got[0] == want
+        for name, p in ref.named_parameters():
+            assert torch.equal(got[1]["model"][name], p.detach()), name
 
 
 def test_plan_rules_for_device_homed_chunks():
@@ -116,15 +132,28 @@ def test_plan_rules_for_device_homed_chunks():
         P.load(msgspec.json.encode(d))
 
 
-def test_a_frozen_device_homed_chunk_is_refused():
-    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", device_homed=[0])
-    model = make_model("gpt2-4")
-    for p in model.transformer.wte.parameters():
-        p.requires_grad_(False)
-    for p in model.transformer.wpe.parameters():
-        p.requires_grad_(False)
-    with pytest.raises(ConfigError, match="device-homed"):
-        wrap(model, plan, CONFIG, device="cpu")
+def test_a_frozen_device_homed_chunk_keeps_its_values_on_the_device():
+    """Fine-tuning freezes the embeddings, which the planner may have homed on the device
+    (it plans every parameter trainable): the chunk then has no master, so its values'
+    shard stays on the device in the compute dtype, and training is plain PyTorch's."""
+    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", device_homed=[0, 1])
+
+    def frozen():
+        m = make_model("gpt2-4")
+        for p in (*m.transformer.wte.parameters(), *m.transformer.wpe.parameters()):
+            p.requires_grad_(False)
+        return m
+
+    host = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep")
+    a, b = _train(frozen(), host), _train(frozen(), plan)
+    assert a[0] == b[0]
+    for name, t in a[1]["model"].items():
+        assert torch.equal(t, b[1]["model"][name]), name
+    assert "transformer.wte.weight" not in b[1]["optim"]
+    engine = wrap(frozen(), plan, CONFIG, device="cpu")  # the ledger checked wrap against accounting.py
+    home = engine.store.chunks[0].home
+    assert home is not None and home.device.type == "cpu" and engine.store.chunks[0].homed
+    engine.close()
 
 
 def test_v4_plan_migrates_with_no_device_homes():
@@ -133,3 +162,40 @@ def test_v4_plan_migrates_with_no_device_homes():
     v4 = Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json"
     plan = P.load(v4)
     assert plan.schema_version == P.SCHEMA_VERSION and plan.placement.device_homed == []
+
+
+def test_a_checkpoint_moves_between_device_homes_and_host_homes(tmp_path):
+    """Save under a device-homed plan, resume under the host layout (and back): the same
+    training as never stopping (state is saved in the model's names, from the masters)."""
+    homed = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", device_homed="all")
+    host = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap")
+
+    def run(first, second, stop_at=2, steps=4):
+        torch.manual_seed(1234)
+        data = batches(load_tokens(), 4, 32, 0)
+        e = wrap(make_model("gpt2-4"), first, CONFIG, device="cpu")
+        losses = [e.step(next(data)).loss for _ in range(stop_at)]
+        e.save(tmp_path / "ck")
+        e.close()
+        e = wrap(make_model("gpt2-4", seed=7), second, CONFIG, device="cpu")
+        e.load(tmp_path / "ck")
+        losses += [e.step(next(data)).loss for _ in range(steps - stop_at)]
+        sd = e.state_dict()
+        e.close()
+        return losses, sd
+
+    straight = _train(make_model("gpt2-4"), host)
+    for first, second in ((homed, host), (host, homed)):
+        losses, sd = run(first, second)
+        assert losses == straight[0]
+        for name, t in straight[1]["model"].items():
+            assert torch.equal(sd["model"][name], t), name
+
+
+def test_show_says_which_chunks_are_device_homed():
+    from protrain.planner.report import render_show
+
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype="bfloat16",
+                     homeless=[4], device_homed=[1, 2])
+    text = render_show(plan)
+    assert "; 1 homeless (no home on the host); 2 device-homed (master and moments on the device)" in text

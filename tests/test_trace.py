@@ -259,3 +259,28 @@ def test_measured_trace_of_a_cpu_run(tmp_path):
     both = merge_traces(predicted_trace(profile, plan), doc)
     write_trace(both, tmp_path / "both.json")
     assert {e["pid"] for e in both["traceEvents"]} == {1, 2}
+
+
+def test_predicted_trace_of_device_homed_chunks(profiles):
+    """A host budget below what the plan without it needs: the planner homes chunks on the
+    device (cost.py [Device homes]); the trace reduces and steps each on the device at its
+    offload (no download, no CPU step) and agrees with the prediction."""
+    profile = profiles["rtx3090"]
+    size, _ = choose_chunk_numel(facts_from_profile(profile))
+    t = make_terms(profile, size, 2)
+    budget = int(0.95 * predict(t, t.n_chunks, 0, 0, t.n_blocks).peak_bytes)  # not all persistent
+    free, _ = make_plan(profile, budget, world_size=2)
+    cap = int(0.8 * free.prediction.breakdown["host_bytes"])
+    plan, _ = make_plan(profile, budget, world_size=2, host_budget_bytes=cap)
+    homed = plan.placement.device_homed
+    # (seen: chunk 0 persistent, 1 and 2 device-homed, 3 homeless)
+    assert homed and plan.placement.homeless and plan.prediction.breakdown["host_bytes"] <= cap
+    doc = predicted_trace(profile, plan)
+    validate_trace(doc)
+    compute = [e["name"] for e in x_events(doc, TRACKS["compute"])]
+    assert all(compute.count(f"adam (device) c{c}") == 1 for c in homed)
+    d2h = [e["name"] for e in x_events(doc, TRACKS["D2H"])]
+    assert not any(n == f"offload c{c}" for n in d2h for c in homed)
+    assert not any(e["args"].get("chunk") in homed for e in x_events(doc, TRACKS["CPU Adam"]))
+    low, high = TOLERANCE["gpu"]
+    assert low <= doc["metadata"]["trace_iter_time_us"] / plan.prediction.iter_time_us <= high

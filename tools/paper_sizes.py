@@ -58,12 +58,15 @@ def fit_row(hardware: str, host: str, world: int, paper_b: float) -> dict:
     (free,) = run_fit(hardware, host_memory=UNLIMITED, world_size=world, families=("gpt2",),
                       micro_batches=(1,), echo=echo)
     nxt = f"{n_params(r.next_config) / 1e9:.2f}B: {r.limit}" if r.next_config else r.limit
+    pl = r.plan.placement
     return dict(command=f"protrain fit --hardware {hardware} --host-memory {host} --world-size {world}",
                 server=f"{world} x {hardware}, {host} host RAM", params_b=r.n_params / 1e9,
                 shape=describe(r.config), paper_b=paper_b, micro_batch=r.micro_batch,
                 iter_s=r.iter_time_us / 1e6, binds=r.binds, next=nxt,
                 host_budget=r.host_budget_bytes, device_bound_b=free.n_params / 1e9,
-                device_next=free.limit, seconds=time.perf_counter() - t0)
+                device_next=free.limit, seconds=time.perf_counter() - t0,
+                placement=(f"{len(pl.persistent)} / {len(pl.homeless)} / {len(pl.device_homed)} of "
+                           f"{len(r.plan.chunks.items)}"))
 
 
 def llama70b_row() -> str:
@@ -107,7 +110,10 @@ def layout_note() -> str:
             f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
             "of device memory per persistent one (`accounting.element_bytes`); at one rank an offloaded "
             "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
-            f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank")
+            f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the chunks a "
+            "plan homes on the device when even every chunk homeless misses the host (their shard's "
+            f"fp32 master and moments on the card, {accounting.HOMED_BYTES} B per element: "
+            "executor/chunks.py [Note: device homes])")
 
 
 def section(rows: list[dict], llama: str, seconds: float) -> str:
@@ -153,12 +159,15 @@ def reading(rows: list[dict]) -> str:
             f"{len(host_bound)} of {len(rows)} servers")
     if host_bound:
         text += (": the host bytes per offloaded parameter (the header's figures: 12 B where the "
-                 "plan drops homes), not the device, bound these sizes; with the host out of the "
+                 "plan drops homes, none where it homes chunks on the device), not the device, bound these sizes; with the host out of the "
                  "way the device alone would allow "
                  + ", ".join(_bound(r) for r in rows)
                  + ". Rerun this tool after a host-layout change to refresh the table.")
     else:
         text += "."
+    if all("placement" in r for r in rows):
+        text += (" The winning plans' chunks, persistent / homeless / device-homed of all: "
+                 + ", ".join(r["placement"] for r in rows) + ".")
     for r1 in rows:
         for r4 in rows:
             if not (r1["command"].endswith("--world-size 1") and r4["command"].endswith("--world-size 4")
