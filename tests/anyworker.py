@@ -119,10 +119,15 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
                              n_buffer=len(numel) + 1, policies=policies)
             n = len(probe.chunks.items)
             persistent = {"persistent": list(range(n)), "offloaded": [],
-                          "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1]}[ps["kind"]]
+                          "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1],
+                          "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0]}[ps["kind"]]
+            # device homes (executor/chunks.py [Note: device homes]): some offloaded chunks, grad_accum 1 only
+            homed = [c for c in range(n) if c not in persistent and (ps["mask"] >> ((c + 5) % 16) & 1 or c == n - 1)]
+            homed = homed if ps["kind"] == "homed" and s["accum"] == 1 else []
             need = max((len(ids - set(persistent)) for ids in V.segment_chunks(probe).values()), default=0)
             out.append((label, assemble(facts, training=training, chunk_numel=chunk, persistent=persistent,
-                                        n_buffer=max(1, need) + ps["extra_buffers"], policies=policies)))
+                                        n_buffer=max(1, need) + ps["extra_buffers"], policies=policies,
+                                        device_homed=homed)))
         except ProtrainError as e:
             out.append((label, e))
     return out

@@ -4,7 +4,8 @@ Hypothesis generates small models outside the zoo (``tests/anyworker.py``): 1-4
 blocks of odd and prime widths, optional biases, dropout, BatchNorm, buffers, an
 unused "expert" inside a block, an unused top-level parameter, a head tied to the
 embedding, a weight tied between two blocks, a block called twice, random frozen
-subsets. Each is planned several ways (all persistent, all offloaded, mixed, the
+subsets. Each is planned several ways (all persistent, all offloaded, mixed, some
+offloaded chunks homed on the device (grad_accum 1), the
 search's and the MILP's plan at a budget on the Pareto front, down to the tightest;
 random keep/swap/checkpoint strips; grad_accum 1-3) and trained 4 steps in lock step
 with ``torch.optim.AdamW(fused=True)``: losses, final parameters and buffers must be
@@ -43,7 +44,7 @@ WIDTHS = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16, 17, 23, 31, 32, 36, 37, 
 
 
 @st.composite
-def specs(draw, *, frozen=None, unused=None, tie=None):
+def specs(draw, *, frozen=None, unused=None, tie=None, kinds=None, accum=None):
     n_blocks = draw(st.integers(1, 4))
     blocks = [{"h": draw(WIDTHS), "bias": draw(st.booleans()),
                "dropout": draw(st.sampled_from([0.0, 0.0, 0.2])), "bn": draw(st.booleans()),
@@ -53,7 +54,8 @@ def specs(draw, *, frozen=None, unused=None, tie=None):
         tie = draw(st.booleans()) and draw(st.booleans())
     if tie and n_blocks > 1:
         blocks[-1]["h"] = blocks[0]["h"]  # same shape, so fc1 weights can be tied
-    plans = [{"kind": draw(st.sampled_from(["persistent", "offloaded", "mixed", "search", "milp"])),
+    kinds = kinds or ["persistent", "offloaded", "mixed", "homed", "search", "milp"]
+    plans = [{"kind": draw(st.sampled_from(kinds)),
               "policies": draw(st.lists(st.sampled_from(["keep", "swap", "checkpoint"]),
                                         min_size=n_blocks, max_size=n_blocks)),
               "chunk_factor": draw(st.integers(1, 3)), "mask": draw(st.integers(0, 2**16 - 1)),
@@ -66,7 +68,7 @@ def specs(draw, *, frozen=None, unused=None, tie=None):
         "top_unused": (draw(st.sampled_from([0, 0, 5])) if unused is None else (5 if unused else 0)),
         "frozen_frac": (draw(st.sampled_from([0.0, 0.0, 0.3])) if frozen is None else frozen),
         "micro": draw(st.integers(1, 2)), "seq": draw(st.integers(4, 8)),
-        "accum": draw(st.integers(1, 3)), "steps": 4, "plans": plans,
+        "accum": draw(st.integers(1, 3)) if accum is None else accum, "steps": 4, "plans": plans,
     }
 
 
@@ -138,4 +140,12 @@ def test_unused_parameters(spec):
 @cases(30)
 @given(specs(frozen=0.0, unused=False, tie=False))
 def test_odd_widths_plain(spec):
+    check(spec)
+
+
+@cases(40)
+@given(specs(kinds=["homed"], accum=1))
+def test_device_homed_chunks(spec):
+    # executor/chunks.py [Note: device homes] (grad_accum 1 only): tying, frozen and unused
+    # parameters, odd widths, every policy, as the rest
     check(spec)
