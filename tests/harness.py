@@ -149,3 +149,13 @@ def assert_same_state(run: Run, atol: float = 0.0, rtol: float = 0.0) -> None:
             torch.testing.assert_close(sd["optim"][name][key], st[key], rtol=rtol, atol=atol,
                                        msg=f"{name} {key}")
         assert float(sd["optim"][name]["step"]) == float(st["step"])
+
+
+def assert_same_training(a, b) -> None:
+    """Two ``(losses, state_dict, ...)`` runs: the same losses, parameters and moments, bit for bit."""
+    assert a[0] == b[0]
+    for name, t in a[1]["model"].items():
+        assert torch.equal(t, b[1]["model"][name]), name
+    for name, st in a[1]["optim"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from harness import assert_same_state, lockstep, make_model, make_plan
+from harness import assert_same_state, assert_same_training, lockstep, make_model, make_plan
 
 from protrain.executor import AdamWConfig, accounting, optim, wrap
 from protrain.executor import plan as P
@@ -65,12 +65,7 @@ def test_bf16_device_homes_step_as_host_homes(monkeypatch):
     homed = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype="bfloat16",
                       device_homed=[1, 2, 4])
     a, b = _train(make_model("gpt2-4"), kept), _train(make_model("gpt2-4"), homed)
-    assert a[0] == b[0]
-    for name, t in a[1]["model"].items():
-        assert torch.equal(t, b[1]["model"][name]), name
-    for name, st in a[1]["optim"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)
+    assert_same_training(a, b)
     # what moved: 14 host bytes per element of the homed chunks, 12 device bytes, one scratch
     moved = sum(accounting.host_numel(homed, c) for c in homed.placement.device_homed)
     assert a[2] - b[2] == 14 * moved

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from harness import make_model, make_plan
+from harness import assert_same_training, make_model, make_plan
 from torch import nn
 
 from protrain.executor import AdamWConfig, accounting, optim, wrap
@@ -30,13 +30,7 @@ def _train(model, plan, steps=3, config=CONFIG, data=None):
     return losses, sd, host
 
 
-def _same(a, b):
-    assert a[0] == b[0]
-    for name, t in a[1]["model"].items():
-        assert torch.equal(t, b[1]["model"][name]), name
-    for name, st in a[1]["optim"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)
+_same = assert_same_training
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
