@@ -97,7 +97,7 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     xs = list(range(n))
     a = walk[0].alpha
     terms = [  # (label, per-step bytes, colour) bottom to top
-        ("persistent chunk states", [m.states * a for m in walk], "#4c72b0"),
+        ("chunk states on the device (persistent, device-homed)", [m.states * a for m in walk], "#4c72b0"),
         ("offloaded chunk buffers", [m.buffers * a for m in walk], "#64b5cd"),
         ("activations held", [m.activations * a for m in walk], "#55a868"),
         ("activations swapping out", [m.swapping_out * a for m in walk], "#a6d96a"),
