@@ -387,15 +387,13 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
     uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
     G = len(grid.swap)
-    # [Device homes] A device-homed chunk keeps its master and moments (this rank's shard,
-    # HOMED_BYTES per element) on the device and nothing on the host, and steps on the
-    # device as its gradients complete (executor/chunks.py [Note: device homes]). The search
-    # reaches for them only where every offloaded chunk homeless still leaves the host over
-    # its cap: the fewest, first in execution order (their CPU steps would come last, after
-    # backward; the homeless ones are the last). Charged: their device states (and one
-    # fp32 scratch), their gradients' reduce-scatter and their steps on the device, serially
-    # inside backward (the step waits for the reduction); no CPU step and no conversion. Their fetches and gradient offloads are charged as a host chunk's (the
-    # link share of ``t_up`` / ``t_down`` is not crossed: an over-estimate of the time).
+    # [Device homes] A device-homed chunk keeps its shard's master and moments (HOMED_BYTES
+    # per element) on the device, nothing on the host, and steps there as its gradients
+    # complete (executor/chunks.py [Note: device homes]). Used only where every offloaded
+    # chunk homeless still leaves the host over its cap: the fewest, first in execution
+    # order (their CPU steps would be the tail after backward). Charged: their device states
+    # and one fp32 scratch; their reduce-scatter and step serially inside backward; no CPU
+    # step, no conversion; fetches and offloads as a host chunk's (an over-estimate).
     offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
