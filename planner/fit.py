@@ -346,8 +346,8 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     digest = hashlib.sha256(dump_spec(spec)).hexdigest()
     probes: list[Probe] = []
 
-    def probe(i: int | GPT2Config | LlamaConfig, mb: int) -> Probe:
-        p = _probe(configs[i] if isinstance(i, int) else i, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
+    def probe(cfg: GPT2Config | LlamaConfig, mb: int) -> Probe:
+        p = _probe(cfg, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
                    budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size)
         probes.append(p)
         if progress is not None:
@@ -366,7 +366,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        p = probe(mid, mbs[0])
+        p = probe(configs[mid], mbs[0])
         if p.fits:
             lo, best = mid, p
         else:
