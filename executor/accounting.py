@@ -56,6 +56,11 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   piece at a time (``scratch_bytes``): bounded by the executor, not by the model.
   Swapped activations: every swapped block's ``swapped`` bytes at the turn from
   forward to backward.
+- **disk, NVMe chunks** (``placement.nvme``) — each one's fp32 master and moments (in
+  fp32 compute the master is its home): no host bytes for them, ``nvme_span`` bytes each
+  on the disk; the host keeps its home (16-bit, unless homeless) and gradient buffers,
+  and once, if any, ``NVME_WINDOW`` bytes: the file's pages mapped at once while pieces
+  of it are read and written (nvme.py [Note: NVMe tier]).
 
 The device peak is the largest running total over the stream, times ``alpha``
 (allocator fragmentation on a GPU, 1 on a CPU). Within a step the order is: swap-in,
@@ -107,6 +112,21 @@ Adam moments, whatever the compute dtype (chunks.py [Note: device homes])."""
 STEP_PIECE = 1 << 20
 """fp32 elements of 16-bit gradients (in a home or a slot) the CPU step reads at once (a
 multiple of optim.VEC_ALIGN; optim.py ``_adamw_pieces``)."""
+
+
+NVME_ALIGN = 1 << 16
+"""Bytes each NVMe tensor starts on: a page of any page size (4 KiB to 64 KiB), so one
+tensor's pages are never another's (nvme.py ``DiskStates.drop``)."""
+
+NVME_WINDOW = 4 * (4 * STEP_PIECE + 2 * NVME_ALIGN)
+"""Host bytes of the NVMe file mapped at once: the CPU step's pieces of master and two
+moments and a fetch's (or the home's refresh's) piece of a master, each widened to whole
+pages (nvme.py [Note: NVMe tier])."""
+
+
+def nvme_span(numel: int) -> int:
+    """Bytes one fp32 tensor of ``numel`` elements takes in the NVMe file, alignment included."""
+    return -(-numel * 4 // NVME_ALIGN) * NVME_ALIGN
 
 
 def host_numel(plan: Plan, cid: int) -> int:
@@ -166,7 +186,7 @@ class Event:
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
     kind: str  # device: chunks, buffers, grads, optim (model states); activations (held), shared_grads,
     # swapped_in, swap_out (in flight to the host), recompute, transient;
-    # "buffers": chunks; host: home, optim, scratch, slots, swap; "step" (0 bytes) marks each step's start
+    # "buffers": chunks; host: home, optim, scratch, slots, swap, nvme_window; disk: optim; "step" (0 bytes) marks each step's start
     nbytes: int
     chunk: int = -1
     block: str = ""
@@ -184,6 +204,7 @@ class Walk:
     host_bytes: int  # offloaded chunks' states on the host
     host_swap_bytes: int  # swapped activations on the host at the turn
     alpha: float
+    disk_bytes: int = 0  # NVMe chunks' states in the file (placement.nvme)
 
 
 def events(plan: Plan, acts: SegmentBytes | None = None,
@@ -218,14 +239,20 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev("wrap", "", "device", "chunks", host_numel(plan, c) * eb.compute, c)
     if any(train[c] for c in homed):
         ev("wrap", "", "device", "optim", 4 * min(shard, STEP_PIECE))
+    nvme = set(plan.placement.nvme)
+    on_disk = 8 + (4 if eb.compute != 4 else 0)  # an NVMe chunk's moments and master, per element
     for c in plan.placement.offloaded:
         n = host_numel(plan, c)
         if c in homed:
             continue
-        if c not in homeless:
+        if c not in homeless and not (c in nvme and eb.compute == 4 and train[c]):  # (fp32: the home is the master)
             ev("wrap", "", "host", "home", n * eb.compute, c)
         if train[c]:
-            ev("wrap", "", "host", "optim", n * (eb.host - eb.compute), c)
+            ev("wrap", "", "host", "optim", n * (eb.host - eb.compute - (c in nvme) * on_disk), c)
+        if train[c] and c in nvme:
+            ev("wrap", "", "disk", "optim", 3 * nvme_span(n), c)
+    if any(train[c] for c in nvme):
+        ev("wrap", "", "host", "nvme_window", NVME_WINDOW)
     if any(train[c] for c in plan.placement.offloaded if c not in homed):
         ev("wrap", "", "host", "scratch", scratch_bytes(t.compute_dtype, t.grad_accum, shard))
     ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
@@ -328,7 +355,7 @@ def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool]
     most_swap = max(accumulate((e.nbytes for e in stream if e.phase != "wrap" and e.where == "host"), initial=0))
     return Walk(stream, states_bytes=states, buffers_bytes=buffers, activation_walk_bytes=most,
                 peak_bytes=(states + buffers + most) * alpha, host_bytes=host, host_swap_bytes=most_swap,
-                alpha=alpha)
+                alpha=alpha, disk_bytes=sum(e.nbytes for e in stream if e.where == "disk"))
 
 
 STATE_KINDS = ("chunks", "grads", "optim")

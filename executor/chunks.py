@@ -53,15 +53,17 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
 from concurrent.futures import Future
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from .accounting import host_numel, pool_slots
+from .accounting import NVME_WINDOW, host_numel, nvme_span, pool_slots
 from .errors import ConfigError
 from .memory import Ledger
+from .nvme import DiskStates, copy_pieces
 from .plan import Plan
 from .transfer import CopyEngine, CopyHandle, HostArena
 
@@ -116,6 +118,8 @@ class Chunk:
         self.trainable = True
         # Its master and moments stay on the device, nothing on the host ([Note: device homes]).
         self.homed = False
+        # Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py).
+        self.on_disk = False
         # This rank keeps only its shard of the chunk's master and moments (offloaded chunks
         # under ZeRO-3; trainable persistent ones when the plan shards their states). See
         # executor/dist.py [Note: sharding]; set by ChunkStore._lay_out.
@@ -141,7 +145,7 @@ class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device,
-                 copies: CopyEngine, ledger: Ledger, comm):
+                 copies: CopyEngine, ledger: Ledger, comm, nvme_dir: str | os.PathLike | None = None):
         self.device = device
         self.copies = copies
         self.ledger = ledger
@@ -163,14 +167,27 @@ class ChunkStore:
         self.staged = plan.training.grad_accum > 1
         self.homeless = set(plan.placement.homeless)
         self.homed = set(plan.placement.device_homed)  # [Note: device homes]
+        self.nvme = set(plan.placement.nvme)  # nvme.py [Note: NVMe tier]
         n_slots = plan.placement.n_host_slots
         span = HostArena.span
         size = n_slots * span(shard_numel, self.dtype)
         for spec in (s for s in plan.chunks.items if s.id not in persistent and s.id not in self.homed):
             n = host_numel(plan, spec.id)
-            size += span(n, self.dtype) * (spec.id not in self.homeless)
-            if not self.grad_in_home and any(params[p.name].requires_grad for p in spec.params):
+            trainable = any(params[p.name].requires_grad for p in spec.params)
+            size += span(n, self.dtype) * (spec.id not in self.homeless and not (fp32 and trainable and spec.id in self.nvme))
+            if not self.grad_in_home and trainable:
                 size += span(n, self.dtype) * self.staged + span(n, torch.float32)
+        self.disk: DiskStates | None = None
+        on_disk = [s.id for s in plan.chunks.items  # (a frozen chunk has no states: nothing to put there)
+                   if s.id in self.nvme and any(params[p.name].requires_grad for p in s.params)]
+        if on_disk:
+            if nvme_dir is None:
+                raise ConfigError(f"the plan keeps the optimizer states of chunks {on_disk} on disk "
+                                  "(placement.nvme) but no directory was given for them",
+                                  "pass --nvme DIR to `protrain train` (wrap(..., nvme_dir=DIR)): a directory on "
+                                  "a fast local disk")
+            self.disk = DiskStates(nvme_dir, sum(3 * nvme_span(host_numel(plan, c)) for c in on_disk))
+            self.ledger.host_alloc(NVME_WINDOW)
         self.arena = HostArena(size, pin=copies.cuda)
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.
@@ -211,6 +228,7 @@ class ChunkStore:
                       self.dtype, self.device)
         c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
         c.homed = spec.id in self.homed
+        c.on_disk = spec.id in self.nvme and c.trainable
         c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
@@ -241,6 +259,9 @@ class ChunkStore:
             if c.homed and not c.trainable:  # no master: its values stay on the device ([Note: device homes])
                 c.home = image[c.own].to(self.dtype)
                 self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
+            elif c.on_disk and fp32:  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
+                c.home = self.disk.take(own_numel)
+                copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
             elif c.id not in self.homeless and not c.homed:
                 c.home = self.arena.take(own_numel, self.dtype)
                 c.home.copy_(image[c.own])
@@ -289,12 +310,19 @@ class ChunkStore:
             src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
         if c.home is None and not c.homed:  # homeless: the master rounded into a slot ([Note: host slots])
             with record_function("protrain::round_master"):
-                src[:n].copy_(self.masters[cid])
+                if c.on_disk:
+                    copy_pieces(src[:n], self.masters[cid], self.disk)
+                else:
+                    src[:n].copy_(self.masters[cid])
+        elif c.on_disk and src is c.home and self.dtype == torch.float32:  # the home: on the disk
+            self.disk.prefetch(src[:n])
         c.upload = self.copies.upload(c.dev[c.own], src[:n],
                                       gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
                                       if self.comm.world > 1 else None)
         if c.home is None and not c.homed:
             self.slots.append((src, c.upload.synchronize))
+        elif c.on_disk and src is c.home and self.dtype == torch.float32:
+            self.disk.drop(c.home)  # (data-safe even under an upload still reading it: it faults back)
         c.last_upload = c.upload
         c.residency = Residency.RESIDENT
 
@@ -363,6 +391,8 @@ class ChunkStore:
                     c.home[a - lo: b - lo].copy_(c.dev[a:b])
                 if a < b and (self.dtype != torch.float32 or c.homed):  # (fp32: the chunk or home is the master)
                     self.masters[cid][a - lo: b - lo].copy_(c.dev[a:b])
+                if a < b and c.on_disk:
+                    self.disk.drop(self.masters[cid][a - lo: b - lo])
 
     def begin_step(self) -> None:
         """A new optimizer step: zero persistent gradients, forget who had a gradient."""

@@ -28,6 +28,7 @@ written in the plan (shared/STYLE.md rule 3).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,14 +77,16 @@ class StepResult:
 
 
 def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
-         device: str | torch.device | None = None) -> Engine:
+         device: str | torch.device | None = None, nvme_dir: str | os.PathLike | None = None) -> Engine:
     """Lay ``model`` out as ``plan`` says and return the Engine that trains it.
 
     ``model``'s parameters must hold real values (on the host or the device); the
     model's forward must take ``(idx, targets)`` and return the scalar loss.
-    ``device`` defaults to CUDA when available, else CPU.
+    ``device`` defaults to CUDA when available, else CPU. ``nvme_dir``: where the
+    plan's ``placement.nvme`` chunks keep their optimizer states (executor/nvme.py);
+    needed exactly when the plan has some.
     """
-    return Engine(model, plan, optimizer or AdamWConfig(), device)
+    return Engine(model, plan, optimizer or AdamWConfig(), device, nvme_dir)
 
 
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
@@ -99,7 +102,7 @@ def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
 
 class Engine:
     def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
-                 device: str | torch.device | None):
+                 device: str | torch.device | None, nvme_dir: str | os.PathLike | None = None):
         validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
         _check_cpu_adam(plan, config)
@@ -125,7 +128,7 @@ class Engine:
         self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = None
         try:
-            self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm)
+            self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
@@ -400,6 +403,8 @@ class Engine:
                     optim[name] = {"step": torch.tensor(float(o.counts[c.id][i])),
                                    **{k: v[off: off + n].view(p.shape).cpu().clone()
                                       for k, v in moments.items()}}
+            if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
+                self.store.disk.drop(o.master[c.id], o.exp_avg[c.id], o.exp_avg_sq[c.id])
         for name, alias in self.plan.model.tied:
             model[alias] = model[name]
         return {"model": model, "optim": optim}
@@ -451,6 +456,8 @@ class Engine:
                 target = c.dev if c.persistent else c.home  # None: homeless, the master alone
                 if target is not None and target is not master:
                     target.copy_((values if c.persistent else master).to(dtype))
+                if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
+                    self.store.disk.drop(master, self.optim.exp_avg[c.id], self.optim.exp_avg_sq[c.id])
 
     # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)
 

@@ -76,7 +76,13 @@ def v4_to_v5(doc: dict[str, Any]) -> dict[str, Any]:
     return _add(doc, "placement", {"device_homed": []}, 4)
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5}
+def v5_to_v6(doc: dict[str, Any]) -> dict[str, Any]:
+    """Add ``placement.nvme = []``: the v5 executor kept every offloaded chunk's master and
+    moments in host memory (or on the device)."""
+    return _add(doc, "placement", {"nvme": []}, 5)
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 

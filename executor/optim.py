@@ -97,6 +97,7 @@ from torch.autograd.profiler import record_function
 
 from .accounting import STEP_PIECE
 from .chunks import ChunkStore
+from .nvme import copy_pieces
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,9 @@ class ChunkOptimizer:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.own.stop - c.own.start
                 m = c.home if fp32 else c.master_init
+                if c.on_disk and not fp32:  # the master goes to the disk (nvme.py [Note: NVMe tier])
+                    m = store.disk.take(n)
+                    copy_pieces(m, c.master_init, store.disk, drop_dst=True)
                 if not store.grad_in_home:  # [Note: gradients land in home]
                     self.cpu_grad[c.id] = store.arena.take(n, torch.float32)
                 if store.staged:
@@ -197,11 +201,12 @@ class ChunkOptimizer:
             c.master_init = None
             self.master[c.id] = m
             if c.trainable:
-                self.exp_avg[c.id] = torch.zeros_like(m, dtype=torch.float32)
-                self.exp_avg_sq[c.id] = torch.zeros_like(m, dtype=torch.float32)
+                disk = store.disk if c.on_disk else None  # (its moments: zeros, as the file starts)
+                self.exp_avg[c.id] = disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
+                self.exp_avg_sq[c.id] = disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
                 # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
-                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 or c.homed else None,
-                       self.cpu_grad.get(c.id), self.staging.get(c.id)]
+                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 or c.homed else None][3 * bool(disk):]
+                own += [self.cpu_grad.get(c.id), self.staging.get(c.id)]
                 nbytes = sum(x.numel() * x.element_size() for x in own if x is not None)
                 store.ledger.alloc("optim", nbytes) if c.persistent or c.homed else store.ledger.host_alloc(nbytes)
             self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
@@ -209,7 +214,7 @@ class ChunkOptimizer:
             hi = lo + m.numel()
             self.spans[c.id] = [(max(off, lo) - lo, min(off + n, hi) - lo) if off < hi and off + n > lo
                                 else None for _, off, n in c.params]
-            if (m.device.type == "cpu" and not c.sharded
+            if (m.device.type == "cpu" and not c.sharded and not c.on_disk
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
         shard = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
@@ -383,29 +388,37 @@ class ChunkOptimizer:
             counts[i] += 1
 
     def _adamw_pieces(self, cid: int, which: list[int], grads: torch.Tensor | None,
-                      coef: float | None, inv_scale: float) -> None:
+                      coef: float | None, inv_scale: float, ready: bool = False) -> None:
         """``_adamw`` on 16-bit gradients that landed in the home or a slot (``grads``; None:
         zeros): they reach the fp32 ``scratch`` one piece at a time, then as ``_grad`` (divided
-        by the world size, unscaled, clipped; per element). A piece starts a multiple of
-        ``STEP_PIECE`` (of ``VEC_ALIGN``) elements into its parameter, so the kernel takes its
-        vector path on the same elements as in one call per parameter ([Note: optimizer
-        placement]): the same arithmetic, bit for bit, with no shard-sized fp32 copy."""
+        by the world size, unscaled, clipped; per element). ``ready``: ``grads`` is ``_grad``'s
+        fp32 gradient already, read in place. A piece starts a multiple of ``STEP_PIECE`` (of
+        ``VEC_ALIGN``) elements into its parameter, so the kernel takes its vector path on the
+        same elements as in one call per parameter ([Note: optimizer placement]): the same
+        arithmetic, bit for bit, with no shard-sized fp32 copy. An NVMe chunk's pieces of
+        master and moments leave host memory after each piece (nvme.py [Note: NVMe tier])."""
         m, ea, es, steps = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid], self.steps[cid]
         scratch = self.dev_scratch if self.store.chunks[cid].homed else self.scratch
+        disk = self.store.disk if self.store.chunks[cid].on_disk else None
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
         torch._foreach_add_([steps[i] for i, _ in spans], 1)
         for i, (lo, hi) in spans:
             for a in range(lo, hi, STEP_PIECE):
                 b = min(a + STEP_PIECE, hi)
-                g = scratch[: b - a]
-                g.copy_(grads[a:b]) if grads is not None else g.zero_()
-                if self.store.comm.world > 1:
-                    g.div_(self.store.comm.world)
-                if inv_scale != 1.0:
-                    g.mul_(inv_scale)
-                if coef is not None:
-                    g.mul_(coef)
+                if ready:
+                    g = grads[a:b]
+                else:
+                    g = scratch[: b - a]
+                    g.copy_(grads[a:b]) if grads is not None else g.zero_()
+                    if self.store.comm.world > 1:
+                        g.div_(self.store.comm.world)
+                    if inv_scale != 1.0:
+                        g.mul_(inv_scale)
+                    if coef is not None:
+                        g.mul_(coef)
                 torch._fused_adamw_([m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper)
+                if disk is not None:
+                    disk.drop(m[a:b], ea[a:b], es[a:b])
         for i in which:
             self.counts[cid][i] += 1
 
@@ -471,9 +484,10 @@ class ChunkOptimizer:
         """On the worker: AdamW on the host master, then the new weights into home (if any).
         ``grads``: where 16-bit gradients landed (home or slot; None: none did)."""
         c = self.store.chunks[cid]
+        disk = self.store.disk if c.on_disk else None
         if not which:
             if grads is not None and grads is c.home:  # gradients overwrote it: the values come back
-                c.home.copy_(self.master[cid])
+                self._refresh_home(cid)
             return
         if reads_home is not None:
             # The last upload from home must have read it before the step changes it (in
@@ -481,19 +495,31 @@ class ChunkOptimizer:
             reads_home.synchronize()
         self.store.copies.events.emit("cpu_step", "begin", chunk=cid)  # worker thread
         with record_function("protrain::cpu_adam"):
+            if disk is not None:
+                disk.prefetch(self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid])
             if self.store.grad_in_home:
                 self._adamw_pieces(cid, which, grads, coef, inv_scale)
+            elif disk is not None:  # (the fp32 gradient is in host memory: read in place)
+                self._adamw_pieces(cid, which, self._grad(cid, coef, inv_scale), None, 1.0, ready=True)
             else:
                 self._adamw(cid, which, self._grad(cid, coef, inv_scale))
         self.store.copies.events.emit("cpu_step", "end", chunk=cid)
         if c.home is not None and self.master[cid] is not c.home:
-            c.home.copy_(self.master[cid])
+            self._refresh_home(cid)
+
+    def _refresh_home(self, cid: int) -> None:
+        """The chunk's home from its master (an NVMe master a piece at a time)."""
+        home, master = self.store.chunks[cid].home, self.master[cid]
+        if self.store.chunks[cid].on_disk:
+            copy_pieces(home, master, self.store.disk)
+        else:
+            home.copy_(master)
 
     def discard_home_grads(self) -> None:
         """A skipped step (fp16 overflow): the homes that hold gradients get their weights back
         from the master, so the next fetch uploads the unchanged model. Call after ``wait_all``."""
         for cid in sorted(self.landed):  # fp16: no chunk is homeless (validation.py)
-            self.store.chunks[cid].home.copy_(self.master[cid])
+            self._refresh_home(cid)
         self.landed.clear()
 
     def wait_all(self) -> None:

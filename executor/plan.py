@@ -44,6 +44,9 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
   moments (this rank's shard) live on the device instead of the host, stepped on the
   device as their gradients complete. The v4 executor kept them all on the host;
   ``migrate.v4_to_v5`` writes ``[]``.
+- 6: ``placement.nvme`` (binding): offloaded chunks whose fp32 master and Adam moments
+  live in a file on disk (executor/nvme.py), mapped into host memory a piece at a time.
+  The v5 executor kept them in host memory; ``migrate.v5_to_v6`` writes ``[]``.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -61,7 +64,7 @@ import msgspec
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The version ``dump`` writes."""
 
 MIN_SCHEMA_VERSION = 1
@@ -255,6 +258,14 @@ class Placement(Binding):
     (executor/chunks.py [Note: device homes]). ``grad_accum`` 1 and
     ``schedule.cpu_adam = during_backward`` only; never homeless. A frozen one keeps its
     values' shard on the device instead."""
+    nvme: list[NonNegInt] = []
+    """Offloaded chunks whose fp32 master and Adam moments (this rank's shard) live in a
+    file on disk instead of host memory, ascending (executor/nvme.py [Note: NVMe tier]):
+    the directory is named at run time (``protrain train --nvme DIR``, ``wrap(nvme_dir=)``),
+    not here, as plans move between machines. The CPU step and a homeless chunk's fetch read
+    and write them a piece at a time; the home (unless homeless), gradient buffers and slots
+    stay in host memory. Never device-homed. A frozen one has no master or moments: its
+    values' home stays in host memory."""
 
 
 class Activation(Binding):

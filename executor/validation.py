@@ -133,6 +133,12 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     if pl.device_homed and (t.grad_accum != 1 or plan.schedule.cpu_adam != "during_backward"):
         fail("$.placement.device_homed", "needs grad_accum 1 and schedule.cpu_adam 'during_backward' "
              "(the chunk steps as soon as its gradients are complete)")
+    # NVMe tier (nvme.py [Note: NVMe tier]): states of trainable offloaded chunks kept on the host
+    if pl.nvme != sorted(set(pl.nvme)) or not set(pl.nvme) <= set(pl.offloaded):
+        fail("$.placement.nvme", "must be offloaded chunk ids, ascending and unique")
+    if set(pl.nvme) & set(pl.device_homed):
+        fail("$.placement.nvme", f"chunks {sorted(set(pl.nvme) & set(pl.device_homed))} are also device-homed: "
+             "their master and moments are on the device, not the host or a disk")
 
     # -- activations
     if [a.block for a in plan.activations] != blocks:

@@ -198,10 +198,14 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 @click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
                    "after backward (clipping needs every gradient first) and is predicted that way.")
+@click.option("--nvme", is_flag=True,
+              help="Where host memory binds, the plan may keep offloaded chunks' optimizer states on a disk "
+                   "(train with --nvme DIR); the spec must carry the disk's bandwidth "
+                   "(`protrain hardware probe --nvme DIR`).")
 @click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, reprobe, output):
+         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output):
     """Search the fastest plan that fits the budget and write it."""
     from .profiling import run_plan
 
@@ -209,7 +213,7 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
-             max_grad_norm=max_grad_norm, reprobe=reprobe)
+             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme)
 
 
 @main.command()
@@ -327,9 +331,12 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
                    "the tokenizer) that transformers' from_pretrained loads; needs --hf-config.")
+@click.option("--nvme", "nvme_dir", default=None, metavar="DIR", type=click.Path(file_okay=False),
+              help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
+                   "(placement.nvme); an unlinked file there, gone when training ends.")
 def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, seed, timeout_s,
           trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
-          export_dir):
+          export_dir, nvme_dir):
     """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
 
     Ctrl-C stops after the current step (checkpointing first with --save-dir) and
@@ -342,7 +349,7 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
                  trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
                  eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
                  text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,
-                 progress=None)
+                 progress=None, nvme_dir=nvme_dir)
     if getattr(losses, "interrupted", False):
         sys.exit(EXIT_INTERRUPTED)
 
@@ -391,13 +398,16 @@ def hardware() -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="Device to probe.")
 @click.option("--quick", is_flag=True, help="Smaller, faster measurements.")
-def probe(output, device, quick):
+@click.option("--nvme", default=None, metavar="DIR", type=click.Path(file_okay=False),
+              help="Also measure the read and write bandwidth of the disk under DIR, for plans that keep "
+                   "optimizer states there (`protrain plan --nvme`).")
+def probe(output, device, quick, nvme):
     """Measure this machine (GPU via NVML, copy bandwidth, Adam rates) into a spec file."""
     from .hardware import probe_to_file
     from .preflight import output_file
 
     output_file(output, "--output")  # before the measurements, not after them
-    probe_to_file(output, device=device, quick=quick, echo=click.echo)
+    probe_to_file(output, device=device, quick=quick, echo=click.echo, nvme=nvme)
 
 
 @main.command()

@@ -63,6 +63,7 @@ import numpy as np
 from protrain.executor import accounting as A
 from protrain.executor.plan import POST, PRE
 
+from . import host_tiers
 from .datasheets import ADAM_BYTES_PER_PARAM
 from .layout import assign, groups
 from .profile import Profile
@@ -169,6 +170,10 @@ class Terms:
     homed_ok: bool = False  # grad_accum 1, steps during backward
     homed_scratch_bytes: int = 0  # the device steps' fp32 scratch, once if any chunk is device-homed
     homed_adam_us_per_param: float = 0.0  # a device-homed chunk's step on the device (its shard)
+    # Chunks on disk ([NVMe tier] in planner/host_tiers.py; executor/nvme.py): the plan may use one.
+    nvme_ok: bool = False  # asked for (``plan --nvme``) and the spec's disk measured
+    disk_step_us_per_elem: float = 0.0  # a CPU step's disk traffic: 12 B read and 12 B written
+    disk_fetch_us_per_elem: float = 0.0  # a fetch that reads the fp32 master from the disk
 
     @property
     def reduce_us_per_chunk(self) -> float:
@@ -198,11 +203,12 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
 
 def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
                cpu_adam: str = "during_backward", grad_accum: int = 1,
-               shard_persistent: bool | None = None) -> Terms:
+               shard_persistent: bool | None = None, nvme: bool = False) -> Terms:
     """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
     for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``) and persistent
     optimizer states sharded over the ranks or not (default: sharded when the world
-    size is above 1, as ``emit.assemble`` writes plans)."""
+    size is above 1, as ``emit.assemble`` writes plans). ``nvme``: the plan may keep
+    chunks' states on disk (the spec's disk figures must be measured)."""
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
     facts = facts_from_profile(profile)
     need, per_chunk, ends = chunk_need(facts, chunk_numel)
@@ -288,6 +294,10 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         homed_ok=grad_accum == 1 and cpu_adam == "during_backward",
         homed_scratch_bytes=4 * min(shard_bytes // cb, A.STEP_PIECE),
         homed_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / W,
+        nvme_ok=nvme and spec.disk_read_bytes_per_s > 0 and spec.disk_write_bytes_per_s > 0,
+        disk_step_us_per_elem=(12e6 / spec.disk_read_bytes_per_s + 12e6 / spec.disk_write_bytes_per_s
+                               if nvme and spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s else 0.0),
+        disk_fetch_us_per_elem=4e6 / spec.disk_read_bytes_per_s if nvme and spec.disk_read_bytes_per_s else 0.0,
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
         # per parameter; planner/datasheets.py): the same bandwidth moves (4 + cb) B per element.
@@ -351,8 +361,8 @@ def homeless_order(off: np.ndarray) -> np.ndarray:
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
-             homeless: Sequence[int] | None = None,
-             homed: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
+             homeless: Sequence[int] | None = None, homed: Sequence[int] = (),
+             nvme: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
@@ -361,8 +371,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     over the grid) that ``predict`` reports as the breakdown. ``homeless``: the plan's
     homeless chunks; None: the fewest (in ``homeless_order``) that bring the host need
     under ``host_cap``, per strip ([Homeless chunks]), and where even every offloaded chunk
-    homeless does not, the fewest device-homed ones ([Device homes]). ``homed``: the plan's
-    device-homed chunks, with ``homeless`` given.
+    homeless does not, the fewest device-homed ones or chunks on disk (planner/host_tiers.py).
+    ``homed``, ``nvme``: the plan's device-homed chunks and chunks on disk, with ``homeless`` given.
     """
     C = t.n_chunks
     off = offload_mask(t, persist)  # (C,) offloaded chunks
@@ -386,51 +396,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     uploads_f = t.up_fwd.sum(axis=0)  # (C,) forward uploads of each chunk
     again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
     uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
-    G = len(grid.swap)
-    # [Device homes] A device-homed chunk keeps its shard's master and moments (HOMED_BYTES
-    # per element) on the device, nothing on the host, and steps there as its gradients
-    # complete (executor/chunks.py [Note: device homes]). Used only where every offloaded
-    # chunk homeless still leaves the host over its cap: the fewest, first in execution
-    # order (their CPU steps would be the tail after backward). Charged: their device states
-    # and one fp32 scratch; their reduce-scatter and step serially inside backward; no CPU
-    # step, no conversion; fetches and offloads as a host chunk's (an over-estimate).
-    offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
-    if homeless is None:
-        over = host + host_swap - host_cap  # (G,)
-        k = np.zeros(G, dtype=np.int64)
-        first = homeless_order(off)  # the k first of these are homeless
-        saved = np.cumsum(t.host_numel[first] * t.home_bytes_per_elem)  # (n_off,) by the first k
-        homeless_on = t.homeless_ok and n_off and t.home_bytes_per_elem
-        if homeless_on:
-            k = np.where(over > 0, np.minimum(np.searchsorted(saved, over + t.slot_pool_bytes) + 1, n_off), 0)
-        kd = np.zeros(G, dtype=np.int64)
-        left = over - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # what homeless chunks leave
-        if t.homed_ok and n_off:
-            per = t.host_numel[offs] * (t.host_bytes_per_elem - (t.home_bytes_per_elem if homeless_on else 0))
-            kd = np.where(left > 0, np.minimum(np.searchsorted(np.cumsum(per), left) + 1, n_off), 0)
-        unhomed = host - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # the host need without them
-        k = np.minimum(k, n_off - kd)  # a device-homed chunk is not homeless
-        rank = np.full(C, C, dtype=np.int64)
-        rank[offs] = np.arange(n_off)
-        is_homed = rank[None, :] < kd[:, None]  # (G, C)
-        conv_f = np.append(0, np.cumsum(uploads_f[first]))[k] * t.convert_us  # (G,)
-        conv_b = np.append(0, np.cumsum(uploads_b[first]))[k] * t.convert_us
-        dropped = np.append(0, saved)[k]
-    else:
-        h = np.zeros(C, dtype=np.int64)
-        h[list(homeless)] = 1
-        k = np.full(G, int(h.sum()), dtype=np.int64)
-        conv_f = np.full(G, float(uploads_f @ h) * t.convert_us)
-        conv_b = np.full(G, float(uploads_b @ h) * t.convert_us)
-        dropped = np.full(G, float(t.host_numel @ h) * t.home_bytes_per_elem)
-        is_homed = np.zeros((G, C), dtype=bool)
-        is_homed[:, list(homed)] = True
-        kd = np.full(G, len(homed), dtype=np.int64)
-        unhomed = None
+    # [Homeless chunks], [Device homes], [NVMe tier]: planner/host_tiers.py. Charged for device
+    # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
+    # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
+    # over-estimate). For the disk: its traffic in the CPU step and in fetches that read it.
+    tiers = host_tiers.choose(t, off, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
+    k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
+    conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     mask = is_homed.astype(np.float64)
-    host = host - dropped + (k > 0) * t.slot_pool_bytes - mask @ (t.host_numel * t.host_bytes_per_elem)  # (G,)
-    unhomed = host if unhomed is None else unhomed
-    host = host - (kd == n_off) * (t.host_scratch_bytes if n_off else 0)  # nothing left to step on the host
+    disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem)  # (G, C) each chunk's step's disk traffic
     homed_dev = mask @ (t.host_numel * A.HOMED_BYTES) + (kd > 0) * t.homed_scratch_bytes  # (G,)
     homed_params = mask @ t.chunk_params  # (G,)
 
@@ -478,7 +452,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
-    t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
+    t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param + disk_us.sum(axis=1)  # (G,)
     # [Overlapped reductions] Under ZeRO-3 a persistent chunk's gradient reduction (an
     # all-reduce, or sharded a reduce-scatter) starts when backward has ended the first
     # segment using it, one after another on the collective lane, beside backward
@@ -514,7 +488,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         for c in np.nonzero(t.offload_at[s] * off)[0]:
             ready = end_b[:, s] + t.t_down
             landed = np.maximum(landed, ready)
-            stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+            stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param + disk_us[:, c]
             cpu_done = np.where(is_homed[:, c], cpu_done, stepped)  # [Device homes]: no CPU step
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
@@ -540,7 +514,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
         "host_bytes": host.astype(np.float64), "host_swap_bytes": host_swap,
         "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
-        "n_device_homed": kd.astype(np.float64),
+        "n_device_homed": kd.astype(np.float64), "n_nvme": kn.astype(np.float64),
         # what the search reports when nothing fits: the figures without device homes
         "homed_peak_bytes": homed_dev * m.alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
     }
@@ -629,11 +603,11 @@ def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: 
 
 
 def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str],
-                 homeless: Sequence[int] = (), homed: Sequence[int] = ()) -> Prediction:
-    """Any configuration: persistent chunks anywhere, any policy strip, any homeless chunks
-    and device-homed ones (the first offloaded chunks; same arrays again)."""
+                 homeless: Sequence[int] = (), homed: Sequence[int] = (), nvme: Sequence[int] = ()) -> Prediction:
+    """Any configuration: persistent chunks anywhere, any policy strip, any homeless chunks,
+    device-homed ones and ones on disk (same arrays again)."""
     time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless,
-                                 homed=homed)
+                                 homed=homed, nvme=nvme)
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 

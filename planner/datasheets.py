@@ -257,6 +257,14 @@ def _latency_curve(
     ]
 
 
+DISK_NOTES = {
+    f"disk_{rw}_bytes_per_s": "unknown (0): the NVMe tier's disk is not part of a datasheet; "
+    "measure it with `protrain hardware probe --nvme DIR` (nothing goes on disk until then)"
+    for rw in ("read", "write")
+}
+"""The disk figures' notes in every datasheet spec: a disk is the user's, never the card's."""
+
+
 def datasheet_spec(name: str) -> HardwareSpec:
     """The spec of a named card from ``DATASHEETS`` (or ``cpu``), every figure's origin in notes."""
     if name == "cpu":
@@ -303,6 +311,7 @@ def datasheet_spec(name: str) -> HardwareSpec:
         "allgather_bytes_per_s": f"assumption: {d['coll_src']}",
         "reduce_scatter_bytes_per_s": f"assumption: {d['coll_src']}",
         "internode_bytes_per_s": "unknown (0): depends on the cluster fabric; set it for multi-node plans",
+        **DISK_NOTES,
     }
     return HardwareSpec(
         name=name,
@@ -351,6 +360,7 @@ def _cpu_datasheet_spec() -> HardwareSpec:
         "allgather_bytes_per_s": "unknown (0): single process",
         "reduce_scatter_bytes_per_s": "unknown (0): single process",
         "internode_bytes_per_s": "unknown (0): single process",
+        **DISK_NOTES,
     }
     device = d["device_gib"] * GiB
     return HardwareSpec(

@@ -76,7 +76,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
              provenance: P.Provenance | None = None,
              cpu_adam: P.CpuAdam | None = None,
              shard_persistent_states: bool | None = None,
-             homeless: Sequence[int] = (), device_homed: Sequence[int] = ()) -> P.Plan:
+             homeless: Sequence[int] = (), device_homed: Sequence[int] = (), nvme: Sequence[int] = ()) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
@@ -88,6 +88,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     ``cost.make_terms``). ``homeless``: offloaded chunks that keep no home on the host
     (``placement.homeless``, with ``HOST_SLOTS`` slots). ``device_homed``: offloaded
     chunks whose master and moments stay on the device (``placement.device_homed``).
+    ``nvme``: offloaded chunks whose master and moments live on disk (``placement.nvme``).
     """
     blocks = facts.blocks
     if len(policies) != len(blocks):
@@ -150,7 +151,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
                               shard_persistent_states=(training.world_size > 1 if shard_persistent_states is None
                                                        else shard_persistent_states),
                               homeless=sorted(homeless), n_host_slots=HOST_SLOTS if homeless else 0,
-                              device_homed=sorted(device_homed)),
+                              device_homed=sorted(device_homed), nvme=sorted(nvme)),
         activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
         schedule=schedule,
         prediction=prediction or P.Prediction(),

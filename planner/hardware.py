@@ -11,7 +11,8 @@ Two producers of one ``HardwareSpec`` (the format is ``spec.py``):
 - ``probe()``: measures this machine (``protrain hardware probe -o spec.json``). With
   CUDA: pinned H2D/D2H curve, bf16/fp32 matmul, device copy bandwidth, device fused
   AdamW, free memory. Without: the host is the "device" (kind ``cpu``). Both measure
-  the CPU fused AdamW that offloaded chunks use.
+  the CPU fused AdamW that offloaded chunks use, and with ``nvme=DIR`` the disk of the
+  NVMe tier (``disk.py``).
 
 torch and pynvml are imported inside the functions that measure: importing this
 module (the CLI does, for ``--help``) stays light.
@@ -30,6 +31,7 @@ from pathlib import Path
 from protrain.executor.errors import ConfigError
 
 from .datasheets import GB, LINK_SIZES_BYTES, GiB, KiB, MiB
+from .disk import RAM_FILESYSTEMS, mount_of, probe_disk
 from .spec import HardwareSpec, LinkPoint, dump_spec
 
 _log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ def probe(
     device: str = "auto",
     *,
     quick: bool = False,
+    nvme: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> HardwareSpec:
@@ -48,7 +51,10 @@ def probe(
 
     ``device``: ``auto`` (CUDA when torch sees it, else the CPU), ``cpu``, ``cuda`` or
     ``cuda:N``. ``quick`` trades repeats and sizes for time (~5 s on a 2-core box
-    without a GPU, against ~15 s; a GPU adds a few seconds). ``progress`` gets one
+    without a GPU, against ~15 s; a GPU adds a few seconds). ``nvme``: the directory
+    the NVMe tier will use, whose disk is measured (64 MiB quick, else 256 MiB, 3
+    rounds; a fast NVMe drive takes well under a second); None leaves the disk
+    figures 0, and the planner then puts nothing on disk. ``progress`` gets one
     line per step; ``warn`` gets one line per problem that does not stop the probe
     (no NVIDIA driver, say) and defaults to ``logging``. Every figure's method is in
     the spec's ``notes``.
@@ -102,6 +108,8 @@ def probe(
         "cpu_cores": "measured: os.sched_getaffinity (logical CPUs this process may use); "
         f"torch uses {torch.get_num_threads()} threads",
     }
+    # The disk first: a bad --nvme directory fails before the slow steps.
+    disk = _probe_nvme(nvme, quick, say, warn, notes)
     # 16M params even when quick: its 256 MiB of state outgrows any L3, where 4M (64 MiB)
     # can sit in a big-cache server's L3 and overstate the rate for real chunks.
     adam_numel = (16 if quick else 32) * MiB
@@ -124,7 +132,7 @@ def probe(
             "(all_gather_perf / reduce_scatter_perf) and edit"
         )
     notes["probe"] = (
-        f"protrain hardware probe, device={device}, quick={quick}, torch {torch.__version__}, "
+        f"protrain hardware probe, device={device}, quick={quick}, nvme={nvme}, torch {torch.__version__}, "
         f"{time.perf_counter() - started:.1f} s"
     )
     return HardwareSpec(
@@ -135,11 +143,17 @@ def probe(
         source="measured",
         notes=dict(sorted(notes.items())),
         **fields,
+        **disk,
     )
 
 
 def probe_to_file(
-    path: str | Path, device: str = "auto", quick: bool = False, echo: Callable[[str], None] = print
+    path: str | Path,
+    device: str = "auto",
+    quick: bool = False,
+    echo: Callable[[str], None] = print,
+    *,
+    nvme: str | Path | None = None,
 ) -> HardwareSpec:
     """Probe, write ``dump_spec(spec)`` to ``path`` and echo a short summary."""
     path = Path(path)
@@ -150,6 +164,7 @@ def probe_to_file(
     spec = probe(
         device,
         quick=quick,
+        nvme=nvme,
         progress=lambda m: echo(f"  measuring {m}"),
         warn=lambda m: echo(f"warning: {m}"),
     )
@@ -176,7 +191,37 @@ def probe_to_file(
     echo(
         f"  adam    CPU {spec.cpu_adam_params_per_s / 1e9:.3g}e9, device {spec.dev_adam_params_per_s / 1e9:.3g}e9 params/s"
     )
+    if spec.disk_read_bytes_per_s:
+        echo(
+            f"  disk    {spec.disk_read_bytes_per_s / GB:.3g} GB/s read, "
+            f"{spec.disk_write_bytes_per_s / GB:.3g} GB/s write ({nvme})"
+        )
+    else:
+        echo("  disk    not measured: pass --nvme DIR to measure the disk the NVMe tier will use")
     return spec
+
+
+# ---------------------------------------------------------- probe: the disk
+
+
+def _probe_nvme(nvme: str | Path | None, quick: bool, say, warn, notes: dict[str, str]) -> dict:
+    """The two disk fields and their notes: measured in ``nvme``, or 0 and why."""
+    keys = ("disk_read_bytes_per_s", "disk_write_bytes_per_s")
+    if nvme is None:
+        for key in keys:
+            notes[key] = (
+                "not measured (0): pass --nvme DIR to measure the disk the NVMe tier will use"
+            )
+        return dict.fromkeys(keys, 0)
+    read, write, how = probe_disk(nvme, (64 if quick else 256) * MiB, progress=say)
+    mount = mount_of(nvme)
+    if mount and mount.fstype in RAM_FILESYSTEMS:
+        warn(
+            f"--nvme {nvme} is on {mount.fstype} ({mount.point}), which is RAM: "
+            "the disk figures say nothing about a disk"
+        )
+    notes.update(dict.fromkeys(keys, f"measured: {how}"))
+    return dict(zip(keys, (read, write)))
 
 
 # ------------------------------------------------------------- probe: the CPU

@@ -74,7 +74,7 @@ def profile_digest(profile: Profile) -> str:
 def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLVER,
               grad_accum: int = 1, world_size: int = 1,
               host_budget_bytes: int | None = None,
-              max_grad_norm: float | None = None) -> tuple[P.Plan, SearchResult]:
+              max_grad_norm: float | None = None, nvme: bool = False) -> tuple[P.Plan, SearchResult]:
     """The fastest plan that fits ``budget_bytes`` of device memory and ``host_budget_bytes``
     of host memory per rank (default: ``default_host_budget`` of the profile's hardware)
     per the cost model, and the search behind it, over the chunk sizes of
@@ -83,6 +83,8 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     exhaustive search chose.
     ``max_grad_norm``: the training will clip gradients, so the plan's CPU AdamW steps
     run after backward (``emit.cpu_adam_schedule``) and are predicted that way.
+    ``nvme``: chunks' optimizer states may go to a disk where host memory binds
+    (planner/host_tiers.py [NVMe tier]); the spec must carry the disk's measured bandwidth.
 
     Raises ``BudgetError`` naming the smallest budget that would fit and the largest
     micro-batch that would fit this budget (activations scale with the batch), or, when
@@ -96,10 +98,16 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
         raise ConfigError(f"--max-grad-norm must be a positive number, got {max_grad_norm}",
                           "pass the global gradient norm to clip to, e.g. --max-grad-norm 1.0")
     cpu_adam = cpu_adam_schedule(profile.training.compute_dtype, max_grad_norm)
+    spec = profile.hardware
+    if nvme and not (spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s):
+        raise ConfigError(f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
+                          "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
+                          "measure the disk the states will go to: `protrain hardware probe --nvme DIR -o SPEC`, "
+                          "then profile or plan with `--hardware SPEC`")
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, terms, result = search_chunk_sizes(profile, facts, budget_bytes, host_budget,
-                                                    world_size, cpu_adam, grad_accum)
+                                                    world_size, cpu_adam, grad_accum, nvme)
     if solver != "exhaustive":  # another solver refines the configuration at that size
         result = SOLVERS[solver](terms, budget_bytes, host_budget)
     best = result.best
@@ -122,16 +130,16 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
         )
     persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
     homeless = best.homeless_ids(terms.n_chunks)  # [Homeless chunks] in cost.py
-    homed = best.homed_ids(terms.n_chunks)  # [Device homes] in cost.py
-    pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless, homed)
-    spec = profile.hardware
+    homed = best.homed_ids(terms.n_chunks)  # [Device homes] in host_tiers.py
+    on_disk = best.nvme_ids(terms.n_chunks)  # [NVMe tier] in host_tiers.py
+    pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless, homed, on_disk)
     training = P.Training(micro_batch=profile.training.micro_batch, seq_len=profile.training.seq_len,
                           compute_dtype=profile.training.compute_dtype, master_dtype="float32",
                           world_size=world_size, grad_accum=grad_accum)
     plan = assemble(
         facts, training=training, chunk_numel=chunk_numel,
         persistent=persistent, n_buffer=best.n_buffer, policies=policies, cpu_adam=cpu_adam,
-        shard_persistent_states=terms.shard_persistent, homeless=homeless, device_homed=homed,
+        shard_persistent_states=terms.shard_persistent, homeless=homeless, device_homed=homed, nvme=on_disk,
         request=P.Request(model=profile.model.name, hardware=spec.name, budget_bytes=budget_bytes,
                           micro_batch=training.micro_batch, seq_len=training.seq_len,
                           compute_dtype=training.compute_dtype, world_size=world_size,
@@ -161,7 +169,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
 
 
 def search_chunk_sizes(profile: Profile, facts, budget_bytes: int, host_budget: int, world_size: int,
-                       cpu_adam: str, grad_accum: int) -> tuple[int, Terms, SearchResult]:
+                       cpu_adam: str, grad_accum: int, nvme: bool = False) -> tuple[int, Terms, SearchResult]:
     """Run the exhaustive search at every size of ``cost.chunk_candidates`` and keep the
     best plan by the search's own order (``Choice.key``; ties to the smaller chunk).
 
@@ -174,7 +182,8 @@ def search_chunk_sizes(profile: Profile, facts, budget_bytes: int, host_budget: 
     for size in sizes:
         # Persistent chunks' optimizer states are sharded whenever there are ranks to shard
         # over: less device memory and device Adam time for the same traffic (make_terms).
-        terms = make_terms(profile, size, world_size, cpu_adam, grad_accum, shard_persistent=world_size > 1)
+        terms = make_terms(profile, size, world_size, cpu_adam, grad_accum, shard_persistent=world_size > 1,
+                           nvme=nvme)
         runs.append((size, terms, SOLVERS["exhaustive"](terms, budget_bytes, host_budget)))
     fitting = [r for r in runs if r[2].best is not None]
     if fitting:

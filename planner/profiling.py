@@ -123,7 +123,7 @@ def run_profile(*, model_name, batch, seq, dtype, device, analytic, hardware, it
 def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size,
              grad_accum, output, echo=print, solver: str | None = None,
              host_memory: str | None = None, max_grad_norm: float | None = None,
-             reprobe: bool = False) -> P.Plan:
+             reprobe: bool = False, nvme: bool = False) -> P.Plan:
     from .planning import make_plan, parse_budget
     from .preflight import budget_within_card, output_file
     from .search import DEFAULT_SOLVER
@@ -173,7 +173,7 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
     plan, result = make_plan(profile, budget_bytes, grad_accum=grad_accum, world_size=world_size,
                              solver=solver or DEFAULT_SOLVER,
                              host_budget_bytes=parse_budget(host_memory) if host_memory else None,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, nvme=nvme)
     seconds = time.perf_counter() - t0
     write_output(output, P.dump(plan))
     echo(f"plan     {result.solver}: searched {result.evaluated} of {result.space_size} configurations "

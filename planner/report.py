@@ -138,7 +138,8 @@ def render_show(plan: Plan, source: str = "") -> str:
         f"{pl.n_buffer} device buffers"
         + (f"; persistent optimizer states sharded over {t.world_size} ranks" if pl.shard_persistent_states else "")
         + (f"; {len(pl.homeless)} homeless (no home on the host)" if pl.homeless else "")
-        + (f"; {len(pl.device_homed)} device-homed (master and moments on the device)" if pl.device_homed else ""),
+        + (f"; {len(pl.device_homed)} device-homed (master and moments on the device)" if pl.device_homed else "")
+        + (f"; {len(pl.nvme)} on disk (master and moments in a file: train with --nvme DIR)" if pl.nvme else ""),
         f"  activations   {policy_strip(plan)}   (K keep, S swap, C checkpoint)",
         f"  cpu adam      {plan.schedule.cpu_adam.replace('_', ' ')}"
         + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),

@@ -101,6 +101,9 @@ class Choice:
     n_homed: int = field(default=0, compare=False)
     """Offloaded chunks homed on the device (the first offloaded ones in execution order;
     cost.py [Device homes])."""
+    n_nvme: int = field(default=0, compare=False)
+    """Offloaded chunks whose states are on disk (``cost.homeless_order``'s first ones;
+    planner/host_tiers.py [NVMe tier])."""
 
     def persistent_ids(self) -> list[int]:
         return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
@@ -115,6 +118,12 @@ class Choice:
         """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device homes])."""
         persistent = set(self.persistent_ids())
         return [c for c in range(n_chunks) if c not in persistent][:self.n_homed]
+
+    def nvme_ids(self, n_chunks: int) -> list[int]:
+        """The chunk ids on disk, ascending: the first ``n_nvme`` of ``cost.homeless_order``."""
+        off = np.ones(n_chunks, dtype=np.int64)
+        off[self.persistent_ids()] = 0
+        return sorted(int(c) for c in homeless_order(off)[:self.n_nvme])
 
     def strip(self, n_blocks: int) -> list[str]:
         return list(self.policies) if self.policies is not None else \
@@ -201,7 +210,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
     host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
-    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed)
+    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed, nvme)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
     evaluated = 0
     min_peak = min_host = math.inf
@@ -214,7 +223,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             sw, ck = pairs[idx[j]]
             rows.append((round(float(time[j])), float(peak[j]), ck, n_persist, n_buffer, sw, ck,
                          float(time[j]), float(host[j]), int(parts["n_homeless"][j]),
-                         int(parts["n_device_homed"][j])))
+                         int(parts["n_device_homed"][j]), int(parts["n_nvme"][j])))
         best_t = math.inf  # host-feasible points only; per call only the call's own front
         for j in np.lexsort((time, peak)):
             if host[j] <= host_cap and time[j] < best_t:
@@ -278,7 +287,8 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             idx, lower, peak_at = idx[ok], lower[ok], peak[ok]
 
     rows.sort()
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10])
+    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10],
+                      n_nvme=r[11])
                for r in rows[:TOP]]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):

@@ -74,6 +74,13 @@ class HardwareSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """Reduce-scatter bus bandwidth between ranks of one node."""
     internode_bytes_per_s: NonNegInt = 0
     """Collective bandwidth across nodes."""
+    disk_read_bytes_per_s: NonNegInt = 0
+    """Sequential read bandwidth of the NVMe tier's directory, as ``protrain hardware probe
+    --nvme DIR`` measures it (4 MiB pieces, page cache dropped). 0: not measured, and the
+    planner then places nothing on disk."""
+    disk_write_bytes_per_s: NonNegInt = 0
+    """Sequential write bandwidth of that directory, to the device (``fsync`` included).
+    0: not measured (nothing on disk)."""
     source: Literal["datasheet", "measured"]
     """Where the figures come from."""
     notes: dict[str, str] = {}

@@ -77,7 +77,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
           resume: str | None = None, eval_every: int | None = None,
           max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
           text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
-          export_dir: str | None = None) -> Losses:
+          export_dir: str | None = None, nvme_dir: str | None = None) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
     ``eval_every`` K: hold the corpus's tail out of training and print its loss every
@@ -111,6 +111,11 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                               "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
     plan = P.load(plan_path)
+    if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
+        raise ConfigError(f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
+                          "(placement.nvme)", "pass --nvme DIR: a directory on a fast local disk")
+    if nvme_dir is not None:
+        output_dir(nvme_dir, "--nvme")
     rank, world, rank_device = _init_distributed(timeout_s)
     try:
         bar = bool(progress) and log_every is None and sys.stdout.isatty()
@@ -121,7 +126,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
                       max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
                       log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
-                      export_dir=export_dir)
+                      export_dir=export_dir, nvme_dir=nvme_dir)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -149,7 +154,7 @@ def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
            progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
            max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
-           metrics_path=None, export_dir=None) -> Losses:
+           metrics_path=None, export_dir=None, nvme_dir=None) -> Losses:
     from .preflight import host_memory_for_build
 
     check_name(model_name)
@@ -171,7 +176,7 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     if eval_every is not None:
         source, tail = split_heldout(source, t.seq_len)
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
-    engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev)
+    engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev, nvme_dir=nvme_dir)
     try:
         losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
                        progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,

@@ -17,6 +17,7 @@ import copy
 import json
 import random
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -120,14 +121,18 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
             n = len(probe.chunks.items)
             persistent = {"persistent": list(range(n)), "offloaded": [],
                           "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1],
-                          "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0]}[ps["kind"]]
+                          "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0],
+                          "nvme": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 4 == 0]}[ps["kind"]]
             # device homes (executor/chunks.py [Note: device homes]): some offloaded chunks, grad_accum 1 only
             homed = [c for c in range(n) if c not in persistent and (ps["mask"] >> ((c + 5) % 16) & 1 or c == n - 1)]
             homed = homed if ps["kind"] == "homed" and s["accum"] == 1 else []
+            # the NVMe tier (executor/nvme.py): some offloaded chunks' states on disk, any accumulation
+            nvme = [c for c in range(n) if c not in persistent and (ps["mask"] >> ((c + 3) % 16) & 1 or c == 0)]
+            nvme = nvme if ps["kind"] == "nvme" else []
             need = max((len(ids - set(persistent)) for ids in V.segment_chunks(probe).values()), default=0)
             out.append((label, assemble(facts, training=training, chunk_numel=chunk, persistent=persistent,
                                         n_buffer=max(1, need) + ps["extra_buffers"], policies=policies,
-                                        device_homed=homed)))
+                                        device_homed=homed, nvme=nvme)))
         except ProtrainError as e:
             out.append((label, e))
     return out
@@ -168,7 +173,7 @@ def train(s: dict, plan: P.Plan) -> dict:
         if a.policy == "checkpoint":
             block = ref.get_submodule(a.block)
             block.forward = (lambda f: lambda *args: checkpoint(f, *args, use_reentrant=False))(block.forward)
-    engine = wrap(model, plan, AdamWConfig(lr=LR, weight_decay=WD), device="cpu")
+    engine = wrap(model, plan, AdamWConfig(lr=LR, weight_decay=WD), device="cpu", nvme_dir=tempfile.gettempdir())
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     g = torch.Generator().manual_seed(s["seed"])
     k = s["accum"]

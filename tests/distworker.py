@@ -94,7 +94,7 @@ def run_plans(rank: int, world: int, port: int, out: str, runs: list[tuple]) -> 
         for label, name, path, steps, clip in runs:
             plan = P.load(path)
             engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip),
-                          device="cpu")
+                          device="cpu", nvme_dir=out)
             data = batches(load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world)
             results = [engine.step(next(data)) for _ in range(steps)]
             sd = engine.state_dict()

@@ -51,22 +51,23 @@ def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
 
 def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
               compute_dtype: str = "float32", chunk_numel: int = CHUNK,
-              cpu_adam: str | None = None, homeless=(), device_homed=()) -> P.Plan:
+              cpu_adam: str | None = None, homeless=(), device_homed=(), nvme=()) -> P.Plan:
     meta = make_model(name, device="meta") if name in CONFIGS else build(name, device="meta")
     blocks = block_paths(meta)
     if isinstance(policies, str):
         policies = [policies] * len(blocks) if policies in ("keep", "swap", "checkpoint") else policies.split()
     training = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype=compute_dtype,
                           master_dtype="float32", world_size=1, grad_accum=grad_accum)
-    if "all" in (persistent, homeless, device_homed):  # every chunk / every offloaded chunk
+    if "all" in (persistent, homeless, device_homed, nvme):  # every chunk / every offloaded chunk
         n = len(emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
                      persistent=[], n_buffer=64, policies=policies).chunks.items)
         persistent = list(range(n)) if persistent == "all" else persistent
         homeless = [c for c in range(n) if c not in set(persistent)] if homeless == "all" else homeless
         device_homed = [c for c in range(n) if c not in set(persistent)] if device_homed == "all" else device_homed
+        nvme = [c for c in range(n) if c not in set(persistent)] if nvme == "all" else nvme
     return emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
                 persistent=persistent, n_buffer=n_buffer, policies=policies, cpu_adam=cpu_adam,
-                homeless=homeless, device_homed=device_homed)
+                homeless=homeless, device_homed=device_homed, nvme=nvme)
 
 
 @dataclass
@@ -98,12 +99,12 @@ def sleeper(before_copy: float = 0.0, before_cpu_adam: float = 0.0, before_weigh
 
 
 def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,
-             seed: int = 0, on_event=None) -> Run:
+             seed: int = 0, on_event=None, nvme_dir=None) -> Run:
     """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
     model = make_model(name)
     ref = copy.deepcopy(model)
-    engine = wrap(model, plan, config, device="cpu")
+    engine = wrap(model, plan, config, device="cpu", nvme_dir=nvme_dir)
     if on_event is not None:
         engine.on_event(on_event)
     opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,

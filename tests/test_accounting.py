@@ -61,13 +61,16 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     # Device-homed chunks (placement.device_homed), where the plan may have them: any of the rest.
     rest = [c for c in offloaded if c not in homeless]
     homed = sorted(rng.sample(rest, rng.randint(0, len(rest)))) if t.homed_ok and rng.random() < 0.5 else []
+    # Chunks on disk (placement.nvme), any plan: any offloaded ones not device-homed.
+    nvme = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if rng.random() < 0.3 else []
+    nvme = [c for c in nvme if c not in homed]
     cpu_adam = "during_backward" if (homeless or homed) else None
     plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
                     n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless,
-                    device_homed=homed, cpu_adam=cpu_adam)
+                    device_homed=homed, cpu_adam=cpu_adam, nvme=nvme)
 
     walk = A.walk(plan, segment_bytes(prof))
-    pred = predict_plan(t, persistent, n_buffer, strip, homeless, homed)
+    pred = predict_plan(t, persistent, n_buffer, strip, homeless, homed, nvme)
     b = pred.breakdown
     assert walk.peak_bytes == pred.peak_bytes
     assert (walk.states_bytes, walk.buffers_bytes, walk.activation_walk_bytes) == (

@@ -143,6 +143,14 @@ def test_odd_widths_plain(spec):
     check(spec)
 
 
+@cases(20)
+@given(specs(kinds=["nvme"]))
+def test_nvme_chunks(spec):
+    # executor/nvme.py [Note: NVMe tier]: some offloaded chunks' master and moments (fp32: and
+    # home) on disk, any accumulation; tying, frozen and unused parameters, odd widths
+    check(spec)
+
+
 @cases(40)
 @given(specs(kinds=["homed"], accum=1))
 def test_device_homed_chunks(spec):

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from distworker import LR, MICRO, SEQ, die, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
+from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.checkpoint import read_manifest, resolve
 from protrain.planner.data import batches, load_tokens
@@ -190,6 +191,28 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     assert all(r["host"] == accounting.walk(kept).host_bytes for r in ranks_k)
     slots = homeless.placement.n_host_slots * shard * 2
     assert accounting.walk(kept).host_bytes - accounting.walk(homeless).host_bytes == 2 * shard * len(off) - slots
+
+
+def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
+    """ZeRO-3 with the optimizer states of every offloaded chunk on disk (each rank's shard in
+    its own file; bf16 homeless and kept homes, fp32): bit for bit as host states, each
+    rank's host bytes as accounting.py counts them."""
+    runs = []
+    for dtype in ("bfloat16", "float32"):
+        host = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype)
+        off = host.placement.offloaded
+        runs += [(f"{dtype}-host", host, None),
+                 (f"{dtype}-nvme", make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype, nvme=off,
+                                             **({"homeless": off[:1]} if dtype == "bfloat16" else {})), None)]
+    out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 8)
+    for i, dtype in enumerate(("bfloat16", "float32")):
+        (ranks_n, sd_n), (ranks_h, sd_h) = out[f"{dtype}-nvme"], out[f"{dtype}-host"]
+        assert [r["losses"] for r in ranks_n] == [r["losses"] for r in ranks_h]
+        for n, t in sd_h["model"].items():
+            assert torch.equal(sd_n["model"][n], t), n
+        for n, st in sd_h["optim"].items():
+            assert all(torch.equal(sd_n["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
+        assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in ranks_n)
 
 
 def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:

@@ -32,12 +32,15 @@ CPU run the "device" side (activations, gradients, op temporaries) shares that h
 the host states, and its freed blocks inflate the host's high-water mark; on a GPU they
 never touch host memory. Fixing the threshold at 1 MiB returns them to the OS: the second
 measurement of every row."""
-CASES = [  # (zoo model, compute dtype, grad_accum, homeless: every offloaded chunk without a home)
-    ("gpt2-medium", "bfloat16", 1, True),
-    ("gpt2-large", "bfloat16", 1, True),
-    ("gpt2-medium", "bfloat16", 1, False),
-    ("gpt2-medium", "float32", 1, False),
-    ("gpt2-medium", "bfloat16", 2, False),
+CASES = [  # (zoo model, compute dtype, grad_accum, homeless: every offloaded chunk without a home,
+    #         nvme: every offloaded chunk's master and moments on disk, executor/nvme.py)
+    ("gpt2-medium", "bfloat16", 1, True, False),
+    ("gpt2-large", "bfloat16", 1, True, False),
+    ("gpt2-medium", "bfloat16", 1, False, False),
+    ("gpt2-medium", "float32", 1, False, False),
+    ("gpt2-medium", "bfloat16", 2, False, False),
+    ("gpt2-medium", "bfloat16", 1, True, True),
+    ("gpt2-medium", "float32", 1, False, True),
 ]
 
 
@@ -59,7 +62,7 @@ def _warm_up(torch, dtype: str) -> None:
                                       torch.randint(0, 1024, (64,))).backward()
 
 
-def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int) -> dict:
+def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None) -> dict:
     import torch
 
     from protrain.executor import accounting, wrap
@@ -80,15 +83,24 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     if homeless:  # placement.homeless: every offloaded chunk, with the planner's HOST_SLOTS slots
         plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
                     n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.offloaded)
+    if nvme:  # placement.nvme: every offloaded chunk's master and moments in a file under ``nvme``
+        plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
+                    n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.homeless,
+                    nvme=plan.placement.offloaded)
     del meta
     _warm_up(torch, dtype)
     tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
     model = build(model_name, device="cpu")
     n = sum(p.numel() for p in model.parameters())
-    engine = wrap(model, plan, device="cpu")
+    engine = wrap(model, plan, device="cpu", nvme_dir=nvme)
     del model
     wrapped = _kib("VmRSS")
+    # Training's own high-water from here (Linux: writing 5 to clear_refs resets VmHWM to the
+    # current RSS): the whole-process peak can come from building the user's fp32 model (4 B
+    # per parameter) before wrap, when the plan's host states are smaller than that.
+    wrap_peak = _kib("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")
     data = batches(tokens, plan.training.micro_batch, plan.training.seq_len, 0)
     t0 = time.perf_counter()
     device_peak = 0
@@ -96,13 +108,16 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
         device_peak = max(device_peak, engine.step([next(data) for _ in range(accum)]).peak_bytes)
     seconds = time.perf_counter() - t0
     engine.close()
-    peak = _kib("VmHWM")
+    train_peak = _kib("VmHWM")
+    peak = max(wrap_peak, train_peak)
     walk = accounting.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
-    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless,
+    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
+            "disk_per_param": walk.disk_bytes / offloaded,
             "slots": plan.placement.n_host_slots, "params": n, "offloaded": offloaded,
             "wrapped_per_param": (wrapped - baseline) / offloaded,
             "measured_per_param": (peak - baseline - device_peak) / offloaded,
+            "train_peak_per_param": (train_peak - baseline - device_peak) / offloaded,
             "device_peak_per_param": device_peak / offloaded,
             "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
             "chunk_numel": plan.chunks.chunk_numel, "step_s": seconds / steps}
@@ -136,27 +151,32 @@ def render(rows: list[dict], cmd: str) -> str:
         "`accounting.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's host "
         "states stop at its last parameter (`accounting.host_numel`, not the chunk's padding), plus "
         "the slots and the CPU step's fp32 scratch of one 1M-element piece. *After wrap* is below it "
-        "where pages are not yet touched (slots and fp32 accumulators are first written by the step).",
+        "where pages are not yet touched (slots and fp32 accumulators are first written by the step). "
+        "*Peak in training*: the same as *peak* with the high-water mark reset once wrap is done "
+        "(`/proc/self/clear_refs`), so without the user's fp32 model built on the host before wrap "
+        "(4 B per parameter), which sets the whole-process peak where the plan's states are smaller.",
         "",
         "| model | params | compute | grad accum | homes | chunk | predicted B/param | after wrap | peak | "
-        "peak / predicted | peak, mmap threshold 1 MiB | its ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak / predicted | peak, mmap threshold 1 MiB | its ratio | peak in training |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         homes = f"none (homeless, {r['slots']} slot)" if r["homeless"] else "kept"
+        homes += "; master and moments on disk" if r.get("nvme") else ""
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | {homes} | "
                      f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
                      f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
                      f"{r['measured_per_param'] / r['predicted_per_param']:.3f} | "
                      f"{r['measured_mmap_per_param']:.2f} | "
-                     f"{r['measured_mmap_per_param'] / r['predicted_per_param']:.3f} |")
+                     f"{r['measured_mmap_per_param'] / r['predicted_per_param']:.3f} | "
+                     f"{r.get('train_peak_per_param', float('nan')):.2f} |")
     lines += ["", reading(rows)]
     return "\n".join(lines) + "\n"
 
 
 def reading(rows: list[dict]) -> str:
     """The figures the issue asks for, read off the rows."""
-    h = [r for r in rows if r["homeless"]]
+    h = [r for r in rows if r["homeless"] and not r.get("nvme")]
     if not h:
         return ""
     worst = max(h, key=lambda r: r["measured_per_param"])
@@ -177,7 +197,28 @@ def reading(rows: list[dict]) -> str:
             "high-water comes at the end of backward (the fp32 accumulators are first written as "
             "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
             "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
-            "resident from allocation.")
+            "resident from allocation." + _disk(rows))
+
+
+def _disk(rows: list[dict]) -> str:
+    """What the NVMe rows moved off the host: each against the same layout in RAM."""
+    out = []
+    for d in (r for r in rows if r.get("nvme")):
+        same = next((r for r in rows if not r.get("nvme") and all(r[k] == d[k] for k in
+                                                                  ("model", "dtype", "grad_accum", "homeless"))), None)
+        if same is None:
+            continue
+        tp = "train_peak_per_param" if "train_peak_per_param" in d else "measured_per_param"
+        out.append(f"{d['model']} {d['dtype']} ({'homeless' if d['homeless'] else 'homes kept'}): peak "
+                   f"{'in training ' if tp != 'measured_per_param' else ''}{d[tp]:.2f} B per parameter with "
+                   f"master and moments on disk against {same[tp]:.2f} in host memory, a drop of "
+                   f"{same[tp] - d[tp]:.2f} B (whole-process peaks {d['measured_per_param']:.2f} and "
+                   f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
+                   f"with the threshold fixed) where the plan moved 12 B per element to the disk "
+                   f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included; predicted host "
+                   f"{d['predicted_per_param']:.2f})")
+    return (" NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
+            + "; ".join(out) + ".") if out else ""
 
 
 def _marginal(h: list[dict]) -> str:
@@ -210,16 +251,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    ap.add_argument("--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
     args = ap.parse_args()
     if args.case:
-        name, dtype, accum, homeless = args.case.split(",")
-        print(json.dumps(run_case(name, dtype, int(accum), homeless == "1", args.steps)))
+        name, dtype, accum, homeless, nvme = args.case.split(",")
+        print(json.dumps(run_case(name, dtype, int(accum), homeless == "1", args.steps,
+                                  args.nvme_dir if nvme == "1" else None)))
         return 0
     rows = []
-    for name, dtype, accum, homeless in CASES:
+    for name, dtype, accum, homeless, nvme in CASES:
         runs = [json.loads(subprocess.run(
-            [sys.executable, __file__, "--case", f"{name},{dtype},{accum},{int(homeless)}", "--steps", str(args.steps)],
+            [sys.executable, __file__, "--case", f"{name},{dtype},{accum},{int(homeless)},{int(nvme)}",
+             "--steps", str(args.steps), "--nvme-dir", args.nvme_dir],
             capture_output=True, text=True, check=True, env={**os.environ, **env}).stdout.strip().splitlines()[-1])
             for env in ({}, MMAP_ENV)]
         rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"]})

@@ -158,6 +158,13 @@ MUTANTS = [
            '        self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"',
            "        self._defer_cpu_steps = config.max_grad_norm is not None",
            (f"{G}::test_the_executed_cpu_step_schedule_is_the_plans",)),
+    Mutant("NVMe step drops each piece", "optim.py",
+           "                    disk.drop(m[a:b], ea[a:b], es[a:b])", "                    pass",
+           ("tests/test_nvme.py::test_the_file_stays_on_disk_beyond_the_window",)),
+    Mutant("NVMe fetch rounds a piece at a time", "chunks.py",
+           "                    copy_pieces(src[:n], self.masters[cid], self.disk)",
+           "                    src[:n].copy_(self.masters[cid])",
+           ("tests/test_nvme.py::test_the_file_stays_on_disk_beyond_the_window",)),
 ]
 
 

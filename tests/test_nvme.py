@@ -1,0 +1,321 @@
+"""nvme.py [Note: NVMe tier]: offloaded chunks whose fp32 master and Adam moments live in a
+file on disk (``placement.nvme``). The tier moves bytes, never the math: fp32 plans train
+bit for bit as plain PyTorch, 16-bit ones bit for bit as the same plan with host states;
+the host keeps what accounting.py says (12 B per element less), and the file's pages do
+not stay in the process beyond ``NVME_WINDOW``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from harness import (
+    CONFIGS,
+    assert_same_state,
+    assert_same_training,
+    lockstep,
+    make_model,
+    make_plan,
+)
+
+from protrain.executor import AdamWConfig, accounting, nvme, optim, wrap
+from protrain.executor import accounting as A
+from protrain.executor import plan as P
+from protrain.executor.errors import ConfigError, PlanError
+from protrain.planner.data import batches, load_tokens
+from protrain.planner.models import GPT2Config
+from protrain.testing.emulation import emulate
+
+CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
+V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"
+
+
+def _pieces(monkeypatch, n=192):
+    """Pieces of 3 AdamW vectors: every parameter steps, rounds and refreshes in many pieces."""
+    for mod in (accounting, optim, nvme):
+        monkeypatch.setattr(mod, "STEP_PIECE", n)
+
+
+def _train(model, plan, steps=4, data=None, nvme_dir=None, config=CONFIG):
+    torch.manual_seed(1234)
+    engine = wrap(model, plan, config, device="cpu", nvme_dir=nvme_dir)
+    data = data or batches(load_tokens(), 4, 32, 0)
+    k = plan.training.grad_accum
+    losses = [engine.step([next(data) for _ in range(k)]).loss for _ in range(steps)]
+    sd, host = engine.state_dict(), engine.ledger.host_bytes
+    engine.close()
+    return losses, sd, host
+
+
+@pytest.mark.parametrize("model,persistent,policies,which", [
+    ("gpt2-4", [0], "keep swap checkpoint keep", "all"),
+    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3]),
+])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, policies, which, asynchronous,
+                                                         tmp_path, monkeypatch):
+    _pieces(monkeypatch)
+    plan = make_plan(model, persistent=persistent, n_buffer=2, policies=policies, nvme=which)
+    with emulate(5) if asynchronous else contextlib.nullcontext():
+        run = lockstep(model, plan, steps=6, nvme_dir=tmp_path)
+    assert run.losses == run.ref_losses
+    assert_same_state(run)
+    # fp32: the home is the master, on the disk with the moments; the accumulator stays
+    kept = make_plan(model, persistent=persistent, n_buffer=2, policies=policies)
+    moved = sum(accounting.host_numel(plan, c) for c in plan.placement.nvme)
+    assert run.engine.ledger.host_bytes == accounting.walk(plan).host_bytes
+    assert accounting.walk(kept).host_bytes - accounting.walk(plan).host_bytes == 12 * moved - accounting.NVME_WINDOW
+    assert accounting.walk(plan).disk_bytes == 3 * sum(accounting.nvme_span(accounting.host_numel(plan, c))
+                                                       for c in plan.placement.nvme)
+    assert list(tmp_path.iterdir()) == []  # the file is unlinked from the start
+
+
+@pytest.mark.parametrize("policies", ["keep", "checkpoint"])
+def test_bf16_nvme_chunks_train_bit_for_bit_as_host_states(policies, tmp_path, monkeypatch):
+    """16-bit: homes kept, homeless, and homeless on disk, beside each other; accumulated
+    gradients too (the fp32 accumulator read in place). All as host states, bit for bit."""
+    _pieces(monkeypatch)
+    kw = dict(persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16")
+    want = _train(make_model("gpt2-4"), make_plan("gpt2-4", **kw))
+    for extra in (dict(nvme="all"), dict(homeless="all", nvme="all"), dict(homeless=[1, 2], nvme=[2, 3])):
+        plan = make_plan("gpt2-4", **kw, **extra)
+        with emulate(3):
+            got = _train(make_model("gpt2-4"), plan, nvme_dir=tmp_path)
+        assert_same_training(got, want)
+        assert got[2] == accounting.walk(plan).host_bytes
+    accum = dict(kw, grad_accum=2)
+    want = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum), data=batches(load_tokens(), 4, 32, 0))
+    got = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum, nvme=[1, 3]), nvme_dir=tmp_path,
+                 data=batches(load_tokens(), 4, 32, 0))
+    assert_same_training(got, want)
+
+
+def _mapped_bytes(engine) -> int:
+    """Resident bytes of the engine's NVMe file in this process (/proc/self/smaps)."""
+    inode = os.fstat(engine.store.disk.file.fileno()).st_ino
+    total, mine = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            mine = head[4] == str(inode)
+        elif mine and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_the_file_stays_on_disk_beyond_the_window(tmp_path, monkeypatch):
+    """What keeps the states off the host is ``drop`` after each piece: at every event of a
+    step (fetch, offload, CPU step) the file's pages mapped in this process stay within
+    ``NVME_WINDOW``, though the states are many times larger."""
+    monkeypatch.setitem(CONFIGS, "gpt2-wide", GPT2Config(n_layer=3, n_head=4, n_embd=384, vocab_size=256,
+                                                         block_size=64))
+    for homeless in ((), "all"):
+        plan = make_plan("gpt2-wide", persistent=[], n_buffer=2, policies="checkpoint", compute_dtype="bfloat16",
+                         chunk_numel=1 << 21, nvme="all", homeless=homeless)
+        assert accounting.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
+        engine = wrap(make_model("gpt2-wide"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
+        seen = [_mapped_bytes(engine)]
+        engine.on_event(lambda ev, seen=seen, engine=engine: seen.append(_mapped_bytes(engine)))
+        data = batches(load_tokens(), 4, 32, 0)
+        for _ in range(2):
+            engine.step(next(data))
+        sd = engine.state_dict()
+        seen.append(_mapped_bytes(engine))
+        engine.close()
+        assert len(seen) > 20 and max(seen) <= accounting.NVME_WINDOW, (homeless, max(seen))
+        assert sd["optim"]  # (the states were read back for it, then dropped)
+
+
+def test_a_checkpoint_moves_between_disk_and_host_states(tmp_path):
+    nv = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", nvme="all")
+    host = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap")
+
+    def run(first, second, stop_at=2, steps=4):
+        torch.manual_seed(1234)
+        data = batches(load_tokens(), 4, 32, 0)
+        e = wrap(make_model("gpt2-4"), first, CONFIG, device="cpu", nvme_dir=tmp_path)
+        losses = [e.step(next(data)).loss for _ in range(stop_at)]
+        e.save(tmp_path / "ck")
+        e.close()
+        e = wrap(make_model("gpt2-4", seed=7), second, CONFIG, device="cpu", nvme_dir=tmp_path)
+        e.load(tmp_path / "ck")
+        losses += [e.step(next(data)).loss for _ in range(steps - stop_at)]
+        sd = e.state_dict()
+        e.close()
+        return losses, sd
+
+    straight = _train(make_model("gpt2-4"), host)
+    for first, second in ((nv, host), (host, nv)):
+        losses, sd = run(first, second)
+        assert losses == straight[0]
+        for name, t in straight[1]["model"].items():
+            assert torch.equal(sd["model"][name], t), name
+
+
+def test_refusals_name_the_field_and_the_fix(tmp_path):
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", nvme=[1, 2])
+    with pytest.raises(ConfigError, match=r"placement\.nvme.*(\n|.)*--nvme DIR"):
+        wrap(make_model("gpt2-4"), plan, CONFIG, device="cpu")
+    with pytest.raises(ConfigError, match="does not exist"):
+        wrap(make_model("gpt2-4"), plan, CONFIG, device="cpu", nvme_dir=tmp_path / "nope")
+    with pytest.raises(PlanError, match=r"placement\.nvme"):
+        make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", nvme=[0])  # persistent
+    with pytest.raises(PlanError, match="device-homed"):
+        make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", nvme=[1], device_homed=[1])
+
+
+def test_a_frozen_nvme_chunk_keeps_its_values_home_on_the_host(tmp_path):
+    """Fine-tuning freezes the embeddings, which the planner (planning every parameter
+    trainable) may have put on disk: the chunk has no master or moments, so its home stays
+    in host memory, as accounting.py counts (the ledger checked wrap), and training is
+    plain PyTorch's."""
+    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", nvme=[0, 1])
+
+    def frozen():
+        m = make_model("gpt2-4")
+        for p in (*m.transformer.wte.parameters(), *m.transformer.wpe.parameters()):
+            p.requires_grad_(False)
+        return m
+
+    host = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep")
+    a, b = _train(frozen(), host), _train(frozen(), plan, nvme_dir=tmp_path)
+    assert_same_training(a, b)
+    assert "transformer.wte.weight" not in b[1]["optim"]
+    engine = wrap(frozen(), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
+    c0, c1 = engine.store.chunks[:2]
+    assert not c0.trainable and c0.home.data_ptr() not in range(engine.store.disk.base,
+                                                                engine.store.disk.base + engine.store.disk.nbytes)
+    assert c1.trainable and c1.home is engine.optim.master[1]  # fp32: on the disk
+    engine.close()
+
+
+def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
+    """The frozen v6 fixture (gpt2-tiny, bf16, chunks on disk, one homeless) against the same
+    plan with every state on the host: bit for bit. And a v5 plan migrates with none on disk."""
+    plan = P.load(V6_FIXTURE)
+    assert plan.placement.nvme and plan.schema_version == 6
+    host = msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, nvme=[]))
+    from protrain.planner.models import build
+
+    data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = build("gpt2-tiny", device="cpu")
+    import copy
+
+    assert_same_training(_train(copy.deepcopy(model), plan, 3, iter(data), tmp_path),
+                         _train(copy.deepcopy(model), host, 3, iter(data)))
+    v5 = P.load(Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json")
+    assert v5.placement.nvme == []
+
+
+# -- the planner: host_tiers.py [NVMe tier]
+
+
+def _profile(disk_gbps: float | None = 3.0):
+    from protrain.planner.profile import load_profile
+
+    root = Path(__file__).resolve().parent.parent
+    prof = load_profile(root / "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json")
+    if disk_gbps is None:
+        return prof
+    spec = msgspec.structs.replace(prof.hardware, disk_read_bytes_per_s=int(disk_gbps * 1e9),
+                                   disk_write_bytes_per_s=int(disk_gbps * 1e9 / 2))
+    return msgspec.structs.replace(prof, hardware=spec)
+
+
+def test_the_disk_takes_what_homeless_chunks_leave():
+    """Under a host cap that every offloaded chunk homeless still misses, the fewest chunks
+    (last in execution order first) go to disk instead of the device: the host need fits by
+    their 12 B per element less and the window more, the device carries nothing more, and
+    the CPU timeline carries their disk traffic (12 B read + 12 B written per element per
+    step, 4 B read per fetch of a homeless one); an explicit prediction of the same sets
+    gives the same numbers, and host bytes equal accounting.py's for the emitted plan."""
+    from protrain.planner.cost import (
+        choose_chunk_numel,
+        evaluate,
+        facts_from_profile,
+        host_need,
+        make_terms,
+        policy_grid,
+        predict_plan,
+    )
+
+    prof = _profile()
+    size, _ = choose_chunk_numel(facts_from_profile(prof))
+    t = make_terms(prof, size, world_size=1, nvme=True)
+    assert t.nvme_ok and t.disk_step_us_per_elem == pytest.approx(12e6 / 3e9 + 12e6 / 1.5e9)
+    grid = policy_grid(t.n_blocks, [(0, t.n_blocks)])
+    nb = 2
+    _, peak0, free = evaluate(t, 0, nb, grid)
+    all_homeless = float(free["host_bytes"][0]) - float(t.host_numel.sum()) * t.home_bytes_per_elem + t.slot_pool_bytes
+    cap = 0.6 * all_homeless
+    time, peak, parts = evaluate(t, 0, nb, grid, host_cap=cap)
+    kn, k = int(parts["n_nvme"][0]), int(parts["n_homeless"][0])
+    assert 0 < kn < t.n_chunks and k == t.n_chunks and parts["n_device_homed"][0] == 0
+    assert host_need(parts)[0] <= cap and peak[0] == peak0[0]
+    on_disk = list(range(t.n_chunks))[-kn:]  # the last in execution order
+    moved = sum(int(t.host_numel[c]) for c in on_disk)
+    assert parts["host_bytes"][0] == pytest.approx(all_homeless - 12 * moved + A.NVME_WINDOW)
+    homeless = list(range(t.n_chunks))
+    host_only = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [])
+    assert parts["t_cpu_optim_us"][0] == pytest.approx(host_only.breakdown["t_cpu_optim_us"]
+                                                       + moved * t.disk_step_us_per_elem)
+    assert parts["t_fwd_us"][0] > host_only.breakdown["t_fwd_us"]  # their fetches read the disk
+    again = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [], on_disk)
+    assert (again.time_us, again.peak_bytes) == (float(time[0]), float(peak[0]))
+    assert again.breakdown["host_bytes"] == float(parts["host_bytes"][0])
+
+
+def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
+    """make_plan(nvme=True): the plan keeps states on disk where host memory binds, its
+    predicted host need is accounting.py's and within the cap; a spec without the disk
+    measured is refused, naming the probe."""
+    from protrain.planner.planning import make_plan
+
+    prof = _profile()
+    roomy, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=2**40)
+    need = accounting.walk(roomy).host_bytes
+    plan, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=int(need * 0.5), nvme=True)
+    assert plan.placement.nvme and not plan.placement.device_homed
+    walk = accounting.walk(plan)
+    assert walk.host_bytes == plan.prediction.breakdown["host_bytes"] <= need * 0.5
+    assert walk.disk_bytes >= 12 * sum(accounting.host_numel(plan, c) for c in plan.placement.nvme)
+    assert plan.prediction.iter_time_us > roomy.prediction.iter_time_us
+    with pytest.raises(ConfigError, match="hardware probe --nvme"):
+        make_plan(_profile(None), 22 * 2**30, host_budget_bytes=int(need * 0.5), nvme=True)
+
+
+def test_cli_plans_for_a_disk_and_trains_with_it(tmp_path):
+    """`hardware probe --nvme DIR` measures the disk into the spec, `plan --nvme` uses it where
+    the host binds, `train --nvme DIR` runs it (and refuses the plan without a directory)."""
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+    from protrain.planner.spec import load_spec
+
+    run = CliRunner().invoke
+    r = run(main, ["plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "4", "--seq", "64", "--nvme",
+                   "-o", str(tmp_path / "p.json")])
+    assert r.exit_code == 1 and "hardware probe --nvme" in r.output
+    spec = msgspec.structs.replace(load_spec(Path(__file__).resolve().parent.parent / "plans/hardware/cpu.json"),
+                                   disk_read_bytes_per_s=2 * 10**9, disk_write_bytes_per_s=10**9)
+    (tmp_path / "disk.json").write_bytes(msgspec.json.encode(spec))
+    # gpt2 (124M), bf16: with the host at 1.2 GB, its chunks' states go partly to the disk
+    plan_args = ["plan", "--model", "gpt2", "--hardware", str(tmp_path / "disk.json"), "--batch", "1",
+                 "--seq", "256", "--dtype", "bfloat16", "--budget", "600MiB", "--host-memory", "1200MiB"]
+    r = run(main, [*plan_args, "-o", str(tmp_path / "p.json")])
+    assert r.exit_code == 1 and "host memory" in r.output  # (no disk: no plan)
+    r = run(main, [*plan_args, "--nvme", "-o", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert P.load(tmp_path / "p.json").placement.nvme
+    assert "on disk (master and moments in a file: train with --nvme DIR)" in r.output  # (show)
+    train = ["train", "--plan", str(V6_FIXTURE), "--model", "gpt2-tiny", "--steps", "2"]
+    r = run(main, train)
+    assert r.exit_code == 1 and "--nvme DIR" in r.output
+    r = run(main, [*train, "--nvme", str(tmp_path / "states")])
+    assert r.exit_code == 0 and "trained 2 steps" in r.output, r.output
+    assert list((tmp_path / "states").iterdir()) == []
