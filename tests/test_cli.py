@@ -302,9 +302,9 @@ def test_train_max_grad_norm_reaches_the_optimizer(monkeypatch):
     seen = []
     real = T.wrap
 
-    def spy(model, plan, config, device=None):
+    def spy(model, plan, config, device=None, nvme_dir=None):
         seen.append((plan.schedule.cpu_adam, config.max_grad_norm))
-        return real(model, plan, config, device=device)
+        return real(model, plan, config, device=device, nvme_dir=nvme_dir)
 
     monkeypatch.setattr(T, "wrap", spy)
     r = CliRunner().invoke(main, ["train", "--plan", str(CLIP_PLAN), "--model", "gpt2-tiny", "--steps", "2",
