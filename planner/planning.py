@@ -102,8 +102,8 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     if nvme and not (spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s):
         raise ConfigError(f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
                           "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
-                          "measure the disk the states will go to: `protrain hardware probe --nvme DIR -o SPEC`, "
-                          "then profile or plan with `--hardware SPEC`")
+                          "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o SPEC`, "
+                          "then plan with `protrain plan --hardware SPEC --nvme …`")
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, terms, result = search_chunk_sizes(profile, facts, budget_bytes, host_budget,

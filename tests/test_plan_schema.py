@@ -258,8 +258,8 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 5 to 6"):
-        M.migrate({"schema_version": 5}, 5, target=6)
+    with pytest.raises(PlanError, match="no migration from plan schema 6 to 7"):
+        M.migrate({"schema_version": 6}, 6, target=7)
 
 
 V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
