@@ -89,7 +89,8 @@ class DiskStates:
             lo, n = self._range(t)
             if n:
                 self.map.madvise(mmap.MADV_DONTNEED, lo, n)
-                os.posix_fadvise(self.file.fileno(), lo, n, os.POSIX_FADV_DONTNEED)
+                if hasattr(os, "posix_fadvise"):  # (Linux; macOS has none)
+                    os.posix_fadvise(self.file.fileno(), lo, n, os.POSIX_FADV_DONTNEED)
 
     def prefetch(self, *ts: torch.Tensor) -> None:
         """Ask the kernel to read ``ts`` into its page cache ahead of their use."""

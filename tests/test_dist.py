@@ -215,6 +215,24 @@ def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
         assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in ranks_n)
 
 
+@pytest.mark.slow
+def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
+    """Three ranks, fp32: some offloaded chunks' states on disk beside host ones and a sharded
+    persistent chunk (65664-element chunks: shards on whole AdamW vectors, as in the
+    sharded-persistent test). Bit for bit as host states."""
+    host = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664)
+    disk = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664,
+                     nvme=host.placement.offloaded[::2])
+    out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("disk", disk, None)], 10)
+    (ranks_d, sd_d), (ranks_h, sd_h) = out["disk"], out["host"]
+    assert [r["losses"] for r in ranks_d] == [r["losses"] for r in ranks_h]
+    for n, t in sd_h["model"].items():
+        assert torch.equal(sd_d["model"][n], t), n
+    for n, st in sd_h["optim"].items():
+        assert all(torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
+    assert all(r["host"] == accounting.walk(disk).host_bytes for r in ranks_d)
+
+
 def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:
     """Bit for bit as the host layout, and each rank's host and device bytes as accounting.py says."""
     from protrain.executor import accounting
