@@ -216,7 +216,9 @@ def _disk(rows: list[dict]) -> str:
                    f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
                    f"with the threshold fixed) where the plan moved 12 B per element to the disk "
                    f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included; predicted host "
-                   f"{d['predicted_per_param']:.2f})")
+                   f"{d['predicted_per_param']:.2f}); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
+                   f"({d['step_s'] / same['step_s']:.2f}x; one step each, CPU \"device\", so the disk's share "
+                   "is diluted by the CPU forward and backward)")
     return (" NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
             + "; ".join(out) + ".") if out else ""
 
