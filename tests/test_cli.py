@@ -325,3 +325,32 @@ def test_train_max_grad_norm_on_an_overlapping_plan_names_the_fix():
                                   "--max-grad-norm", "1.0"])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "protrain plan" in r.output and "--max-grad-norm" in r.output
+
+
+@pytest.mark.parametrize("interrupted,code", [(False, 0), (True, 130)])
+def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(monkeypatch, interrupted, code):
+    """Under torchrun (WORLD_SIZE > 1) `train` leaves by os._exit once training returned: gloo's
+    teardown at interpreter finalisation aborted ~7% of finished ranks (cli.py's comment)."""
+    import protrain.planner.cli as cli
+    import protrain.planner.train as T
+
+    class Done(list):
+        pass
+
+    done = Done([1.0])
+    done.interrupted = interrupted
+    monkeypatch.setattr(T, "train", lambda *a, **k: done)
+    exits = []
+
+    def fake_exit(c):
+        exits.append(c)
+        raise SystemExit(c)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    r = CliRunner().invoke(main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"])
+    assert exits == [code] and r.exit_code == code
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    exits.clear()
+    r = CliRunner().invoke(main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"])
+    assert exits == [] and r.exit_code == code
