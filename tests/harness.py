@@ -160,3 +160,22 @@ def assert_same_training(a, b) -> None:
     for name, st in a[1]["optim"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)
+
+
+def stop_and_resume(first: P.Plan, second: P.Plan, root, config: AdamWConfig, *, name: str = "gpt2-4",
+                    stop_at: int = 2, steps: int = 4, nvme_dir=None) -> tuple[list[float], dict]:
+    """Train ``stop_at`` steps under ``first``, checkpoint under ``root``, resume a model of another
+    init under ``second`` to ``steps`` in all: the losses and the final state dict (the same
+    data and dropout RNG as one uninterrupted run from ``torch.manual_seed(1234)``)."""
+    torch.manual_seed(1234)
+    data = batches(load_tokens(), 4, 32, 0)
+    e = wrap(make_model(name), first, config, device="cpu", nvme_dir=nvme_dir)
+    losses = [e.step(next(data)).loss for _ in range(stop_at)]
+    e.save(root)
+    e.close()
+    e = wrap(make_model(name, seed=7), second, config, device="cpu", nvme_dir=nvme_dir)
+    e.load(root)
+    losses += [e.step(next(data)).loss for _ in range(steps - stop_at)]
+    sd = e.state_dict()
+    e.close()
+    return losses, sd

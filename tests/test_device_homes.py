@@ -9,7 +9,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from harness import assert_same_state, assert_same_training, lockstep, make_model, make_plan
+from harness import (
+    assert_same_state,
+    assert_same_training,
+    lockstep,
+    make_model,
+    make_plan,
+    stop_and_resume,
+)
 
 from protrain.executor import AdamWConfig, accounting, optim, wrap
 from protrain.executor import plan as P
@@ -164,24 +171,9 @@ def test_a_checkpoint_moves_between_device_homes_and_host_homes(tmp_path):
     training as never stopping (state is saved in the model's names, from the masters)."""
     homed = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", device_homed="all")
     host = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap")
-
-    def run(first, second, stop_at=2, steps=4):
-        torch.manual_seed(1234)
-        data = batches(load_tokens(), 4, 32, 0)
-        e = wrap(make_model("gpt2-4"), first, CONFIG, device="cpu")
-        losses = [e.step(next(data)).loss for _ in range(stop_at)]
-        e.save(tmp_path / "ck")
-        e.close()
-        e = wrap(make_model("gpt2-4", seed=7), second, CONFIG, device="cpu")
-        e.load(tmp_path / "ck")
-        losses += [e.step(next(data)).loss for _ in range(steps - stop_at)]
-        sd = e.state_dict()
-        e.close()
-        return losses, sd
-
     straight = _train(make_model("gpt2-4"), host)
     for first, second in ((homed, host), (host, homed)):
-        losses, sd = run(first, second)
+        losses, sd = stop_and_resume(first, second, tmp_path / "ck", CONFIG)
         assert losses == straight[0]
         for name, t in straight[1]["model"].items():
             assert torch.equal(sd["model"][name], t), name

@@ -20,6 +20,7 @@ from harness import (
     lockstep,
     make_model,
     make_plan,
+    stop_and_resume,
 )
 
 from protrain.executor import AdamWConfig, accounting, nvme, optim, wrap
@@ -133,24 +134,9 @@ def test_the_file_stays_on_disk_beyond_the_window(tmp_path, monkeypatch):
 def test_a_checkpoint_moves_between_disk_and_host_states(tmp_path):
     nv = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", nvme="all")
     host = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap")
-
-    def run(first, second, stop_at=2, steps=4):
-        torch.manual_seed(1234)
-        data = batches(load_tokens(), 4, 32, 0)
-        e = wrap(make_model("gpt2-4"), first, CONFIG, device="cpu", nvme_dir=tmp_path)
-        losses = [e.step(next(data)).loss for _ in range(stop_at)]
-        e.save(tmp_path / "ck")
-        e.close()
-        e = wrap(make_model("gpt2-4", seed=7), second, CONFIG, device="cpu", nvme_dir=tmp_path)
-        e.load(tmp_path / "ck")
-        losses += [e.step(next(data)).loss for _ in range(steps - stop_at)]
-        sd = e.state_dict()
-        e.close()
-        return losses, sd
-
     straight = _train(make_model("gpt2-4"), host)
     for first, second in ((nv, host), (host, nv)):
-        losses, sd = run(first, second)
+        losses, sd = stop_and_resume(first, second, tmp_path / "ck", CONFIG, nvme_dir=tmp_path)
         assert losses == straight[0]
         for name, t in straight[1]["model"].items():
             assert torch.equal(sd["model"][name], t), name
