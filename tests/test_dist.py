@@ -109,6 +109,13 @@ def _replicated(plan: P.Plan) -> P.Plan:
 def _assert_same_training(a, b, world: int) -> None:
     """Bit for bit: losses on every rank, state dict (model and optimizer); and the sharded
     run ``a`` holds 1/world of the replicated run's optimizer bytes on the device."""
+    _assert_same_run(a, b)
+    (ranks_a, _), (ranks_b, _) = a, b
+    assert all(r["optim"] > 0 and r["optim"] * world == s["optim"] for r, s in zip(ranks_a, ranks_b))
+
+
+def _assert_same_run(a, b) -> None:
+    """Bit for bit: losses on every rank, state dict (model and optimizer)."""
     (ranks_a, sd_a), (ranks_b, sd_b) = a, b
     assert [r["losses"] for r in ranks_a] == [r["losses"] for r in ranks_b]
     assert sd_a["model"].keys() == sd_b["model"].keys() and sd_a["optim"].keys() == sd_b["optim"].keys()
@@ -116,7 +123,6 @@ def _assert_same_training(a, b, world: int) -> None:
         assert torch.equal(sd_a["model"][n], t), n
     for n, st in sd_b["optim"].items():
         assert all(torch.equal(sd_a["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
-    assert all(r["optim"] > 0 and r["optim"] * world == s["optim"] for r, s in zip(ranks_a, ranks_b))
 
 
 def test_sharded_persistent_states_train_as_replicated(tmp_path):
@@ -206,13 +212,8 @@ def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
                                              **({"homeless": off[:1]} if dtype == "bfloat16" else {})), None)]
     out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 8)
     for i, dtype in enumerate(("bfloat16", "float32")):
-        (ranks_n, sd_n), (ranks_h, sd_h) = out[f"{dtype}-nvme"], out[f"{dtype}-host"]
-        assert [r["losses"] for r in ranks_n] == [r["losses"] for r in ranks_h]
-        for n, t in sd_h["model"].items():
-            assert torch.equal(sd_n["model"][n], t), n
-        for n, st in sd_h["optim"].items():
-            assert all(torch.equal(sd_n["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
-        assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in ranks_n)
+        _assert_same_run(out[f"{dtype}-nvme"], out[f"{dtype}-host"])
+        assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in out[f"{dtype}-nvme"][0])
 
 
 @pytest.mark.slow
@@ -224,13 +225,8 @@ def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
     disk = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664,
                      nvme=host.placement.offloaded[::2])
     out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("disk", disk, None)], 10)
-    (ranks_d, sd_d), (ranks_h, sd_h) = out["disk"], out["host"]
-    assert [r["losses"] for r in ranks_d] == [r["losses"] for r in ranks_h]
-    for n, t in sd_h["model"].items():
-        assert torch.equal(sd_d["model"][n], t), n
-    for n, st in sd_h["optim"].items():
-        assert all(torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
-    assert all(r["host"] == accounting.walk(disk).host_bytes for r in ranks_d)
+    _assert_same_run(out["disk"], out["host"])
+    assert all(r["host"] == accounting.walk(disk).host_bytes for r in out["disk"][0])
 
 
 def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:
