@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from .accounting import NVME_WINDOW, host_numel, nvme_span, pool_slots
+from .accounting import NVME_WINDOW, STEP_PIECE, host_numel, nvme_span, pool_slots
 from .errors import ConfigError
 from .memory import Ledger
 from .nvme import DiskStates, copy_pieces
@@ -188,7 +188,12 @@ class ChunkStore:
                                   "a fast local disk")
             self.disk = DiskStates(nvme_dir, sum(3 * nvme_span(host_numel(plan, c)) for c in on_disk))
             self.ledger.host_alloc(NVME_WINDOW)
-        self.arena = HostArena(size, pin=copies.cuda)
+        try:
+            self.arena = HostArena(size, pin=copies.cuda)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+            raise
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.
         self.masters: dict[int, torch.Tensor] = {}
@@ -201,6 +206,8 @@ class ChunkStore:
                                                  host_numel(plan, spec.id)))
         except BaseException:
             self.arena.close()  # a failed wrap must not leave host memory pinned
+            if self.disk is not None:
+                self.disk.close()
             raise
         # The host slots (see [Note: host slots]), free for a next use once guard() returns:
         # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute dtype.
@@ -314,15 +321,20 @@ class ChunkStore:
                     copy_pieces(src[:n], self.masters[cid], self.disk)
                 else:
                     src[:n].copy_(self.masters[cid])
-        elif c.on_disk and src is c.home and self.dtype == torch.float32:  # the home: on the disk
+        gather = (lambda: self.comm.all_gather(c.dev, f"chunk {cid}")) if self.comm.world > 1 else None
+        if c.on_disk and src is c.home and self.dtype == torch.float32:  # the home: the master, on disk
+            # A piece at a time, each dropped once issued (data-safe under an upload still
+            # reading it: it faults back), so the fetch maps one piece, not the shard. One copy
+            # stream: the last piece's handle covers them all.
             self.disk.prefetch(src[:n])
-        c.upload = self.copies.upload(c.dev[c.own], src[:n],
-                                      gather=(lambda: self.comm.all_gather(c.dev, f"chunk {cid}"))
-                                      if self.comm.world > 1 else None)
+            for a in range(0, n, STEP_PIECE):
+                b = min(a + STEP_PIECE, n)
+                c.upload = self.copies.upload(c.dev[c.own][a:b], src[a:b], gather=gather if b == n else None)
+                self.disk.drop(src[a:b])
+        else:
+            c.upload = self.copies.upload(c.dev[c.own], src[:n], gather=gather)
         if c.home is None and not c.homed:
             self.slots.append((src, c.upload.synchronize))
-        elif c.on_disk and src is c.home and self.dtype == torch.float32:
-            self.disk.drop(c.home)  # (data-safe even under an upload still reading it: it faults back)
         c.last_upload = c.upload
         c.residency = Residency.RESIDENT
 

@@ -492,4 +492,6 @@ class Engine:
             self.acts.uninstall()
         if self.store is not None:
             self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory
+            if self.store.disk is not None:
+                self.store.disk.close()  # out of memory; its space goes with the last view
         self.copies.close()

@@ -54,11 +54,18 @@ class DiskStates:
                               "pass an existing directory on the disk for the tier (--nvme DIR)")
         try:
             self.file = tempfile.TemporaryFile(dir=where)  # unlinked: gone with the process
-            os.ftruncate(self.file.fileno(), max(nbytes, PAGE))
+            # Blocks reserved now: a sparse file would run out of space at a page's first write,
+            # inside a step, as SIGBUS (no traceback, no checkpoint), not here as an error.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.file.fileno(), 0, max(nbytes, PAGE))
+            else:
+                os.ftruncate(self.file.fileno(), max(nbytes, PAGE))
             self.map = mmap.mmap(self.file.fileno(), max(nbytes, PAGE), flags=mmap.MAP_SHARED,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
-            raise ConfigError(f"NVMe directory {str(where)!r}: cannot map a {nbytes:,}-byte file there "
+            if getattr(self, "file", None) is not None:
+                self.file.close()
+            raise ConfigError(f"NVMe directory {str(where)!r}: cannot reserve and map a {nbytes:,}-byte file there "
                               f"({e.strerror or e})",
                               "pass a writable directory with that much free space (--nvme DIR)") from None
         self.nbytes = nbytes
@@ -101,6 +108,12 @@ class DiskStates:
 
     def drop_all(self) -> None:
         self.drop(self.bytes)
+
+    def close(self) -> None:
+        """Out of this process's memory, and the descriptor closed. The disk space is freed
+        when the last view of the mapping goes (the engine's optimizer holds them)."""
+        self.drop_all()
+        self._close()
 
 
 def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates, *, drop_dst: bool = False) -> None:

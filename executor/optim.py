@@ -401,7 +401,8 @@ class ChunkOptimizer:
         scratch = self.dev_scratch if self.store.chunks[cid].homed else self.scratch
         disk = self.store.disk if self.store.chunks[cid].on_disk else None
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
-        torch._foreach_add_([steps[i] for i, _ in spans], 1)
+        if spans:  # (none under ZeRO-3 on a rank whose shard of the chunk is padding only)
+            torch._foreach_add_([steps[i] for i, _ in spans], 1)
         for i, (lo, hi) in spans:
             for a in range(lo, hi, STEP_PIECE):
                 b = min(a + STEP_PIECE, hi)

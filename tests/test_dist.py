@@ -216,6 +216,21 @@ def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
         assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in out[f"{dtype}-nvme"][0])
 
 
+def test_a_rank_whose_shard_is_padding_steps_nothing(tmp_path):
+    """Chunk 0 of gpt2-tiny ends at element 24576 of its 32768-element shards: at 2 ranks,
+    rank 1's shard of it is padding only, so its pieces step nothing (the step counts still
+    advance, as every rank's must). Offloaded, fp32 on disk and bf16 in host memory (16-bit
+    gradients in the home): bit for bit as the host layout and as the disk layout."""
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        host = make_plan("gpt2-tiny", 2, [], 3, ["checkpoint", "keep"], dtype=dtype)
+        disk = make_plan("gpt2-tiny", 2, [], 3, ["checkpoint", "keep"], dtype=dtype, nvme=host.placement.offloaded)
+        runs += [(f"{dtype}-host", host, None), (f"{dtype}-disk", disk, None)]
+    out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 4)
+    for dtype in ("float32", "bfloat16"):
+        _assert_same_run(out[f"{dtype}-disk"], out[f"{dtype}-host"])
+
+
 @pytest.mark.slow
 def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
     """Three ranks, fp32: some offloaded chunks' states on disk beside host ones and a sharded

@@ -23,7 +23,7 @@ from harness import (
     stop_and_resume,
 )
 
-from protrain.executor import AdamWConfig, accounting, nvme, optim, wrap
+from protrain.executor import AdamWConfig, accounting, chunks, nvme, optim, wrap
 from protrain.executor import accounting as A
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, PlanError
@@ -37,7 +37,7 @@ V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nv
 
 def _pieces(monkeypatch, n=192):
     """Pieces of 3 AdamW vectors: every parameter steps, rounds and refreshes in many pieces."""
-    for mod in (accounting, optim, nvme):
+    for mod in (accounting, optim, nvme, chunks):
         monkeypatch.setattr(mod, "STEP_PIECE", n)
 
 
@@ -97,7 +97,10 @@ def test_bf16_nvme_chunks_train_bit_for_bit_as_host_states(policies, tmp_path, m
 
 def _mapped_bytes(engine) -> int:
     """Resident bytes of the engine's NVMe file in this process (/proc/self/smaps)."""
-    inode = os.fstat(engine.store.disk.file.fileno()).st_ino
+    disk = engine.store.disk
+    if not hasattr(disk, "inode"):
+        disk.inode = os.fstat(disk.file.fileno()).st_ino  # (kept: the descriptor closes before the mapping)
+    inode = disk.inode
     total, mine = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
@@ -108,27 +111,46 @@ def _mapped_bytes(engine) -> int:
     return total
 
 
-def test_the_file_stays_on_disk_beyond_the_window(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype,homeless", [("bfloat16", ()), ("bfloat16", "all"), ("float32", ())])
+def test_the_file_stays_on_disk_beyond_the_window(dtype, homeless, tmp_path, monkeypatch):
     """What keeps the states off the host is ``drop`` after each piece: at every event of a
-    step (fetch, offload, CPU step) the file's pages mapped in this process stay within
-    ``NVME_WINDOW``, though the states are many times larger."""
+    step (fetch, offload, CPU step) and just before every drop in a step, the file's pages mapped in
+    this process stay within ``NVME_WINDOW``, though the states (and each chunk's shard, 8M
+    elements) are many times larger. fp32: the fetch uploads the home from the file."""
     monkeypatch.setitem(CONFIGS, "gpt2-wide", GPT2Config(n_layer=3, n_head=4, n_embd=384, vocab_size=256,
                                                          block_size=64))
-    for homeless in ((), "all"):
-        plan = make_plan("gpt2-wide", persistent=[], n_buffer=2, policies="checkpoint", compute_dtype="bfloat16",
-                         chunk_numel=1 << 21, nvme="all", homeless=homeless)
-        assert accounting.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
-        engine = wrap(make_model("gpt2-wide"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
-        seen = [_mapped_bytes(engine)]
-        engine.on_event(lambda ev, seen=seen, engine=engine: seen.append(_mapped_bytes(engine)))
-        data = batches(load_tokens(), 4, 32, 0)
-        for _ in range(2):
-            engine.step(next(data))
-        sd = engine.state_dict()
-        seen.append(_mapped_bytes(engine))
-        engine.close()
-        assert len(seen) > 20 and max(seen) <= accounting.NVME_WINDOW, (homeless, max(seen))
-        assert sd["optim"]  # (the states were read back for it, then dropped)
+    plan = make_plan("gpt2-wide", persistent=[], n_buffer=2, policies="checkpoint", compute_dtype=dtype,
+                     chunk_numel=1 << 23, nvme="all", homeless=homeless)
+    assert accounting.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
+    engine = wrap(make_model("gpt2-wide"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
+    seen = [_mapped_bytes(engine)]
+    engine.on_event(lambda ev: seen.append(_mapped_bytes(engine)))
+    drop = nvme.DiskStates.drop
+    monkeypatch.setattr(nvme.DiskStates, "drop", lambda self, *ts: (seen.append(_mapped_bytes(engine)),
+                                                                    drop(self, *ts)))
+    data = batches(load_tokens(), 4, 32, 0)
+    for _ in range(2):
+        engine.step(next(data))
+    assert len(seen) > 20 and max(seen) <= accounting.NVME_WINDOW, max(seen)
+    monkeypatch.setattr(nvme.DiskStates, "drop", drop)
+    sd = engine.state_dict()  # (a checkpoint reads one chunk's states at a time, then drops them)
+    assert sd["optim"] and _mapped_bytes(engine) <= accounting.NVME_WINDOW
+    engine.close()
+    assert engine.store.disk.file.closed and _mapped_bytes(engine) == 0  # (close drops it all)
+
+
+def test_no_space_for_the_file_is_an_error_at_wrap(tmp_path, monkeypatch):
+    """The file's blocks are reserved at wrap (posix_fallocate): a full disk is a ConfigError
+    there, not a SIGBUS at a page's first write inside a step."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nvme.os, "posix_fallocate", full)
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", nvme=[1, 2])
+    with pytest.raises(ConfigError, match="No space left on device"):
+        wrap(make_model("gpt2-4"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
 
 
 def test_a_checkpoint_moves_between_disk_and_host_states(tmp_path):

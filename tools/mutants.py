@@ -165,6 +165,13 @@ MUTANTS = [
            "                    copy_pieces(src[:n], self.masters[cid], self.disk)",
            "                    src[:n].copy_(self.masters[cid])",
            ("tests/test_nvme.py::test_the_file_stays_on_disk_beyond_the_window",)),
+    Mutant("NVMe fp32 fetch uploads a piece at a time", "chunks.py",
+           "            for a in range(0, n, STEP_PIECE):\n                b = min(a + STEP_PIECE, n)",
+           "            for a in range(0, n, max(n, 1)):\n                b = n",
+           ("tests/test_nvme.py::test_the_file_stays_on_disk_beyond_the_window",)),
+    Mutant("a padding-only shard steps nothing", "optim.py",
+           "        if spans:  # (none under ZeRO-3", "        if True:  # (none under ZeRO-3",
+           ("tests/test_dist.py::test_a_rank_whose_shard_is_padding_steps_nothing",)),
 ]
 
 
