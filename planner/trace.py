@@ -150,7 +150,8 @@ def _terms_for(profile: Profile, plan: P.Plan):
             "pass the profile the plan was made from (`protrain plan --profile FILE`)",
         )
     t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
-                   plan.training.grad_accum, plan.placement.shard_persistent_states)
+                   plan.training.grad_accum, plan.placement.shard_persistent_states,
+                   nvme=bool(plan.placement.nvme))
     if t.n_chunks != len(plan.chunks.items):
         raise ConfigError(
             f"the profile lays {profile.model.name} out in {t.n_chunks} chunks of "
@@ -198,8 +199,12 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
       is the shard's upload then an all-gather, an offload a reduce-scatter then the
       shard's download;
     - each offloaded chunk's CPU Adam step starts when its gradients have landed and
-      the worker is free (the cost model's [CPU Adam timeline]); the device Adam of
-      the persistent chunks (after their all-reduce) follows backward;
+      the worker is free (the cost model's [CPU Adam timeline]), and a chunk on disk
+      (``placement.nvme``) adds its disk traffic to it; the device Adam of the persistent
+      chunks (after their all-reduce) follows backward;
+    - a homeless chunk's upload waits for its master to be rounded into a slot, and one
+      that reads its master from disk for the read, on the main thread (``round``/``read``
+      on the compute track: the cost model's conversion time, planner/host_tiers.py);
     - on a ``cpu`` device every copy is synchronous (one clock, see ``_Lanes``).
 
     Simplifications against ``cost.evaluate`` (why the totals differ a little): the
@@ -221,7 +226,21 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     policy = {a.block: a.policy for a in plan.activations}
     offloaded = set(plan.placement.offloaded)
     homed = set(plan.placement.device_homed)
+    homeless, on_disk = set(plan.placement.homeless), set(plan.placement.nvme)
     W = t.world_size
+
+    def host_work(c: int) -> tuple[str, float]:
+        """What the main thread does before a chunk's upload (host_tiers.py: the conversion
+        of a homeless chunk, the disk read of a master a fetch reads from disk), and how long."""
+        reads = c in on_disk and (t.home_bytes_per_elem == 4 or c in homeless)
+        us = (t.convert_us if c in homeless else 0.0) + (int(t.host_numel[c]) * t.disk_fetch_us_per_elem
+                                                        if reads else 0.0)
+        return ("round" if c in homeless else "read"), us
+
+    def cpu_step_us(c: int) -> float:
+        """A chunk's CPU step: its AdamW, plus its disk traffic if on disk (cost.py)."""
+        disk = int(t.host_numel[c]) * t.disk_step_us_per_elem if c in on_disk else 0.0
+        return int(t.chunk_params[c]) * t.cpu_adam_us_per_param + disk
     # t_up / t_down include the collective under ZeRO-3 (cost.make_terms); split them.
     coll_us = t.allreduce_us_per_chunk / 2
     # Persistent chunks' reductions start in backward (cost.evaluate [Overlapped reductions]).
@@ -241,6 +260,10 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     grads_down: dict[int, float] = {}  # chunk → when its gradients reached the host
 
     def upload(c: int, at: float, verb: str) -> float:
+        what, us = host_work(c)
+        if us:
+            r0, at = lanes.run("compute", at, us)
+            events.append(_x(f"{what} c{c}", "compute", r0, at - r0, pid, "host", chunk=c))
         s, e = lanes.run("H2D", at, up_us)
         events.append(_x(f"{verb} c{c}", "H2D", s, e - s, pid, "h2d", chunk=c,
                          bytes=t.chunk_bytes // W))
@@ -325,7 +348,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
                 grads_down[c] = offload(c, ce)
                 if last_micro and c in offloaded and not after_backward:
                     n = int(t.chunk_params[c])
-                    a0, a1 = lanes.run("CPU Adam", grads_down[c], n * t.cpu_adam_us_per_param)
+                    a0, a1 = lanes.run("CPU Adam", grads_down[c], cpu_step_us(c))
                     events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam",
                                      chunk=c, params=n))
             for c in reduce_at.get(step.segment, []) if last_micro else []:
@@ -344,7 +367,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
         for step in plan.schedule.backward:
             for c in step.offload:
                 n = int(t.chunk_params[c])
-                a0, a1 = lanes.run("CPU Adam", start, n * t.cpu_adam_us_per_param)
+                a0, a1 = lanes.run("CPU Adam", start, cpu_step_us(c))
                 events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam", chunk=c, params=n))
     n_persist = len(plan.placement.persistent)
     if W > 1 and n_persist:

@@ -297,6 +297,37 @@ def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
         make_plan(_profile(None), 22 * 2**30, host_budget_bytes=int(need * 0.5), nvme=True)
 
 
+def test_predicted_trace_charges_the_disk():
+    """`protrain trace` of a plan with chunks on disk: each one's CPU step carries its disk
+    traffic, each homeless upload waits for its rounding (and disk read) on the main thread,
+    and the trace agrees with the prediction as for any plan (it read 0.55 without them)."""
+    from test_trace import TOLERANCE, TRACKS, x_events
+
+    from protrain.planner.planning import make_plan
+    from protrain.planner.trace import predicted_trace
+
+    prof = _profile()
+    roomy, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=2**40)
+    plan, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=int(accounting.walk(roomy).host_bytes * 0.5), nvme=True)
+    on_disk, homeless = plan.placement.nvme, plan.placement.homeless
+    assert on_disk and set(on_disk) <= set(homeless)
+    doc = predicted_trace(prof, plan)
+    steps = {e["args"]["chunk"]: e["dur"] for e in x_events(doc, TRACKS["CPU Adam"])}
+    c0 = min(set(steps) - set(on_disk))  # a chunk in host memory: its AdamW alone
+    per_param = steps[c0] / sum(p.numel for p in plan.chunks.items[c0].params)
+    for c in on_disk:
+        adam = per_param * sum(p.numel for p in plan.chunks.items[c].params)
+        disk = accounting.host_numel(plan, c) * (12 / 3e9 + 12 / 1.5e9) * 1e6
+        assert steps[c] == pytest.approx(adam + disk, rel=1e-3)
+    rounds = [e["args"]["chunk"] for e in x_events(doc, TRACKS["compute"]) if e["name"].startswith("round ")]
+    uploads = [e["args"]["chunk"] for e in x_events(doc, TRACKS["H2D"]) if e["name"].startswith(("fetch ", "prefetch "))]
+    assert sorted(rounds) == sorted(c for c in uploads if c in homeless)
+    converted = sum(e["dur"] for e in x_events(doc, TRACKS["compute"]) if e["name"].startswith("round "))
+    assert converted == pytest.approx(plan.prediction.breakdown["t_convert_us"], rel=1e-3)
+    low, high = TOLERANCE["gpu"]
+    assert low <= doc["metadata"]["trace_iter_time_us"] / plan.prediction.iter_time_us <= high
+
+
 def test_cli_plans_for_a_disk_and_trains_with_it(tmp_path):
     """`hardware probe --nvme DIR` measures the disk into the spec, `plan --nvme` uses it where
     the host binds, `train --nvme DIR` runs it (and refuses the plan without a directory)."""
