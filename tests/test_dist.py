@@ -135,7 +135,11 @@ def test_sharded_persistent_states_train_as_replicated(tmp_path):
 
     With clipping, the global norm sums the persistent chunk's shards with the offloaded
     ones before the all-reduce (the replicated path adds the whole chunk after it): the
-    same norm to fp32 rounding, and plain PyTorch's training to the usual tolerance."""
+    same norm to fp32 rounding at the first step (a few ulps: 2.4e-7 relative allowed),
+    and plain PyTorch's training to the usual tolerance. After it the two runs are not bit
+    for bit alike (each step's clip coefficient may differ by an ulp, and AdamW divides by
+    the root of small second moments), so later norms agree to the module docstring's 1e-5
+    (seen on one machine: 0 to 1.1e-7 at 19 of 20 steps, 3.3e-6 at one)."""
     plan = P.load(V3_FIXTURE)
     assert plan.placement.shard_persistent_states and plan.training.world_size == 2
     clip = make_plan("gpt2-tiny", 2, [0], 2, ["swap", "checkpoint"], cpu_adam="after_backward")
@@ -152,8 +156,9 @@ def test_sharded_persistent_states_train_as_replicated(tmp_path):
             torch.testing.assert_close(sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=f"{label} {n}")
     norms, replicated_norms = out["sharded-clip"][0][0]["norms"], out["replicated-clip"][0][0]["norms"]
     assert all(n > 0.5 for n in norms)  # every step clips
+    assert abs(norms[0] - replicated_norms[0]) <= 2.4e-7 * replicated_norms[0]
     for a, b in zip(norms, replicated_norms):
-        assert abs(a - b) <= 1e-6 * b
+        assert abs(a - b) <= 1e-5 * b
 
 
 @pytest.mark.slow
