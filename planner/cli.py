@@ -375,7 +375,10 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
                    "SIZE/N less 10% and 2 GiB [default: N times the spec's RAM, which is one rank's share].")
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True,
               help="Ranks (ZeRO-3), one device each, sharing --host-memory.")
-def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size):
+@click.option("--nvme", is_flag=True,
+              help="Let plans keep optimizer states on disk where host memory binds (train with "
+                   "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).")
+def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme):
     """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
 
     Prints, per family, the largest size, its plan's time and memory, which resource
@@ -390,13 +393,13 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size):
         from .fit import run_fit
 
         run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo, host_memory=host_memory,
-                world_size=world_size)
+                world_size=world_size, nvme=nvme)
         return
     from .fit_model import run_model_fit
 
     model_name = model_option(None, hf_config, blocks, required=True)
     run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo,
-                  world_size=world_size)
+                  world_size=world_size, nvme=nvme)
 
 
 @main.group()

@@ -54,6 +54,13 @@ master and moments: chunks.py [Note: device homes]), the rest offloaded and shar
 over the ``N`` ranks. That needs only the parameter
 count, and stays a lower bound whatever the state layout charges beyond it.
 
+With ``--nvme`` (``nvme=True``) plans may keep offloaded chunks' master and moments on disk
+where host memory binds (planner/host_tiers.py [NVMe tier]; the spec must carry the disk's
+bandwidth, ``protrain hardware probe --nvme DIR``): the host floor above no longer applies
+(every offloaded chunk may leave its 12 B per element on disk), so every rung is profiled,
+and the report adds each winner's file size (``accounting.walk(plan).disk_bytes``), which
+the disk must hold.
+
 Between the largest fitting rung and the next one, deeper models of the fitting rung's
 width (one layer more at a time, staying below the next rung's size) are bisected the
 same way: the rungs are up to 16% apart, the answer then within one layer (~1.4% at
@@ -228,6 +235,10 @@ class FitResult:
     """Host bytes per rank a plan may use (``planning.host_budget_per_rank``)."""
     next_config: GPT2Config | LlamaConfig | None = None
     """The next rung up, which does not fit (None at the end of the ladder)."""
+    nvme: bool = False
+    """Plans were allowed to keep optimizer states on disk (``--nvme``)."""
+    disk_bytes: int = 0
+    """The winning plan's state file per rank (0: nothing on disk)."""
 
     @property
     def binds(self) -> str:
@@ -289,21 +300,22 @@ def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
-           budget_bytes: int, host_budget_bytes: int, world_size: int = 1) -> Probe:
+           budget_bytes: int, host_budget_bytes: int, world_size: int = 1, nvme: bool = False) -> Probe:
     from .planning import make_plan
     from .report import human_bytes
 
     t0 = time.perf_counter()
     n = n_params(cfg)
     host_budget = host_budget_bytes
-    floor = _host_floor_bytes(n, budget_bytes, dtype, world_size)
+    floor = 0 if nvme else _host_floor_bytes(n, budget_bytes, dtype, world_size)
     if floor > host_budget:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
                      time.perf_counter() - t0)
     profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest)
     try:
-        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size)
+        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size,
+                            nvme=nvme)
     except HostMemoryError as e:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs {human_bytes(e.need)}, {human_bytes(e.available)} usable",
@@ -322,7 +334,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
                     seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
                     compute_dtype: str = "bfloat16",
                     progress: Callable[[Probe], None] | None = None,
-                    host_memory_bytes: int | None = None, world_size: int = 1) -> FitResult:
+                    host_memory_bytes: int | None = None, world_size: int = 1, nvme: bool = False) -> FitResult:
     """The largest rung of ``family``'s ladder that trains on ``world_size`` ``spec``
     devices (ZeRO-3), and the largest of ``micro_batches`` at that size (see the module
     docstring).
@@ -331,8 +343,9 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     (the machine's RAM, shared by the ranks) to ``world_size`` times the spec's
     ``host_memory_bytes`` (a spec's host RAM is one rank's share). Raises
     ``BudgetError`` when not even the smallest rung fits at the smallest micro-batch.
+    ``nvme``: plans may put optimizer states on disk (module docstring).
     """
-    from .planning import host_budget_per_rank
+    from .planning import host_budget_per_rank, require_disk
 
     t0 = time.perf_counter()
     configs = ladder(family, seq_len)
@@ -343,21 +356,23 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     if not micro_batches or min(micro_batches) < 1:
         raise ConfigError(f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16")
     mbs = sorted(set(micro_batches))
+    if nvme:
+        require_disk(spec)
     digest = hashlib.sha256(dump_spec(spec)).hexdigest()
     probes: list[Probe] = []
 
     def probe(cfg: GPT2Config | LlamaConfig, mb: int) -> Probe:
         p = _probe(cfg, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
-                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size)
+                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme)
         probes.append(p)
         if progress is not None:
             progress(p)
         return p
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
-    hi = next((i for i, c in enumerate(configs)
-               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size) > host_budget),
-              len(configs))
+    hi = len(configs) if nvme else next(
+        (i for i, c in enumerate(configs) if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size)
+         > host_budget), len(configs))
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):
         limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
@@ -418,7 +433,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
         peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
         plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
         world_size=world_size, host_budget_bytes=host_budget,
-        next_config=next_config,
+        next_config=next_config, nvme=nvme, disk_bytes=accounting.walk(plan).disk_bytes,
     )
 
 
@@ -435,13 +450,16 @@ def render_fit(results: Sequence[FitResult]) -> str:
     ranks = "one device" if r0.world_size == 1 else f"{r0.world_size} ranks (ZeRO-3)"
     lines = [f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
              f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} per rank usable), "
-             f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"]
-    head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host")
+             f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"
+             + (", optimizer states may go to disk (--nvme)" if r0.nvme else "")]
+    head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host") + (
+        ("disk",) if r0.nvme else ())
     rows = [head]
     for r in results:
         rows.append((r.family, f"{r.n_params / 1e9:.2f}B", describe(r.config), str(r.micro_batch),
                      f"{r.iter_time_us / 1e6:.2f} s", f"{r.tokens_per_s:,.0f}",
-                     human_bytes(r.peak_bytes), human_bytes(r.host_bytes)))
+                     human_bytes(r.peak_bytes), human_bytes(r.host_bytes))
+                    + ((human_bytes(r.disk_bytes),) if r0.nvme else ()))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for k, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -458,8 +476,8 @@ def render_fit(results: Sequence[FitResult]) -> str:
 def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
             families: Sequence[str] = FAMILIES, micro_batches: Sequence[int] = MICRO_BATCHES,
             compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
-            host_memory: str | None = None, world_size: int = 1) -> list[FitResult]:
-    """``protrain fit --hardware X [--budget SIZE] [--host-memory SIZE] [--world-size N]``:
+            host_memory: str | None = None, world_size: int = 1, nvme: bool = False) -> list[FitResult]:
+    """``protrain fit --hardware X [--budget SIZE] [--host-memory SIZE] [--world-size N] [--nvme]``:
     search every family, print the table."""
     from .planning import parse_budget
     from .spec import find_spec
@@ -479,6 +497,6 @@ def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
         results.append(largest_fitting(family, spec, budget_bytes=budget_bytes, seq_len=seq_len,
                                        micro_batches=micro_batches, compute_dtype=compute_dtype,
                                        progress=progress, host_memory_bytes=host_bytes,
-                                       world_size=world_size))
+                                       world_size=world_size, nvme=nvme))
     echo(render_fit(results))
     return results

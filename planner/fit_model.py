@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
 
@@ -126,22 +127,26 @@ def fit_model(model: nn.Module, *, name: str, spec: HardwareSpec, seq_len: int,
               budget_bytes: int | None = None, host_budget_bytes: int | None = None,
               micro_batches: Sequence[int] = MICRO_BATCHES, compute_dtype: str = "bfloat16",
               blocks: list[str] | None = None,
-              progress: Callable[[BatchProbe], None] | None = None, world_size: int = 1) -> ModelFit:
+              progress: Callable[[BatchProbe], None] | None = None, world_size: int = 1,
+              nvme: bool = False) -> ModelFit:
     """Probe ``micro_batches`` (ascending, until one does not fit) for ``model`` (built on
     meta) on one ``spec`` device; see the module docstring.
 
     ``budget_bytes`` defaults to the spec's usable memory, ``host_budget_bytes`` to
-    ``planning.default_host_budget(spec)``.
+    ``planning.default_host_budget(spec)``. ``nvme``: plans may keep optimizer states on
+    disk (``make_plan(nvme=True)``; the spec must carry the disk's bandwidth).
     """
     from .analytic import DTYPES, analytic_profile
     from .models import block_paths
     from .moe import detect
-    from .planning import default_host_budget, make_plan
+    from .planning import default_host_budget, make_plan, require_disk
     from .report import human_bytes
 
     t0 = time.perf_counter()
     if not micro_batches or min(micro_batches) < 1:
         raise ConfigError(f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16")
+    if nvme:
+        require_disk(spec)
     budget = spec.usable_memory_bytes if budget_bytes is None else budget_bytes
     host_budget = default_host_budget(spec) if host_budget_bytes is None else host_budget_bytes
     blocks = block_paths(model) if blocks is None else blocks
@@ -153,7 +158,7 @@ def fit_model(model: nn.Module, *, name: str, spec: HardwareSpec, seq_len: int,
         profile = analytic_profile(model, name=name, blocks=blocks, micro_batch=mb, seq_len=seq_len,
                                    compute_dtype=compute_dtype, spec=spec)
         try:
-            plan, _ = make_plan(profile, budget, host_budget_bytes=host_budget, world_size=world_size)
+            plan, _ = make_plan(profile, budget, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme)
         except HostMemoryError as e:
             probe = BatchProbe(mb, False, f"host memory: needs {human_bytes(e.need)}, "
                                f"{human_bytes(e.available)} usable", time.perf_counter() - t1)
@@ -236,7 +241,9 @@ def render_model_fit(r: ModelFit) -> str:
                  f"device {human_bytes(peak)} of {human_bytes(r.budget_bytes)} "
                  f"({peak / r.budget_bytes:.0%}), host {human_bytes(host)} of "
                  f"{human_bytes(r.host_budget_bytes)} ({host / max(r.host_budget_bytes, 1):.0%}); "
-                 f"{n_persist} of {n_chunks} chunks stay on the device")
+                 f"{n_persist} of {n_chunks} chunks stay on the device"
+                 + (f"; {len(plan.placement.nvme)} keep their optimizer states on disk "
+                    f"({human_bytes(accounting.walk(plan).disk_bytes)} per rank)" if plan.placement.nvme else ""))
     lines.append(f"binds: {r.binds}")
     if r.moe is not None:
         m = r.moe
@@ -250,7 +257,7 @@ def render_model_fit(r: ModelFit) -> str:
 def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, host_memory: str | None = None,
                   seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
                   compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
-                  world_size: int = 1) -> ModelFit:
+                  world_size: int = 1, nvme: bool = False) -> ModelFit:
     """``protrain fit --hf-config DIR --hardware X``: build ``model_name`` on meta, probe, print.
 
     Raises ``BudgetError`` (exit status 1) after the report when nothing fits, so that
@@ -271,7 +278,7 @@ def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, 
 
     result = fit_model(model, name=model_name, spec=spec, seq_len=seq_len, budget_bytes=budget_bytes,
                        host_budget_bytes=host_bytes, micro_batches=micro_batches, compute_dtype=compute_dtype,
-                       progress=progress, world_size=world_size)
+                       progress=progress, world_size=world_size, nvme=nvme)
     echo(render_model_fit(result))
     if not result.fits:
         resource = result.binds.split(":")[0]

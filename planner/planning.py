@@ -11,7 +11,7 @@ import hashlib
 import math
 
 from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError, HostMemoryError
+from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
 
 from .cost import (
     DTYPE_BYTES,
@@ -71,6 +71,16 @@ def profile_digest(profile: Profile) -> str:
     return "sha256:" + hashlib.sha256(dump_profile(profile)).hexdigest()
 
 
+def require_disk(spec) -> None:
+    """Refuse ``--nvme`` with a spec whose disk was not measured (the cost model charges the
+    disk's traffic at its bandwidth: planner/host_tiers.py [NVMe tier])."""
+    if not (spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s):
+        raise ConfigError(f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
+                          "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
+                          "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o SPEC`, "
+                          "then pass that spec (`--hardware SPEC --nvme`)")
+
+
 def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLVER,
               grad_accum: int = 1, world_size: int = 1,
               host_budget_bytes: int | None = None,
@@ -90,7 +100,6 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     micro-batch that would fit this budget (activations scale with the batch), or, when
     configurations fit the device but none the host, the host memory needed and available.
     """
-    from protrain.executor.errors import ConfigError
 
     if solver not in SOLVERS:
         raise ConfigError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -99,11 +108,8 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
                           "pass the global gradient norm to clip to, e.g. --max-grad-norm 1.0")
     cpu_adam = cpu_adam_schedule(profile.training.compute_dtype, max_grad_norm)
     spec = profile.hardware
-    if nvme and not (spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s):
-        raise ConfigError(f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
-                          "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
-                          "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o SPEC`, "
-                          "then plan with `protrain plan --hardware SPEC --nvme …`")
+    if nvme:
+        require_disk(spec)
     host_budget = default_host_budget(profile.hardware) if host_budget_bytes is None else host_budget_bytes
     facts = facts_from_profile(profile)
     chunk_numel, terms, result = search_chunk_sizes(profile, facts, budget_bytes, host_budget,
@@ -233,8 +239,6 @@ def thin(points: list, k: int) -> list:
 
 def parse_budget(text: str) -> int:
     """``20GiB``, ``24GB``, ``512MiB``, ``1.5e9`` → bytes. Raises ``ConfigError`` with the accepted forms."""
-    from protrain.executor.errors import ConfigError
-
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     s = text.strip().lower().replace(" ", "")

@@ -21,6 +21,7 @@ from protrain.planner.fit import (
     run_fit,
 )
 from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, count_params
+from protrain.planner.report import human_bytes
 from protrain.planner.spec import dump_spec
 
 GiB = 2**30
@@ -171,7 +172,9 @@ def test_fit_command_passes_host_memory_and_world_size(monkeypatch):
     monkeypatch.setattr(F, "run_fit", lambda hardware, **kw: seen.update(kw, hardware=hardware))
     r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--host-memory", "384GiB", "--world-size", "4"])
     assert r.exit_code == 0, r.output
-    assert (seen["hardware"], seen["host_memory"], seen["world_size"]) == ("rtx3090", "384GiB", 4)
+    assert (seen["hardware"], seen["host_memory"], seen["world_size"], seen["nvme"]) == ("rtx3090", "384GiB", 4, False)
+    r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--nvme"])
+    assert r.exit_code == 0 and seen["nvme"] is True, r.output
 
 
 def test_errors_name_the_fix():
@@ -180,3 +183,46 @@ def test_errors_name_the_fix():
     with pytest.raises(BudgetError, match="not even the smallest gpt2") as info:
         largest_fitting("gpt2", SMALL, budget_bytes=64 * 2**20, seq_len=SEQ, micro_batches=MICRO)
     assert "HINT: raise --budget" in str(info.value)
+
+
+def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
+    """`fit --nvme`: where the host binds, plans keep optimizer states on disk, so a larger
+    model fits (then the device binds); the report names the state file's size, which is
+    accounting.py's; a spec whose disk was not measured is refused, naming the probe."""
+    from protrain.executor import accounting
+    from protrain.planner.fit import render_fit
+
+    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    kw = dict(budget_bytes=GiB // 2, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
+    host = largest_fitting("gpt2", disk, **kw)
+    nvme = largest_fitting("gpt2", disk, **kw, nvme=True)
+    assert host.next_binds == "host memory" and not host.plan.placement.nvme and host.disk_bytes == 0
+    assert nvme.n_params > host.n_params and nvme.plan.placement.nvme
+    assert nvme.next_binds == "device memory" and nvme.host_bytes <= nvme.host_budget_bytes
+    assert nvme.disk_bytes == accounting.walk(nvme.plan).disk_bytes >= 12 * sum(
+        accounting.host_numel(nvme.plan, c) for c in nvme.plan.placement.nvme)
+    text = render_fit([nvme])
+    assert "optimizer states may go to disk (--nvme)" in text and "disk" in text.splitlines()[1]
+    with pytest.raises(ConfigError, match="hardware probe --nvme"):
+        largest_fitting("gpt2", SMALL, **kw, nvme=True)
+
+
+def test_fit_a_model_with_nvme_names_the_disk():
+    """`fit --hf-config … --nvme` (``fit_model``): a model the host cannot hold fits with its
+    optimizer states on disk, and the verdict says how much the disk holds."""
+    from protrain.executor import accounting
+    from protrain.planner.fit_model import fit_model, render_model_fit
+    from protrain.planner.models import build
+
+    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    model = build("gpt2-medium", device="meta")
+    kw = dict(name="gpt2-medium", spec=disk, seq_len=SEQ, budget_bytes=GiB, host_budget_bytes=GiB,
+              micro_batches=(1,))
+    assert not fit_model(model, **kw).fits
+    r = fit_model(model, **kw, nvme=True)
+    plan = r.best.plan
+    assert r.fits and plan.placement.nvme
+    assert f"keep their optimizer states on disk ({human_bytes(accounting.walk(plan).disk_bytes)} per rank)" \
+        in render_model_fit(r)
+    with pytest.raises(ConfigError, match="hardware probe --nvme"):
+        fit_model(model, **{**kw, "spec": SMALL}, nvme=True)
