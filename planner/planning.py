@@ -78,7 +78,7 @@ def require_disk(spec) -> None:
         raise ConfigError(f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
                           "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
                           "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o SPEC`, "
-                          "then pass that spec (`--hardware SPEC --nvme`)")
+                          "then `protrain plan --hardware SPEC --nvme …` (or `protrain fit --hardware SPEC --nvme`)")
 
 
 def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLVER,

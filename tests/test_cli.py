@@ -19,7 +19,7 @@ FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
     "diff": ["--help", "--json"],
     "explain": ["--help", "--plot", "--profile", "--trace"],
-    "fit": ["--blocks", "--budget", "--hardware", "--help", "--hf-config", "--host-memory", "--seq",
+    "fit": ["--blocks", "--budget", "--hardware", "--help", "--hf-config", "--host-memory", "--nvme", "--seq",
             "--world-size"],
     "hardware": ["--help"],
     "hardware probe": ["--device", "--help", "--nvme", "--output", "--quick"],
