@@ -13,8 +13,10 @@ host need passes its cap; then, per policy strip of the grid, the fewest of:
   element less on the host, plus the mapped window once), in ``homeless_order``: the disk
   traffic of their CPU steps (12 B read, 12 B written per element) lengthens the worker's
   step, and a fetch that reads the master from the disk (homeless, or fp32 where the home
-  is the master) reads 4 B per element on the main thread. The disk takes the device homes'
-  place: no device memory for those states, at the cost of the disk's time.
+  is the master) reads 4 B per element on the main thread. ``choose`` takes the disk
+  where the terms allow it; the search (search.py ``_evaluate``) weighs it against device
+  homes (terms without the disk), per strip: no device memory for those states against
+  the disk's time.
 
 Given the plan's sets instead (``homeless`` not None), the same figures for them.
 """

@@ -40,7 +40,9 @@ the time: cost.py [Homeless chunks]), so a plan that fits only that way is chose
 and a plan that fits anyway keeps every home. Where even every offloaded chunk homeless
 would not fit the host, the fewest first offloaded chunks are homed on the device
 instead (their master and moments on the device, nothing on the host: cost.py [Device
-homes]), which the device peak then carries. Pruning
+homes]), which the device peak then carries; a plan that may use a disk (``plan --nvme``)
+puts them in a file on disk instead where that is feasible and faster, per strip
+(``_evaluate``: disk traffic against device memory, planner/host_tiers.py). Pruning
 looks at the device only: more persistent chunks need *less* host memory, so a
 configuration refused for host memory does not stop the outer loop.
 
@@ -53,7 +55,7 @@ from __future__ import annotations
 import heapq
 import math
 import time as _time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -205,6 +207,36 @@ def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
     return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx])
 
 
+def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float,
+              budget_bytes: float) -> tuple[np.ndarray, np.ndarray, dict]:
+    """``cost.evaluate``; where the plan may use both a disk and device homes for what
+    homeless chunks leave (planner/host_tiers.py), per strip the faster of the two that fits
+    (device and host), else the disk's (it adds no device bytes): the disk costs its traffic
+    in every step, the device homes device memory (and save CPU steps)."""
+    disk = evaluate(t, n_persist, n_buffer, grid, host_cap)
+    if not (t.nvme_ok and t.homed_ok):
+        return disk
+    homes = evaluate(replace(t, nvme_ok=False), n_persist, n_buffer, grid, host_cap)
+    fits_d, fits_h = ((r[1] <= budget_bytes) & (host_need(r[2]) <= host_cap) for r in (disk, homes))
+    use = fits_h & (~fits_d | (homes[0] < disk[0]))  # (G,) the device homes
+    if not use.any():
+        return disk
+
+    def pick(a, b):
+        return np.where(use, b, a)
+
+    return pick(disk[0], homes[0]), pick(disk[1], homes[1]), {k: pick(v, homes[2][k]) for k, v in disk[2].items()}
+
+
+def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float) -> np.ndarray:
+    """A lower bound of ``_evaluate``'s time at ``n_buffer`` or fewer buffers: with
+    ``n_buffer`` (time never grows with buffers), the faster of the host tiers."""
+    time, _, _ = evaluate(t, n_persist, n_buffer, grid, host_cap)
+    if t.nvme_ok and t.homed_ok:
+        time = np.minimum(time, evaluate(replace(t, nvme_ok=False), n_persist, n_buffer, grid, host_cap)[0])
+    return time
+
+
 def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
     start = _time.perf_counter()
     pairs = policy_pairs(t)
@@ -240,7 +272,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             break  # [Pruning] more persistent chunks only add device memory
         current, fits_here = n_persist, False
         for n_buffer in range(need, top + 1):
-            time, peak, parts = evaluate(t, n_persist, n_buffer, grid, host_cap)
+            time, peak, parts = _evaluate(t, n_persist, n_buffer, grid, host_cap, budget_bytes)
             host = host_need(parts)
             evaluated += len(pairs)
             # What a refusal reports: the device peak and host need without device homes
@@ -267,7 +299,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
 
     for n_persist, n_buffer, idx, peak_at in frontier:
         n_off = t.n_chunks - n_persist
-        bound, _, _ = evaluate(t, n_persist, n_off, _subgrid(grid, idx), host_cap)  # every chunk buffered
+        bound = _time_bound(t, n_persist, n_off, _subgrid(grid, idx), host_cap)  # every chunk buffered
         evaluated += len(idx)
         lower = np.array([round(float(x)) for x in bound])
         while len(idx) and n_buffer < n_off:
@@ -277,7 +309,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             if not len(idx):
                 break
             n_buffer += 1
-            time, peak, parts = evaluate(t, n_persist, n_buffer, _subgrid(grid, idx), host_cap)
+            time, peak, parts = _evaluate(t, n_persist, n_buffer, _subgrid(grid, idx), host_cap, budget_bytes)
             host = host_need(parts)
             evaluated += len(idx)
             ok = (peak <= budget_bytes) & (host <= host_cap)

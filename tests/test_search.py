@@ -3,6 +3,7 @@ reproducing the paper's configuration trends (Table 4 directions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -34,12 +35,20 @@ def brute_force(t, budget, host_budget=math.inf, top=1):
     """The best ``top`` configurations of the whole space (every buffer count up to every
     offloaded chunk), by the search's order; the best alone when ``top`` is 1."""
     rows = []
+    # A plan that may use a disk weighs it against device homes (search.py ``_evaluate``):
+    # each configuration's faster tier that fits, as its one row.
+    tiers = [t, dataclasses.replace(t, nvme_ok=False)] if t.nvme_ok and t.homed_ok else [t]
     for n_persist, n_buffer in space(t):
         for sw, ck in policy_pairs(t):
-            p = predict(t, n_persist, n_buffer, sw, ck, host_budget)  # homeless where the host asks
-            host = p.breakdown["host_bytes"] + p.breakdown["host_swap_bytes"]
-            if p.peak_bytes <= budget and host <= host_budget:
-                rows.append((round(p.time_us), p.peak_bytes, ck, n_persist, n_buffer, sw, ck))
+            fits = []
+            for tt in tiers:
+                p = predict(tt, n_persist, n_buffer, sw, ck, host_budget)  # homeless where the host asks
+                host = p.breakdown["host_bytes"] + p.breakdown["host_swap_bytes"]
+                if p.peak_bytes <= budget and host <= host_budget:
+                    fits.append((p.time_us, p.peak_bytes))
+            if fits:
+                tm, pk = min(fits, key=lambda f: f[0])  # (a tie in time keeps the disk's, as the search)
+                rows.append((round(tm), pk, ck, n_persist, n_buffer, sw, ck))
     if top > 1:
         return sorted(rows)[:top]
     return min(rows) if rows else None
@@ -47,16 +56,21 @@ def brute_force(t, budget, host_budget=math.inf, top=1):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(),
-       st.one_of(st.none(), st.floats(0.0, 1.2)))
-def test_search_equals_brute_force(facts, seed, where, gpu, host_share):
+       st.one_of(st.none(), st.floats(0.0, 1.2)), st.booleans())
+def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
     if not gpu:
         spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "kind": "cpu"})
+    if nvme:  # a disk of 0.5 to 200 GB/s (plan --nvme; the fast ones beat device homes on a cpu device)
+        import msgspec
+
+        disk = int(10 ** rng.uniform(8.7, 11.3))
+        spec = msgspec.structs.replace(spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2)
     prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
                              rng=rng)
     size, _ = choose_chunk_numel(facts_from_profile(prof))
-    t = make_terms(prof, size)
+    t = make_terms(prof, size, nvme=nvme)
     # A host budget (sometimes): a share of what the most host-hungry configuration needs.
     hosts = [sum(predict(t, a, b, s, c).breakdown[k] for k in ("host_bytes", "host_swap_bytes"))
              for a, b in space(t) for s, c in policy_pairs(t)]
