@@ -334,14 +334,15 @@ def test_bench_host_reads_its_rows():
         return dict(model=model, dtype=dtype, grad_accum=accum, homeless=homeless, slots=int(homeless), params=n,
                     offloaded=n, wrapped_per_param=12.0, measured_per_param=measured, device_peak_per_param=1.0,
                     predicted_per_param=predicted, chunk_numel=50_000_000, step_s=1.0,
-                    measured_mmap_per_param=mmap)
+                    measured_mmap_per_param=mmap, steps=3, first_step_per_param=measured - 0.1)
 
     rows = [row("small", 100, True, 12.5, 13.0, 12.6), row("large", 300, True, 12.2, 12.4, 12.3),
             row("small", 100, False, 14.0, 14.2, 14.1)]
     text = bh.render(rows, "python tools/bench_host.py --write")
     assert text.startswith("## Host bytes per offloaded parameter")
     assert "| small | 0M | bfloat16 | 1 | none (homeless, 1 slot) | 50.0M | 12.50 | 12.00 | 13.00 | 1.040 | 12.60 | 1.008 | nan |" in text
-    assert "Peak over predicted across all rows: 1.007 to 1.040." in text
+    assert "Peak over predicted across all rows (training peak for the NVMe rows): 1.007 to 1.040." in text
+    assert "trains 3 step(s)" in text and "After the first step alone, under glibc's default: small 12.90, large 12.30" in text
     # (12.4*300 - 13.0*100) / 200 = 12.10; (12.3*300 - 12.6*100) / 200 = 12.15; (12.2*300 - 12.5*100) / 200 = 12.05
     assert "From small to large each added parameter cost 12.10 B (12.15 with the threshold fixed; predicted 12.05)" in text
     # an NVMe row against the same layout in host memory: what moved off the host
