@@ -341,7 +341,8 @@ def test_bench_host_reads_its_rows():
     text = bh.render(rows, "python tools/bench_host.py --write")
     assert text.startswith("## Host bytes per offloaded parameter")
     assert "| small | 0M | bfloat16 | 1 | none (homeless, 1 slot) | 50.0M | 12.50 | 12.00 | 13.00 | 1.040 | 12.60 | 1.008 | nan |" in text
-    assert "Peak over predicted across all rows (training peak for the NVMe rows): 1.007 to 1.040." in text
+    assert "Peak over predicted, rows in host memory: 1.007 to 1.040." in text
+    assert "The fp32 row reads below" not in text  # (no fp32 row here)
     assert "trains 3 step(s)" in text and "After the first step alone, under glibc's default: small 12.90, large 12.30" in text
     # (12.4*300 - 13.0*100) / 200 = 12.10; (12.3*300 - 12.6*100) / 200 = 12.15; (12.2*300 - 12.5*100) / 200 = 12.05
     assert "From small to large each added parameter cost 12.10 B (12.15 with the threshold fixed; predicted 12.05)" in text
@@ -349,5 +350,5 @@ def test_bench_host_reads_its_rows():
     disk = dict(row("small", 100, True, 0.5, 0.9, 0.7), nvme=True, disk_per_param=12.01)
     text = bh.render([*rows, disk], "python tools/bench_host.py --write")
     assert "| none (homeless, 1 slot); master and moments on disk |" in text
-    assert "peak 0.90 B per parameter with master and moments on disk against 13.00 in host memory, a drop of " \
+    assert "peak 0.90 B per parameter (predicted 0.50) with master and moments on disk against 13.00 in host memory, a drop of " \
            "12.10 B (whole-process peaks 0.90 and 13.00; 11.90 with the threshold fixed)" in text

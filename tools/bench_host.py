@@ -186,16 +186,17 @@ def reading(rows: list[dict]) -> str:
     if not h:
         return ""
     worst = max(h, key=lambda r: r["measured_per_param"])
-    # (an NVMe row's whole-process peak is the user's fp32 model built before wrap: its training peak)
-    ratios = [(r.get("train_peak_per_param", r[k]) if r.get("nvme") else r[k]) / r["predicted_per_param"]
-              for r in rows for k in ("measured_per_param", "measured_mmap_per_param")]
+    # (the NVMe rows: an absolute excess, _disk; their prediction is a fraction of a byte)
+    ratios = [r[k] / r["predicted_per_param"] for r in rows if not r.get("nvme")
+              for k in ("measured_per_param", "measured_mmap_per_param")]
+    fp32 = [r for r in rows if r["dtype"] == "float32" and not r.get("nvme")
+            and r["measured_per_param"] < r["predicted_per_param"]]
     creep = ", ".join(f"{r['model']} {r['first_step_per_param']:.2f}" for r in h if "first_step_per_param" in r)
     slot = ", ".join(f"{r['slots'] * r['chunk_numel'] * 2 / r['offloaded']:.2f} B at {r['model']}" for r in h)
     return ("Reading. Homeless (12 B layout), peak host bytes per offloaded parameter: "
             + ", ".join(f"{r['model']} {r['measured_per_param']:.2f} (mmap threshold fixed "
                         f"{r['measured_mmap_per_param']:.2f}; predicted {r['predicted_per_param']:.2f})" for r in h)
-            + f". Peak over predicted across all rows (training peak for the NVMe rows): "
-              f"{min(ratios):.3f} to {max(ratios):.3f}. "
+            + f". Peak over predicted, rows in host memory: {min(ratios):.3f} to {max(ratios):.3f}. "
             + (f"After the first step alone, under glibc's default: {creep}; the heap's free blocks "
                f"grow over the next two steps (the LM head's backward temporaries, device memory on a "
                f"GPU, fragment it) and then hold (gpt2-medium, seen over 8 steps), while with the threshold fixed RSS "
@@ -207,11 +208,11 @@ def reading(rows: list[dict]) -> str:
             "slack. The device count subtracted includes the gradient autograd holds for the tied "
             "embedding between the head's backward and the embedding's (`accounting.shared_grads`, "
             "51.5M x 2 B = 0.29 B per parameter at 355M), which is device memory on a GPU. "
-            "The fp32 row reads below its prediction because its host "
-            "high-water comes at the end of backward (the fp32 accumulators are first written as "
-            "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
-            "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
-            "resident from allocation." + _disk(rows))
+            + ("The fp32 row reads below its prediction because its host "
+               "high-water comes at the end of backward (the fp32 accumulators are first written as "
+               "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
+               "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
+               "resident from allocation." if fp32 else "") + _disk(rows))
 
 
 def _disk(rows: list[dict]) -> str:
@@ -223,14 +224,16 @@ def _disk(rows: list[dict]) -> str:
         if same is None:
             continue
         tp = "train_peak_per_param" if "train_peak_per_param" in d else "measured_per_param"
+        fixed = (f", {d['train_peak_mmap_per_param']:.2f} with the threshold fixed"
+                 if "train_peak_mmap_per_param" in d else "")
         out.append(f"{d['model']} {d['dtype']} ({'homeless' if d['homeless'] else 'homes kept'}): peak "
-                   f"{'in training ' if tp != 'measured_per_param' else ''}{d[tp]:.2f} B per parameter with "
+                   f"{'in training ' if tp != 'measured_per_param' else ''}{d[tp]:.2f} B per parameter "
+                   f"(predicted {d['predicted_per_param']:.2f}{fixed}) with "
                    f"master and moments on disk against {same[tp]:.2f} in host memory, a drop of "
                    f"{same[tp] - d[tp]:.2f} B (whole-process peaks {d['measured_per_param']:.2f} and "
                    f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
                    f"with the threshold fixed) where the plan moved 12 B per element to the disk "
-                   f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included; predicted host "
-                   f"{d['predicted_per_param']:.2f}); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
+                   f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
                    f"({d['step_s'] / same['step_s']:.2f}x; mean of {d['steps']} step(s) each, CPU \"device\", so the disk's share "
                    "is diluted by the CPU forward and backward)")
     return (" NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
@@ -282,7 +285,8 @@ def main() -> int:
              "--steps", str(args.steps), "--nvme-dir", args.nvme_dir],
             capture_output=True, text=True, check=True, env={**os.environ, **env}).stdout.strip().splitlines()[-1])
             for env in ({}, MMAP_ENV)]
-        rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"]})
+        rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"],
+                     "train_peak_mmap_per_param": runs[1]["train_peak_per_param"]})
         print(rows[-1], file=sys.stderr)
     text = render(rows, "python tools/bench_host.py --write")
     print(text)
