@@ -212,7 +212,7 @@ def reading(rows: list[dict]) -> str:
                "high-water comes at the end of backward (the fp32 accumulators are first written as "
                "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
                "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
-               "resident from allocation." if fp32 else "") + _disk(rows))
+               "resident from allocation. " if fp32 else "") + _disk(rows)).rstrip()
 
 
 def _disk(rows: list[dict]) -> str:
@@ -236,7 +236,7 @@ def _disk(rows: list[dict]) -> str:
                    f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
                    f"({d['step_s'] / same['step_s']:.2f}x; mean of {d['steps']} step(s) each, CPU \"device\", so the disk's share "
                    "is diluted by the CPU forward and backward)")
-    return (" NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
+    return ("NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
             + "; ".join(out) + ".") if out else ""
 
 
