@@ -57,7 +57,8 @@ count, and stays a lower bound whatever the state layout charges beyond it.
 With ``--nvme`` (``nvme=True``) plans may keep offloaded chunks' master and moments on disk
 where host memory binds (planner/host_tiers.py [NVMe tier]; the spec must carry the disk's
 bandwidth, ``protrain hardware probe --nvme DIR``): the host floor above no longer applies
-(every offloaded chunk may leave its 12 B per element on disk), so every rung is profiled,
+(every offloaded chunk may leave its 12 B per element on disk), so no rung is ruled out
+without a probe,
 and the report adds each winner's file size (``accounting.walk(plan).disk_bytes``), which
 the disk must hold.
 

@@ -41,8 +41,11 @@ and a plan that fits anyway keeps every home. Where even every offloaded chunk h
 would not fit the host, the fewest first offloaded chunks are homed on the device
 instead (their master and moments on the device, nothing on the host: cost.py [Device
 homes]), which the device peak then carries; a plan that may use a disk (``plan --nvme``)
-puts them in a file on disk instead where that is feasible and faster, per strip
-(``_evaluate``: disk traffic against device memory, planner/host_tiers.py). Pruning
+puts them in a file on disk instead, per strip, where device homes do not fit or are not
+faster (``_evaluate``: disk traffic against device memory, planner/host_tiers.py). The two
+properties [Buffers past the dense range] rests on hold per tier, not for the tier picked
+(the pick may change with the buffers), so the pruning keeps the disk tier's peak, never
+above either tier's, and the faster tier's time (``_time_bound``). Pruning
 looks at the device only: more persistent chunks need *less* host memory, so a
 configuration refused for host memory does not stop the outer loop.
 
@@ -214,8 +217,8 @@ def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_ca
     (device and host), else the disk's (it adds no device bytes): the disk costs its traffic
     in every step, the device homes device memory (and save CPU steps)."""
     disk = evaluate(t, n_persist, n_buffer, grid, host_cap)
-    if not (t.nvme_ok and t.homed_ok):
-        return disk
+    if not (t.nvme_ok and t.homed_ok) or not (disk[2]["n_nvme"] > 0).any():
+        return disk  # (no strip needs the third tier: device homes would be none either)
     homes = evaluate(replace(t, nvme_ok=False), n_persist, n_buffer, grid, host_cap)
     fits_d, fits_h = ((r[1] <= budget_bytes) & (host_need(r[2]) <= host_cap) for r in (disk, homes))
     use = fits_h & (~fits_d | (homes[0] < disk[0]))  # (G,) the device homes
@@ -287,7 +290,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             ok = dev_ok & (host <= host_cap)
             record(n_persist, n_buffer, every, time, peak, parts, ok)
             if n_buffer == top and top < n_off and ok.any():
-                frontier.append((n_persist, n_buffer, np.nonzero(ok)[0], peak[ok]))
+                frontier.append((n_persist, n_buffer, np.nonzero(ok)[0], plain_peak[ok]))
 
     # [Buffers past the dense range] (module docstring): grow n_buffer one at a time
     # for the pairs that still fit and could still enter the best TOP.
@@ -316,7 +319,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             n_rows = len(rows)
             record(n_persist, n_buffer, idx, time, peak, parts, ok)
             best = heapq.nsmallest(TOP, best + rows[n_rows:])
-            idx, lower, peak_at = idx[ok], lower[ok], peak[ok]
+            idx, lower, peak_at = idx[ok], lower[ok], (peak - parts["homed_peak_bytes"])[ok]  # (the disk tier's)
 
     rows.sort()
     choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10],

@@ -84,6 +84,8 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
     # The winner and the runners-up are the brute force's best six, in order, although
     # buffers past the dense range are searched only where they can enter them.
     assert [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in got] == [r[3:] for r in expected]
+    assert [round(c.time_us) for c in got] == [r[0] for r in expected]  # (each one's tier: its time and peak)
+    assert [c.peak_bytes for c in got] == pytest.approx([r[1] for r in expected], rel=1e-12)
     assert math.isclose(result.min_peak_bytes, min(peaks))
     if host_budget is not None and got is None and expected is None and result.min_host_bytes < math.inf:
         assert result.min_host_bytes > host_budget  # refused for the host, and says by how much
