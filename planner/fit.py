@@ -288,12 +288,14 @@ def host_need_bytes(plan: P.Plan) -> int:
     return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
 
 
-def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1) -> int:
+def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1, nvme: bool = False) -> int:
     """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
     persistent parameters at their compute dtype alone, or device-homed ones at their shard of
     master and moments (``accounting.HOMED_BYTES / world_size``), whichever holds more (module
-    docstring)."""
+    docstring). With a disk (``nvme``) none: every offloaded chunk's states may go there."""
+    if nvme:
+        return 0
     eb = accounting.element_bytes(dtype)
     host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
     on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // accounting.HOMED_BYTES)
@@ -308,7 +310,7 @@ def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpe
     t0 = time.perf_counter()
     n = n_params(cfg)
     host_budget = host_budget_bytes
-    floor = 0 if nvme else _host_floor_bytes(n, budget_bytes, dtype, world_size)
+    floor = _host_floor_bytes(n, budget_bytes, dtype, world_size, nvme)
     if floor > host_budget:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
@@ -371,9 +373,9 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
         return p
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
-    hi = len(configs) if nvme else next(
-        (i for i, c in enumerate(configs) if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size)
-         > host_budget), len(configs))
+    hi = next((i for i, c in enumerate(configs)
+               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size, nvme) > host_budget),
+              len(configs))
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):
         limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,

@@ -46,6 +46,13 @@ class Tiers:
     unhomed: np.ndarray  # (G,) the host need without device homes and the disk
 
 
+def fetch_reads_disk(t, on_disk, homeless):
+    """Whether a fetch of a chunk reads its master from the disk (bools or bool arrays):
+    a chunk on disk that is homeless (rounded from the master), or any chunk on disk where
+    the compute dtype is fp32 (the home is the master). planner/trace.py charges the same."""
+    return on_disk & (homeless | (t.home_bytes_per_elem == 4))
+
+
 def _prefix(values: np.ndarray, k: np.ndarray) -> np.ndarray:
     """(G,) sums of the first ``k`` of ``values`` (each row's own ``k``)."""
     return np.append(0, np.cumsum(values))[k]
@@ -102,7 +109,7 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
         is_nvme = np.zeros((G, C), dtype=bool)
         is_nvme[:, list(nvme)] = True
         kd, kn = np.full(G, len(homed), dtype=np.int64), np.full(G, len(nvme), dtype=np.int64)
-        reads = is_nvme[0] if t.home_bytes_per_elem == 4 else is_nvme[0] * h
+        reads = fetch_reads_disk(t, is_nvme[0], h.astype(bool))
         conv_f = np.full(G, float(uploads_f @ h) * t.convert_us + float(disk_read[0] @ reads))
         conv_b = np.full(G, float(uploads_b @ h) * t.convert_us + float(disk_read[1] @ reads))
         dropped = np.full(G, float(t.host_numel @ h) * t.home_bytes_per_elem)

@@ -210,6 +210,12 @@ def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
     return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx])
 
 
+def _homes_tier(t: Terms) -> Terms | None:
+    """The terms with device homes in the disk's place, where a plan may use both
+    (planner/host_tiers.py); None where there is no choice to weigh."""
+    return replace(t, nvme_ok=False) if t.nvme_ok and t.homed_ok else None
+
+
 def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float,
               budget_bytes: float) -> tuple[np.ndarray, np.ndarray, dict]:
     """``cost.evaluate``; where the plan may use both a disk and device homes for what
@@ -217,9 +223,10 @@ def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_ca
     (device and host), else the disk's (it adds no device bytes): the disk costs its traffic
     in every step, the device homes device memory (and save CPU steps)."""
     disk = evaluate(t, n_persist, n_buffer, grid, host_cap)
-    if not (t.nvme_ok and t.homed_ok) or not (disk[2]["n_nvme"] > 0).any():
+    th = _homes_tier(t)
+    if th is None or not (disk[2]["n_nvme"] > 0).any():
         return disk  # (no strip needs the third tier: device homes would be none either)
-    homes = evaluate(replace(t, nvme_ok=False), n_persist, n_buffer, grid, host_cap)
+    homes = evaluate(th, n_persist, n_buffer, grid, host_cap)
     fits_d, fits_h = ((r[1] <= budget_bytes) & (host_need(r[2]) <= host_cap) for r in (disk, homes))
     use = fits_h & (~fits_d | (homes[0] < disk[0]))  # (G,) the device homes
     if not use.any():
@@ -235,9 +242,8 @@ def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_
     """A lower bound of ``_evaluate``'s time at ``n_buffer`` or fewer buffers: with
     ``n_buffer`` (time never grows with buffers), the faster of the host tiers."""
     time, _, _ = evaluate(t, n_persist, n_buffer, grid, host_cap)
-    if t.nvme_ok and t.homed_ok:
-        time = np.minimum(time, evaluate(replace(t, nvme_ok=False), n_persist, n_buffer, grid, host_cap)[0])
-    return time
+    th = _homes_tier(t)
+    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])
 
 
 def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:

@@ -218,6 +218,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     ``tests/test_trace.py`` pins the gap.
     """
     from .cost import SWAP_OVERHEAD_US
+    from .host_tiers import fetch_reads_disk
 
     t = _terms_for(profile, plan)
     pid = PREDICTED_PID
@@ -232,7 +233,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
     def host_work(c: int) -> tuple[str, float]:
         """What the main thread does before a chunk's upload (host_tiers.py: the conversion
         of a homeless chunk, the disk read of a master a fetch reads from disk), and how long."""
-        reads = c in on_disk and (t.home_bytes_per_elem == 4 or c in homeless)
+        reads = fetch_reads_disk(t, c in on_disk, c in homeless)
         us = (t.convert_us if c in homeless else 0.0) + (int(t.host_numel[c]) * t.disk_fetch_us_per_elem
                                                         if reads else 0.0)
         return ("round" if c in homeless else "read"), us
