@@ -7,6 +7,7 @@ not stay in the process beyond ``NVME_WINDOW``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from pathlib import Path
@@ -236,6 +237,16 @@ def _profile(disk_gbps: float | None = 3.0):
     return msgspec.structs.replace(prof, hardware=spec)
 
 
+@functools.cache
+def _half_host() -> int:
+    """Half the host bytes gpt2-xl's plan needs on an rtx3090 at 22 GiB with the host
+    unbounded: a host budget that binds (the planner tests below share it)."""
+    from protrain.planner.planning import make_plan
+
+    roomy, _ = make_plan(_profile(), 22 * 2**30, host_budget_bytes=2**40)
+    return int(accounting.walk(roomy).host_bytes * 0.5)
+
+
 def test_the_disk_takes_what_homeless_chunks_leave():
     """Under a host cap that every offloaded chunk homeless still misses, the fewest chunks
     (last in execution order first) go to disk instead of the device: the host need fits by
@@ -288,10 +299,7 @@ def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
     naming the probe."""
     from protrain.planner.planning import make_plan
 
-    prof = _profile()
-    roomy, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=2**40)
-    need = accounting.walk(roomy).host_bytes
-    cap = int(need * 0.5)
+    prof, cap = _profile(), _half_host()
     homes, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=cap)
     either, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=cap, nvme=True)
     assert homes.placement.device_homed and either.placement == homes.placement
@@ -320,9 +328,7 @@ def test_the_search_weighs_the_disk_against_device_homes():
     from protrain.planner.cost import make_terms, predict
     from protrain.planner.planning import make_plan
 
-    prof = _profile()
-    roomy, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=2**40)
-    cap = int(accounting.walk(roomy).host_bytes * 0.5)
+    prof, cap = _profile(), _half_host()
     for gbps, tier, other in ((3, "device_homed", "nvme"), (300, "nvme", "device_homed")):
         spec = msgspec.structs.replace(prof.hardware, disk_read_bytes_per_s=int(gbps * 1e9),
                                        disk_write_bytes_per_s=int(gbps * 1e9))
@@ -392,8 +398,7 @@ def test_predicted_trace_charges_the_disk():
     from protrain.planner.trace import predicted_trace
 
     prof = _profile()
-    roomy, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=2**40)  # (16 GiB: no room for device homes)
-    plan, _ = make_plan(prof, 16 * 2**30, host_budget_bytes=int(accounting.walk(roomy).host_bytes * 0.5), nvme=True)
+    plan, _ = make_plan(prof, 16 * 2**30, host_budget_bytes=_half_host(), nvme=True)  # (16 GiB: no room for device homes)
     on_disk, homeless = plan.placement.nvme, plan.placement.homeless
     assert on_disk and set(on_disk) <= set(homeless)
     doc = predicted_trace(prof, plan)
