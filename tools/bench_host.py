@@ -199,7 +199,7 @@ def reading(rows: list[dict]) -> str:
             + f". Peak over predicted, rows in host memory: {min(ratios):.3f} to {max(ratios):.3f}. "
             + (f"After the first step alone, under glibc's default: {creep}; the heap's free blocks "
                f"grow over the next two steps (the LM head's backward temporaries, device memory on a "
-               f"GPU, fragment it) and then hold (gpt2-medium, seen over 8 steps), while with the threshold fixed RSS "
+               f"GPU, fragment it) and then hold (gpt2-medium over 8 steps: the section 'Host bytes over eight steps'), while with the threshold fixed RSS "
                f"is flat from the first step. " if creep and rows[0]["steps"] > 1 else "")
             + _marginal(h) +
             f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
