@@ -267,6 +267,7 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "predicted / measured peak" in summary and "## Steps" in summary
     assert "## Pre-flight" in summary and "PROTRAIN_ASYNC_CPU=1 for the bench runs" in summary
+    assert "## Host bytes per offloaded parameter, cpu" in summary and "| cpu | gpt2-tiny |" in summary
     assert (out / "env.txt").read_text().startswith("=== environment")
     assert "skipped" in (out / "pytest-gpu.txt").read_text()  # no CUDA here: skipped, not failed
     with tarfile.open(out / "artifacts.tar.gz") as tar:
@@ -274,6 +275,7 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     assert sum(n.endswith(".plan.json") for n in names) == 4, names
     assert sum(n.endswith(".profile.json") for n in names) == 4, names
     assert any(n.endswith("spec-cpu.json") for n in names), names
+    assert any(n.endswith("host.jsonl") for n in names), names
 
 
 def test_bench_train_write_replaces_only_its_own_section(train_records, tmp_path, monkeypatch):
@@ -352,3 +354,26 @@ def test_bench_host_reads_its_rows():
     assert "| none (homeless, 1 slot); master and moments on disk |" in text
     assert "peak 0.90 B per parameter (predicted 0.50) with master and moments on disk against 13.00 in host memory, a drop of " \
            "12.10 B (whole-process peaks 0.90 and 13.00; 11.90 with the threshold fixed)" in text
+
+
+def test_bench_host_device_rows(tmp_path, capsys):
+    # tools/bench_host.py --row/--device rows (tools/gpu_check.sh's host bytes step) as a
+    # table from a --jsonl file; --write refuses them (it replaces the CPU table only).
+    sys.path.insert(0, str(TOOLS))
+    import bench_host as bh
+
+    row = dict(device="cuda", model="gpt2-medium", params=354_823_168, dtype="bfloat16", homeless=True,
+               predicted_per_param=12.31, measured_per_param=16.2, train_peak_per_param=12.40,
+               train_peak_mmap_per_param=12.38, first_step_per_param=12.35, step_s=0.51)
+    jsonl = tmp_path / "host.jsonl"
+    jsonl.write_text(json.dumps(row) + "\n" + json.dumps({**row, "model": "gpt2-large", "nvme": True,
+                                                          "train_peak_mmap_per_param": None}) + "\n")
+    assert bh.main(["--report", str(jsonl)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## Host bytes per offloaded parameter, cuda")
+    assert "| cuda | gpt2-medium | 355M | bfloat16 | none | 12.31 | 16.20 | 12.40 | 1.007 | 12.38 | 12.35 | 0.51 |" in out
+    assert "| cuda | gpt2-large | 355M | bfloat16 | none; disk | 12.31 | 16.20 | 12.40 | 1.007 | - |" in out
+    with pytest.raises(SystemExit, match="--write replaces the CPU table"):
+        bh.main(["--device", "cuda", "--write"])
+    with pytest.raises(SystemExit, match="expected MODEL,DTYPE"):
+        bh.main(["--row", "gpt2-medium,bfloat16"])

@@ -11,6 +11,14 @@ host bytes (+ the swapped activations, none here) over the same parameters.
 
     python tools/bench_host.py                # print the table
     python tools/bench_host.py --write        # and replace its section in BENCHMARKS.md
+    python tools/bench_host.py --device cuda --row gpt2-medium,bfloat16,1,1,0 --jsonl host.jsonl
+    python tools/bench_host.py --report host.jsonl   # the rows of such runs, as a table
+
+On a GPU (``--device cuda``, tools/gpu_check.sh) the chunk buffers, gradients, activations
+and op temporaries live in device memory, so nothing is subtracted from the host's peak:
+what it reads is the plan's host states plus whatever the host side of training left in
+the heap, free of the CPU emulation's device-side blocks (``MMAP_ENV``). The CUDA context
+and the kernels' host buffers come up in the warm-up, before the baseline.
 """
 
 from __future__ import annotations
@@ -51,18 +59,22 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _warm_up(torch, dtype: str) -> None:
+def _warm_up(torch, dtype: str, device: str = "cpu") -> None:
     """One small forward and backward in the compute dtype before the baseline is read: the
     first ops start the autograd engine, the intra-op thread pool and the kernels' own
-    buffers (tens of MB, once per process), which are no host state of the plan."""
+    buffers (tens of MB, once per process; on CUDA the context, hundreds), which are no
+    host state of the plan."""
     dt = getattr(torch, dtype)
-    emb = torch.nn.Embedding(1024, 256, dtype=dt)
-    x = emb(torch.randint(0, 1024, (1, 64)))
+    emb = torch.nn.Embedding(1024, 256, dtype=dt, device=device)
+    x = emb(torch.randint(0, 1024, (1, 64), device=device))
     torch.nn.functional.cross_entropy((x @ emb.weight.t()).flatten(0, 1).float(),
-                                      torch.randint(0, 1024, (64,))).backward()
+                                      torch.randint(0, 1024, (64,), device=device)).backward()
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
-def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None) -> dict:
+def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None,
+             device: str = "cpu") -> dict:
     import torch
 
     from protrain.executor import accounting, wrap
@@ -72,7 +84,8 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     from protrain.planner.emit import emit, model_facts
     from protrain.planner.models import block_paths, build
 
-    torch.set_num_threads(2)
+    if device == "cpu":
+        torch.set_num_threads(2)  # the CI box's cores; a GPU host's CPU step takes them all
     meta = build(model_name, device="meta")
     blocks = block_paths(meta)
     size, _ = choose_chunk_numel(model_facts(meta, model_name, blocks))
@@ -88,12 +101,12 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
                     n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.homeless,
                     nvme=plan.placement.offloaded)
     del meta
-    _warm_up(torch, dtype)
+    _warm_up(torch, dtype, device)
     tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
     model = build(model_name, device="cpu")
     n = sum(p.numel() for p in model.parameters())
-    engine = wrap(model, plan, device="cpu", nvme_dir=nvme)
+    engine = wrap(model, plan, device=device, nvme_dir=nvme)
     del model
     wrapped = _kib("VmRSS")
     # Training's own high-water from here (Linux: writing 5 to clear_refs resets VmHWM to the
@@ -108,20 +121,24 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     for i in range(steps):
         device_peak = max(device_peak, engine.step([next(data) for _ in range(accum)]).peak_bytes)
         if i == 0:
-            first = _kib("VmHWM") - device_peak
+            first = _kib("VmHWM") - (device_peak if device == "cpu" else 0)
+    if device != "cpu":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     engine.close()
     train_peak = _kib("VmHWM")
     peak = max(wrap_peak, train_peak)
+    on_host = device_peak if device == "cpu" else 0  # the device's share of RSS: on a GPU, none
     walk = accounting.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
     return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
+            "device": device,
             "disk_per_param": walk.disk_bytes / offloaded,
             "slots": plan.placement.n_host_slots, "params": n, "offloaded": offloaded,
             "wrapped_per_param": (wrapped - baseline) / offloaded,
-            "measured_per_param": (peak - baseline - device_peak) / offloaded,
-            "train_peak_per_param": (train_peak - baseline - device_peak) / offloaded,
-            "first_step_per_param": (max(wrap_peak - device_peak, first) - baseline) / offloaded, "steps": steps,
+            "measured_per_param": (peak - baseline - on_host) / offloaded,
+            "train_peak_per_param": (train_peak - baseline - on_host) / offloaded,
+            "first_step_per_param": (max(wrap_peak - on_host, first) - baseline) / offloaded, "steps": steps,
             "device_peak_per_param": device_peak / offloaded,
             "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
             "chunk_numel": plan.chunks.chunk_numel, "step_s": seconds / steps}
@@ -266,28 +283,86 @@ def write_section(text: str) -> None:
     path.write_text(doc)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3, help="training steps per row (the peak is over all)")
-    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
-    ap.add_argument("--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)")
-    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
-    args = ap.parse_args()
-    if args.case:
-        name, dtype, accum, homeless, nvme = args.case.split(",")
-        print(json.dumps(run_case(name, dtype, int(accum), homeless == "1", args.steps,
-                                  args.nvme_dir if nvme == "1" else None)))
-        return 0
+def render_rows(rows: list[dict], cmd: str) -> str:
+    """Rows of a ``--row`` or ``--device cuda`` run (tools/gpu_check.sh): one table, the
+    device named, nothing subtracted on a GPU (the module's docstring)."""
+    lines = [f"## Host bytes per offloaded parameter, {', '.join(sorted({r['device'] for r in rows}))} "
+             "(tools/bench_host.py)", "", f"Command: `{cmd}`", "",
+             "Peak host RSS (`VmHWM`) minus the baseline (torch, the device context and the corpus "
+             "loaded), per offloaded parameter; on a CPU run minus the ledger's device peak too. "
+             "*Training*: the high-water reset once wrap is done (without the user's fp32 model "
+             "built on the host).", "",
+             "| device | model | params | compute | homes | predicted B/param | peak | training | "
+             "training / predicted | training, mmap threshold 1 MiB | after step 1 | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mmap = r.get("train_peak_mmap_per_param")
+        lines.append(
+            f"| {r['device']} | {r['model']} | {r['params'] / 1e6:.3g}M | {r['dtype']} | "
+            f"{'none' if r['homeless'] else 'kept'}{'; disk' if r.get('nvme') else ''} | "
+            f"{r['predicted_per_param']:.2f} | {r['measured_per_param']:.2f} | {r['train_peak_per_param']:.2f} | "
+            f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
+            f"{'-' if mmap is None else f'{mmap:.2f}'} | {r['first_step_per_param']:.2f} | {r['step_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: str | None = None) -> list[dict]:
+    """Each case in two fresh processes, glibc's default allocator and ``MMAP_ENV``; each row
+    appended to ``jsonl`` as soon as it is measured (a time-boxed GPU run keeps what it did)."""
     rows = []
-    for name, dtype, accum, homeless, nvme in CASES:
+    for name, dtype, accum, homeless, nvme in cases:
         runs = [json.loads(subprocess.run(
             [sys.executable, __file__, "--case", f"{name},{dtype},{accum},{int(homeless)},{int(nvme)}",
-             "--steps", str(args.steps), "--nvme-dir", args.nvme_dir],
+             "--steps", str(steps), "--nvme-dir", nvme_dir, "--device", device],
             capture_output=True, text=True, check=True, env={**os.environ, **env}).stdout.strip().splitlines()[-1])
             for env in ({}, MMAP_ENV)]
         rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"],
                      "train_peak_mmap_per_param": runs[1]["train_peak_per_param"]})
         print(rows[-1], file=sys.stderr)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    return rows
+
+
+def _parse_case(text: str) -> tuple:
+    try:
+        name, dtype, accum, homeless, nvme = text.split(",")
+        return name, dtype, int(accum), homeless == "1", nvme == "1"
+    except ValueError:
+        raise SystemExit(f"bench_host: --row {text!r}: expected MODEL,DTYPE,GRAD_ACCUM,HOMELESS(0|1),NVME(0|1), "
+                         "e.g. gpt2-medium,bfloat16,1,1,0") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3, help="training steps per row (the peak is over all)")
+    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    ap.add_argument("--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)")
+    ap.add_argument("--device", default="cpu", help="cpu (the default table) or cuda (nothing subtracted)")
+    ap.add_argument("--row", action="append", default=[],
+                    help="MODEL,DTYPE,GRAD_ACCUM,HOMELESS,NVME: measure these rows instead of the table's")
+    ap.add_argument("--jsonl", help="append the measured rows to this file (one JSON object a line)")
+    ap.add_argument("--report", help="print the table of the rows in this --jsonl file and exit")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
+    args = ap.parse_args(argv)
+    if args.report:
+        rows = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
+        print(render_rows(rows, f"python tools/bench_host.py --report {args.report}") if rows else "(no rows)")
+        return 0
+    if args.case:
+        name, dtype, accum, homeless, nvme = _parse_case(args.case)
+        print(json.dumps(run_case(name, dtype, accum, homeless, args.steps,
+                                  args.nvme_dir if nvme else None, args.device)))
+        return 0
+    if args.write and (args.row or args.device != "cpu"):
+        raise SystemExit("bench_host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "
+                         "or use --jsonl and --report for these rows")
+    cases = [_parse_case(r) for r in args.row] or CASES
+    rows = measure(cases, args.steps, args.nvme_dir, args.device, args.jsonl)
+    if args.row or args.device != "cpu":
+        print(render_rows(rows, "python tools/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv)))
+        return 0
     text = render(rows, "python tools/bench_host.py --write")
     print(text)
     if args.write:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU (an H200): a pre-flight (what SDPA saves for backward,
-# pinned-upload bandwidth), environment, the GPU tests, and protrain against FSDP2 offload
+# pinned-upload bandwidth), environment, the GPU tests, host bytes per offloaded parameter
+# (bench_host, gpt2-medium and gpt2-large homeless), and protrain against FSDP2 offload
 # (and DeepSpeed ZeRO-3 offload when carried) on gpt2-xl and a reduced-depth llama-7b
 # under a 24 GiB cap, with predicted vs measured peak memory and iteration time. Must
 # finish in under 8 minutes of device time: every step runs under `timeout`, no step may
@@ -22,9 +23,9 @@
 # copy engine then completes copies later on a worker thread (an emulation of CUDA's
 # asynchronous streams), so a missing wait shows up before the GPU run, not during it.
 #
-# Why llama-7b[8L] and not llama-7b: all 32 blocks need ~6.7e9 x 20 B (bf16 home, fp32
-# master and Adam moments, gradient) ~ 135 GB of host memory for what a 24 GiB card must
-# offload, more than the H200 machine's 128 GiB, and one step of CPU Adam over ~6e9
+# Why llama-7b[8L] and not llama-7b: all 32 blocks need ~6.7e9 x 12-14 B (fp32 master and
+# Adam moments, with or without a bf16 home) ~ 80-94 GB of host memory for what a 24 GiB card
+# must offload, most of the H200 machine's 128 GiB, and one step of CPU Adam over ~6e9
 # parameters would take most of the time box. 8 of its blocks (same width, heads and
 # MLP; 1.88e9 parameters) exercise the same shapes.
 #
@@ -34,8 +35,9 @@
 #   steps.tsv         step, status, exit code, seconds, time limit
 #   pytest-gpu.txt    pytest -x -q tests/gpu
 #   bench.jsonl       one bench_train record per run (tokens/s, peaks, predicted vs measured)
-#   summary.md        the pre-flight's summary, the bench_train report table and the step table
-#   artifacts.tar.gz  hardware spec, profiles and plans protrain made and used
+#   summary.md        the pre-flight's summary, the bench_train report table, the host bytes
+#                     per offloaded parameter (bench_host --report) and the step table
+#   artifacts.tar.gz  hardware spec, profiles and plans protrain made and used; host.jsonl
 #   log.txt           everything every step printed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,10 +79,13 @@ if [ "$TINY" = 1 ]; then
   MODELS=("gpt2-tiny::2 4" "llama-tiny::2 4")
   SEQ=64; BUDGET=3MiB; STEPS_N=4; WARMUP=1; RUN_LIMIT=90; PROBE_LIMIT=60
   EXTRA=(--threads 1)
+  HOST_ROWS=(--row gpt2-tiny,bfloat16,1,1,0); HOST_STEPS=1; HOST_LIMIT=60
 else
   MODELS=("gpt2-xl::4 8" "llama-7b:8:2 4")
   SEQ=1024; BUDGET=24GiB; STEPS_N=4; WARMUP=1; RUN_LIMIT=150; PROBE_LIMIT=90
   EXTRA=()
+  # the two homeless rows of BENCHMARKS.md's CPU table (355M, 774M), each in two processes
+  HOST_ROWS=(--row gpt2-medium,bfloat16,1,1,0 --row gpt2-large,bfloat16,1,1,0); HOST_STEPS=3; HOST_LIMIT=120
 fi
 
 # step NAME LIMIT_S CMD...: run CMD under timeout unless the deadline has passed; record it.
@@ -194,6 +199,12 @@ step "import protrain" 60 $PY -c "import protrain.planner.planning, protrain.exe
 
 step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -x -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
 
+# Host bytes per offloaded parameter with the device's memory off the host (issue 17): on a
+# CPU run the device's freed temporaries share glibc's heap with the host states and lift
+# its high-water; on a GPU they do not. Rows land in $ART/host.jsonl one by one.
+step "host bytes" "$HOST_LIMIT" $PY tools/bench_host.py --device "$DEVICE" --steps "$HOST_STEPS" \
+  "${HOST_ROWS[@]}" --jsonl "$ART/host.jsonl"
+
 step "probe hardware" "$PROBE_LIMIT" $PY -c "
 from protrain.planner.hardware import probe_to_file
 probe_to_file('$ART/spec-$DEVICE.json', '$DEVICE', quick=True)"
@@ -254,6 +265,12 @@ fi
     $PY tools/bench_train.py --report "$JSONL" 2>&1 || echo "(report failed)"
   else
     echo "(no bench records)"
+  fi
+  echo
+  if [ -s "$ART/host.jsonl" ]; then
+    $PY tools/bench_host.py --report "$ART/host.jsonl" 2>&1 || echo "(host bytes report failed)"
+  else
+    echo "(no host bytes rows)"
   fi
   echo
   echo "## Steps"
