@@ -380,7 +380,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     if hi < len(configs):
         limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
                        digest=digest, budget_bytes=budget, host_budget_bytes=host_budget,
-                       world_size=world_size).reason
+                       world_size=world_size, nvme=nvme).reason
     # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
     while hi - lo > 1:
         mid = (lo + hi) // 2

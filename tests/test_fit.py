@@ -207,6 +207,24 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
         largest_fitting("gpt2", SMALL, **kw, nvme=True)
 
 
+@pytest.mark.slow
+def test_fit_with_nvme_climbs_past_the_host_floor():
+    """The ladder skips the rungs whose host floor (fit._host_floor_bytes: what no plan
+    without a disk can keep off the host) exceeds the host; with a disk that floor is none.
+    At a 1 GiB budget the largest plan with --nvme is ten times the host's (1.68B against
+    0.17B), and its floor without a disk is eight times the host: a floor kept with a disk
+    would have stopped the climb there. (~30 s: the rungs' analytic profiles.)"""
+    from protrain.planner.fit import _host_floor_bytes
+
+    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    kw = dict(budget_bytes=GiB, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
+    host = largest_fitting("gpt2", disk, **kw)
+    nvme = largest_fitting("gpt2", disk, **kw, nvme=True)
+    assert host.next_binds == "host memory" and nvme.next_binds == "device memory"
+    assert nvme.n_params > 5 * host.n_params
+    assert _host_floor_bytes(nvme.n_params, GiB, "bfloat16") > 4 * nvme.host_budget_bytes
+
+
 def test_fit_a_model_with_nvme_names_the_disk():
     """`fit --hf-config … --nvme` (``fit_model``): a model the host cannot hold fits with its
     optimizer states on disk, and the verdict says how much the disk holds."""

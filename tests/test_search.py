@@ -91,6 +91,38 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
         assert result.min_host_bytes > host_budget  # refused for the host, and says by how much
 
 
+def test_buffers_past_the_dense_range_weigh_both_host_tiers():
+    # [Buffers past the dense range] grows n_buffer only where a lower bound of the time can
+    # still enter the best TOP. With a disk and device homes both allowed that bound is the
+    # faster tier's (_time_bound): here a host budget of 0 sends every offloaded chunk to the
+    # third tier, the disk (1.4 GB/s) is slower than device homes, the chunks are as small as
+    # the largest parameter (five of them), and the device has room for every buffer. A bound
+    # from the disk's time alone prunes (0, 5) from the brute force's best six.
+    import msgspec
+
+    from protrain.planner.emit import ModelFacts
+
+    params = [("embed.weight", (4, 8), "float32"), ("layers.0.p0", (1,), "float32"),
+              ("layers.0.p1", (1,), "float32"), ("norm.weight", (8,), "float32"), ("head.weight", (4, 8), "float32")]
+    uses = {P.PRE: ["embed.weight"], "layers.0": ["layers.0.p0", "layers.0.p1"], P.POST: ["norm.weight", "head.weight"]}
+    facts = ModelFacts(name="synthetic", blocks=["layers.0"], params=params, tied=[],
+                       segments=[P.PRE, "layers.0", P.POST], order=[n for n, _, _ in params], uses=uses)
+    rng = random.Random(0)  # (the draws of the property test's search that found it, in its order)
+    spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))  # 24
+    disk = int(10 ** rng.uniform(8.0, 9.5))  # 1.37 GB/s
+    spec = msgspec.structs.replace(spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2)
+    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
+                             rng=rng)
+    t = make_terms(prof, 32, nvme=True)  # (the embedding's 32 elements: a chunk a parameter or so)
+    assert t.n_chunks == 5 and t.nvme_ok and t.homed_ok
+    budget = max(predict(t, a, b, s, c).peak_bytes for a, b in space(t) for s, c in policy_pairs(t))
+    result = exhaustive(t, budget, 0)
+    got = [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in [result.best, *result.runners_up]]
+    expected = brute_force(t, budget, 0, top=6)
+    assert got == [r[3:] for r in expected]
+    assert (0, 5, 0, 0) in got and any(c.n_homed for c in [result.best, *result.runners_up])
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_facts(), st.integers(0, 2**31), st.booleans())
 def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
