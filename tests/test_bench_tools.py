@@ -364,14 +364,14 @@ def test_bench_host_device_rows(tmp_path, capsys):
 
     row = dict(device="cuda", model="gpt2-medium", params=354_823_168, dtype="bfloat16", homeless=True,
                predicted_per_param=12.31, measured_per_param=16.2, train_peak_per_param=12.40,
-               train_peak_mmap_per_param=12.38, first_step_per_param=12.35, step_s=0.51)
+               train_peak_mmap_per_param=12.38, first_step_per_param=12.35, file_growth_per_param=0.04, step_s=0.51)
     jsonl = tmp_path / "host.jsonl"
     jsonl.write_text(json.dumps(row) + "\n" + json.dumps({**row, "model": "gpt2-large", "nvme": True,
                                                           "train_peak_mmap_per_param": None}) + "\n")
     assert bh.main(["--report", str(jsonl)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("## Host bytes per offloaded parameter, cuda")
-    assert "| cuda | gpt2-medium | 355M | bfloat16 | none | 12.31 | 16.20 | 12.40 | 1.007 | 12.38 | 12.35 | 0.51 |" in out
+    assert "| cuda | gpt2-medium | 355M | bfloat16 | none | 12.31 | 16.20 | 12.40 | 1.007 | 12.38 | 12.35 | 0.04 | 0.51 |" in out
     assert "| cuda | gpt2-large | 355M | bfloat16 | none; disk | 12.31 | 16.20 | 12.40 | 1.007 | - |" in out
     with pytest.raises(SystemExit, match="--write replaces the CPU table"):
         bh.main(["--device", "cuda", "--write"])

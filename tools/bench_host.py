@@ -104,6 +104,7 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     _warm_up(torch, dtype, device)
     tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
+    file_base = _kib("RssFile")
     model = build(model_name, device="cpu")
     n = sum(p.numel() for p in model.parameters())
     engine = wrap(model, plan, device=device, nvme_dir=nvme)
@@ -127,6 +128,9 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     seconds = time.perf_counter() - t0
     engine.close()
     train_peak = _kib("VmHWM")
+    # Pages of files (the libraries' code and kernels, first touched by the steps: on CUDA
+    # the modules its lazy loading maps) are in RSS too, and no memory the plan holds.
+    file_growth = max(0, _kib("RssFile") - file_base)
     peak = max(wrap_peak, train_peak)
     on_host = device_peak if device == "cpu" else 0  # the device's share of RSS: on a GPU, none
     walk = accounting.walk(plan)
@@ -141,6 +145,7 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
             "first_step_per_param": (max(wrap_peak - on_host, first) - baseline) / offloaded, "steps": steps,
             "device_peak_per_param": device_peak / offloaded,
             "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
+            "file_growth_per_param": file_growth / offloaded,
             "chunk_numel": plan.chunks.chunk_numel, "step_s": seconds / steps}
 
 
@@ -292,9 +297,11 @@ def render_rows(rows: list[dict], cmd: str) -> str:
              "loaded), per offloaded parameter; on a CPU run minus the ledger's device peak too. "
              "*Training*: the high-water reset once wrap is done (without the user's fp32 model "
              "built on the host).", "",
+             "*File pages*: growth of `RssFile` over the run (libraries' code and kernels first "
+             "touched by the steps; on CUDA, lazily loaded modules), part of every peak here.", "",
              "| device | model | params | compute | homes | predicted B/param | peak | training | "
-             "training / predicted | training, mmap threshold 1 MiB | after step 1 | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "training / predicted | training, mmap threshold 1 MiB | after step 1 | file pages | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mmap = r.get("train_peak_mmap_per_param")
         lines.append(
@@ -302,7 +309,8 @@ def render_rows(rows: list[dict], cmd: str) -> str:
             f"{'none' if r['homeless'] else 'kept'}{'; disk' if r.get('nvme') else ''} | "
             f"{r['predicted_per_param']:.2f} | {r['measured_per_param']:.2f} | {r['train_peak_per_param']:.2f} | "
             f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
-            f"{'-' if mmap is None else f'{mmap:.2f}'} | {r['first_step_per_param']:.2f} | {r['step_s']:.2f} |")
+            f"{'-' if mmap is None else f'{mmap:.2f}'} | {r['first_step_per_param']:.2f} | "
+            f"{r.get('file_growth_per_param', float('nan')):.2f} | {r['step_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
