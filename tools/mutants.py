@@ -1,9 +1,10 @@
-"""Delete each stream-ordering guard once and check that a named test fails (issue #14).
+"""Delete each stream-ordering guard once and check that a named test fails (issue #14);
+and the planner's rules that the tests are meant to hold (issue #17).
 
-Each mutant is one textual edit of one executor file. The tool copies the repository's
-``executor/`` into a scratch directory, applies the edit there (the working tree is
-never touched), puts a ``protrain`` package in front of the installed one on
-``PYTHONPATH`` and runs the named tests in a subprocess. A mutant is *caught* when
+Each mutant is one textual edit of one executor (or planner) file. The tool copies the
+repository's ``executor/`` (or ``planner/``) into a scratch directory, applies the edit
+there (the working tree is never touched), puts a ``protrain`` package in front of the
+installed one on ``PYTHONPATH`` and runs the named tests in a subprocess. A mutant is *caught* when
 pytest fails (or the process dies on a signal). Prints a Markdown table.
 
     python tools/mutants.py                 # every mutant, on the working tree
@@ -29,16 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # under executor/
+    file: str  # under ``package``/
     old: str
     new: str
     tests: tuple[str, ...]  # node ids, relative to the repository
     uncatchable: str = ""  # why no CPU test can see this guard go (a finding, kept in the table)
+    package: str = "executor"  # or "planner"
 
 
 R = "tests/test_races.py"
 G = "tests/test_gpu_ready.py"
 H = "tests/test_host_layout.py::test_homeless_chunks_train_bit_for_bit_as_kept_homes"
+N = "tests/test_nvme.py"
 MUTANTS = [
     Mutant("compute waits for a chunk's upload", "chunks.py",
            "            c.upload.wait()\n            c.upload = None\n\n    def release",
@@ -172,18 +175,50 @@ MUTANTS = [
     Mutant("a padding-only shard steps nothing", "optim.py",
            "        if spans:  # (none under ZeRO-3", "        if True:  # (none under ZeRO-3",
            ("tests/test_dist.py::test_a_rank_whose_shard_is_padding_steps_nothing",)),
+    # The planner's rules for the host tiers (issue 17): the search, fit, the trace.
+    Mutant("search: device homes only where the disk does not fit", "search.py",
+           "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h & ~fits_d",
+           (f"{N}::test_the_faster_tier_that_fits_per_strip",), package="planner"),
+    Mutant("search: device homes wherever they fit", "search.py",
+           "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h",
+           (f"{N}::test_the_faster_tier_that_fits_per_strip",), package="planner"),
+    Mutant("search: the disk alone (no weighing)", "search.py",
+           "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h & False",
+           (f"{N}::test_the_faster_tier_that_fits_per_strip",
+            f"{N}::test_plan_with_nvme_fits_a_host_that_refuses_it_without"), package="planner"),
+    Mutant("search: time bound past the dense buffers from the faster tier", "search.py",
+           "    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])",
+           "    return time",
+           ("tests/test_search.py::test_buffers_past_the_dense_range_weigh_both_host_tiers",), package="planner"),
+    Mutant("cost: a fetch reads a master from disk", "host_tiers.py",
+           "    return on_disk & (homeless | (t.home_bytes_per_elem == 4))", "    return on_disk & False",
+           (f"{N}::test_the_disk_takes_what_homeless_chunks_leave",), package="planner"),
+    Mutant("trace: a chunk on disk adds its traffic to its CPU step", "trace.py",
+           "        disk = int(t.host_numel[c]) * t.disk_step_us_per_elem if c in on_disk else 0.0",
+           "        disk = 0.0", (f"{N}::test_predicted_trace_charges_the_disk",), package="planner"),
+    Mutant("fit: probes plan with the disk", "fit.py",
+           "        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size,\n"
+           "                            nvme=nvme)",
+           "        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size)",
+           ("tests/test_fit.py::test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold",), package="planner"),
+    Mutant("fit: no host floor with a disk", "fit.py",
+           "    if nvme:\n        return 0\n    eb = accounting", "    eb = accounting",
+           ("tests/test_fit.py::test_fit_with_nvme_climbs_past_the_host_floor",), package="planner"),
 ]
 
 
-def scratch(root: Path) -> Path:
-    """A ``protrain`` package: a copy of ``root``'s executor/, its planner/ and testing/ linked."""
+def scratch(root: Path, package: str = "executor") -> Path:
+    """A ``protrain`` package: a copy of ``root``'s ``package`` (executor/ or planner/), the
+    others of executor/, planner/ and testing/ linked."""
     top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
     pkg = top / "protrain"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    shutil.copytree(root / "executor", pkg / "executor", ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "planner").symlink_to(root / "planner")
-    (pkg / "testing").symlink_to(root / "testing")
+    for name in ("executor", "planner", "testing"):
+        if name == package:
+            shutil.copytree(root / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (pkg / name).symlink_to(root / name)
     return top
 
 
@@ -196,14 +231,14 @@ def checkout(rev: str) -> Path:
 
 
 def run(m: Mutant, timeout_s: float, root: Path = ROOT) -> tuple[str, float, str]:
-    top = scratch(root)
+    top = scratch(root, m.package)
     try:
-        path = top / "protrain" / "executor" / m.file
+        path = top / "protrain" / m.package / m.file
         text = path.read_text()
         if text.count(m.old) != 1:
             return "stale (the guard's text is not found once)", 0.0, ""
         path.write_text(text.replace(m.old, m.new))
-        env = {**os.environ, "PYTHONPATH": str(top)}
+        env = {**os.environ, "PYTHONPATH": str(top), "PROTRAIN_SLOW": "1"}  # a named slow test runs too
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
         t0 = time.perf_counter()
         try:
@@ -236,7 +271,7 @@ def main() -> int:
             result = f"not caught, as expected: {m.uncatchable}"
         rows.append(result)
         tests = ", ".join(t.split("::")[-1] for t in m.tests)
-        print(f"| {m.name} | executor/{m.file} | {tests} | {result} ({dt:.0f} s; {last}) |", flush=True)
+        print(f"| {m.name} | {m.package}/{m.file} | {tests} | {result} ({dt:.0f} s; {last}) |", flush=True)
     missed = sum(r.startswith("NOT") or r.startswith("stale") for r in rows)
     expected = sum(r.startswith("not caught, as expected") for r in rows)
     print(f"\n{len(rows) - missed - expected} of {len(rows)} mutants caught; {expected} not catchable "
