@@ -377,3 +377,44 @@ def test_bench_host_device_rows(tmp_path, capsys):
         bh.main(["--device", "cuda", "--write"])
     with pytest.raises(SystemExit, match="expected MODEL,DTYPE"):
         bh.main(["--row", "gpt2-medium,bfloat16"])
+
+
+def test_bench_host_measures_on_the_device_it_is_given(tmp_path, monkeypatch, capsys):
+    # The GPU run (tools/gpu_check.sh) cannot run here: what it rests on is checked on its
+    # own. Each row's two processes get the device and the two allocators; a row whose
+    # process fails is skipped with the others kept and the run failed; on a GPU nothing of
+    # the device's is subtracted from the host's peak.
+    sys.path.insert(0, str(TOOLS))
+    import subprocess as sp
+
+    import bench_host as bh
+
+    assert bh.host_share(7, "cuda") == 0 and bh.host_share(7, "cpu") == 7
+    calls = []
+
+    def fake_run(cmd, stdout, text, env):
+        calls.append((cmd, env))
+        case = cmd[cmd.index("--case") + 1]
+        if case.startswith("broken"):
+            return sp.CompletedProcess(cmd, 1, stdout="")
+        row = dict(device=cmd[cmd.index("--device") + 1], model=case.split(",")[0], params=1, dtype="bfloat16",
+                   homeless=True, predicted_per_param=12.0, measured_per_param=12.5 if not env.get(
+                       "MALLOC_MMAP_THRESHOLD_") else 12.1, train_peak_per_param=12.5, first_step_per_param=12.4,
+                   step_s=1.0)
+        return sp.CompletedProcess(cmd, 0, stdout="log line\n" + json.dumps(row) + "\n")
+
+    monkeypatch.setattr(bh.subprocess, "run", fake_run)
+    jsonl = tmp_path / "host.jsonl"
+    assert bh.main(["--device", "cuda", "--row", "gpt2-medium,bfloat16,1,1,0", "--row", "broken,bfloat16,1,1,0",
+                    "--row", "gpt2-large,bfloat16,1,1,0", "--jsonl", str(jsonl)]) == 1
+    assert all(c[c.index("--device") + 1] == "cuda" for c, _ in calls)
+    # (the broken row stops after its first process)
+    assert [(c[c.index("--case") + 1].split(",")[0], e.get("MALLOC_MMAP_THRESHOLD_")) for c, e in calls] == [
+        ("gpt2-medium", None), ("gpt2-medium", "1048576"), ("broken", None), ("gpt2-large", None),
+        ("gpt2-large", "1048576")]
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["model"], r["device"], r["measured_mmap_per_param"]) for r in rows] == [
+        ("gpt2-medium", "cuda", 12.1), ("gpt2-large", "cuda", 12.1)]
+    out = capsys.readouterr()
+    assert "broken,bfloat16,1,1,0 on cuda failed" in out.err and "1 of 3 rows failed" in out.err
+    assert "| cuda | gpt2-large |" in out.out

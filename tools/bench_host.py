@@ -73,6 +73,33 @@ def _warm_up(torch, dtype: str, device: str = "cpu") -> None:
         torch.cuda.synchronize()
 
 
+def _warm_up_model(torch, model_name: str, dtype: str, device: str, seq_len: int) -> None:
+    """On a GPU, one forward and backward of a one-block model of ``model_name``'s family
+    and widths, built on the device, before the baseline: CUDA loads kernels lazily, and
+    the host memory of the modules GPT-2's layernorm, GELU, attention and GEMM shapes load
+    in the first step would read as the plan's. Built on the device, it leaves nothing in
+    the host's heap for the measured run to reuse."""
+    import dataclasses
+
+    from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, lm_loss, materialize
+
+    cfg = dataclasses.replace(ZOO[model_name], n_layer=1)
+    with torch.device("meta"):
+        meta = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+    model = materialize(meta, device=device).to(getattr(torch, dtype))
+    idx = torch.randint(0, cfg.vocab_size, (1, seq_len), device=device)
+    lm_loss(model(idx), idx).backward()
+    torch.cuda.synchronize()
+    del model, meta
+    torch.cuda.empty_cache()
+
+
+def host_share(device_peak: int, device: str) -> int:
+    """The device's bytes in the host's RSS, subtracted from its peak: on a CPU run (the
+    "device" is host memory) its whole peak, on a GPU none."""
+    return device_peak if device == "cpu" else 0
+
+
 def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None,
              device: str = "cpu") -> dict:
     import torch
@@ -102,6 +129,8 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
                     nvme=plan.placement.offloaded)
     del meta
     _warm_up(torch, dtype, device)
+    if device != "cpu":
+        _warm_up_model(torch, model_name, dtype, device, training.seq_len)
     tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
     file_base = _kib("RssFile")
@@ -122,7 +151,7 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     for i in range(steps):
         device_peak = max(device_peak, engine.step([next(data) for _ in range(accum)]).peak_bytes)
         if i == 0:
-            first = _kib("VmHWM") - (device_peak if device == "cpu" else 0)
+            first = _kib("VmHWM") - host_share(device_peak, device)
     if device != "cpu":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -132,7 +161,7 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     # the modules its lazy loading maps) are in RSS too, and no memory the plan holds.
     file_growth = max(0, _kib("RssFile") - file_base)
     peak = max(wrap_peak, train_peak)
-    on_host = device_peak if device == "cpu" else 0  # the device's share of RSS: on a GPU, none
+    on_host = host_share(device_peak, device)
     walk = accounting.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
     return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
@@ -316,14 +345,24 @@ def render_rows(rows: list[dict], cmd: str) -> str:
 
 def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: str | None = None) -> list[dict]:
     """Each case in two fresh processes, glibc's default allocator and ``MMAP_ENV``; each row
-    appended to ``jsonl`` as soon as it is measured (a time-boxed GPU run keeps what it did)."""
+    appended to ``jsonl`` as soon as it is measured (a time-boxed GPU run keeps what it did).
+    A case whose process fails is reported with its error and skipped (its stderr reaches
+    ours), so one row that cannot run leaves the others measured."""
     rows = []
     for name, dtype, accum, homeless, nvme in cases:
-        runs = [json.loads(subprocess.run(
-            [sys.executable, __file__, "--case", f"{name},{dtype},{accum},{int(homeless)},{int(nvme)}",
-             "--steps", str(steps), "--nvme-dir", nvme_dir, "--device", device],
-            capture_output=True, text=True, check=True, env={**os.environ, **env}).stdout.strip().splitlines()[-1])
-            for env in ({}, MMAP_ENV)]
+        case = f"{name},{dtype},{accum},{int(homeless)},{int(nvme)}"
+        runs = []
+        for env in ({}, MMAP_ENV):
+            p = subprocess.run([sys.executable, __file__, "--case", case, "--steps", str(steps),
+                                "--nvme-dir", nvme_dir, "--device", device],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+            if p.returncode != 0:
+                print(f"bench_host: {case} on {device}{' with ' + str(env) if env else ''} failed "
+                      f"(exit {p.returncode}; its error is above); skipped", file=sys.stderr)
+                break
+            runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        if len(runs) < 2:
+            continue
         rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"],
                      "train_peak_mmap_per_param": runs[1]["train_peak_per_param"]})
         print(rows[-1], file=sys.stderr)
@@ -368,9 +407,15 @@ def main(argv: list[str] | None = None) -> int:
                          "or use --jsonl and --report for these rows")
     cases = [_parse_case(r) for r in args.row] or CASES
     rows = measure(cases, args.steps, args.nvme_dir, args.device, args.jsonl)
+    failed = len(cases) - len(rows)
+    if failed:
+        print(f"bench_host: {failed} of {len(cases)} rows failed", file=sys.stderr)
     if args.row or args.device != "cpu":
-        print(render_rows(rows, "python tools/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv)))
-        return 0
+        if rows:
+            print(render_rows(rows, "python tools/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv)))
+        return 1 if failed else 0
+    if failed:
+        return 1  # (the CPU table is written whole or not at all)
     text = render(rows, "python tools/bench_host.py --write")
     print(text)
     if args.write:

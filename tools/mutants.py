@@ -209,7 +209,7 @@ MUTANTS = [
 
 def scratch(root: Path, package: str = "executor") -> Path:
     """A ``protrain`` package: a copy of ``root``'s ``package`` (executor/ or planner/), the
-    others of executor/, planner/ and testing/ linked."""
+    others of executor/, planner/ and testing/ linked, and plans/ (the stock hardware specs)."""
     top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
     pkg = top / "protrain"
     pkg.mkdir()
@@ -219,6 +219,7 @@ def scratch(root: Path, package: str = "executor") -> Path:
             shutil.copytree(root / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             (pkg / name).symlink_to(root / name)
+    (pkg / "plans").symlink_to(root / "plans")  # a copied planner finds plans/hardware beside it (spec.py)
     return top
 
 
