@@ -136,6 +136,7 @@ def test_host_budget_per_rank_is_the_share_less_the_reserve():
     assert host_budget_per_rank(GiB, 8) == 0  # less than the reserve: nothing, never negative
 
 
+@pytest.mark.slow  # (25 s: two ladders)
 def test_more_ranks_shard_the_host():
     # The same host RAM per rank (8 GiB for one, 32 GiB for four): offloaded states
     # shard over the ranks (ZeRO-3), so four ranks fit a larger model.

@@ -54,11 +54,12 @@ def _train(model, plan, steps=4, data=None, nvme_dir=None, config=CONFIG):
     return losses, sd, host
 
 
-@pytest.mark.parametrize("model,persistent,policies,which", [
-    ("gpt2-4", [0], "keep swap checkpoint keep", "all"),
-    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3]),
+@pytest.mark.parametrize("model,persistent,policies,which,asynchronous", [
+    ("gpt2-4", [0], "keep swap checkpoint keep", "all", False),
+    pytest.param("gpt2-4", [0], "keep swap checkpoint keep", "all", True, marks=pytest.mark.slow),  # (22 s)
+    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], False),
+    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], True),
 ])
-@pytest.mark.parametrize("asynchronous", [False, True])
 def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, policies, which, asynchronous,
                                                          tmp_path, monkeypatch):
     _pieces(monkeypatch)
