@@ -18,7 +18,7 @@ On a GPU (``--device cuda``, tools/gpu_check.sh) the chunk buffers, gradients, a
 and op temporaries live in device memory, so nothing is subtracted from the host's peak:
 what it reads is the plan's host states plus whatever the host side of training left in
 the heap, free of the CPU emulation's device-side blocks (``MMAP_ENV``). The CUDA context
-and the kernels' host buffers come up in the warm-up, before the baseline.
+and the model's kernels come up in a warm-up on the device, before the baseline.
 """
 
 from __future__ import annotations
@@ -59,18 +59,16 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _warm_up(torch, dtype: str, device: str = "cpu") -> None:
-    """One small forward and backward in the compute dtype before the baseline is read: the
-    first ops start the autograd engine, the intra-op thread pool and the kernels' own
-    buffers (tens of MB, once per process; on CUDA the context, hundreds), which are no
-    host state of the plan."""
+def _warm_up(torch, dtype: str) -> None:
+    """One small forward and backward in the compute dtype on the CPU before the baseline is
+    read: the first ops start the autograd engine, the intra-op thread pool and the kernels'
+    own buffers (tens of MB, once per process), which are no host state of the plan. (On a
+    GPU the CPU steps and roundings still run here; ``_warm_up_model`` does the device.)"""
     dt = getattr(torch, dtype)
-    emb = torch.nn.Embedding(1024, 256, dtype=dt, device=device)
-    x = emb(torch.randint(0, 1024, (1, 64), device=device))
+    emb = torch.nn.Embedding(1024, 256, dtype=dt)
+    x = emb(torch.randint(0, 1024, (1, 64)))
     torch.nn.functional.cross_entropy((x @ emb.weight.t()).flatten(0, 1).float(),
-                                      torch.randint(0, 1024, (64,), device=device)).backward()
-    if device != "cpu":
-        torch.cuda.synchronize()
+                                      torch.randint(0, 1024, (64,))).backward()
 
 
 def _warm_up_model(torch, model_name: str, dtype: str, device: str, seq_len: int) -> None:
@@ -128,8 +126,8 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
                     n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.homeless,
                     nvme=plan.placement.offloaded)
     del meta
-    _warm_up(torch, dtype, device)
-    if device != "cpu":
+    _warm_up(torch, dtype)
+    if device != "cpu":  # the CUDA context and the model's kernels
         _warm_up_model(torch, model_name, dtype, device, training.seq_len)
     tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
