@@ -75,10 +75,10 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from . import homes as H
+from .homes import DTYPE_BYTES, NVME_ALIGN, NVME_WINDOW, STEP_PIECE, nvme_span  # noqa: F401  (re-exported)
 from .plan import Plan, Schedule, Step, segments
 from .validation import param_segments
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 ALPHA_GPU = 1.10
 """Fragmentation factor on CUDA: allocator block rounding and cached-but-free
@@ -88,7 +88,7 @@ not yet fitted to a measured GPU peak."""
 
 @dataclass(frozen=True)
 class ElementBytes:
-    """Bytes per chunk element of each model state, for one training setup."""
+    """Bytes per chunk element of each model state, for one training setup (homes.py's table)."""
 
     compute: int  # values, gradients, the offloaded home and staging
     persistent: int  # a trainable persistent chunk on the device: values, gradients, moments, master
@@ -96,56 +96,40 @@ class ElementBytes:
 
 
 def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
-    """Per-element bytes of a trainable chunk's states (see the module docstring)."""
-    cb = DTYPE_BYTES[compute_dtype]
-    master = 4 if cb != 4 else 0
-    # 16-bit without accumulation: the gradients land in the home (optim.py [Note: gradients
-    # land in home]); else an fp32 accumulator, and staging for the micro-batches after the first
-    grads = 0 if cb != 4 and grad_accum == 1 else 4 + (cb if grad_accum > 1 else 0)
-    return ElementBytes(compute=cb, persistent=2 * cb + 8 + master, host=cb + 8 + master + grads)
+    """Per-element bytes of a trainable chunk's states, read from the homes table."""
+    s = H.Setup(compute_dtype, grad_accum)
+    return ElementBytes(compute=s.cb, persistent=H.PERSISTENT.per_elem(s, "device"),
+                        host=H.HOST.per_elem(s, "host"))
 
 
-HOMED_BYTES = 12
+HOMED_BYTES = H.DEVICE_HOMED.per_elem(H.Setup("float32"), "device")
 """Device bytes per element of a device-homed chunk's shard: fp32 master and the two fp32
 Adam moments, whatever the compute dtype (chunks.py [Note: device homes])."""
 
-STEP_PIECE = 1 << 20
-"""fp32 elements of 16-bit gradients (in a home or a slot) the CPU step reads at once (a
-multiple of optim.VEC_ALIGN; optim.py ``_adamw_pieces``)."""
+
+def setup(plan: Plan) -> H.Setup:
+    """The plan's training setup, as the homes table takes it."""
+    return H.Setup(plan.training.compute_dtype, plan.training.grad_accum)
 
 
-NVME_ALIGN = 1 << 16
-"""Bytes each NVMe tensor starts on: a page of any page size (4 KiB to 64 KiB), so one
-tensor's pages are never another's (nvme.py ``DiskStates.drop``)."""
-
-NVME_WINDOW = 4 * (4 * STEP_PIECE + 2 * NVME_ALIGN)
-"""Host bytes of the NVMe file mapped at once: the CPU step's pieces of master and two
-moments and a fetch's (or the home's refresh's) piece of a master, each widened to whole
-pages (nvme.py [Note: NVMe tier])."""
+def chunk_homes(plan: Plan) -> list[H.Home]:
+    """Each chunk's home, in chunk order."""
+    return [H.HOMES[h] for h in plan.placement.homes]
 
 
-def nvme_span(numel: int) -> int:
-    """Bytes one fp32 tensor of ``numel`` elements takes in the NVMe file, alignment included."""
-    return -(-numel * 4 // NVME_ALIGN) * NVME_ALIGN
+def chunk_end(plan: Plan, cid: int) -> int:
+    """The element offset just past chunk ``cid``'s last parameter."""
+    return max((p.offset + p.numel for p in plan.chunks.items[cid].params), default=0)
 
 
 def host_numel(plan: Plan, cid: int) -> int:
-    """Elements of offloaded chunk ``cid`` whose states one rank keeps on the host (home,
-    master, moments, gradient buffers): its shard under ZeRO-3; at one rank the chunk up to
-    its last parameter, rounded up to 64 elements (optim.VEC_ALIGN), not its padding."""
-    W = plan.training.world_size
-    numel = -(-plan.chunks.chunk_numel // W) * W
-    if W > 1:
-        return numel // W
-    end = max((p.offset + p.numel for p in plan.chunks.items[cid].params), default=0)
-    return min(numel, -(-end // 64) * 64)
+    """Elements of offloaded chunk ``cid`` whose states one rank keeps (``homes.own_numel``)."""
+    return H.own_numel(plan.chunks.chunk_numel, plan.training.world_size, chunk_end(plan, cid))
 
 
 def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
-    """The CPU step's fp32 scratch, through which it reads 16-bit gradients that landed in a
-    home or a slot (optim.py ``_adamw_pieces``): one ``STEP_PIECE``, or a shard if smaller.
-    Present when some trainable chunk is offloaded; one chunk at a time (one worker)."""
-    return 4 * min(shard, STEP_PIECE) if DTYPE_BYTES[compute_dtype] != 4 and grad_accum == 1 else 0
+    """The CPU step's fp32 scratch (``homes.host_scratch_bytes``)."""
+    return H.host_scratch_bytes(H.Setup(compute_dtype, grad_accum), shard)
 
 
 def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
@@ -212,7 +196,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
     """The allocation stream of wrap and one iteration (see the module docstring)."""
     t = plan.training
     W = t.world_size
-    numel = -(-plan.chunks.chunk_numel // W) * W
+    numel = H.padded_numel(plan.chunks.chunk_numel, W)
     eb = element_bytes(t.compute_dtype, t.grad_accum)
     chunk_bytes, shard = numel * eb.compute, numel // W
     train = list(trainable) if trainable is not None else [True] * len(plan.chunks.items)
@@ -224,45 +208,41 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         if nbytes:
             out.append(Event(phase, seg, where, kind, nbytes, chunk, block))
 
-    own = shard if W > 1 and plan.placement.shard_persistent_states else numel  # persistent optimizer states
-    for c in plan.placement.persistent:
-        ev("wrap", "", "device", "chunks", chunk_bytes, c)
-        if train[c]:
-            ev("wrap", "", "device", "grads", chunk_bytes, c)
-            ev("wrap", "", "device", "optim", own * (eb.persistent - 2 * eb.compute), c)
-    ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, len(plan.placement.offloaded)) * chunk_bytes)
-    homeless, homed = set(plan.placement.homeless), set(plan.placement.device_homed)
-    for c in plan.placement.device_homed:  # (a frozen one: its values, in the compute dtype)
-        if train[c]:
-            ev("wrap", "", "device", "optim", host_numel(plan, c) * HOMED_BYTES, c)
-        else:
-            ev("wrap", "", "device", "chunks", host_numel(plan, c) * eb.compute, c)
-    if any(train[c] for c in homed):
-        ev("wrap", "", "device", "optim", 4 * min(shard, STEP_PIECE))
-    nvme = set(plan.placement.nvme)
-    on_disk = 8 + (4 if eb.compute != 4 else 0)  # an NVMe chunk's moments and master, per element
-    for c in plan.placement.offloaded:
-        n = host_numel(plan, c)
-        if c in homed:
-            continue
-        if c not in homeless and not (c in nvme and eb.compute == 4 and train[c]):  # (fp32: the home is the master)
-            ev("wrap", "", "host", "home", n * eb.compute, c)
-        if train[c]:
-            ev("wrap", "", "host", "optim", n * (eb.host - eb.compute - (c in nvme) * on_disk), c)
-        if train[c] and c in nvme:
-            ev("wrap", "", "disk", "optim", 3 * nvme_span(n), c)
-    if any(train[c] for c in nvme):
+    su, homes = setup(plan), chunk_homes(plan)
+    sharded = W > 1 and plan.placement.shard_persistent_states  # persistent chunks' states: a shard each
+    order = (("device", "chunks"), ("device", "grads"), ("device", "optim"), ("host", "home"),
+             ("host", "optim"), ("disk", "optim"))
+
+    def states(c: int) -> None:  # the chunk's parts, one event per (where, kind)
+        home = homes[c]
+        own = (shard if sharded else numel) if not home.offloaded else host_numel(plan, c)
+        for where, kind in order:
+            ev("wrap", "", where, kind, home.nbytes(su, where, numel, own, train[c], kind), c)
+
+    for c, home in enumerate(homes):
+        if home is H.PERSISTENT:
+            states(c)
+    n_off = sum(h.offloaded for h in homes)
+    ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, n_off) * chunk_bytes)
+    for c, home in enumerate(homes):
+        if home.offloaded and home.steps_on == "device":
+            states(c)
+    if any(train[c] and h.offloaded and h.steps_on == "device" for c, h in enumerate(homes)):
+        ev("wrap", "", "device", "optim", H.device_scratch_bytes(shard))
+    for c, home in enumerate(homes):
+        if home.offloaded and home.steps_on == "host":
+            states(c)
+    if any(train[c] and h.on_disk for c, h in enumerate(homes)):
         ev("wrap", "", "host", "nvme_window", NVME_WINDOW)
-    if any(train[c] for c in plan.placement.offloaded if c not in homed):
-        ev("wrap", "", "host", "scratch", scratch_bytes(t.compute_dtype, t.grad_accum, shard))
+    if any(train[c] and h.offloaded and h.steps_on == "host" for c, h in enumerate(homes)):
+        ev("wrap", "", "host", "scratch", H.host_scratch_bytes(su, shard))
     ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
 
     def act(i: int, field: str) -> int:
         return int(getattr(acts, field)[i]) if acts is not None else 0
 
     gpu = acts is not None and acts.gpu
-    held = [act(i, "inputs") if policy.get(s) == "checkpoint" else 0 if policy.get(s) == "swap"
-            else act(i, "saved") for i, s in enumerate(segs)]
+    held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
 
     def chunk_events(phase, s, changes):
         for kind, c, sign in changes:

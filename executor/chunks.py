@@ -60,8 +60,10 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from .accounting import NVME_WINDOW, STEP_PIECE, host_numel, nvme_span, pool_slots
+from .accounting import NVME_WINDOW, STEP_PIECE, chunk_homes, host_numel, nvme_span, pool_slots
+from .accounting import setup as chunk_setup
 from .errors import ConfigError
+from .homes import ARENA_PARTS
 from .memory import Ledger
 from .nvme import DiskStates, copy_pieces
 from .plan import Plan
@@ -171,12 +173,12 @@ class ChunkStore:
         n_slots = plan.placement.n_host_slots
         span = HostArena.span
         size = n_slots * span(shard_numel, self.dtype)
-        for spec in (s for s in plan.chunks.items if s.id not in persistent and s.id not in self.homed):
+        setup, homes = chunk_setup(plan), chunk_homes(plan)
+        for spec in plan.chunks.items:  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
             n = host_numel(plan, spec.id)
             trainable = any(params[p.name].requires_grad for p in spec.params)
-            size += span(n, self.dtype) * (spec.id not in self.homeless and not (fp32 and trainable and spec.id in self.nvme))
-            if not self.grad_in_home and trainable:
-                size += span(n, self.dtype) * self.staged + span(n, torch.float32)
+            size += sum(-(-p.nbytes(n, n) // HostArena.ALIGN) * HostArena.ALIGN
+                        for p in homes[spec.id].parts(setup, trainable) if p.where == "host" and p.name in ARENA_PARTS)
         self.disk: DiskStates | None = None
         on_disk = [s.id for s in plan.chunks.items  # (a frozen chunk has no states: nothing to put there)
                    if s.id in self.nvme and any(params[p.name].requires_grad for p in s.params)]

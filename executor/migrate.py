@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import PlanError
+from .homes import homes_of
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -82,14 +83,64 @@ def v5_to_v6(doc: dict[str, Any]) -> dict[str, Any]:
     return _add(doc, "placement", {"nvme": []}, 5)
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6}
+V6_LISTS = ("persistent", "offloaded", "homeless", "device_homed", "nvme")
+"""Schema 6's placement id lists, which schema 7's ``placement.homes`` replaces."""
+
+
+def v6_to_v7(doc: dict[str, Any]) -> dict[str, Any]:
+    """Replace the five id lists of ``placement`` by ``placement.homes``, one home per chunk.
+
+    The lists must describe one home per chunk, as the v6 executor required: ``persistent``
+    and ``offloaded`` partition the chunk ids; ``homeless``, ``device_homed`` and ``nvme`` are
+    offloaded ids; a device-homed chunk is neither homeless nor on disk. A chunk on disk and
+    homeless is ``nvme_homeless``. A file whose lists say anything else is refused here,
+    naming the list (the v6 validation's checks), since no home would say what it meant.
+    """
+    placement, chunks = doc.get("placement"), doc.get("chunks")
+    items = chunks.get("list") if isinstance(chunks, dict) else None
+    if not isinstance(placement, dict) or not isinstance(items, list):
+        return doc  # malformed: left to the strict decode
+    if "homes" in placement:
+        raise PlanError("plan schema 6 has no `placement.homes` (added in schema 7) - at `$.placement.homes`",
+                        "set `schema_version` to 7 if the file was written for it, or regenerate the plan "
+                        "with `protrain plan`")
+    n, ids = len(items), {}
+    for key in V6_LISTS:
+        value = placement.get(key, [])
+        if (not isinstance(value, list) or not all(type(c) is int and 0 <= c < n for c in value)
+                or value != sorted(set(value))):
+            raise PlanError(f"plan schema 6: `placement.{key}` must list chunk ids (0..{n - 1}), ascending "
+                            f"and unique - at `$.placement.{key}`", "regenerate the plan with `protrain plan`")
+        ids[key] = set(value)
+
+    def refuse(key: str, what: str):
+        raise PlanError(f"plan schema 6: {what} - at `$.placement.{key}`", "regenerate the plan with `protrain plan`")
+
+    if ids["persistent"] & ids["offloaded"]:
+        refuse("offloaded", f"chunks {sorted(ids['persistent'] & ids['offloaded'])} are both persistent and offloaded")
+    if len(ids["persistent"]) + len(ids["offloaded"]) != n:
+        refuse("offloaded", f"chunks {sorted(set(range(n)) - ids['persistent'] - ids['offloaded'])} are "
+                            "neither persistent nor offloaded")
+    body = {k: v for k, v in placement.items() if k not in V6_LISTS}
+    homes = homes_of(n, ids["persistent"], ids["homeless"], ids["device_homed"], ids["nvme"], "plan schema 6: ")
+    # Key order as schema 7 writes it (the strict decode does not care; `dump` would).
+    order = ("n_persist", "n_buffer")
+    doc = dict(doc)
+    doc["placement"] = {**{k: body[k] for k in order if k in body}, "homes": homes,
+                        **{k: v for k, v in body.items() if k not in order}}
+    return doc
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6, 6: v6_to_v7}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
+
+SCHEMA_VERSION = max(MIGRATIONS) + 1
+"""The version ``plan.dump`` writes: one past the last migration, so a bump without its
+migration cannot happen."""
 
 
 def migrate(doc: dict[str, Any], version: int, target: int | None = None) -> dict[str, Any]:
     """Apply the migrations from ``version`` up to ``target`` (default: the current version)."""
-    from .plan import SCHEMA_VERSION
-
     target = SCHEMA_VERSION if target is None else target
     for v in range(version, target):
         step = MIGRATIONS.get(v)

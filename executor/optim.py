@@ -97,6 +97,7 @@ from torch.autograd.profiler import record_function
 
 from .accounting import STEP_PIECE
 from .chunks import ChunkStore
+from .homes import VEC_ALIGN
 from .nvme import copy_pieces
 
 
@@ -133,9 +134,6 @@ class LossScaler:
             self.scale *= 0.5 if overflow else 2.0
 
 
-VEC_ALIGN = 64
-"""fp32 elements; a multiple of every CPU vector width of the fused AdamW kernel (8 for
-AVX2, 16 for AVX-512, up to 64 for 2048-bit SVE). See [Note: optimizer placement]."""
 
 
 class ChunkOptimizer:

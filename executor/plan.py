@@ -47,6 +47,10 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
 - 6: ``placement.nvme`` (binding): offloaded chunks whose fp32 master and Adam moments
   live in a file on disk (executor/nvme.py), mapped into host memory a piece at a time.
   The v5 executor kept them in host memory; ``migrate.v5_to_v6`` writes ``[]``.
+- 7: ``placement.homes`` (binding) replaces ``persistent``, ``offloaded``, ``homeless``,
+  ``device_homed`` and ``nvme``: one home per chunk, named as in executor/homes.py, instead
+  of five overlapping id lists (a chunk both homeless and on disk is ``nvme_homeless``).
+  ``migrate.v6_to_v7`` rewrites the lists; no decision changes.
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -54,18 +58,19 @@ Only the standard library and msgspec are imported here, so ``protrain show``,
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
 from .errors import PlanError
+from .homes import homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
+from .identity import POST, PRE, fingerprint, plan_fingerprint, segments  # noqa: F401  (re-exported)
+from .migrate import SCHEMA_VERSION, migrate
+from .validation import validate
 
-SCHEMA_VERSION = 6
-"""The version ``dump`` writes."""
+# SCHEMA_VERSION (the version ``dump`` writes) is one past the last migration (migrate.py).
 
 MIN_SCHEMA_VERSION = 1
 """The oldest version ``load`` reads (older files must be regenerated)."""
@@ -74,17 +79,13 @@ MAX_PLAN_BYTES = 64 << 20
 """Largest plan file ``load`` reads. A 70B model's plan is ~0.2 MB; the cap stops a
 hostile or mistaken file (a checkpoint passed as a plan) before it is read whole."""
 
-PRE = "<pre>"
-"""Segment name of everything the model runs before its first block."""
-
-POST = "<post>"
-"""Segment name of everything the model runs after its last block (head and loss)."""
-
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 DType = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["keep", "swap", "checkpoint"]
 CpuAdam = Literal["during_backward", "after_backward"]
+HomeName = Literal["persistent", "host", "homeless", "device_homed", "nvme", "nvme_homeless"]
+"""A chunk's home (executor/homes.py ``HOMES``; adding one bumps the schema)."""
 
 
 class Binding(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -222,50 +223,68 @@ class Chunks(Binding):
 
 
 class Placement(Binding):
-    """Where each chunk lives."""
+    """Where each chunk lives: one home per chunk (executor/homes.py declares each)."""
 
     n_persist: NonNegInt
     """Number of persistent chunks (always on the device, optimizer on the device)."""
     n_buffer: NonNegInt
     """Device buffers shared by offloaded chunks: at most this many are on the device at once."""
-    persistent: list[NonNegInt]
-    """Ids of persistent chunks, ascending."""
-    offloaded: list[NonNegInt]
-    """Ids of offloaded chunks, ascending: fetched into the buffers for their segments,
-    released after; their home and optimizer are on the host (CPU AdamW) unless
-    ``device_homed`` says otherwise."""
+    homes: list[HomeName]
+    """The home of each chunk, in chunk order (``homes[i]`` is chunk ``i``'s), by its name in
+    executor/homes.py's table: ``persistent`` (values, gradients, master and moments on the
+    device), ``host`` (fetched into a device buffer for its segments, released after; its
+    compute-dtype home, fp32 master and moments on the host, stepped by CPU AdamW),
+    ``homeless`` (as ``host`` with no compute-dtype home: each fetch rounds the fp32 master
+    into a pinned slot, and its gradients land in a slot until the CPU step has read them;
+    16-bit compute, ``grad_accum`` 1 and ``schedule.cpu_adam = during_backward`` only, and
+    trainable chunks only: chunks.py [Note: host slots]), ``device_homed`` (this rank's shard
+    of the fp32 master and moments stays on the device, stepped there as its gradients
+    complete in backward; ``grad_accum`` 1 and ``during_backward`` only; a frozen one keeps
+    its values' shard on the device: chunks.py [Note: device homes]), ``nvme`` (as ``host``
+    with the fp32 master and moments in a file on disk, mapped a piece at a time; in fp32
+    the home is the master and is there too; a frozen one's values stay in host memory:
+    nvme.py [Note: NVMe tier]; the directory is named at run time, ``protrain train --nvme
+    DIR``) and ``nvme_homeless`` (as ``homeless``, with master and moments on disk)."""
     shard_persistent_states: bool
     """World size > 1 only: each rank keeps the fp32 master and Adam moments of only its
     shard of every trainable persistent chunk (values and gradients stay whole on every
     rank); gradients are reduce-scattered instead of all-reduced, each rank steps its
     shard and the updated values are all-gathered. ``false``: replicated on every rank
     (executor/dist.py [Note: sharding])."""
-    homeless: list[NonNegInt] = []
-    """Offloaded chunks that keep no compute-dtype home on the host, ascending: each fetch
-    rounds the fp32 master into a pinned slot and uploads from it, and the gradients land
-    in a slot until the CPU step has read them (executor/chunks.py [Note: host slots]).
-    16-bit compute, ``grad_accum`` 1 and ``schedule.cpu_adam = during_backward`` only (a
-    gradient must not outlive its CPU step); trainable chunks only (the fp32 master is
-    then the only host copy of the values)."""
     n_host_slots: NonNegInt = 0
     """Pinned compute-dtype slots of one chunk shard each, shared by the homeless chunks'
-    uploads and gradients; 0 exactly when ``homeless`` is empty."""
-    device_homed: list[NonNegInt] = []
-    """Offloaded chunks that keep nothing on the host, ascending: this rank's shard of the
-    fp32 master and Adam moments (12 B per element) stays on the device; a fetch rounds
-    the master into the chunk's buffer (and all-gathers under ZeRO-3), and the chunk is
-    stepped on the device as soon as its gradients are complete in backward
-    (executor/chunks.py [Note: device homes]). ``grad_accum`` 1 and
-    ``schedule.cpu_adam = during_backward`` only; never homeless. A frozen one keeps its
-    values' shard on the device instead."""
-    nvme: list[NonNegInt] = []
-    """Offloaded chunks whose fp32 master and Adam moments (this rank's shard) live in a
-    file on disk instead of host memory, ascending (executor/nvme.py [Note: NVMe tier]):
-    the directory is named at run time (``protrain train --nvme DIR``, ``wrap(nvme_dir=)``),
-    not here, as plans move between machines. The CPU step and a homeless chunk's fetch read
-    and write them a piece at a time; the home (unless homeless), gradient buffers and slots
-    stay in host memory. Never device-homed. A frozen one has no master or moments: its
-    values' home stays in host memory."""
+    uploads and gradients; 0 exactly when no chunk is homeless."""
+
+    # Chunk ids by home, ascending (derived from ``homes``; not fields of the file).
+
+    def ids(self, *names: str) -> list[int]:
+        """Ids of the chunks whose home is one of ``names``, ascending."""
+        return [i for i, h in enumerate(self.homes) if h in names]
+
+    @property
+    def persistent(self) -> list[int]:
+        """Persistent chunks."""
+        return self.ids("persistent")
+
+    @property
+    def offloaded(self) -> list[int]:
+        """Every chunk fetched into the shared buffers (every home but ``persistent``)."""
+        return [i for i, h in enumerate(self.homes) if h != "persistent"]
+
+    @property
+    def homeless(self) -> list[int]:
+        """Chunks with no compute-dtype home on the host (``homeless``, ``nvme_homeless``)."""
+        return self.ids("homeless", "nvme_homeless")
+
+    @property
+    def device_homed(self) -> list[int]:
+        """Chunks whose master and moments live on the device."""
+        return self.ids("device_homed")
+
+    @property
+    def nvme(self) -> list[int]:
+        """Chunks whose master and moments live on disk (``nvme``, ``nvme_homeless``)."""
+        return self.ids("nvme", "nvme_homeless")
 
 
 class Activation(Binding):
@@ -383,35 +402,23 @@ class Plan(Binding, kw_only=True):
     provenance: Provenance = Provenance()
 
 
+_CHOICES = {".homes[": HomeName, ".policy": Policy, "_dtype": DType, ".cpu_adam": CpuAdam}
+"""Literal fields by a piece of their JSON path: an invalid value's error lists the valid ones."""
+
+
+def _choices(error: str) -> str:
+    """`` (expected one of ...)`` for msgspec's "Invalid enum value" error at a Literal field."""
+    if not error.startswith("Invalid enum value"):
+        return ""
+    path = error.rpartition(" - at ")[2]
+    kind = next((t for key, t in _CHOICES.items() if key in path), None)
+    return f" (expected one of: {', '.join(get_args(kind))})" if kind else ""
+
+
 class _Header(msgspec.Struct):
     """Decodes only ``schema_version``; msgspec skips every other key."""
 
     schema_version: int
-
-
-# ------------------------------------------------------------------ fingerprint
-
-
-def fingerprint(params: Iterable[tuple[str, Sequence[int], str]], blocks: Sequence[str]) -> str:
-    """Hash of the sorted (name, shape, dtype) list plus the block list.
-
-    The executor computes it from the live model (``check.py``) and refuses a plan
-    whose fingerprint differs. Canonical JSON keeps it identical on every machine.
-    """
-    entries = sorted([name, [int(s) for s in shape], str(dtype)] for name, shape, dtype in params)
-    payload = json.dumps({"params": entries, "blocks": list(blocks)}, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
-
-
-def plan_fingerprint(plan: Plan) -> str:
-    """The fingerprint recomputed from the parameters listed in the plan's chunks."""
-    params = [(p.name, p.shape, p.dtype) for c in plan.chunks.items for p in c.params]
-    return fingerprint(params, plan.model.blocks)
-
-
-def segments(plan: Plan) -> list[str]:
-    """Forward segment order: ``<pre>``, the blocks, ``<post>``."""
-    return [PRE, *plan.model.blocks, POST]
 
 
 # ---------------------------------------------------------------------- dump
@@ -510,8 +517,6 @@ def load(source: str | Path | bytes) -> Plan:
                         f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
                         "regenerate the plan with `protrain plan`")
     if version < SCHEMA_VERSION:
-        from .migrate import migrate  # only old files pay for it
-
         try:
             data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
         except PlanError as e:
@@ -519,10 +524,9 @@ def load(source: str | Path | bytes) -> Plan:
     try:
         plan = msgspec.json.decode(data, type=Plan)
     except msgspec.ValidationError as e:
-        raise PlanError(f"{where}: {e}", "fix that field, or regenerate the plan with `protrain plan`") from None
+        raise PlanError(f"{where}: {e}{_choices(str(e))}",
+                        "fix that field, or regenerate the plan with `protrain plan`") from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise PlanError(f"{where}: malformed JSON: {e}", "regenerate the plan with `protrain plan`") from None
-    from .validation import validate  # it imports this module
-
     validate(plan, where)
     return plan

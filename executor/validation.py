@@ -9,8 +9,15 @@ that loads can never overflow its buffers or free an upload in flight. ``load`` 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from . import homes as H
 from .errors import PlanError
-from .plan import POST, PRE, SCHEMA_VERSION, Plan, plan_fingerprint, segments
+from .identity import POST, PRE, plan_fingerprint, segments
+from .migrate import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 def validate(plan: Plan, where: str = "<plan>") -> None:
@@ -95,50 +102,24 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     if plan.model.fingerprint != plan_fingerprint(plan):
         fail("$.model.fingerprint", "does not match the parameters listed in the chunks (the file was edited)")
 
-    # -- placement
+    # -- placement: one home per chunk, each allowed by the training setup (homes.py)
     n_chunks = len(plan.chunks.items)
-    pl = plan.placement
-    for field, ids in (("persistent", pl.persistent), ("offloaded", pl.offloaded)):
-        for i, c in enumerate(ids):
-            if c >= n_chunks:
-                fail(f"$.placement.{field}[{i}]", f"unknown chunk id {c} (the plan has {n_chunks} chunks)")
-        if ids != sorted(set(ids)):
-            fail(f"$.placement.{field}", "chunk ids must be ascending and unique")
-    both = set(pl.persistent) & set(pl.offloaded)
-    if both:
-        fail("$.placement.offloaded", f"chunks {sorted(both)} are both persistent and offloaded")
-    if len(pl.persistent) + len(pl.offloaded) != n_chunks:
-        missing = sorted(set(range(n_chunks)) - set(pl.persistent) - set(pl.offloaded))
-        fail("$.placement", f"chunks {missing} are neither persistent nor offloaded")
+    pl, t = plan.placement, plan.training
+    if len(pl.homes) != n_chunks:
+        fail("$.placement.homes", f"lists {len(pl.homes)} homes for {n_chunks} chunks (one per chunk, in chunk order)")
     if pl.n_persist != len(pl.persistent):
         fail("$.placement.n_persist", f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent")
     if pl.offloaded and pl.n_buffer < 1:
         fail("$.placement.n_buffer", "offloaded chunks need at least one device buffer")
-    # homeless chunks (chunks.py [Note: host slots]): their gradients live in a slot only
-    # until their CPU step, so nothing may hold the step back, and there must be slots.
-    if pl.homeless != sorted(set(pl.homeless)) or not set(pl.homeless) <= set(pl.offloaded):
-        fail("$.placement.homeless", "must be offloaded chunk ids, ascending and unique")
-    t = plan.training
-    if pl.homeless and (t.compute_dtype == "float32" or t.grad_accum != 1 or plan.schedule.cpu_adam != "during_backward"):
-        fail("$.placement.homeless", "needs 16-bit compute, grad_accum 1 and schedule.cpu_adam "
-             "'during_backward' (fp32 chunks are their own home; accumulated or held gradients need one)")
-    if (pl.n_host_slots > 0) != bool(pl.homeless):
-        fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {len(pl.homeless)} homeless chunks (at least 1 if any, else 0)")
-    # device-homed chunks (chunks.py [Note: device homes]) step as their gradients complete
-    if pl.device_homed != sorted(set(pl.device_homed)) or not set(pl.device_homed) <= set(pl.offloaded):
-        fail("$.placement.device_homed", "must be offloaded chunk ids, ascending and unique")
-    if set(pl.device_homed) & set(pl.homeless):
-        fail("$.placement.device_homed", f"chunks {sorted(set(pl.device_homed) & set(pl.homeless))} are also "
-             "homeless: a device-homed chunk keeps nothing on the host")
-    if pl.device_homed and (t.grad_accum != 1 or plan.schedule.cpu_adam != "during_backward"):
-        fail("$.placement.device_homed", "needs grad_accum 1 and schedule.cpu_adam 'during_backward' "
-             "(the chunk steps as soon as its gradients are complete)")
-    # NVMe tier (nvme.py [Note: NVMe tier]): states of trainable offloaded chunks kept on the host
-    if pl.nvme != sorted(set(pl.nvme)) or not set(pl.nvme) <= set(pl.offloaded):
-        fail("$.placement.nvme", "must be offloaded chunk ids, ascending and unique")
-    if set(pl.nvme) & set(pl.device_homed):
-        fail("$.placement.nvme", f"chunks {sorted(set(pl.nvme) & set(pl.device_homed))} are also device-homed: "
-             "their master and moments are on the device, not the host or a disk")
+    setup = H.Setup(t.compute_dtype, t.grad_accum)
+    for i, name in enumerate(pl.homes):
+        why = H.HOMES[name].refusal(setup, plan.schedule.cpu_adam)
+        if why:
+            fail(f"$.placement.homes[{i}]", f"chunk {i} is {name!r}, which {why} (this plan: "
+                 f"{t.compute_dtype}, grad_accum {t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})")
+    slotted = sum(H.HOMES[h].uses_slots for h in pl.homes)
+    if (pl.n_host_slots > 0) != bool(slotted):
+        fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)")
 
     # -- activations
     if [a.block for a in plan.activations] != blocks:

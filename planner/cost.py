@@ -61,13 +61,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from protrain.executor import accounting as A
+from protrain.executor import homes as H
+from protrain.executor.homes import block_policies  # noqa: F401  (re-exported: the paper's layout)
 from protrain.executor.plan import POST, PRE
 
 from . import host_tiers
 from .datasheets import ADAM_BYTES_PER_PARAM
+from .host_tiers import homeless_order  # noqa: F401  (re-exported: the search names chunks by it)
 from .layout import assign, groups
 from .profile import Profile
-from .report import block_policies  # noqa: F401  (re-exported: the paper's layout)
 from .rules import HOST_SLOTS, ModelFacts
 from .spec import link_bandwidth
 
@@ -168,12 +170,15 @@ class Terms:
     convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
     # Device-homed chunks ([Device homes] in ``evaluate``; executor/chunks.py [Note: device homes]).
     homed_ok: bool = False  # grad_accum 1, steps during backward
+    homed_bytes_per_elem: int = 0  # a trainable device-homed chunk's master and moments, per element
     homed_scratch_bytes: int = 0  # the device steps' fp32 scratch, once if any chunk is device-homed
     homed_adam_us_per_param: float = 0.0  # a device-homed chunk's step on the device (its shard)
     # Chunks on disk ([NVMe tier] in planner/host_tiers.py; executor/nvme.py): the plan may use one.
     nvme_ok: bool = False  # asked for (``plan --nvme``) and the spec's disk measured
-    disk_step_us_per_elem: float = 0.0  # a CPU step's disk traffic: 12 B read and 12 B written
+    disk_saves_per_elem: int = 0  # host bytes per element a chunk's states on disk save (homes.NVME)
+    disk_step_us_per_elem: float = 0.0  # a CPU step's disk traffic (homes.Home.step_disk_bytes)
     disk_fetch_us_per_elem: float = 0.0  # a fetch that reads the fp32 master from the disk
+    disk_fetch_with_home: bool = False  # whether a chunk on disk that keeps its home reads the disk to fetch (fp32)
 
     @property
     def reduce_us_per_chunk(self) -> float:
@@ -214,12 +219,13 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     need, per_chunk, ends = chunk_need(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
+    su = H.Setup(profile.training.compute_dtype, grad_accum)  # the homes table's bytes per element
     eb = A.element_bytes(profile.training.compute_dtype, grad_accum)
     cb = eb.compute
     W = world_size
     shard = W > 1 and (shard_persistent is None or shard_persistent)
     # Device buffers are padded to W shards (executor/dist.py [Note: sharding]).
-    chunk_numel = -(-chunk_numel // W) * W
+    chunk_numel = H.padded_numel(chunk_numel, W)
     chunk_bytes = chunk_numel * cb
     shard_bytes = chunk_bytes // W
     coll = collective_bandwidth(spec, chunk_bytes)
@@ -257,11 +263,12 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
     big = 64 * 2**20
+    disk_rw = H.NVME.step_disk_bytes()
     return Terms(
         chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
         chunk_bytes=chunk_bytes, chunk_params=per_chunk,
         state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
-        host_scratch_bytes=A.scratch_bytes(profile.training.compute_dtype, grad_accum, shard_bytes // cb),
+        host_scratch_bytes=H.host_scratch_bytes(su, shard_bytes // cb),
         gpu=spec.kind == "gpu",
         comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
         saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
@@ -279,29 +286,33 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         # traffic, 2 (W-1)/W of a chunk. Sharded, each rank steps 1/W of the chunk.
         allreduce_us_per_chunk=2 * gather_us,
         shard_persistent=shard,
-        persist_chunk_bytes=chunk_numel * 2 * cb + chunk_numel // (W if shard else 1) * (eb.persistent - 2 * cb),
+        persist_chunk_bytes=H.PERSISTENT.nbytes(su, "device", chunk_numel, chunk_numel // (W if shard else 1)),
         swap_out_us_per_byte=1e6 / link_bandwidth(spec, big, "d2h"),
         swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
         cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
         dev_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / (W if shard else 1),
         cpu_adam=cpu_adam,
-        homeless_ok=cb != 4 and grad_accum == 1 and cpu_adam == "during_backward",
-        home_bytes_per_elem=cb,
-        # Host elements of each offloaded chunk per rank (accounting.host_numel): its shard,
-        # or at one rank the chunk up to its last parameter (rounded up to 64), not its padding.
-        host_numel=np.full(C, chunk_numel // W) if W > 1 else np.minimum(chunk_numel, -(-ends // 64) * 64),
+        homeless_ok=H.HOMELESS.refusal(su, cpu_adam) is None,
+        home_bytes_per_elem=H.HOST.per_elem(su, "host") - H.HOMELESS.per_elem(su, "host"),
+        # Host elements of each offloaded chunk per rank (homes.own_numel): its shard, or at
+        # one rank the chunk up to its last parameter (rounded up to VEC_ALIGN), not its padding.
+        host_numel=np.array([H.own_numel(chunk_numel, W, int(e)) for e in ends], dtype=np.int64).reshape(C),
         slot_pool_bytes=HOST_SLOTS * shard_bytes,
-        homed_ok=grad_accum == 1 and cpu_adam == "during_backward",
-        homed_scratch_bytes=4 * min(shard_bytes // cb, A.STEP_PIECE),
+        homed_ok=H.DEVICE_HOMED.refusal(su, cpu_adam) is None,
+        homed_bytes_per_elem=H.DEVICE_HOMED.per_elem(su, "device"),
+        homed_scratch_bytes=H.device_scratch_bytes(shard_bytes // cb),
         homed_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / W,
         nvme_ok=nvme and spec.disk_read_bytes_per_s > 0 and spec.disk_write_bytes_per_s > 0,
-        disk_step_us_per_elem=(12e6 / spec.disk_read_bytes_per_s + 12e6 / spec.disk_write_bytes_per_s
+        disk_saves_per_elem=H.HOST.per_elem(su, "host") - H.NVME.per_elem(su, "host"),
+        disk_step_us_per_elem=(disk_rw[0] * 1e6 / spec.disk_read_bytes_per_s + disk_rw[1] * 1e6 / spec.disk_write_bytes_per_s
                                if nvme and spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s else 0.0),
-        disk_fetch_us_per_elem=4e6 / spec.disk_read_bytes_per_s if nvme and spec.disk_read_bytes_per_s else 0.0,
+        disk_fetch_us_per_elem=(H.NVME.fetch_disk_bytes() * 1e6 / spec.disk_read_bytes_per_s
+                                if nvme and spec.disk_read_bytes_per_s else 0.0),
+        disk_fetch_with_home=H.NVME.fetch_reads_disk(su),
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
         # per parameter; planner/datasheets.py): the same bandwidth moves (4 + cb) B per element.
-        convert_us=shard_bytes // cb * (4 + cb) / (spec.cpu_adam_params_per_s * ADAM_BYTES_PER_PARAM) * 1e6,
+        convert_us=shard_bytes // cb * H.HOMELESS.fetch_host_bytes(su) / (spec.cpu_adam_params_per_s * ADAM_BYTES_PER_PARAM) * 1e6,
     )
 
 
@@ -353,13 +364,6 @@ def host_bytes_per_chunk(t: Terms) -> np.ndarray:
     return t.host_numel * t.host_bytes_per_elem
 
 
-def homeless_order(off: np.ndarray) -> np.ndarray:
-    """The offloaded chunks (``off``: (C,) mask) in the order the search makes them homeless:
-    last in execution order first. Those are the chunks still resident at the turn from
-    forward to backward, so their masters are rounded for one upload per iteration, not two."""
-    return np.nonzero(off)[0][::-1]
-
-
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
              homeless: Sequence[int] | None = None, homed: Sequence[int] = (),
              nvme: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -405,7 +409,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     mask = is_homed.astype(np.float64)
     disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem)  # (G, C) each chunk's step's disk traffic
-    homed_dev = mask @ (t.host_numel * A.HOMED_BYTES) + (kd > 0) * t.homed_scratch_bytes  # (G,)
+    homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
     homed_params = mask @ t.chunk_params  # (G,)
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)

@@ -100,7 +100,15 @@ from .hf_checkpoint import (
     weight_files,
 )
 from .hf_experts import EXPERTS, grouped_experts
-from .models import HF_PREFIX, ModelInfo, count_params, find_block_list, is_hf_name, lm_loss
+from .model_base import (
+    HF_PREFIX,
+    ModelInfo,
+    count_params,
+    find_block_list,
+    is_hf_name,
+    lm_loss,
+    materialize,
+)
 
 __all__ = [
     # re-exported: callers import the whole Hugging Face adapter as protrain.planner.hf
@@ -494,7 +502,6 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
     an index json; by default the checkpoint next to config.json when ``source`` is a
     directory holding one. ``dropout`` (default 0) is set on every dropout of the config.
     """
-    from .models import materialize
 
     config, arch = load_config(source)
     _training_config(config, 0.0 if dropout is None else dropout)

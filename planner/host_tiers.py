@@ -4,7 +4,7 @@ Every offloaded chunk keeps its home, fp32 master and moments in host memory unl
 host need passes its cap; then, per policy strip of the grid, the fewest of:
 
 - [Homeless chunks] no home (``home_bytes_per_elem`` less, the plan's slots once more),
-  last in execution order first (``cost.homeless_order``); each fetch rounds the master
+  last in execution order first (``host_tiers.homeless_order``); each fetch rounds the master
   into a slot on the main thread (``convert_us``, charged serially);
 - where every offloaded chunk homeless still misses the cap, either
   [Device homes] master and moments (12 B per element) on the device, first in execution
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protrain.executor import accounting as A
+from protrain.executor import homes as H
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,14 @@ def fetch_reads_disk(t, on_disk, homeless):
     """Whether a fetch of a chunk reads its master from the disk (bools or bool arrays):
     a chunk on disk that is homeless (rounded from the master), or any chunk on disk where
     the compute dtype is fp32 (the home is the master). planner/trace.py charges the same."""
-    return on_disk & (homeless | (t.home_bytes_per_elem == 4))
+    return on_disk & (homeless | t.disk_fetch_with_home)
+
+
+def homeless_order(off: np.ndarray) -> np.ndarray:
+    """The offloaded chunks (``off``: (C,) mask) in the order the search makes them homeless:
+    last in execution order first. Those are the chunks still resident at the turn from
+    forward to backward, so their masters are rounded for one upload per iteration, not two."""
+    return np.nonzero(off)[0][::-1]
 
 
 def _prefix(values: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -63,8 +70,6 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
            nvme: Sequence[int]) -> Tiers:
     """``t``: cost.Terms; ``off``: (C,) offloaded mask; ``host``: the host need with every home
     kept (scratch included); ``uploads_f``/``uploads_b``: (C,) uploads of each chunk per pass."""
-    from .cost import homeless_order
-
     C, G = t.n_chunks, len(host_swap)
     n_off = int(off.sum())
     offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
@@ -81,8 +86,8 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
         kd = kn = np.zeros(G, dtype=np.int64)
         left = over - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # what homeless chunks leave
         if t.nvme_ok and n_off:
-            per = np.cumsum(t.host_numel[first] * A.HOMED_BYTES)
-            kn = np.where(left > 0, np.minimum(np.searchsorted(per, left + A.NVME_WINDOW) + 1, n_off), 0)
+            per = np.cumsum(t.host_numel[first] * t.disk_saves_per_elem)
+            kn = np.where(left > 0, np.minimum(np.searchsorted(per, left + H.NVME_WINDOW) + 1, n_off), 0)
         elif t.homed_ok and n_off:
             per = t.host_numel[offs] * (t.host_bytes_per_elem - (t.home_bytes_per_elem if homeless_on else 0))
             kd = np.where(left > 0, np.minimum(np.searchsorted(np.cumsum(per), left) + 1, n_off), 0)
@@ -96,7 +101,7 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
         is_nvme = back[None, :] < kn[:, None]  # (G, C)
         conv_f = _prefix(uploads_f[first], k) * t.convert_us
         conv_b = _prefix(uploads_b[first], k) * t.convert_us
-        reads = kn if t.home_bytes_per_elem == 4 else np.minimum(k, kn)  # fetches that read the disk
+        reads = kn if t.disk_fetch_with_home else np.minimum(k, kn)  # fetches that read the disk
         conv_f = conv_f + _prefix(disk_read[0][first], reads)
         conv_b = conv_b + _prefix(disk_read[1][first], reads)
         dropped = np.append(0, saved)[k]
@@ -116,7 +121,7 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
         unhomed = None
     mask = is_homed.astype(np.float64)
     host = (host - dropped + (k > 0) * t.slot_pool_bytes - mask @ (t.host_numel * t.host_bytes_per_elem)
-            - is_nvme @ (t.host_numel * A.HOMED_BYTES) + (kn > 0) * A.NVME_WINDOW)  # (G,)
+            - is_nvme @ (t.host_numel * t.disk_saves_per_elem) + (kn > 0) * H.NVME_WINDOW)  # (G,)
     unhomed = host if unhomed is None else unhomed
     host = host - (kd == n_off) * (t.host_scratch_bytes if n_off else 0)  # nothing left to step on the host
     return Tiers(k=k, kd=kd, kn=kn, is_homed=is_homed, is_nvme=is_nvme, conv_f=conv_f, conv_b=conv_b,

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protrain.executor.homes import block_policies
+
 from .cost import (
     ALPHA_GPU,
     LINK_DUPLEX,
@@ -73,8 +75,9 @@ from .cost import (
     min_buffers,
     strips_grid,
 )
-from .report import Departure, block_policies, departures_from, is_four_count
+from .report import Departure, departures_from, is_four_count
 from .search import Choice, SearchResult, exhaustive, policy_pairs, space
+from .spec import default_host_budget
 
 MILP_TIME_LIMIT_S = 10.0
 """HiGHS wall-clock limit per solve. Past it without a solution, the exhaustive plan
@@ -656,7 +659,6 @@ def explain_departures(profile, plan) -> list[Departure]:
     the paper's space has no departures.
     """
     from .cost import make_terms
-    from .planning import default_host_budget
 
     runners = plan.provenance.search.runners_up
     if is_four_count(plan) or not runners:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protrain.executor import accounting
+from protrain.executor.homes import block_policies  # noqa: F401  (explain rebuilds strips from counts)
 from protrain.executor.plan import Plan
 
 POLICY_LETTER = {"keep": "K", "swap": "S", "checkpoint": "C"}
@@ -17,28 +18,6 @@ POLICY_LETTER = {"keep": "K", "swap": "S", "checkpoint": "C"}
 def policy_strip(plan: Plan) -> str:
     """One letter per block in execution order: ``S C C S C C K K``."""
     return " ".join(POLICY_LETTER[a.policy] for a in plan.activations)
-
-
-# The paper's layout lives here, not in cost.py, because `explain` (torch- and
-# numpy-free) rebuilds the best four-count plan's strip from its counts; cost.py
-# re-exports it for the search.
-def block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:
-    """The paper's Fig. 2 layout: swaps spread over the first ``n_swap + n_checkpoint``
-    blocks with checkpoints between them, keeps last (``S C C S C C K K``).
-
-    Swap ``i`` sits at ``floor(i · L / n_swap)`` of the non-keep prefix of length
-    ``L``, so swaps are as far apart as the prefix allows: each swap-out then has
-    the checkpointed blocks after it to hide behind. Keep blocks go last because
-    their activations are consumed first in backward, freeing memory for the
-    swapped ones coming back.
-    """
-    assert 0 <= n_swap and 0 <= n_checkpoint and n_swap + n_checkpoint <= n_blocks, \
-        f"{n_blocks=} {n_swap=} {n_checkpoint=}"
-    length = n_swap + n_checkpoint
-    out = ["checkpoint"] * length + ["keep"] * (n_blocks - length)
-    for i in range(n_swap):
-        out[(i * length) // n_swap] = "swap"
-    return out
 
 
 @dataclass(frozen=True)

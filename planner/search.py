@@ -102,19 +102,19 @@ class Choice:
     host_bytes: float = field(default=0.0, compare=False)
     """Predicted host bytes per rank (offloaded chunk states + swapped activations)."""
     n_homeless: int = field(default=0, compare=False)
-    """Offloaded chunks without a home on the host (``cost.homeless_order``'s first ones)."""
+    """Offloaded chunks without a home on the host (``host_tiers.homeless_order``'s first ones)."""
     n_homed: int = field(default=0, compare=False)
     """Offloaded chunks homed on the device (the first offloaded ones in execution order;
     cost.py [Device homes])."""
     n_nvme: int = field(default=0, compare=False)
-    """Offloaded chunks whose states are on disk (``cost.homeless_order``'s first ones;
+    """Offloaded chunks whose states are on disk (``host_tiers.homeless_order``'s first ones;
     planner/host_tiers.py [NVMe tier])."""
 
     def persistent_ids(self) -> list[int]:
         return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
 
     def homeless_ids(self, n_chunks: int) -> list[int]:
-        """The homeless chunk ids, ascending: the first ``n_homeless`` of ``cost.homeless_order``."""
+        """The homeless chunk ids, ascending: the first ``n_homeless`` of ``host_tiers.homeless_order``."""
         off = np.ones(n_chunks, dtype=np.int64)
         off[self.persistent_ids()] = 0
         return sorted(int(c) for c in homeless_order(off)[:self.n_homeless])
@@ -125,7 +125,7 @@ class Choice:
         return [c for c in range(n_chunks) if c not in persistent][:self.n_homed]
 
     def nvme_ids(self, n_chunks: int) -> list[int]:
-        """The chunk ids on disk, ascending: the first ``n_nvme`` of ``cost.homeless_order``."""
+        """The chunk ids on disk, ascending: the first ``n_nvme`` of ``host_tiers.homeless_order``."""
         off = np.ones(n_chunks, dtype=np.int64)
         off[self.persistent_ids()] = 0
         return sorted(int(c) for c in homeless_order(off)[:self.n_nvme])
@@ -347,15 +347,6 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         min_host_bytes=min_host,
     )
 
-
-def milp(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
-    """The MILP solver (``milp.py``), imported on first use (scipy.optimize.milp)."""
-    from .milp import solve
-
-    return solve(t, budget_bytes, host_budget_bytes)
-
-
-SOLVERS: dict[str, Solver] = {"exhaustive": exhaustive, "milp": milp}
 
 DEFAULT_SOLVER = "exhaustive"
 """What ``make_plan`` and the plan library use; see milp.py [Note: default solver]."""

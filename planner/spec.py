@@ -149,3 +149,41 @@ def find_spec(name_or_path: str) -> HardwareSpec:
     raise ConfigError(f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, names)}; "
                       f"known: {', '.join(names)}",
                       "pass a spec file path, or one of the names in plans/hardware/")
+
+
+HOST_RESERVE_BYTES = 2 * 2**30
+"""Host RAM per rank the plan must leave to everything the cost model does not count:
+the process itself (Python, torch and, on a GPU, the CUDA runtime and libraries: a
+CPU-only torch process here is ~0.2 GiB resident; a CUDA one 1-3 GiB, with the
+context's host side and cuBLAS/cuDNN), data-loader workers and their queues."""
+
+HOST_RESERVE_FRACTION = 0.10
+"""And this share of the host's RAM: the OS and its page cache floor, other tenants of a
+shared node, and allocator slack (the host allocator's fragmentation; pageable and
+pinned buffers rounded up). NB torch's pinned-memory cache rounds every allocation up
+to a power of two (``CachingHostAllocator``, unless ``pinned_max_round_threshold`` is
+set), which on the executor's per-chunk pinned homes and per-tensor swap buffers can
+cost more than this share; see the issue 9 report."""
+
+
+def host_budget_per_rank(host_memory_bytes: int, world_size: int = 1) -> int:
+    """Host bytes one rank's plan may use when ``world_size`` ranks share a machine with
+    ``host_memory_bytes`` of RAM (``protrain fit --host-memory SIZE --world-size N``):
+    its share ``SIZE / N``, less ``HOST_RESERVE_FRACTION`` of it (the OS and page cache
+    of the whole machine, shared out) and ``HOST_RESERVE_BYTES`` (each rank is a process
+    of its own). ``default_host_budget`` is this at one rank."""
+    usable = int(host_memory_bytes / world_size * (1 - HOST_RESERVE_FRACTION)) - HOST_RESERVE_BYTES
+    return max(0, usable)
+
+
+def default_host_budget(spec: HardwareSpec) -> int:
+    """Host bytes per rank a plan may use on ``spec``: its ``host_memory_bytes`` less
+    ``HOST_RESERVE_FRACTION`` of it and ``HOST_RESERVE_BYTES``.
+
+    ``host_memory_bytes`` is already one rank's share (``HardwareSpec``: "one machine
+    (per rank)"; the datasheet specs write "1/8 of a DGX …"), and a spec does not say
+    how many ranks share a node, so it is used as is. On a ``cpu`` spec the "device"
+    is the same RAM; its share is not subtracted here (a measured CPU spec sets both
+    to MemTotal), so there the check is necessary, not sufficient.
+    """
+    return host_budget_per_rank(spec.host_memory_bytes, 1)

@@ -259,7 +259,8 @@ def test_peak_difference_has_no_minus_sign_before_less():
     s = plan.provenance.search
     base = msgspec.structs.replace(s.chosen, peak_memory_bytes=s.chosen.peak_memory_bytes + (3 << 20))
     plan = msgspec.structs.replace(  # a plan off the paper's space, whose four-count runner-up needs more
-        plan, placement=msgspec.structs.replace(plan.placement, persistent=[1]),
+        plan, placement=msgspec.structs.replace(
+            plan.placement, homes=["persistent" if i == 1 else "host" for i in range(len(plan.placement.homes))]),
         provenance=msgspec.structs.replace(plan.provenance, search=msgspec.structs.replace(s, runners_up=[base])))
     text = "\n".join(_render_departures(plan, None))
     assert "peak 3.00 MiB less" in text and "-3.00" not in text

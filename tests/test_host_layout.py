@@ -11,7 +11,7 @@ import torch
 from harness import assert_same_training, make_model, make_plan
 from torch import nn
 
-from protrain.executor import AdamWConfig, accounting, optim, wrap
+from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.emit import emit
 from protrain.testing.emulation import emulate
@@ -38,7 +38,7 @@ _same = assert_same_training
 def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous, monkeypatch):
     # Pieces of 3 vectors: every parameter steps in pieces through the scratch (optim.py
     # _adamw_pieces), unscaled and clipped per piece
-    monkeypatch.setattr(accounting, "STEP_PIECE", 192)
+    monkeypatch.setattr(homes, "STEP_PIECE", 192)  # the scratch the accounting reads
     monkeypatch.setattr(optim, "STEP_PIECE", 192)
     config = AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
     cpu_adam = "after_backward" if clip else None
@@ -132,7 +132,7 @@ def test_homeless_chunks_train_bit_for_bit_as_kept_homes(policies, asynchronous,
     # same plan with every home kept (bf16 on CPU), and the host holds what accounting.py
     # says: 12 B per element, the slots and one step piece. Pieces of 3 vectors, so that
     # parameters are stepped in many pieces.
-    monkeypatch.setattr(accounting, "STEP_PIECE", 192)
+    monkeypatch.setattr(homes, "STEP_PIECE", 192)  # the scratch the accounting reads
     monkeypatch.setattr(optim, "STEP_PIECE", 192)
     kept = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16")
     want = _train(make_model("gpt2-4"), kept)
@@ -169,8 +169,8 @@ def test_the_v4_fixture_trains_as_with_its_homes_kept():
     from protrain.planner.models import build
 
     plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json")
-    kept = msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, homeless=[],
-                                                                          n_host_slots=0))
+    kept = msgspec.structs.replace(plan, placement=msgspec.structs.replace(
+        plan.placement, homes=["host" if h == "homeless" else h for h in plan.placement.homes], n_host_slots=0))
     data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]
     torch.manual_seed(0)
     model = build("gpt2-tiny", device="cpu")

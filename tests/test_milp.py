@@ -29,10 +29,10 @@ from protrain.planner.cost import (
     predict_plan,
     strips_grid,
 )
-from protrain.planner.planning import default_host_budget, make_plan
+from protrain.planner.planning import SOLVERS, default_host_budget, make_plan
 from protrain.planner.profile import load_profile
 from protrain.planner.report import block_policies, is_four_count, render_explain
-from protrain.planner.search import SOLVERS, exhaustive, policy_pairs, space
+from protrain.planner.search import exhaustive, policy_pairs, space
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("keep", "swap", "checkpoint")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 from pathlib import Path
@@ -25,7 +26,7 @@ from harness import (
     stop_and_resume,
 )
 
-from protrain.executor import AdamWConfig, accounting, chunks, nvme, optim, wrap
+from protrain.executor import AdamWConfig, accounting, chunks, homes, nvme, optim, wrap
 from protrain.executor import accounting as A
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, HostMemoryError, PlanError
@@ -39,7 +40,7 @@ V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nv
 
 def _pieces(monkeypatch, n=192):
     """Pieces of 3 AdamW vectors: every parameter steps, rounds and refreshes in many pieces."""
-    for mod in (accounting, optim, nvme, chunks):
+    for mod in (homes, optim, nvme, chunks):
         monkeypatch.setattr(mod, "STEP_PIECE", n)
 
 
@@ -208,8 +209,10 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
     """The frozen v6 fixture (gpt2-tiny, bf16, chunks on disk, one homeless) against the same
     plan with every state on the host: bit for bit. And a v5 plan migrates with none on disk."""
     plan = P.load(V6_FIXTURE)
-    assert plan.placement.nvme and plan.schema_version == 6
-    host = msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, nvme=[]))
+    assert plan.placement.nvme and json.loads(V6_FIXTURE.read_bytes())["schema_version"] == 6
+    off_disk = {"nvme": "host", "nvme_homeless": "homeless"}
+    host = msgspec.structs.replace(plan, placement=msgspec.structs.replace(
+        plan.placement, homes=[off_disk.get(h, h) for h in plan.placement.homes]))
     from protrain.planner.models import build
 
     data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]

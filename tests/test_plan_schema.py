@@ -142,10 +142,11 @@ def test_unknown_chunk_id_in_schedule():
     assert "$.schedule.forward[1].prefetch[0]" in msg and "99" in msg
 
 
-def test_unknown_chunk_id_in_placement():
+def test_unknown_home_in_placement():
     doc = _doc()
-    doc["placement"]["offloaded"].append(7)
-    assert "$.placement.offloaded[2]" in _load_err(doc)
+    doc["placement"]["homes"][1] = "attic"
+    msg = _load_err(doc)
+    assert "$.placement.homes[1]" in msg and "persistent" in msg  # msgspec lists the valid names
 
 
 def test_parameter_in_two_chunks():
@@ -155,10 +156,14 @@ def test_parameter_in_two_chunks():
     assert "also in chunk 0" in _load_err(doc)
 
 
-def test_placement_must_partition_chunks():
+def test_placement_names_one_home_per_chunk():
     doc = _doc()
-    doc["placement"]["offloaded"] = doc["placement"]["offloaded"][:-1]
-    assert "neither persistent nor offloaded" in _load_err(doc)
+    doc["placement"]["homes"] = doc["placement"]["homes"][:-1]
+    msg = _load_err(doc)
+    assert "$.placement.homes" in msg and "one per chunk" in msg
+    doc = _doc()
+    doc["placement"]["homes"].append("host")
+    assert "one per chunk" in _load_err(doc)
     doc = _doc()
     doc["placement"]["n_persist"] = 2
     assert "$.placement.n_persist" in _load_err(doc)
@@ -258,8 +263,9 @@ def test_migration_hook_applies_steps_in_order(monkeypatch):
 
 
 def test_missing_migration_is_a_plan_error():
-    with pytest.raises(PlanError, match="no migration from plan schema 6 to 7"):
-        M.migrate({"schema_version": 6}, 6, target=7)
+    last = max(M.MIGRATIONS) + 1
+    with pytest.raises(PlanError, match=f"no migration from plan schema {last} to {last + 1}"):
+        M.migrate({"schema_version": last}, last, target=last + 1)
 
 
 V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
@@ -421,3 +427,62 @@ def test_homeless_chunks_are_validated():
     bad = json.loads(json.dumps(doc))
     bad["placement"]["homeless"] = []
     assert "at least 1" in _load_err(bad)  # slots without homeless chunks
+
+
+V6 = ROOT / "tests" / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"
+
+
+def test_v6_to_v7_names_one_home_per_chunk():
+    # The five id lists of schema 6 become one home per chunk; a chunk both homeless and on
+    # disk is nvme_homeless. The migration is pure and every other field is untouched.
+    doc = json.loads(V6.read_bytes())
+    before = json.dumps(doc)
+    out = M.v6_to_v7(doc)
+    assert json.dumps(doc) == before  # pure
+    assert out["placement"] == {"n_persist": 1, "n_buffer": 3,
+                                "homes": ["persistent", "host", "nvme", "nvme", "nvme", "nvme_homeless"],
+                                "shard_persistent_states": False, "n_host_slots": 1}
+    assert {k: v for k, v in out.items() if k != "placement"} == {k: v for k, v in doc.items() if k != "placement"}
+    plan = P.load(V6)  # and the lists read back from the homes
+    assert (plan.placement.persistent, plan.placement.offloaded) == ([0], [1, 2, 3, 4, 5])
+    assert (plan.placement.homeless, plan.placement.nvme, plan.placement.device_homed) == ([5], [2, 3, 4, 5], [])
+    for old in (V1, V2, V3):  # older files: every offloaded chunk at home on the host
+        homes = P.load(old).placement.homes
+        assert set(homes) <= {"persistent", "host"} and "host" in homes
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("offloaded", [1, 2, 3, 4], "neither persistent nor offloaded"),
+    ("offloaded", [0, 1, 2, 3, 4, 5], "both persistent and offloaded"),
+    ("persistent", [9], "chunk ids (0..5)"),
+    ("nvme", [3, 2], "ascending"),
+    ("homeless", [0], "not offloaded"),
+    ("device_homed", [5], "also in `homeless`"),
+    ("device_homed", [2], "also in `nvme`"),
+    ("nvme", "all", "must list chunk ids"),
+])
+def test_v6_lists_that_name_no_home_are_refused(key, value, words):
+    doc = json.loads(V6.read_bytes())
+    doc["placement"][key] = value
+    msg = _load_err(doc)
+    assert f"$.placement.{key}" in msg and words in msg and "schema 6" in msg, msg
+
+
+def test_v6_file_with_homes_is_refused():
+    doc = json.loads(V6.read_bytes())
+    doc["placement"]["homes"] = ["host"] * 6
+    msg = _load_err(doc)
+    assert "$.placement.homes" in msg and "schema 6" in msg
+
+
+@pytest.mark.parametrize("home,dtype,words", [
+    ("homeless", "float32", "16-bit compute"),
+    ("nvme_homeless", "float32", "16-bit compute"),
+])
+def test_homes_preconditions_come_from_the_table(home, dtype, words):
+    # validate() asks executor/homes.py whether each chunk's home allows the plan's setup.
+    doc = json.loads(P.dump(P.load(V6)))
+    doc["training"]["compute_dtype"] = dtype
+    doc["placement"]["homes"][5] = home
+    msg = _load_err(doc)
+    assert "$.placement.homes[" in msg and words in msg, msg
