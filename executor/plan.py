@@ -448,9 +448,13 @@ def _emit(value: object, depth: int) -> str:
     if isinstance(value, dict):
         if not value:
             return "{}"
-        items = [f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()]
         if depth >= 2 and all(_is_flat(v) for v in value.values()):
-            return "{" + ", ".join(items) + "}"
+            if all(k.isascii() for k in value) and not any(
+                    isinstance(v, float) or isinstance(v, list) and any(isinstance(x, float) for x in v)
+                    for v in value.values()):  # what the items below give, in one call (no floats to round)
+                return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+            return "{" + ", ".join(f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()) + "}"
+        items = [f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(inner + i for i in items) + "\n" + pad + "}"
     if isinstance(value, list):
         if not value:

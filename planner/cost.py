@@ -54,9 +54,10 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -324,24 +325,94 @@ class PolicyGrid:
     n_checkpoint: np.ndarray  # (G,)
     swap: np.ndarray  # (G, S) 1 where the segment is a swapped block
     ckpt: np.ndarray  # (G, S) 1 where the segment is a checkpointed block
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """``grid_terms`` of this grid, per terms' activation arrays (a search evaluates one grid
+    at every placement: what depends on the strips alone is computed once)."""
+
+
+@dataclass(frozen=True)
+class GridTerms:
+    """What ``evaluate`` and ``memory_terms`` compute from the policy strips alone, (G, S) or (G,)."""
+
+    held: np.ndarray  # activations held after forward segment s / until its backward (cumulative)
+    swap_out_bytes: np.ndarray  # swapped activations still on the device at forward s (GPU only)
+    swapped_in: np.ndarray  # swapped activations back on the device at backward s
+    recompute_bytes: np.ndarray  # a checkpointed block's recomputed activations (GPU only)
+    host_swap: np.ndarray  # (G,) swapped activations on the host at the turn
+    swap_out_us: np.ndarray  # D2H time of each swapped block's activations
+    swap_in_us: np.ndarray  # H2D time of the same
+    recompute_us: np.ndarray  # a checkpointed block's forward again
+    swap_overhead_us: np.ndarray  # (G,) fixed cost per swapped block (GPU)
+    comp_b: np.ndarray  # backward compute of segment s, with a checkpointed block's recompute
+    swap_out_total_us: np.ndarray  # (G,) the D2H time of every swapped block (a CPU's forward adds it)
+    fwd_walk: np.ndarray  # (G,) the memory walk's highest forward step (bytes held, in flight, transient)
+    bwd_base: np.ndarray  # each backward step's bytes but the offloaded chunks' open gradients
+
+
+def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
+    """The strip-only terms of ``grid`` for ``t``'s activation profile, cached on the grid (keyed
+    by the arrays themselves, which the cache keeps alive, so a key is never reused)."""
+    arrays = (t.saved, t.inputs, t.saved_tensor, t.comp_fwd, t.comp_bwd, t.shared_grads, t.fwd_peak, t.bwd_peak)
+    key = (*map(id, arrays), t.gpu, t.swap_out_us_per_byte, t.swap_in_us_per_byte)
+    hit = grid.cache.get(key)
+    if hit is not None:
+        return hit[1]
+    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
+    back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
+    # [Swap-out in flight] (memory_terms)
+    out_each = grid.swap * t.saved if t.gpu else np.zeros_like(held_each)  # (G, S)
+    swap_out = out_each.copy()
+    swap_out[:, 1:] += out_each[:, :-1]
+    held = np.cumsum(held_each, axis=1)
+    # At backward segment s: block s's own activations (swapped in one step earlier) and
+    # block s-1's, whose swap-in the schedule issues as segment s begins.
+    swapped_in = back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1)
+    recompute_bytes = grid.ckpt * t.saved if t.gpu else np.zeros_like(held_each)
+    swap_out_us = grid.swap * t.saved_tensor * t.swap_out_us_per_byte
+    recompute_us = grid.ckpt * t.comp_fwd
+    # The walk's byte terms are whole numbers below 2**53, so their float sums are exact in
+    # any order: the backward steps' part that no placement changes is summed once here.
+    bwd_base = held + swapped_in + t.shared_grads
+    if t.gpu:
+        bwd_base = bwd_base + recompute_bytes + t.bwd_peak
+    out = GridTerms(
+        held=held, swap_out_bytes=swap_out, swapped_in=swapped_in, recompute_bytes=recompute_bytes,
+        host_swap=grid.swap @ t.saved_tensor,
+        swap_out_us=swap_out_us,
+        swap_in_us=grid.swap * t.saved_tensor * t.swap_in_us_per_byte,
+        recompute_us=recompute_us,
+        swap_overhead_us=grid.swap.sum(axis=1) * (SWAP_OVERHEAD_US if t.gpu else 0.0),
+        comp_b=t.comp_bwd + recompute_us,
+        swap_out_total_us=swap_out_us.sum(axis=1),
+        fwd_walk=(held + swap_out + (t.fwd_peak if t.gpu else 0.0)).max(axis=1),
+        bwd_base=bwd_base,
+    )
+    grid.cache[key] = (arrays, out)  # (the arrays stay alive with their ids)
+    return out
 
 
 def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
-    """The paper's layouts (``block_policies``) for every ``(n_swap, n_checkpoint)`` pair."""
+    """The paper's layouts (``block_policies``) for every ``(n_swap, n_checkpoint)`` pair
+    (the same grid object for the same pairs: a search runs one grid at every chunk size)."""
+    return _policy_grid(n_blocks, tuple(pairs))
+
+
+@functools.lru_cache(maxsize=16)
+def _policy_grid(n_blocks: int, pairs: tuple[tuple[int, int], ...]) -> PolicyGrid:
     return strips_grid([block_policies(n_blocks, ns, nc) for ns, nc in pairs])
 
 
 def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
     """Any per-block policy strips (``keep``/``swap``/``checkpoint`` per block) as a grid."""
     S = len(strips[0]) + 2
+    assert all(len(strip) == S - 2 for strip in strips), (S - 2, {len(strip) for strip in strips})
+    codes = np.array([list(strip) for strip in strips], dtype=object).reshape(len(strips), S - 2)  # (G, N)
+    unknown = set(codes.ravel().tolist()) - set(H.POLICIES)
+    assert not unknown, unknown
     swap = np.zeros((len(strips), S), dtype=np.float64)
     ckpt = np.zeros((len(strips), S), dtype=np.float64)
-    for g, strip in enumerate(strips):
-        assert len(strip) == S - 2, (len(strip), S - 2)
-        for b, pol in enumerate(strip):
-            assert pol in ("keep", "swap", "checkpoint"), pol
-            swap[g, b + 1] = pol == "swap"
-            ckpt[g, b + 1] = pol == "checkpoint"
+    swap[:, 1:-1] = codes == "swap"
+    ckpt[:, 1:-1] = codes == "checkpoint"
     return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)
 
 
@@ -391,7 +462,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
     host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if n_off else 0)
-    host_swap = grid.swap @ t.saved_tensor  # (G,)
+    g = grid_terms(t, grid)
+    host_swap = g.host_swap  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
     # the plan gains HOST_SLOTS pinned slots (once); each fetch of it rounds its master
     # into a slot on the main thread before the upload is issued, which holds back the
@@ -408,7 +480,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     mask = is_homed.astype(np.float64)
-    disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem)  # (G, C) each chunk's step's disk traffic
+    any_disk = bool(kn.any())
+    disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem) if any_disk else None  # (G, C) each chunk's step's disk traffic
     homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
     homed_params = mask @ t.chunk_params  # (G,)
 
@@ -421,13 +494,13 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     ahead_f = np.minimum(np.append(n_up_f[1:], 0), spare)
     lane_up_f = ahead_f * t.t_up  # (S,) hidden under segment s (if compute is longer)
     late_f = (np.append(n_up_f[1:], 0) - ahead_f) * t.t_up  # (S,) serialised after segment s
-    swap_out = grid.swap * t.saved_tensor * t.swap_out_us_per_byte  # (G, S)
-    swap_overhead = grid.swap.sum(axis=1) * (SWAP_OVERHEAD_US if t.gpu else 0.0)  # (G,)
+    swap_out = g.swap_out_us  # (G, S)
+    swap_overhead = g.swap_overhead_us  # (G,)
     # Backward visits s = S-1 … 0; the first backward use of a cached chunk is free.
     refetch = t.up_bwd @ (off * (1 - cached)) * t.t_up  # (S,) at backward segment s
     refetch += ((t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)) @ (off * cached)) * t.t_up
     n_ref = refetch / t.t_up if t.t_up > 0 else refetch  # (S,) chunk count
-    swap_in = grid.swap * t.saved_tensor * t.swap_in_us_per_byte  # (G, S) for block s
+    swap_in = g.swap_in_us  # (G, S) for block s
     # While backward segment s computes, the H2D lane carries what segment s-1 needs
     # next: its re-fetched chunks and, if it is a swapped block, its activations.
     ahead_b = np.zeros_like(refetch)
@@ -437,8 +510,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     lane_up_b = np.zeros_like(swap_in)
     lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + swap_in[:, :-1]
     grad_down = t.offload_at @ off * t.t_down  # (S,) gradients leaving at segment s's end
-    recompute = grid.ckpt * t.comp_fwd  # (G, S) a checkpointed block re-runs its forward
-    comp_b = t.comp_bwd + recompute
+    comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
     if t.gpu:
         # Each lane alone, and both directions of the link together (LINK_DUPLEX).
         duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (G, S)
@@ -448,7 +520,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b  # (G, S)
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
-        t_fwd = t.comp_fwd.sum() + up_f.sum() + swap_out.sum(axis=1)
+        t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
         seg_b = comp_b + refetch + swap_in + grad_down  # (G, S)
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
@@ -456,7 +528,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = int(t.chunk_params.sum()) - n_params_off
-    t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param + disk_us.sum(axis=1)  # (G,)
+    t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
+    if any_disk:  # (else adding zeros: exact)
+        t_cpu = t_cpu + disk_us.sum(axis=1)
     # [Overlapped reductions] Under ZeRO-3 a persistent chunk's gradient reduction (an
     # all-reduce, or sharded a reduce-scatter) starts when backward has ended the first
     # segment using it, one after another on the collective lane, beside backward
@@ -466,9 +540,12 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # (in t_down, on the host link) are not made to wait for it.
     reduce_us = t.reduce_us_per_chunk
     reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
+    # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
+    ss, cs = np.nonzero(t.offload_at)
+    offload_steps = [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))]
     if reduce_us:
-        for s in range(len(t.comp_fwd) - 1, -1, -1):
-            for _ in np.nonzero(t.offload_at[s] * (1 - off))[0]:
+        for s, c in offload_steps:
+            if not off[c]:
                 reduced = np.maximum(reduced, end_b[:, s]) + reduce_us
     gather_after = (C - n_off) * (t.allreduce_us_per_chunk - reduce_us)
     t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
@@ -488,12 +565,16 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # Never faster than the overlapped schedule: each chunk's step starts no earlier.
     cpu_done = np.zeros(len(grid.swap))
     landed = np.zeros(len(grid.swap))  # when the last offloaded gradients reach the host
-    for s in range(len(t.comp_fwd) - 1, -1, -1):
-        for c in np.nonzero(t.offload_at[s] * off)[0]:
-            ready = end_b[:, s] + t.t_down
-            landed = np.maximum(landed, ready)
-            stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param + disk_us[:, c]
-            cpu_done = np.where(is_homed[:, c], cpu_done, stepped)  # [Device homes]: no CPU step
+    any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
+    for s, c in offload_steps:
+        if not off[c]:
+            continue
+        ready = end_b[:, s] + t.t_down
+        landed = np.maximum(landed, ready)
+        stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+        if any_disk:
+            stepped = stepped + disk_us[:, c]
+        cpu_done = np.where(is_homed[:, c], cpu_done, stepped) if any_homed else stepped  # [Device homes]: no CPU step
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     # [Homeless chunks]; [Device homes]: each one's reduce-scatter and step, serially on compute
@@ -504,11 +585,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
     m = memory_terms(t, off, n_buffer, grid)
-    fwd_steps = m.held + m.swap_out + m.fwd_transient
-    bwd_steps = m.held + m.swapped_in + m.grads + m.shared_grads
-    if t.gpu:
-        bwd_steps = bwd_steps + m.recompute + m.bwd_transient
-    walk = np.maximum(fwd_steps.max(axis=1), bwd_steps.max(axis=1))
+    walk = np.maximum(g.fwd_walk, (g.bwd_base + m.grads).max(axis=1))  # (grid_terms: the rest of each step)
     states, resident = m.states + homed_dev, m.resident  # [Device homes]
     peak = (states + resident + walk) * m.alpha
     parts = {
@@ -552,33 +629,29 @@ class MemoryTerms:
 
 
 def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> MemoryTerms:
-    """Terms of paper Eqs. 8-11 in ``executor/accounting.py``'s stream; ``off`` marks offloaded chunks."""
+    """Terms of paper Eqs. 8-11 in ``executor/accounting.py``'s stream; ``off`` marks offloaded chunks.
+
+    [Swap-out in flight] A swapped block's saved tensors stay on the device until their
+    D2H copy completes (the copy engine holds them for it). The copies start as block
+    s's forward saves them; the last ones are saved as the block ends, so they run on
+    into segment s+1's compute. They count during segments s and s+1, at what keeping
+    them would hold (``saved_bytes``, the ledger's rule: the block's own storages), and
+    are assumed gone after s+1 (the time model gives each swap-out at least its own
+    segment, and the search spaces swapped blocks by the swap interval, so the D2H
+    lane is free again by then). On a cpu device the copy is synchronous: a swapped
+    block's activations are gone when its segment ends, never held. (``grid_terms``.)
+    """
     n_off = int(off.sum())
-    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
-    back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
-    # [Swap-out in flight] A swapped block's saved tensors stay on the device until their
-    # D2H copy completes (the copy engine holds them for it). The copies start as block
-    # s's forward saves them; the last ones are saved as the block ends, so they run on
-    # into segment s+1's compute. They count during segments s and s+1, at what keeping
-    # them would hold (``saved_bytes``, the ledger's rule: the block's own storages), and
-    # are assumed gone after s+1 (the time model gives each swap-out at least its own
-    # segment, and the search spaces swapped blocks by the swap interval, so the D2H
-    # lane is free again by then). On a cpu device the copy is synchronous: a swapped
-    # block's activations are gone when its segment ends, never held.
-    out_each = grid.swap * t.saved if t.gpu else np.zeros_like(held_each)  # (G, S)
-    swap_out = out_each.copy()
-    swap_out[:, 1:] += out_each[:, :-1]
+    g = grid_terms(t, grid)
     return MemoryTerms(
         states=(t.n_chunks - n_off) * t.persist_chunk_bytes,
         resident=min(n_buffer, n_off) * t.chunk_bytes,
-        held=np.cumsum(held_each, axis=1),
-        swap_out=swap_out,
-        # At backward segment s: block s's own activations (swapped in one step earlier) and
-        # block s-1's, whose swap-in the schedule issues as segment s begins.
-        swapped_in=back_in + np.concatenate([np.zeros((len(grid.swap), 1)), back_in[:, :-1]], axis=1),
+        held=g.held,
+        swap_out=g.swap_out_bytes,
+        swapped_in=g.swapped_in,
         grads=(t.grad_live @ off) * t.chunk_bytes,
         shared_grads=t.shared_grads,
-        recompute=grid.ckpt * t.saved if t.gpu else np.zeros_like(held_each),
+        recompute=g.recompute_bytes,
         fwd_transient=t.fwd_peak if t.gpu else 0.0,
         bwd_transient=t.bwd_peak if t.gpu else 0.0,
         alpha=ALPHA_GPU if t.gpu else 1.0,

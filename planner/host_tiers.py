@@ -65,6 +65,15 @@ def _prefix(values: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.append(0, np.cumsum(values))[k]
 
 
+def _all_at_home(t, G: int, host: float) -> Tiers:
+    """``choose`` where every strip fits the host with every home kept: no chunk moves (the
+    same values ``choose``'s general path gives with all its counts 0)."""
+    zero, none = np.zeros(G, dtype=np.int64), np.zeros((G, t.n_chunks), dtype=bool)
+    need = np.full(G, float(host))  # (no scratch is dropped: kd == n_off only where nothing is offloaded)
+    return Tiers(k=zero, kd=zero, kn=zero, is_homed=none, is_nvme=none, conv_f=np.zeros(G), conv_b=np.zeros(G),
+                 host=need, unhomed=need.copy())
+
+
 def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: float, uploads_f: np.ndarray,
            uploads_b: np.ndarray, homeless: Sequence[int] | None, homed: Sequence[int],
            nvme: Sequence[int]) -> Tiers:
@@ -76,6 +85,8 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
     first = homeless_order(off)  # the k first of these are homeless, the kn first on disk
     numel = t.host_numel.astype(np.float64)
     disk_read = uploads_f * numel * t.disk_fetch_us_per_elem, uploads_b * numel * t.disk_fetch_us_per_elem
+    if homeless is None and not (host + host_swap - host_cap > 0).any():
+        return _all_at_home(t, G, host)
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
         k = np.zeros(G, dtype=np.int64)

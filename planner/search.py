@@ -246,13 +246,44 @@ def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_
     return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])
 
 
+class _Rows:
+    """The configurations that fit, kept as blocks of arrays; ``smallest`` gives the best as
+    tuples ``(time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed,
+    nvme)``, ordered as those tuples compare (``Choice.key``)."""
+
+    def __init__(self):
+        self.blocks: list[np.ndarray] = []  # each (12, k), float64 (every value is exact in it)
+
+    def add(self, js, n_persist, n_buffer, sw, ck, time, peak, host, parts) -> None:
+        if not len(js):
+            return
+        k = len(js)
+        self.blocks.append(np.stack([
+            np.round(time[js]), peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw, ck,
+            time[js], host[js], parts["n_homeless"][js], parts["n_device_homed"][js], parts["n_nvme"][js],
+        ]).astype(np.float64))
+
+    def smallest(self, n: int, since: int = 0) -> list[tuple]:
+        """The ``n`` smallest rows (of the blocks added from ``since`` on), as tuples."""
+        if len(self.blocks) <= since:
+            return []
+        a = np.concatenate(self.blocks[since:], axis=1)
+        if a.shape[1] > n:  # the n smallest all have a first key within the n smallest first keys
+            a = a[:, a[0] <= np.partition(a[0], n - 1)[n - 1]]
+        top = np.lexsort(a[::-1])[:n]  # last key first: lexsort sorts by its last row
+        ints = (0, 2, 3, 4, 5, 6, 9, 10, 11)
+        return [tuple(int(a[i, j]) if i in ints else float(a[i, j]) for i in range(12)) for j in top]
+
+
 def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
     start = _time.perf_counter()
     pairs = policy_pairs(t)
     grid = policy_grid(t.n_blocks, pairs)
     host_cap = math.inf if host_budget_bytes is None else host_budget_bytes
-    rows: list[tuple] = []  # (time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed, nvme)
+    rows = _Rows()  # every configuration that fits, as arrays (Choice.key's order)
     all_points: list[tuple[float, float, tuple[int, int, int, int]]] = []
+    pair_sw = np.array([sw for sw, _ in pairs], dtype=np.int64)
+    pair_ck = np.array([ck for _, ck in pairs], dtype=np.int64)
     evaluated = 0
     min_peak = min_host = math.inf
     frontier: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (np, nb, pairs that fit, their peaks)
@@ -260,16 +291,16 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
     def record(n_persist: int, n_buffer: int, idx: np.ndarray, time, peak, parts, ok) -> None:
         """Keep the configurations that fit (``ok``) as rows, and each call's own Pareto points."""
         host = host_need(parts)
-        for j in np.nonzero(ok)[0]:
-            sw, ck = pairs[idx[j]]
-            rows.append((round(float(time[j])), float(peak[j]), ck, n_persist, n_buffer, sw, ck,
-                         float(time[j]), float(host[j]), int(parts["n_homeless"][j]),
-                         int(parts["n_device_homed"][j]), int(parts["n_nvme"][j])))
-        best_t = math.inf  # host-feasible points only; per call only the call's own front
-        for j in np.lexsort((time, peak)):
-            if host[j] <= host_cap and time[j] < best_t:
-                best_t = float(time[j])
-                all_points.append((float(time[j]), float(peak[j]), (n_persist, n_buffer, *pairs[idx[j]])))
+        js = np.nonzero(ok)[0]
+        rows.add(js, n_persist, n_buffer, pair_sw[idx[js]], pair_ck[idx[js]], time, peak, host, parts)
+        # Each call's own Pareto points, host-feasible only: in order of (peak, time), those
+        # faster than every earlier one.
+        order = np.lexsort((time, peak))
+        feasible = host[order] <= host_cap
+        times = time[order]
+        before = np.minimum.accumulate(np.concatenate([[math.inf], np.where(feasible, times, math.inf)[:-1]]))
+        for j in order[feasible & (times < before)]:
+            all_points.append((float(time[j]), float(peak[j]), (n_persist, n_buffer, *pairs[idx[j]])))
 
     every = np.arange(len(pairs))
     current, fits_here = None, False
@@ -300,7 +331,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
 
     # [Buffers past the dense range] (module docstring): grow n_buffer one at a time
     # for the pairs that still fit and could still enter the best TOP.
-    best = heapq.nsmallest(TOP, rows)  # the best TOP rows so far
+    best = rows.smallest(TOP)  # the best TOP rows so far
 
     def bar() -> tuple[float, float]:
         """What a key must not exceed (time in whole µs, then peak) to enter the best TOP."""
@@ -313,7 +344,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         lower = np.array([round(float(x)) for x in bound])
         while len(idx) and n_buffer < n_off:
             b0, b1 = bar()
-            keep = np.array([(lower[j], peak_at[j]) <= (b0, b1) for j in range(len(idx))], dtype=bool)
+            keep = (lower < b0) | ((lower == b0) & (peak_at <= b1))  # (lower, peak) <= (b0, b1)
             idx, lower = idx[keep], lower[keep]
             if not len(idx):
                 break
@@ -322,15 +353,14 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             host = host_need(parts)
             evaluated += len(idx)
             ok = (peak <= budget_bytes) & (host <= host_cap)
-            n_rows = len(rows)
+            n_blocks = len(rows.blocks)
             record(n_persist, n_buffer, idx, time, peak, parts, ok)
-            best = heapq.nsmallest(TOP, best + rows[n_rows:])
+            best = heapq.nsmallest(TOP, best + rows.smallest(TOP, since=n_blocks))
             idx, lower, peak_at = idx[ok], lower[ok], (peak - parts["homed_peak_bytes"])[ok]  # (the disk tier's)
 
-    rows.sort()
     choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10],
                       n_nvme=r[11])
-               for r in rows[:TOP]]
+               for r in rows.smallest(TOP)]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
         if tm < best_t:

@@ -1,0 +1,181 @@
+"""Planning speed, side by side with an earlier commit: ``make_plan`` and ``protrain fit``.
+
+Both trees run in one invocation, on this machine, interleaved (baseline, current, baseline,
+current, ...) so that drift and load land on both alike; each figure is a median with its
+spread, and the ratio is baseline / current (above 1: this tree is faster).
+
+- ``make_plan`` on the committed analytic profiles (``plans/profiles``: llama-70b on
+  a100-80g and rtx4090, gpt2-xl on rtx3090, mistral-7b on h100) at the card's usable
+  memory, host budget 4 TiB (so the host never binds and the search itself is timed), in a
+  fresh process per tree that times ``--repeats`` calls after one warm-up call; and, of
+  each call, the time spent in the exhaustive searches (``planning.SOLVERS["exhaustive"]``,
+  wrapped: every chunk-size candidate's search, without building terms or emitting the plan).
+- ``protrain fit --hardware rtx3090`` (both families' ladders), wall time of the command.
+
+The baseline tree is exported with ``git archive`` into a temporary directory and installed
+there (``pip install --no-deps -e``, in a virtual environment that sees this one's packages),
+so nothing of this checkout is touched.
+
+    python tools/bench_plan_speed.py                    # print the table (baseline 754c22f)
+    python tools/bench_plan_speed.py --write            # and update BENCHMARKS.md
+    python tools/bench_plan_speed.py --baseline HEAD~1  # against another commit
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+SECTION = "## Planning speed against an earlier commit (tools/bench_plan_speed.py)"
+
+CASES = (
+    ("llama-70b", "a100-80g", "plans/profiles/llama-70b/llama-70b-a100-80g-b1-s4096.json"),
+    ("llama-70b", "rtx4090", "plans/profiles/llama-70b/llama-70b-rtx4090-b1-s4096.json"),
+    ("gpt2-xl", "rtx3090", "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json"),
+    ("mistral-7b", "h100", "plans/profiles/mistral-7b/mistral-7b-h100-b1-s4096.json"),
+)
+HOST_BUDGET = 4 << 40
+
+WORKER = r"""
+import json, sys, time
+import msgspec
+from protrain.planner.profile import Profile
+from protrain.planner import planning
+root, path, repeats, HOST_BUDGET = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+prof = msgspec.json.decode(open(root + "/" + path, "rb").read(), type=Profile)
+budget = prof.hardware.usable_memory_bytes
+inner = planning.SOLVERS["exhaustive"]  # (both trees: the dict make_plan reads)
+spent = [0.0]
+def timed(*a, **k):
+    t = time.perf_counter()
+    try:
+        return inner(*a, **k)
+    finally:
+        spent[0] += time.perf_counter() - t
+planning.SOLVERS["exhaustive"] = timed
+def run():
+    planning.make_plan(prof, budget, host_budget_bytes=HOST_BUDGET)
+run()  # warm-up: imports, caches
+plan, search = [], []
+for _ in range(repeats):
+    spent[0] = 0.0
+    t = time.perf_counter(); run(); plan.append(time.perf_counter() - t); search.append(spent[0])
+print("TIMES " + json.dumps([plan, search]))
+"""
+
+
+def export_tree(rev: str, into: Path) -> Path:
+    """``rev``'s tree under ``into``/tree, installed into ``into``/venv; the venv's python."""
+    tree = into / "tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    venv = into / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)], check=True,
+                   capture_output=True)
+    where = subprocess.run([str(py), "-c", "import protrain.planner as p; print(p.__file__)"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert where.startswith(str(tree)), f"the baseline venv imports {where}, not {tree}"
+    return py
+
+
+def time_plan(py: Path, root: Path, path: str, repeats: int) -> list[list[float]]:
+    """``[make_plan seconds per call, seconds of those in the exhaustive search]``."""
+    out = subprocess.run([str(py), "-c", WORKER, str(root), path, str(repeats), str(HOST_BUDGET)],
+                         capture_output=True, text=True, cwd=root)
+    if out.returncode:
+        raise RuntimeError(f"{py} on {path}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.split("TIMES ", 1)[1])
+
+
+def time_fit(py: Path, root: Path) -> float:
+    start = time.perf_counter()
+    out = subprocess.run([str(py), "-m", "protrain.planner.cli", "fit", "--hardware", "rtx3090"],
+                         capture_output=True, text=True, cwd=root)
+    if out.returncode:
+        raise RuntimeError(f"fit with {py}: {out.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", default="754c22f", help="commit to compare against (default 754c22f)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed make_plan calls per process (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved processes per tree (default 3)")
+    ap.add_argument("--fit-rounds", type=int, default=3, help="interleaved fit runs per tree (default 3)")
+    ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
+    args = ap.parse_args(argv)
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    current = f"{head}{'+' if dirty else ''}"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="protrain-baseline-") as tmp:
+        base_py = export_tree(rev, Path(tmp))
+        base_root = Path(tmp) / "tree"
+        trees = (("base", base_py, base_root), ("this", Path(sys.executable), ROOT))
+        for model, hw, path in CASES:
+            got = {"base": ([], []), "this": ([], [])}
+            for _ in range(args.rounds):
+                for name, py, root in trees:
+                    plan_s, search_s = time_plan(py, root, path, args.repeats)
+                    got[name][0].extend(plan_s)
+                    got[name][1].extend(search_s)
+            for i, what in enumerate(("make_plan", "its searches")):
+                label = f"{what}, {model} / {hw}"
+                rows.append((label, got["base"][i], got["this"][i]))
+                print(f"{label}: {rev} {spread(got['base'][i])}, {current} {spread(got['this'][i])}, ratio "
+                      f"{statistics.median(got['base'][i]) / statistics.median(got['this'][i]):.2f}x", flush=True)
+        got = {"base": [], "this": []}
+        for _ in range(args.fit_rounds):
+            for name, py, root in trees:
+                got[name].append(time_fit(py, root))
+        rows.append(("`protrain fit --hardware rtx3090`", got["base"], got["this"]))
+        print(f"fit: {rev} {spread(got['base'])}, {current} {spread(got['this'])}", flush=True)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python tools/bench_plan_speed.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    lines = [SECTION, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
+             f"({sys.platform}), {when}; baseline {rev}, this tree {current}. Each figure: median "
+             f"(min-max) over {args.rounds} processes x {args.repeats} calls (after a warm-up call in "
+             f"each), trees interleaved in one run; fit: {args.fit_rounds} runs of the whole command "
+             "each. Ratio: baseline / this (above 1: faster now).", "",
+             f"| what | {rev} | {current} | ratio |", "|---|---|---|---|"]
+    for label, b, t in rows:
+        lines.append(f"| {label} | {spread(b)} | {spread(t)} | "
+                     f"{statistics.median(b) / statistics.median(t):.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        md = BENCHMARKS_MD.read_text()
+        if SECTION in md:
+            a = md.index(SECTION)
+            b = md.find("\n## ", a + len(SECTION))
+            md = md[:a] + text + (md[b + 1:] if b >= 0 else "")
+        else:
+            md = md.rstrip() + "\n\n" + text
+        BENCHMARKS_MD.write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
