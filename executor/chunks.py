@@ -60,6 +60,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from . import homes as H
 from .accounting import NVME_WINDOW, STEP_PIECE, chunk_homes, host_numel, nvme_span, pool_slots
 from .accounting import setup as chunk_setup
 from .errors import ConfigError
@@ -88,10 +89,16 @@ class Chunk:
     plan's ``chunk_numel`` padded up); see executor/dist.py [Note: sharding].
     """
 
-    def __init__(self, cid: int, numel: int, shard_numel: int, rank: int, persistent: bool,
+    def __init__(self, cid: int, numel: int, shard_numel: int, rank: int, where: H.Home, trainable: bool,
                  dtype: torch.dtype, device: torch.device):
         self.id = cid
-        self.persistent = persistent
+        # The chunk's home (executor/homes.py): where its values, gradients and optimizer
+        # states live between uses. Fixed for the run; ``persistent``, ``homed`` and
+        # ``on_disk`` read it.
+        self.where = where
+        # Some parameter requires grad. A chunk of frozen parameters only has no gradient
+        # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
+        self.trainable = trainable
         self.numel = numel
         self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
         # The elements whose master and moments (and home, if offloaded) this rank keeps: the
@@ -113,15 +120,10 @@ class Chunk:
         # (shard_numel,) host for offloaded ones, device for device-homed ones.
         # See [Note: masters from the user's fp32 values].
         self.master_init: torch.Tensor | None = None
+        # Residency and the gradient buffer's storage change only through the transitions
+        # below, each of which asserts the state it starts from (FSDP2's _assert_in_states).
         self.residency = Residency.RESIDENT
         self.grad_live = True  # gradient buffer has device storage
-        # Some parameter requires grad. A chunk of frozen parameters only has no gradient
-        # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
-        self.trainable = True
-        # Its master and moments stay on the device, nothing on the host ([Note: device homes]).
-        self.homed = False
-        # Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py).
-        self.on_disk = False
         # This rank keeps only its shard of the chunk's master and moments (offloaded chunks
         # under ZeRO-3; trainable persistent ones when the plan shards their states). See
         # executor/dist.py [Note: sharding]; set by ChunkStore._lay_out.
@@ -142,6 +144,47 @@ class Chunk:
         # writes a parameter in place bumps it. See [Note: in-place writes in forward].
         self.versions: list[int] = []
 
+    @property
+    def persistent(self) -> bool:
+        """Always on the device, stepped there (never fetched or released)."""
+        return not self.where.offloaded
+
+    @property
+    def homed(self) -> bool:
+        """Offloaded, with its master and moments on the device ([Note: device homes])."""
+        return self.where.offloaded and self.where.steps_on == "device"
+
+    @property
+    def on_disk(self) -> bool:
+        """Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py)."""
+        return self.where.on_disk and self.trainable
+
+    def _assert_in(self, *states: Residency) -> None:
+        assert self.residency in states, f"chunk {self.id}: {self.residency=}, expected one of {states}"
+
+    def to_resident(self) -> None:
+        """A fetch has given the chunk's values device storage (offloaded chunks only)."""
+        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never fetched"
+        self._assert_in(Residency.RELEASED)
+        self.residency = Residency.RESIDENT
+
+    def to_released(self) -> None:
+        """A release has freed the chunk's device values (offloaded chunks only)."""
+        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never released"
+        self._assert_in(Residency.RESIDENT)
+        self.residency = Residency.RELEASED
+
+    def grad_opened(self) -> None:
+        """The gradient buffer got device storage (a trainable chunk; offloaded ones in backward)."""
+        assert self.trainable and not self.grad_live, f"chunk {self.id}: {self.trainable=} {self.grad_live=}"
+        self.grad_live = True
+
+    def grad_closed(self) -> None:
+        """The gradient buffer's device storage was freed (an offloaded chunk's offload, or at wrap)."""
+        assert self.grad_live and (self.where.offloaded or not self.trainable), \
+            f"chunk {self.id}: {self.grad_live=} {self.where.name=} {self.trainable=}"
+        self.grad_live = False
+
 
 class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
@@ -154,26 +197,20 @@ class ChunkStore:
         self.comm = comm  # executor.dist.Comm (passed in: chunks sits below dist)
         self.dtype = DTYPES[plan.training.compute_dtype]
         self.n_buffer = plan.placement.n_buffer
-        persistent = set(plan.placement.persistent)
         self.shard_persistent = plan.placement.shard_persistent_states and comm.world > 1
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
-        fp32 = self.dtype == torch.float32
         # One pinned arena for every offloaded chunk's host buffers ([Note: pinned arena]
         # in transfer.py): its home (compute dtype) and, unless its gradients land in the
         # home (optim.py [Note: gradients land in home]), an fp32 gradient accumulator (the
         # download's target) and, with grad_accum > 1, a compute-dtype staging buffer for
         # the micro-batches that cannot land in the accumulator directly. Homeless chunks have
         # no home, and the plan's host slots are carved from it too ([Note: host slots]).
-        self.grad_in_home = not fp32 and plan.training.grad_accum == 1
-        self.staged = plan.training.grad_accum > 1
-        self.homeless = set(plan.placement.homeless)
-        self.homed = set(plan.placement.device_homed)  # [Note: device homes]
-        self.nvme = set(plan.placement.nvme)  # nvme.py [Note: NVMe tier]
-        n_slots = plan.placement.n_host_slots
-        span = HostArena.span
-        size = n_slots * span(shard_numel, self.dtype)
         setup, homes = chunk_setup(plan), chunk_homes(plan)
+        self.grad_in_home = setup.grads_in_home
+        self.staged = plan.training.grad_accum > 1
+        n_slots = plan.placement.n_host_slots
+        size = n_slots * HostArena.span(shard_numel, self.dtype)
         for spec in plan.chunks.items:  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
             n = host_numel(plan, spec.id)
             trainable = any(params[p.name].requires_grad for p in spec.params)
@@ -181,7 +218,7 @@ class ChunkStore:
                         for p in homes[spec.id].parts(setup, trainable) if p.where == "host" and p.name in ARENA_PARTS)
         self.disk: DiskStates | None = None
         on_disk = [s.id for s in plan.chunks.items  # (a frozen chunk has no states: nothing to put there)
-                   if s.id in self.nvme and any(params[p.name].requires_grad for p in s.params)]
+                   if homes[s.id].on_disk and any(params[p.name].requires_grad for p in s.params)]
         if on_disk:
             if nvme_dir is None:
                 raise ConfigError(f"the plan keeps the optimizer states of chunks {on_disk} on disk "
@@ -204,7 +241,7 @@ class ChunkStore:
         copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
         try:
             for spec in plan.chunks.items:
-                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, spec.id in persistent,
+                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, homes[spec.id],
                                                  host_numel(plan, spec.id)))
         except BaseException:
             self.arena.close()  # a failed wrap must not leave host memory pinned
@@ -219,7 +256,7 @@ class ChunkStore:
         self._refresh_live()
 
     def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, comm,
-                 persistent: bool, own_numel: int) -> Chunk:
+                 where: H.Home, own_numel: int) -> Chunk:
         """Build one chunk: views for its parameters, its values, a home if offloaded.
 
         [Note: masters from the user's fp32 values]
@@ -232,17 +269,16 @@ class ChunkStore:
         on the host, one shard at a time, so wrap never needs a whole offloaded model on
         the device.
         """
+        trainable = any(params[ps.name].requires_grad for ps in spec.params)
         with self.copies.pooled():  # values and gradients come from the chunk pool
-            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, persistent,
+            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, where, trainable,
                       self.dtype, self.device)
-        c.trainable = any(params[ps.name].requires_grad for ps in spec.params)
-        c.homed = spec.id in self.homed
-        c.on_disk = spec.id in self.nvme and c.trainable
+        persistent = c.persistent
         c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
-        where = self.device if persistent or c.homed else torch.device("cpu")
-        image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=where)
+        at = self.device if persistent or c.homed else torch.device("cpu")
+        image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=at)
         with torch.no_grad():
             for ps in spec.params:
                 p = params[ps.name]
@@ -261,7 +297,7 @@ class ChunkStore:
                     self.ledger.alloc("grads", c.nbytes)
                 else:
                     self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
-                    c.grad_live = False
+                    c.grad_closed()
                 return c
             if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
                 c.master_init = image[c.own].clone()
@@ -271,7 +307,7 @@ class ChunkStore:
             elif c.on_disk and fp32:  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
                 c.home = self.disk.take(own_numel)
                 copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
-            elif c.id not in self.homeless and not c.homed:
+            elif not c.where.uses_slots and not c.homed:
                 c.home = self.arena.take(own_numel, self.dtype)
                 c.home.copy_(image[c.own])
                 self.ledger.host_alloc(c.home.numel() * c.home.element_size())
@@ -280,7 +316,11 @@ class ChunkStore:
                                   "make the plan for the model with its parameters frozen as they are now")
         self.copies.resize(c.dev, 0, f"chunk {c.id}")
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
-        c.residency, c.grad_live = Residency.RELEASED, False
+        c.to_released()
+        if c.trainable:
+            c.grad_closed()
+        else:
+            c.grad_live = False  # (a frozen chunk never opens its gradients)
         return c
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -338,7 +378,7 @@ class ChunkStore:
         if c.home is None and not c.homed:
             self.slots.append((src, c.upload.synchronize))
         c.last_upload = c.upload
-        c.residency = Residency.RESIDENT
+        c.to_resident()
 
     def take_slot(self) -> torch.Tensor:
         """A host slot, once its last use is over.
@@ -377,7 +417,7 @@ class ChunkStore:
         self.copies.resize(c.dev, 0, f"chunk {cid}")
         self._refresh_live()
         self.ledger.free("chunks", c.nbytes)
-        c.residency = Residency.RELEASED
+        c.to_released()
 
     def write_back(self, cid: int) -> None:
         """Keep what forward wrote into parameters in place.
@@ -424,14 +464,13 @@ class ChunkStore:
             self.copies.resize(c.dev_grad, c.nbytes, f"gradients of chunk {cid}")
             c.dev_grad.zero_()
             self.ledger.alloc("grads", c.nbytes)
-            c.grad_live = True
+            c.grad_opened()
 
     def close_grad(self, cid: int) -> None:
         c = self.chunks[cid]
-        assert c.grad_live and not c.persistent, f"{cid=} {c.grad_live=} {c.persistent=}"
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {cid}")
         self.ledger.free("grads", c.nbytes)
-        c.grad_live = False
+        c.grad_closed()
 
     def resident_offloaded(self) -> frozenset[int]:
         return frozenset(c.id for c in self.chunks

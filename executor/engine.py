@@ -23,7 +23,7 @@ Lifecycle, phase by phase:
 4. **close** waits for pending CPU steps and removes every hook and wrapper.
 
 The engine replays; it never decides. Everything it does at a block boundary is
-written in the plan (shared/STYLE.md rule 3).
+written in the plan (an executor that decided on its own would run a plan nobody made).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ frozen ``Event`` at each point below. Nothing else of the executor is an
 observation interface: a listener never reads or replaces engine internals.
 
 [Note: events]
-Each ``kind`` is a verb of the plan (shared/STYLE.md rule 7) or a phase of the
+Each ``kind`` is a verb of the plan or a phase of the
 step. ``begin``/``end`` bracket an operation, ``mark`` is a single moment. All on
 the main thread unless the table says otherwise.
 
@@ -44,8 +44,7 @@ to wait for compute, and a swap-in for its swap-out, when ``begin`` is emitted).
 Listeners run synchronously on the emitting thread, inside the engine: keep them
 short, never call back into the engine, and make them thread-safe (``land`` and
 ``cpu_step`` come from the CPU AdamW worker while the main thread runs backward).
-A listener that sleeps is a legitimate way to perturb timing in tests
-(shared/STYLE.md rule 13). With no listener, emitting costs one truth test.
+A listener that sleeps is a legitimate way to perturb timing in tests. With no listener, emitting costs one truth test.
 """
 
 from __future__ import annotations

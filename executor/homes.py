@@ -28,7 +28,7 @@ commands (``show``, ``diff``) all import it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .errors import PlanError
@@ -52,10 +52,6 @@ NVME_WINDOW = 4 * (4 * STEP_PIECE + 2 * NVME_ALIGN)
 """Host bytes of the NVMe file mapped at once: the CPU step's pieces of master and two
 moments and a fetch's (or the home's refresh's) piece of a master, each widened to whole
 pages (nvme.py [Note: NVMe tier])."""
-
-HOST_SLOTS_MIN = 1
-"""A plan with homeless chunks has at least this many pinned host slots."""
-
 
 # ------------------------------------------------------------------- element counts
 
@@ -293,16 +289,6 @@ HOMES: dict[str, Home] = {h.name: h for h in (PERSISTENT, HOST, HOMELESS, DEVICE
 """Every home by name, in the order ``show`` lists them."""
 
 
-def homeless_of(home: Home) -> Home:
-    """The same home without a compute-dtype home on the host (the host tiers' first step)."""
-    return {HOST: HOMELESS, NVME: NVME_HOMELESS}.get(home, home)
-
-
-def on_disk_of(home: Home) -> Home:
-    """The same home with master and moments on the disk (the host tiers' NVMe step)."""
-    return {HOST: NVME, HOMELESS: NVME_HOMELESS}.get(home, home)
-
-
 # ------------------------------------------------------------------------ the policies
 
 
@@ -388,8 +374,3 @@ def homes_of(n_chunks: int, persistent: Iterable[int], homeless: Iterable[int] =
         return (HOMELESS if c in sets["homeless"] else HOST).name
 
     return [home(c) for c in range(n_chunks)]
-
-
-def check_homes(homes: Sequence[str]) -> list[tuple[int, str]]:
-    """(index, name) of every unknown home name."""
-    return [(i, h) for i, h in enumerate(homes) if h not in HOMES]

@@ -4,7 +4,7 @@
 result strictly as the current ``Plan``. A migration may rename, restructure or fill
 a field whose old meaning is unambiguous; it must never invent a decision. When an
 old file lacks information the current executor needs, raise ``PlanError`` asking
-for the plan to be regenerated instead of guessing (shared/STYLE.md §4.3).
+for the plan to be regenerated instead of guessing.
 
 A migration sees whatever JSON the old file holds, so it touches only what it
 changes and leaves every other value (well-formed or not) for the strict decode to

@@ -15,7 +15,7 @@ data stays in the file, and a later read faults it back) and the kernel is told 
 write them back and forget them (``posix_fadvise(POSIX_FADV_DONTNEED)``). The hot
 loops (the CPU step, the fetch's rounding, the home's refresh) go one ``STEP_PIECE``
 at a time and drop each piece after it, so the resident part of the file is bounded
-by ``WINDOW_BYTES`` (accounting.py counts it), not by the model. ``prefetch`` asks
+by ``NVME_WINDOW`` (homes.py; accounting.py counts it), not by the model. ``prefetch`` asks
 the kernel to read a chunk's states ahead (``MADV_WILLNEED``) before its step.
 
 The file is created unlinked (``O_TMPFILE``): nothing is left on the disk when the

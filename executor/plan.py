@@ -7,7 +7,7 @@ executor replays at every block boundary. The Structs below declare the file
 top-down in the order it is written; their attribute docstrings are the format's
 documentation (README and DESIGN link here).
 
-Two kinds of sections (shared/STYLE.md §4.1):
+Two kinds of sections:
 
 - ``Binding`` sections are what the executor acts on (``model``, ``training``,
   ``chunks``, ``placement``, ``activations``, ``schedule``). Unknown fields are an

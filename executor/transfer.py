@@ -32,7 +32,7 @@ also catches a missing wait, record or release guard.
 Every copy is announced to the engine's listeners (``events.py``, [Note: events]):
 ``begin`` once the copy stream waits for what it must, ``end`` once the copy is
 queued. A test that sleeps in a listener slows the copy engine down, which makes a
-missing wait show up on a CPU box as a loss mismatch (shared/STYLE.md rule 13).
+missing wait show up on a CPU box as a loss mismatch.
 """
 
 from __future__ import annotations

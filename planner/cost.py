@@ -39,7 +39,7 @@ not; in backward, the ``n_buffer`` offloaded chunks used last in forward are sti
 resident and their first backward use is free.
 
 Peak memory (bytes) — paper Eqs. 8–11, walked step by step in the executor's own
-accounting (executor/memory.py): persistent chunk states + resident buffers +
+accounting (executor/accounting.py, reading executor/homes.py): persistent chunk states + resident buffers +
 live offloaded gradient buffers + activations held + (GPU) recomputed
 activations of the checkpointed block being run + (GPU) the segment's transient
 peak, all × ``alpha`` (fragmentation) on GPU. Activations held after forward
@@ -357,7 +357,11 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
     hit = grid.cache.get(key)
     if hit is not None:
         return hit[1]
-    held_each = np.where(grid.ckpt > 0, t.inputs, np.where(grid.swap > 0, 0.0, t.saved))  # (G, S)
+    # What each policy holds after forward (homes.POLICIES): its strips' mask times that term
+    # (whole bytes: the sum is exact). <pre> and <post> are kept.
+    mask = {"keep": 1.0 - grid.swap - grid.ckpt, "swap": grid.swap, "checkpoint": grid.ckpt}
+    term = {"saved": t.saved, "inputs": t.inputs}
+    held_each = sum(mask[p.name] * term[p.held] for p in H.POLICIES.values() if p.held)  # (G, S)
     back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
     # [Swap-out in flight] (memory_terms)
     out_each = grid.swap * t.saved if t.gpu else np.zeros_like(held_each)  # (G, S)

@@ -275,7 +275,7 @@ def datasheet_spec(name: str) -> HardwareSpec:
         raise ConfigError(
             f"no datasheet for {name!r}{did_you_mean(name, [*DATASHEETS, 'cpu'])}; "
             f"known: {', '.join([*DATASHEETS, 'cpu'])}",
-            "add an entry to DATASHEETS in planner/hardware.py, or measure with `protrain hardware probe`",
+            "add an entry to DATASHEETS in planner/datasheets.py, or measure with `protrain hardware probe`",
         )
     d = DATASHEETS[name]
     frac = d.get("matmul_fraction", MATMUL_FRACTION)

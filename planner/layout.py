@@ -1,6 +1,6 @@
 """Chunk layout: parameters, in execution order, packed into fixed-size flat chunks.
 
-Rules (shared/DESIGN.md §4, ProTrain §3.1):
+Rules (ProTrain §3.1; README "Plan file"):
 - Parameters go in first-use order, so the chunks are fetched in the order the
   forward pass needs them and one chunk serves consecutive blocks.
 - A block's parameters are not split across two chunks unless the block alone is
@@ -14,8 +14,9 @@ Rules (shared/DESIGN.md §4, ProTrain §3.1):
   aligned result in the last bit in about half of random trials), so an unaligned
   view would change the math that plain PyTorch does on its own allocations (#15).
 
-The choice of the chunk size itself (least simulated waste over a grid) belongs to
-the planner core (issue 5); here it is an input.
+The chunk size itself is chosen by the planner (``cost.chunk_candidates`` and
+``planning.search_chunk_sizes``: least simulated waste over a grid, then the search); here it
+is an input.
 """
 
 from __future__ import annotations

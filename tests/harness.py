@@ -83,7 +83,7 @@ class Run:
 def sleeper(before_copy: float = 0.0, before_cpu_adam: float = 0.0, before_weights_return: float = 0.0,
             before_grad_land: float = 0.0):
     """An ``Engine.on_event`` listener that sleeps at the named points (seconds), to make races
-    visible on a CPU box (shared/STYLE.md rule 13): before every copy is queued; in the CPU
+    visible on a CPU box: before every copy is queued; in the CPU
     AdamW worker before a chunk's step, before its new weights return to the chunk's home,
     and before a downloaded gradient is accumulated."""
     seconds = {("begin", k): before_copy for k in ("fetch", "prefetch", "swap_in", "offload", "swap_out")}

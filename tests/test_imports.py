@@ -1,4 +1,4 @@
-"""Import rules (shared/STYLE.md §3), checked in fresh subprocesses with an import tracker.
+"""Import rules (README "Layout"), checked in fresh subprocesses with an import tracker.
 
 The executor never imports the planner or the planner's heavy dependencies; the
 plan schema and the plan tools never import torch (click's test_light_imports).

@@ -1,4 +1,4 @@
-"""The CPU ledger against per-phase formulas (shared/STYLE.md rule 12).
+"""The CPU ledger against per-phase formulas.
 
 Each expected value is a sum of named terms. On CPU the ledger counts bytes
 deterministically, so equality is exact; what it counts is listed in

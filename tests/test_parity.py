@@ -1,4 +1,4 @@
-"""Every policy against plain PyTorch in lock step, exact on CPU fp32 (shared/STYLE.md rule 11).
+"""Every policy against plain PyTorch in lock step, exact on CPU fp32.
 
 A plan moves tensors; it must not change arithmetic. Each plan trains 20 steps with
 dropout on, and the per-step losses, final parameters and AdamW moments must equal

@@ -21,8 +21,7 @@ Measurement rules, so that ratios mean something on a noisy, shared 2-core box:
   overlap the design is meant to buy; it also keeps a concurrent test run from
   stealing half of a two-thread pool mid-kernel.
 - Every protrain variant's losses are compared with the plain run's, step by
-  step: on CPU fp32 a plan moves tensors and must not change arithmetic
-  (shared/STYLE.md rule 11), so ``max |dloss|`` should be 0.
+  step: on CPU fp32 a plan moves tensors and must not change arithmetic, so ``max |dloss|`` should be 0.
 
     python tools/bench_executor.py                  # print the table
     python tools/bench_executor.py --write          # and update BENCHMARKS.md

@@ -1,6 +1,6 @@
 """Count code lines (no blank lines, comments or docstrings) per package, like tinygrad's sz.py.
 
-The executor aims to stay under 2,500 code lines (shared/STYLE.md rule 5); this
+The executor aims to stay under 2,500 code lines (kept small enough to audit and to import fast on every rank); this
 prints where it stands, and the comment+docstring ratio rule 8 asks for.
 
     python tools/loc.py
