@@ -293,8 +293,9 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Zoo model (or hf:PATH) the plan is for.")
 @hf_options
 @click.option("--data", "data_path", default=None, metavar="FILE",
-              help="Text file, or JSON lines (.jsonl, see --text-field); default: the embedded Python docs. "
-                   "Tokens: the model's own tokenizer.json with --hf-config DIR, else bytes.")
+              help="Text file, JSON lines (.jsonl, see --text-field) or a token file (`protrain tokenize`); "
+                   "default: the embedded Python docs. Tokens: the model's own tokenizer.json with "
+                   "--hf-config DIR, else bytes.")
 @click.option("--text-field", default="text", show_default=True, metavar="NAME",
               help="Field of each .jsonl line that holds the text.")
 @click.option("--tokenizer", "tokenizer", default=None, metavar="DIR|bytes",
@@ -363,6 +364,31 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
         os._exit(code)
     if code:
         sys.exit(code)
+
+
+@main.command()
+@click.option("--data", "data_path", required=True, metavar="FILE",
+              help="Text file, or JSON lines (.jsonl, see --text-field), read a piece at a time.")
+@click.option("--text-field", default="text", show_default=True, metavar="NAME",
+              help="Field of each .jsonl line that holds the text.")
+@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
+              help="Tokenizer directory (tokenizer.json) [default: byte-level tokens].")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Token file to write.")
+def tokenize(data_path, text_field, tokenizer, output):
+    """Tokenise a corpus of any size once, into a token file `train --data` memory-maps.
+
+    The file is a flat array of token ids (uint16 when the vocabulary fits, else
+    uint32) after a small header; training on it draws exactly the batches training on
+    the text would, without tokenising again and in memory independent of its size.
+    """
+    from .data import tokenize as run
+    from .preflight import output_file
+
+    output_file(output, "--output")
+    source = run(data_path, output, tokenizer=tokenizer, text_field=text_field)
+    width = "uint16" if source.tokens.dtype.itemsize == 2 else "uint32"
+    click.echo(f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary {source.vocab_size}) "
+               f"from {data_path}; train on it with `protrain train --data {output} …`")
 
 
 @main.command()
