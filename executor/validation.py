@@ -9,6 +9,7 @@ that loads can never overflow its buffers or free an upload in flight. ``load`` 
 
 from __future__ import annotations
 
+from .bounds import check_plan as check_bounds
 from .errors import PlanError
 from .plan import POST, PRE, SCHEMA_VERSION, Plan, plan_fingerprint, segments
 
@@ -27,6 +28,9 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
 
     if plan.schema_version != SCHEMA_VERSION:
         fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+
+    # -- bounds: shapes, counts and sizes that could never be allocated or iterated (bounds.py)
+    check_bounds(plan, where)
 
     # -- training ↔ schedule: fp16's loss scaler checks every gradient for overflow
     # before any parameter changes, so no CPU step may start during backward.

@@ -165,8 +165,11 @@ def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None
 def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, reprobe,
             output):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
+    from protrain.executor.bounds import check_flags
+
     from .profiling import run_profile
 
+    check_flags(micro_batch=batch, seq_len=seq)
     model_name = model_option(model_name, hf_config, blocks, required=True)
     run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
                 analytic=analytic, hardware=hardware, iterations=iterations, output=output,
@@ -208,8 +211,11 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
          grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output):
     """Search the fastest plan that fits the budget and write it."""
+    from protrain.executor.bounds import check_flags
+
     from .profiling import run_plan
 
+    check_flags(micro_batch=batch, seq_len=seq, world_size=world_size, grad_accum=grad_accum)
     model_name = model_option(model_name, hf_config, blocks, required=False)
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
@@ -413,6 +419,9 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme)
     (total and active parameters, the best micro-batch, what binds); exit status 1
     when it does not fit.
     """
+    from protrain.executor.bounds import check_flags
+
+    check_flags(seq_len=seq, world_size=world_size)
     if hf_config is None:
         if blocks is not None:
             raise click.UsageError("--blocks goes with --hf-config (a model to fit)")
