@@ -89,6 +89,27 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
     return Engine(model, plan, optimizer or AdamWConfig(), device, nvme_dir)
 
 
+def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
+    """What every rank's plan and optimizer must agree on (``Comm.agree``): the training shape
+    and activation policies by name, then a digest of every binding section (the rest)."""
+    import json
+
+    import msgspec
+
+    def digest(value) -> str:
+        return json.dumps(msgspec.to_builtins(value, order="deterministic"), sort_keys=True)
+
+    t = plan.training
+    return {"$.model.fingerprint": plan.model.fingerprint,
+            "$.training.micro_batch": t.micro_batch, "$.training.seq_len": t.seq_len,
+            "$.training.grad_accum": t.grad_accum, "$.training.compute_dtype": t.compute_dtype,
+            "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
+            "$.schedule.cpu_adam": plan.schedule.cpu_adam,
+            **{f"$.{s} (the plan's binding section)": digest(getattr(plan, s))
+               for s in ("chunks", "placement", "activations", "schedule")},
+            "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
+
+
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
     """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
     needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
@@ -111,6 +132,8 @@ class Engine:
                            ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        # before any other collective: ranks with other plans would deadlock in them (dist.py [Note: ranks agree])
+        self.comm.agree(agreement(plan, config), dev)
         self.model = model
         self.plan = plan
         self.device = dev

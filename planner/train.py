@@ -177,6 +177,10 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
     engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev, nvme_dir=nvme_dir)
     try:
+        # wrap checked the plans agree; the data order and the loop's collectives depend on these too
+        engine.comm.agree({"--seed (the data order)": seed, "--steps": steps, "--eval-every": eval_every,
+                           "--save-every": save_every, "the corpus's token count": source.tokens.numel()},
+                          engine.device)
         losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
                        progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
                        resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,

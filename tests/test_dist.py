@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distworker import LR, MICRO, SEQ, die, events, make_plan, run_plans, train
+from distworker import LR, MICRO, SEQ, die, disagree, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
 from protrain.executor import accounting
@@ -418,6 +418,21 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     seconds, message = text.split("\n", 1)
     assert float(seconds) < 25.0
     assert "rank 0 of 2" in message and "failed" in message and "another rank probably died" in message
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"grad_accum": 2}, "$.training.grad_accum = 2 where rank 0 has 1"),  # deadlocked until --timeout
+    ({"policies": ["checkpoint", "keep"]}, "$.activations (the blocks' policies) differs"),  # deadlocked too
+    ({"micro": 3}, "$.training.micro_batch = 3 where rank 0 has 2"),  # trained silently on other batches
+])
+@pytest.mark.slow  # ~12 s each on 2 cores (two processes start)
+def test_ranks_with_different_plans_are_refused_at_wrap(tmp_path, change, field):
+    # issue 31, point 6: refused on every rank at wrap, naming the rank and the field.
+    spawn(disagree, 2, str(tmp_path), change)
+    for r in range(2):
+        text = (tmp_path / f"rank{r}.txt").read_text()
+        assert text.startswith(f"PlanError: rank {r} of 2: the ranks disagree: rank 1"), text
+        assert field in text, text
 
 
 def test_plan_for_another_world_size_is_refused():
