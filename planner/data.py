@@ -587,6 +587,9 @@ def tokenize(data_path: str, output: str, tokenizer: str | None = None, text_fie
     so ``train --data OUTPUT`` draws the same batches as ``train --data DATA_PATH``.
     """
     path = Path(data_path)
+    if Path(output).resolve() == path.resolve():
+        raise ConfigError(f"-o {output} is the input file: writing it would destroy the text",
+                          hint=f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o {path.stem}.tokens`")
     if _probe(path) == "tokens":
         raise ConfigError(f"{data_path} is already a token file", hint=f"train on it: `protrain train --data {data_path} …`")
     n = write_token_file(token_stream(path, tokenizer, text_field), Path(output))

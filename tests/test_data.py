@@ -299,9 +299,11 @@ def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
     assert tokens.tokens.tolist() == text.tokens.tolist()
     for (xa, ya), (xb, yb) in zip(_take(batches(text, 3, 16, 5), 3), _take(batches(tokens, 3, 16, 5), 3)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb) and xb.dtype == torch.int64
-    # A token file is not tokenised again.
+    # A token file is not tokenised again, and the input is never the output.
     r = CliRunner().invoke(main, ["tokenize", "--data", str(out), "-o", str(tmp_path / "again.tokens")])
     assert r.exit_code == 1 and "already a token file" in r.output
+    r = CliRunner().invoke(main, ["tokenize", "--data", str(data), "-o", str(data)])
+    assert r.exit_code == 1 and "is the input file" in r.output and data.stat().st_size > 0
 
 
 def test_token_file_of_a_big_vocabulary_is_uint32(tmp_path):
