@@ -352,3 +352,19 @@ def test_a_large_corpus_trains_in_the_memory_of_a_small_one(tmp_path, monkeypatc
     big = bench_corpus.measure(tmp_path, 300_000_000, steps=2)
     for key in ("tokenize_rss", "train_tokens_rss", "train_text_rss"):
         assert big[key] - small[key] < 48 << 20, (key, small[key], big[key])
+
+
+@pytest.mark.slow
+def test_train_on_a_token_file_is_train_on_its_text(tmp_path):
+    from pathlib import Path
+
+    from protrain.planner.data import tokenize
+    from protrain.planner.train import train
+
+    text = tmp_path / "c.txt"
+    text.write_bytes(embedded_corpus()[:200_000])
+    tokenize(str(text), str(tmp_path / "c.tokens"))
+    plan = str(Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json")
+    quiet = dict(steps=2, echo=lambda _: None, progress=False, device="cpu", eval_every=1)
+    assert train(plan, "gpt2-tiny", data_path=str(tmp_path / "c.tokens"), **quiet) == \
+        train(plan, "gpt2-tiny", data_path=str(text), **quiet)
