@@ -41,12 +41,22 @@ collective (a rank died, the timeout of ``init_process_group`` expired) becomes 
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .errors import PlanError, ProtrainError
 from .events import Events
+
+
+def _agreement_value(value: object) -> int:
+    """An int64 for ``Comm.agree``: an int as itself (when it fits), anything else a digest."""
+    if isinstance(value, int) and not isinstance(value, bool) and -(1 << 62) < value < 1 << 62:
+        return value
+    return int(hashlib.sha256(repr(value).encode()).hexdigest()[:15], 16)
 
 
 class RankFailure(ProtrainError):
@@ -119,6 +129,38 @@ class Comm:
         tests/test_dist.py, 0 of 10 with the buffer."""
         out = full[own] if full.is_cuda else full.new_empty(own.stop - own.start)
         return out, self.reduce_scatter(out, full, what, async_op=True)
+
+    def agree(self, fields: Mapping[str, object], device: torch.device | str = "cpu") -> None:
+        """Refuse, on every rank, ``fields`` whose values differ between the ranks.
+
+        [Note: ranks agree] Ranks replaying different plans (another ``grad_accum`` or
+        activation policy) issue different collectives and hang until the timeout; another
+        ``micro_batch`` trains silently on other batches. So ``wrap`` (and ``protrain
+        train``, for its data seed and step counts) all-gathers each field, as the integer
+        itself or a 60-bit digest of its ``repr``, one all-gather in all, and every rank
+        sees the same table and raises the same ``PlanError`` naming the rank and the field.
+        """
+        if self.world == 1 or not fields:
+            return
+        names = list(fields)
+        mine = torch.tensor([_agreement_value(fields[n]) for n in names], dtype=torch.int64, device=device)
+        table = torch.empty(self.world * len(names), dtype=torch.int64, device=device)
+        self._run("all-gather of what the ranks must agree on (plan, training shape, data)",
+                  self._all_gather, table, mine)
+        rows = table.view(self.world, len(names)).tolist()
+        differ = [(r, i) for r in range(1, self.world) for i in range(len(names)) if rows[r][i] != rows[0][i]]
+        if not differ:
+            return
+        shown = []
+        for r, i in differ[:4]:
+            value = fields[names[i]]
+            plain = isinstance(value, int) and not isinstance(value, bool)
+            shown.append(f"rank {r} has {names[i]} = {rows[r][i]} where rank 0 has {rows[0][i]}" if plain
+                         else f"rank {r}'s {names[i]} differs from rank 0's")
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise PlanError(f"rank {self.rank} of {self.world}: the ranks disagree: {'; '.join(shown)}{more}",
+                        "start every rank with the same plan file and options (torchrun runs one command "
+                        "on every rank: check that the plan file is the same on every node)")
 
     def all_reduce(self, t: torch.Tensor, what: str, async_op: bool = False):
         return self._run(f"all-reduce of {what}", dist.all_reduce, t, async_op=async_op)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +89,27 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
     return Engine(model, plan, optimizer or AdamWConfig(), device, nvme_dir)
 
 
+def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
+    """What every rank's plan and optimizer must agree on (``Comm.agree``): the training shape
+    and activation policies by name, then a digest of every binding section (the rest)."""
+    import json
+
+    import msgspec
+
+    def digest(value) -> str:
+        return json.dumps(msgspec.to_builtins(value, order="deterministic"), sort_keys=True)
+
+    t = plan.training
+    return {"$.model.fingerprint": plan.model.fingerprint,
+            "$.training.micro_batch": t.micro_batch, "$.training.seq_len": t.seq_len,
+            "$.training.grad_accum": t.grad_accum, "$.training.compute_dtype": t.compute_dtype,
+            "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
+            "$.schedule.cpu_adam": plan.schedule.cpu_adam,
+            **{f"$.{s} (the plan's binding section)": digest(getattr(plan, s))
+               for s in ("chunks", "placement", "activations", "schedule")},
+            "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
+
+
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
     """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
     needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
@@ -111,6 +132,8 @@ class Engine:
                            ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        # before any other collective: ranks with other plans would deadlock in them (dist.py [Note: ranks agree])
+        self.comm.agree(agreement(plan, config), dev)
         self.model = model
         self.plan = plan
         self.device = dev
@@ -178,35 +201,58 @@ class Engine:
 
     # -- the training step
 
-    def _check_batch(self, batches: Sequence[Batch], count: bool = True) -> None:
+    def _check_batch(self, batches: Sequence[Batch], count: bool = True, first: int = 0) -> None:
         t = self.plan.training
         if count and len(batches) != t.grad_accum:
             raise ConfigError(f"step() got {len(batches)} micro-batches; the plan accumulates "
                               f"{t.grad_accum} per step", "pass one (idx, targets) pair per micro-batch")
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y) in enumerate(batches, first):
             for what, tensor in (("idx", x), ("targets", y)):
                 if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
                     raise ConfigError(f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
                                       f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
                                       "batch the data as the plan says, or make a plan for this shape with `protrain plan`")
 
-    def step(self, batch: Batch | Sequence[Batch]) -> StepResult:
+    def _draws(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> Iterator[Batch]:
+        """The step's micro-batches, in order: a sequence checked whole before anything runs; an
+        iterator drawn one micro-batch at a time (exactly ``grad_accum`` of them), each checked
+        as it is drawn, so a step holds one micro-batch, not ``grad_accum`` of them."""
+        if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor):
+            batch = [batch]
+        if isinstance(batch, Sequence):
+            self._check_batch(batch)
+            return iter(batch)
+        return self._drawn_one_at_a_time(iter(batch))
+
+    def _drawn_one_at_a_time(self, it: Iterator[Batch]) -> Iterator[Batch]:
+        k = self.plan.training.grad_accum
+        for i in range(k):
+            pair = next(it, None)
+            if pair is None:
+                raise ConfigError(f"step() got {i} micro-batches; the plan accumulates {k} per step "
+                                  "(the engine must be closed: the drawn ones have run)",
+                                  "pass one (idx, targets) pair per micro-batch")
+            self._check_batch([pair], count=False, first=i)
+            yield pair
+
+    def step(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> StepResult:
         """One optimizer step over the plan's ``grad_accum`` micro-batches.
 
-        ``batch``: an ``(idx, targets)`` pair (when ``grad_accum`` is 1) or a sequence
-        of them. Shapes are checked against the plan before anything runs.
+        ``batch``: an ``(idx, targets)`` pair (when ``grad_accum`` is 1), a sequence
+        of them (shapes checked against the plan before anything runs), or an iterator
+        that yields them (drawn one at a time, as each is needed: ``protrain train``
+        passes its data stream so, and holds one micro-batch at a time).
         """
-        batches = [batch] if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor) else list(batch)
-        self._check_batch(batches)
+        draws = self._draws(batch)
         self.replayer.check_trainable(self.names)
         self.events.emit("step", "begin")
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         self.ledger.reset_peak()
         self.store.begin_step()
-        k = len(batches)
+        k = self.plan.training.grad_accum
         losses = []
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y) in enumerate(draws):
             self._first_micro, self._last_micro = i == 0, i == k - 1
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             ta = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import homes as H
+from .bounds import check_plan as check_bounds
 from .errors import PlanError
 from .identity import POST, PRE, plan_fingerprint, segments
 from .migrate import SCHEMA_VERSION
@@ -34,6 +35,9 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
 
     if plan.schema_version != SCHEMA_VERSION:
         fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+
+    # -- bounds: shapes, counts and sizes that could never be allocated or iterated (bounds.py)
+    check_bounds(plan, where)
 
     # -- training ↔ schedule: fp16's loss scaler checks every gradient for overflow
     # before any parameter changes, so no CPU step may start during backward.

@@ -165,8 +165,11 @@ def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None
 def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, reprobe,
             output):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
+    from protrain.executor.bounds import check_flags
+
     from .profiling import run_profile
 
+    check_flags(micro_batch=batch, seq_len=seq)
     model_name = model_option(model_name, hf_config, blocks, required=True)
     run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
                 analytic=analytic, hardware=hardware, iterations=iterations, output=output,
@@ -208,8 +211,11 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
          grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output):
     """Search the fastest plan that fits the budget and write it."""
+    from protrain.executor.bounds import check_flags
+
     from .profiling import run_plan
 
+    check_flags(micro_batch=batch, seq_len=seq, world_size=world_size, grad_accum=grad_accum)
     model_name = model_option(model_name, hf_config, blocks, required=False)
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
@@ -293,8 +299,9 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Zoo model (or hf:PATH) the plan is for.")
 @hf_options
 @click.option("--data", "data_path", default=None, metavar="FILE",
-              help="Text file, or JSON lines (.jsonl, see --text-field); default: the embedded Python docs. "
-                   "Tokens: the model's own tokenizer.json with --hf-config DIR, else bytes.")
+              help="Text file, JSON lines (.jsonl, see --text-field) or a token file (`protrain tokenize`); "
+                   "default: the embedded Python docs. Tokens: the model's own tokenizer.json with "
+                   "--hf-config DIR, else bytes.")
 @click.option("--text-field", default="text", show_default=True, metavar="NAME",
               help="Field of each .jsonl line that holds the text.")
 @click.option("--tokenizer", "tokenizer", default=None, metavar="DIR|bytes",
@@ -366,6 +373,31 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 
 
 @main.command()
+@click.option("--data", "data_path", required=True, metavar="FILE",
+              help="Text file, or JSON lines (.jsonl, see --text-field), read a piece at a time.")
+@click.option("--text-field", default="text", show_default=True, metavar="NAME",
+              help="Field of each .jsonl line that holds the text.")
+@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
+              help="Tokenizer directory (tokenizer.json) [default: byte-level tokens].")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Token file to write.")
+def tokenize(data_path, text_field, tokenizer, output):
+    """Tokenise a corpus of any size once, into a token file `train --data` memory-maps.
+
+    The file is a flat array of token ids (uint16 when the vocabulary fits, else
+    uint32) after a small header; training on it draws exactly the batches training on
+    the text would, without tokenising again and in memory independent of its size.
+    """
+    from .data import tokenize as run
+    from .preflight import output_file
+
+    output_file(output, "--output")
+    source = run(data_path, output, tokenizer=tokenizer, text_field=text_field)
+    width = "uint16" if source.tokens.dtype.itemsize == 2 else "uint32"
+    click.echo(f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary {source.vocab_size}) "
+               f"from {data_path}; train on it with `protrain train --data {output} …`")
+
+
+@main.command()
 @click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
 @click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
 @click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
@@ -387,6 +419,9 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme)
     (total and active parameters, the best micro-batch, what binds); exit status 1
     when it does not fit.
     """
+    from protrain.executor.bounds import check_flags
+
+    check_flags(seq_len=seq, world_size=world_size)
     if hf_config is None:
         if blocks is not None:
             raise click.UsageError("--blocks goes with --hf-config (a model to fit)")

@@ -7,8 +7,9 @@ a vocabulary of at least 256 can train on it. A text file or a local Hugging Fac
 tokenizer are the two ways to use something else.
 
 Files: plain text (read as UTF-8; a file with NUL bytes or mostly invalid UTF-8 is
-refused as binary, as the plan loader refuses one), or JSON lines (``.jsonl``: one
-object per line, the text under ``text_field``). With a tokenizer each document is
+refused as binary, as the plan loader refuses one), JSON lines (``.jsonl``: one
+object per line, the text under ``text_field``), or a token file written by
+``protrain tokenize`` ([Note: token files]). With a tokenizer each document is
 encoded on its own and followed by the tokenizer's end-of-text token when it has
 one, and the documents are packed end to end into one stream, which ``batches`` cuts
 into windows of the plan's sequence length (no padding: protrain's attention is
@@ -25,16 +26,32 @@ of the corpus off (``HELDOUT_FRACTION`` of its tokens, at least one window), the
 training loop draws only from the rest, and ``heldout_batches`` reads the same
 evenly spaced windows of the tail at every evaluation, so successive held-out
 losses are comparable and no held-out token is ever trained on.
+
+[Note: bounded memory]
+No file is read whole. A data file is first probed (``_probe``: at most
+``PROBE_BYTES``, 4 KiB at a time, stopping at a NUL byte, so ``/dev/zero`` or a disk
+image is refused after 4 KiB). A token file, or a text file read byte-level, is then
+memory-mapped as it is: its pages are read when a window touches them and the kernel
+may drop them again, so the resident memory does not grow with the corpus. Anything
+else (JSON lines, or text with a tokenizer) is tokenised a document or a
+``TEXT_PIECE_BYTES`` piece at a time into an unlinked temporary file, which is mapped
+the same way; for a corpus used more than once, ``protrain tokenize`` does that once.
+Windows are gathered from the mapped ids and widened to int64 (``gather``), so a
+corpus gives the same batches whichever way it was stored. BENCHMARKS.md has the
+peak RSS of a 20 MB and a 2 GB corpus.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protrain.executor.errors import ConfigError
@@ -54,79 +71,187 @@ def embedded_corpus() -> bytes:
 @dataclass(frozen=True)
 class TokenSource:
     name: str  # where the tokens came from, e.g. "embedded:pydoc-topics" or a file path
-    tokens: torch.Tensor  # (N,) int64, CPU
+    tokens: torch.Tensor  # (N,) CPU; int64, or a file's uint8/uint16/uint32 mapped (read with ``gather``)
     vocab_size: int  # every id in `tokens` is < vocab_size
 
 
 def load_tokens(path: str | None = None, tokenizer: str | None = None,
                 text_field: str = "text") -> TokenSource:
-    """Load a corpus: the embedded one (``path=None``), a text file or a JSON-lines file.
+    """Load a corpus: the embedded one (``path=None``), a text, JSON-lines or token file.
 
     Without `tokenizer` the text is tokenised byte-level (vocab 256). With
     `tokenizer`, a local directory holding a Hugging Face tokenizer (``tokenizer.json``,
     read with the ``tokenizers`` library; nothing is downloaded), each document is
     encoded and the documents are packed (see the module docstring). A ``.jsonl``
-    file's documents are its lines' `text_field`. Whether the corpus is long enough
-    is checked by ``batches``, which knows the sequence length.
+    file's documents are its lines' `text_field`. A token file (``protrain tokenize``)
+    is already tokenised: `tokenizer` and `text_field` do not apply to it. Whether the
+    corpus is long enough is checked by ``batches``, which knows the sequence length.
+
+    Memory stays bounded by a piece of the file, whatever its size (module docstring,
+    [Note: bounded memory]): a token file and a byte-level text file are memory-mapped
+    as they are; anything else is tokenised a piece at a time into an unlinked
+    temporary file, which is then mapped.
     """
     if path is None:
-        name, data = "embedded:pydoc-topics", embedded_corpus()
+        name = "embedded:pydoc-topics"
+        if tokenizer is None:
+            ids = torch.frombuffer(bytearray(embedded_corpus()), dtype=torch.uint8).to(torch.int64)  # (N,)
+            return TokenSource(name=name, tokens=ids, vocab_size=BYTE_VOCAB_SIZE)
+        encode, vocab_size, eos = _hf_tokenizer(tokenizer)
+        stream = TokenStream(_encoded([embedded_corpus().decode("utf-8")], encode, eos), vocab_size)
     else:
-        name, data = str(path), _read_file(Path(path))
-    jsonl = path is not None and Path(path).suffix.lower() in (".jsonl", ".ndjson")
-    docs = _jsonl_documents(data, name, text_field) if jsonl else None
+        name, file = str(path), Path(path)
+        if _probe(file) == "tokens":
+            return _map_token_file(file)
+        if tokenizer is None and not _is_jsonl(file):  # the file's bytes are its tokens
+            return TokenSource(name=name, tokens=_map(file, np.uint8, 0, file.stat().st_size),
+                               vocab_size=BYTE_VOCAB_SIZE)
+        stream = token_stream(file, tokenizer, text_field)
+    dtype = np.uint8 if tokenizer is None else np.int64
+    import tempfile
 
+    with tempfile.TemporaryFile(prefix="protrain-tokens-") as tmp:  # unlinked: gone with the process
+        n = _write_pieces(tmp, stream.pieces, dtype)
+        if n == 0 and tokenizer is not None:
+            raise ConfigError(f"{name}: the tokenizer in {tokenizer} gives no tokens for this text",
+                              hint="check the file holds text, or use another --data file")
+        tmp.flush()
+        # (an empty byte-level corpus, blank documents only, is refused by ``batches``)
+        tokens = (torch.from_numpy(np.memmap(tmp, dtype=dtype, mode="c", shape=(n,))) if n
+                  else torch.zeros(0, dtype=torch.int64))
+    label = name if tokenizer is None else f"{name}@{tokenizer}"
+    return TokenSource(name=label, tokens=tokens, vocab_size=stream.vocab_size)
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() in (".jsonl", ".ndjson")
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """A corpus file's tokens as pieces (1D integer arrays) in order, and their vocabulary."""
+
+    pieces: Iterator[np.ndarray]
+    vocab_size: int
+
+
+def token_stream(path: Path, tokenizer: str | None, text_field: str = "text") -> TokenStream:
+    """The tokens of a text or JSON-lines file, a piece at a time (what ``load_tokens`` packs).
+
+    Byte-level: the file's bytes, or a ``.jsonl`` file's documents joined by one newline.
+    With a tokenizer: each document encoded and followed by the end-of-text token; a
+    plain text file is one document, encoded in pieces of ``TEXT_PIECE_BYTES`` cut after
+    a newline (one piece, the whole file, for any file up to that size).
+    """
+    docs = _jsonl_documents(path, str(path), text_field) if _is_jsonl(path) else None
     if tokenizer is None:
-        if docs is not None:  # byte-level documents, one newline between them
-            data = "\n".join(docs).encode("utf-8")
-        # bytearray: frombuffer wants a writable buffer; the copy is the corpus size.
-        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)  # (N,)
-        return TokenSource(name=name, tokens=ids, vocab_size=BYTE_VOCAB_SIZE)
-
+        if docs is None:
+            return TokenStream(_byte_pieces(path), BYTE_VOCAB_SIZE)
+        return TokenStream(_joined_document_bytes(docs), BYTE_VOCAB_SIZE)
     encode, vocab_size, eos = _hf_tokenizer(tokenizer)
     if docs is None:
         # errors="replace": a stray invalid byte should cost one token, not the run.
-        docs = [data.decode("utf-8", errors="replace")]
-    ids: list[int] = []
+        text = (p.decode("utf-8", errors="replace") for p in _text_pieces(path))
+        return TokenStream(_encoded(text, encode, None, eos_last=eos), vocab_size)
+    return TokenStream(_encoded(docs, encode, eos), vocab_size)
+
+
+TEXT_PIECE_BYTES = 16 << 20
+"""A plain text file read with a tokenizer is encoded this many bytes at a time (cut after a newline)."""
+
+_READ_BYTES = 1 << 20  # bytes read at a time when the tokens are the bytes
+
+
+def _byte_pieces(path: Path) -> Iterator[np.ndarray]:
+    with open(path, "rb") as f:
+        while piece := f.read(_READ_BYTES):
+            yield np.frombuffer(piece, dtype=np.uint8)
+
+
+def _text_pieces(path: Path) -> Iterator[bytes]:
+    """The file in pieces of about ``TEXT_PIECE_BYTES``, each but the last ending in a newline."""
+    rest = b""
+    with open(path, "rb") as f:
+        while piece := f.read(TEXT_PIECE_BYTES):
+            piece = rest + piece
+            cut = piece.rfind(b"\n") + 1
+            if cut == 0:  # no newline yet: keep reading (a file of one long line is one piece)
+                rest = piece
+                continue
+            rest = piece[cut:]
+            yield piece[:cut]
+    if rest:
+        yield rest
+
+
+def _joined_document_bytes(docs: Iterator[str]) -> Iterator[np.ndarray]:
+    for i, doc in enumerate(docs):
+        data = doc.encode("utf-8")
+        yield np.frombuffer(data if i == 0 else b"\n" + data, dtype=np.uint8)
+
+
+def _encoded(docs, encode, eos: int | None, *, eos_last: int | None = None) -> Iterator[np.ndarray]:
+    """Each document's ids, followed by ``eos``; ``eos_last``: one end-of-text after all of them."""
     for doc in docs:
-        ids += encode(doc)
+        ids = encode(doc)
         if eos is not None:
-            ids.append(eos)
-    if not ids:
-        raise ConfigError(f"{name}: the tokenizer in {tokenizer} gives no tokens for this text",
-                          hint="check the file holds text, or use another --data file")
-    return TokenSource(name=f"{name}@{tokenizer}", tokens=torch.tensor(ids, dtype=torch.int64),
-                       vocab_size=vocab_size)
+            ids = [*ids, eos]
+        yield np.asarray(ids, dtype=np.int64)
+    if eos_last is not None:
+        yield np.asarray([eos_last], dtype=np.int64)
 
 
-def _jsonl_documents(data: bytes, name: str, field: str) -> list[str]:
-    """The `field` string of every non-blank line of a JSON-lines file."""
+def _write_pieces(f, pieces: Iterator[np.ndarray], dtype) -> int:
+    """Write every piece to ``f`` as ``dtype``; returns the number of tokens written."""
+    n = 0
+    for piece in pieces:
+        f.write(piece.astype(dtype, copy=False).tobytes())
+        n += piece.size
+    return n
+
+
+def _map(path: Path, dtype, offset: int, count: int) -> torch.Tensor:
+    """``count`` elements of ``dtype`` of the file from byte ``offset``, memory-mapped (read only
+    in effect: mode "c" maps copy-on-write, so nothing can write the file)."""
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", offset=offset, shape=(count,)))
+
+
+def _jsonl_documents(path: Path, name: str, field: str) -> Iterator[str]:
+    """The `field` string of every non-blank line of a JSON-lines file, read a line at a time.
+
+    Lines are those of ``str.splitlines`` on the decoded file (so also ``\\r``, ``\\x0c``,
+    ``\\u2028`` … end a line), counted from 1 in error messages.
+    """
     import json
 
-    docs = []
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{name}, line {i}: not JSON ({e.msg})",
-                              hint="a .jsonl file holds one JSON object per line; rename a plain "
-                              "text file to .txt") from None
-        text = obj.get(field) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
-            raise ConfigError(f"{name}, line {i}: no string field {field!r} (found: {keys})",
-                              hint="name the field that holds the text with --text-field")
-        docs.append(text)
-    if not docs:
+    i = 0
+    any_doc = False
+    with open(path, "rb") as f:
+        for raw in f:  # cut after b"\n": no UTF-8 sequence spans it, no line break but "\r\n" does
+            for line in raw.decode("utf-8", errors="replace").splitlines():
+                i += 1
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{name}, line {i}: not JSON ({e.msg})",
+                                      hint="a .jsonl file holds one JSON object per line; rename a plain "
+                                      "text file to .txt") from None
+                text = obj.get(field) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
+                    raise ConfigError(f"{name}, line {i}: no string field {field!r} (found: {keys})",
+                                      hint="name the field that holds the text with --text-field")
+                any_doc = True
+                yield text
+    if not any_doc:
         raise ConfigError(f"{name}: no JSON lines", hint="pass a .jsonl file with one object per line")
-    return docs
 
 
 def looks_binary(data: bytes) -> str | None:
     """Why ``data`` is not text (None when it is): NUL bytes, or mostly invalid UTF-8."""
-    head = data[:1 << 16]
+    head = data[:PROBE_BYTES]
     if b"\0" in head:
         return "it holds NUL bytes"
     text = head.decode("utf-8", errors="replace")
@@ -136,9 +261,31 @@ def looks_binary(data: bytes) -> str | None:
     return None
 
 
-def _read_file(path: Path) -> bytes:
+PROBE_BYTES = 1 << 16
+"""A data file's first bytes that must look like text (``looks_binary``)."""
+
+_PROBE_STEP = 4 << 10  # read 4 KiB at a time: a NUL byte (any binary file, /dev/zero) stops it there
+
+
+def _probe(path: Path) -> str:
+    """``"tokens"`` for a token file, ``"text"`` for a text file; refuse anything else.
+
+    Reads at most ``PROBE_BYTES`` (a few KiB of a binary file: a NUL byte ends the
+    reading), never the whole file: ``/dev/zero`` or a disk image is refused at once.
+    """
+    head = b""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            while len(head) < PROBE_BYTES:
+                piece = f.read(_PROBE_STEP)
+                if not piece:
+                    break
+                head += piece
+                if head.startswith(TOKENS_MAGIC):
+                    return "tokens"
+                if b"\0" in piece:
+                    break
+            regular = os.path.isfile(path)
     except FileNotFoundError:
         raise ConfigError(
             f"data file {str(path)!r} does not exist",
@@ -149,19 +296,82 @@ def _read_file(path: Path) -> bytes:
             f"cannot read data file {str(path)!r}: {e.strerror}",
             hint="pass a readable text file with --data, or omit it for the embedded corpus",
         ) from None
-    if not data:
+    if not head:
         raise ConfigError(
             f"data file {str(path)!r} is empty",
             hint="pass a non-empty text file with --data, or omit it for the embedded corpus",
         )
-    why = looks_binary(data)
+    why = looks_binary(head)
     if why is not None:
         raise ConfigError(
             f"data file {str(path)!r} is not text: {why}",
-            hint="pass a UTF-8 text or .jsonl file with --data (protrain tokenises text; "
-            "it does not read pre-tokenised or compressed files)",
+            hint="pass a UTF-8 text or .jsonl file with --data, or a token file written by "
+            "`protrain tokenize` (protrain does not read other pre-tokenised or compressed files)",
         )
-    return data
+    if not regular:
+        raise ConfigError(f"data file {str(path)!r} is not a regular file (a pipe or a device)",
+                          hint="save the text to a file and pass that with --data")
+    return "text"
+
+
+# ------------------------------------------------------------------ token files
+
+TOKENS_MAGIC = b"PTTOKENS"
+TOKENS_VERSION = 1
+_HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes per token, token count, vocabulary size
+_WIDTHS = {2: np.uint16, 4: np.uint32}
+"""[Note: token files]
+``protrain tokenize`` writes a corpus as one flat array of token ids after a 32-byte
+little-endian header: the magic ``PTTOKENS``, the format version (1), the bytes per
+token (2: uint16 when the vocabulary fits, else 4: uint32), the token count and the
+vocabulary size. Training maps the array (nanoGPT's and llm.c's layout, with a header
+that says how to read it); nothing is parsed per token."""
+
+
+def token_width(vocab_size: int) -> int:
+    """Bytes per token a token file uses for this vocabulary: 2 when every id fits uint16."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
+def write_token_file(stream: TokenStream, output: Path) -> int:
+    """Write ``stream`` as a token file at ``output`` (atomically); returns the token count."""
+    width = token_width(stream.vocab_size)
+    tmp = output.with_name(f".{output.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION, width, 0, stream.vocab_size))
+            n = _write_pieces(f, stream.pieces, _WIDTHS[width])
+            f.seek(0)
+            f.write(_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION, width, n, stream.vocab_size))
+            f.flush()
+            os.fsync(f.fileno())
+        if n == 0:
+            raise ConfigError(f"{output}: the input gives no tokens", hint="check the file holds text")
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
+def _map_token_file(path: Path) -> TokenSource:
+    """A token file's ids, memory-mapped; refuses a header that does not describe the file."""
+    with open(path, "rb") as f:
+        header = f.read(_HEADER.size)
+    size = path.stat().st_size
+    fix = f"write it again: `protrain tokenize --data TEXT -o {path}`"
+    if len(header) < _HEADER.size:
+        raise ConfigError(f"token file {str(path)!r} is truncated: {size} bytes, shorter than its header", fix)
+    magic, version, width, count, vocab = _HEADER.unpack(header)
+    if version != TOKENS_VERSION:
+        raise ConfigError(f"token file {str(path)!r} has format version {version}; this protrain reads "
+                          f"version {TOKENS_VERSION}", fix)
+    if width not in _WIDTHS or vocab < 1 or token_width(vocab) > width:
+        raise ConfigError(f"token file {str(path)!r}: header says {width} bytes per token for a vocabulary "
+                          f"of {vocab}; expected 2 or 4, wide enough for the vocabulary", fix)
+    if count < 1 or size != _HEADER.size + count * width:
+        raise ConfigError(f"token file {str(path)!r}: header says {count} tokens of {width} bytes, so "
+                          f"{_HEADER.size + count * width} bytes in all, but the file has {size}", fix)
+    return TokenSource(name=str(path), tokens=_map(path, _WIDTHS[width], _HEADER.size, count), vocab_size=vocab)
 
 
 def _hf_tokenizer(directory: str):
@@ -297,9 +507,22 @@ def _windows(
     while True:
         starts = torch.randint(0, high, (world_size * micro_batch,), generator=gen)  # (W*B,)
         mine = starts[rank * micro_batch : (rank + 1) * micro_batch]  # (B,)
-        window = tokens[mine[:, None] + offsets]  # (B, T+1)
+        window = gather(tokens, mine[:, None] + offsets)  # (B, T+1)
         # contiguous: callers flatten targets with .view(-1), which a strided slice refuses.
         yield window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+# Unsigned dtypes read through their signed twin and a mask (older torch cannot index them).
+_SIGNED = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFF_FFFF)}
+
+
+def gather(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tokens[index]`` as int64, whatever integer dtype the corpus is stored in."""
+    signed = _SIGNED.get(tokens.dtype)
+    if signed is None:
+        return tokens[index].to(torch.int64)
+    view, mask = signed
+    return tokens.view(view)[index].to(torch.int64) & mask
 
 
 HELDOUT_FRACTION = 0.05
@@ -352,6 +575,24 @@ def heldout_batches(source: TokenSource, micro_batch: int, seq_len: int, n_batch
     for i in range(n_batches):
         glob = starts[i * world_size * micro_batch: (i + 1) * world_size * micro_batch]  # (W*B,)
         mine = glob[rank * micro_batch: (rank + 1) * micro_batch]  # (B,)
-        window = tokens[mine[:, None] + offsets]  # (B, T+1)
+        window = gather(tokens, mine[:, None] + offsets)  # (B, T+1)
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))  # (B, T), (B, T)
     return out
+
+
+def tokenize(data_path: str, output: str, tokenizer: str | None = None, text_field: str = "text") -> TokenSource:
+    """``protrain tokenize``: stream a text or JSON-lines file into a token file; returns it, mapped.
+
+    The tokens are exactly those ``load_tokens(data_path, tokenizer, text_field)`` gives,
+    so ``train --data OUTPUT`` draws the same batches as ``train --data DATA_PATH``.
+    """
+    path = Path(data_path)
+    if Path(output).resolve() == path.resolve():
+        raise ConfigError(f"-o {output} is the input file: writing it would destroy the text",
+                          hint=f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o {path.stem}.tokens`")
+    if _probe(path) == "tokens":
+        raise ConfigError(f"{data_path} is already a token file", hint=f"train on it: `protrain train --data {data_path} …`")
+    n = write_token_file(token_stream(path, tokenizer, text_field), Path(output))
+    source = _map_token_file(Path(output))
+    assert source.tokens.numel() == n
+    return source

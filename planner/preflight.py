@@ -89,3 +89,45 @@ def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
             f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
             f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or less (its usable "
             "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)")
+
+
+def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan") -> int:
+    """Refuse to train ``plan`` when this machine cannot hold what it needs on the host (before the build);
+    return that need in bytes.
+
+    The need, per process: the model's fp32 parameters (built on the CPU first), the
+    plan's own host figures from ``accounting.walk`` (offloaded chunks' states, swapped
+    activations at the turn) and, when the device is the CPU, the device side too (the
+    walk's peak: persistent chunks, buffers, gradients) and one micro-batch's token ids
+    and fp32 logits. torchrun's ``LOCAL_WORLD_SIZE`` ranks share the machine. Also
+    refuses a sequence longer than the model's positions, which would fail only at the
+    first forward.
+    """
+    from protrain.executor import accounting
+
+    from .models import describe
+
+    info = describe(model_name)
+    t = plan.training
+    if info.max_seq_len and t.seq_len > info.max_seq_len:
+        raise ConfigError(f"{where}: seq_len {t.seq_len} is longer than {model_name}'s {info.max_seq_len} "
+                          "positions - at `$.training.seq_len`",
+                          f"make a plan with `protrain plan --seq {info.max_seq_len}` or less")
+    w = accounting.walk(plan)
+    parts = {"fp32 parameters": info.n_params * 4, "offloaded states": w.host_bytes,
+             "swapped activations": w.host_swap_bytes}
+    if device == "cpu":
+        tokens = t.micro_batch * t.seq_len
+        parts["device side on the CPU"] = int(w.peak_bytes)
+        parts["one micro-batch's ids and logits"] = tokens * (2 * 8 + info.vocab_size * 4)
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    need, available = sum(parts.values()) * ranks, available_host_memory()
+    if available and need > available:
+        detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
+        per = f" × {ranks} ranks on this machine" if ranks > 1 else ""
+        raise HostMemoryError(
+            f"{where}: training {model_name} needs about {human_bytes(need)} of host memory ({detail}{per}), "
+            f"and {human_bytes(available)} is available here",
+            "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
+            "(or a smaller --batch), or use a machine with more RAM", need=need, available=available)
+    return need

@@ -18,6 +18,7 @@ be exported back to a directory transformers loads (``export_dir``, ``hf.export`
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -155,15 +156,13 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
            progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
            max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
            metrics_path=None, export_dir=None, nvme_dir=None) -> Losses:
-    from .preflight import host_memory_for_build
-
     check_name(model_name)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    prechecks(plan, model_name, device=dev, where=plan_path)
     tok_dir = _tokenizer_dir(model_name, tokenizer)
     source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
     echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "
          + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level"))
-    host_memory_for_build(model_name, what="train")
     model = build(model_name, device="cpu", seed=seed)
     loaded = getattr(model, "weights_loaded_from", None)
     echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
@@ -178,6 +177,10 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
     engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev, nvme_dir=nvme_dir)
     try:
+        # wrap checked the plans agree; the data order and the loop's collectives depend on these too
+        engine.comm.agree({"--seed (the data order)": seed, "--steps": steps, "--eval-every": eval_every,
+                           "--save-every": save_every, "the corpus's token count": source.tokens.numel()},
+                          engine.device)
         losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
                        progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
                        resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,
@@ -196,6 +199,19 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         return losses
     finally:
         engine.close()
+
+
+def prechecks(plan, model_name: str, *, device: str | torch.device, where: str = "the plan") -> int:
+    """What ``train`` checks of a plan before building the model: its bounds (``validate``,
+    executor/bounds.py: a plan made in memory has not been loaded) and whether this machine
+    holds what it needs on the host (``preflight.plan_fits_host``). Allocates nothing;
+    returns the host bytes it counted."""
+    from protrain.executor.validation import validate
+
+    from .preflight import plan_fits_host
+
+    validate(plan, where)
+    return plan_fits_host(plan, model_name, device=torch.device(device).type, where=where)
 
 
 def heldout_loss(engine, heldout: list) -> float:
@@ -258,7 +274,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     try:
         with stop.installed():
             for step in range(first, steps):
-                result = engine.step([next(data) for _ in range(t.grad_accum)])
+                # drawn one at a time as the engine needs them: one micro-batch in memory, not grad_accum
+                result = engine.step(itertools.islice(data, t.grad_accum))
                 drawn += t.grad_accum
                 losses.append(result.loss)
                 stopping = _agree(stop.requested, engine)  # every rank stops after the same step

@@ -8,6 +8,7 @@ W), wraps it and trains on its slice of every global batch. Results go to files 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import time
@@ -27,11 +28,12 @@ MICRO, SEQ, LR = 2, 32, 2e-3
 
 
 def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
-              micro: int = MICRO, chunk_numel: int = 65536, dtype: str = "float32", **config) -> P.Plan:
+              micro: int = MICRO, chunk_numel: int = 65536, dtype: str = "float32", grad_accum: int = 1,
+              **config) -> P.Plan:
     """``config``: more of ``emit.assemble``'s options (``cpu_adam``, ``shard_persistent_states``)."""
     meta = build(name, device="meta")
     training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype=dtype, master_dtype="float32",
-                          world_size=world, grad_accum=1)
+                          world_size=world, grad_accum=grad_accum)
     return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=chunk_numel,
                 persistent=persistent, n_buffer=n_buffer, policies=policies, **config)
 
@@ -142,6 +144,27 @@ def events(rank: int, world: int, port: int, out: str, name: str, persistent, sh
                 {"events": seen, "persistent": plan.placement.persistent,
                  "blocks": list(plan.model.blocks)}))
         engine.close()
+    finally:
+        dist.destroy_process_group()
+    _exit_cleanly()
+
+
+def disagree(rank: int, world: int, port: int, out: str, change: dict) -> None:
+    """Rank 1 wraps a plan made with ``change`` (grad_accum, micro, policies); every rank writes
+    what happened at wrap and two steps: "trained", or its error's class and message."""
+    init(rank, world, port, timeout_s=15.0)
+    try:
+        kwargs = {"policies": ["keep", "keep"], **(change if rank == 1 else {})}
+        plan = make_plan("gpt2-tiny", world, [0], 2, **kwargs)
+        try:
+            engine = wrap(build("gpt2-tiny", seed=1), plan, device="cpu")
+            data = batches(load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world)
+            for _ in range(2):
+                engine.step(itertools.islice(data, plan.training.grad_accum))
+            result = "trained"
+        except Exception as e:  # noqa: BLE001 (the parent asserts which)
+            result = f"{type(e).__name__}: {e}"
+        Path(out, f"rank{rank}.txt").write_text(result)
     finally:
         dist.destroy_process_group()
     _exit_cleanly()

@@ -34,6 +34,7 @@ FROZEN_OPTIONS = {
     "train": ["--blocks", "--data", "--eval-every", "--export", "--help", "--hf-config", "--keep", "--log-every",
               "--lr", "--max-grad-norm", "--metrics", "--model", "--nvme", "--plan", "--resume", "--save-dir", "--save-every",
               "--seed", "--steps", "--text-field", "--timeout", "--tokenizer", "--trace"],
+    "tokenize": ["--data", "--help", "--output", "--text-field", "--tokenizer"],
     "validate": ["--help", "--model"],
 }
 

@@ -293,3 +293,53 @@ def test_no_traceback_from_bad_inputs_in_a_real_process(tmp_path):
         assert p.returncode in (1, 2), (args, p.stdout, p.stderr)
         assert "Traceback" not in p.stderr + p.stdout, (args, p.stderr)
         assert p.stderr.startswith("error: ") or "Error:" in p.stderr, (args, p.stderr)
+
+
+# ------------------------------------------------------------------ issue 31: bounds checked once
+
+
+def _edited(tmp_path, section: str, field: str, value: int) -> Path:
+    doc = json.loads(EXAMPLE.read_text())
+    doc[section][field] = value
+    path = tmp_path / f"{field}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize(("section", "field", "value"), [
+    ("chunks", "chunk_numel", 2**62), ("training", "micro_batch", 10**12), ("training", "grad_accum", 10**9),
+    ("training", "seq_len", 2**40), ("training", "world_size", 10**9), ("placement", "n_buffer", 2**40)])
+def test_validate_refuses_what_cannot_be_allocated_or_iterated(tmp_path, section, field, value):
+    path = _edited(tmp_path, section, field, value)
+    for r in (run("validate", path), run(*TRAIN, "--plan", path, "--steps", "1")):
+        no_traceback(r)
+        assert f"at `$.{section}.{field}`" in r.output and "at most" in r.output
+
+
+def test_flags_over_their_bounds_are_refused(tmp_path):
+    r = run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "16",
+            "--grad-accum", "1000000000", "-o", tmp_path / "p.json")
+    no_traceback(r)
+    assert "--grad-accum 1000000000" in r.output and "HINT: give --grad-accum 65536 or less" in r.output
+    r = run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "100000", "--seq", "100000",
+            "-o", tmp_path / "p.json")
+    no_traceback(r)
+    assert "tokens per micro-batch" in r.output
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_train_refuses_a_plan_this_host_cannot_hold_before_the_build(tmp_path, monkeypatch):
+    from protrain.planner import models, preflight
+
+    monkeypatch.setattr(preflight, "available_host_memory", lambda: 1 << 20)  # 1 MiB free
+    build = models.build
+    monkeypatch.setattr(models, "build", lambda name, device="cpu", **k: build(name, device=device, **k)
+                        if device == "meta" else pytest.fail("built the model"))
+    r = run(*TRAIN, "--steps", "1")
+    no_traceback(r)
+    # both numbers: the plan's need (its accounting's host figures included) and what is available
+    assert "needs about" in r.output and "offloaded states" in r.output and "1.00 MiB is available" in r.output
+    # a longer sequence than the model's positions fails here too, not at the first forward
+    r = run(*TRAIN, "--plan", _edited(tmp_path, "training", "seq_len", 4096), "--steps", "1")
+    no_traceback(r)
+    assert "longer than gpt2-tiny's 128 positions" in r.output

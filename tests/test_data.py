@@ -197,3 +197,174 @@ def test_heldout_batches_are_fixed_and_sliced_by_rank():
     r1 = heldout_batches(tail, 2, 16, 3, rank=1, world_size=2)
     for (x, _), (a, _), (b, _) in zip(one, r0, r1):
         assert torch.equal(torch.cat([a, b]), x)
+
+
+# ------------------------------------------------------------------ bounded memory, token files
+# (data.py [Note: bounded memory], [Note: token files])
+
+
+def _traced_peak(fn) -> int:
+    """Peak bytes Python allocated while ``fn()`` ran (a whole-file read is one such allocation)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_binary_input_is_refused_after_a_few_kib(tmp_path):
+    # 64 MiB of zeros (a sparse file: nothing written): refused after its first 4 KiB, not read whole.
+    path = tmp_path / "zeros.bin"
+    with open(path, "wb") as f:
+        f.truncate(64 << 20)
+
+    def load():
+        with pytest.raises(ConfigError, match="NUL bytes") as info:
+            load_tokens(str(path))
+        assert "protrain tokenize" in info.value.hint
+
+    assert _traced_peak(load) < 1 << 20
+
+
+def test_dev_zero_is_refused():
+    import os
+
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    with pytest.raises(ConfigError, match="NUL bytes"):
+        load_tokens("/dev/zero")
+
+
+def test_text_and_jsonl_files_are_not_read_whole(tmp_path):
+    import json
+
+    text = tmp_path / "big.txt"
+    text.write_bytes(b"the planner writes a plan\n" * (1 << 19))  # 13 MiB
+    src = _traced_peak(lambda: load_tokens(str(text)))
+    assert src < 1 << 20
+    lines = tmp_path / "big.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"document {i} " * 200}) + "\n" for i in range(2000)))  # ~5 MiB
+    assert _traced_peak(lambda: load_tokens(str(lines))) < 1 << 20
+    source = load_tokens(str(lines))
+    first = b"document 0 " * 200 + b"\n" + b"document 1 " * 200
+    assert bytes(source.tokens[: len(first)].tolist()) == first  # documents joined by one newline
+    x, y = next(batches(source, micro_batch=2, seq_len=64, seed=0))
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def _tiny_tokenizer(directory, vocab_size=300):
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    directory.mkdir()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the planner writes a plan", "chunks move between host and device"], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return str(directory)
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "txt+tokenizer", "jsonl+tokenizer"])
+def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
+    import json
+
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    pytest.importorskip("tokenizers")
+    sentences = ["the planner writes a plan", "chunks move between hést and device\r\nagain", "plan\u2028it"]
+    if kind.startswith("txt"):
+        data = tmp_path / "c.txt"
+        data.write_text("\n".join(sentences * 40), encoding="utf-8")
+    else:
+        data = tmp_path / "c.jsonl"
+        data.write_text("".join(json.dumps({"body": s}) + "\n" for s in sentences * 40), encoding="utf-8")
+    tok = _tiny_tokenizer(tmp_path / "tok") if kind.endswith("tokenizer") else None
+    out = tmp_path / "c.tokens"
+    args = ["tokenize", "--data", str(data), "--text-field", "body", "-o", str(out)]
+    r = CliRunner().invoke(main, args + (["--tokenizer", tok] if tok else []))
+    assert r.exit_code == 0, r.output
+    assert "uint16" in r.output and "protrain train --data" in r.output
+    text, tokens = load_tokens(str(data), tokenizer=tok, text_field="body"), load_tokens(str(out))
+    assert tokens.vocab_size == text.vocab_size and tokens.tokens.dtype == torch.uint16
+    assert tokens.tokens.tolist() == text.tokens.tolist()
+    for (xa, ya), (xb, yb) in zip(_take(batches(text, 3, 16, 5), 3), _take(batches(tokens, 3, 16, 5), 3)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and xb.dtype == torch.int64
+    # A token file is not tokenised again, and the input is never the output.
+    r = CliRunner().invoke(main, ["tokenize", "--data", str(out), "-o", str(tmp_path / "again.tokens")])
+    assert r.exit_code == 1 and "already a token file" in r.output
+    r = CliRunner().invoke(main, ["tokenize", "--data", str(data), "-o", str(data)])
+    assert r.exit_code == 1 and "is the input file" in r.output and data.stat().st_size > 0
+
+
+def test_token_file_of_a_big_vocabulary_is_uint32(tmp_path):
+    import numpy as np
+
+    from protrain.planner.data import TokenStream, write_token_file
+
+    ids = np.array([0, 65_535, 65_536, 99_999, 7], dtype=np.int64)
+    path = tmp_path / "big.tokens"
+    assert write_token_file(TokenStream(iter([ids[:2], ids[2:]]), 100_000), path) == 5
+    src = load_tokens(str(path))
+    assert src.tokens.dtype == torch.uint32 and src.vocab_size == 100_000
+    x, y = next(batches(src, micro_batch=1, seq_len=4, seed=0))
+    assert x.tolist() == [ids[:4].tolist()] and y.tolist() == [ids[1:].tolist()]
+
+
+def test_damaged_token_files_are_refused(tmp_path):
+    import numpy as np
+
+    from protrain.planner.data import TokenStream, write_token_file
+
+    path = tmp_path / "c.tokens"
+    write_token_file(TokenStream(iter([np.arange(100)]), 256), path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-3])
+    with pytest.raises(ConfigError, match="header says 100 tokens") as info:
+        load_tokens(str(path))
+    assert "protrain tokenize" in info.value.hint
+    path.write_bytes(data[:8] + (9).to_bytes(4, "little") + data[12:])
+    with pytest.raises(ConfigError, match="format version 9"):
+        load_tokens(str(path))
+
+
+@pytest.mark.slow
+def test_a_large_corpus_trains_in_the_memory_of_a_small_one(tmp_path, monkeypatch):
+    # tools/bench_corpus.py end to end on 2 MB and 300 MB generated corpora (BENCHMARKS.md has
+    # 20 MB against 2 GB): tokenize, train on the token file, train on the text, each a process
+    # of its own; the big corpus may not raise any of their peak RSS by more than 48 MiB (the
+    # old whole-file read of 300 MB needed gigabytes).
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_corpus
+
+    small = bench_corpus.measure(tmp_path, 2_000_000, steps=2)
+    big = bench_corpus.measure(tmp_path, 300_000_000, steps=2)
+    for key in ("tokenize_rss", "train_tokens_rss", "train_text_rss"):
+        assert big[key] - small[key] < 48 << 20, (key, small[key], big[key])
+
+
+@pytest.mark.slow
+def test_train_on_a_token_file_is_train_on_its_text(tmp_path):
+    from pathlib import Path
+
+    from protrain.planner.data import tokenize
+    from protrain.planner.train import train
+
+    text = tmp_path / "c.txt"
+    text.write_bytes(embedded_corpus()[:200_000])
+    tokenize(str(text), str(tmp_path / "c.tokens"))
+    plan = str(Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json")
+    quiet = dict(steps=2, echo=lambda _: None, progress=False, device="cpu", eval_every=1)
+    assert train(plan, "gpt2-tiny", data_path=str(tmp_path / "c.tokens"), **quiet) == \
+        train(plan, "gpt2-tiny", data_path=str(text), **quiet)

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distworker import LR, MICRO, SEQ, die, events, make_plan, run_plans, train
+from distworker import LR, MICRO, SEQ, die, disagree, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
 from protrain.executor import accounting
@@ -418,6 +418,53 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     seconds, message = text.split("\n", 1)
     assert float(seconds) < 25.0
     assert "rank 0 of 2" in message and "failed" in message and "another rank probably died" in message
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"grad_accum": 2}, "$.training.grad_accum = 2 where rank 0 has 1"),  # deadlocked until --timeout
+    ({"policies": ["checkpoint", "keep"]}, "$.activations (the blocks' policies) differs"),  # deadlocked too
+    ({"micro": 3}, "$.training.micro_batch = 3 where rank 0 has 2"),  # trained silently on other batches
+])
+@pytest.mark.slow  # ~12 s each on 2 cores (two processes start)
+def test_ranks_with_different_plans_are_refused_at_wrap(tmp_path, change, field):
+    # issue 31, point 6: refused on every rank at wrap, naming the rank and the field.
+    spawn(disagree, 2, str(tmp_path), change)
+    for r in range(2):
+        text = (tmp_path / f"rank{r}.txt").read_text()
+        assert text.startswith(f"PlanError: rank {r} of 2: the ranks disagree: rank 1"), text
+        assert field in text, text
+
+
+def test_agree_names_the_rank_and_the_field_in_process():
+    # Comm.agree's verdict without processes: a stand-in all-gather gives rank 1 another
+    # grad_accum and policies. (The 2-rank runs above are slow; this runs by default.)
+    import dataclasses
+
+    from protrain.executor import AdamWConfig
+    from protrain.executor.dist import Comm, _agreement_value
+    from protrain.executor.engine import agreement
+    from protrain.executor.errors import PlanError
+
+    mine = agreement(make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"]), AdamWConfig())
+    other = agreement(make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], grad_accum=4), AdamWConfig())
+    assert agreement(make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"]), AdamWConfig()) == mine
+    comm = Comm.__new__(Comm)
+    comm.world, comm.rank, comm.runner = 2, 0, lambda fn: fn()
+    comm.events = dataclasses.make_dataclass("E", [])()
+    comm.events.emit = lambda *a, **k: None
+
+    def gather(table, own):
+        table[: own.numel()] = own
+        table[own.numel():] = torch.tensor([_agreement_value(v) for v in other.values()])
+
+    comm._all_gather = gather
+    with pytest.raises(PlanError) as info:
+        comm.agree(mine)
+    text = str(info.value)
+    assert text.startswith("rank 0 of 2: the ranks disagree: rank 1 has $.training.grad_accum = 4 where rank 0 has 1")
+    assert "rank 1's $.activations (the blocks' policies) differs from rank 0's" in text
+    comm._all_gather = lambda table, own: table.copy_(own.repeat(2))
+    comm.agree(mine)  # the same on both ranks: nothing to refuse
 
 
 def test_plan_for_another_world_size_is_refused():

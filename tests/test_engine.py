@@ -4,6 +4,7 @@ fp16 loss scaling, state dicts in plain names and resuming under another plan.""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import msgspec
@@ -144,3 +145,30 @@ def test_plan_object_must_be_valid():
     with pytest.raises(PlanError, match="activations"):
         wrap(make_model("gpt2-4"), bad)
     assert P.load(P.dump(plan)) == plan
+
+
+def test_accumulation_draws_micro_batches_one_at_a_time():
+    # An iterator is drawn as the engine needs each micro-batch (issue 31: train built all
+    # grad_accum micro-batches of a step at once); the losses are those of a list of them.
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", grad_accum=3)
+    data = list(itertools.islice(_data(), 6))
+    eager = wrap(make_model("gpt2-4"), plan, device="cpu")
+    torch.manual_seed(0)  # dropout
+    want = [eager.step(data[:3]).loss, eager.step(data[3:]).loss]
+    engine = wrap(make_model("gpt2-4"), plan, device="cpu")
+    torch.manual_seed(0)
+    forwards = []
+    engine.model.register_forward_hook(lambda *_: forwards.append(1))
+    drawn_after = []
+
+    def stream():
+        for pair in data:
+            drawn_after.append(len(forwards))  # forwards run when this micro-batch is drawn
+            yield pair
+
+    it = stream()
+    got = [engine.step(it).loss, engine.step(it).loss]
+    assert drawn_after == [0, 1, 2, 3, 4, 5]
+    assert got == want  # bit for bit
+    with pytest.raises(ConfigError, match="2 micro-batches; the plan accumulates 3"):
+        engine.step(iter(data[:2]))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from protrain.executor import plan as P
@@ -169,3 +169,75 @@ def test_plan_loading_never_executes_code(tmp_path):
     payload = pickle.dumps({"schema_version": 1})
     with pytest.raises(PlanError):
         P.load(payload)
+
+
+# ------------------------------------------------------------------ issue 31: shapes validate accepts train can take
+
+SIZES = st.one_of(st.integers(1, 64), st.integers(1, 2**70), st.sampled_from([2**k for k in (16, 20, 24, 31, 32, 40, 62)]))
+
+
+@st.composite
+def reshaped_plan(draw) -> P.Plan:
+    """The example plan with random training shape, chunk size and buffer count (small and absurd)."""
+    import msgspec.structs as ms
+
+    plan = P.load(PLAN_BYTES)
+    fields = {f: draw(SIZES) if draw(st.booleans()) else getattr(plan.training, f)
+              for f in ("micro_batch", "seq_len", "grad_accum", "world_size")}
+    plan = ms.replace(plan, training=ms.replace(plan.training, **fields))
+    if draw(st.booleans()):
+        plan = ms.replace(plan, chunks=ms.replace(plan.chunks, chunk_numel=draw(SIZES)))
+    if draw(st.booleans()):
+        plan = ms.replace(plan, placement=ms.replace(plan.placement, n_buffer=draw(SIZES)))
+    return plan
+
+
+@fuzz(150)
+@given(plan=reshaped_plan())
+def test_what_validate_accepts_train_takes_or_refuses_cleanly(plan):
+    # Whatever shape validate accepts, train's pre-checks (run before the model is built)
+    # accept it within this machine's memory or refuse it with a ProtrainError: never
+    # another exception, never an acceptance whose host need exceeds what is available.
+    from protrain.executor.errors import ProtrainError
+    from protrain.executor.validation import validate
+    from protrain.planner.preflight import available_host_memory
+    from protrain.planner.train import prechecks
+
+    try:
+        validate(plan, "fuzzed")
+    except PlanError:
+        return event("refused by validate")
+    try:
+        need = prechecks(plan, "gpt2-tiny", device="cpu", where="fuzzed")
+    except ProtrainError as e:
+        return event(f"refused by train's pre-checks: {type(e).__name__}")
+    event("accepted")
+    assert 0 < need <= available_host_memory()
+
+
+@pytest.mark.slow
+@fuzz(12)
+@given(plan=reshaped_plan())
+def test_what_the_pre_checks_accept_trains_or_refuses_cleanly(plan, tmp_path_factory):
+    # The step after the pre-checks: a shape they accept (and small enough to run a step of
+    # on a CPU) trains one step, or is refused with a ProtrainError (another world size: Comm).
+    from protrain.executor.errors import ProtrainError
+    from protrain.executor.validation import validate
+    from protrain.planner.train import prechecks, train
+
+    t = plan.training
+    try:
+        validate(plan, "fuzzed")
+        prechecks(plan, "gpt2-tiny", device="cpu", where="fuzzed")
+    except ProtrainError:
+        return
+    if t.micro_batch * t.seq_len * t.grad_accum > 1 << 14:
+        return event("accepted, too long to run here")
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_bytes(P.dump(plan))
+    try:
+        losses = train(str(path), "gpt2-tiny", steps=1, echo=lambda _: None, progress=False, device="cpu")
+    except ProtrainError as e:
+        return event(f"refused by train: {type(e).__name__}")
+    event("trained")
+    assert len(losses) == 1

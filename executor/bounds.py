@@ -1,0 +1,90 @@
+"""Bounds on every count and size a plan or a command-line flag can carry: checked once, here.
+
+A plan that passes the schema can still say ``chunk_numel: 2**62`` or
+``micro_batch: 10**12``: well-typed, consistent, and impossible to allocate or to
+iterate. ``validate`` (every plan ``load`` reads, and every plan ``wrap`` is given)
+and the commands that take the same values as flags (``protrain plan --grad-accum``,
+``--batch``, ``--seq``, ``--world-size``) refuse them through this module, with the
+JSON path or the flag, the value and the limit.
+
+The limits are far above anything that trains (a trillion-element chunk, 65,536
+micro-batches per step, 65,536 ranks, 16M-token micro-batches) and far below what
+overflows: each keeps every product the executor forms from them (bytes of a chunk,
+of a batch, of a rank's shard) well inside int64. Whether a plan within them fits
+*this* machine is another question, answered by ``train``'s host-memory check
+(planner/preflight.py ``plan_fits_host``) and the planner's budget.
+
+No torch here: ``validate`` imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from .errors import ConfigError, PlanError
+
+TRAINING_LIMITS: dict[str, tuple[int, str, str]] = {
+    # field: (largest value, its flag, what it counts)
+    "micro_batch": (1 << 24, "--batch", "sequences per micro-batch"),
+    "seq_len": (1 << 24, "--seq", "tokens per sequence"),
+    "grad_accum": (1 << 16, "--grad-accum", "micro-batches per optimizer step"),
+    "world_size": (1 << 16, "--world-size", "ranks"),
+}
+MAX_TOKENS_PER_MICRO_BATCH = 1 << 32
+"""micro_batch × seq_len: the (micro_batch, seq_len) batch is one tensor on every rank."""
+MAX_NUMEL = 1 << 40
+"""Elements of a chunk (``chunks.chunk_numel``), and the largest dimension of a parameter's shape."""
+MAX_COUNT = 1 << 20
+"""Chunks, parameters per chunk, blocks, device buffers, host slots: each is iterated or allocated per item."""
+
+
+def _training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int, str]]:
+    """(field, value, limit, what) of each training value over its limit, then the product's."""
+    for field, (limit, _, what) in TRAINING_LIMITS.items():
+        value = values.get(field)
+        if value is not None and value > limit:
+            yield field, value, limit, what
+    b, t = values.get("micro_batch"), values.get("seq_len")
+    if b is not None and t is not None and b * t > MAX_TOKENS_PER_MICRO_BATCH:
+        yield "tokens", b * t, MAX_TOKENS_PER_MICRO_BATCH, "tokens per micro-batch (micro_batch × seq_len)"
+
+
+def check_flags(**values: int | None) -> None:
+    """Refuse command-line training values (``micro_batch=``, ``seq_len=``, …) over their limits."""
+    for field, value, limit, what in _training_excess({k: v for k, v in values.items() if v is not None}):
+        if field == "tokens":
+            raise ConfigError(f"--batch {values['micro_batch']} --seq {values['seq_len']}: {value:,} {what} is "
+                              f"more than protrain can allocate or iterate (at most {limit:,})",
+                              f"give a --batch and --seq whose product is at most {limit}")
+        flag = TRAINING_LIMITS[field][1]
+        raise ConfigError(f"{flag} {value}: {value:,} {what} is more than protrain can allocate or "
+                          f"iterate (at most {limit:,})", f"give {flag} {limit} or less")
+
+
+def check_plan(plan, where: str = "<plan>") -> None:
+    """Refuse a plan carrying a shape, count or size over its limit, naming its JSON path."""
+
+    def fail(path: str, value: int, limit: int, what: str) -> None:
+        raise PlanError(f"{where}: {value:,} {what} is more than protrain can allocate or iterate "
+                        f"(at most {limit:,}) - at `{path}`",
+                        "regenerate the plan with `protrain plan` (its flags are checked against the same limits)")
+
+    t = plan.training
+    for field, value, limit, what in _training_excess({f: getattr(t, f) for f in TRAINING_LIMITS}):
+        fail("$.training.micro_batch" if field == "tokens" else f"$.training.{field}", value, limit, what)
+    if plan.chunks.chunk_numel > MAX_NUMEL:
+        fail("$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk")
+    counts = (("$.chunks.list", len(plan.chunks.items), "chunks"),
+              ("$.model.blocks", len(plan.model.blocks), "blocks"),
+              ("$.placement.n_buffer", plan.placement.n_buffer, "device buffers"),
+              ("$.placement.n_host_slots", plan.placement.n_host_slots, "host slots"))
+    for path, value, what in counts:
+        if value > MAX_COUNT:
+            fail(path, value, MAX_COUNT, what)
+    for ci, chunk in enumerate(plan.chunks.items):
+        if len(chunk.params) > MAX_COUNT:
+            fail(f"$.chunks.list[{ci}].params", len(chunk.params), MAX_COUNT, "parameters in one chunk")
+        for pi, p in enumerate(chunk.params):
+            for di, dim in enumerate(p.shape):
+                if dim > MAX_NUMEL:
+                    fail(f"$.chunks.list[{ci}].params[{pi}].shape[{di}]", dim, MAX_NUMEL, "elements along one dimension")
