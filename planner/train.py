@@ -105,6 +105,10 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     output_file(trace_path, "--trace")
     output_file(metrics_path, "--metrics")
     output_dir(save_dir, "--save-dir")
+    if save_dir is not None:
+        from protrain.executor.checkpoint import check_root
+
+        check_root(save_dir)  # a directory of other files is not a checkpoint root
     if export_dir is not None:
         if not is_hf_name(model_name):
             raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
@@ -117,7 +121,12 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     if nvme_dir is not None:
         output_dir(nvme_dir, "--nvme")
     rank, world, rank_device = _init_distributed(timeout_s)
+    lock = None
     try:
+        if save_dir is not None and rank == 0:  # one run per root (checkpoint.py [Note: one run per root])
+            from protrain.executor.checkpoint import lock_root
+
+            lock = lock_root(save_dir)
         bar = bool(progress) and log_every is None and sys.stdout.isatty()
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
@@ -128,6 +137,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
                       export_dir=export_dir, nvme_dir=nvme_dir)
     finally:
+        if lock is not None:
+            lock.release()
         if world > 1:
             import torch.distributed as dist
 

@@ -184,7 +184,7 @@ def test_binary_data_is_refused(tmp_path):
 def test_resuming_a_finished_run_says_so_and_keep_prunes(tmp_path):
     r = run(*TRAIN, "--steps", "3", "--save-every", "1", "--save-dir", tmp_path, "--keep", "1")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000003"]
     r = run(*TRAIN, "--steps", "3", "--resume", tmp_path)
     assert r.exit_code == 0, r.output
     assert "nothing to train" in r.output and "--steps 6" in r.output
@@ -292,3 +292,59 @@ def test_no_traceback_from_bad_inputs_in_a_real_process(tmp_path):
         assert p.returncode in (1, 2), (args, p.stdout, p.stderr)
         assert "Traceback" not in p.stderr + p.stdout, (args, p.stderr)
         assert p.stderr.startswith("error: ") or "Error:" in p.stderr, (args, p.stderr)
+
+
+# issue 31 ------------------------------------------------------------- long runs never lose work
+
+PROTRAIN = [sys.executable, "-m", "protrain.planner.cli"]
+
+
+def test_a_second_run_in_one_save_dir_is_refused_naming_the_holder(tmp_path):
+    from protrain.executor.checkpoint import lock_root
+
+    lock = lock_root(tmp_path / "ck")  # the first run, in this process
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "ck")
+    no_traceback(r)
+    assert f"in use by another protrain run (pid {os.getpid()} holds" in r.output and "step" not in r.output
+    lock.release()
+    assert run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "ck").exit_code == 0
+
+
+def test_a_save_dir_of_other_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path)
+    no_traceback(r)
+    assert "holds notes.txt and no checkpoint" in r.output and "HINT: give --save-dir a new" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_two_concurrent_trainers_in_one_save_dir(tmp_path):
+    """Run A trains and saves; run B, started meanwhile into the same directory, is refused at
+    once naming A's pid; A's checkpoints are all there at the end."""
+    ck = tmp_path / "ck"
+    args = ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--save-dir", str(ck), "--save-every", "1",
+            "--keep", "50", "--log-every", "1"]
+    a = subprocess.Popen([*PROTRAIN, *args, "--steps", "40"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    assert "step" in a.stdout.readline() + a.stdout.readline() + a.stdout.readline()  # A holds the lock
+    b = subprocess.run([*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120)
+    rest, _ = a.communicate(timeout=300)
+    assert b.returncode == 1 and f"pid {a.pid} holds" in b.stderr and "Traceback" not in b.stderr, b.stderr
+    assert a.returncode == 0, rest
+    assert (ck / "latest").read_text() == "step-00000040\n"
+    assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 40
+
+
+@pytest.mark.slow
+def test_a_diverging_run_keeps_its_last_finite_checkpoint(tmp_path):
+    """--lr 10 makes a gradient infinite after the step-2 checkpoint (loss still finite): the run
+    stops with the checkpoint's name, `--keep 1` has not deleted it, and it resumes."""
+    ck = tmp_path / "ck"
+    r = run(*TRAIN, "--steps", "30", "--lr", "10", "--save-dir", ck, "--save-every", "2", "--keep", "1")
+    no_traceback(r)
+    assert "NaN or infinite" in r.output and f"the last finite checkpoint is {ck / 'step-00000002'}" in r.output
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest", "step-00000002"]
+    r = run(*TRAIN, "--steps", "3", "--resume", ck, "--save-dir", ck)
+    assert r.exit_code == 0, r.output
+    assert "resumed from" in r.output and (ck / "latest").read_text() == "step-00000003\n"
