@@ -515,6 +515,26 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     return m
 
 
+def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
+    ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
+    excluded) have ``shapes``; no engine needed (``protrain export``)."""
+    from safetensors.torch import load_file
+
+    directory = resolve(root)
+    m = read_manifest(directory)
+    if m.params != shapes:
+        wrong = sorted(set(m.params) ^ set(shapes)) or [k for k in shapes if m.params.get(k) != shapes[k]]
+        raise CheckpointError(f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
+                              "export with the --hf-config the checkpoint was trained from")
+    _check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+    model = load_file(directory / "model.safetensors")
+    _refuse_to_load_nonfinite(directory, model, {})
+    for name, alias in m.tied:
+        model[alias] = model[name]
+    return model
+
+
 def _refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
     """A checkpoint holding NaN or inf (not one this protrain wrote) is refused before the
     engine changes."""

@@ -366,6 +366,32 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 
 
 @main.command()
+@click.option("--resume", "checkpoint", required=True, metavar="CKPT",
+              type=click.Path(exists=True, file_okay=False),
+              help="Checkpoint to export: a --save-dir root (its `latest`) or one step directory.")
+@hf_options
+@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
+              help="Tokenizer directory whose files to copy [default: the --hf-config directory's, if any].")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.")
+def export(checkpoint, hf_config, blocks, tokenizer, output):
+    """Export a training checkpoint as a Hugging Face model directory (from_pretrained loads it).
+
+    The directory appears whole or not at all; a failed export leaves the checkpoint as it was.
+    """
+    from .hf_checkpoint import export_checkpoint
+    from .preflight import output_dir
+    from .train import _tokenizer_dir
+
+    if hf_config is None:
+        raise click.UsageError("give --hf-config PATH: the config the checkpoint's model was trained from")
+    output_dir(output, "--output", create=False, must_be_empty=True)
+    model_name = model_option(None, hf_config, blocks, required=True)
+    out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer))
+    click.echo(f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+
+
+@main.command()
 @click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
 @click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
 @click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")

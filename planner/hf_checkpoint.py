@@ -147,39 +147,82 @@ def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Pat
     not training's; without it, the live config less our attention implementation),
     ``model.safetensors`` (tied aliases stored once, as
     ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
-    directory appears whole: it is written under a temporary name and renamed.
+    directory appears whole or not at all: it is written under a temporary name, every
+    file and the directory fsynced, then renamed. Any failure to write (a full disk,
+    which safetensors reports as its own ``SafetensorError``) removes the temporary
+    directory and is a ``ConfigError``.
     """
     import os
     import shutil
 
-    from safetensors.torch import save_file
+    from safetensors import SafetensorError
 
     out = Path(out_dir)
     tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        if config_path is not None:
-            shutil.copyfile(config_file(config_path), tmp / "config.json")
-        else:
-            config = model.config.to_dict()
-            for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
-                config.pop(key, None)
-            config["use_cache"] = True  # what generation wants; training set it off
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
-        params = dict(model.named_parameters(remove_duplicate=False))
-        tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / name).is_file():
-                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        shutil.rmtree(tmp, ignore_errors=True)  # (a killed export's: this export's own name)
+        tmp.mkdir(parents=True)
+        _write_export(model, state, tmp, config_path, tokenizer_dir)
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
         os.replace(tmp, out)
-    except OSError as e:
+        _fsync(out.parent)
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export {out}: {e.strerror}",
-                          "check the directory is writable and the disk has space") from None
+        raise ConfigError(f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
+                          "left there", "check the directory is writable and the disk has space") from None
     return out
+
+
+def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
+                  config_path: str | Path | None, tokenizer_dir: str | Path | None) -> None:
+    """``export``'s files into ``tmp``, each fsynced, then ``tmp`` itself."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if config_path is not None:
+        shutil.copyfile(config_file(config_path), tmp / "config.json")
+    else:
+        config = model.config.to_dict()
+        for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
+            config.pop(key, None)
+        config["use_cache"] = True  # what generation wants; training set it off
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+    for f in [*tmp.iterdir(), tmp]:
+        _fsync(f)
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_checkpoint(checkpoint: str | Path, model_name: str, out_dir: str | Path,
+                      tokenizer_dir: str | Path | None = None) -> Path:
+    """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
+    as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
+    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values)."""
+    from protrain.executor.checkpoint import load_model_state
+
+    from .hf import build, parse_hf_name
+
+    path, blocks = parse_hf_name(model_name)
+    model = build(path, blocks=blocks, device="meta")
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    shapes = {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if n not in aliases}
+    state = load_model_state(checkpoint, shapes)
+    return export(model, state, out_dir, config_path=path, tokenizer_dir=tokenizer_dir)

@@ -114,6 +114,10 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
             raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
                               "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
+        if save_dir is None:
+            from protrain.executor.checkpoint import check_root
+
+            check_root(export_keeper(export_dir), "the checkpoint kept until the export")
     plan = P.load(plan_path)
     if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
         raise ConfigError(f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
@@ -197,16 +201,46 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
             else:
-                from .hf import export, parse_hf_name
-
-                state = engine.state_dict()["model"]  # a collective on several ranks
-                if rank == 0:
-                    export(model, state, export_dir, config_path=parse_hf_name(model_name)[0],
-                           tokenizer_dir=tok_dir)
-                    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+                _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo)
         return losses
     finally:
         engine.close()
+
+
+def export_keeper(export_dir: str) -> Path:
+    """Where a run with ``--export`` and no ``--save-dir`` keeps its final checkpoint until the
+    export has succeeded: beside the export directory."""
+    out = Path(export_dir)
+    return out.with_name(f"{out.name}.checkpoint")
+
+
+def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
+    """Export the trained model; the state stays in a checkpoint until the export succeeded
+    (the run's last one, or one written for it), and a failed export names it."""
+    from protrain.executor.errors import ProtrainError
+
+    from .hf import export, parse_hf_name
+
+    keeper = None
+    if save_dir is None:  # the end-of-run checkpoint a --save-dir would have had
+        keeper = export_keeper(export_dir)
+        engine.save(keeper, keep=1)
+    kept = engine.last_checkpoint
+    state = engine.state_dict()["model"]  # a collective on several ranks
+    if rank != 0:
+        return
+    config = parse_hf_name(model_name)[0]
+    try:
+        export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
+    except ProtrainError as e:
+        raise type(e)(f"{e.message}; the trained model is safe in the checkpoint {kept}",
+                      f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`"
+                      ) from None
+    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    if keeper is not None:
+        import shutil
+
+        shutil.rmtree(keeper, ignore_errors=True)
 
 
 def heldout_loss(engine, heldout: list) -> float:

@@ -348,3 +348,77 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint(tmp_path):
     r = run(*TRAIN, "--steps", "3", "--resume", ck, "--save-dir", ck)
     assert r.exit_code == 0, r.output
     assert "resumed from" in r.output and (ck / "latest").read_text() == "step-00000003\n"
+
+
+def _disk_full_in(directory_prefix: str, monkeypatch) -> None:
+    """safetensors' save_file fails as on a full disk (its own SafetensorError, not an OSError)
+    for files written under a directory named ``directory_prefix…``."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, path, *a, **k):
+        if Path(path).parent.name.startswith(directory_prefix):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                  'message: "No space left on device" })')
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+def test_a_failed_export_is_one_clean_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import torch
+
+    from protrain.executor.errors import ConfigError
+    from protrain.planner.hf_checkpoint import export
+
+    (tmp_path / "config.json").write_text("{}")
+    model = torch.nn.Linear(4, 4)
+    _disk_full_in(".tmp-out", monkeypatch)
+    with pytest.raises(ConfigError, match="cannot write the export .*out: Error while serializing.*No space left"):
+        export(model, dict(model.named_parameters()), tmp_path / "out", config_path=tmp_path / "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no .tmp-out, no out
+    monkeypatch.undo()
+    export(model, dict(model.named_parameters()), tmp_path / "out", config_path=tmp_path / "config.json")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_failed_export_keeps_the_trained_model_and_export_resumes_it(tmp_path, monkeypatch):
+    """--export without --save-dir on a full disk: one clean error naming the checkpoint kept
+    for it; `protrain export --resume` then writes exactly the trained weights. Without the
+    failure the kept checkpoint is gone after the export."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(
+        model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=320, n_embd=32, n_layer=2, n_head=2,
+        n_positions=64, bos_token_id=0, eos_token_id=0)))
+    plan = tmp_path / "plan.json"
+    r = run("plan", "--hf-config", hf, "--hardware", "cpu", "--batch", "2", "--seq", "16", "--budget", "1MiB",
+            "-o", plan)
+    assert r.exit_code == 0, r.output
+    out, kept = tmp_path / "out", tmp_path / "out.checkpoint"
+    _disk_full_in(".tmp-out", monkeypatch)
+    r = run("train", "--plan", plan, "--hf-config", hf, "--steps", "2", "--export", out)
+    no_traceback(r)
+    assert "No space left on device" in r.output and f"safe in the checkpoint {kept / 'step-00000002'}" in r.output
+    assert "HINT: free space, then `protrain export --resume" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out.checkpoint", "plan.json"]
+    monkeypatch.undo()
+    r = run("export", "--resume", kept, "--hf-config", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    saved, exported = load_file(kept / "step-00000002" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() <= saved.keys() and all(torch_equal(exported[k], saved[k]) for k in exported)
+    r = run("train", "--plan", plan, "--hf-config", hf, "--steps", "2", "--export", tmp_path / "out2")
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "out2.checkpoint").exists() and (tmp_path / "out2" / "model.safetensors").is_file()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
