@@ -76,11 +76,23 @@ def weight_files(weights: str | Path | list[str | Path]) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{w}: not a safetensors index (a JSON object with a weight_map)",
                               "write the checkpoint again with save_pretrained") from e
-        return [w.parent / s for s in shards]
+        return [_shard(w, s) for s in shards]
     if w.suffix != ".safetensors":
         raise ConfigError(f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
                           "convert the checkpoint with model.save_pretrained(DIR) in transformers")
     return [w]
+
+
+def _shard(index: Path, name: object) -> Path:
+    """A shard the index names: a relative path under the index's directory, nowhere else
+    (checked by name: the Hugging Face cache's shards are symbolic links into its blobs)."""
+    import os
+
+    rel = os.path.normpath(name) if isinstance(name, str) and name else ""
+    if not rel or os.path.isabs(rel) or rel == ".." or rel.startswith(".." + os.sep) or "\0" in rel:
+        raise ConfigError(f"{index}: weight_map names shard {name!r}, which is not a file in {index.parent}",
+                          "point at a checkpoint whose index lists its own shards (save_pretrained writes one)")
+    return index.parent / rel
 
 
 @torch.no_grad()

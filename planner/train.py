@@ -257,9 +257,11 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     # Where the held-out tail starts (tokens; 0: nothing held out): saved with the data
     # position, because the training windows depend on it.
     heldout_split = 0 if heldout is None else source.tokens.numel()
+    max_grad_accum = t.grad_accum  # the most micro-batches a step of this run's history drew
     if resume is not None:
         m = engine.load(resume)
-        drawn = _skip_to(data, m.data, t, world, echo)
+        max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
+        drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
             echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
                  "and not the other): from here the training windows differ from the first run's")
@@ -296,7 +298,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
 
     def checkpoint() -> None:
         path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
-                                           "heldout_split": heldout_split}, keep=keep)
+                                           "heldout_split": heldout_split, "max_grad_accum": max_grad_accum},
+                           keep=keep)
         echo(f"saved {path}")
 
     first = engine.steps_done
@@ -346,15 +349,24 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     return losses
 
 
-def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
+MAX_GLOBAL_MICRO_BATCH = 1 << 24
+"""Sequences per draw a checkpoint's data position may claim (a sanity bound, not a limit of
+any real run)."""
+
+
+def _skip_to(data, position: dict[str, int], t, world: int, echo, *, steps_done: int = 0,
+             where: str = "the checkpoint") -> int:
     """Advance the data stream to where the checkpoint left it; returns the draws skipped.
 
     A draw is one global micro-batch (``micro_batch × world`` sequences). Under a plan
     with another global micro-batch the position is converted by sequences, rounded
-    down; the order of the data then differs from the uninterrupted run's.
+    down; the order of the data then differs from the uninterrupted run's. A position
+    no run of ``steps_done`` steps could have reached is refused (skipping it would take
+    forever): ``_check_position``.
     """
     draws = position.get("draws", 0)
     saved_global = position.get("global_micro_batch", t.micro_batch * world)
+    _check_position(draws, saved_global, steps_done * position.get("max_grad_accum", t.grad_accum), where)
     if saved_global != t.micro_batch * world:
         draws = draws * saved_global // (t.micro_batch * world)
         echo(f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
@@ -362,6 +374,17 @@ def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
     for _ in range(draws):
         next(data)
     return draws
+
+
+def _check_position(draws: int, saved_global: int, most: int, where: str) -> None:
+    """``draws`` at most ``most`` (steps × micro-batches per step) and a plausible global micro-batch."""
+    if not 0 <= draws <= most or not 1 <= saved_global <= MAX_GLOBAL_MICRO_BATCH:
+        raise ConfigError(
+            f"{where}: the manifest's data position (draws {draws}, global_micro_batch {saved_global}) is not "
+            f"one this checkpoint's steps could reach (at most {most} draws; 1 to {MAX_GLOBAL_MICRO_BATCH} "
+            "sequences a draw): the manifest was edited or damaged",
+            "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or restore its "
+            "manifest.json")
 
 
 def _agree(requested: bool, engine) -> bool:

@@ -422,3 +422,37 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("args", [["--seed", str(2**64)], ["--seed", str(-(2**63) - 1)], ["--lr", "nan"],
+                                  ["--lr", "inf"], ["--lr", "-1"], ["--lr", "0"]])
+def test_seed_and_learning_rate_out_of_range_are_usage_errors(args):
+    r = run(*TRAIN, "--steps", "1", *args)
+    no_traceback(r, code=2)
+    assert args[0] in r.output and ("range" in r.output or "positive finite" in r.output)
+
+
+def test_an_edited_data_position_is_refused_not_skipped_forever(tmp_path):
+    r = run(*TRAIN, "--steps", "2", "--save-dir", tmp_path)
+    assert r.exit_code == 0, r.output
+    manifest = tmp_path / "step-00000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["data"]["draws"] == 2 and doc["data"]["max_grad_accum"] == 1
+    doc["data"]["draws"] = 10**15
+    manifest.write_text(json.dumps(doc))
+    r = run(*TRAIN, "--steps", "3", "--resume", tmp_path)
+    no_traceback(r)
+    assert "data position (draws 1000000000000000, global_micro_batch" in r.output and "at most 2 draws" in r.output
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "a/../../b.safetensors", ""])
+def test_an_hf_index_names_only_shards_in_its_directory(tmp_path, shard):
+    from protrain.executor.errors import ConfigError
+    from protrain.planner.hf_checkpoint import weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.weight": "model-00001.safetensors", "b.weight": shard}}))
+    with pytest.raises(ConfigError, match="which is not a file in"):
+        weight_files(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "sub/../m.safetensors"}}))
+    assert weight_files(tmp_path) == [tmp_path / "m.safetensors"]
