@@ -99,7 +99,9 @@ gradient (``all_finite``: NaN and ±inf survive a sum), so it reads each gradien
 and changes no bit. The first failure is recorded in ``poisoned`` (chunk, step, and
 whether other chunks may have stepped already: ``partial``); every later step of the
 worker refuses too, and the engine refuses to step, save or export a partly updated
-state (``Engine._refuse_poisoned``).
+state (``Engine._refuse_poisoned``). Under ZeRO-3 the global norm is all-reduced, so
+every rank stops at once; a check of a rank's own shard (``during_backward``) stops that
+rank, and the others at their next collective (``--timeout``), before any of them saves.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     finite (also finite values whose sum overflows) are the elements themselves checked."""
     if not tensors:
         return True
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    sums = torch.stack([t.sum().float() for t in tensors])  # (a 16-bit sum accumulates in fp32)
     if bool(torch.isfinite(sums).all()):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
