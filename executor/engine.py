@@ -299,8 +299,9 @@ class Engine:
                 f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
                 f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
                 "optimizer state are those of the previous step",
-                "resume from the last checkpoint with a lower learning rate (or gradient clipping), "
-                "and check the data around this step")
+                "resume from the last checkpoint"
+                + (f" ({self.last_checkpoint}, the newest this run saved or loaded)" if self.last_checkpoint else "")
+                + " with a lower learning rate (or gradient clipping), and check the data around this step")
 
     def _nonfinite_error(self, cid: int, step: int, partial: bool) -> NonFiniteGradientError:
         """The error of optim.py's [Note: finite-state guard]: where, what state is left, and
@@ -337,7 +338,8 @@ class Engine:
             for c in self.store.chunks:
                 if c.trainable:  # (no chunk is device-homed: those plans step during backward)
                     grad = c.dev_grad[c.own] if c.persistent else self.optim._host_grad(c.id)
-                    self.optim.guard(c.id, self.steps_done + 1, [grad], partial=False)
+                    self.optim.guard(c.id, self.steps_done + 1,
+                                     self.optim.read_by_step(c.id, self.optim.stepping(c.id), grad), partial=False)
         except NonFiniteGradientError:
             self.optim.discard_home_grads()  # the homes' weights back, as for a skipped fp16 step
             raise
@@ -346,12 +348,14 @@ class Engine:
     def _guard_persistent(self) -> None:
         """Before the persistent chunks step (``during_backward``): their gradients, checked
         together (one read back), then one by one to name the first that is not finite."""
-        chunks = [c for c in self.store.chunks if c.persistent and c.trainable]
-        grads = [c.dev_grad[c.own] for c in chunks]
-        if not self.optim.guarded or all_finite(grads):
+        if not self.optim.guarded:
             return
-        for c, g in zip(chunks, grads):
-            self.optim.guard(c.id, self.steps_done + 1, [g])
+        chunks = [c for c in self.store.chunks if c.persistent and c.trainable]
+        grads = {c.id: self.optim.read_by_step(c.id, self.optim.stepping(c.id), c.dev_grad[c.own]) for c in chunks}
+        if all_finite([g for views in grads.values() for g in views]):
+            return
+        for cid, views in grads.items():
+            self.optim.guard(cid, self.steps_done + 1, views)
 
     def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
         """What ran out, where, against what the plan predicted, and the budget to plan with."""

@@ -277,6 +277,22 @@ class ChunkOptimizer:
             self.poisoned = (cid, step, partial)
         raise self.nonfinite_error(*self.poisoned)
 
+    def read_by_step(self, cid: int, which: list[int], g: torch.Tensor | None) -> list[torch.Tensor]:
+        """The elements of the chunk's gradient ``g`` (master coordinates) that stepping the
+        parameters ``which`` reads, adjacent spans merged: what the guard checks (a host slot's
+        tail past the chunk, or padding, holds no gradient)."""
+        views: list[torch.Tensor] = []
+        start = end = -1
+        for a, b in (self.spans[cid][i] for i in which if g is not None and self.spans[cid][i] is not None):
+            if a != end:
+                if end >= 0:
+                    views.append(g[start:end])
+                start = a
+            end = b
+        if end >= 0:
+            views.append(g[start:end])
+        return views
+
     def stepping(self, cid: int) -> list[int]:
         """Indices (in Chunk.params) of the chunk's parameters that step now. See [Note: which
         parameters step]."""
@@ -503,7 +519,7 @@ class ChunkOptimizer:
         # No wait for an upload reading the master: compute waited for each of this chunk's
         # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after them.
         if which:
-            self.guard(cid, self.step_no, [grads])
+            self.guard(cid, self.step_no, self.read_by_step(cid, which, grads))
         self.store.copies.events.emit("device_step", "begin", chunk=cid)
         with record_function("protrain::dev_adam"):
             if which:
@@ -542,7 +558,8 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         disk = self.store.disk if c.on_disk else None
         if which and step is not None:
-            self.guard(cid, step, [grads if self.store.grad_in_home else self.cpu_grad.get(cid)])
+            self.guard(cid, step, self.read_by_step(cid, which, grads if self.store.grad_in_home
+                                                    else self.cpu_grad.get(cid)))
         if not which:
             if grads is not None and grads is c.home:  # gradients overwrote it: the values come back
                 self._refresh_home(cid)
