@@ -30,17 +30,18 @@ def _poison(model, block: int, when):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_nan_loss_stops_before_the_update(dtype):
+def test_nan_loss_stops_before_the_update(dtype, tmp_path):
     model = make_model("gpt2-4")
     engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, **PLAN), AdamWConfig(lr=1e-3), device="cpu")
     data = batches(load_tokens(), 4, 32, 0)
     for _ in range(2):
         engine.step(next(data))
+    good = engine.save(tmp_path)
     before = engine.state_dict()
     _poison(model, 2, lambda: True)
     with pytest.raises(NonFiniteLossError, match="at step 3") as e:
         engine.step(next(data))
-    assert "HINT: resume from the last checkpoint" in str(e.value)
+    assert f"HINT: resume from the last checkpoint ({good}, the newest" in str(e.value)
     after = engine.state_dict()  # nothing changed: the check runs before backward
     for n, t in before["model"].items():
         assert torch.equal(t, after["model"][n]), n
