@@ -69,9 +69,15 @@ def test_fp16_nan_loss_skips_the_step_and_goes_on():
     engine.close()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("cpu_adam", ["during_backward", "after_backward"])
-@pytest.mark.parametrize("param", ["transformer.h.3.mlp.c_fc.weight", "transformer.wte.weight"])
+OFFLOADED, PERSISTENT = "transformer.h.3.mlp.c_fc.weight", "transformer.wte.weight"
+
+
+@pytest.mark.parametrize(("dtype", "cpu_adam", "param"), [
+    ("float32", "during_backward", OFFLOADED),  # the CPU-Adam worker's check
+    ("bfloat16", "during_backward", OFFLOADED),  # 16-bit gradients landed in the home
+    ("float32", "during_backward", PERSISTENT),  # the persistent chunks' check
+    ("bfloat16", "after_backward", PERSISTENT),  # the global norm's
+])
 def test_nonfinite_gradient_stops_before_its_chunk_steps(tmp_path, dtype, cpu_adam, param):
     """The loss stays finite; one parameter's gradient is inf (an offloaded chunk's, or the
     persistent chunk's). Its chunk never steps, nothing non-finite is saved, and the error names
