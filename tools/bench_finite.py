@@ -55,9 +55,30 @@ def plans() -> list[tuple[str, P.Plan]]:
             ("offloaded, after_backward (the norm)", plan([], 2, "after_backward"))]
 
 
-def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> dict[bool, list[float]]:
-    """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps."""
+class _Clock:
+    """Wall seconds spent inside the guard's functions (the worker's and the main thread's)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, f):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> tuple[dict[bool, list[float]], float]:
+    """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps,
+    and the seconds a guarded step spends inside the guard (mean)."""
     engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
+    clock = _Clock()
+    engine.optim.guard = clock.wrap(engine.optim.guard)
+    for name in ("_guard_persistent", "_guard_after_backward"):
+        setattr(engine, name, clock.wrap(getattr(engine, name)))
     data = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
@@ -70,25 +91,30 @@ def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> dict[bool, l
                     t0 = time.perf_counter()
                     engine.step(next(data))
                     times[guarded].append(time.perf_counter() - t0)
+        engine.optim.wait_all()  # the last CPU steps' checks, counted
     finally:
         engine.optim.guarded = True
         engine.close()
-    return times
+    return times, clock.seconds / max(len(times[True]), 1)
 
 
-def check_alone(plan: P.Plan, runs: int = 30) -> float:
-    """Median seconds of the check itself over gradients the size of the plan's chunks (less
-    noisy than a difference of two step times on a shared machine)."""
+def check_alone(plan: P.Plan, runs: int = 30) -> tuple[float, int]:
+    """Median seconds of the check itself, as the worker runs it on each chunk (the spans its
+    step reads; the masters stand in for the gradients: same shapes, finite), and the
+    elements checked. Less noisy than a difference of two step times on a shared machine."""
     from protrain.executor.optim import all_finite
 
-    grads = [torch.randn(plan.chunks.chunk_numel) for _ in plan.chunks.items]
+    engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
+    o = engine.optim
+    views = [o.read_by_step(c.id, list(range(len(c.params))), o.master[c.id]) for c in engine.store.chunks]
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        for g in grads:
-            all_finite([g])
+        for v in views:
+            all_finite(v)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    engine.close()
+    return statistics.median(times), sum(t.numel() for v in views for t in v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,16 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
-    rows, ratios = [], []
+    rows, ratios, shares = [], [], []
     for name, plan in plans():
-        times = measure(plan, args.warmup, args.repeats, args.block)
+        times, inside = measure(plan, args.warmup, args.repeats, args.block)
         on, off = (statistics.median(times[g]) for g in (True, False))
-        rows.append(f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} |")
+        rows.append(f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
+                    f"({inside / off:.1%}) |")
         ratios.append(on / off)
+        shares.append(inside / off)
         print(rows[-1], flush=True)
-    alone = check_alone(plan)
-    rows.append(f"| the check alone: one sum per chunk, {len(plan.chunks.items) * plan.chunks.chunk_numel / 1e6:.2f}M "
-                f"fp32 gradient elements | — | {alone * 1e3:.2f} | {1 + alone / off:.3f} (vs the row above's off) |")
+    alone, elements = check_alone(plan)
+    rows.append(f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient elements "
+                f"| — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
     text = f"""{SECTION}
@@ -125,14 +153,15 @@ off and on between blocks (alternating which comes first); median wall time of a
 {time.time() - t0:.0f} s in all; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after (2 cores shared
 with other work: read differences under a few % as noise).
 
-| plan | median step ms, guard off | median step ms, guard on | on / off |
-|---|---:|---:|---:|
+| plan | median step ms, guard off | median step ms, guard on | on / off | ms inside the guard per step (of a step) |
+|---|---:|---:|---:|---:|
 """ + "\n".join(rows) + f"""
 
-Reading: the on / off ratios of whole steps ({min(ratios):.3f} to {max(ratios):.3f}) are within what this shared
-machine's drift does to two medians of the same code; the check's own work, {alone * 1e3:.1f} ms a step for
-every gradient of this model, is {alone / off:.1%} of a guard-off step, and nothing where the global norm is
-computed anyway (the after_backward plan's guard reads that norm only).
+Reading: the guard's cost is the last column, timed inside its functions during the guarded steps
+({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only reads the global norm
+the step computes anyway). The on / off ratios of whole steps ({min(ratios):.3f} to {max(ratios):.3f}) are two
+medians on a 2-core machine shared with other work, so they carry its drift, which here is larger than the
+guard's cost; the check alone, over spans the size of this model's gradients, takes {alone * 1e3:.1f} ms.
 """
     print(text)
     if args.write:
