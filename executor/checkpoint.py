@@ -17,6 +17,15 @@ checkpoint: the previous one until the final replace, the new one after. Stale
 checkpoints are kept. A save that fails (a full disk, a permission) removes its
 temporary directory and raises ``CheckpointError`` saying how many bytes it needed
 and how many were free; ``latest`` still names the previous checkpoint.
+[Note: one run per root] A root belongs to one run at a time: ``lock_root`` takes an
+advisory ``fcntl.flock`` on ``root/.lock`` (holding the owner's pid) for the whole run
+(``protrain train`` does), and a save that does not hold it takes it for the save. A
+second run is refused naming the holder's pid. A save touches only names its own
+checkpoints use: ``.tmp-step-N`` directories (swept: with the lock held, no other save
+is in progress), ``step-N`` (pruned), ``latest`` and ``.latest.tmp``; anything else in
+the root (a user's ``.tmp-notes/``) stays. A save never writes a non-finite tensor and
+``load`` refuses one (optim.py [Note: finite-state guard]), so ``latest`` and the
+checkpoints ``keep`` leaves are always finite.
 ``_after_phase`` is a test hook called with each phase's name as it completes
 (``directory``, ``rng``, ``tensors``, ``manifest``, ``renamed``, ``latest``,
 ``pruned``), so a test can kill the saver at a chosen point instead of a random one.
@@ -37,6 +46,7 @@ root must be on a filesystem every rank sees (each rank writes its RNG file ther
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -56,6 +66,9 @@ FORMAT = "protrain-checkpoint"
 VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 STEP_DIR = re.compile(r"step-(\d{8})(?:\.(\d{1,6}))?")
+LOCK_FILE = ".lock"
+OWN_NAMES = re.compile(r"latest|\.latest\.tmp|\.lock|(?:\.tmp-)?step-\d{8}(?:\.\d{1,6})?")
+"""Every name a save (or its lock) writes in a root: [Note: one run per root]."""
 FILE_NAME = re.compile(r"(model|optim|rng-rank\d{1,5})\.safetensors")
 HASH_BLOCK = 8 << 20
 
@@ -97,19 +110,94 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """False when no update has happened yet (e.g. fp16 steps all skipped): no moments saved."""
 
 
+# ------------------------------------------------------------------------- the root's owner
+
+_held: dict[str, RootLock] = {}
+"""Roots this process holds the lock of (by real path)."""
+
+
+class RootLock:
+    """The advisory lock of one checkpoint root ([Note: one run per root]); ``release`` ends it."""
+
+    def __init__(self, root: Path, fd: int):
+        self.root, self.fd = root, fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            _held.pop(os.path.realpath(self.root), None)
+            os.close(self.fd)  # (closing the descriptor drops the flock)
+            self.fd = -1
+
+
+def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
+    """Take the lock of checkpoint root ``root`` (created if missing) for this process, or
+    raise ``CheckpointError`` naming the pid of the run that holds it."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{flag} {root}: cannot create its lock file ({e.strerror or e})",
+                              f"give {flag} a directory you can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise CheckpointError(
+            f"{flag} {root} is in use by another protrain run (pid {holder} holds {root / LOCK_FILE}); "
+            "two runs saving into one directory would delete each other's checkpoints",
+            f"give this run its own directory (--save-dir {root}-2), or wait for pid {holder} to finish"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    lock = RootLock(root, fd)
+    _held[os.path.realpath(root)] = lock
+    return lock
+
+
+def check_root(root: str | Path, flag: str = "--save-dir") -> None:
+    """Refuse a non-empty directory that holds no checkpoint (not a root a run saved into):
+    pruning and sweeping would share it with files that are not protrain's."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    names = [p.name for p in root.iterdir()]
+    if names and not any(STEP_DIR.fullmatch(n) or n == "latest" for n in names):
+        foreign = sorted(n for n in names if not OWN_NAMES.fullmatch(n))
+        if foreign:
+            raise CheckpointError(
+                f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} and no "
+                "checkpoint: a checkpoint root is protrain's alone (old checkpoints are deleted there)",
+                f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}")
+
+
 # ------------------------------------------------------------------------- save
 
 
 def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2) -> Path:
     """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     if keep < 1:
         raise ValueError("keep must be at least 1")
     root = Path(root)
-    comm = engine.comm
     sd = engine.state_dict()  # a collective on several ranks: every rank gathers
+    tensors = [*sd["model"].values(), *(t for st in sd["optim"].values() for t in st.values())]
+    need = sum(t.numel() * t.element_size() for t in tensors)  # bytes; tied aliases counted twice (a bound)
+    _refuse_nonfinite(sd, f"checkpoint to {root} at step {engine.steps_done}", engine.last_checkpoint)
+    lock = None
+    if engine.comm.rank == 0 and os.path.realpath(root) not in _held:
+        lock = lock_root(root, "the checkpoint root")  # a save outside a run owns the root meanwhile
+    try:
+        return _save_locked(engine, sd, root, data, keep, need)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _save_locked(engine: Engine, sd: dict, root: Path, data: dict[str, int] | None, keep: int,
+                 need: int) -> Path:
+    """``save`` once rank 0 holds the root's lock: name, sweep, write ([Note: one run per root])."""
+    comm = engine.comm
     name = f"step-{engine.steps_done:08d}"
     if comm.rank == 0 and (root / name).exists():  # saved again at one step: a new name,
         k = 1                                         # never a replaced directory
@@ -123,16 +211,26 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         comm.broadcast(buf, "checkpoint name")
         name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     tmp, final = root / f".tmp-{name}", root / name
-    tensors = [*sd["model"].values(), *(t for st in sd["optim"].values() for t in st.values())]
-    need = sum(t.numel() * t.element_size() for t in tensors)  # bytes; tied aliases counted twice (a bound)
     try:
         if comm.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(".tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            for stale in root.iterdir():  # ours only: [Note: one run per root]
+                if stale.name.startswith(".tmp-") and OWN_NAMES.fullmatch(stale.name):
+                    shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
     except OSError as e:
         raise _save_failed(root, tmp, e, need) from None
+    _write(engine, sd, root, name, tmp, data, keep, need)
+    return final
+
+
+def _write(engine: Engine, sd: dict, root: Path, name: str, tmp: Path, data: dict[str, int] | None,
+           keep: int, need: int) -> None:
+    """The save's files, its rename, ``latest`` and the pruning ([Note: atomicity])."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    comm, final = engine.comm, root / name
     comm.barrier("checkpoint directory")
     _phase("directory")
     try:
@@ -150,11 +248,7 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         os.rename(tmp, final)
         _fsync(root)
         _phase("renamed")
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        _fsync(latest_tmp)
-        os.replace(latest_tmp, root / "latest")
-        _fsync(root)
+        _write_latest(root, name, final)
         _phase("latest")
         # Keep the one just written (``latest``) and the keep-1 newest others by step; a run
         # resumed from an older step may write a lower step than those already there.
@@ -164,7 +258,40 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
             shutil.rmtree(old, ignore_errors=True)
         _phase("pruned")
     comm.barrier("checkpoint rename")
-    return final
+
+
+def _write_latest(root: Path, name: str, final: Path) -> None:
+    """Point ``latest`` at ``name`` through a fsynced temporary file; on failure (a full disk)
+    remove the temporary file and say that the complete ``final`` is there to resume from."""
+    latest_tmp = root / ".latest.tmp"
+    try:
+        with open(latest_tmp, "w", encoding="ascii") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, root / "latest")
+        _fsync(root)
+    except OSError as e:
+        latest_tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"checkpoint {final} is complete, but {root / 'latest'} could not be pointed at it: "
+            f"{e.strerror or e}; `latest` still names the previous checkpoint",
+            f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`") from None
+
+
+def _refuse_nonfinite(sd: dict, where: str, last: str | None) -> None:
+    """A save writes finite tensors only ([Note: one run per root])."""
+    from .optim import all_finite
+
+    for part in ("model", "optim"):
+        for name, value in sd[part].items():
+            tensors = [value] if part == "model" else list(value.values())
+            if not all_finite(tensors):
+                raise CheckpointError(
+                    f"{where}: {part} state of {name} holds NaN or infinite values; not written (a "
+                    "checkpoint must resume)",
+                    f"resume from the last finite checkpoint: `protrain train … --resume {last}`" if last
+                    else "train again with a lower learning rate: `protrain train … --lr X`")
 
 
 def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | None) -> None:
@@ -376,6 +503,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     for key, t in flat.items():
         name, part = key.rsplit(".", 1)
         optim.setdefault(name, {})[part] = t
+    _refuse_to_load_nonfinite(directory, model, optim)
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
@@ -385,6 +513,38 @@ def load(engine: Engine, root: str | Path) -> Manifest:
         if "cuda" in state and engine.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], engine.device)
     return m
+
+
+def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
+    ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
+    excluded) have ``shapes``; no engine needed (``protrain export``)."""
+    from safetensors.torch import load_file
+
+    directory = resolve(root)
+    m = read_manifest(directory)
+    if m.params != shapes:
+        wrong = sorted(set(m.params) ^ set(shapes)) or [k for k in shapes if m.params.get(k) != shapes[k]]
+        raise CheckpointError(f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
+                              "export with the --hf-config the checkpoint was trained from")
+    _check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+    model = load_file(directory / "model.safetensors")
+    _refuse_to_load_nonfinite(directory, model, {})
+    for name, alias in m.tied:
+        model[alias] = model[name]
+    return model
+
+
+def _refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
+    """A checkpoint holding NaN or inf (not one this protrain wrote) is refused before the
+    engine changes."""
+    from .optim import all_finite
+
+    for name, t in [*model.items(), *((f"{n}.{k}", v) for n, st in optim.items() for k, v in st.items())]:
+        if not all_finite([t]):
+            raise CheckpointError(
+                f"{directory}: {name} holds NaN or infinite values (the state of a diverged run); not loaded",
+                f"resume from an earlier checkpoint: `protrain train … --resume {directory.parent}/step-NNNNNNNN`")
 
 
 def _param_shapes(engine: Engine) -> dict[str, torch.Size]:

@@ -41,10 +41,10 @@ from .activations import Activations
 from .check import check
 from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
-from .errors import BudgetError, ConfigError, NonFiniteLossError
+from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteLossError
 from .events import Listener
 from .memory import Ledger
-from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
+from .optim import AdamWConfig, ChunkOptimizer, LossScaler, all_finite, clip_coefficient
 from .plan import POST, PRE, Plan
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
@@ -153,6 +153,7 @@ class Engine:
         try:
             self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
+            self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
                                      config.scale_window)
@@ -171,6 +172,7 @@ class Engine:
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
         self.steps_done = 0
+        self.last_checkpoint: str | None = None  # the newest checkpoint saved or loaded here (all finite)
 
     def _expect_accounting(self, plan: Plan) -> None:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
@@ -245,6 +247,8 @@ class Engine:
         """
         draws = self._draws(batch)
         self.replayer.check_trainable(self.names)
+        self._refuse_poisoned(stepping=True)
+        self.optim.step_no = self.steps_done + 1
         self.events.emit("step", "begin")
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
@@ -284,6 +288,7 @@ class Engine:
 
         tc = time.perf_counter()
         grad_norm, skipped = self._finish_update()
+        self._refuse_poisoned(stepping=True)  # a CPU step that already found one (others: next step)
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
@@ -340,8 +345,63 @@ class Engine:
                 f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
                 f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
                 "optimizer state are those of the previous step",
-                "resume from the last checkpoint with a lower learning rate (or gradient clipping), "
-                "and check the data around this step")
+                "resume from the last checkpoint"
+                + (f" ({self.last_checkpoint}, the newest this run saved or loaded)" if self.last_checkpoint else "")
+                + " with a lower learning rate (or gradient clipping), and check the data around this step")
+
+    def _nonfinite_error(self, cid: int, step: int, partial: bool) -> NonFiniteGradientError:
+        """The error of optim.py's [Note: finite-state guard]: where, what state is left, and
+        the last finite checkpoint to resume from."""
+        names = [self.names[id(p)] for p, _, _ in self.store.chunks[cid].params]
+        where = names[0] + (f" … {names[-1]}" if len(names) > 1 else "")
+        state = ("stopped before any parameter changed, so the model and optimizer state are those of "
+                 f"step {step - 1}" if not partial else
+                 "other chunks may have stepped already, so the state is partly updated and will not be "
+                 "saved or exported")
+        ckpt = self.last_checkpoint
+        return NonFiniteGradientError(
+            f"a gradient is NaN or infinite at step {step}: chunk {cid} ({where}), "
+            f"{self.plan.training.compute_dtype}, with a finite loss; {state}; "
+            + (f"the last finite checkpoint is {ckpt}" if ckpt else "no checkpoint was saved or loaded in this run"),
+            (f"resume from it with a lower learning rate or clipping: `protrain train … --resume {ckpt} --lr X`"
+             if ckpt else "train again with a lower learning rate or clipping: `protrain train … --lr X`"),
+            partial=partial)
+
+    def _refuse_poisoned(self, *, stepping: bool = False) -> None:
+        """Raise the guard's error again when a gradient was found non-finite: before any
+        further step, and before a save or export of a partly updated state."""
+        poisoned = self.optim.poisoned
+        if poisoned is not None and (stepping or poisoned[2]):
+            raise self._nonfinite_error(*poisoned)
+
+    def _guard_after_backward(self, total: torch.Tensor) -> bool:
+        """Whether every gradient is finite, from the global norm (``after_backward``: no chunk
+        has stepped); raise when one is not. The chunks are looked at one by one only when the
+        norm is not finite. optim.py [Note: finite-state guard]."""
+        if not self.optim.guarded or bool(torch.isfinite(total)):
+            return True
+        try:
+            for c in self.store.chunks:
+                if c.trainable:  # (no chunk is device-homed: those plans step during backward)
+                    grad = c.dev_grad[c.own] if c.persistent else self.optim._host_grad(c.id)
+                    self.optim.guard(c.id, self.steps_done + 1,
+                                     self.optim.read_by_step(c.id, self.optim.stepping(c.id), grad), partial=False)
+        except NonFiniteGradientError:
+            self.optim.discard_home_grads()  # the homes' weights back, as for a skipped fp16 step
+            raise
+        return True  # finite gradients whose squares overflowed: they step (clipped to zero)
+
+    def _guard_persistent(self) -> None:
+        """Before the persistent chunks step (``during_backward``): their gradients, checked
+        together (one read back), then one by one to name the first that is not finite."""
+        if not self.optim.guarded:
+            return
+        chunks = [c for c in self.store.chunks if c.persistent and c.trainable]
+        grads = {c.id: self.optim.read_by_step(c.id, self.optim.stepping(c.id), c.dev_grad[c.own]) for c in chunks}
+        if all_finite([g for views in grads.values() for g in views]):
+            return
+        for cid, views in grads.items():
+            self.optim.guard(cid, self.steps_done + 1, views)
 
     def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
         """What ran out, where, against what the plan predicted, and the budget to plan with."""
@@ -412,12 +472,15 @@ class Engine:
                 self.optim.discard_home_grads()
                 return grad_norm, True  # skip: no master changes; grads are zeroed next step
             self.scaler.update(overflow=False)
+            checked = self._guard_after_backward(total)
             if self.config.max_grad_norm is not None:
                 coef = clip_coefficient(total, self.config.max_grad_norm)
             host_coef = None if coef is None else coef.item()  # the worker never reads the device
             for c in self.store.chunks:
                 if not c.persistent:
-                    self.optim.submit_cpu_step(c.id, host_coef, inv_scale)
+                    self.optim.submit_cpu_step(c.id, host_coef, inv_scale, checked=checked)
+        else:
+            self._guard_persistent()
         for c in self.store.chunks:
             if c.persistent:
                 self.events.emit("device_step", "begin", chunk=c.id)
@@ -435,6 +498,7 @@ class Engine:
         that has never stepped (frozen, or never given a gradient) has no optimizer state.
         """
         self.optim.wait_all()
+        self._refuse_poisoned()
         model, optim = {}, {}
         o = self.optim
         for c in self.store.chunks:
@@ -512,14 +576,18 @@ class Engine:
         position) under ``root``, atomically; every rank calls it. Returns the step directory."""
         from .checkpoint import save
 
-        return save(self, root, data=data, keep=keep)
+        path = save(self, root, data=data, keep=keep)
+        self.last_checkpoint = str(path)
+        return path
 
     def load(self, root):
         """Restore what ``save`` wrote (under this or another plan of the model); returns
         the manifest, whose ``data`` is the data position to resume from."""
-        from .checkpoint import load
+        from .checkpoint import load, resolve
 
-        return load(self, root)
+        manifest = load(self, root)
+        self.last_checkpoint = str(resolve(root))
+        return manifest
 
     def close(self) -> None:
         """Wait for pending CPU steps and remove hooks and policy wrappers."""

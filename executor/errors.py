@@ -58,6 +58,14 @@ class NonFiniteLossError(ProtrainError):
     """The loss became NaN or infinite (without fp16 loss scaling, which skips such steps)."""
 
 
+class NonFiniteGradientError(ProtrainError):
+    """A gradient became NaN or infinite (without fp16 loss scaling, which skips such steps)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, partial: bool = True):
+        super().__init__(message, hint)
+        self.partial = partial  # some chunk had stepped this step: the state is not a whole step's
+
+
 class CheckpointError(ProtrainError):
     """A checkpoint directory is missing, incomplete, corrupted, or for another model."""
 

@@ -85,6 +85,23 @@ whose gradients did not land (never fetched in backward) steps on zeros under
 ZeRO-3; one that landed but has nothing to step gets its home back from the master.
 Its uploads were all waited on by compute before its last backward segment, so the
 download, ordered after compute, never races one.
+
+[Note: finite-state guard]
+A NaN or infinite gradient must never reach a master or a moment that a checkpoint
+could write. Without fp16 loss scaling (whose scaler skips such steps), every chunk's
+gradient is checked before that chunk steps: after backward by the global norm the
+step computes anyway (``after_backward`` plans: a finite norm proves every gradient
+finite; only a non-finite one is looked at chunk by chunk, so finite gradients whose
+squares overflow still step), nothing having stepped yet; with ``during_backward``
+each offloaded chunk on the worker before its CPU step, each device-homed chunk before
+its device step and the persistent chunks before theirs. The check is one sum per
+gradient (``all_finite``: NaN and ±inf survive a sum), so it reads each gradient once
+and changes no bit. The first failure is recorded in ``poisoned`` (chunk, step, and
+whether other chunks may have stepped already: ``partial``); every later step of the
+worker refuses too, and the engine refuses to step, save or export a partly updated
+state (``Engine._refuse_poisoned``). Under ZeRO-3 the global norm is all-reduced, so
+every rank stops at once; a check of a rank's own shard (``during_backward``) stops that
+rank, and the others at their next collective (``--timeout``), before any of them saves.
 """
 
 from __future__ import annotations
@@ -134,6 +151,16 @@ class LossScaler:
             self.scale *= 0.5 if overflow else 2.0
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` (all on one device) is finite, reading each once:
+    NaN and ±inf propagate through a sum, so finite sums prove it; only when a sum is not
+    finite (also finite values whose sum overflows) are the elements themselves checked."""
+    if not tensors:
+        return True
+    sums = torch.stack([t.sum().float() for t in tensors])  # (a 16-bit sum accumulates in fp32)
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class ChunkOptimizer:
@@ -224,8 +251,43 @@ class ChunkOptimizer:
         if any(c.homed and c.trainable for c in store.chunks):
             self.dev_scratch = torch.empty(shard, dtype=torch.float32, device=store.device)
             store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
+        # [Note: finite-state guard]: the first non-finite gradient (chunk, step, partial), the
+        # engine's step number (set before each step, read when a step is queued) and the error
+        # to raise (the engine's, naming the last finite checkpoint).
+        self.poisoned: tuple[int, int, bool] | None = None
+        self.step_no = 0
+        self.guarded = store.dtype != torch.float16  # fp16: the loss scaler skips such steps
+        self.nonfinite_error = lambda cid, step, partial: AssertionError(f"non-finite gradient, chunk {cid}")
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
+
+    def guard(self, cid: int, step: int, grads: list[torch.Tensor], partial: bool = True) -> None:
+        """Raise before chunk ``cid`` steps when one of its ``grads`` is not finite, or when an
+        earlier chunk's were ([Note: finite-state guard]). ``partial``: other chunks may have
+        stepped already in this step."""
+        if not self.guarded:
+            return
+        if self.poisoned is None and all_finite([g for g in grads if g is not None]):
+            return
+        if self.poisoned is None:
+            self.poisoned = (cid, step, partial)
+        raise self.nonfinite_error(*self.poisoned)
+
+    def read_by_step(self, cid: int, which: list[int], g: torch.Tensor | None) -> list[torch.Tensor]:
+        """The elements of the chunk's gradient ``g`` (master coordinates) that stepping the
+        parameters ``which`` reads, adjacent spans merged: what the guard checks (a host slot's
+        tail past the chunk, or padding, holds no gradient)."""
+        views: list[torch.Tensor] = []
+        start = end = -1
+        for a, b in (self.spans[cid][i] for i in which if g is not None and self.spans[cid][i] is not None):
+            if a != end:
+                if end >= 0:
+                    views.append(g[start:end])
+                start = a
+            end = b
+        if end >= 0:
+            views.append(g[start:end])
+        return views
 
     def stepping(self, cid: int) -> list[int]:
         """Indices (in Chunk.params) of the chunk's parameters that step now. See [Note: which
@@ -452,6 +514,8 @@ class ChunkOptimizer:
                 comm.reduce_scatter(grads, c.dev_grad, f"gradients of chunk {cid}")
         # No wait for an upload reading the master: compute waited for each of this chunk's
         # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after them.
+        if which:
+            self.guard(cid, self.step_no, self.read_by_step(cid, which, grads))
         self.store.copies.events.emit("device_step", "begin", chunk=cid)
         with record_function("protrain::dev_adam"):
             if which:
@@ -460,30 +524,38 @@ class ChunkOptimizer:
         if c.grad_live:
             self.store.close_grad(cid)
 
-    def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0) -> None:
+    def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0,
+                        checked: bool = False) -> None:
         """Queue an offloaded chunk's CPU step (after its gradients have landed: the worker
-        runs in submission order); the chunk's next fetch waits for it."""
+        runs in submission order); the chunk's next fetch waits for it. ``checked``: its
+        gradients are known finite ([Note: finite-state guard])."""
         c = self.store.chunks[cid]
         previous = c.pending
         reads_home = c.last_upload
         which = self.stepping(cid)  # now, on this thread: complete once the chunk is offloaded
         grads = self.landed.pop(cid, None)
+        step = None if checked else self.step_no  # None: the global norm proved them finite
 
         def run() -> None:
             if previous is not None:
                 previous.result()  # re-raise the landing's error, if any
-            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads)
+            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads, step)
 
         c.pending = self.worker.submit(run)
         if c.home is None and grads is not None:  # the slot is free once this step has read it
             self.store.slots.append((grads, c.pending.result))
 
     def _cpu_step(self, cid: int, which: list[int], coef: float | None, inv_scale: float,
-                  reads_home=None, grads: torch.Tensor | None = None) -> None:
+                  reads_home=None, grads: torch.Tensor | None = None, step: int | None = None) -> None:
         """On the worker: AdamW on the host master, then the new weights into home (if any).
-        ``grads``: where 16-bit gradients landed (home or slot; None: none did)."""
+        ``grads``: where 16-bit gradients landed (home or slot; None: none did). ``step``: the
+        engine's step it belongs to, whose gradients are checked first ([Note: finite-state guard]);
+        None: known finite."""
         c = self.store.chunks[cid]
         disk = self.store.disk if c.on_disk else None
+        if which and step is not None:
+            self.guard(cid, step, self.read_by_step(cid, which, grads if self.store.grad_in_home
+                                                    else self.cpu_grad.get(cid)))
         if not which:
             if grads is not None and grads is c.home:  # gradients overwrote it: the values come back
                 self._refresh_home(cid)

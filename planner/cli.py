@@ -121,6 +121,25 @@ def validate(plan_path: str, model_name: str | None) -> None:
 
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+SEED = click.IntRange(-(2**63), 2**63 - 1)
+"""What torch's generators take: an int64."""
+
+
+class _LearningRate(click.ParamType):
+    """A positive, finite float (nan, inf and negative rates train nothing useful)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rate = click.FLOAT.convert(value, param, ctx)
+        if not (math.isfinite(rate) and rate > 0):
+            self.fail(f"{value!r} is not a positive finite number (e.g. 3e-3)", param, ctx)
+        return rate
+
+
+LEARNING_RATE = _LearningRate()
 
 
 def hf_options(f):
@@ -308,8 +327,10 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
               help="Tokenizer directory (tokenizer.json) or `bytes` for byte-level tokens "
                    "[default: the --hf-config directory's tokenizer if it has one, else bytes].")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
+@click.option("--lr", type=LEARNING_RATE, default=3e-3, show_default=True,
+              help="AdamW learning rate (positive and finite).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the model init and the data order (a 64-bit signed integer).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds any collective may wait before the run fails (multi-rank runs).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
@@ -398,6 +419,32 @@ def tokenize(data_path, text_field, tokenizer, output):
 
 
 @main.command()
+@click.option("--resume", "checkpoint", required=True, metavar="CKPT",
+              type=click.Path(exists=True, file_okay=False),
+              help="Checkpoint to export: a --save-dir root (its `latest`) or one step directory.")
+@hf_options
+@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
+              help="Tokenizer directory whose files to copy [default: the --hf-config directory's, if any].")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.")
+def export(checkpoint, hf_config, blocks, tokenizer, output):
+    """Export a training checkpoint as a Hugging Face model directory (from_pretrained loads it).
+
+    The directory appears whole or not at all; a failed export leaves the checkpoint as it was.
+    """
+    from .hf import export_checkpoint
+    from .preflight import output_dir
+    from .train import _tokenizer_dir
+
+    if hf_config is None:
+        raise click.UsageError("give --hf-config PATH: the config the checkpoint's model was trained from")
+    output_dir(output, "--output", create=False, must_be_empty=True)
+    model_name = model_option(None, hf_config, blocks, required=True)
+    out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer))
+    click.echo(f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+
+
+@main.command()
 @click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
 @click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
 @click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
@@ -471,7 +518,8 @@ def probe(output, device, quick, nvme):
 @click.option("--budget", default=None, metavar="SIZE",
               help="Memory budget [default: 60% of what keeping everything on the device needs, "
                    "so the plan must trade memory for time].")
-@click.option("--seed", default=0, show_default=True, help="Seed of the model init and the data order.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the model init and the data order (a 64-bit signed integer).")
 def quickstart(model_name, steps, data_path, out_dir, budget, seed):
     """Profile → plan → train a small model end to end on whatever device is present."""
     from .preflight import output_dir

@@ -536,3 +536,18 @@ def describe(name: str) -> ModelInfo:
                      n_blocks=len(model.blocks), hidden=getattr(c, "hidden_size", 0) or 0, n_head=n_head,
                      n_kv_head=getattr(c, "num_key_value_heads", None) or n_head,
                      vocab_size=c.vocab_size, max_seq_len=model.max_seq_len)
+
+
+def export_checkpoint(checkpoint: str | Path, model_name: str, out_dir: str | Path,
+                      tokenizer_dir: str | Path | None = None) -> Path:
+    """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
+    as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
+    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values)."""
+    from protrain.executor.checkpoint import load_model_state
+
+    path, blocks = parse_hf_name(model_name)
+    model = build(path, blocks=blocks, device="meta")
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    shapes = {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if n not in aliases}
+    state = load_model_state(checkpoint, shapes)
+    return export(model, state, out_dir, config_path=path, tokenizer_dir=tokenizer_dir)

@@ -76,11 +76,23 @@ def weight_files(weights: str | Path | list[str | Path]) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{w}: not a safetensors index (a JSON object with a weight_map)",
                               "write the checkpoint again with save_pretrained") from e
-        return [w.parent / s for s in shards]
+        return [_shard(w, s) for s in shards]
     if w.suffix != ".safetensors":
         raise ConfigError(f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
                           "convert the checkpoint with model.save_pretrained(DIR) in transformers")
     return [w]
+
+
+def _shard(index: Path, name: object) -> Path:
+    """A shard the index names: a relative path under the index's directory, nowhere else
+    (checked by name: the Hugging Face cache's shards are symbolic links into its blobs)."""
+    import os
+
+    rel = os.path.normpath(name) if isinstance(name, str) and name else ""
+    if not rel or os.path.isabs(rel) or rel == ".." or rel.startswith(".." + os.sep) or "\0" in rel:
+        raise ConfigError(f"{index}: weight_map names shard {name!r}, which is not a file in {index.parent}",
+                          "point at a checkpoint whose index lists its own shards (save_pretrained writes one)")
+    return index.parent / rel
 
 
 @torch.no_grad()
@@ -147,39 +159,65 @@ def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Pat
     not training's; without it, the live config less our attention implementation),
     ``model.safetensors`` (tied aliases stored once, as
     ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
-    directory appears whole: it is written under a temporary name and renamed.
+    directory appears whole or not at all: it is written under a temporary name, every
+    file and the directory fsynced, then renamed. Any failure to write (a full disk,
+    which safetensors reports as its own ``SafetensorError``) removes the temporary
+    directory and is a ``ConfigError``.
     """
     import os
     import shutil
 
-    from safetensors.torch import save_file
+    from safetensors import SafetensorError
 
     out = Path(out_dir)
     tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        if config_path is not None:
-            shutil.copyfile(config_file(config_path), tmp / "config.json")
-        else:
-            config = model.config.to_dict()
-            for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
-                config.pop(key, None)
-            config["use_cache"] = True  # what generation wants; training set it off
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
-        params = dict(model.named_parameters(remove_duplicate=False))
-        tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / name).is_file():
-                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        shutil.rmtree(tmp, ignore_errors=True)  # (a killed export's: this export's own name)
+        tmp.mkdir(parents=True)
+        _write_export(model, state, tmp, config_path, tokenizer_dir)
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
         os.replace(tmp, out)
-    except OSError as e:
+        _fsync(out.parent)
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export {out}: {e.strerror}",
-                          "check the directory is writable and the disk has space") from None
+        raise ConfigError(f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
+                          "left there", "check the directory is writable and the disk has space") from None
     return out
+
+
+def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
+                  config_path: str | Path | None, tokenizer_dir: str | Path | None) -> None:
+    """``export``'s files into ``tmp``, each fsynced, then ``tmp`` itself."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if config_path is not None:
+        shutil.copyfile(config_file(config_path), tmp / "config.json")
+    else:
+        config = model.config.to_dict()
+        for key in ("_attn_implementation", "_attn_implementation_internal", "attn_implementation"):
+            config.pop(key, None)
+        config["use_cache"] = True  # what generation wants; training set it off
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+    for f in [*tmp.iterdir(), tmp]:
+        _fsync(f)
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

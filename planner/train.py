@@ -106,11 +106,19 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     output_file(trace_path, "--trace")
     output_file(metrics_path, "--metrics")
     output_dir(save_dir, "--save-dir")
+    if save_dir is not None:
+        from protrain.executor.checkpoint import check_root
+
+        check_root(save_dir)  # a directory of other files is not a checkpoint root
     if export_dir is not None:
         if not is_hf_name(model_name):
             raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
                               "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
+        if save_dir is None:
+            from protrain.executor.checkpoint import check_root
+
+            check_root(export_keeper(export_dir), "the checkpoint kept until the export")
     plan = P.load(plan_path)
     if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
         raise ConfigError(f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
@@ -118,7 +126,12 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     if nvme_dir is not None:
         output_dir(nvme_dir, "--nvme")
     rank, world, rank_device = _init_distributed(timeout_s)
+    lock = None
     try:
+        if save_dir is not None and rank == 0:  # one run per root (checkpoint.py [Note: one run per root])
+            from protrain.executor.checkpoint import lock_root
+
+            lock = lock_root(save_dir)
         bar = bool(progress) and log_every is None and sys.stdout.isatty()
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
@@ -129,6 +142,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
                       export_dir=export_dir, nvme_dir=nvme_dir)
     finally:
+        if lock is not None:
+            lock.release()
         if world > 1:
             import torch.distributed as dist
 
@@ -189,13 +204,7 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
             else:
-                from .hf import export, parse_hf_name
-
-                state = engine.state_dict()["model"]  # a collective on several ranks
-                if rank == 0:
-                    export(model, state, export_dir, config_path=parse_hf_name(model_name)[0],
-                           tokenizer_dir=tok_dir)
-                    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+                _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo)
         return losses
     finally:
         engine.close()
@@ -214,6 +223,42 @@ def prechecks(plan, model_name: str, *, device: str | torch.device, where: str =
     return plan_fits_host(plan, model_name, device=torch.device(device).type, where=where)
 
 
+def export_keeper(export_dir: str) -> Path:
+    """Where a run with ``--export`` and no ``--save-dir`` keeps its final checkpoint until the
+    export has succeeded: beside the export directory."""
+    out = Path(export_dir)
+    return out.with_name(f"{out.name}.checkpoint")
+
+
+def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
+    """Export the trained model; the state stays in a checkpoint until the export succeeded
+    (the run's last one, or one written for it), and a failed export names it."""
+    from protrain.executor.errors import ProtrainError
+
+    from .hf import export, parse_hf_name
+
+    keeper = None
+    if save_dir is None:  # the end-of-run checkpoint a --save-dir would have had
+        keeper = export_keeper(export_dir)
+        engine.save(keeper, keep=1)
+    kept = engine.last_checkpoint
+    state = engine.state_dict()["model"]  # a collective on several ranks
+    if rank != 0:
+        return
+    config = parse_hf_name(model_name)[0]
+    try:
+        export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
+    except ProtrainError as e:
+        raise type(e)(f"{e.message}; the trained model is safe in the checkpoint {kept}",
+                      f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`"
+                      ) from None
+    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    if keeper is not None:
+        import shutil
+
+        shutil.rmtree(keeper, ignore_errors=True)
+
+
 def heldout_loss(engine, heldout: list) -> float:
     """Mean of ``engine.evaluate`` over the held-out micro-batches (every rank must call it)."""
     return sum(engine.evaluate(b) for b in heldout) / len(heldout)
@@ -228,9 +273,11 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     # Where the held-out tail starts (tokens; 0: nothing held out): saved with the data
     # position, because the training windows depend on it.
     heldout_split = 0 if heldout is None else source.tokens.numel()
+    max_grad_accum = t.grad_accum  # the most micro-batches a step of this run's history drew
     if resume is not None:
         m = engine.load(resume)
-        drawn = _skip_to(data, m.data, t, world, echo)
+        max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
+        drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
             echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
                  "and not the other): from here the training windows differ from the first run's")
@@ -267,7 +314,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
 
     def checkpoint() -> None:
         path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
-                                           "heldout_split": heldout_split}, keep=keep)
+                                           "heldout_split": heldout_split, "max_grad_accum": max_grad_accum},
+                           keep=keep)
         echo(f"saved {path}")
 
     first = engine.steps_done
@@ -318,15 +366,24 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     return losses
 
 
-def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
+MAX_GLOBAL_MICRO_BATCH = 1 << 24
+"""Sequences per draw a checkpoint's data position may claim (a sanity bound, not a limit of
+any real run)."""
+
+
+def _skip_to(data, position: dict[str, int], t, world: int, echo, *, steps_done: int = 0,
+             where: str = "the checkpoint") -> int:
     """Advance the data stream to where the checkpoint left it; returns the draws skipped.
 
     A draw is one global micro-batch (``micro_batch × world`` sequences). Under a plan
     with another global micro-batch the position is converted by sequences, rounded
-    down; the order of the data then differs from the uninterrupted run's.
+    down; the order of the data then differs from the uninterrupted run's. A position
+    no run of ``steps_done`` steps could have reached is refused (skipping it would take
+    forever): ``_check_position``.
     """
     draws = position.get("draws", 0)
     saved_global = position.get("global_micro_batch", t.micro_batch * world)
+    _check_position(draws, saved_global, steps_done * position.get("max_grad_accum", t.grad_accum), where)
     if saved_global != t.micro_batch * world:
         draws = draws * saved_global // (t.micro_batch * world)
         echo(f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
@@ -334,6 +391,17 @@ def _skip_to(data, position: dict[str, int], t, world: int, echo) -> int:
     for _ in range(draws):
         next(data)
     return draws
+
+
+def _check_position(draws: int, saved_global: int, most: int, where: str) -> None:
+    """``draws`` at most ``most`` (steps × micro-batches per step) and a plausible global micro-batch."""
+    if not 0 <= draws <= most or not 1 <= saved_global <= MAX_GLOBAL_MICRO_BATCH:
+        raise ConfigError(
+            f"{where}: the manifest's data position (draws {draws}, global_micro_batch {saved_global}) is not "
+            f"one this checkpoint's steps could reach (at most {most} draws; 1 to {MAX_GLOBAL_MICRO_BATCH} "
+            "sequences a draw): the manifest was edited or damaged",
+            "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or restore its "
+            "manifest.json")
 
 
 def _agree(requested: bool, engine) -> bool:

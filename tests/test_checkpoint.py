@@ -69,7 +69,7 @@ def test_layout_and_pruning(tmp_path):
         engine.save(tmp_path, keep=2)
     engine.save(tmp_path, keep=2)  # again at step 4: a new directory, not a replaced one
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["latest", "step-00000004", "step-00000004.1"]
+    assert names == [".lock", "latest", "step-00000004", "step-00000004.1"]
     assert (tmp_path / "latest").read_text() == "step-00000004.1\n"
     m = read_manifest(resolve(tmp_path))
     assert m.step == 4 and set(m.files) == {"model.safetensors", "optim.safetensors", "rng-rank0.safetensors"}
@@ -170,7 +170,7 @@ def test_pruning_keeps_the_checkpoint_latest_names(tmp_path):
     engine.steps_done = 2  # as a run resumed from an early step would be
     engine.save(tmp_path, keep=2)
     assert (tmp_path / "latest").read_text() == "step-00000002\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000002", "step-00000005"]
     assert read_manifest(resolve(tmp_path)).step == 2
     engine.close()
 
@@ -187,3 +187,97 @@ def test_checkpoint_before_any_update_loads(tmp_path):
     m = other.load(tmp_path)
     assert m.step == 1 and other.scaler.scale == 2.0**59
     other.close()
+
+
+def test_a_save_never_writes_a_nonfinite_tensor(tmp_path):
+    plan = make_plan("gpt2-4", **MIXED)
+    engine = wrap(make_model("gpt2-4"), plan, CONFIG, device="cpu")
+    engine.step(next(batches(load_tokens(), 4, 32, 0)))
+    good = engine.save(tmp_path)
+    engine.optim.exp_avg_sq[1][7] = float("nan")  # (not through a step: the guard stops those)
+    with pytest.raises(CheckpointError, match=f"(?s)holds NaN or infinite values; not written.*--resume {good}"):
+        engine.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", good.name]
+    engine.close()
+
+
+def test_load_refuses_a_nonfinite_checkpoint(tmp_path):
+    """Written by something else (the manifest's checksums updated to match): refused by name,
+    before the engine changes."""
+    from safetensors.torch import load_file, save_file
+
+    from protrain.executor.checkpoint import _sha256
+
+    d = _saved(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("inf")
+    save_file(tensors, d / "model.safetensors")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = {"bytes": (d / "model.safetensors").stat().st_size,
+                                              "sha256": _sha256(d / "model.safetensors")}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="transformer.h.1.mlp.c_fc.weight holds NaN or infinite"):
+        _load_into_fresh(tmp_path)
+
+
+def test_a_root_is_owned_by_one_run(tmp_path):
+    from protrain.executor.checkpoint import lock_root
+
+    lock = lock_root(tmp_path)
+    with pytest.raises(CheckpointError, match=f"in use by another protrain run \\(pid {os.getpid()} "):
+        lock_root(tmp_path)
+    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", **MIXED), CONFIG, device="cpu")
+    engine.save(tmp_path)  # this process holds it: saves go on
+    lock.release()
+    lock_root(tmp_path).release()  # free again
+    engine.close()
+
+
+def test_a_save_sweeps_and_prunes_only_its_own_names(tmp_path):
+    """A user's `.tmp-notes/` and `step-notes` stay; a killed save's `.tmp-step-…` goes."""
+    for name in (".tmp-notes", ".tmp-step-00000001", "step-notes"):
+        (tmp_path / name).mkdir()
+    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", **MIXED), CONFIG, device="cpu")
+    for _ in range(3):
+        engine.step(next(batches(load_tokens(), 4, 32, 0)))
+        engine.save(tmp_path, keep=1)
+    engine.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-notes", "latest", "step-00000003",
+                                                          "step-notes"]
+
+
+def test_a_directory_of_other_files_is_not_a_checkpoint_root(tmp_path):
+    from protrain.executor.checkpoint import check_root
+
+    (tmp_path / ".lock").touch()
+    (tmp_path / ".tmp-step-00000001").mkdir()
+    check_root(tmp_path)  # what a killed first run leaves: still a root
+    (tmp_path / "thesis.tex").touch()
+    with pytest.raises(CheckpointError, match="holds thesis.tex and no checkpoint"):
+        check_root(tmp_path)
+    (tmp_path / "latest").write_text("step-00000001\n")
+    check_root(tmp_path)  # a root the user also keeps notes in: their files are never touched
+
+
+def test_a_full_disk_while_pointing_latest_says_where_the_checkpoint_is(tmp_path, monkeypatch):
+    import errno
+
+    from protrain.executor import checkpoint
+
+    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", **MIXED), CONFIG, device="cpu")
+    first = engine.save(tmp_path)
+    engine.step(next(batches(load_tokens(), 4, 32, 0)))
+
+    def full(path, *a, **k):  # as the kernel does: the file is created, the write fails
+        if Path(path).name != ".latest.tmp":
+            return open(path, *a, **k)
+        open(path, "w").close()
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "open", full, raising=False)
+    with pytest.raises(CheckpointError, match="(?s)step-00000001 is complete, but .*latest could not be pointed at "
+                                              "it: No space left on device.*--resume .*step-00000001"):
+        engine.save(tmp_path)
+    assert not (tmp_path / ".latest.tmp").exists()
+    assert resolve(tmp_path) == first
+    engine.close()

@@ -19,6 +19,7 @@ FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
     "diff": ["--help", "--json"],
     "explain": ["--help", "--plot", "--profile", "--trace"],
+    "export": ["--blocks", "--help", "--hf-config", "--output", "--resume", "--tokenizer"],
     "fit": ["--blocks", "--budget", "--hardware", "--help", "--hf-config", "--host-memory", "--nvme", "--seq",
             "--world-size"],
     "hardware": ["--help"],

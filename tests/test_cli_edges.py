@@ -184,7 +184,7 @@ def test_binary_data_is_refused(tmp_path):
 def test_resuming_a_finished_run_says_so_and_keep_prunes(tmp_path):
     r = run(*TRAIN, "--steps", "3", "--save-every", "1", "--save-dir", tmp_path, "--keep", "1")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000003"]
     r = run(*TRAIN, "--steps", "3", "--resume", tmp_path)
     assert r.exit_code == 0, r.output
     assert "nothing to train" in r.output and "--steps 6" in r.output
@@ -343,3 +343,167 @@ def test_train_refuses_a_plan_this_host_cannot_hold_before_the_build(tmp_path, m
     r = run(*TRAIN, "--plan", _edited(tmp_path, "training", "seq_len", 4096), "--steps", "1")
     no_traceback(r)
     assert "longer than gpt2-tiny's 128 positions" in r.output
+
+
+# issue 31 ------------------------------------------------------------- long runs never lose work
+
+PROTRAIN = [sys.executable, "-m", "protrain.planner.cli"]
+
+
+def test_a_second_run_in_one_save_dir_is_refused_naming_the_holder(tmp_path):
+    from protrain.executor.checkpoint import lock_root
+
+    lock = lock_root(tmp_path / "ck")  # the first run, in this process
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "ck")
+    no_traceback(r)
+    assert f"in use by another protrain run (pid {os.getpid()} holds" in r.output and "step" not in r.output
+    lock.release()
+    assert run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "ck").exit_code == 0
+
+
+def test_a_save_dir_of_other_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path)
+    no_traceback(r)
+    assert "holds notes.txt and no checkpoint" in r.output and "HINT: give --save-dir a new" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_two_concurrent_trainers_in_one_save_dir(tmp_path):
+    """Run A trains and saves; run B, started meanwhile into the same directory, is refused at
+    once naming A's pid; A's checkpoints are all there at the end."""
+    ck = tmp_path / "ck"
+    args = ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--save-dir", str(ck), "--save-every", "1",
+            "--keep", "50", "--log-every", "1"]
+    a = subprocess.Popen([*PROTRAIN, *args, "--steps", "40"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    assert "step" in a.stdout.readline() + a.stdout.readline() + a.stdout.readline()  # A holds the lock
+    b = subprocess.run([*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120)
+    rest, _ = a.communicate(timeout=300)
+    assert b.returncode == 1 and f"pid {a.pid} holds" in b.stderr and "Traceback" not in b.stderr, b.stderr
+    assert a.returncode == 0, rest
+    assert (ck / "latest").read_text() == "step-00000040\n"
+    assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 40
+
+
+@pytest.mark.slow
+def test_a_diverging_run_keeps_its_last_finite_checkpoint(tmp_path):
+    """--lr 10 makes a gradient infinite after the step-2 checkpoint (loss still finite): the run
+    stops with the checkpoint's name, `--keep 1` has not deleted it, and it resumes."""
+    ck = tmp_path / "ck"
+    r = run(*TRAIN, "--steps", "30", "--lr", "10", "--save-dir", ck, "--save-every", "2", "--keep", "1")
+    no_traceback(r)
+    assert "NaN or infinite" in r.output and f"the last finite checkpoint is {ck / 'step-00000002'}" in r.output
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest", "step-00000002"]
+    r = run(*TRAIN, "--steps", "3", "--resume", ck, "--save-dir", ck)
+    assert r.exit_code == 0, r.output
+    assert "resumed from" in r.output and (ck / "latest").read_text() == "step-00000003\n"
+
+
+def _disk_full_in(directory_prefix: str, monkeypatch) -> None:
+    """safetensors' save_file fails as on a full disk (its own SafetensorError, not an OSError)
+    for files written under a directory named ``directory_prefix…``."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, path, *a, **k):
+        if Path(path).parent.name.startswith(directory_prefix):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                  'message: "No space left on device" })')
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+def test_a_failed_export_is_one_clean_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import torch
+
+    from protrain.executor.errors import ConfigError
+    from protrain.planner.hf_checkpoint import export
+
+    (tmp_path / "config.json").write_text("{}")
+    model = torch.nn.Linear(4, 4)
+    _disk_full_in(".tmp-out", monkeypatch)
+    with pytest.raises(ConfigError, match="cannot write the export .*out: Error while serializing.*No space left"):
+        export(model, dict(model.named_parameters()), tmp_path / "out", config_path=tmp_path / "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no .tmp-out, no out
+    monkeypatch.undo()
+    export(model, dict(model.named_parameters()), tmp_path / "out", config_path=tmp_path / "config.json")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_failed_export_keeps_the_trained_model_and_export_resumes_it(tmp_path, monkeypatch):
+    """--export without --save-dir on a full disk: one clean error naming the checkpoint kept
+    for it; `protrain export --resume` then writes exactly the trained weights. Without the
+    failure the kept checkpoint is gone after the export."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(
+        model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=320, n_embd=32, n_layer=2, n_head=2,
+        n_positions=64, bos_token_id=0, eos_token_id=0)))
+    plan = tmp_path / "plan.json"
+    r = run("plan", "--hf-config", hf, "--hardware", "cpu", "--batch", "2", "--seq", "16", "--budget", "1MiB",
+            "-o", plan)
+    assert r.exit_code == 0, r.output
+    out, kept = tmp_path / "out", tmp_path / "out.checkpoint"
+    _disk_full_in(".tmp-out", monkeypatch)
+    r = run("train", "--plan", plan, "--hf-config", hf, "--steps", "2", "--export", out)
+    no_traceback(r)
+    assert "No space left on device" in r.output and f"safe in the checkpoint {kept / 'step-00000002'}" in r.output
+    assert "HINT: free space, then `protrain export --resume" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out.checkpoint", "plan.json"]
+    monkeypatch.undo()
+    r = run("export", "--resume", kept, "--hf-config", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    saved, exported = load_file(kept / "step-00000002" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() <= saved.keys() and all(torch_equal(exported[k], saved[k]) for k in exported)
+    r = run("train", "--plan", plan, "--hf-config", hf, "--steps", "2", "--export", tmp_path / "out2")
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "out2.checkpoint").exists() and (tmp_path / "out2" / "model.safetensors").is_file()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("args", [["--seed", str(2**64)], ["--seed", str(-(2**63) - 1)], ["--lr", "nan"],
+                                  ["--lr", "inf"], ["--lr", "-1"], ["--lr", "0"]])
+def test_seed_and_learning_rate_out_of_range_are_usage_errors(args):
+    r = run(*TRAIN, "--steps", "1", *args)
+    no_traceback(r, code=2)
+    assert args[0] in r.output and ("range" in r.output or "positive finite" in r.output)
+
+
+def test_an_edited_data_position_is_refused_not_skipped_forever(tmp_path):
+    r = run(*TRAIN, "--steps", "2", "--save-dir", tmp_path)
+    assert r.exit_code == 0, r.output
+    manifest = tmp_path / "step-00000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["data"]["draws"] == 2 and doc["data"]["max_grad_accum"] == 1
+    doc["data"]["draws"] = 10**15
+    manifest.write_text(json.dumps(doc))
+    r = run(*TRAIN, "--steps", "3", "--resume", tmp_path)
+    no_traceback(r)
+    assert "data position (draws 1000000000000000, global_micro_batch" in r.output and "at most 2 draws" in r.output
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "a/../../b.safetensors", ""])
+def test_an_hf_index_names_only_shards_in_its_directory(tmp_path, shard):
+    from protrain.executor.errors import ConfigError
+    from protrain.planner.hf_checkpoint import weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.weight": "model-00001.safetensors", "b.weight": shard}}))
+    with pytest.raises(ConfigError, match="which is not a file in"):
+        weight_files(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "sub/../m.safetensors"}}))
+    assert weight_files(tmp_path) == [tmp_path / "m.safetensors"]

@@ -1,9 +1,11 @@
 """Failure behaviour: a NaN/inf loss stops before the update (fp32/bf16) or skips the
-step (fp16 loss scaling); running out of device memory names the phase, the block and
+step (fp16 loss scaling); a NaN/inf gradient with a finite loss stops before its chunk
+steps, and a partly updated state is never saved; running out of device memory names the phase, the block and
 the predicted vs actual memory, and suggests a budget with a margin."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor.errors import BudgetError, NonFiniteLossError
+from protrain.executor.errors import BudgetError, NonFiniteGradientError, NonFiniteLossError
 from protrain.planner.data import batches, load_tokens
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
@@ -28,17 +30,18 @@ def _poison(model, block: int, when):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_nan_loss_stops_before_the_update(dtype):
+def test_nan_loss_stops_before_the_update(dtype, tmp_path):
     model = make_model("gpt2-4")
     engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, **PLAN), AdamWConfig(lr=1e-3), device="cpu")
     data = batches(load_tokens(), 4, 32, 0)
     for _ in range(2):
         engine.step(next(data))
+    good = engine.save(tmp_path)
     before = engine.state_dict()
     _poison(model, 2, lambda: True)
     with pytest.raises(NonFiniteLossError, match="at step 3") as e:
         engine.step(next(data))
-    assert "HINT: resume from the last checkpoint" in str(e.value)
+    assert f"HINT: resume from the last checkpoint ({good}, the newest" in str(e.value)
     after = engine.state_dict()  # nothing changed: the check runs before backward
     for n, t in before["model"].items():
         assert torch.equal(t, after["model"][n]), n
@@ -63,6 +66,75 @@ def test_fp16_nan_loss_skips_the_step_and_goes_on():
     assert all(torch.equal(t, engine.state_dict()["model"][n]) for n, t in before.items())
     poisoned[0] = False
     assert not engine.step(next(data)).skipped
+    engine.close()
+
+
+OFFLOADED, PERSISTENT = "transformer.h.3.mlp.c_fc.weight", "transformer.wte.weight"
+
+
+@pytest.mark.parametrize(("dtype", "cpu_adam", "param"), [
+    ("float32", "during_backward", OFFLOADED),  # the CPU-Adam worker's check
+    ("bfloat16", "during_backward", OFFLOADED),  # 16-bit gradients landed in the home
+    ("float32", "during_backward", PERSISTENT),  # the persistent chunks' check
+    ("bfloat16", "after_backward", PERSISTENT),  # the global norm's
+])
+def test_nonfinite_gradient_stops_before_its_chunk_steps(tmp_path, dtype, cpu_adam, param):
+    """The loss stays finite; one parameter's gradient is inf (an offloaded chunk's, or the
+    persistent chunk's). Its chunk never steps, nothing non-finite is saved, and the error names
+    the last finite checkpoint (during backward it may come from the step or from the save)."""
+    model = make_model("gpt2-4")
+    engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, cpu_adam=cpu_adam, **PLAN),
+                  AdamWConfig(lr=1e-3), device="cpu")
+    cid = next(c.id for c in engine.store.chunks for p, _, _ in c.params if engine.names[id(p)] == param)
+    data = batches(load_tokens(), 4, 32, 0)
+    for _ in range(2):
+        engine.step(next(data))
+    good = engine.save(tmp_path)
+    masters = [engine.optim.master[c.id].clone() for c in engine.store.chunks]
+    dict(model.named_parameters())[param].register_hook(lambda g: g * float("inf"))
+    with pytest.raises(NonFiniteGradientError, match=f"at step 3: chunk {cid} ") as e:
+        engine.step(next(data))
+        engine.save(tmp_path)  # the periodic / end-of-run / Ctrl-C save of the train loop
+    assert f"the last finite checkpoint is {good}" in str(e.value) and f"--resume {good}" in str(e.value)
+    assert torch.equal(engine.optim.master[cid], masters[cid])  # the chunk never stepped
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", good.name]
+    with pytest.raises(NonFiniteGradientError):  # and it never will, nor anything else
+        engine.step(next(data))
+    if cpu_adam == "after_backward":  # nothing stepped: the state is step 2's
+        assert not e.value.partial
+        assert all(torch.equal(engine.optim.master[c.id], masters[c.id]) for c in engine.store.chunks)
+    with contextlib.suppress(NonFiniteGradientError):  # (a CPU step's error comes back once more)
+        engine.close()
+
+
+def test_nonfinite_gradient_before_any_update_leaves_the_state_of_the_step_before():
+    model = make_model("gpt2-4")
+    engine = wrap(model, make_plan("gpt2-4", cpu_adam="after_backward", **PLAN), AdamWConfig(lr=1e-3),
+                  device="cpu")
+    data = batches(load_tokens(), 4, 32, 0)
+    engine.step(next(data))
+    before = engine.state_dict()
+    model.transformer.h[1].attn.c_attn.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(NonFiniteGradientError, match="no checkpoint was saved or loaded in this run"):
+        engine.step(next(data))
+    after = engine.state_dict()  # saveable: no chunk stepped
+    for part in ("model", "optim"):
+        for n, t in before[part].items():
+            same = torch.equal(t, after[part][n]) if part == "model" else all(
+                torch.equal(v, after[part][n][k]) for k, v in t.items())
+            assert same, (part, n)
+    engine.close()
+
+
+def test_finite_gradients_whose_norm_overflows_still_step():
+    """The global norm is inf, every gradient finite: the guard looks chunk by chunk and lets the
+    step run (clipped to zero), as plain PyTorch does."""
+    model = make_model("gpt2-4")
+    engine = wrap(model, make_plan("gpt2-4", cpu_adam="after_backward", **PLAN),
+                  AdamWConfig(lr=1e-3, max_grad_norm=1.0), device="cpu")
+    model.transformer.h[1].attn.c_attn.weight.register_hook(lambda g: torch.full_like(g, 3e38))
+    result = engine.step(next(batches(load_tokens(), 4, 32, 0)))
+    assert result.grad_norm == float("inf") and engine.steps_done == 1
     engine.close()
 
 

@@ -24,7 +24,7 @@ def test_resume_continues_the_same_losses(tmp_path):
     full = train(PLAN, "gpt2-tiny", steps=6, **QUIET)
     first = train(PLAN, "gpt2-tiny", steps=4, save_every=2, save_dir=str(tmp_path), **QUIET)
     assert first == full[:4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000002", "step-00000004"]
     rest = train(PLAN, "gpt2-tiny", steps=6, resume=str(tmp_path), **QUIET)
     assert rest == full[4:]
 

@@ -1,0 +1,173 @@
+"""What the finite-state guard costs: step time with and without it, in one process.
+
+The guard (executor/optim.py [Note: finite-state guard]) reads every gradient once
+before its chunk steps: one sum per gradient on the CPU-Adam worker (offloaded
+chunks, ``during_backward``), one sum per persistent chunk and one read back before
+the device steps, and nothing at all where the global norm is computed anyway
+(``after_backward``: clipping, or the plan's schedule). This tool trains one engine
+per plan and switches the guard off and on between blocks of steps
+(``ChunkOptimizer.guarded``), alternating which comes first, so both settings see the
+same model, data and machine drift. It reports the median step time of each and
+their ratio.
+
+    python tools/bench_finite.py                  # print the table
+    python tools/bench_finite.py --write          # and update BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_executor import build_model, machine, write_section  # noqa: E402
+
+from protrain.executor import AdamWConfig, wrap  # noqa: E402
+from protrain.executor import plan as P  # noqa: E402
+from protrain.planner.data import batches, load_tokens  # noqa: E402
+from protrain.planner.emit import emit  # noqa: E402
+from protrain.planner.models import block_paths  # noqa: E402
+
+SECTION = "## Finite-state guard: step time with and without it (tools/bench_finite.py)"
+MODEL, MICRO_BATCH, SEQ_LEN, CHUNK = "gpt2-6l-256", 4, 128, 1 << 20
+
+
+def plans() -> list[tuple[str, P.Plan]]:
+    meta = build_model(MODEL, "meta", 0)
+    blocks = block_paths(meta)
+    tr = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype="float32", master_dtype="float32",
+                    world_size=1, grad_accum=1)
+
+    def plan(persistent, n_buffer, cpu_adam=None):
+        return emit(meta, name=MODEL, blocks=blocks, training=tr, chunk_numel=CHUNK, persistent=persistent,
+                    n_buffer=n_buffer, policies=["keep"] * len(blocks), cpu_adam=cpu_adam)
+
+    n = len(plan([], 10**6).chunks.items)
+    return [("persistent (device steps)", plan(list(range(n)), 0)),
+            ("offloaded, during_backward (worker)", plan([], 2, "during_backward")),
+            ("offloaded, after_backward (the norm)", plan([], 2, "after_backward"))]
+
+
+class _Clock:
+    """Wall seconds spent inside the guard's functions (the worker's and the main thread's)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, f):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> tuple[dict[bool, list[float]], float]:
+    """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps,
+    and the seconds a guarded step spends inside the guard (mean)."""
+    engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
+    clock = _Clock()
+    engine.optim.guard = clock.wrap(engine.optim.guard)
+    for name in ("_guard_persistent", "_guard_after_backward"):
+        setattr(engine, name, clock.wrap(getattr(engine, name)))
+    data = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(warmup):
+            engine.step(next(data))
+        for r in range(repeats):
+            for guarded in ((True, False) if r % 2 == 0 else (False, True)):
+                engine.optim.guarded = guarded
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    engine.step(next(data))
+                    times[guarded].append(time.perf_counter() - t0)
+        engine.optim.wait_all()  # the last CPU steps' checks, counted
+    finally:
+        engine.optim.guarded = True
+        engine.close()
+    return times, clock.seconds / max(len(times[True]), 1)
+
+
+def check_alone(plan: P.Plan, runs: int = 30) -> tuple[float, int]:
+    """Median seconds of the check itself, as the worker runs it on each chunk (the spans its
+    step reads; the masters stand in for the gradients: same shapes, finite), and the
+    elements checked. Less noisy than a difference of two step times on a shared machine."""
+    from protrain.executor.optim import all_finite
+
+    engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
+    o = engine.optim
+    views = [o.read_by_step(c.id, list(range(len(c.params))), o.master[c.id]) for c in engine.store.chunks]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for v in views:
+            all_finite(v)
+        times.append(time.perf_counter() - t0)
+    engine.close()
+    return statistics.median(times), sum(t.numel() for v in views for t in v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=6, help="blocks per setting (alternating order)")
+    ap.add_argument("--block", type=int, default=8, help="steps per block")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    rows, ratios, shares = [], [], []
+    for name, plan in plans():
+        times, inside = measure(plan, args.warmup, args.repeats, args.block)
+        on, off = (statistics.median(times[g]) for g in (True, False))
+        rows.append(f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
+                    f"({inside / off:.1%}) |")
+        ratios.append(on / off)
+        shares.append(inside / off)
+        print(rows[-1], flush=True)
+    alone, elements = check_alone(plan)
+    rows.append(f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient elements "
+                f"| — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    text = f"""{SECTION}
+
+Command: `python tools/bench_finite.py {argv_text}`
+
+Machine: {machine()}.
+
+Date: {date}. Model {MODEL} (fp32), micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 1M-element chunks; per plan one
+engine, {args.warmup} warm-up steps, then {args.repeats} blocks of {args.block} steps per setting, the guard switched
+off and on between blocks (alternating which comes first); median wall time of a whole `Engine.step`;
+{time.time() - t0:.0f} s in all; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after (2 cores shared
+with other work: read differences under a few % as noise).
+
+| plan | median step ms, guard off | median step ms, guard on | on / off | ms inside the guard per step (of a step) |
+|---|---:|---:|---:|---:|
+""" + "\n".join(rows) + f"""
+
+Reading: the guard's cost is the last column, timed inside its functions during the guarded steps
+({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only reads the global norm
+the step computes anyway). The on / off ratios of whole steps ({min(ratios):.3f} to {max(ratios):.3f}) are two
+medians on a 2-core machine shared with other work, so they carry its drift, which here is larger than the
+guard's cost; the check alone, over spans the size of this model's gradients, takes {alone * 1e3:.1f} ms.
+"""
+    print(text)
+    if args.write:
+        write_section(text, SECTION)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
