@@ -326,6 +326,8 @@ class PolicyGrid:
     swap: np.ndarray  # (G, S) 1 where the segment is a swapped block
     ckpt: np.ndarray  # (G, S) 1 where the segment is a checkpointed block
     cache: dict = field(default_factory=dict, compare=False, repr=False)
+    parent: tuple[PolicyGrid, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    """``(grid, idx)`` when this grid is rows ``idx`` of another: its strip-only terms are those rows."""
     """``grid_terms`` of this grid, per terms' activation arrays (a search evaluates one grid
     at every placement: what depends on the strips alone is computed once)."""
 
@@ -357,6 +359,12 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
     hit = grid.cache.get(key)
     if hit is not None:
         return hit[1]
+    if grid.parent is not None:  # each row is one strip's terms: index the parent's
+        whole, idx = grid.parent
+        terms = grid_terms(t, whole)
+        out = GridTerms(**{f: getattr(terms, f)[idx] for f in GridTerms.__dataclass_fields__})
+        grid.cache[key] = (arrays, out)
+        return out
     # What each policy holds after forward (homes.POLICIES): its strips' mask times that term
     # (whole bytes: the sum is exact). <pre> and <post> are kept.
     mask = {"keep": 1.0 - grid.swap - grid.ckpt, "swap": grid.swap, "checkpoint": grid.ckpt}

@@ -206,8 +206,9 @@ def space(t: Terms) -> list[tuple[int, int]]:
 
 
 def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
-    """The pairs ``idx`` of ``grid`` (a smaller grid for ``cost.evaluate``)."""
-    return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx])
+    """The pairs ``idx`` of ``grid`` (a smaller grid for ``cost.evaluate``), with the rows ``idx``
+    of the grid's cached strip-only terms (each row is one strip's: the same values)."""
+    return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx], parent=(grid, idx))
 
 
 def _homes_tier(t: Terms) -> Terms | None:
@@ -341,7 +342,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         n_off = t.n_chunks - n_persist
         bound = _time_bound(t, n_persist, n_off, _subgrid(grid, idx), host_cap)  # every chunk buffered
         evaluated += len(idx)
-        lower = np.array([round(float(x)) for x in bound])
+        lower = np.round(bound)  # whole µs (half to even, as round())
         while len(idx) and n_buffer < n_off:
             b0, b1 = bar()
             keep = (lower < b0) | ((lower == b0) & (peak_at <= b1))  # (lower, peak) <= (b0, b1)

@@ -43,7 +43,7 @@ CASES = (
     ("llama-70b", "a100-80g", "plans/profiles/llama-70b/llama-70b-a100-80g-b1-s4096.json"),
     ("llama-70b", "rtx4090", "plans/profiles/llama-70b/llama-70b-rtx4090-b1-s4096.json"),
     ("gpt2-xl", "rtx3090", "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json"),
-    ("mistral-7b", "h100", "plans/profiles/mistral-7b/mistral-7b-h100-b1-s4096.json"),
+    ("mistral-7b", "h100", "plans/profiles/mistral-7b/mistral-7b-h100-b4-s2048.json"),
 )
 HOST_BUDGET = 4 << 40
 
