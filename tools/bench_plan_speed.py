@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-SECTION = "## Planning speed against an earlier commit (tools/bench_plan_speed.py)"
+SECTION = "## Planning speed against {rev} (tools/bench_plan_speed.py)"
 
 CASES = (
     ("llama-70b", "a100-80g", "plans/profiles/llama-70b/llama-70b-a100-80g-b1-s4096.json"),
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fit: {rev} {spread(got['base'])}, {current} {spread(got['this'])}", flush=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python tools/bench_plan_speed.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    lines = [SECTION, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
+    section = SECTION.format(rev=rev)
+    lines = [section, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
              f"({sys.platform}), {when}; baseline {rev}, this tree {current}. Each figure: median "
              f"(min-max) over {args.rounds} processes x {args.repeats} calls (after a warm-up call in "
              f"each), trees interleaved in one run; fit: {args.fit_rounds} runs of the whole command "
@@ -167,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write:
         md = BENCHMARKS_MD.read_text()
-        if SECTION in md:
-            a = md.index(SECTION)
-            b = md.find("\n## ", a + len(SECTION))
+        if section in md:
+            a = md.index(section)
+            b = md.find("\n## ", a + len(section))
             md = md[:a] + text + (md[b + 1:] if b >= 0 else "")
         else:
             md = md.rstrip() + "\n\n" + text
