@@ -235,7 +235,7 @@ def _write(engine: Engine, sd: dict, root: Path, name: str, tmp: Path, data: dic
     _phase("directory")
     try:
         save_file(_rng_state(engine.device), tmp / f"rng-rank{comm.rank}.safetensors")
-        _fsync(tmp / f"rng-rank{comm.rank}.safetensors")
+        fsync_path(tmp / f"rng-rank{comm.rank}.safetensors")
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         raise _save_failed(root, tmp, e, need) from None
     comm.barrier("checkpoint RNG states")
@@ -246,7 +246,7 @@ def _write(engine: Engine, sd: dict, root: Path, name: str, tmp: Path, data: dic
         except (OSError, SafetensorError) as e:
             raise _save_failed(root, tmp, e, need) from None
         os.rename(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         _phase("renamed")
         _write_latest(root, name, final)
         _phase("latest")
@@ -270,7 +270,7 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, root / "latest")
-        _fsync(root)
+        fsync_path(root)
     except OSError as e:
         latest_tmp.unlink(missing_ok=True)
         raise CheckpointError(
@@ -306,7 +306,7 @@ def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | Non
     save_file(optim, tmp / "optim.safetensors")
     files = {}
     for f in sorted(tmp.iterdir()):
-        _fsync(f)
+        fsync_path(f)
         files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
     _phase("tensors")
     manifest = Manifest(
@@ -319,8 +319,8 @@ def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | Non
         data=dict(data or {}), files=files, optimizer_state=bool(optim),
     )
     (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
-    _fsync(tmp / "manifest.json")
-    _fsync(tmp)
+    fsync_path(tmp / "manifest.json")
+    fsync_path(tmp)
     _phase("manifest")
 
 
@@ -350,7 +350,8 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from . import homes as H
 from .errors import PlanError, ProtrainError
 from .events import Events
 
@@ -91,7 +92,7 @@ class Comm:
         self.events = Events()  # the engine's, once wrapped (events.py)
 
     def shard_numel(self, numel: int) -> int:
-        return -(-numel // self.world)
+        return H.shard_numel(numel, self.world)
 
     def _run(self, what: str, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, its failure a ``RankFailure``; returns what it returns (an

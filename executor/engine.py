@@ -396,9 +396,12 @@ class Engine:
         together (one read back), then one by one to name the first that is not finite."""
         if not self.optim.guarded:
             return
+        t0 = time.perf_counter()
         chunks = [c for c in self.store.chunks if c.persistent and c.trainable]
         grads = {c.id: self.optim.read_by_step(c.id, self.optim.stepping(c.id), c.dev_grad[c.own]) for c in chunks}
-        if all_finite([g for views in grads.values() for g in views]):
+        finite = all_finite([g for views in grads.values() for g in views])
+        self.optim.guard_seconds += time.perf_counter() - t0
+        if finite:
             return
         for cid, views in grads.items():
             self.optim.guard(cid, self.steps_done + 1, views)

@@ -106,6 +106,8 @@ rank, and the others at their next collective (``--timeout``), before any of the
 
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -256,7 +258,10 @@ class ChunkOptimizer:
         # to raise (the engine's, naming the last finite checkpoint).
         self.poisoned: tuple[int, int, bool] | None = None
         self.step_no = 0
-        self.guarded = store.dtype != torch.float16  # fp16: the loss scaler skips such steps
+        # fp16: the loss scaler skips such steps. PROTRAIN_NO_FINITE_CHECK=1 (debug and
+        # tools/bench_finite.py only, read once here) turns the guard off to measure its cost.
+        self.guarded = store.dtype != torch.float16 and not os.environ.get("PROTRAIN_NO_FINITE_CHECK")
+        self.guard_seconds = 0.0  # wall time inside the guard's checks (approximate across threads)
         self.nonfinite_error = lambda cid, step, partial: AssertionError(f"non-finite gradient, chunk {cid}")
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
@@ -267,7 +272,10 @@ class ChunkOptimizer:
         stepped already in this step."""
         if not self.guarded:
             return
-        if self.poisoned is None and all_finite([g for g in grads if g is not None]):
+        t0 = time.perf_counter()
+        finite = self.poisoned is None and all_finite([g for g in grads if g is not None])
+        self.guard_seconds += time.perf_counter() - t0
+        if finite:
             return
         if self.poisoned is None:
             self.poisoned = (cid, step, partial)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protrain.executor.checkpoint import fsync_path
 from protrain.executor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Pat
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
         os.replace(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
@@ -210,14 +211,4 @@ def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
     for f in [*tmp.iterdir(), tmp]:
-        _fsync(f)
-
-
-def _fsync(path: Path) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(f)

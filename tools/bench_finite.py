@@ -4,11 +4,12 @@ The guard (executor/optim.py [Note: finite-state guard]) reads every gradient on
 before its chunk steps: one sum per gradient on the CPU-Adam worker (offloaded
 chunks, ``during_backward``), one sum per persistent chunk and one read back before
 the device steps, and nothing at all where the global norm is computed anyway
-(``after_backward``: clipping, or the plan's schedule). This tool trains one engine
-per plan and switches the guard off and on between blocks of steps
-(``ChunkOptimizer.guarded``), alternating which comes first, so both settings see the
-same model, data and machine drift. It reports the median step time of each and
-their ratio.
+(``after_backward``: clipping, or the plan's schedule). This tool trains two engines
+per plan, the guard on and off (``PROTRAIN_NO_FINITE_CHECK=1`` when the second is built),
+from the same model, seed and batches, in alternating blocks of steps (alternating which
+comes first), so both settings see the same machine drift. It reports the median step time
+of each, their ratio, and the time spent inside the guard's checks (the optimizer's public
+``guard_seconds``).
 
     python tools/bench_finite.py                  # print the table
     python tools/bench_finite.py --write          # and update BENCHMARKS.md
@@ -55,47 +56,44 @@ def plans() -> list[tuple[str, P.Plan]]:
             ("offloaded, after_backward (the norm)", plan([], 2, "after_backward"))]
 
 
-class _Clock:
-    """Wall seconds spent inside the guard's functions (the worker's and the main thread's)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def wrap(self, f):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        return timed
+def _engine(plan: P.Plan, guarded: bool):
+    """An engine on the same model and seed, with the guard on or off (``PROTRAIN_NO_FINITE_CHECK``,
+    read once when the engine is built)."""
+    if guarded:
+        os.environ.pop("PROTRAIN_NO_FINITE_CHECK", None)
+    else:
+        os.environ["PROTRAIN_NO_FINITE_CHECK"] = "1"
+    try:
+        return wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
+    finally:
+        os.environ.pop("PROTRAIN_NO_FINITE_CHECK", None)
 
 
 def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> tuple[dict[bool, list[float]], float]:
-    """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps,
-    and the seconds a guarded step spends inside the guard (mean)."""
-    engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
-    clock = _Clock()
-    engine.optim.guard = clock.wrap(engine.optim.guard)
-    for name in ("_guard_persistent", "_guard_after_backward"):
-        setattr(engine, name, clock.wrap(getattr(engine, name)))
-    data = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
+    """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps on two
+    engines (same model, seed and batches), alternating which runs first, and the seconds a guarded
+    step spends inside the guard's checks (mean; the optimizer's public ``guard_seconds``)."""
+    engines = {True: _engine(plan, True), False: _engine(plan, False)}
+    streams = {g: batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0) for g in engines}
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for _ in range(warmup):
-            engine.step(next(data))
+        for g, engine in engines.items():
+            for _ in range(warmup):
+                engine.step(next(streams[g]))
+            engine.optim.wait_all()
+        inside = engines[True].optim.guard_seconds
         for r in range(repeats):
             for guarded in ((True, False) if r % 2 == 0 else (False, True)):
-                engine.optim.guarded = guarded
                 for _ in range(block):
                     t0 = time.perf_counter()
-                    engine.step(next(data))
+                    engines[guarded].step(next(streams[guarded]))
                     times[guarded].append(time.perf_counter() - t0)
-        engine.optim.wait_all()  # the last CPU steps' checks, counted
+        engines[True].optim.wait_all()  # the last CPU steps' checks, counted
+        inside = engines[True].optim.guard_seconds - inside
     finally:
-        engine.optim.guarded = True
-        engine.close()
-    return times, clock.seconds / max(len(times[True]), 1)
+        for engine in engines.values():
+            engine.close()
+    return times, inside / max(len(times[True]), 1)
 
 
 def check_alone(plan: P.Plan, runs: int = 30) -> tuple[float, int]:
@@ -147,9 +145,9 @@ Command: `python tools/bench_finite.py {argv_text}`
 
 Machine: {machine()}.
 
-Date: {date}. Model {MODEL} (fp32), micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 1M-element chunks; per plan one
-engine, {args.warmup} warm-up steps, then {args.repeats} blocks of {args.block} steps per setting, the guard switched
-off and on between blocks (alternating which comes first); median wall time of a whole `Engine.step`;
+Date: {date}. Model {MODEL} (fp32), micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 1M-element chunks; per plan two
+engines (guard on; off by `PROTRAIN_NO_FINITE_CHECK=1`), {args.warmup} warm-up steps each, then {args.repeats} blocks of {args.block} steps per setting,
+alternating between them (alternating which comes first); median wall time of a whole `Engine.step`;
 {time.time() - t0:.0f} s in all; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after (2 cores shared
 with other work: read differences under a few % as noise).
 
@@ -157,7 +155,7 @@ with other work: read differences under a few % as noise).
 |---|---:|---:|---:|---:|
 """ + "\n".join(rows) + f"""
 
-Reading: the guard's cost is the last column, timed inside its functions during the guarded steps
+Reading: the guard's cost is the last column, timed inside its checks during the guarded steps
 ({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only reads the global norm
 the step computes anyway). The on / off ratios of whole steps ({min(ratios):.3f} to {max(ratios):.3f}) are two
 medians on a 2-core machine shared with other work, so they carry its drift, which here is larger than the
