@@ -12,7 +12,7 @@ to another tensor while either stream may still use it.
 
 On CPU the same calls copy synchronously and return an already-complete handle, so
 CI runs every code path of the executor without a GPU; and under the asynchronous
-CPU emulation (testing/emulation.py) they complete later on worker threads, so CI
+CPU emulation (tests/emulation.py, injected through ``EMULATION``) they complete later on worker threads, so CI
 also catches a missing wait, record or release guard.
 
 [Note: who waits for what]
@@ -38,9 +38,8 @@ missing wait show up on a CPU box as a loss mismatch.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -52,7 +51,7 @@ class CopyHandle:
     """Handle of one issued copy (and the collective queued behind it).
 
     ``event``: a ``torch.cuda.Event`` recorded after the copy on its stream, an
-    ``EmulatedEvent`` (see testing/emulation.py), or None on synchronous CPU,
+    ``EmulatedEvent`` (see tests/emulation.py), or None on synchronous CPU,
     where the copy has already happened.
     """
 
@@ -138,7 +137,7 @@ class CopyEngine:
 
     See [Note: copy streams]. Three back-ends behind one interface: CUDA streams and
     events; synchronous CPU copies; and the asynchronous CPU emulation of
-    testing/emulation.py (``emulation``, or ``PROTRAIN_ASYNC_CPU`` in the
+    tests/emulation.py (``emulation``, or ``EMULATION``: ``PROTRAIN_ASYNC_CPU`` in the
     environment), in which this class's own code, waits and records included, runs
     exactly as on CUDA.
     """
@@ -293,11 +292,13 @@ class CopyEngine:
             self.emu.sweep()
 
 
+EMULATION: Callable[[], object] | None = None
+"""Where a new CPU copy engine gets an asynchronous emulation of the GPU's streams: a
+callable returning one (or None), installed by the test suite (tests/emulation.py, which
+the tests and their worker processes import); None in every other process. The runtime
+imports nothing of the tests: they inject their device here."""
+
+
 def _emulation():
-    """The asynchronous CPU emulation a new CPU copy engine should use, if a test turned it on
-    (``testing.emulation.emulate``) or ``PROTRAIN_ASYNC_CPU`` is set; None otherwise. The
-    runtime imports the test device only then."""
-    emu = sys.modules.get("protrain.testing.emulation")
-    if emu is None and os.environ.get("PROTRAIN_ASYNC_CPU"):
-        import protrain.testing.emulation as emu
-    return emu.current() if emu is not None else None
+    """The asynchronous CPU emulation a new CPU copy engine should use (``EMULATION``), or None."""
+    return EMULATION() if EMULATION is not None else None

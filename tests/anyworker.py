@@ -20,6 +20,7 @@ import sys
 import tempfile
 import traceback
 
+import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 from harness import make_model, make_plan
 

@@ -17,6 +17,8 @@ settings.load_profile("explore" if os.environ.get("PROTRAIN_HYPOTHESIS_RANDOM") 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/planfactory.py and friends
 
+import emulation  # noqa: E402, F401  (installs the asynchronous CPU device: executor/transfer.py EMULATION)
+
 
 def pytest_collection_modifyitems(config, items):
     # Slow tests (marked `slow`, several seconds each on a 2-core box) run when asked for:

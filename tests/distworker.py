@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 import torch.distributed as dist
 

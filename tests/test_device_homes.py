@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from emulation import emulate
 from harness import (
     assert_same_state,
     assert_same_training,
@@ -22,7 +23,6 @@ from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import PlanError
 from protrain.planner.data import batches, load_tokens
-from protrain.testing.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from emulation import emulate
 from harness import assert_same_training, make_model, make_plan
 from torch import nn
 
 from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.emit import emit
-from protrain.testing.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from emulation import emulate
 from harness import (
     CONFIGS,
     assert_same_state,
@@ -32,7 +33,6 @@ from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, HostMemoryError, PlanError
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.models import GPT2Config
-from protrain.testing.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"

@@ -22,6 +22,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from emulation import emulate
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -30,7 +31,6 @@ from protrain.executor import plan as P
 from protrain.executor.validation import segment_chunks
 from protrain.planner.emit import emit
 from protrain.planner.models import lm_loss
-from protrain.testing.emulation import emulate
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if os.environ.get("PROTRAIN_ASYNC_CPU"):  # gpu_check.sh's CPU rehearsal: asynchronous CPU copies
+    sys.path.insert(0, str(ROOT / "tests"))
+    import emulation  # noqa: E402, F401  (installs itself as executor/transfer.py EMULATION)
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 """glibc raises its mmap threshold (up to 32 MiB) each time a mapped block is freed, so
 later blocks below it come from the heap and stay resident after they are freed. On a

@@ -101,6 +101,9 @@ from bench_models import (  # noqa: F401 (TINY_LADDERS: bench_fit reads it from 
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+if os.environ.get("PROTRAIN_ASYNC_CPU"):  # gpu_check.sh's CPU rehearsal: asynchronous CPU copies
+    sys.path.insert(0, str(ROOT / "tests"))
+    import emulation  # noqa: E402, F401  (installs itself as executor/transfer.py EMULATION)
 BACKENDS = ("protrain", "fsdp2-offload", "fsdp2-offload-sac", "deepspeed-zero3-offload",
             "torch-plain")
 SECTION = "## Training throughput against FSDP2 and DeepSpeed offload (tools/bench_train.py)"

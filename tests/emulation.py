@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+from protrain.executor import transfer
 from protrain.executor.errors import ProtrainError
 
 ENV = "PROTRAIN_ASYNC_CPU"
@@ -281,7 +282,7 @@ class AsyncCPU:
                     del self.recorded[ptr]
 
 
-def current() -> AsyncCPU | None:
+def current() -> AsyncCPU | None:  # installed as transfer.EMULATION below
     """The emulation a new CPU copy engine should use: ``emulate()``'s, else the environment's."""
     if _override:
         return _override[-1]
@@ -304,3 +305,8 @@ def emulate(seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3,
         yield emu
     finally:
         _override.pop()
+
+
+# The executor imports nothing of the tests: importing this module (conftest.py does, and
+# every worker script the tests start) installs it as the copy engines' emulation provider.
+transfer.EMULATION = current
