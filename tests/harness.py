@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -96,6 +97,50 @@ def sleeper(before_copy: float = 0.0, before_cpu_adam: float = 0.0, before_weigh
             time.sleep(s)
 
     return listener
+
+
+TRAIN_CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
+"""``train_engine``'s optimizer unless given: large enough steps that a wrong update shows."""
+
+
+class Trained(NamedTuple):
+    """What ``train_engine`` returns (indexable as ``(losses, state, host_bytes, device_peak)``)."""
+
+    losses: list[float]
+    state: dict
+    host_bytes: int
+    device_peak: int
+
+
+def train_engine(model: nn.Module, plan: P.Plan, steps: int = 4, data=None, nvme_dir=None,
+                 config: AdamWConfig | None = None) -> Trained:
+    """Train ``model`` under ``plan`` for ``steps`` steps (``grad_accum`` micro-batches each) from
+    a fixed seed (dropout draws the same masks in every run); the losses, the state dict and
+    the ledger's host bytes and device peak."""
+    torch.manual_seed(1234)
+    engine = wrap(model, plan, config or TRAIN_CONFIG, device="cpu", nvme_dir=nvme_dir)
+    data = data or batches(load_tokens(), 4, 32, 0)
+    k = plan.training.grad_accum
+    try:
+        losses = [engine.step([next(data) for _ in range(k)]).loss for _ in range(steps)]
+        return Trained(losses, engine.state_dict(), engine.ledger.host_bytes, engine.ledger.device_peak_bytes())
+    finally:
+        engine.close()
+
+
+# (persistent, n_buffer, policies) of the parity matrix: chunk ids per 4-block model are 0
+# (embeddings), one per block, and the head's; see make_plan. tests/test_parity.py runs it
+# on the zoo, tests/test_hf.py on Hugging Face models.
+PARITY_MATRIX = {
+    "all-persistent": ("all", 0, "keep"),
+    "offloaded-buf1": ([], 1, "keep"),
+    "offloaded-buf2": ([], 2, "keep"),
+    "mixed": ([0, 2], 2, "keep"),
+    "all-checkpoint": ([], 2, "checkpoint"),
+    "all-swap": ([], 2, "swap"),
+    "interleaved": ([0], 2, "swap checkpoint keep swap"),
+    "interleaved-2": ([1, 3], 3, "checkpoint swap checkpoint keep"),
+}
 
 
 def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,

@@ -17,6 +17,7 @@ from harness import (
     make_model,
     make_plan,
     stop_and_resume,
+    train_engine,
 )
 
 from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
@@ -53,14 +54,11 @@ def test_some_device_homed_beside_host_homes_under_async_copies():
     assert_same_state(run)
 
 
-def _train(model, plan, steps=4, data=None):
-    torch.manual_seed(1234)
-    engine = wrap(model, plan, CONFIG, device="cpu")
-    data = data or batches(load_tokens(), 4, 32, 0)
-    losses = [engine.step(next(data)).loss for _ in range(steps)]
-    sd, host, dev = engine.state_dict(), engine.ledger.host_bytes, engine.ledger.device_peak_bytes()
-    engine.close()
-    return losses, sd, host, dev
+STEPS = 4
+
+
+def _train(model, plan, steps=None, data=None, nvme_dir=None, config=CONFIG):
+    return train_engine(model, plan, steps or STEPS, data, nvme_dir, config)
 
 
 def test_bf16_device_homes_step_as_host_homes(monkeypatch):

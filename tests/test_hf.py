@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from harness import assert_same_state, lockstep
+from harness import PARITY_MATRIX, assert_same_state, lockstep
 from harness import make_plan as harness_plan
 
 from protrain.executor import AdamWConfig, wrap
@@ -168,16 +168,7 @@ def test_our_attention_matches_transformers_eager(hf, cfg_dirs, arch):
 
 # ---------------------------------------------------------------------------- executor parity
 
-# (persistent, n_buffer, policies), as tests/test_parity.py's matrix.
-MATRIX = {
-    "all-persistent": ("all", 0, "keep"),
-    "offloaded-buf1": ([], 1, "keep"),
-    "offloaded-buf2": ([], 2, "keep"),
-    "mixed": ([0, 2], 2, "keep"),
-    "all-checkpoint": ([], 2, "checkpoint"),
-    "all-swap": ([], 2, "swap"),
-    "interleaved": ([1], 2, "swap checkpoint keep swap"),
-}
+MATRIX = PARITY_MATRIX  # (persistent, n_buffer, policies): tests/harness.py, shared with test_parity
 
 
 @pytest.mark.parametrize("case", list(MATRIX))

@@ -9,25 +9,21 @@ import msgspec
 import pytest
 import torch
 from emulation import emulate
-from harness import assert_same_training, make_model, make_plan
+from harness import assert_same_training, make_model, make_plan, train_engine
 from torch import nn
 
-from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
+from protrain.executor import AdamWConfig, accounting, homes, optim
 from protrain.planner.data import batches, load_tokens
 from protrain.planner.emit import emit
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
 
-def _train(model, plan, steps=3, config=CONFIG, data=None):
-    torch.manual_seed(1234)  # dropout draws the same masks in both runs
-    engine = wrap(model, plan, config, device="cpu")
-    data = data or batches(load_tokens(), 4, 32, 0)
-    losses = [engine.step(next(data)).loss for _ in range(steps)]
-    sd = engine.state_dict()
-    host = engine.ledger.host_bytes
-    engine.close()
-    return losses, sd, host
+STEPS = 3
+
+
+def _train(model, plan, steps=None, data=None, nvme_dir=None, config=CONFIG):
+    return train_engine(model, plan, steps or STEPS, data, nvme_dir, config)
 
 
 _same = assert_same_training

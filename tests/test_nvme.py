@@ -25,6 +25,7 @@ from harness import (
     make_model,
     make_plan,
     stop_and_resume,
+    train_engine,
 )
 
 from protrain.executor import AdamWConfig, accounting, chunks, homes, nvme, optim, wrap
@@ -44,15 +45,11 @@ def _pieces(monkeypatch, n=192):
         monkeypatch.setattr(mod, "STEP_PIECE", n)
 
 
-def _train(model, plan, steps=4, data=None, nvme_dir=None, config=CONFIG):
-    torch.manual_seed(1234)
-    engine = wrap(model, plan, config, device="cpu", nvme_dir=nvme_dir)
-    data = data or batches(load_tokens(), 4, 32, 0)
-    k = plan.training.grad_accum
-    losses = [engine.step([next(data) for _ in range(k)]).loss for _ in range(steps)]
-    sd, host = engine.state_dict(), engine.ledger.host_bytes
-    engine.close()
-    return losses, sd, host
+STEPS = 4
+
+
+def _train(model, plan, steps=None, data=None, nvme_dir=None, config=CONFIG):
+    return train_engine(model, plan, steps or STEPS, data, nvme_dir, config)
 
 
 @pytest.mark.parametrize("model,persistent,policies,which,asynchronous", [

@@ -12,23 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from harness import assert_same_state, lockstep, make_plan
+from harness import PARITY_MATRIX, assert_same_state, lockstep, make_plan
 
 from protrain.executor import AdamWConfig
 from protrain.executor import plan as P
 
-# (persistent, n_buffer, policies): chunk ids per model are 0 (embeddings), one per
-# block, and the head's; see make_plan.
-MATRIX = {
-    "all-persistent": ("all", 0, "keep"),
-    "offloaded-buf1": ([], 1, "keep"),
-    "offloaded-buf2": ([], 2, "keep"),
-    "mixed": ([0, 2], 2, "keep"),
-    "all-checkpoint": ([], 2, "checkpoint"),
-    "all-swap": ([], 2, "swap"),
-    "interleaved": ([0], 2, "swap checkpoint keep swap"),
-    "interleaved-2": ([1, 3], 3, "checkpoint swap checkpoint keep"),
-}
+MATRIX = PARITY_MATRIX
 
 
 def _plan(model: str, case: str, **kw):
