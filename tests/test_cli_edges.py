@@ -372,19 +372,27 @@ def test_a_save_dir_of_other_files_is_refused(tmp_path):
 @pytest.mark.slow
 def test_two_concurrent_trainers_in_one_save_dir(tmp_path):
     """Run A trains and saves; run B, started meanwhile into the same directory, is refused at
-    once naming A's pid; A's checkpoints are all there at the end."""
+    once naming A's pid; A, stopped by Ctrl-C only after that (so B surely ran while A held
+    the directory, however fast A trains), keeps every checkpoint it wrote, newest in `latest`."""
+    import signal
+
     ck = tmp_path / "ck"
     args = ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--save-dir", str(ck), "--save-every", "1",
-            "--keep", "50", "--log-every", "1"]
-    a = subprocess.Popen([*PROTRAIN, *args, "--steps", "40"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    assert "step" in a.stdout.readline() + a.stdout.readline() + a.stdout.readline()  # A holds the lock
-    b = subprocess.run([*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120)
-    rest, _ = a.communicate(timeout=300)
+            "--keep", "100000", "--log-every", "1"]
+    a = subprocess.Popen([*PROTRAIN, *args, "--steps", "100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "step" in a.stdout.readline() + a.stdout.readline() + a.stdout.readline()  # A holds the lock
+        b = subprocess.run([*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120)
+        assert a.poll() is None, "run A ended before run B was refused"
+    finally:
+        a.send_signal(signal.SIGINT)  # A saves its step and exits 130
+        rest, _ = a.communicate(timeout=300)
     assert b.returncode == 1 and f"pid {a.pid} holds" in b.stderr and "Traceback" not in b.stderr, b.stderr
-    assert a.returncode == 0, rest
-    assert (ck / "latest").read_text() == "step-00000040\n"
-    assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 40
+    assert a.returncode == 130 and "interrupted after step" in rest, rest
+    steps = sorted(p.name for p in ck.iterdir() if p.name.startswith("step-"))
+    assert (ck / "latest").read_text() == steps[-1] + "\n" and steps[0] == "step-00000001"
+    assert len(steps) == int(steps[-1].removeprefix("step-"))  # every one of A's, none deleted
 
 
 @pytest.mark.slow
