@@ -243,6 +243,8 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
 
     gpu = acts is not None and acts.gpu
     held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
+    moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
+    recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
 
     def chunk_events(phase, s, changes):
         for kind, c, sign in changes:
@@ -265,23 +267,23 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev(phase, s, "device", "shared_grads", shared[s, 1])
         if phase == "forward":
             ev(phase, s, "device", "activations", held[i], block=s)
-            if gpu and policy.get(s) == "swap":
+            if gpu and s in moves:
                 ev(phase, s, "device", "swap_out", act(i, "saved"), block=s)
-        elif gpu and policy.get(s) == "checkpoint":
+        elif gpu and s in recomputes:
             ev(phase, s, "device", "recompute", act(i, "saved"), block=s)
         transient = act(i, "fwd_peak" if phase == "forward" else "bwd_peak") if gpu else 0
         ev(phase, s, "device", "transient", transient)
         ev(phase, s, "device", "transient", -transient)
         chunk_events(phase, s, end)
         if phase == "forward":
-            if gpu and i and policy.get(segs[i - 1]) == "swap":
+            if gpu and i and segs[i - 1] in moves:
                 ev(phase, s, "device", "swap_out", -act(i - 1, "saved"), block=segs[i - 1])
             if i == len(segs) - 1:  # the turn: every swapped block's activations are on the host
                 for b in plan.model.blocks:
-                    if policy[b] == "swap":
+                    if b in moves:
                         ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
         else:
-            if gpu and policy.get(s) == "checkpoint":
+            if gpu and s in recomputes:
                 ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
             ev(phase, s, "device", "activations", -held[i], block=s)
             ev(phase, s, "device", "shared_grads", -shared[s, -1])

@@ -592,6 +592,12 @@ class Engine:
         self.last_checkpoint = str(resolve(root))
         return manifest
 
+    def synchronize(self) -> None:
+        """Wait until the last step's work is done: its CPU AdamW steps, which run on the worker
+        past ``step``'s return (the next step's fetches wait for them). What a trace or a timer
+        needs before reading the step as finished."""
+        self.optim.wait_all()
+
     def close(self) -> None:
         """Wait for pending CPU steps and remove hooks and policy wrappers."""
         try:

@@ -423,8 +423,10 @@ def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
     assert not unknown, unknown
     swap = np.zeros((len(strips), S), dtype=np.float64)
     ckpt = np.zeros((len(strips), S), dtype=np.float64)
-    swap[:, 1:-1] = codes == "swap"
-    ckpt[:, 1:-1] = codes == "checkpoint"
+    # The grid's two masks, from the policies table: blocks whose activations move to the host
+    # and back, and blocks recomputed in backward (the rest keep theirs).
+    swap[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.moves])
+    ckpt[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.recomputes])
     return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)
 
 

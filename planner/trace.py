@@ -627,5 +627,6 @@ def record_trace(engine, max_steps: int | None = None) -> Iterator[MeasuredTrace
     rec = MeasuredTrace(engine, max_steps).install()
     try:
         yield rec
+        engine.synchronize()  # the last step's CPU steps finish on the worker after step() returns
     finally:
         rec.uninstall()
