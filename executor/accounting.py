@@ -127,11 +127,6 @@ def host_numel(plan: Plan, cid: int) -> int:
     return H.own_numel(plan.chunks.chunk_numel, plan.training.world_size, chunk_end(plan, cid))
 
 
-def scratch_bytes(compute_dtype: str, grad_accum: int, shard: int) -> int:
-    """The CPU step's fp32 scratch (``homes.host_scratch_bytes``)."""
-    return H.host_scratch_bytes(H.Setup(compute_dtype, grad_accum), shard)
-
-
 def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
                  frozen: Collection[str] = ()) -> Counter[tuple[str, int]]:
     """Bytes of the gradients autograd holds for trainable parameters two segments use

@@ -228,10 +228,9 @@ class Home:
         """The tensors this home keeps for one chunk (those of zero bytes left out)."""
         return [p for p in self.parts_of(setup, trainable) if p.elem_bytes]
 
-    def per_elem(self, setup: Setup, where: str, trainable: bool = True, over: str | None = None) -> int:
-        """Bytes per element kept ``where`` (``over`` one element count only, if given)."""
-        return sum(p.elem_bytes for p in self.parts(setup, trainable)
-                   if p.where == where and (over is None or p.over == over))
+    def per_elem(self, setup: Setup, where: str, trainable: bool = True) -> int:
+        """Bytes per element kept ``where``."""
+        return sum(p.elem_bytes for p in self.parts(setup, trainable) if p.where == where)
 
     def nbytes(self, setup: Setup, where: str, chunk: int, own: int, trainable: bool = True,
                kind: str | None = None) -> int:
