@@ -172,3 +172,23 @@ def test_accumulation_draws_micro_batches_one_at_a_time():
     assert got == want  # bit for bit
     with pytest.raises(ConfigError, match="2 micro-batches; the plan accumulates 3"):
         engine.step(iter(data[:2]))
+
+
+def test_a_chunk_refuses_transitions_from_the_wrong_state():
+    # Chunk.to_resident/to_released/grad_opened/grad_closed assert the state they start from:
+    # a release of a released chunk, a fetch-state change of a persistent one, a second
+    # opening of gradients are internal errors, not silent double frees.
+    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep"),
+                  device="cpu")
+    try:
+        persistent, offloaded = engine.store.chunks[0], engine.store.chunks[1]
+        with pytest.raises(AssertionError, match="expected one of"):
+            offloaded.to_released()  # released after wrap
+        with pytest.raises(AssertionError, match="never fetched"):
+            persistent.to_resident()
+        with pytest.raises(AssertionError, match="grad_live"):
+            persistent.grad_opened()  # a trainable persistent chunk's gradients are always open
+        with pytest.raises(AssertionError, match="grad_live"):
+            offloaded.grad_closed()  # closed after wrap
+    finally:
+        engine.close()
