@@ -5,7 +5,8 @@ Heavy imports (torch, networkx) happen inside the commands that need them, so
 torch unless a model must be built. User errors (``ProtrainError``) print as one
 paragraph and exit 1, and so do OS errors on files (a full disk, a permission) that
 reach the top; ``--debug`` shows the traceback instead. Usage errors exit 2;
-Ctrl-C exits 130 (128 + SIGINT, what shells report for an interrupted command).
+Ctrl-C exits 130 (128 + SIGINT, what shells report for an interrupted command); a
+closed stdout pipe (``protrain models | head -1``) exits 141 (128 + SIGPIPE) silently.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe shows here when the output fit in the buffer
+            return result
+        except BrokenPipeError:
+            _closed_pipe()
         except ProtrainError as e:
             if ctx.meta.get("protrain.debug"):
                 raise
@@ -44,6 +49,19 @@ class _Group(click.Group):
                 raise
             click.echo("interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
+
+
+EXIT_CLOSED_PIPE = 141
+"""Exit status when the reader of stdout went away (``protrain models | head -1``): 128 + SIGPIPE."""
+
+
+def _closed_pipe() -> None:
+    """Leave quietly, as Unix tools do when their reader closes the pipe (the Python docs'
+    recipe, "Note on SIGPIPE"): stdout goes to devnull so the interpreter's last flush
+    cannot fail again, and nothing is printed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_CLOSED_PIPE)
 
 
 @click.group(cls=_Group)

@@ -515,3 +515,19 @@ def test_an_hf_index_names_only_shards_in_its_directory(tmp_path, shard):
         weight_files(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "sub/../m.safetensors"}}))
     assert weight_files(tmp_path) == [tmp_path / "m.safetensors"]
+
+
+# issue 32 ------------------------------------------------------------- behaves like a Unix tool
+
+
+@pytest.mark.parametrize("args", [["models"],
+                                  ["plan", "--model", "gpt2", "--hardware", "rtx3090", "--batch", "1", "--seq", "128"],
+                                  ["fit", "--hardware", "rtx3090", "--seq", "512"]], ids=["models", "plan", "fit"])
+def test_a_closed_pipe_exits_quietly(tmp_path, args):
+    """`protrain models | head -1`: the reader is gone before the first write; exit 0 or 141, stderr empty."""
+    if args[0] == "plan":
+        args = [*args, "-o", str(tmp_path / "plan.json")]
+    p = subprocess.Popen([*PROTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    p.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) in (0, 141) and err == "", (p.returncode, err)
