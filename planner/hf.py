@@ -1,7 +1,8 @@
 """Hugging Face causal LMs as protrain models (optional extra ``hf``: ``pip install transformers``).
 
-A model is built from a LOCAL ``config.json`` (never from the hub: we read the JSON
-ourselves and call no ``from_pretrained``), or adapted from a model the caller
+A model is built from a LOCAL ``config.json`` (never from the hub: transformers'
+``AutoConfig.from_pretrained`` reads that file only, ``local_files_only``, and no remote
+code runs; the weights are read by ``hf_checkpoint``), or adapted from a model the caller
 already holds, and comes back as an ``HFCausalLM``: a module whose forward takes
 ``(idx, targets)`` and returns the loss, as the zoo's models do, so the planner and
 the executor treat it like any zoo model. The module names are Hugging Face's own, so
@@ -219,8 +220,9 @@ _LIST_TYPES = ("python -c 'from transformers.models.auto.modeling_auto import "
 def load_config(path: str | Path):
     """Read a local config.json into its transformers config class; returns (config, class name).
 
-    ``AutoConfig.for_model(model_type, **fields)`` and the class
-    ``AutoModelForCausalLM`` would build, with nothing downloaded and no remote code.
+    ``AutoConfig.from_pretrained(file, local_files_only=True)`` (the file read as transformers
+    reads it) and the class ``AutoModelForCausalLM`` would build, with nothing downloaded and no
+    remote code.
     Refused, each with its reason (see the module docstring): configs with
     ``auto_map`` (remote code), model types this transformers does not know or builds
     no causal LM for, ``architectures`` naming a class other than a causal LM of this
@@ -269,9 +271,10 @@ def load_config(path: str | Path):
     cls = classes[model_type]
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
-        config = transformers.AutoConfig.for_model(model_type, **fields)
+        # As transformers reads it (special floats such as time_step_limit's Infinity decoded),
+        # from this file only: nothing downloaded, no remote code (auto_map was refused above).
+        config = transformers.AutoConfig.from_pretrained(str(f), local_files_only=True, trust_remote_code=False)
     except (TypeError, ValueError, *_strict_errors()) as e:
         raise ConfigError(f"{f}: {version} rejects this {model_type} config: {e}", f"fix {f}") from e
     if arch is not None and arch != cls:
@@ -301,10 +304,18 @@ def _text_config(config):
     return get() if callable(get) else config
 
 
+_NO_DROPOUT = {"diffllama": {"attention_dropout"}}
+"""model_type → dropout fields its transformers class refuses above 0 (DiffLlama: "no
+paper-defined dropout semantics"): they stay 0 whatever ``dropout`` is asked for."""
+
+
 def _training_config(config, dropout: float) -> None:
     """Set what training with a plan needs, in place (see the module docstring)."""
     for c in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
+        fixed = _NO_DROPOUT.get(getattr(c, "model_type", None), set())
         for name, value in c.to_dict().items():
+            if name in fixed:
+                continue
             if _DROPOUT_FIELD.search(name) and isinstance(value, float | int) and not isinstance(value, bool):
                 setattr(c, name, float(dropout))
         if getattr(c, "layerdrop", 0.0):
@@ -491,6 +502,17 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def _onto_meta(model: nn.Module) -> None:
+    """Move to ``meta`` what a family's ``__init__`` created off it despite the device context.
+
+    ``torch.normal(mean, std, size=...)`` with float arguments ignores the default device
+    (DiffLlama's ``lambda_q1`` ... are drawn so, on the CPU); materialising initialises them
+    again by the family's own ``_init_weights``, as it does every other parameter.
+    """
+    if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
+        model.to("meta")
+
+
 def build(source: str | Path, *, blocks: str | None = None, device: str | torch.device = "cpu",
           dtype: torch.dtype = torch.float32, dropout: float | None = None, seed: int = 0,
           weights: str | Path | list[str | Path] | None = None) -> HFCausalLM:
@@ -507,6 +529,7 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
     _training_config(config, 0.0 if dropout is None else dropout)
     with torch.device("meta"):
         model = getattr(_transformers(), arch)(config)
+    _onto_meta(model)
     wrapped = from_model(model, blocks=blocks)
     if torch.device(device).type == "meta":
         _cast_parameters(wrapped, dtype)

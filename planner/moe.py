@@ -31,6 +31,10 @@ Detection (``detect``) reads the built model, not only its config:
   ``CONFIG_SHARED``), or from the router module's ``top_k``; a model whose config
   declares experts (``CONFIG_EXPERTS``) but has no bank we recognise is refused
   rather than charged for all of its experts.
+- **dense banks**: 3-D expert weights outside transformers' experts interface whose
+  forward runs every token through every expert (Llama 4's text experts: one ``bmm``,
+  unrouted experts weighted by zero) are dense compute; such a model is planned as the
+  dense model it runs as (``detect`` returns None).
 """
 
 from __future__ import annotations
@@ -107,6 +111,19 @@ def _is_fused_bank(m: nn.Module) -> bool:
             and hasattr(m, "has_gate") and hasattr(m, "is_transposed"))
 
 
+def _is_dense_bank(m: nn.Module) -> bool:
+    """3-D expert weights outside the experts interface, run on every token (Llama 4's
+    ``Llama4TextExperts``: one ``bmm`` over all experts, the router's scores zero for
+    the experts a token is not routed to). Its compute is dense, whatever the routing."""
+    down = getattr(m, "down_proj", None)
+    up = getattr(m, "gate_up_proj", None)
+    if up is None:
+        up = getattr(m, "up_proj", None)
+    return (isinstance(down, nn.Parameter) and isinstance(up, nn.Parameter)
+            and down.dim() == 3 and up.dim() == 3 and down.shape[0] == up.shape[0]
+            and not (hasattr(m, "has_gate") or hasattr(m, "is_transposed")))
+
+
 def _is_expert_list(name: str, m: nn.Module) -> bool:
     return (name.rsplit(".", 1)[-1] == "experts" and isinstance(m, nn.ModuleList) and len(m) > 1
             and len({type(e) for e in m}) == 1)
@@ -128,6 +145,8 @@ def detect(model: nn.Module) -> MoeLayout | None:
         banks = [(n, m) for n, m in model.named_modules() if _is_expert_list(n, m)]
         fused = False
     declared = _config_int(cfg, CONFIG_EXPERTS)
+    if not banks and any(_is_dense_bank(m) for m in model.modules()):
+        return None  # every token goes through every expert: dense compute, charged as it runs
     if not banks:
         if declared is not None and declared > 1:
             raise ConfigError(

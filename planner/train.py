@@ -184,7 +184,7 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
                                        else f"random init (seed {seed})")
          + (f"; then the checkpoint's ({resume})" if resume else ""))
     check(plan, model, where=plan_path, name=model_name)
-    vocab_check(source, model.lm_head.weight.shape[0])
+    vocab_check(source, output_vocab(model))
     t = plan.training
     heldout = None
     if eval_every is not None:
@@ -208,6 +208,18 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
         return losses
     finally:
         engine.close()
+
+
+def output_vocab(model) -> int:
+    """Rows of the model's output head: the zoo's ``lm_head``, or whatever a transformers family
+    calls its head (``get_output_embeddings``: BioGPT's is ``output_projection``)."""
+    hf = getattr(model, "hf", None)
+    head = hf.get_output_embeddings() if hf is not None else getattr(model, "lm_head", None)
+    if head is not None and getattr(head, "weight", None) is not None:
+        return head.weight.shape[0]
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
 
 
 def prechecks(plan, model_name: str, *, device: str | torch.device, where: str = "the plan") -> int:

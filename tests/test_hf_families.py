@@ -148,6 +148,11 @@ FAMILIES: dict[str, tuple[dict, str]] = {
                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
                         layer_types=["linear_attention", "full_attention"]),
                    "hybrid gated DeltaNet + gated attention, MoE"),
+    # Families that trained through from_model before they did from their config.json (#32):
+    "biogpt": (dict(_DENSE), "learned positions, its head named output_projection"),
+    "diffllama": (dict(_DENSE), "differential attention, lambdas drawn off the meta device"),
+    "llama4_text": (dict(_DENSE, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96),
+                    "experts as one bmm over every expert (dense compute), a shared expert"),
 }
 
 FAST = ["gemma2", "mixtral", "mamba", "bloom"]
@@ -175,12 +180,16 @@ def model_type(family: str) -> str:
 
 
 def write_family(directory, family: str, hf) -> str:
-    """``config.json`` for ``family`` as a downloaded one reads (model_type, architectures); its hf: name."""
+    """``config.json`` for ``family`` as a downloaded one is written (transformers' own
+    ``save_pretrained``: every field, special floats such as Mamba2's ``time_step_limit``
+    Infinity as ``{"__float__": "Infinity"}``, and ``architectures``); its hf: name."""
+    import transformers
+
     fields = {k: v for k, v in FAMILIES[family][0].items() if k != "model_type"}
     mt = model_type(family)
-    directory.mkdir(parents=True, exist_ok=True)
-    body = {"model_type": mt, "architectures": [hf.causal_lm_classes()[mt]], **fields}
-    (directory / "config.json").write_text(json.dumps(body, indent=2))
+    config = transformers.AutoConfig.for_model(mt, **fields)
+    config.architectures = [hf.causal_lm_classes()[mt]]
+    config.save_pretrained(directory)
     return f"hf:{directory}"
 
 
@@ -446,3 +455,38 @@ def test_refusals_never_suggest_another_model_type(hf, tmp_path, fields, pattern
     assert _suggested_types(e.value, {fields.get("model_type")}) == set(), (str(e.value), e.value.hint)
     if "unknown" in pattern:
         assert "pip install -U transformers" in e.value.hint
+
+
+# ---------------------------------------------------------------------------- from config.json as from from_model
+
+ONCE_FROM_MODEL_ONLY = {
+    "mamba2": "time_step_limit saved as [0.0, {'__float__': 'Infinity'}], which the config class rejected raw",
+    "bamba": "time_step_limit, as mamba2",
+    "falcon_h1": "time_step_limit, as mamba2",
+    "biogpt": "train read model.lm_head; its head is output_projection",
+    "diffllama": "its lambdas were drawn on the CPU under the meta device, and planning refused the model",
+    "llama4_text": "its experts are one dense bmm, not an experts-interface bank: 'no expert bank was found'",
+}
+"""Families that trained through ``hf.from_model`` but not from their own config.json (#32), and why."""
+
+
+@pytest.mark.parametrize("family", [f if f == "mamba2" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in ONCE_FROM_MODEL_ONLY])
+def test_plan_and_train_from_the_config_json_save_pretrained_writes(hf, names, family, tmp_path):
+    """The issue's reproduction, through the CLI: plan analytically, then train two steps."""
+    from click.testing import CliRunner
+
+    from protrain.planner.cli import main
+
+    directory = names[family][len("hf:"):]
+    if family == "mamba2":
+        from pathlib import Path
+
+        assert '"__float__": "Infinity"' in (Path(directory) / "config.json").read_text()
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(main, ["plan", "--hf-config", directory, "--hardware", "cpu", "--batch", "2",
+                                  "--seq", str(SEQ), "--dtype", "float32", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["train", "--plan", str(out), "--hf-config", directory, "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert "trained 2 steps" in r.output
