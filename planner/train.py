@@ -95,8 +95,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
 
     ``tokenizer``: a tokenizer directory, or ``"bytes"``; by default a Hugging Face
     model's directory's own tokenizer when it has one, else byte-level tokens.
-    ``progress``: True draws a bar when stdout is a terminal (and no ``log_every``),
-    False never; otherwise plain lines every ``log_every`` (default 10) steps.
+    ``progress``: True or None (the CLI's) draws a bar when stdout is a terminal (and no
+    ``log_every``), False never; otherwise plain lines every ``log_every`` (default 10) steps.
     ``export_dir``: write the trained Hugging Face model there (``hf.export``).
     """
     if save_every is not None and save_dir is None:
@@ -132,7 +132,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
             from protrain.executor.checkpoint import lock_root
 
             lock = lock_root(save_dir)
-        bar = bool(progress) and log_every is None and sys.stdout.isatty()
+        bar = progress is not False and log_every is None and sys.stdout.isatty()
         return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
                       device=device or rank_device, rank=rank, world=world,
                       trace_path=trace_path if rank == 0 else None,

@@ -531,3 +531,45 @@ def test_a_closed_pipe_exits_quietly(tmp_path, args):
     p.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) in (0, 141) and err == "", (p.returncode, err)
+
+
+def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
+    """What a user sees running ``protrain ARGS`` in a terminal: stdout and stderr on a pseudo-terminal."""
+    import pty
+    import select
+    import time
+
+    main_fd, tty = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    p = subprocess.Popen([*PROTRAIN, *args], stdin=tty, stdout=tty, stderr=tty, cwd=cwd, env=env,
+                         close_fds=True)
+    os.close(tty)
+    out, end = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            if select.select([main_fd], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(main_fd, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif p.poll() is not None:
+                break
+    finally:
+        os.close(main_fd)
+        p.wait(timeout=60)
+    assert p.returncode == 0, out.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe(tmp_path):
+    shown = _under_a_terminal([*TRAIN, "--steps", "3"], tmp_path)
+    assert "━" in shown and "3/3" in shown, shown  # rich's bar and its M/N column
+    assert "step     1  loss" not in shown  # the bar, not the log lines
+    piped = subprocess.run([*PROTRAIN, *TRAIN, "--steps", "3"], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert "━" not in piped.stdout and "\x1b" not in piped.stdout
+    assert [x.split()[1] for x in piped.stdout.splitlines() if x.startswith("step ")] == ["1", "3"]
