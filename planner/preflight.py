@@ -131,3 +131,42 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
             "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
             "(or a smaller --batch), or use a machine with more RAM", need=need, available=available)
     return need
+
+
+MACHINE_TOLERANCE = 0.10
+"""Device memory sizes within this fraction of each other count as the same card: a
+datasheet's 80 GiB and a probe's 79.1 GiB of one H100 (the probe sees what the driver leaves)."""
+
+
+def other_machine(plan, device: str) -> str | None:
+    """A one-line note when ``plan`` was made for another machine than ``device`` here, else None.
+
+    What is compared: the kind of device (a plan for a CPU, the ``cpu`` spec or a probe of one,
+    against a CUDA device, or a GPU's plan on the CPU) and its memory (``plan.hardware``'s
+    device_memory_bytes against this GPU's total memory, or this host's RAM for a CPU: what a
+    probe records). A plan that recorded no hardware (made by hand or by a library call) says
+    nothing. Its peak is still checked against the budget on this device; only its predicted
+    times and the machine's measured rates are another machine's.
+    """
+    h = plan.hardware
+    if not h.name or not h.device_memory_bytes:
+        return None
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        index = torch.device(device).index
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+        here, memory = props.name, props.total_memory
+    else:
+        from .hardware import _host_memory
+
+        here, memory = "this CPU", _host_memory()[0]
+    plan_cpu = h.name == "cpu" or h.name.startswith("cpu-")
+    same_kind = plan_cpu == (kind == "cpu")
+    if same_kind and memory and abs(h.device_memory_bytes - memory) <= MACHINE_TOLERANCE * memory:
+        return None
+    return (f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device memory), "
+            f"not for this machine ({here}, {human_bytes(memory)}): its predicted times and peak are "
+            f"{h.name}'s, not this machine's; for this one's, plan here (`protrain plan --model NAME "
+            f"--device {kind} …`, or --hardware SPEC naming this machine)")

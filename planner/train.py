@@ -174,6 +174,11 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     check_name(model_name)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     prechecks(plan, model_name, device=dev, where=plan_path)
+    from .preflight import other_machine
+
+    note = other_machine(plan, dev)
+    if note is not None:
+        echo(note)
     tok_dir = _tokenizer_dir(model_name, tokenizer)
     source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
     echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "

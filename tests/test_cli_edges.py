@@ -573,3 +573,37 @@ def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe
     assert piped.returncode == 0, piped.stderr
     assert "━" not in piped.stdout and "\x1b" not in piped.stdout
     assert [x.split()[1] for x in piped.stdout.splitlines() if x.startswith("step ")] == ["1", "3"]
+
+
+def test_a_plan_for_another_machine_says_so_once_at_the_start(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert run("plan", "--model", "gpt2-tiny", "--hardware", "rtx4090", "--batch", "2", "--seq", "32",
+               "-o", plan).exit_code == 0
+    r = run("train", "--plan", plan, "--model", "gpt2-tiny", "--steps", "2", "--log-every", "1")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    notes = [x for x in lines if "was made for rtx4090" in x]
+    assert len(notes) == 1 and lines.index(notes[0]) < min(i for i, x in enumerate(lines) if x.startswith("step"))
+    assert "predicted times and peak are rtx4090's, not this machine's" in notes[0]
+    # A plan that recorded no machine (the example, made by hand) says nothing.
+    assert "was made for" not in run(*TRAIN, "--steps", "1").output
+
+
+def test_a_plan_for_this_machine_says_nothing(monkeypatch):
+    import msgspec
+    import torch
+
+    from protrain.executor import plan as P
+    from protrain.planner import hardware
+    from protrain.planner.preflight import other_machine
+
+    plan = P.load(EXAMPLE)
+    total = 24 << 30
+    monkeypatch.setattr(hardware, "_host_memory", lambda: (total, total))
+    here = msgspec.structs.replace(plan, hardware=P.Hardware(name="cpu", device_memory_bytes=total - (1 << 30)))
+    assert other_machine(here, "cpu") is None
+    small = msgspec.structs.replace(plan, hardware=P.Hardware(name="cpu", device_memory_bytes=8 << 30))
+    assert "was made for cpu" in other_machine(small, "cpu")
+    if not torch.cuda.is_available():
+        assert "was made for h100" in other_machine(
+            msgspec.structs.replace(plan, hardware=P.Hardware(name="h100", device_memory_bytes=total)), "cpu")
