@@ -158,6 +158,8 @@ class _LearningRate(click.ParamType):
 
 
 LEARNING_RATE = _LearningRate()
+BETA = click.FloatRange(min=0, max=1, max_open=True)
+"""One of AdamW's betas: torch.optim.AdamW takes [0, 1)."""
 
 
 def hf_options(f):
@@ -347,6 +349,12 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
 @click.option("--lr", type=LEARNING_RATE, default=3e-3, show_default=True,
               help="AdamW learning rate (positive and finite).")
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.01, show_default=True, metavar="X",
+              help="AdamW's decoupled weight decay, applied to every parameter (one group).")
+@click.option("--betas", type=(BETA, BETA), default=(0.9, 0.999), show_default=True, metavar="B1 B2",
+              help="AdamW's moment decay rates, each in [0, 1).")
+@click.option("--eps", type=click.FloatRange(min=0, min_open=True), default=1e-8, show_default=True,
+              metavar="X", help="AdamW's epsilon (added to the root of the second moment).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the model init and the data order (a 64-bit signed integer).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
@@ -381,7 +389,8 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 @click.option("--nvme", "nvme_dir", default=None, metavar="DIR", type=click.Path(file_okay=False),
               help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
                    "(placement.nvme); an unlinked file there, gone when training ends.")
-def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, seed, timeout_s,
+def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, weight_decay,
+          betas, eps, seed, timeout_s,
           trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
           export_dir, nvme_dir):
     """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
@@ -393,6 +402,7 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 
     model_name = model_option(model_name, hf_config, blocks, required=True)
     losses = run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
+                 weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                  trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
                  eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
                  text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,

@@ -78,7 +78,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
           resume: str | None = None, eval_every: int | None = None,
           max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
           text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
-          export_dir: str | None = None, nvme_dir: str | None = None) -> Losses:
+          export_dir: str | None = None, nvme_dir: str | None = None,
+          weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
     ``eval_every`` K: hold the corpus's tail out of training and print its loss every
@@ -98,6 +99,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     ``progress``: True or None (the CLI's) draws a bar when stdout is a terminal (and no
     ``log_every``), False never; otherwise plain lines every ``log_every`` (default 10) steps.
     ``export_dir``: write the trained Hugging Face model there (``hf.export``).
+    ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (one group, every parameter; the
+    defaults are ``AdamWConfig``'s but for the rate), printed in the run's header.
     """
     if save_every is not None and save_dir is None:
         raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
@@ -140,7 +143,9 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
                       max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
                       log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
-                      export_dir=export_dir, nvme_dir=nvme_dir)
+                      export_dir=export_dir, nvme_dir=nvme_dir,
+                      adamw=AdamWConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                        max_grad_norm=max_grad_norm))
     finally:
         if lock is not None:
             lock.release()
@@ -170,8 +175,9 @@ def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
            progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
            max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
-           metrics_path=None, export_dir=None, nvme_dir=None) -> Losses:
+           metrics_path=None, export_dir=None, nvme_dir=None, adamw: AdamWConfig | None = None) -> Losses:
     check_name(model_name)
+    adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     prechecks(plan, model_name, device=dev, where=plan_path)
     from .preflight import other_machine
@@ -188,6 +194,9 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
                                        else f"random init (seed {seed})")
          + (f"; then the checkpoint's ({resume})" if resume else ""))
+    echo(f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps {adamw.eps:g}, "
+         f"weight decay {adamw.weight_decay:g} on every parameter"
+         + (f", gradients clipped to norm {adamw.max_grad_norm:g}" if adamw.max_grad_norm is not None else ""))
     check(plan, model, where=plan_path, name=model_name)
     vocab_check(source, output_vocab(model))
     t = plan.training
@@ -195,7 +204,7 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     if eval_every is not None:
         source, tail = split_heldout(source, t.seq_len)
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
-    engine = wrap(model, plan, AdamWConfig(lr=lr, max_grad_norm=max_grad_norm), device=dev, nvme_dir=nvme_dir)
+    engine = wrap(model, plan, adamw, device=dev, nvme_dir=nvme_dir)
     try:
         # wrap checked the plans agree; the data order and the loop's collectives depend on these too
         engine.comm.agree({"--seed (the data order)": seed, "--steps": steps, "--eval-every": eval_every,

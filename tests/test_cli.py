@@ -32,9 +32,10 @@ FROZEN_OPTIONS = {
                "--hf-config", "--iterations", "--model", "--output", "--reprobe", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--blocks", "--data", "--eval-every", "--export", "--help", "--hf-config", "--keep", "--log-every",
+    "train": ["--betas", "--blocks", "--data", "--eps", "--eval-every", "--export", "--help", "--hf-config", "--keep",
+              "--log-every",
               "--lr", "--max-grad-norm", "--metrics", "--model", "--nvme", "--plan", "--resume", "--save-dir", "--save-every",
-              "--seed", "--steps", "--text-field", "--timeout", "--tokenizer", "--trace"],
+              "--seed", "--steps", "--text-field", "--timeout", "--tokenizer", "--trace", "--weight-decay"],
     "tokenize": ["--data", "--help", "--output", "--text-field", "--tokenizer"],
     "validate": ["--help", "--model"],
 }

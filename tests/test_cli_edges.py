@@ -607,3 +607,26 @@ def test_a_plan_for_this_machine_says_nothing(monkeypatch):
     if not torch.cuda.is_available():
         assert "was made for h100" in other_machine(
             msgspec.structs.replace(plan, hardware=P.Hardware(name="h100", device_memory_bytes=total)), "cpu")
+
+
+def test_adamw_settings_are_options_reach_the_optimizer_and_head_the_run(monkeypatch):
+    import protrain.planner.train as T
+
+    seen = []
+    real = T.wrap
+
+    def spy(model, plan, config, device=None, nvme_dir=None):
+        seen.append(config)
+        return real(model, plan, config, device=device, nvme_dir=nvme_dir)
+
+    monkeypatch.setattr(T, "wrap", spy)
+    r = run(*TRAIN, "--steps", "1")
+    assert r.exit_code == 0, r.output
+    assert (seen[-1].weight_decay, seen[-1].betas, seen[-1].eps) == (0.01, (0.9, 0.999), 1e-8)  # as before
+    assert "optim    AdamW lr 0.003, betas (0.9, 0.999), eps 1e-08, weight decay 0.01" in r.output
+    r = run(*TRAIN, "--steps", "1", "--weight-decay", "0", "--betas", "0.8", "0.95", "--eps", "1e-6")
+    assert r.exit_code == 0, r.output
+    assert (seen[-1].weight_decay, seen[-1].betas, seen[-1].eps) == (0.0, (0.8, 0.95), 1e-6)
+    assert "optim    AdamW lr 0.003, betas (0.8, 0.95), eps 1e-06, weight decay 0" in r.output
+    for bad in (["--betas", "1", "0.9"], ["--eps", "0"], ["--weight-decay", "-1"]):
+        assert run(*TRAIN, "--steps", "1", *bad).exit_code == 2
