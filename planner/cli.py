@@ -544,8 +544,8 @@ def probe(output, device, quick, nvme):
 @click.option("--out", "out_dir", default="quickstart", show_default=True, metavar="DIR",
               help="Directory for the profile and the plan.")
 @click.option("--budget", default=None, metavar="SIZE",
-              help="Memory budget [default: 60% of what keeping everything on the device needs, "
-                   "so the plan must trade memory for time].")
+              help="Memory budget [default: 60% of the predicted peak of the fastest plan with all of "
+                   "the device's usable memory, so the plan must trade memory for time].")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the model init and the data order (a 64-bit signed integer).")
 def quickstart(model_name, steps, data_path, out_dir, budget, seed):

@@ -2,9 +2,10 @@
 
 Every stage is the real one: the profiler measures the model on this device, the
 search picks the fastest plan under a budget, the executor replays it. The
-default budget is 60% of what keeping everything on the device would need, so the
-plan has to offload something and the run shows the planner at work; ``--budget``
-sets it explicitly.
+default budget is 60% of the predicted peak of the fastest plan the device's whole
+usable memory allows (a figure of this machine's profile, so it moves with its
+measured times), so the plan has to give up memory for time, offloading, swapping or
+recomputing, and the run shows the planner at work; ``--budget`` sets it explicitly.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def run(*, model_name: str, steps: int, data_path: str | None, out_dir: str, bud
     if budget is None:
         roomy, _ = make_plan(profile, profile.hardware.usable_memory_bytes)
         budget_bytes = int(0.6 * roomy.prediction.peak_memory_bytes)
-        echo(f"[2/3] plan    budget {human_bytes(budget_bytes)} (60% of the "
-             f"{human_bytes(roomy.prediction.peak_memory_bytes)} keeping everything needs)")
+        echo(f"[2/3] plan    budget {human_bytes(budget_bytes)} (60% of "
+             f"{human_bytes(roomy.prediction.peak_memory_bytes)}, the predicted peak of the fastest plan "
+             "with all of the device's usable memory: it moves with this machine's measured times)")
     else:
         budget_bytes = parse_budget(budget)
         echo(f"[2/3] plan    budget {human_bytes(budget_bytes)}")

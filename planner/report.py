@@ -134,6 +134,7 @@ def render_show(plan: Plan, source: str = "") -> str:
         for name, value in pred.breakdown.items():
             shown = human_bytes(value) if name.endswith("_bytes") else (
                 f"{value / 1e6:.3f} s" if name.endswith("_us") else str(value))
+            name = name.removesuffix("_us")  # shown in seconds: a name in µs would misread the value
             lines.append(f"    {name:<22} {shown}")
     else:
         lines.append("  predicted     (no prediction: plan made without a profile)")

@@ -163,13 +163,18 @@ def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
     if tokenizer is not None:
         return tokenizer
     if is_hf_name(model_name):
-        from .hf import parse_hf_name
-
-        path = Path(parse_hf_name(model_name)[0])
-        directory = path if path.is_dir() else path.parent
+        directory = _model_dir(model_name)
         if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
             return str(directory)
     return None
+
+
+def _model_dir(model_name: str) -> Path:
+    """The directory of a Hugging Face model name's config.json."""
+    from .hf import parse_hf_name
+
+    path = Path(parse_hf_name(model_name)[0])
+    return path if path.is_dir() else path.parent
 
 
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
@@ -189,6 +194,12 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
     echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "
          + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level"))
+    if tok_dir is None and tokenizer is None and is_hf_name(model_name):
+        echo(f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or tokenizer_config.json), "
+             "so this run trains byte-level: each byte of the UTF-8 text is one token, ids 0-255 of the "
+             "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
+             "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
+             "--tokenizer bytes to choose bytes (and silence this note)")
     model = build(model_name, device="cpu", seed=seed)
     loaded = getattr(model, "weights_loaded_from", None)
     echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
@@ -345,6 +356,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
         echo(f"saved {path}")
 
     first = engine.steps_done
+    if eval_every is not None:  # where training starts from, for the curve's first point
+        echo(f"step {first:5d}  held-out loss {heldout_loss(engine, heldout):.4f}")
     try:
         with stop.installed():
             for step in range(first, steps):
@@ -354,10 +367,11 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                 losses.append(result.loss)
                 stopping = _agree(stop.requested, engine)  # every rank stops after the same step
                 done = engine.steps_done
-                if save_dir is not None and ((save_every is not None and done % save_every == 0)
-                                             or done == steps or stopping):
-                    checkpoint()
+                save = save_dir is not None and ((save_every is not None and done % save_every == 0)
+                                                 or done == steps or stopping)
                 if stopping:
+                    if save:
+                        checkpoint()
                     losses.interrupted = True
                     echo(f"interrupted after step {done}"
                          + (f"; resume with --resume {save_dir}" if save_dir is not None else ""))
@@ -377,6 +391,8 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                     bar.update(task, advance=1, status=status)
                 elif done % log_every == 0 or done == steps or step == first:
                     echo(f"step {done:5d}  {status}")
+                if save:  # after the step's line: "saved" says the step just shown is safe
+                    checkpoint()
     finally:
         if metrics is not None:
             metrics.close()
@@ -387,7 +403,7 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
             rec.save(trace_path)
             echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
     if losses:
-        echo(f"trained {len(losses)} steps in {time.perf_counter() - t0:.1f} s: "
+        echo(f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in {time.perf_counter() - t0:.1f} s: "
              f"loss {losses[0]:.3f} → {losses[-1]:.3f}")
     return losses
 

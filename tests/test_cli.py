@@ -124,8 +124,9 @@ def test_quickstart_profiles_plans_and_trains(tmp_path):
     from protrain.executor import plan as P
 
     plan = P.load(tmp_path / "gpt2-tiny.plan.json")
-    # The default budget (60% of keeping everything) forces a trade: offload, swap or recompute.
+    # The default budget (60% of the fastest plan's peak) forces a trade: offload, swap or recompute.
     assert plan.placement.offloaded or any(a.policy != "keep" for a in plan.activations)
+    assert "the predicted peak of the fastest plan" in result.output and "keeping everything" not in result.output
     first, last = result.output.split("trained 20 steps")[1].split("loss ")[1].split(" → ")
     assert float(last.strip()) < float(first)
     # The measured peak equals the prediction on CPU (the ledger model is exact there).
@@ -267,7 +268,7 @@ def test_train_eval_every_prints_held_out_losses():
                                   "--eval-every", "2"])
     assert r.exit_code == 0, r.output
     lines = [x for x in r.output.splitlines() if "held-out loss" in x]
-    assert [x.split()[1] for x in lines] == ["2", "4"]  # every K steps, not at the end
+    assert [x.split()[1] for x in lines] == ["0", "2", "4"]  # the start, then every K steps, not at the end
     assert all(0 < float(x.split()[-1]) < 10 for x in lines)
     assert "trained 5 steps" in r.output
 

@@ -630,3 +630,37 @@ def test_adamw_settings_are_options_reach_the_optimizer_and_head_the_run(monkeyp
     assert "optim    AdamW lr 0.003, betas (0.8, 0.95), eps 1e-06, weight decay 0" in r.output
     for bad in (["--betas", "1", "0.9"], ["--eps", "0"], ["--weight-decay", "-1"]):
         assert run(*TRAIN, "--steps", "1", *bad).exit_code == 2
+
+
+def test_one_step_saved_after_its_line_and_units_named_right(tmp_path):
+    r = run(*TRAIN, "--steps", "1", "--save-dir", tmp_path / "ck")
+    assert r.exit_code == 0, r.output
+    assert "trained 1 step in" in r.output
+    lines = r.output.splitlines()
+    step = next(i for i, x in enumerate(lines) if x.startswith("step     1  loss"))
+    saved = next(i for i, x in enumerate(lines) if x.startswith("saved "))
+    assert step < saved, r.output
+    plan = tmp_path / "plan.json"
+    assert run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32",
+               "-o", plan).exit_code == 0
+    shown = run("show", plan).output
+    assert " t_bwd " in shown and "_us" not in shown, shown
+
+
+def test_a_model_directory_without_a_tokenizer_says_what_byte_level_means(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers
+
+    transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
+                                      max_position_embeddings=64).save_pretrained(tmp_path / "m")
+    plan = tmp_path / "plan.json"
+    r = run("plan", "--hf-config", tmp_path / "m", "--hardware", "cpu", "--batch", "1", "--seq", "16",
+            "--dtype", "float32", "-o", plan)
+    assert r.exit_code == 0, r.output
+    r = run("train", "--plan", plan, "--hf-config", tmp_path / "m", "--steps", "1")
+    assert r.exit_code == 0, r.output
+    assert "holds no tokenizer" in r.output and "each byte of the UTF-8 text is one token" in r.output
+    assert "--tokenizer DIR" in r.output
+    quiet = run("train", "--plan", plan, "--hf-config", tmp_path / "m", "--steps", "1", "--tokenizer", "bytes")
+    assert "holds no tokenizer" not in quiet.output
