@@ -246,9 +246,12 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
                    "(train with --nvme DIR); the spec must carry the disk's bandwidth "
                    "(`protrain hardware probe --nvme DIR`).")
 @click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
+@click.option("--save-profile", "save_profile", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="With --model/--hf-config: also write the profile made on the way, which "
+                   "`protrain explain PLAN --profile FILE --trace/--plot` needs.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output):
+         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, save_profile, output):
     """Search the fastest plan that fits the budget and write it."""
     from protrain.executor.bounds import check_flags
 
@@ -259,7 +262,8 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
-             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme)
+             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme, save_profile=save_profile,
+             status=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -305,7 +309,13 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 
     if (trace_path or plot_path) and profile_path is None:  # before the report, not after it
         raise ProtrainError("--trace and --plot need the profile the plan was made from",
-                            "add --profile PROFILE.json (the file given to `protrain plan --profile`)")
+                            "add --profile PROFILE.json: the file given to `protrain plan --profile`, or the "
+                            "one `protrain plan --model/--hf-config … --save-profile PROFILE.json` wrote "
+                            "(a plan made without it: plan again with --save-profile)")
+    if plot_path:
+        from .memory_plot import require_matplotlib
+
+        require_matplotlib()  # before the report and the trace, not after them
     output_file(trace_path, "--trace")
     output_file(plot_path, "--plot")
     plan = load(plan_path)

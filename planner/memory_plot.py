@@ -78,19 +78,26 @@ def memory_timeline(profile: Profile, plan: P.Plan) -> list[tuple[str, int]]:
     return [(m.label, round(m.total_bytes)) for m in memory_walk(profile, plan)]
 
 
+def require_matplotlib() -> None:
+    """Refuse now, before anything is printed or written, when matplotlib is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("plotting needs matplotlib, which is not installed",
+                          "install the plot extra: pip install -e '.[plot]'  (or: pip install matplotlib)")
+
+
 def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     """Draw the walk as stacked terms per step, with the budget and the predicted peak.
 
     Needs matplotlib (the ``plot`` extra); imported here so nothing else pays for it.
     """
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")  # files only, never a window
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("plotting needs matplotlib, which is not installed",
-                          "install the plot extra: pip install -e '.[plot]'") from None
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
     walk = memory_walk(profile, plan)
     gib = 2**30
     n = len(walk)

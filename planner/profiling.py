@@ -123,17 +123,28 @@ def run_profile(*, model_name, batch, seq, dtype, device, analytic, hardware, it
 def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size,
              grad_accum, output, echo=print, solver: str | None = None,
              host_memory: str | None = None, max_grad_norm: float | None = None,
-             reprobe: bool = False, nvme: bool = False) -> P.Plan:
+             reprobe: bool = False, nvme: bool = False, save_profile: str | None = None,
+             status: Callable[[str], None] | None = None) -> P.Plan:
+    """``save_profile``: also write the profile made on the way (``--model``); ``status``: where
+    the lines announcing each slow phase go (the CLI's stderr; None: ``echo``)."""
+    status = status or echo
+    if profile_path is None and model_name is not None:
+        status(f"profile  {model_name}: loading torch and the model …")
     from .planning import make_plan, parse_budget
     from .preflight import budget_within_card, output_file
     from .search import DEFAULT_SOLVER
 
     output_file(output, "--output")  # before the search, not after it
+    output_file(save_profile, "--save-profile")
     budget_bytes = parse_budget(budget) if budget else None
 
     if profile_path is None and model_name is None:
         raise ConfigError("plan needs --profile FILE, or --model NAME with --batch and --seq",
                           "e.g. protrain plan --model gpt2-xl --hardware rtx3090 --batch 8 --seq 1024 -o plan.json")
+    if profile_path is not None and save_profile is not None:
+        raise ConfigError(f"--save-profile with --profile: the profile is {profile_path} already",
+                          "drop --save-profile (explain takes --profile " + profile_path + ")")
+    t_profile = time.perf_counter()
     if profile_path is not None:
         profile = load_profile(profile_path)
         if hardware is not None:
@@ -165,10 +176,17 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
         profile = build_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype,
                                 device=device, analytic=device is None and hardware is not None,
                                 hardware=hardware, echo=echo, reprobe=reprobe)
+        if save_profile is not None:
+            write_output(save_profile, dump_profile(profile))
+            echo(f"wrote {save_profile} (`protrain explain {output} --profile {save_profile}` "
+                 "with --trace/--plot reads it)")
     if budget_bytes is None:
         budget_bytes = profile.hardware.usable_memory_bytes
     budget_within_card(budget_bytes, profile.hardware,
                        where=f"{profile_path} was made" if profile_path else "the profile was made")
+    if profile_path is None:
+        status(f"plan     profile ready ({time.perf_counter() - t_profile:.1f} s); searching for the fastest "
+               f"plan under a {human_bytes(budget_bytes)} budget …")
     t0 = time.perf_counter()
     plan, result = make_plan(profile, budget_bytes, grad_accum=grad_accum, world_size=world_size,
                              solver=solver or DEFAULT_SOLVER,

@@ -27,7 +27,7 @@ FROZEN_OPTIONS = {
     "models": ["--help"],
     "plan": ["--batch", "--blocks", "--budget", "--device", "--dtype", "--grad-accum",
              "--hardware", "--help", "--hf-config", "--host-memory", "--max-grad-norm", "--model", "--nvme",
-             "--output", "--profile", "--reprobe", "--seq", "--solver", "--world-size"],
+             "--output", "--profile", "--reprobe", "--save-profile", "--seq", "--solver", "--world-size"],
     "profile": ["--analytic", "--batch", "--blocks", "--device", "--dtype", "--hardware", "--help",
                "--hf-config", "--iterations", "--model", "--output", "--reprobe", "--seq"],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],

@@ -664,3 +664,44 @@ def test_a_model_directory_without_a_tokenizer_says_what_byte_level_means(tmp_pa
     assert "--tokenizer DIR" in r.output
     quiet = run("train", "--plan", plan, "--hf-config", tmp_path / "m", "--steps", "1", "--tokenizer", "bytes")
     assert "holds no tokenizer" not in quiet.output
+
+
+def test_plan_saves_the_profile_explain_needs_for_a_trace_and_a_plot(tmp_path):
+    from protrain.planner.trace import validate_trace
+
+    plan, profile = tmp_path / "plan.json", tmp_path / "profile.json"
+    r = run("explain", EXAMPLE, "--trace", tmp_path / "t.json")
+    assert "--save-profile" in r.output  # the hint names the way to get one
+    r = run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32", "-o", plan,
+            "--save-profile", profile)
+    assert r.exit_code == 0, r.output
+    r = run("explain", plan, "--profile", profile, "--trace", tmp_path / "t.json")
+    assert r.exit_code == 0, r.output
+    validate_trace(json.loads((tmp_path / "t.json").read_text()))
+    r = run("plan", "--profile", profile, "-o", tmp_path / "again.json", "--save-profile", tmp_path / "p2.json")
+    no_traceback(r)
+    assert "the profile is" in r.output and not (tmp_path / "p2.json").exists()
+
+
+def test_explain_plot_without_matplotlib_fails_before_printing_or_writing(tmp_path, monkeypatch):
+    plan, profile = tmp_path / "plan.json", tmp_path / "profile.json"
+    assert run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32", "-o", plan,
+               "--save-profile", profile).exit_code == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    r = run("explain", plan, "--profile", profile, "--trace", tmp_path / "t.json", "--plot", tmp_path / "m.png")
+    no_traceback(r)
+    assert r.output.startswith("error: plotting needs matplotlib"), r.output  # no report first
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "m.png").exists()
+
+
+def test_plan_announces_its_slow_phases_on_stderr(tmp_path):
+    r = CliRunner().invoke(main, ["plan", "--model", "gpt2-tiny", "--hardware", "a100-80g", "--batch", "2",
+                                  "--seq", "32", "-o", str(tmp_path / "plan.json")])
+    assert r.exit_code == 0, r.output
+    assert "profile  gpt2-tiny: loading torch and the model" in r.stderr
+    assert "searching for the fastest plan under a" in r.stderr
+    assert "loading torch" not in r.stdout  # stdout stays the plan's report
+    lines = r.output.splitlines()
+    first = next(i for i, x in enumerate(lines) if "loading torch" in x)
+    search = next(i for i, x in enumerate(lines) if "searching for the fastest plan" in x)
+    assert first < search < next(i for i, x in enumerate(lines) if "searched" in x)
