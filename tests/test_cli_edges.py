@@ -705,3 +705,14 @@ def test_plan_announces_its_slow_phases_on_stderr(tmp_path):
     first = next(i for i, x in enumerate(lines) if "loading torch" in x)
     search = next(i for i, x in enumerate(lines) if "searching for the fastest plan" in x)
     assert first < search < next(i for i, x in enumerate(lines) if "searched" in x)
+
+
+def test_readme_pins_torch_as_ci_does():
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    pinned = re.search(r"pip install -q (torch==[\w.]+)", (root / ".ci" / "run").read_text()).group(1)
+    readme = (root / "README.md").read_text()
+    lines = [x for x in readme.splitlines() if x.startswith("pip install torch")]
+    assert lines and all(x.startswith(f"pip install {pinned}") for x in lines), lines
+    assert f"`pip install {pinned}`" in readme  # the route without PyTorch's index, as CI installs it
