@@ -64,6 +64,13 @@ def _closed_pipe() -> None:
     sys.exit(EXIT_CLOSED_PIPE)
 
 
+def _status(line: str) -> None:
+    """A progress line for a person watching: on stderr when it is a terminal (as git shows its
+    progress), so logs, pipes and ``2>&1`` captures get only the command's output and errors."""
+    if sys.stderr.isatty():
+        click.echo(line, err=True)
+
+
 @click.group(cls=_Group)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.version_option(package_name="protrain", prog_name="protrain")
@@ -263,7 +270,7 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
              max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme, save_profile=save_profile,
-             status=lambda line: click.echo(line, err=True))
+             status=_status)
 
 
 @main.command()
