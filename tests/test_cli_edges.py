@@ -382,7 +382,8 @@ def test_two_concurrent_trainers_in_one_save_dir(tmp_path):
     a = subprocess.Popen([*PROTRAIN, *args, "--steps", "100000"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
-        assert "step" in a.stdout.readline() + a.stdout.readline() + a.stdout.readline()  # A holds the lock
+        head = [a.stdout.readline() for _ in range(4)]  # data, model, optim, then its first step
+        assert head[-1].startswith("step "), head  # A holds the lock
         b = subprocess.run([*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120)
         assert a.poll() is None, "run A ended before run B was refused"
     finally:

@@ -93,7 +93,7 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
     assert f"weights from {model_dir / 'model.safetensors'}" in r.output
     assert f"tokenizer {model_dir}" in r.output
     evals = [float(x.split()[-1]) for x in r.output.splitlines() if "held-out loss" in x]
-    assert len(evals) == 2
+    assert len(evals) == 3  # at the start, then at steps 2 and 4
 
     # The corpus was tokenised by the model's tokenizer: documents packed, each ended by <|endoftext|>.
     source = load_tokens(str(data), tokenizer=str(model_dir), text_field="body")
