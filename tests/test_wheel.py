@@ -7,6 +7,7 @@ Before the wheel shipped ``plans/`` as package data, ``--hardware rtx3090`` fail
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,7 +36,9 @@ def venv(tmp_path_factory) -> Path:
     It sees the system's site-packages for torch and the other dependencies; the wheel's
     ``protrain`` comes first on its path, which the test checks."""
     tmp = tmp_path_factory.mktemp("wheel")
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+    # Offline when this environment has the build backend; else pip fetches it, as any install does.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, str(ROOT),
          "-w", str(tmp / "dist")], cwd=tmp)
     wheel = next((tmp / "dist").glob("protrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
