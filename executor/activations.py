@@ -39,7 +39,7 @@ So a swapped block moves storages, not tensors:
 - storages are keyed by data pointer within one forward call of the block. That
   forward holds each swapped storage until it returns, so no new storage can take a
   key's address meanwhile; the cost model already charges a swapped block's saved
-  bytes on the device during its own forward segment (planner/cost.py). A storage
+  bytes on the device during its own forward segment (planner/search/cost.py). A storage
   written in place after its download (its version counter moved) is downloaded
   again, so each view comes back with the bytes it was saved with;
 - what a swap moves per segment is therefore the bytes of the distinct storages it

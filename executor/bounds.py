@@ -12,7 +12,7 @@ micro-batches per step, 65,536 ranks, 16M-token micro-batches) and far below wha
 overflows: each keeps every product the executor forms from them (bytes of a chunk,
 of a batch, of a rank's shard) well inside int64. Whether a plan within them fits
 *this* machine is another question, answered by ``train``'s host-memory check
-(planner/preflight.py ``plan_fits_host``) and the planner's budget.
+(planner/commands/preflight.py ``plan_fits_host``) and the planner's budget.
 
 No torch here: ``validate`` imports this module.
 """

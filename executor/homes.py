@@ -296,6 +296,8 @@ class Policy:
     """What a block's saved activations do between its forward and its backward."""
 
     name: str
+    letter: str
+    """Its one-letter name in policy strips (``show``, ``diff``: ``SCCK``)."""
     doc: str
     held: str | None
     """The profile's bytes the block holds on the device after its forward: ``saved`` (all it
@@ -306,10 +308,10 @@ class Policy:
     """Its forward runs again in backward (its time, and its saved bytes at that moment)."""
 
 
-KEEP = Policy("keep", "saved activations stay on the device", held="saved")
-SWAP = Policy("swap", "saved activations go to host memory during forward and come back before the "
+KEEP = Policy("keep", "K", "saved activations stay on the device", held="saved")
+SWAP = Policy("swap", "S", "saved activations go to host memory during forward and come back before the "
               "block's backward", held=None, moves=True)
-CHECKPOINT = Policy("checkpoint", "only the block's inputs are kept; its forward is recomputed in backward",
+CHECKPOINT = Policy("checkpoint", "C", "only the block's inputs are kept; its forward is recomputed in backward",
                     held="inputs", recomputes=True)
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (KEEP, SWAP, CHECKPOINT)}

@@ -100,8 +100,8 @@ def build(s: dict) -> nn.Module:
 
 def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
     """The spec's plans, each as the planner writes it (emit, or the search over a profile)."""
-    from protrain.planner.emit import assemble, model_facts
-    from protrain.planner.models import block_paths
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.search.emit import assemble, model_facts
 
     blocks = block_paths(model)
     facts = model_facts(model, "any", blocks, s["seq"])
@@ -144,9 +144,9 @@ def _searched(s: dict, facts, ps: dict) -> P.Plan:
     budget on its Pareto front (index 0 is the tightest)."""
     from planfactory import gpu_spec, synthetic_profile
 
-    from protrain.planner.cost import choose_chunk_numel, facts_from_profile, make_terms
-    from protrain.planner.planning import make_plan
-    from protrain.planner.search import exhaustive
+    from protrain.planner.search.cost import choose_chunk_numel, facts_from_profile, make_terms
+    from protrain.planner.search.exhaustive import exhaustive
+    from protrain.planner.search.planning import make_plan
 
     profile = synthetic_profile(facts, gpu_spec(), block_us=100.0, act_bytes=4096 * s["d"],
                                 micro_batch=s["micro"], seq_len=s["seq"], dtype="float32",

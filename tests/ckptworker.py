@@ -20,7 +20,7 @@ import torch
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, checkpoint, wrap
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 torch.set_num_threads(1)
 root, phases = sys.argv[1], sys.argv[2].split(",")

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.dist import RankFailure
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import emit
-from protrain.planner.models import block_paths, build
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.search.emit import emit
 
 MICRO, SEQ, LR = 2, 32, 2e-3
 

@@ -18,9 +18,8 @@ from torch import nn
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import emit
-from protrain.planner.models import (
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import (
     GPT2,
     GPT2Config,
     Llama,
@@ -29,6 +28,7 @@ from protrain.planner.models import (
     build,
     materialize,
 )
+from protrain.planner.search.emit import emit
 
 MICRO_BATCH, SEQ_LEN, CHUNK = 4, 32, 65536
 

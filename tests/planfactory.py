@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from protrain.executor import plan as P
-from protrain.planner.emit import ModelFacts, assemble
+from protrain.planner.search.emit import ModelFacts, assemble
 
 
 @st.composite
@@ -76,7 +76,8 @@ def _numel(shape) -> int:
 
 # ------------------------------------------------------------------ synthetic profiles
 
-from protrain.planner.profile import (  # noqa: E402
+from protrain.planner.hardware.spec import HardwareSpec, LinkPoint  # noqa: E402
+from protrain.planner.profiling.profile import (  # noqa: E402
     PROFILE_VERSION,
     ParamInfo,
     Profile,
@@ -84,7 +85,6 @@ from protrain.planner.profile import (  # noqa: E402
     ProfileTraining,
     SegmentProfile,
 )
-from protrain.planner.spec import HardwareSpec, LinkPoint  # noqa: E402
 
 
 def gpu_spec(*, link_gbps: float = 24.0, mem_gib: float = 24.0, cpu_adam: float = 1e9,

@@ -16,7 +16,7 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import accounting as A
 from protrain.executor import plan as P
-from protrain.planner.cost import (
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
@@ -24,7 +24,7 @@ from protrain.planner.cost import (
     predict_plan,
     segment_bytes,
 )
-from protrain.planner.emit import assemble
+from protrain.planner.search.emit import assemble
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES: list[int] = []
@@ -108,7 +108,7 @@ def _library() -> list[P.Plan]:
 
 
 def test_show_prints_the_predictions_figures_for_every_library_plan():
-    from protrain.planner.report import human_bytes, render_show
+    from protrain.planner.views.show import human_bytes, render_show
 
     plans = _library()
     assert len(plans) >= 20
@@ -127,7 +127,7 @@ def test_show_prints_the_predictions_figures_for_every_library_plan():
 def test_cost_search_and_milp_do_not_import_torch():
     import subprocess
 
-    code = ("import sys; import protrain.planner.cost, protrain.planner.search, protrain.planner.milp, "
+    code = ("import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, protrain.planner.search.milp, "
             "protrain.executor.accounting; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

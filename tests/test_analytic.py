@@ -1,4 +1,4 @@
-"""Analytic profiles (planner/analytic.py): format, FLOPs against hand formulas, saved
+"""Analytic profiles (planner/profiling/analytic.py): format, FLOPs against hand formulas, saved
 activations against the executor's CPU ledger, scaling, speed on a 70B model.
 
 The saved-activation test is the one that matters most: the cost model's memory walk
@@ -20,17 +20,23 @@ from protrain.executor import AdamWConfig, wrap
 from protrain.executor.check import model_fingerprint, tied_pairs
 from protrain.executor.errors import ConfigError
 from protrain.executor.plan import POST, PRE
-from protrain.planner.analytic import (
+from protrain.planner.hardware.spec import (
+    HARDWARE_DIR,
+    HardwareSpec,
+    LinkPoint,
+    dump_spec,
+    find_spec,
+)
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import ZOO, block_paths, build
+from protrain.planner.profiling.analytic import (
     KERNEL_OVERHEAD_US,
     analytic_profile,
     count_segments,
     scale_profile,
 )
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.graph import trace
-from protrain.planner.models import ZOO, block_paths, build
-from protrain.planner.profile import dump_profile, load_profile
-from protrain.planner.spec import HARDWARE_DIR, HardwareSpec, LinkPoint, dump_spec, find_spec
+from protrain.planner.profiling.graph import trace
+from protrain.planner.profiling.profile import dump_profile, load_profile
 
 GiB = 2**30
 
@@ -414,10 +420,10 @@ def test_a100_is_faster_than_rtx3090():
 _LLAMA_70B = """
 import resource, sys, time
 t0 = time.perf_counter()
-from protrain.planner.analytic import analytic_profile
-from protrain.planner.models import block_paths, build
-from protrain.planner.profile import dump_profile
-from protrain.planner.spec import load_spec
+from protrain.planner.profiling.analytic import analytic_profile
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.profiling.profile import dump_profile
+from protrain.planner.hardware.spec import load_spec
 spec = load_spec(sys.stdin.buffer.read())
 t1 = time.perf_counter()
 model = build("llama-70b", device="meta")

@@ -116,7 +116,7 @@ def cases(n: int):
 
 # Found by this file (#15 item 1): with parameters at unaligned chunk offsets, a float32
 # parameter ended one ulp off AdamW(fused=True), because BLAS sums `g @ W` in another
-# order when W is an unaligned view; planner/layout.py now aligns every offset.
+# order when W is an unaligned view; planner/search/layout.py now aligns every offset.
 
 
 @cases(110)

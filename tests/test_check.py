@@ -10,7 +10,7 @@ import torch
 from protrain.executor import plan as P
 from protrain.executor.check import check, model_fingerprint, tied_pairs
 from protrain.executor.errors import FingerprintError
-from protrain.planner.models import GPT2, GPT2Config, block_paths, build
+from protrain.planner.models.zoo import GPT2, GPT2Config, block_paths, build
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
 

@@ -9,7 +9,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from protrain.planner.cli import main
+from protrain.planner.commands.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
 
@@ -63,7 +63,7 @@ def test_help_of_every_command(command):
 
 
 def test_models_lists_every_size():
-    from protrain.planner.models import ZOO
+    from protrain.planner.models.zoo import ZOO
 
     result = CliRunner().invoke(main, ["models"])
     assert result.exit_code == 0, result.output
@@ -242,7 +242,7 @@ def test_diff_exit_codes(tmp_path):
 
 
 def test_explain_trace_and_train_trace(tiny_profile, tmp_path):
-    from protrain.planner.trace import validate_trace
+    from protrain.planner.views.trace import validate_trace
 
     plan = tmp_path / "plan.json"
     CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)])
@@ -274,7 +274,7 @@ def test_train_eval_every_prints_held_out_losses():
 
 
 def test_train_help_states_the_held_out_split():
-    from protrain.planner.data import HELDOUT_BATCHES, HELDOUT_FRACTION
+    from protrain.planner.models.data import HELDOUT_BATCHES, HELDOUT_FRACTION
 
     r = CliRunner().invoke(main, ["train", "--help"])
     text = " ".join(r.output.split())
@@ -288,8 +288,8 @@ def test_eval_changes_only_what_training_reads(tmp_path):
     # that shortened corpus written to a file (byte-level tokens are the file's bytes).
     import torch
 
-    from protrain.planner.data import load_tokens, split_heldout
-    from protrain.planner.train import train
+    from protrain.planner.commands.train import train
+    from protrain.planner.models.data import load_tokens, split_heldout
 
     head, _ = split_heldout(load_tokens(), 64)
     path = tmp_path / "head.txt"
@@ -301,7 +301,7 @@ def test_eval_changes_only_what_training_reads(tmp_path):
 
 
 def test_train_max_grad_norm_reaches_the_optimizer(monkeypatch):
-    import protrain.planner.train as T
+    import protrain.planner.commands.train as T
 
     seen = []
     real = T.wrap
@@ -335,8 +335,8 @@ def test_train_max_grad_norm_on_an_overlapping_plan_names_the_fix():
 def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(monkeypatch, interrupted, code):
     """Under torchrun (WORLD_SIZE > 1) `train` leaves by os._exit once training returned: gloo's
     teardown at interpreter finalisation aborted ~7% of finished ranks (cli.py's comment)."""
-    import protrain.planner.cli as cli
-    import protrain.planner.train as T
+    import protrain.planner.commands.cli as cli
+    import protrain.planner.commands.train as T
 
     class Done(list):
         pass

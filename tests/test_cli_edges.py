@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from protrain.planner.cli import main
+from protrain.planner.commands.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
 TRAIN = ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny"]
@@ -156,7 +156,7 @@ def test_plain_log_lines_and_a_metrics_file(tmp_path):
 
 
 def test_a_model_too_big_for_the_host_is_refused_before_building(monkeypatch):
-    import protrain.planner.preflight as pf
+    import protrain.planner.commands.preflight as pf
 
     monkeypatch.setattr(pf, "available_host_memory", lambda: 1 << 30)
     r = run("quickstart", "--model", "llama-7b", "--steps", "1")
@@ -206,8 +206,8 @@ def test_hf_plans_name_their_model_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_probe_is_cached_per_machine_and_names_are_checked_first(tmp_path, monkeypatch):
-    import protrain.planner.hardware as H
-    from protrain.planner.spec import find_spec
+    import protrain.planner.hardware.probe as H
+    from protrain.planner.hardware.spec import find_spec
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls = []
@@ -231,7 +231,7 @@ def test_probe_is_cached_per_machine_and_names_are_checked_first(tmp_path, monke
 
 
 def test_models_table_builds_no_model_whole(monkeypatch):
-    import protrain.planner.models as M
+    import protrain.planner.models.zoo as M
 
     def whole(*a, **k):
         raise AssertionError("`protrain models` built a whole model")
@@ -253,7 +253,7 @@ def test_peak_difference_has_no_minus_sign_before_less():
     import msgspec
 
     from protrain.executor import plan as P
-    from protrain.planner.report import _render_departures
+    from protrain.planner.views.show import _render_departures
 
     plan = P.load(EXAMPLE)
     s = plan.provenance.search
@@ -288,7 +288,7 @@ def test_no_traceback_from_bad_inputs_in_a_real_process(tmp_path):
     ]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     for args in cases:
-        p = subprocess.run([sys.executable, "-m", "protrain.planner.cli", *map(str, args)], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "protrain.planner", *map(str, args)], capture_output=True,
                            text=True, env=env, timeout=120)
         assert p.returncode in (1, 2), (args, p.stdout, p.stderr)
         assert "Traceback" not in p.stderr + p.stdout, (args, p.stderr)
@@ -329,7 +329,8 @@ def test_flags_over_their_bounds_are_refused(tmp_path):
 
 
 def test_train_refuses_a_plan_this_host_cannot_hold_before_the_build(tmp_path, monkeypatch):
-    from protrain.planner import models, preflight
+    from protrain.planner.commands import preflight
+    from protrain.planner.models import zoo as models
 
     monkeypatch.setattr(preflight, "available_host_memory", lambda: 1 << 20)  # 1 MiB free
     build = models.build
@@ -347,7 +348,7 @@ def test_train_refuses_a_plan_this_host_cannot_hold_before_the_build(tmp_path, m
 
 # issue 31 ------------------------------------------------------------- long runs never lose work
 
-PROTRAIN = [sys.executable, "-m", "protrain.planner.cli"]
+PROTRAIN = [sys.executable, "-m", "protrain.planner"]
 
 
 def test_a_second_run_in_one_save_dir_is_refused_naming_the_holder(tmp_path):
@@ -431,7 +432,7 @@ def test_a_failed_export_is_one_clean_error_and_leaves_nothing(tmp_path, monkeyp
     import torch
 
     from protrain.executor.errors import ConfigError
-    from protrain.planner.hf_checkpoint import export
+    from protrain.planner.models.hf_checkpoint import export
 
     (tmp_path / "config.json").write_text("{}")
     model = torch.nn.Linear(4, 4)
@@ -508,7 +509,7 @@ def test_an_edited_data_position_is_refused_not_skipped_forever(tmp_path):
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "a/../../b.safetensors", ""])
 def test_an_hf_index_names_only_shards_in_its_directory(tmp_path, shard):
     from protrain.executor.errors import ConfigError
-    from protrain.planner.hf_checkpoint import weight_files
+    from protrain.planner.models.hf_checkpoint import weight_files
 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a.weight": "model-00001.safetensors", "b.weight": shard}}))
@@ -595,8 +596,8 @@ def test_a_plan_for_this_machine_says_nothing(monkeypatch):
     import torch
 
     from protrain.executor import plan as P
-    from protrain.planner import hardware
-    from protrain.planner.preflight import other_machine
+    from protrain.planner.commands.preflight import other_machine
+    from protrain.planner.hardware import probe as hardware
 
     plan = P.load(EXAMPLE)
     total = 24 << 30
@@ -611,7 +612,7 @@ def test_a_plan_for_this_machine_says_nothing(monkeypatch):
 
 
 def test_adamw_settings_are_options_reach_the_optimizer_and_head_the_run(monkeypatch):
-    import protrain.planner.train as T
+    import protrain.planner.commands.train as T
 
     seen = []
     real = T.wrap
@@ -668,7 +669,7 @@ def test_a_model_directory_without_a_tokenizer_says_what_byte_level_means(tmp_pa
 
 
 def test_plan_saves_the_profile_explain_needs_for_a_trace_and_a_plot(tmp_path):
-    from protrain.planner.trace import validate_trace
+    from protrain.planner.views.trace import validate_trace
 
     plan, profile = tmp_path / "plan.json", tmp_path / "profile.json"
     r = run("explain", EXAMPLE, "--trace", tmp_path / "t.json")

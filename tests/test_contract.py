@@ -25,7 +25,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = sorted((ROOT / "planner").glob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
+SCANNED = sorted((ROOT / "planner").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
 
 def _is_self(node: ast.expr) -> bool:
     return isinstance(node, ast.Name) and node.id in ("self", "cls")
@@ -118,7 +118,7 @@ def test_planner_and_tools_use_only_the_engines_public_api():
 
 
 def test_the_scan_finds_what_the_old_trace_did():
-    """The patterns planner/trace.py and planner/profile.py used before issue #16."""
+    """The patterns planner/views/trace.py and planner/profiling/profile.py used before issue #16."""
     names = executor_names()
     assert {"replayer", "acts", "optim", "copies", "store"} <= names[2]
     old = '''

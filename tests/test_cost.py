@@ -14,18 +14,18 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.planner.cost import (
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths
+from protrain.planner.profiling.profile import measure
+from protrain.planner.search.cost import (
     block_policies,
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
     min_buffers,
 )
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import assemble
-from protrain.planner.models import block_paths
-from protrain.planner.profile import measure
-from protrain.planner.search import policy_pairs, space
+from protrain.planner.search.emit import assemble
+from protrain.planner.search.exhaustive import policy_pairs, space
 
 
 def test_block_policies_layout():
@@ -90,7 +90,7 @@ def test_cpu_predicted_peak_is_the_ledger_peak(name, capsys):
     facts = facts_from_profile(prof)
     size, _ = choose_chunk_numel(facts)
     t = make_terms(prof, size)
-    from protrain.planner.cost import predict
+    from protrain.planner.search.cost import predict
 
     rows = []
     configs = [(t.n_chunks, 0, 0, 0), (1, min_buffers(t, 1), 0, 0), (0, min_buffers(t, 0), 0, 0),
@@ -120,7 +120,7 @@ def test_any_placement_evaluates_the_paper_space_bit_for_bit(facts, seed):
     # as ids and the paper's strips give the same floats, to the last bit.
     import numpy as np
 
-    from protrain.planner.cost import evaluate, policy_grid, strips_grid
+    from protrain.planner.search.cost import evaluate, policy_grid, strips_grid
 
     rng = random.Random(seed)
     prof = synthetic_profile(facts, gpu_spec(), block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
@@ -144,7 +144,7 @@ def test_any_placement_evaluates_the_paper_space_bit_for_bit(facts, seed):
 def _fixed_facts(n_blocks: int = 4):
     """A small decoder-like model: embedding, ``n_blocks`` blocks of a 32×32 weight and a
     bias, a final norm and an untied head; enough chunks for a persistent/offloaded split."""
-    from protrain.planner.emit import ModelFacts
+    from protrain.planner.search.emit import ModelFacts
 
     blocks = [f"layers.{i}" for i in range(n_blocks)]
     params = [("embed.weight", (64, 32), "float32")]
@@ -164,7 +164,7 @@ def test_both_directions_share_the_link(monkeypatch):
     # (cost.LINK_DUPLEX: nvbandwidth on PCIe Gen4). A link-bound plan whose segments send
     # uploads one way while swap-outs (forward) or gradient offloads (backward) go the
     # other is slower than two independent lanes would make it, and faster than one lane.
-    from protrain.planner import cost
+    from protrain.planner.search import cost
 
     facts = _fixed_facts()
     prof = synthetic_profile(facts, gpu_spec(link_gbps=0.01), block_us=1, act_bytes=10**5)
@@ -195,7 +195,7 @@ def test_after_backward_prediction_is_the_formula(cpu_adam_rate):
     during = make_terms(prof, size)
     after = make_terms(prof, size, cpu_adam="after_backward")
     assert after.n_chunks >= 3
-    from protrain.planner.cost import predict
+    from protrain.planner.search.cost import predict
 
     nb = min_buffers(during, 1)
     d, a = predict(during, 1, nb, 1, 1), predict(after, 1, nb, 1, 1)
@@ -220,7 +220,7 @@ def test_after_backward_is_never_faster_than_during(facts, seed):
     # after backward ends: then the steps start from the landing).
     import numpy as np
 
-    from protrain.planner.cost import evaluate, policy_grid
+    from protrain.planner.search.cost import evaluate, policy_grid
 
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([0.5, 24.0]), cpu_adam=rng.choice([2e6, 1e9]))
@@ -264,7 +264,7 @@ def test_swap_out_in_flight_is_charged_on_a_gpu():
     # Block 0 is swapped: on a GPU its saved tensors stay on the device until their D2H
     # copy completes, which overlaps block 1's forward. The walk's peak (forward of block
     # 1) must count them; without the charge it would be short by block 0's saved bytes.
-    from protrain.planner.cost import ALPHA_GPU, predict_plan
+    from protrain.planner.search.cost import ALPHA_GPU, predict_plan
 
     facts, prof = _peaky_profile("gpu")
     size, _ = choose_chunk_numel(facts_from_profile(prof))
@@ -289,7 +289,7 @@ def test_swap_out_in_flight_terms():
     # only; never in backward (memory_plot's walk shows it as its own term).
     import numpy as np
 
-    from protrain.planner.cost import memory_terms, strips_grid
+    from protrain.planner.search.cost import memory_terms, strips_grid
 
     for kind in ("gpu", "cpu"):
         facts, prof = _peaky_profile(kind)
@@ -312,7 +312,7 @@ def test_persistent_reductions_hide_under_backward(shard):
     # every reduction but the last chunk's (the embedding's: complete only when backward
     # ends) hides under the backward of the blocks before it; with blocks of ~no time
     # they all run after backward, one after another, as before the overlap.
-    from protrain.planner.cost import predict_plan
+    from protrain.planner.search.cost import predict_plan
 
     facts = _fixed_facts()
     for block_us, hidden in ((10**5, True), (1e-3, False)):
@@ -336,7 +336,8 @@ def test_device_homes_fill_what_homeless_chunks_leave():
     from pathlib import Path
 
     from protrain.executor import accounting as A
-    from protrain.planner.cost import (
+    from protrain.planner.profiling.profile import load_profile
+    from protrain.planner.search.cost import (
         choose_chunk_numel,
         evaluate,
         facts_from_profile,
@@ -345,7 +346,6 @@ def test_device_homes_fill_what_homeless_chunks_leave():
         policy_grid,
         predict_plan,
     )
-    from protrain.planner.profile import load_profile
 
     root = Path(__file__).resolve().parent.parent
     prof = load_profile(root / "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json")

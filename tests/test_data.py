@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protrain.executor.errors import ConfigError
-from protrain.planner.data import (
+from protrain.planner.models.data import (
     TokenSource,
     batches,
     embedded_corpus,
@@ -161,7 +161,7 @@ def _numbered(n: int) -> TokenSource:
 
 
 def test_split_heldout_is_a_fixed_tail_never_trained_on():
-    from protrain.planner.data import HELDOUT_FRACTION, split_heldout
+    from protrain.planner.models.data import HELDOUT_FRACTION, split_heldout
 
     src = _numbered(10_000)
     train, tail = split_heldout(src, seq_len=16)
@@ -176,14 +176,14 @@ def test_split_heldout_is_a_fixed_tail_never_trained_on():
 
 
 def test_split_heldout_refuses_a_corpus_too_short_for_both():
-    from protrain.planner.data import split_heldout
+    from protrain.planner.models.data import split_heldout
 
     with pytest.raises(ConfigError, match="too few to hold out"):
         split_heldout(_numbered(50), seq_len=30)
 
 
 def test_heldout_batches_are_fixed_and_sliced_by_rank():
-    from protrain.planner.data import heldout_batches
+    from protrain.planner.models.data import heldout_batches
 
     tail = _numbered(1000)
     one = heldout_batches(tail, 4, 16, 3)
@@ -278,7 +278,7 @@ def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
 
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     pytest.importorskip("tokenizers")
     sentences = ["the planner writes a plan", "chunks move between hést and device\r\nagain", "plan\u2028it"]
@@ -309,7 +309,7 @@ def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
 def test_token_file_of_a_big_vocabulary_is_uint32(tmp_path):
     import numpy as np
 
-    from protrain.planner.data import TokenStream, write_token_file
+    from protrain.planner.models.data import TokenStream, write_token_file
 
     ids = np.array([0, 65_535, 65_536, 99_999, 7], dtype=np.int64)
     path = tmp_path / "big.tokens"
@@ -323,7 +323,7 @@ def test_token_file_of_a_big_vocabulary_is_uint32(tmp_path):
 def test_damaged_token_files_are_refused(tmp_path):
     import numpy as np
 
-    from protrain.planner.data import TokenStream, write_token_file
+    from protrain.planner.models.data import TokenStream, write_token_file
 
     path = tmp_path / "c.tokens"
     write_token_file(TokenStream(iter([np.arange(100)]), 256), path)
@@ -362,8 +362,8 @@ def test_a_large_corpus_trains_in_the_memory_of_a_small_one(tmp_path, monkeypatc
 def test_train_on_a_token_file_is_train_on_its_text(tmp_path):
     from pathlib import Path
 
-    from protrain.planner.data import tokenize
-    from protrain.planner.train import train
+    from protrain.planner.commands.train import train
+    from protrain.planner.models.data import tokenize
 
     text = tmp_path / "c.txt"
     text.write_bytes(embedded_corpus()[:200_000])

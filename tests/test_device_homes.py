@@ -23,7 +23,7 @@ from harness import (
 from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import PlanError
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
@@ -168,7 +168,7 @@ def test_a_checkpoint_moves_between_device_homes_and_host_homes(tmp_path):
 
 
 def test_show_says_which_chunks_are_device_homed():
-    from protrain.planner.report import render_show
+    from protrain.planner.views.show import render_show
 
     plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype="bfloat16",
                      homeless=[4], device_homed=[1, 2])

@@ -1,4 +1,4 @@
-"""``protrain diff``: the semantic difference of two plans (planner/report.py).
+"""``protrain diff``: the semantic difference of two plans (planner/views/show.py).
 
 Plans come from the real emitter on meta models (``harness.make_plan``) and from
 the search on a synthetic gpt2-xl profile (for predictions); targeted edits use
@@ -19,7 +19,7 @@ from msgspec.structs import replace
 from planfactory import gpu_spec, synthetic_profile
 
 from protrain.executor import plan as P
-from protrain.planner.diff import diff_json, render_diff
+from protrain.planner.views.diff import diff_json, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ["equal", "differs", "schema_version", "model", "training", "request", "hardware", "chunks",
@@ -40,9 +40,9 @@ def strips(text: str) -> tuple[str, str, str]:
 @pytest.fixture(scope="module")
 def xl_plans() -> dict[str, P.Plan]:
     """gpt2-xl (48 blocks) planned by the search at two budgets and on a slower link."""
-    from protrain.planner.emit import model_facts
-    from protrain.planner.models import block_paths, build
-    from protrain.planner.planning import make_plan as plan_from_profile
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.search.emit import model_facts
+    from protrain.planner.search.planning import make_plan as plan_from_profile
 
     model = build("gpt2-xl", device="meta")
     facts = model_facts(model, "gpt2-xl", block_paths(model), 8)
@@ -317,7 +317,7 @@ def test_diff_never_imports_torch():
     example = ROOT / "plans" / "gpt2-tiny" / "example.json"
     code = ("import sys\n"
             "from protrain.executor.plan import load\n"
-            "from protrain.planner.diff import diff_json, render_diff\n"
+            "from protrain.planner.views.diff import diff_json, render_diff\n"
             f"a = load({str(example)!r}); b = load({str(example)!r})\n"
             "text, equal = render_diff(a, b, 'a', 'b'); assert equal, text\n"
             "assert diff_json(a, b)['equal']\n"

@@ -1,4 +1,4 @@
-"""The disk probe of the NVMe tier (planner/disk.py) and the spec's two disk fields.
+"""The disk probe of the NVMe tier (planner/hardware/disk.py) and the spec's two disk fields.
 
 The probe writes a few MiB into pytest's tmp_path, so these run in well under a
 second; the rest of ``hardware.probe`` is stubbed where it is called (the real
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from protrain.executor.errors import ConfigError
-from protrain.planner import datasheets as ds
-from protrain.planner import disk
-from protrain.planner import hardware as hw
-from protrain.planner.spec import HARDWARE_DIR, dump_spec, load_spec
+from protrain.planner.hardware import datasheets as ds
+from protrain.planner.hardware import disk
+from protrain.planner.hardware import probe as hw
+from protrain.planner.hardware.spec import HARDWARE_DIR, dump_spec, load_spec
 
 MiB = 1 << 20
 SMALL = dict(nbytes=8 * MiB, piece=1 * MiB)  # 3 rounds of 8 MiB: milliseconds on any disk

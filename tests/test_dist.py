@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.checkpoint import read_manifest, resolve
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.models import build
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import build
 
 pytestmark = pytest.mark.dist
 
@@ -349,10 +349,10 @@ def test_persistent_reductions_start_inside_backward(tmp_path, shard):
 
 @pytest.mark.slow
 def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
-    from protrain.planner.cost import make_terms, predict
-    from protrain.planner.models import block_paths
-    from protrain.planner.profile import measure
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.profiling.profile import measure
+    from protrain.planner.search.cost import make_terms, predict
 
     persistent, n_buffer, policies = CASES["gpt2-tiny"]
     model = build("gpt2-tiny", seed=1)
@@ -484,7 +484,7 @@ def test_protrain_train_under_torchrun(tmp_path):
 
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
     r = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32",

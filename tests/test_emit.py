@@ -9,10 +9,10 @@ import pytest
 from protrain.executor import plan as P
 from protrain.executor import validation as V
 from protrain.executor.errors import BudgetError, ConfigError
-from protrain.planner.emit import build_schedule, emit
-from protrain.planner.graph import trace
-from protrain.planner.layout import assign
-from protrain.planner.models import block_paths, build
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.profiling.graph import trace
+from protrain.planner.search.emit import build_schedule, emit
+from protrain.planner.search.layout import assign
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINING = P.Training(micro_batch=2, seq_len=16, compute_dtype="float32", master_dtype="float32",
@@ -38,7 +38,7 @@ def test_trace_llama_untied_head():
 
 
 def test_layout_keeps_a_block_in_one_chunk_when_it_fits():
-    from protrain.planner.layout import ALIGN_NUMEL as A
+    from protrain.planner.search.layout import ALIGN_NUMEL as A
 
     order = ["a", "b1", "b2", "c"]
     numel = {"a": 6 * A, "b1": 3 * A, "b2": 3 * A, "c": 2 * A}
@@ -54,8 +54,8 @@ def test_layout_keeps_a_block_in_one_chunk_when_it_fits():
 
 def test_layout_aligns_every_parameter():
     """Offsets are multiples of ALIGN_NUMEL: an unaligned parameter view makes BLAS sum in
-    another order than on the parameter's own allocation (#15; see planner/layout.py)."""
-    from protrain.planner.layout import ALIGN_NUMEL as A
+    another order than on the parameter's own allocation (#15; see planner/search/layout.py)."""
+    from protrain.planner.search.layout import ALIGN_NUMEL as A
 
     order = ["a", "b", "c", "d"]
     numel = {"a": 17, "b": 1, "c": 36, "d": 5}

@@ -15,7 +15,7 @@ from harness import lockstep, make_model, make_plan
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, FingerprintError, PlanError
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 
 def _data():

@@ -14,7 +14,7 @@ from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.errors import BudgetError, NonFiniteGradientError, NonFiniteLossError
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 

@@ -12,7 +12,7 @@ from planfactory import gpu_spec
 
 from protrain.executor import validation as V
 from protrain.executor.errors import BudgetError, ConfigError
-from protrain.planner.fit import (
+from protrain.planner.commands.fit import (
     gpt2_ladder,
     host_need_bytes,
     largest_fitting,
@@ -20,9 +20,9 @@ from protrain.planner.fit import (
     n_params,
     run_fit,
 )
-from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, count_params
-from protrain.planner.report import human_bytes
-from protrain.planner.spec import dump_spec
+from protrain.planner.hardware.spec import dump_spec
+from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, count_params
+from protrain.planner.views.show import human_bytes
 
 GiB = 2**30
 
@@ -87,7 +87,7 @@ def test_fit_refines_between_rungs_by_depth(monkeypatch):
     that stay below the next rung are bisected; the answer is the deepest that fits, and
     the next size up is one layer more. A stand-in probe fits every model up to a size
     between two rungs."""
-    import protrain.planner.fit as F
+    import protrain.planner.commands.fit as F
     from protrain.executor import plan as P
 
     ladder = gpt2_ladder(SEQ)
@@ -128,7 +128,7 @@ def test_run_fit_prints_one_row_per_family(tmp_path):
 def test_host_budget_per_rank_is_the_share_less_the_reserve():
     # --host-memory SIZE --world-size N: each rank gets SIZE / N, less 10% and 2 GiB, the
     # rule a spec's own host RAM gets at one rank.
-    from protrain.planner.planning import default_host_budget, host_budget_per_rank
+    from protrain.planner.search.planning import default_host_budget, host_budget_per_rank
 
     assert host_budget_per_rank(384 * GiB, 4) == int(96 * GiB * 0.9) - 2 * GiB
     assert host_budget_per_rank(384 * GiB) == int(384 * GiB * 0.9) - 2 * GiB
@@ -140,7 +140,7 @@ def test_host_budget_per_rank_is_the_share_less_the_reserve():
 def test_more_ranks_shard_the_host():
     # The same host RAM per rank (8 GiB for one, 32 GiB for four): offloaded states
     # shard over the ranks (ZeRO-3), so four ranks fit a larger model.
-    from protrain.planner.fit import _host_floor_bytes
+    from protrain.planner.commands.fit import _host_floor_bytes
 
     one = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO,
                           host_memory_bytes=8 * GiB)
@@ -166,8 +166,8 @@ def test_more_ranks_shard_the_host():
 def test_fit_command_passes_host_memory_and_world_size(monkeypatch):
     from click.testing import CliRunner
 
-    from protrain.planner import fit as F
-    from protrain.planner.cli import main
+    from protrain.planner.commands import fit as F
+    from protrain.planner.commands.cli import main
 
     seen = {}
     monkeypatch.setattr(F, "run_fit", lambda hardware, **kw: seen.update(kw, hardware=hardware))
@@ -191,7 +191,7 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
     model fits (then the device binds); the report names the state file's size, which is
     accounting.py's; a spec whose disk was not measured is refused, naming the probe."""
     from protrain.executor import accounting
-    from protrain.planner.fit import render_fit
+    from protrain.planner.commands.fit import render_fit
 
     disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
     kw = dict(budget_bytes=GiB // 2, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
@@ -215,7 +215,7 @@ def test_fit_with_nvme_climbs_past_the_host_floor():
     At a 1 GiB budget the largest plan with --nvme is ten times the host's (1.68B against
     0.17B), and its floor without a disk is eight times the host: a floor kept with a disk
     would have stopped the climb there. (~30 s: the rungs' analytic profiles.)"""
-    from protrain.planner.fit import _host_floor_bytes
+    from protrain.planner.commands.fit import _host_floor_bytes
 
     disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
     kw = dict(budget_bytes=GiB, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
@@ -230,8 +230,8 @@ def test_fit_a_model_with_nvme_names_the_disk():
     """`fit --hf-config … --nvme` (``fit_model``): a model the host cannot hold fits with its
     optimizer states on disk, and the verdict says how much the disk holds."""
     from protrain.executor import accounting
-    from protrain.planner.fit_model import fit_model, render_model_fit
-    from protrain.planner.models import build
+    from protrain.planner.commands.fit_config import fit_model, render_model_fit
+    from protrain.planner.models.zoo import build
 
     disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
     model = build("gpt2-medium", device="meta")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from protrain.executor import plan as P
 from protrain.executor.checkpoint import Manifest, decode_manifest
 from protrain.executor.errors import CheckpointError, PlanError, ProfileError
-from protrain.planner.profile import MAX_PROFILE_BYTES, Profile, load_profile
+from protrain.planner.profiling.profile import MAX_PROFILE_BYTES, Profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BYTES = (ROOT / "plans/gpt2-tiny/example.json").read_bytes()
@@ -200,8 +200,8 @@ def test_what_validate_accepts_train_takes_or_refuses_cleanly(plan):
     # another exception, never an acceptance whose host need exceeds what is available.
     from protrain.executor.errors import ProtrainError
     from protrain.executor.validation import validate
-    from protrain.planner.preflight import available_host_memory
-    from protrain.planner.train import prechecks
+    from protrain.planner.commands.preflight import available_host_memory
+    from protrain.planner.commands.train import prechecks
 
     try:
         validate(plan, "fuzzed")
@@ -223,7 +223,7 @@ def test_what_the_pre_checks_accept_trains_or_refuses_cleanly(plan, tmp_path_fac
     # on a CPU) trains one step, or is refused with a ProtrainError (another world size: Comm).
     from protrain.executor.errors import ProtrainError
     from protrain.executor.validation import validate
-    from protrain.planner.train import prechecks, train
+    from protrain.planner.commands.train import prechecks, train
 
     t = plan.training
     try:

@@ -22,7 +22,7 @@ from protrain.executor import transfer as T
 from protrain.executor.dist import Comm
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.schedule import Phase
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 

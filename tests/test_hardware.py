@@ -1,6 +1,6 @@
 """Hardware specs: the committed datasheet files, their consistency, and the probe.
 
-The datasheet files under plans/hardware/ must be exactly what planner/hardware.py
+The datasheet files under plans/hardware/ must be exactly what planner/hardware/probe.py
 generates (so a figure changes in one place, with its note). The probe runs once,
 quick, on this machine's CPU with NVML forced to fail and CUDA hidden, which is
 also the "no driver" path every CPU-only machine takes.
@@ -16,9 +16,9 @@ import msgspec
 import pytest
 
 from protrain.executor.errors import ConfigError
-from protrain.planner import datasheets as ds
-from protrain.planner import hardware as hw
-from protrain.planner.spec import (
+from protrain.planner.hardware import datasheets as ds
+from protrain.planner.hardware import probe as hw
+from protrain.planner.hardware.spec import (
     HARDWARE_DIR,
     HardwareSpec,
     LinkPoint,
@@ -28,7 +28,7 @@ from protrain.planner.spec import (
 )
 
 NAMES = [*ds.DATASHEETS, "cpu"]
-REGEN = 'python -c "from protrain.planner.datasheets import write_datasheets; write_datasheets()"'
+REGEN = 'python -c "from protrain.planner.hardware.datasheets import write_datasheets; write_datasheets()"'
 NOTE_KINDS = (
     "datasheet:",
     "assumption:",
@@ -299,7 +299,7 @@ def test_probe_refuses_bad_devices():
 
 def test_importing_spec_and_hardware_stays_light():
     code = (
-        "import sys, protrain.planner.hardware, protrain.planner.spec\n"
+        "import sys, protrain.planner.hardware.probe, protrain.planner.hardware.spec\n"
         "print(sorted(m for m in ('torch', 'pynvml', 'numpy', 'scipy') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""Hugging Face models (planner/hf.py): zoo parity, executor parity, discovery, errors, weights, planning.
+"""Hugging Face models (planner/models/hf.py): zoo parity, executor parity, discovery, errors, weights, planning.
 
 Needs the optional extra (``pip install transformers``); without it every test that
 builds a transformers model skips, and the ones that do not (the keyword-block
@@ -23,16 +23,16 @@ from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.check import model_fingerprint
 from protrain.executor.errors import ConfigError
-from protrain.planner import models
-from protrain.planner.emit import emit
-from protrain.planner.models import block_paths, build, lm_loss
+from protrain.planner.models import zoo as models
+from protrain.planner.models.zoo import block_paths, build, lm_loss
+from protrain.planner.search.emit import emit
 
 
 @pytest.fixture(scope="module")
 def hf():
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from protrain.planner import hf
+    from protrain.planner.models import hf
 
     return hf
 
@@ -430,8 +430,8 @@ def test_safetensors_checkpoints_load(hf, cfg_dirs, tmp_path):
 
 
 def test_a_7b_config_plans_without_allocating(hf, tmp_path):
-    from protrain.planner.analytic import analytic_profile
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.profiling.analytic import analytic_profile
 
     fields = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096,
                   intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -453,7 +453,7 @@ def test_a_7b_config_plans_without_allocating(hf, tmp_path):
 def test_cli_profiles_plans_and_trains_an_hf_config(hf, cfg_dirs, tmp_path):
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     name = f"hf:{cfg_dirs['llama']}"
     runner = CliRunner()

@@ -4,7 +4,7 @@ A family matrix: tiny random configs (hidden 64, 2 layers, vocabulary 256 for th
 byte-level corpus) of dense, fused-qkv, parallel-residual, ALiBi, MLA, sliding-window,
 soft-capped, attention-sink, state-space, hybrid and mixture-of-experts families, each
 written to ``tmp_path/<family>/config.json`` and built through the config.json path
-(``hf:DIR``, ``planner/hf.py``), as a user's downloaded directory would be. For each:
+(``hf:DIR``, ``planner/models/hf.py``), as a user's downloaded directory would be. For each:
 
 - its forward equals the family's own transformers implementation (the one
   ``from_pretrained`` picks by default), including where ``causal_attention`` hands a
@@ -31,15 +31,15 @@ from harness import assert_same_state, lockstep
 
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
-from protrain.planner import models
-from protrain.planner.emit import assemble, model_facts
-from protrain.planner.models import block_paths, build
+from protrain.planner.models import zoo as models
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.search.emit import assemble, model_facts
 
 
 @pytest.fixture(scope="module")
 def hf():
     pytest.importorskip("transformers")
-    from protrain.planner import hf
+    from protrain.planner.models import hf
 
     return hf
 
@@ -277,7 +277,7 @@ def test_forward_equals_the_familys_own_implementation(hf, names, family):
 
 def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, monkeypatch):
     """Windows shorter than the sequence, soft-capping and sinks go to the family's code; nothing else does."""
-    from protrain.planner import hf_attention
+    from protrain.planner.models import hf_attention
 
     calls: list[str] = []
     real = hf_attention._own_attention
@@ -335,7 +335,7 @@ def cli_params(fast: list[str]):
 def plan_cli(directory: str, out, *extra: str):
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     return CliRunner().invoke(main, ["plan", "--hf-config", directory, "--batch", str(MICRO), "--seq", str(SEQ),
                                      "-o", str(out), *extra])
@@ -362,8 +362,8 @@ def test_cli_plans_from_a_measured_profile_too(hf, names, family, tmp_path):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "jamba"])
 def test_moe_plans_on_meta_in_fp32_and_bf16(hf, names, family):
     """grouped_mm's meta kernel takes bf16 only; ``hf.grouped_experts`` still traces fp32 on meta."""
-    from protrain.planner.analytic import analytic_profile
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.profiling.analytic import analytic_profile
 
     for dtype in ("float32", "bfloat16"):
         model = build(names[family], device="meta", dtype=getattr(torch, dtype))
@@ -387,7 +387,7 @@ REFUSED_CONFIGS = {
 
 
 def test_every_refused_family_is_tested():
-    from protrain.planner import hf as module
+    from protrain.planner.models import hf as module
 
     assert set(REFUSED_CONFIGS) == set(module.REFUSED)
 
@@ -408,7 +408,7 @@ def test_a_family_that_reads_values_is_refused_when_planned_even_if_unlisted(hf,
     where reading a value fails; that failure becomes a ConfigError naming the family."""
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     monkeypatch.delitem(hf.REFUSED, family)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **REFUSED_CONFIGS[family]}))
@@ -419,7 +419,7 @@ def test_a_family_that_reads_values_is_refused_when_planned_even_if_unlisted(hf,
     r = CliRunner().invoke(main, ["plan", "--hf-config", str(tmp_path), "--hardware", "cpu", "--batch", "1",
                                   "--seq", str(SEQ), "-o", str(tmp_path / "plan.json")])
     # One paragraph, no traceback (the analytic profile may refuse first: MoE detection in
-    # planner/moe.py refuses expert lists it cannot charge).
+    # planner/models/moe.py refuses expert lists it cannot charge).
     assert r.exit_code == 1 and "error:" in r.output and "Traceback" not in r.output, r.output
 
 
@@ -476,7 +476,7 @@ def test_plan_and_train_from_the_config_json_save_pretrained_writes(hf, names, f
     """The issue's reproduction, through the CLI: plan analytically, then train two steps."""
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     directory = names[family][len("hf:"):]
     if family == "mamba2":

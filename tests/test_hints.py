@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from protrain.planner.cli import main
+from protrain.planner.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -28,7 +28,7 @@ def _strings(node: ast.AST) -> str:
 
 def hints() -> list[tuple[str, int, str]]:
     out = []
-    for path in sorted([*ROOT.glob("planner/*.py"), *ROOT.glob("executor/*.py")]):
+    for path in sorted([*ROOT.glob("planner/**/*.py"), *ROOT.glob("executor/*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue

@@ -13,8 +13,8 @@ from harness import assert_same_training, make_model, make_plan, train_engine
 from torch import nn
 
 from protrain.executor import AdamWConfig, accounting, homes, optim
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import emit
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.search.emit import emit
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
@@ -162,7 +162,7 @@ def test_the_v4_fixture_trains_as_with_its_homes_kept():
     from pathlib import Path
 
     from protrain.executor import plan as P
-    from protrain.planner.models import build
+    from protrain.planner.models.zoo import build
 
     plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json")
     kept = msgspec.structs.replace(plan, placement=msgspec.structs.replace(

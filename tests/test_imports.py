@@ -75,10 +75,26 @@ def test_executor_runtime_never_imports_the_planner():
 @pytest.mark.parametrize("argv", [["--help"], ["show", "plans/gpt2-tiny/example.json"]])
 def test_cli_paths_without_torch(argv):
     mods = imported(f"import sys; sys.argv = ['protrain', *{argv!r}]\n"
-                    "from protrain.planner.cli import main\n"
+                    "from protrain.planner.commands.cli import main\n"
                     "try:\n    main()\nexcept SystemExit:\n    pass")
     assert "torch" not in mods and "numpy" not in mods
 
 
 def test_report_is_torch_free():
-    assert "torch" not in imported("import protrain.planner.report")
+    assert "torch" not in imported("import protrain.planner.views.show")
+
+
+def test_planner_face_is_lazy_and_complete():
+    """``protrain.planner`` is the public face: importing it loads no torch, scipy or
+    networkx, and each exported name resolves to the object its sub-package defines."""
+    mods = imported("import protrain.planner")
+    assert not {"torch", "scipy", "networkx"} & mods
+    import importlib
+
+    import protrain.planner as face
+    for name in face.__all__:
+        where = importlib.import_module(f"protrain.planner.{face._EXPORTS[name]}")
+        assert getattr(face, name) is getattr(where, name), name
+    assert set(dir(face)) >= set(face.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        face.nope  # noqa: B018

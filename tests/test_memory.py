@@ -13,7 +13,7 @@ from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.schedule import Phase
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

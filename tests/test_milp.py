@@ -1,4 +1,4 @@
-"""The MILP solver (planner/milp.py): its program is the cost model, configuration by
+"""The MILP solver (planner/search/milp.py): its program is the cost model, configuration by
 configuration; held to the paper's space it finds the exhaustive search's optimum;
 free, it is never worse; its plans emit, explain and fall back as documented."""
 
@@ -18,8 +18,9 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
-from protrain.planner import milp as M
-from protrain.planner.cost import (
+from protrain.planner.profiling.profile import load_profile
+from protrain.planner.search import milp as M
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     evaluate,
     facts_from_profile,
@@ -29,10 +30,9 @@ from protrain.planner.cost import (
     predict_plan,
     strips_grid,
 )
-from protrain.planner.planning import SOLVERS, default_host_budget, make_plan
-from protrain.planner.profile import load_profile
-from protrain.planner.report import block_policies, is_four_count, render_explain
-from protrain.planner.search import exhaustive, policy_pairs, space
+from protrain.planner.search.exhaustive import exhaustive, policy_pairs, space
+from protrain.planner.search.planning import SOLVERS, default_host_budget, make_plan
+from protrain.planner.views.show import block_policies, is_four_count, render_explain
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("keep", "swap", "checkpoint")
@@ -301,7 +301,7 @@ def test_repair_steps_past_the_solvers_tolerance():
     # Found by hypothesis in CI: a budget 4e-9 bytes under the all-persistent peak. HiGHS
     # accepts that configuration within its (relative) feasibility tolerance, and tightening
     # the budget by one byte per repair never excluded it; the repair step now does.
-    from protrain.planner.emit import ModelFacts
+    from protrain.planner.search.emit import ModelFacts
 
     layers = [f"layers.{i}" for i in range(3)]
     facts = ModelFacts(

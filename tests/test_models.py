@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from protrain.executor.errors import ConfigError
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.models import (
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import (
     GPT2,
     ZOO,
     GPT2Config,
@@ -71,7 +71,7 @@ def test_llama_70b_meta_build_is_fast_and_small():
     code = textwrap.dedent(
         """
         import resource, time
-        from protrain.planner.models import build, count_params
+        from protrain.planner.models.zoo import build, count_params
         t0 = time.perf_counter()
         model = build("llama-70b", device="meta")
         build_s = time.perf_counter() - t0

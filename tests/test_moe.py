@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (planner/moe.py) in the analytic profile, and ``fit`` for one model
-(planner/fit_model.py).
+"""Mixture-of-experts models (planner/models/moe.py) in the analytic profile, and ``fit`` for one model
+(planner/commands/fit_config.py).
 
 What is pinned: detection across the transformers MoE families (experts, top-k, shared
 experts, which blocks); the analytic profile charges the routed experts at top_k / n_experts
@@ -27,13 +27,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.plan import POST, PRE
-from protrain.planner import analytic
-from protrain.planner.analytic import analytic_profile, count_segments
-from protrain.planner.fit import host_need_bytes
-from protrain.planner.fit_model import fit_model, render_model_fit, run_model_fit
-from protrain.planner.models import block_paths, count_params
-from protrain.planner.moe import balanced_experts, balanced_forward, detect, moe_blocks
-from protrain.planner.spec import find_spec
+from protrain.planner.commands.fit import host_need_bytes
+from protrain.planner.commands.fit_config import fit_model, render_model_fit, run_model_fit
+from protrain.planner.hardware.spec import find_spec
+from protrain.planner.models.moe import balanced_experts, balanced_forward, detect, moe_blocks
+from protrain.planner.models.zoo import block_paths, count_params
+from protrain.planner.profiling import analytic
+from protrain.planner.profiling.analytic import analytic_profile, count_segments
 
 transformers = pytest.importorskip("transformers")
 MiB = 2**20
@@ -81,7 +81,7 @@ def tiny(family: str, **changes):
 
 def build(cfg, device="meta"):
     """The protrain adapter of a transformers model built from ``cfg`` (on meta by default)."""
-    from protrain.planner import hf
+    from protrain.planner.models import hf
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -303,7 +303,7 @@ PROFILE_B, PROFILE_T, PROFILE_ROUNDS = 4, 64, 5
 
 def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
     """The least over ``rounds`` measured profiles of the least block's (fwd_us, bwd_us)."""
-    from protrain.planner.profile import measure
+    from protrain.planner.profiling.profile import measure
 
     blocks = block_paths(model)
     best = (float("inf"), float("inf"))
@@ -342,7 +342,7 @@ def probed_block_us():
       46-63 GFLOP/s fp32 from run to run, the CPU clock 79-101, and a wall-clock 8x256
       block came out 2x its ops' sum. Cache and memory-bandwidth contention still count.
     """
-    from protrain.planner.hardware import probe
+    from protrain.planner.hardware.probe import probe
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -415,7 +415,7 @@ def test_dense_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
     # Absolute, within 25%, the dense twin: the forward on a cpu spec charges the host's
     # eager costs, ops without a kernel (views, metadata: CPU_FORWARD_FREE_OP_US) and the
     # ledger's pack hook per saved tensor (CPU_SAVED_TENSOR_US), both measured apart from
-    # this test (see their docstrings in planner/analytic.py). Before them 0.58-0.68x;
+    # this test (see their docstrings in planner/profiling/analytic.py). Before them 0.58-0.68x;
     # with them 0.86-0.98x in seven runs on a quiet box (probes of 81-97 GFLOP/s), 0.72-0.83x
     # with another of our processes on the second core (the backward test fails there too).
     _, times = probed_block_us
@@ -448,7 +448,7 @@ def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us, famil
     # for the Qwen3-MoE) and CPU_MOE_ROW_US per routed row (512 here, 1024 for the
     # Qwen3-MoE): +376 / +736 us. Both were measured by tools/bench_moe_cpu.py on other
     # Mixtral shapes (the MoE block less its dense twin, against the analytic charge),
-    # none of them these two blocks (see their docstrings in planner/analytic.py).
+    # none of them these two blocks (see their docstrings in planner/profiling/analytic.py).
     # Measured in seven runs at load 3-6 on the 2-core box (probes of 84-95 GFLOP/s):
     # Mixtral 0.80-0.95x (median 0.85; 0.68-0.77x before), Qwen3-MoE 1.03-1.13x (median
     # 1.10; 0.71-0.73x before), the dense twin 0.84-0.97x in the same runs. By hand, the
@@ -512,7 +512,7 @@ def _llama_dir(tmp_path):
 def test_fit_cli_with_an_hf_config(tmp_path):
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     d = _llama_dir(tmp_path)
     runner = CliRunner()
@@ -552,7 +552,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "plans" / "configs"
 def test_committed_moe_configs_total_and_active(name, total_b, active_b):
     if not (CONFIGS / name / "config.json").is_file():
         pytest.skip(f"plans/configs/{name} is not there")
-    from protrain.planner.models import build as build_name
+    from protrain.planner.models.zoo import build as build_name
 
     model = build_name(f"hf:{CONFIGS / name}", device="meta")
     layout = detect(model)
@@ -567,7 +567,7 @@ def test_fit_mixtral_8x7b_on_an_h200(capsys):
     # share (1/8 of a DGX) the states do not fit the host; with 1.5 TiB they do.
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     base = ["fit", "--hf-config", str(CONFIGS / "mixtral-8x7b"), "--hardware", "h200", "--seq", "4096"]
     runner = CliRunner()

@@ -1,7 +1,7 @@
 """Plans outside the paper's space — persistent chunks anywhere, any policy strip — replay
 exactly, and the cost model holds for them as it does for the paper's configurations.
 
-The MILP (planner/milp.py) makes such plans; the executor never decides, so it must
+The MILP (planner/search/milp.py) makes such plans; the executor never decides, so it must
 carry out any placement and strip the plan writes: chunk 0 offloaded, 1 persistent,
 2 offloaded, 3 persistent; a keep between two checkpoints; a swap in the middle.
 Parity is exact (rtol=0, atol=0) against plain PyTorch on CPU fp32, as in test_parity.
@@ -21,7 +21,10 @@ from test_cost import CPU_SPEC, _uploads
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
-from protrain.planner.cost import (
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths
+from protrain.planner.profiling.profile import measure
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
@@ -29,12 +32,9 @@ from protrain.planner.cost import (
     offload_mask,
     predict_plan,
 )
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import assemble, model_facts
-from protrain.planner.models import block_paths
-from protrain.planner.planning import make_plan as plan_from_profile
-from protrain.planner.profile import measure
-from protrain.planner.report import is_four_count
+from protrain.planner.search.emit import assemble, model_facts
+from protrain.planner.search.planning import make_plan as plan_from_profile
+from protrain.planner.views.show import is_four_count
 
 # (persistent chunk ids, n_buffer, strip). gpt2-4 has 5 chunks (0: embeddings, 1-4: one
 # per block, ln_f in 4; the tied head uses 0 and 4), llama-4 has 4 (0: embeddings and

@@ -32,8 +32,8 @@ from protrain.executor import AdamWConfig, accounting, chunks, homes, nvme, opti
 from protrain.executor import accounting as A
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, HostMemoryError, PlanError
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.models import GPT2Config
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import GPT2Config
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"
@@ -210,7 +210,7 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
     off_disk = {"nvme": "host", "nvme_homeless": "homeless"}
     host = msgspec.structs.replace(plan, placement=msgspec.structs.replace(
         plan.placement, homes=[off_disk.get(h, h) for h in plan.placement.homes]))
-    from protrain.planner.models import build
+    from protrain.planner.models.zoo import build
 
     data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]
     torch.manual_seed(0)
@@ -227,7 +227,7 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
 
 
 def _profile(disk_gbps: float | None = 3.0):
-    from protrain.planner.profile import load_profile
+    from protrain.planner.profiling.profile import load_profile
 
     root = Path(__file__).resolve().parent.parent
     prof = load_profile(root / "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json")
@@ -242,7 +242,7 @@ def _profile(disk_gbps: float | None = 3.0):
 def _half_host() -> int:
     """Half the host bytes gpt2-xl's plan needs on an rtx3090 at 22 GiB with the host
     unbounded: a host budget that binds (the planner tests below share it)."""
-    from protrain.planner.planning import make_plan
+    from protrain.planner.search.planning import make_plan
 
     roomy, _ = make_plan(_profile(), 22 * 2**30, host_budget_bytes=2**40)
     return int(accounting.walk(roomy).host_bytes * 0.5)
@@ -255,7 +255,7 @@ def test_the_disk_takes_what_homeless_chunks_leave():
     the CPU timeline carries their disk traffic (12 B read + 12 B written per element per
     step, 4 B read per fetch of a homeless one); an explicit prediction of the same sets
     gives the same numbers, and host bytes equal accounting.py's for the emitted plan."""
-    from protrain.planner.cost import (
+    from protrain.planner.search.cost import (
         choose_chunk_numel,
         evaluate,
         facts_from_profile,
@@ -298,7 +298,7 @@ def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
     refuses every plan without the disk, the plan keeps states on disk, its predicted host
     need accounting.py's and within the cap. A spec without the disk measured is refused,
     naming the probe."""
-    from protrain.planner.planning import make_plan
+    from protrain.planner.search.planning import make_plan
 
     prof, cap = _profile(), _half_host()
     homes, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=cap)
@@ -326,8 +326,8 @@ def test_the_search_weighs_the_disk_against_device_homes():
     the other tier (the terms with or without the disk) is slower or does not fit."""
     import dataclasses
 
-    from protrain.planner.cost import make_terms, predict
-    from protrain.planner.planning import make_plan
+    from protrain.planner.search.cost import make_terms, predict
+    from protrain.planner.search.planning import make_plan
 
     prof, cap = _profile(), _half_host()
     for gbps, tier, other in ((3, "device_homed", "nvme"), (300, "nvme", "device_homed")):
@@ -357,14 +357,14 @@ def test_the_faster_tier_that_fits_per_strip():
     wins however fast they are."""
     import dataclasses
 
-    from protrain.planner.cost import (
+    from protrain.planner.search.cost import (
         choose_chunk_numel,
         evaluate,
         facts_from_profile,
         make_terms,
         policy_grid,
     )
-    from protrain.planner.search import _evaluate
+    from protrain.planner.search.exhaustive import _evaluate
 
     prof = _profile(300)
     size, _ = choose_chunk_numel(facts_from_profile(prof))
@@ -395,8 +395,8 @@ def test_predicted_trace_charges_the_disk():
     and the trace agrees with the prediction as for any plan (0.96; it read 0.24 without them)."""
     from test_trace import TOLERANCE, TRACKS, x_events
 
-    from protrain.planner.planning import make_plan
-    from protrain.planner.trace import predicted_trace
+    from protrain.planner.search.planning import make_plan
+    from protrain.planner.views.trace import predicted_trace
 
     prof = _profile()
     plan, _ = make_plan(prof, 16 * 2**30, host_budget_bytes=_half_host(), nvme=True)  # (16 GiB: no room for device homes)
@@ -424,8 +424,8 @@ def test_cli_plans_for_a_disk_and_trains_with_it(tmp_path):
     the host binds, `train --nvme DIR` runs it (and refuses the plan without a directory)."""
     from click.testing import CliRunner
 
-    from protrain.planner.cli import main
-    from protrain.planner.spec import load_spec
+    from protrain.planner.commands.cli import main
+    from protrain.planner.hardware.spec import load_spec
 
     run = CliRunner().invoke
     r = run(main, ["plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "4", "--seq", "64", "--nvme",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from protrain.planner import models
+from protrain.planner.models import zoo as models
 
 CONFIGS = Path(__file__).resolve().parent.parent / "plans" / "configs"
 
@@ -53,7 +53,7 @@ def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware,
     from click.testing import CliRunner
 
     from protrain.executor import plan as P
-    from protrain.planner.cli import main
+    from protrain.planner.commands.cli import main
 
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(main, ["plan", "--hf-config", str(CONFIGS / name), "--hardware", *hardware,

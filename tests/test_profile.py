@@ -9,11 +9,11 @@ import torch
 from click.testing import CliRunner
 from torch.autograd.graph import saved_tensors_hooks
 
-from protrain.planner.cli import main
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.models import block_paths, build
-from protrain.planner.profile import dump_profile, load_profile, measure
-from protrain.planner.spec import find_spec
+from protrain.planner.commands.cli import main
+from protrain.planner.hardware.spec import find_spec
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.profiling.profile import dump_profile, load_profile, measure
 
 CPU = find_spec("cpu")
 

@@ -27,7 +27,7 @@ from harness import assert_same_state, lockstep, make_model, make_plan, sleeper
 from test_parity import MATRIX, _plan  # the same policy matrix, here under the emulation
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 SEEDS = (1, 2, 3)
 

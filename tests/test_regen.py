@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from protrain.executor import plan as P
-from protrain.planner.report import policy_strip
+from protrain.planner.views.show import policy_strip
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "regen_plans.py"

@@ -14,7 +14,7 @@ import pytest
 
 from protrain.executor.checkpoint import read_manifest, resolve
 from protrain.executor.errors import ConfigError
-from protrain.planner.train import train
+from protrain.planner.commands.train import train
 
 PLAN = str(Path(__file__).resolve().parents[1] / "plans/gpt2-tiny/example.json")
 QUIET = dict(echo=lambda _: None, progress=False)
@@ -37,7 +37,7 @@ def test_save_every_needs_a_directory():
 def test_ctrl_c_checkpoints_then_stops(tmp_path):
     out = tmp_path / "ck"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "protrain.planner.cli", "train", "--plan", PLAN, "--model", "gpt2-tiny",
+        [sys.executable, "-m", "protrain.planner", "train", "--plan", PLAN, "--model", "gpt2-tiny",
          "--steps", "100000", "--save-every", "3", "--save-dir", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

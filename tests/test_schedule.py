@@ -7,7 +7,7 @@ from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import validation as V
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 
 @pytest.mark.parametrize("model,persistent,n_buffer,policies", [

@@ -15,7 +15,7 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
-from protrain.planner.cost import (
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     chunk_candidates,
     evaluate,
@@ -26,9 +26,9 @@ from protrain.planner.cost import (
     predict,
     predict_plan,
 )
-from protrain.planner.planning import make_plan
-from protrain.planner.rules import HOST_SLOTS
-from protrain.planner.search import exhaustive, policy_pairs, space
+from protrain.planner.search.exhaustive import exhaustive, policy_pairs, space
+from protrain.planner.search.planning import make_plan
+from protrain.planner.search.rules import HOST_SLOTS
 
 
 def brute_force(t, budget, host_budget=math.inf, top=1):
@@ -100,7 +100,7 @@ def test_buffers_past_the_dense_range_weigh_both_host_tiers():
     # from the disk's time alone prunes (0, 5) from the brute force's best six.
     import msgspec
 
-    from protrain.planner.emit import ModelFacts
+    from protrain.planner.search.emit import ModelFacts
 
     params = [("embed.weight", (4, 8), "float32"), ("layers.0.p0", (1,), "float32"),
               ("layers.0.p1", (1,), "float32"), ("norm.weight", (8,), "float32"), ("head.weight", (4, 8), "float32")]
@@ -130,7 +130,7 @@ def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
     # placement and strip, a buffer more never lowers the peak and never adds time.
     import msgspec
 
-    from protrain.planner.cost import evaluate
+    from protrain.planner.search.cost import evaluate
 
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
@@ -153,7 +153,7 @@ def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
 def test_chunk_sizes_tie_to_the_smaller_and_drop_the_dominated():
     # Equal blocks tile 1x, 2x, 3x, 4x a block equally well: the waste ties, and the
     # smaller chunk is the finer one (issue 17 item 4a: ties used to go to the larger).
-    from protrain.planner.cost import chunk_candidates
+    from protrain.planner.search.cost import chunk_candidates
 
     facts = _llama_like(name="llama-7b")
     sizes, waste = chunk_candidates(facts)
@@ -171,7 +171,7 @@ def test_chunk_sizes_tie_to_the_smaller_and_drop_the_dominated():
 def test_make_plan_keeps_the_best_chunk_size(facts, seed, where):
     # make_plan searches every chunk_candidates size and keeps the best plan by the
     # search's own order; the smaller size on ties.
-    from protrain.planner.cost import chunk_candidates
+    from protrain.planner.search.cost import chunk_candidates
 
     rng = random.Random(seed)
     prof = synthetic_profile(facts, gpu_spec(link_gbps=rng.choice([2.0, 24.0])), block_us=rng.uniform(10, 5000),
@@ -192,8 +192,8 @@ def test_make_plan_keeps_the_best_chunk_size(facts, seed, where):
 
 
 def _llama_like(n_layers=80, name="llama-70b"):
-    from protrain.planner.emit import model_facts
-    from protrain.planner.models import block_paths, build
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.search.emit import model_facts
 
     meta = build(name, device="meta")
     return model_facts(meta, name, block_paths(meta), 8)
@@ -226,9 +226,9 @@ def test_llama70b_search_under_a_second(llama70b, capsys):
 
 @pytest.fixture(scope="module")
 def xl_profiles():
-    from protrain.planner.analytic import analytic_profile
-    from protrain.planner.models import block_paths, build
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.profiling.analytic import analytic_profile
 
     spec = find_spec("rtx3090")
     out = {}

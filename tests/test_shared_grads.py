@@ -64,7 +64,7 @@ def test_autograd_holds_the_later_use_gradient_until_the_earlier_backward(tied):
 
 def test_the_executor_leaves_the_hold_as_autograd_makes_it():
     from protrain.executor import wrap
-    from protrain.planner.models import build
+    from protrain.planner.models.zoo import build
 
     meta, plan = _plan("float32")
     model = build("gpt2-tiny", device="cpu")
@@ -85,8 +85,8 @@ def test_the_executor_leaves_the_hold_as_autograd_makes_it():
 
 def _plan(dtype: str = "bfloat16"):
     from protrain.executor import plan as P
-    from protrain.planner.emit import emit
-    from protrain.planner.models import block_paths, build
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.search.emit import emit
 
     meta = build("gpt2-tiny", device="meta")
     blocks = block_paths(meta)
@@ -123,7 +123,7 @@ def test_a_frozen_tied_weight_holds_nothing():
     # stays trainable: wpe and the first block's parameters share it): autograd computes no
     # gradient for it, and the ledger, which knows each parameter, counts none
     from protrain.executor import wrap
-    from protrain.planner.models import build
+    from protrain.planner.models.zoo import build
 
     meta, plan = _plan("float32")
     model = build("gpt2-tiny", device="cpu")
@@ -148,9 +148,9 @@ def test_transformers_tied_families_hold_it_as_counted(family, tmp_path):
     from test_hf_families import MICRO, SEQ, make_plan, write_family
 
     from protrain.executor import wrap
-    from protrain.planner import hf
-    from protrain.planner.data import batches, load_tokens
-    from protrain.planner.models import build
+    from protrain.planner.models import hf
+    from protrain.planner.models.data import batches, load_tokens
+    from protrain.planner.models.zoo import build
 
     name = write_family(tmp_path / family, family, hf)
     plan = make_plan(name, "offloaded-checkpoint-accum2")

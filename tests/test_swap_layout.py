@@ -29,8 +29,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.validation import segment_chunks
-from protrain.planner.emit import emit
-from protrain.planner.models import lm_loss
+from protrain.planner.models.zoo import lm_loss
+from protrain.planner.search.emit import emit
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.
@@ -318,7 +318,7 @@ def test_keep_counts_what_a_swap_would_move():
 @pytest.mark.parametrize("intermediate", [128, 100])
 def test_phi3_trains_exactly_under_swap(intermediate):
     transformers = pytest.importorskip("transformers")
-    from protrain.planner import hf
+    from protrain.planner.models import hf
 
     config = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=intermediate, vocab_size=128,

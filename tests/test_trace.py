@@ -15,20 +15,20 @@ from harness import make_plan as make_fixed_plan
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
-from protrain.planner.analytic import analytic_profile
-from protrain.planner.cost import (
+from protrain.planner.hardware.spec import find_spec
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.profiling.analytic import analytic_profile
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
     min_buffers,
     predict,
 )
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.memory_plot import memory_timeline, plot_memory
-from protrain.planner.models import block_paths, build
-from protrain.planner.planning import make_plan
-from protrain.planner.spec import find_spec
-from protrain.planner.trace import (
+from protrain.planner.search.planning import make_plan
+from protrain.planner.views.memory_plot import memory_timeline, plot_memory
+from protrain.planner.views.trace import (
     TRACKS,
     merge_traces,
     predicted_trace,

@@ -13,8 +13,8 @@ from torch import nn
 
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
-from protrain.planner.emit import emit
-from protrain.planner.graph import trace
+from protrain.planner.profiling.graph import trace
+from protrain.planner.search.emit import emit
 
 V, D = 19, 6
 
@@ -78,8 +78,8 @@ def test_a_block_called_twice_is_refused_naming_it():
 
 
 def test_the_profiler_refuses_a_block_called_twice_cleanly():
-    from protrain.planner.profile import measure
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.profiling.profile import measure
 
     with pytest.raises(ConfigError, match="called 2 times"):
         measure(Net(repeat=2), name="net", blocks=["blocks.0", "blocks.1"], micro_batch=1, seq_len=4,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from protrain.planner.cli import main
+from protrain.planner.commands.cli import main
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -70,8 +70,8 @@ def _checkpoint(directory, fields):
 def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch):
     import transformers
 
-    from protrain.planner import hf
-    from protrain.planner.data import heldout_batches, load_tokens, split_heldout
+    from protrain.planner.models import hf
+    from protrain.planner.models.data import heldout_batches, load_tokens, split_heldout
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model_dir = tmp_path / arch

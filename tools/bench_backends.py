@@ -26,10 +26,10 @@ def setup_protrain(args, cfg, label, dev, rec):
     from protrain.executor import AdamWConfig, wrap
     from protrain.executor import plan as P
     from protrain.executor.errors import BudgetError
-    from protrain.planner.models import block_paths
-    from protrain.planner.planning import make_plan
-    from protrain.planner.profile import dump_profile, load_profile, measure
-    from protrain.planner.spec import dump_spec, find_spec
+    from protrain.planner.hardware.spec import dump_spec, find_spec
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.profiling.profile import dump_profile, load_profile, measure
+    from protrain.planner.search.planning import make_plan
 
     art = Path(args.artifacts) if args.artifacts else None
     stem = f"{label.replace('[', '-').replace(']', '')}-b{args.micro_batch}-s{args.seq}"
@@ -46,7 +46,7 @@ def setup_protrain(args, cfg, label, dev, rec):
         if args.hardware:
             spec = find_spec(args.hardware)
         else:
-            from protrain.planner.hardware import probe
+            from protrain.planner.hardware.probe import probe
 
             log("  probing this machine (copy bandwidth, Adam rates)")
             spec = probe(str(dev), quick=True)
@@ -124,7 +124,7 @@ def setup_fsdp2(args, cfg, label, dev, rec, every: int):
     )
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from protrain.planner.models import block_paths
+    from protrain.planner.models.zoo import block_paths
 
     init_process_group(dev)
     enforce_budget(args, dev, rec)
@@ -167,7 +167,7 @@ def setup_deepspeed(args, cfg, label, dev, rec):
         raise Skipped(f"deepspeed is not importable: {first_line(e)}") from None
     from torch.utils.checkpoint import checkpoint
 
-    from protrain.planner.models import block_paths
+    from protrain.planner.models.zoo import block_paths
 
     init_process_group(dev)
     enforce_budget(args, dev, rec)

@@ -67,7 +67,7 @@ def peak_rss(cmd: list[str]) -> tuple[int, float, str]:
 
 def measure(directory: Path, size: int, steps: int = 3) -> dict[str, float]:
     """Generate a corpus of ``size`` bytes under ``directory`` and measure the three commands."""
-    protrain = [sys.executable, "-m", "protrain.planner.cli"]
+    protrain = [sys.executable, "-m", "protrain.planner"]
     text, tokens = directory / f"corpus-{size}.txt", directory / f"corpus-{size}.tokens"
     generate(text, size)
     row: dict[str, float] = {"bytes": size}

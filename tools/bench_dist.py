@@ -2,7 +2,7 @@
 
 What it answers: how long do the collectives the executor issues (executor/dist.py)
 take on this machine, and how far is the cost model's communication term
-(planner/cost.py ``make_terms``: ``t_up`` = own-shard upload + all-gather, ``t_down``
+(planner/search/cost.py ``make_terms``: ``t_up`` = own-shard upload + all-gather, ``t_down``
 = reduce-scatter + own-shard download, ``allreduce_us_per_chunk`` for a persistent
 chunk) from them? A ``cpu`` spec has no collective bandwidth
 (``allgather_bytes_per_s`` = 0), so ``collective_bandwidth`` falls back to the spec's
@@ -65,13 +65,13 @@ from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor import plan as P  # noqa: E402
 from protrain.executor import validation as V  # noqa: E402
 from protrain.executor.dist import Comm  # noqa: E402
-from protrain.planner.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
-from protrain.planner.data import batches, load_tokens  # noqa: E402
-from protrain.planner.emit import emit  # noqa: E402
-from protrain.planner.hardware import probe  # noqa: E402
-from protrain.planner.models import block_paths  # noqa: E402
-from protrain.planner.profile import measure  # noqa: E402
-from protrain.planner.spec import link_bandwidth  # noqa: E402
+from protrain.planner.hardware.probe import probe  # noqa: E402
+from protrain.planner.hardware.spec import link_bandwidth  # noqa: E402
+from protrain.planner.models.data import batches, load_tokens  # noqa: E402
+from protrain.planner.models.zoo import block_paths  # noqa: E402
+from protrain.planner.profiling.profile import measure  # noqa: E402
+from protrain.planner.search.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
+from protrain.planner.search.emit import emit  # noqa: E402
 
 SECTION = "## Communication on CPU with gloo (tools/bench_dist.py)"
 KiB, MiB = 2**10, 2**20

@@ -47,9 +47,9 @@ import torch
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor import validation as V
-from protrain.planner.data import batches, load_tokens
-from protrain.planner.emit import emit
-from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, block_paths, materialize
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, block_paths, materialize
+from protrain.planner.search.emit import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"

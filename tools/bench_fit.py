@@ -9,7 +9,7 @@ the executor trains it; the others: no out-of-memory error under the CUDA memory
 cap). Then, for ``--mb-model`` (default: the largest fitting rung), bisect over
 ``--micro-batches`` for the largest micro-batch that fits.
 
-Ladders: ``planner/fit.py``'s ``gpt2_ladder`` / ``llama_ladder`` (GPT-2 124M to
+Ladders: ``planner/commands/fit.py``'s ``gpt2_ladder`` / ``llama_ladder`` (GPT-2 124M to
 261B, LLaMA 1.1B to 405B-shaped; what ``protrain fit`` bisects analytically), or
 with ``--tiny`` bench_train's six tiny shapes per family (byte vocabulary, 2-6
 layers, width 32-256), for a CPU rehearsal in seconds.
@@ -20,7 +20,7 @@ probe, not the search. On CPU probes run in this process (``--subprocess`` to
 change that) and nothing caps memory: only protrain's planner sees the budget,
 every other back-end "fits" whatever ran, and the result says
 ``budget_enforced: false``. Bisection assumes fitting is monotone along the ladder
-and in the micro-batch, as planner/fit.py does.
+and in the micro-batch, as planner/commands/fit.py does.
 
 One JSON line per probe and one per (back-end, family) result on stdout (and
 ``--jsonl``), progress on stderr.
@@ -51,7 +51,7 @@ def log(msg: str) -> None:
 def ladder_size(family: str, tiny: bool, seq: int) -> int:
     if tiny:
         return len(bench_train.TINY_LADDERS[family])
-    from protrain.planner.fit import ladder
+    from protrain.planner.commands.fit import ladder
 
     return len(ladder(family, seq))
 
@@ -135,7 +135,7 @@ def fit_one(prober: Prober, backend: str, family: str, args) -> dict:
     i, best, stop = bisect(n, lambda k: prober(backend, rung_name(family, args.tiny, k), args.micro_batch))
     result = {"kind": "result", "backend": backend, "family": family, "device": args.device,
               "budget": args.budget, "seq": args.seq, "micro_batch": args.micro_batch,
-              "ladder": "tiny" if args.tiny else "planner/fit.py", "ladder_rungs": n,
+              "ladder": "tiny" if args.tiny else "planner/commands/fit.py", "ladder_rungs": n,
               "largest": best["model"] if best else None,
               "largest_n_params": best["n_params"] if best else None,
               "largest_index": i if best else None,

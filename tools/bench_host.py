@@ -82,7 +82,7 @@ def _warm_up_model(torch, model_name: str, dtype: str, device: str, seq_len: int
     the host's heap for the measured run to reuse."""
     import dataclasses
 
-    from protrain.planner.models import GPT2, ZOO, GPT2Config, Llama, lm_loss, materialize
+    from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, lm_loss, materialize
 
     cfg = dataclasses.replace(ZOO[model_name], n_layer=1)
     with torch.device("meta"):
@@ -107,10 +107,10 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
 
     from protrain.executor import accounting, wrap
     from protrain.executor import plan as P
-    from protrain.planner.cost import choose_chunk_numel
-    from protrain.planner.data import batches, load_tokens
-    from protrain.planner.emit import emit, model_facts
-    from protrain.planner.models import block_paths, build
+    from protrain.planner.models.data import batches, load_tokens
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.search.cost import choose_chunk_numel
+    from protrain.planner.search.emit import emit, model_facts
 
     if device == "cpu":
         torch.set_num_threads(2)  # the CI box's cores; a GPU host's CPU step takes them all

@@ -47,19 +47,19 @@ from bench_executor import build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor import plan as P  # noqa: E402
-from protrain.planner import milp as M  # noqa: E402
-from protrain.planner.cost import (  # noqa: E402
+from protrain.planner.models.data import batches, load_tokens  # noqa: E402
+from protrain.planner.profiling.profile import load_profile  # noqa: E402
+from protrain.planner.search import milp as M  # noqa: E402
+from protrain.planner.search.cost import (  # noqa: E402
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
     min_buffers,
     predict_plan,
 )
-from protrain.planner.data import batches, load_tokens  # noqa: E402
-from protrain.planner.emit import assemble  # noqa: E402
-from protrain.planner.planning import default_host_budget  # noqa: E402
-from protrain.planner.profile import load_profile  # noqa: E402
-from protrain.planner.search import exhaustive  # noqa: E402
+from protrain.planner.search.emit import assemble  # noqa: E402
+from protrain.planner.search.exhaustive import exhaustive  # noqa: E402
+from protrain.planner.search.planning import default_host_budget  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## MILP plan choice (tools/bench_milp.py)"
@@ -174,8 +174,8 @@ class CpuCase:
 
 
 def cpu_cases(args, spec) -> list[CpuCase]:
-    from protrain.planner.models import block_paths
-    from protrain.planner.profile import measure
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.profiling.profile import measure
 
     out = []
     for name in args.models.split(","):
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     solve_rows, worst = bench_solve_time(args.repeats_solve)
     grids = {"default host budget": bench_grid(True), "no host budget": bench_grid(False)}
 
-    from protrain.planner.hardware import probe
+    from protrain.planner.hardware.probe import probe
 
     spec = probe("cpu", quick=True)
     cases = cpu_cases(args, spec)

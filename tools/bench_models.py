@@ -31,8 +31,8 @@ def resolve_config(name: str, layers: int | None, seq_len: int):
     ``layers`` replaces the depth (a reduced-depth model of the same width, e.g. a
     llama-7b with 8 of its 32 blocks); the label then says so (``llama-7b[8L]``).
     """
-    from protrain.planner.fit import ladder
-    from protrain.planner.models import ZOO, GPT2Config, LlamaConfig
+    from protrain.planner.commands.fit import ladder
+    from protrain.planner.models.zoo import ZOO, GPT2Config, LlamaConfig
 
     if name.startswith(("ladder:", "tiny:")):
         kind, family, index = name.split(":")
@@ -65,7 +65,7 @@ def build_model(cfg, seed: int):
     """The model on the CPU in fp32, initialised from ``seed`` (identical for every back-end)."""
     import torch
 
-    from protrain.planner.models import GPT2, GPT2Config, Llama, materialize
+    from protrain.planner.models.zoo import GPT2, GPT2Config, Llama, materialize
 
     with torch.device("meta"):
         model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)

@@ -1,5 +1,5 @@
 """The CPU host costs of a mixture-of-experts block's forward, measured: where
-``planner/analytic.py``'s ``CPU_MOE_EXPERT_US`` and ``CPU_MOE_ROW_US`` come from (issue 20).
+``planner/profiling/analytic.py``'s ``CPU_MOE_EXPERT_US`` and ``CPU_MOE_ROW_US`` come from (issue 20).
 
 On a CPU, transformers' MoE path (router softmax and top-k over a few experts per row,
 the sort, the row gathers and the un-permute, a grouped GEMM that runs one small GEMM
@@ -61,7 +61,7 @@ def _build(cfg, device: str):
     import torch
     import transformers
 
-    from protrain.planner import hf
+    from protrain.planner.models import hf
 
     with torch.device(device):
         return hf.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
@@ -75,10 +75,10 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from protrain.planner import analytic
-    from protrain.planner.hardware import probe
-    from protrain.planner.models import block_paths
-    from protrain.planner.profile import measure
+    from protrain.planner.hardware.probe import probe
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.profiling import analytic
+    from protrain.planner.profiling.profile import measure
 
     torch.set_num_threads(1)
     time.perf_counter = time.thread_time  # measure() and the probe read it: the thread's CPU clock

@@ -50,8 +50,12 @@ HOST_BUDGET = 4 << 40
 WORKER = r"""
 import json, sys, time
 import msgspec
-from protrain.planner.profile import Profile
-from protrain.planner import planning
+try:  # the planner by concern (sub-packages), or a tree from before that move
+    from protrain.planner.profiling.profile import Profile
+    from protrain.planner.search import planning
+except ImportError:
+    from protrain.planner.profile import Profile
+    from protrain.planner import planning
 root, path, repeats, HOST_BUDGET = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prof = msgspec.json.decode(open(root + "/" + path, "rb").read(), type=Profile)
 budget = prof.hardware.usable_memory_bytes
@@ -103,7 +107,8 @@ def time_plan(py: Path, root: Path, path: str, repeats: int) -> list[list[float]
 
 def time_fit(py: Path, root: Path) -> float:
     start = time.perf_counter()
-    out = subprocess.run([str(py), "-m", "protrain.planner.cli", "fit", "--hardware", "rtx3090"],
+    cli = "protrain.planner.cli" if (root / "planner" / "cli.py").exists() else "protrain.planner"
+    out = subprocess.run([str(py), "-m", cli, "fit", "--hardware", "rtx3090"],
                          capture_output=True, text=True, cwd=root)
     if out.returncode:
         raise RuntimeError(f"fit with {py}: {out.stderr[-2000:]}")

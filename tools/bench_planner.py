@@ -4,7 +4,7 @@ wall time, and search fast? (CPU peaks are a consistency check, not fidelity.)
 Two questions, two sections of BENCHMARKS.md:
 
 1. **Fidelity.** For a few models we measure a Profile on this machine
-   (``planner/profile.py::measure``, with the hardware spec from
+   (``planner/profiling/profile.py::measure``, with the hardware spec from
    ``probe("cpu", quick=True)``, so the link and Adam rates are this box's), then
    write ~8 configurations spanning the space (all persistent and kept … all
    offloaded and checkpointed, swap, mixed, and the one ``make_plan`` picks for a
@@ -51,7 +51,9 @@ from bench_executor import BENCH_MODELS, build_model, machine, write_section  # 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor import plan as P  # noqa: E402
 from protrain.executor.errors import BudgetError  # noqa: E402
-from protrain.planner.cost import (  # noqa: E402
+from protrain.planner.models.data import batches, load_tokens  # noqa: E402
+from protrain.planner.profiling.profile import Profile  # noqa: E402
+from protrain.planner.search.cost import (  # noqa: E402
     Terms,
     block_policies,
     choose_chunk_numel,
@@ -60,11 +62,9 @@ from protrain.planner.cost import (  # noqa: E402
     min_buffers,
     predict,
 )
-from protrain.planner.data import batches, load_tokens  # noqa: E402
-from protrain.planner.emit import ModelFacts, assemble  # noqa: E402
-from protrain.planner.planning import make_plan  # noqa: E402
-from protrain.planner.profile import Profile  # noqa: E402
-from protrain.planner.search import policy_pairs, space  # noqa: E402
+from protrain.planner.search.emit import ModelFacts, assemble  # noqa: E402
+from protrain.planner.search.exhaustive import policy_pairs, space  # noqa: E402
+from protrain.planner.search.planning import make_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
@@ -201,8 +201,8 @@ class ModelResult:
 
 
 def bench_model(name: str, spec, args) -> ModelResult:
-    from protrain.planner.models import block_paths
-    from protrain.planner.profile import measure
+    from protrain.planner.models.zoo import block_paths
+    from protrain.planner.profiling.profile import measure
 
     B, T = args.batch, args.seq
     model = build_model(name, "cpu", args.seed)
@@ -418,9 +418,9 @@ class SearchRow:
 
 def bench_search(args) -> tuple[list[SearchRow], list[tuple[str, str, float, float]]]:
     """(rows, [(model, spec, build_s, analytic_s)])."""
-    from protrain.planner.analytic import analytic_profile
-    from protrain.planner.models import block_paths, build
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.profiling.analytic import analytic_profile
 
     rows, prof_times = [], []
     for model_name, B, T in SEARCH_MODELS:
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[tuple[str, str]] = []
 
     if args.only in (None, "fidelity"):
-        from protrain.planner.hardware import probe
+        from protrain.planner.hardware.probe import probe
 
         load_before = os.getloadavg()[0]
         t_start = time.perf_counter()

@@ -6,7 +6,7 @@ it take, and, for protrain, how close are the plan's predicted iteration time an
 peak memory to the measured ones?
 
 Back-ends (``--backend``, repeatable; every one trains the same zoo model code on
-the same batches from ``planner/data.py``, the same dtype, sequence length and
+the same batches from ``planner/models/data.py``, the same dtype, sequence length and
 global batch, with AdamW of the same hyper-parameters):
 
 - ``protrain``: profile the model on this device (``planner.profile.measure``),
@@ -111,7 +111,7 @@ DTYPE_NAMES = ("float32", "bfloat16")
 
 
 def resolve_budget(args, dev) -> int:
-    from protrain.planner.planning import parse_budget
+    from protrain.planner.search.planning import parse_budget
 
     if args.budget:
         return parse_budget(args.budget)
@@ -119,7 +119,7 @@ def resolve_budget(args, dev) -> int:
         import torch
 
         return torch.cuda.get_device_properties(dev).total_memory
-    from protrain.planner.spec import find_spec
+    from protrain.planner.hardware.spec import find_spec
 
     return find_spec("cpu").usable_memory_bytes
 
@@ -135,7 +135,7 @@ def worker(args) -> dict:
         torch.cuda.set_device(dev.index or 0)
         dev = torch.device("cuda", dev.index or 0)
     label, cfg = resolve_config(args.model, args.layers, args.seq)
-    from protrain.planner.fit import n_params
+    from protrain.planner.commands.fit import n_params
 
     rec = {
         "backend": args.worker, "model": label, "n_params": n_params(cfg), "device": dev.type,
@@ -155,7 +155,7 @@ def worker(args) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
         step, finish = setups[args.worker](args, cfg, label, dev, rec)
-        from protrain.planner.data import batches, load_tokens
+        from protrain.planner.models.data import batches, load_tokens
 
         data = batches(load_tokens(), args.micro_batch, args.seq, args.seed)
         rec["setup_s"] = round(time.perf_counter() - t_setup, 2)

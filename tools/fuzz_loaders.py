@@ -20,7 +20,7 @@ with atheris.instrument_imports(include=["protrain"]):
     from protrain.executor import plan as P
     from protrain.executor.checkpoint import decode_manifest
     from protrain.executor.errors import CheckpointError, PlanError, ProfileError
-    from protrain.planner.profile import load_profile
+    from protrain.planner.profiling.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {

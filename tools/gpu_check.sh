@@ -195,13 +195,13 @@ step "install carried wheels" 60 bash -c install_wheels
 [ -d /tmp/gpu_check_site ] && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
 step "install protrain" 120 bash -c install_protrain
 [ -d /tmp/gpu_check_shim ] && export PYTHONPATH="/tmp/gpu_check_shim${PYTHONPATH:+:$PYTHONPATH}"
-step "import protrain" 60 $PY -c "import protrain.planner.planning, protrain.executor.engine; print('protrain imports')"
+step "import protrain" 60 $PY -c "import protrain.planner.search.planning, protrain.executor.engine; print('protrain imports')"
 { echo "--- after installs"; echo "PYTHONPATH=${PYTHONPATH:-}"; sed -n '/^=== install/,$p' "$LOG"; } >>"$OUT/env.txt"
 
 step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -x -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
 
 step "probe hardware" "$PROBE_LIMIT" $PY -c "
-from protrain.planner.hardware import probe_to_file
+from protrain.planner.hardware.probe import probe_to_file
 probe_to_file('$ART/spec-$DEVICE.json', '$DEVICE', quick=True)"
 SPEC=()
 [ -f "$ART/spec-$DEVICE.json" ] && SPEC=(--hardware "$ART/spec-$DEVICE.json")

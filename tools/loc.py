@@ -46,13 +46,13 @@ def count(path: Path) -> tuple[int, int]:
 def main() -> int:
     total = {}
     for pkg in ("executor", "planner"):
-        rows = [(p.name, *count(p)) for p in sorted((ROOT / pkg).glob("*.py"))]
+        rows = [(str(p.relative_to(ROOT / pkg)), *count(p)) for p in sorted((ROOT / pkg).rglob("*.py"))]
         code = sum(r[1] for r in rows)
         notes = sum(r[2] for r in rows)
         total[pkg] = code
         print(f"{pkg}/  {code} code lines, {notes} comment+doc lines ({notes / max(code, 1):.2f} per code line)")
         for name, c, n in rows:
-            print(f"  {name:<18} {c:5d} {n:5d}")
+            print(f"  {name:<26} {c:5d} {n:5d}")
     print(f"executor budget: {total['executor']} / 2500 code lines")
     return 0
 

@@ -2,7 +2,7 @@
 
 The configuration is chosen by hand (one persistent chunk, two offloaded chunks
 sharing two device buffers, the first block checkpointed, the second kept); the
-schedule, fingerprint and layout come from ``protrain.planner.emit``, exactly as
+schedule, fingerprint and layout come from ``protrain.planner.search.emit``, exactly as
 the planner will write them. ``--check`` regenerates in memory and fails on any
 byte difference, so a change to the format or the emitter shows up as a plan diff.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 
 from protrain.executor import plan as P
-from protrain.planner.emit import emit
-from protrain.planner.models import block_paths, build
+from protrain.planner.models.zoo import block_paths, build
+from protrain.planner.search.emit import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -46,7 +46,7 @@ SERVERS = [  # (hardware spec, host RAM as typed, world size, paper Table 2 larg
 
 
 def fit_row(hardware: str, host: str, world: int, paper_b: float) -> dict:
-    from protrain.planner.fit import describe, n_params, run_fit
+    from protrain.planner.commands.fit import describe, n_params, run_fit
 
     t0 = time.perf_counter()
 
@@ -72,12 +72,12 @@ def fit_row(hardware: str, host: str, world: int, paper_b: float) -> dict:
 def llama70b_row() -> str:
     """Does llama-70b (micro-batch 1 x 4096) plan on one A100-80G with 1 TiB? One line."""
     from protrain.executor.errors import ProtrainError
-    from protrain.planner.analytic import analytic_profile
-    from protrain.planner.fit import host_need_bytes
-    from protrain.planner.models import block_paths, build
-    from protrain.planner.planning import host_budget_per_rank, make_plan
-    from protrain.planner.report import human_bytes
-    from protrain.planner.spec import find_spec
+    from protrain.planner.commands.fit import host_need_bytes
+    from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.profiling.analytic import analytic_profile
+    from protrain.planner.search.planning import host_budget_per_rank, make_plan
+    from protrain.planner.views.show import human_bytes
 
     spec = find_spec("a100-80g")
     host = host_budget_per_rank(2**40, 1)
@@ -102,7 +102,7 @@ def llama70b_row() -> str:
 
 def layout_note() -> str:
     from protrain.executor import accounting
-    from protrain.planner.rules import HOST_SLOTS
+    from protrain.planner.search.rules import HOST_SLOTS
 
     eb = accounting.element_bytes("bfloat16")
     return (f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "

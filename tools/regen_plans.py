@@ -109,13 +109,13 @@ def _pool_map(fn, jobs: list[tuple], n_workers: int) -> list:
 
 def analytic_profile_bytes(entry: Entry, spec_path: str) -> bytes:
     """The analytic profile of one entry, estimated for the spec file at ``spec_path``."""
-    from protrain.planner.profile import dump_profile
-    from protrain.planner.profiling import build_profile
+    from protrain.planner.commands.profile_plan import build_profile
+    from protrain.planner.profiling.profile import dump_profile
 
     if entry.model in HF_CONFIGS:  # named by its library name, not by a machine's path
-        from protrain.planner.analytic import analytic_profile
-        from protrain.planner.models import block_paths, build
-        from protrain.planner.spec import find_spec
+        from protrain.planner.hardware.spec import find_spec
+        from protrain.planner.models.zoo import block_paths, build
+        from protrain.planner.profiling.analytic import analytic_profile
 
         root = Path(spec_path).resolve().parents[2]
         model = build(f"hf:{root / HF_CONFIGS[entry.model]}", device="meta")
@@ -152,8 +152,8 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
     has since changed: ``--profiles`` remakes it).
     """
     from protrain.executor.errors import ProtrainError
-    from protrain.planner.profile import load_profile
-    from protrain.planner.spec import load_spec
+    from protrain.planner.hardware.spec import load_spec
+    from protrain.planner.profiling.profile import load_profile
 
     by_key = {e.key: e for e in ENTRIES}
     chosen: dict[Entry, Chosen] = {}
@@ -201,8 +201,8 @@ def plan_bytes(profile_data: bytes, world_size: int) -> tuple[bytes | None, str]
     ``(None, why)`` when nothing fits (the BudgetError's message, without its hint)."""
     from protrain.executor import plan as P
     from protrain.executor.errors import BudgetError
-    from protrain.planner.planning import make_plan
-    from protrain.planner.profile import load_profile
+    from protrain.planner.profiling.profile import load_profile
+    from protrain.planner.search.planning import make_plan
 
     profile = load_profile(profile_data)
     try:
@@ -308,7 +308,7 @@ def tokens_per_s(plan) -> float:
 
 
 def render_index(rows: list[Row]) -> str:
-    from protrain.planner.report import human_bytes, human_count, policy_strip
+    from protrain.planner.views.show import human_bytes, human_count, policy_strip
 
     n_params = {r.entry.model: r.plan.model.n_params for r in rows if r.plan is not None}
     shapes = "\n".join(f"| {m} | {b} × {s} |" for m, (b, s) in SHAPES.items())

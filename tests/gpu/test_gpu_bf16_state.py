@@ -22,7 +22,7 @@ import torch
 from harness import MICRO_BATCH, SEQ_LEN, make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from harness import MICRO_BATCH, SEQ_LEN, make_model, make_plan, sleeper
 
 from protrain.executor import AdamWConfig, accounting, wrap
 from protrain.executor.schedule import Phase
-from protrain.planner.data import batches, load_tokens
+from protrain.planner.models.data import batches, load_tokens
 
 pytestmark = pytest.mark.gpu
 

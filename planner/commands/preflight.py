@@ -1,0 +1,172 @@
+"""Checks a command runs before its long work: output paths, host memory, the budget.
+
+A search, a profile or a training run that fails at its last line (an output
+directory that does not exist, a checkpoint root that is not writable) has wasted
+its time; a model built on the CPU that does not fit the host is an OOM kill with no
+message. Each check here is cheap, raises ``ConfigError`` with a HINT, and runs
+before anything expensive.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
+
+from ..views.show import human_bytes
+
+
+def output_file(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse a file path ``flag`` will write that cannot be written (checked, not created)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: directory {parent} does not exist",
+                          f"create it first (mkdir -p {parent}) or give {flag} another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+
+
+def output_dir(path: str | os.PathLike | None, flag: str, *, create: bool = True,
+               must_be_empty: bool = False) -> None:
+    """Refuse a directory ``flag`` will write into that cannot be written; create it if asked."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a file, not a directory", f"give {flag} a directory path")
+    if must_be_empty and p.is_dir() and any(p.iterdir()):
+        raise ConfigError(f"{flag} {p}: the directory is not empty", f"give {flag} a new or empty directory")
+    if create:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{flag} {p}: cannot create the directory ({e.strerror})",
+                              f"give {flag} a path you can write") from None
+        where = p
+    else:
+        where = next((q for q in [p, *p.parents] if q.exists()), Path("."))
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM available now (MemAvailable, capped by a cgroup limit)."""
+    from ..hardware.probe import _host_memory
+
+    return _host_memory()[1]
+
+
+def host_memory_for_build(model_name: str, *, bytes_per_param: int = 4, what: str = "build") -> None:
+    """Refuse to build ``model_name`` on the CPU when its fp32 parameters alone exceed free RAM.
+
+    Counted on the meta device (nothing allocated). ``bytes_per_param``: 4 for the
+    build itself; a caller that will also hold masters and Adam states asks for more.
+    """
+    from ..models.zoo import describe
+
+    n = describe(model_name).n_params
+    need, available = n * bytes_per_param, available_host_memory()
+    if available and need > available:
+        raise HostMemoryError(
+            f"{model_name} has {n:,} parameters: to {what} it on the CPU needs about {human_bytes(need)} of "
+            f"host memory, and {human_bytes(available)} is available here",
+            "use a smaller model (`protrain models` lists their sizes), or a machine with more RAM; "
+            "`protrain plan --hardware SPEC --model NAME` plans a big model without building it",
+            need=need, available=available)
+
+
+def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
+    """Refuse a budget larger than the device it is for (``spec``: the profile's hardware)."""
+    if budget_bytes > spec.device_memory_bytes:
+        raise BudgetError(
+            f"budget {human_bytes(budget_bytes)} exceeds the {human_bytes(spec.device_memory_bytes)} of device "
+            f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
+            f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or less (its usable "
+            "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)")
+
+
+def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan") -> int:
+    """Refuse to train ``plan`` when this machine cannot hold what it needs on the host (before the build);
+    return that need in bytes.
+
+    The need, per process: the model's fp32 parameters (built on the CPU first), the
+    plan's own host figures from ``accounting.walk`` (offloaded chunks' states, swapped
+    activations at the turn) and, when the device is the CPU, the device side too (the
+    walk's peak: persistent chunks, buffers, gradients) and one micro-batch's token ids
+    and fp32 logits. torchrun's ``LOCAL_WORLD_SIZE`` ranks share the machine. Also
+    refuses a sequence longer than the model's positions, which would fail only at the
+    first forward.
+    """
+    from protrain.executor import accounting
+
+    from ..models.zoo import describe
+
+    info = describe(model_name)
+    t = plan.training
+    if info.max_seq_len and t.seq_len > info.max_seq_len:
+        raise ConfigError(f"{where}: seq_len {t.seq_len} is longer than {model_name}'s {info.max_seq_len} "
+                          "positions - at `$.training.seq_len`",
+                          f"make a plan with `protrain plan --seq {info.max_seq_len}` or less")
+    w = accounting.walk(plan)
+    parts = {"fp32 parameters": info.n_params * 4, "offloaded states": w.host_bytes,
+             "swapped activations": w.host_swap_bytes}
+    if device == "cpu":
+        tokens = t.micro_batch * t.seq_len
+        parts["device side on the CPU"] = int(w.peak_bytes)
+        parts["one micro-batch's ids and logits"] = tokens * (2 * 8 + info.vocab_size * 4)
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    need, available = sum(parts.values()) * ranks, available_host_memory()
+    if available and need > available:
+        detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
+        per = f" × {ranks} ranks on this machine" if ranks > 1 else ""
+        raise HostMemoryError(
+            f"{where}: training {model_name} needs about {human_bytes(need)} of host memory ({detail}{per}), "
+            f"and {human_bytes(available)} is available here",
+            "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
+            "(or a smaller --batch), or use a machine with more RAM", need=need, available=available)
+    return need
+
+
+MACHINE_TOLERANCE = 0.10
+"""Device memory sizes within this fraction of each other count as the same card: a
+datasheet's 80 GiB and a probe's 79.1 GiB of one H100 (the probe sees what the driver leaves)."""
+
+
+def other_machine(plan, device: str) -> str | None:
+    """A one-line note when ``plan`` was made for another machine than ``device`` here, else None.
+
+    What is compared: the kind of device (a plan for a CPU, the ``cpu`` spec or a probe of one,
+    against a CUDA device, or a GPU's plan on the CPU) and its memory (``plan.hardware``'s
+    device_memory_bytes against this GPU's total memory, or this host's RAM for a CPU: what a
+    probe records). A plan that recorded no hardware (made by hand or by a library call) says
+    nothing. Its peak is still checked against the budget on this device; only its predicted
+    times and the machine's measured rates are another machine's.
+    """
+    h = plan.hardware
+    if not h.name or not h.device_memory_bytes:
+        return None
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        index = torch.device(device).index
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+        here, memory = props.name, props.total_memory
+    else:
+        from ..hardware.probe import _host_memory
+
+        here, memory = "this CPU", _host_memory()[0]
+    plan_cpu = h.name == "cpu" or h.name.startswith("cpu-")
+    same_kind = plan_cpu == (kind == "cpu")
+    if same_kind and memory and abs(h.device_memory_bytes - memory) <= MACHINE_TOLERANCE * memory:
+        return None
+    return (f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device memory), "
+            f"not for this machine ({here}, {human_bytes(memory)}): its predicted times and peak are "
+            f"{h.name}'s, not this machine's; for this one's, plan here (`protrain plan --model NAME "
+            f"--device {kind} …`, or --hardware SPEC naming this machine)")

@@ -1,0 +1,488 @@
+"""``protrain train``: replay a plan on a model for N steps, with a progress bar or log lines.
+
+On a terminal a bar shows loss, tokens per second and the step's peak device memory
+against the plan's predicted peak, so a user sees at once whether the plan holds.
+When stdout is not a terminal (nohup, slurm, torchrun's log files), or with
+``log_every``, the same figures go out as plain ``step N  loss …`` lines instead, and
+``metrics_path`` appends one JSON object per step for scripts. With
+``eval_every`` K, every K steps a held-out loss is printed: ``Engine.evaluate`` (an
+eval-mode, no-grad forward) averaged over ``data.HELDOUT_BATCHES`` fixed windows of
+the corpus's tail, which the training loop never draws from (``data.split_heldout``).
+
+Everything that could fail at the end of a long run (an output path, the checkpoint
+root, the export directory) and everything that could fail expensively (a model too
+big for the host, a binary data file) is checked before the first step
+(``planner/commands/preflight.py``). A Hugging Face model trains on its own tokenizer and can
+be exported back to a directory transformers loads (``export_dir``, ``hf.export``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor import plan as P
+from protrain.executor.check import check
+from protrain.executor.errors import ConfigError
+
+from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
+from ..models.zoo import build, check_name, is_hf_name
+from ..views.show import human_bytes
+
+LOG_EVERY = 10
+"""Steps between plain log lines when stdout is not a terminal and no --log-every is given."""
+
+
+class Losses(list):
+    """The per-step losses of a run; ``interrupted`` says whether Ctrl-C ended it early."""
+
+    interrupted: bool = False
+
+
+def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; return (rank, world, device).
+
+    NCCL on GPUs (one per local rank), gloo on CPU. The timeout bounds every
+    collective, so a dead rank ends the others with an error instead of a hang.
+    """
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    cuda = torch.cuda.is_available()
+    device = None
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), world, device
+
+
+def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
+          seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
+          trace_path: str | None = None, echo: Callable[[str], None] = print,
+          progress: bool | None = True, save_every: int | None = None, save_dir: str | None = None,
+          resume: str | None = None, eval_every: int | None = None,
+          max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
+          text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
+          export_dir: str | None = None, nvme_dir: str | None = None,
+          weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Losses:
+    """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
+
+    ``eval_every`` K: hold the corpus's tail out of training and print its loss every
+    K steps. ``max_grad_norm``: clip gradients to this global norm (the plan must have
+    been made for it, ``protrain plan --max-grad-norm``: the executor refuses otherwise).
+
+    ``save_dir``: checkpoint there at the end and on Ctrl-C, and every ``save_every``
+    K steps; the newest ``keep`` checkpoints stay. ``resume``: a checkpoint root (or
+    step directory) to continue from, under this plan (the plan may differ from the one
+    the checkpoint was written under). Ctrl-C stops after the current step and, when
+    checkpointing, saves first (the result's ``interrupted`` is then True); a second
+    Ctrl-C interrupts at once — the last complete checkpoint stays intact
+    (executor/checkpoint.py [Note: atomicity]).
+
+    ``tokenizer``: a tokenizer directory, or ``"bytes"``; by default a Hugging Face
+    model's directory's own tokenizer when it has one, else byte-level tokens.
+    ``progress``: True or None (the CLI's) draws a bar when stdout is a terminal (and no
+    ``log_every``), False never; otherwise plain lines every ``log_every`` (default 10) steps.
+    ``export_dir``: write the trained Hugging Face model there (``hf.export``).
+    ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (one group, every parameter; the
+    defaults are ``AdamWConfig``'s but for the rate), printed in the run's header.
+    """
+    if save_every is not None and save_dir is None:
+        raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
+    from .preflight import output_dir, output_file
+
+    output_file(trace_path, "--trace")
+    output_file(metrics_path, "--metrics")
+    output_dir(save_dir, "--save-dir")
+    if save_dir is not None:
+        from protrain.executor.checkpoint import check_root
+
+        check_root(save_dir)  # a directory of other files is not a checkpoint root
+    if export_dir is not None:
+        if not is_hf_name(model_name):
+            raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
+                              "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
+        output_dir(export_dir, "--export", create=False, must_be_empty=True)
+        if save_dir is None:
+            from protrain.executor.checkpoint import check_root
+
+            check_root(export_keeper(export_dir), "the checkpoint kept until the export")
+    plan = P.load(plan_path)
+    if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
+        raise ConfigError(f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
+                          "(placement.nvme)", "pass --nvme DIR: a directory on a fast local disk")
+    if nvme_dir is not None:
+        output_dir(nvme_dir, "--nvme")
+    rank, world, rank_device = _init_distributed(timeout_s)
+    lock = None
+    try:
+        if save_dir is not None and rank == 0:  # one run per root (checkpoint.py [Note: one run per root])
+            from protrain.executor.checkpoint import lock_root
+
+            lock = lock_root(save_dir)
+        bar = progress is not False and log_every is None and sys.stdout.isatty()
+        return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
+                      device=device or rank_device, rank=rank, world=world,
+                      trace_path=trace_path if rank == 0 else None,
+                      echo=echo if rank == 0 else (lambda _: None), progress=bar and rank == 0,
+                      save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
+                      max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
+                      log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
+                      export_dir=export_dir, nvme_dir=nvme_dir,
+                      adamw=AdamWConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                        max_grad_norm=max_grad_norm))
+    finally:
+        if lock is not None:
+            lock.release()
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
+    """The tokenizer directory to use (None: byte-level); see ``train``'s docstring."""
+    if tokenizer == "bytes":
+        return None
+    if tokenizer is not None:
+        return tokenizer
+    if is_hf_name(model_name):
+        directory = _model_dir(model_name)
+        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+            return str(directory)
+    return None
+
+
+def _model_dir(model_name: str) -> Path:
+    """The directory of a Hugging Face model name's config.json."""
+    from ..models.hf import parse_hf_name
+
+    path = Path(parse_hf_name(model_name)[0])
+    return path if path.is_dir() else path.parent
+
+
+def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
+           progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
+           max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
+           metrics_path=None, export_dir=None, nvme_dir=None, adamw: AdamWConfig | None = None) -> Losses:
+    check_name(model_name)
+    adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    prechecks(plan, model_name, device=dev, where=plan_path)
+    from .preflight import other_machine
+
+    note = other_machine(plan, dev)
+    if note is not None:
+        echo(note)
+    tok_dir = _tokenizer_dir(model_name, tokenizer)
+    source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
+    echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "
+         + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level"))
+    if tok_dir is None and tokenizer is None and is_hf_name(model_name):
+        echo(f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or tokenizer_config.json), "
+             "so this run trains byte-level: each byte of the UTF-8 text is one token, ids 0-255 of the "
+             "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
+             "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
+             "--tokenizer bytes to choose bytes (and silence this note)")
+    model = build(model_name, device="cpu", seed=seed)
+    loaded = getattr(model, "weights_loaded_from", None)
+    echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
+                                       else f"random init (seed {seed})")
+         + (f"; then the checkpoint's ({resume})" if resume else ""))
+    echo(f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps {adamw.eps:g}, "
+         f"weight decay {adamw.weight_decay:g} on every parameter"
+         + (f", gradients clipped to norm {adamw.max_grad_norm:g}" if adamw.max_grad_norm is not None else ""))
+    check(plan, model, where=plan_path, name=model_name)
+    vocab_check(source, output_vocab(model))
+    t = plan.training
+    heldout = None
+    if eval_every is not None:
+        source, tail = split_heldout(source, t.seq_len)
+        heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
+    engine = wrap(model, plan, adamw, device=dev, nvme_dir=nvme_dir)
+    try:
+        # wrap checked the plans agree; the data order and the loop's collectives depend on these too
+        engine.comm.agree({"--seed (the data order)": seed, "--steps": steps, "--eval-every": eval_every,
+                           "--save-every": save_every, "the corpus's token count": source.tokens.numel()},
+                          engine.device)
+        losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
+                       progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
+                       resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,
+                       metrics_path=metrics_path)
+        if export_dir is not None:
+            if losses.interrupted:
+                echo(f"not exported to {export_dir}: the run was interrupted")
+            else:
+                _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo)
+        return losses
+    finally:
+        engine.close()
+
+
+def output_vocab(model) -> int:
+    """Rows of the model's output head: the zoo's ``lm_head``, or whatever a transformers family
+    calls its head (``get_output_embeddings``: BioGPT's is ``output_projection``)."""
+    hf = getattr(model, "hf", None)
+    head = hf.get_output_embeddings() if hf is not None else getattr(model, "lm_head", None)
+    if head is not None and getattr(head, "weight", None) is not None:
+        return head.weight.shape[0]
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def prechecks(plan, model_name: str, *, device: str | torch.device, where: str = "the plan") -> int:
+    """What ``train`` checks of a plan before building the model: its bounds (``validate``,
+    executor/bounds.py: a plan made in memory has not been loaded) and whether this machine
+    holds what it needs on the host (``preflight.plan_fits_host``). Allocates nothing;
+    returns the host bytes it counted."""
+    from protrain.executor.validation import validate
+
+    from .preflight import plan_fits_host
+
+    validate(plan, where)
+    return plan_fits_host(plan, model_name, device=torch.device(device).type, where=where)
+
+
+def export_keeper(export_dir: str) -> Path:
+    """Where a run with ``--export`` and no ``--save-dir`` keeps its final checkpoint until the
+    export has succeeded: beside the export directory."""
+    out = Path(export_dir)
+    return out.with_name(f"{out.name}.checkpoint")
+
+
+def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
+    """Export the trained model; the state stays in a checkpoint until the export succeeded
+    (the run's last one, or one written for it), and a failed export names it."""
+    from protrain.executor.errors import ProtrainError
+
+    from ..models.hf import export, parse_hf_name
+
+    keeper = None
+    if save_dir is None:  # the end-of-run checkpoint a --save-dir would have had
+        keeper = export_keeper(export_dir)
+        engine.save(keeper, keep=1)
+    kept = engine.last_checkpoint
+    state = engine.state_dict()["model"]  # a collective on several ranks
+    if rank != 0:
+        return
+    config = parse_hf_name(model_name)[0]
+    try:
+        export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
+    except ProtrainError as e:
+        raise type(e)(f"{e.message}; the trained model is safe in the checkpoint {kept}",
+                      f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`"
+                      ) from None
+    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    if keeper is not None:
+        import shutil
+
+        shutil.rmtree(keeper, ignore_errors=True)
+
+
+def heldout_loss(engine, heldout: list) -> float:
+    """Mean of ``engine.evaluate`` over the held-out micro-batches (every rank must call it)."""
+    return sum(engine.evaluate(b) for b in heldout) / len(heldout)
+
+
+def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, trace_path, save_every,
+          save_dir, resume, eval_every=None, heldout=None, keep=2, log_every=LOG_EVERY,
+          metrics_path=None) -> Losses:
+    # Every rank draws the same global batch and keeps its slice of it.
+    data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
+    drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
+    # Where the held-out tail starts (tokens; 0: nothing held out): saved with the data
+    # position, because the training windows depend on it.
+    heldout_split = 0 if heldout is None else source.tokens.numel()
+    max_grad_accum = t.grad_accum  # the most micro-batches a step of this run's history drew
+    if resume is not None:
+        m = engine.load(resume)
+        max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
+        drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
+        if m.data.get("heldout_split", 0) != heldout_split:
+            echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
+                 "and not the other): from here the training windows differ from the first run's")
+        echo(f"resumed from {resume} at step {engine.steps_done}")
+        if engine.steps_done >= steps:
+            echo(f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps {steps} counts "
+                 f"the total; give --steps {engine.steps_done + steps} to train {steps} more")
+    predicted = plan.prediction.peak_memory_bytes
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
+    losses = Losses()
+    metrics = open(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115 (closed below)
+    bar = None
+    if progress:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+        task = bar.add_task("train", total=steps, completed=engine.steps_done, status="")
+        bar.start()
+    t0 = time.perf_counter()
+    recorder = None
+    if trace_path:
+        from ..views.trace import record_trace
+
+        recorder = record_trace(engine)
+        rec = recorder.__enter__()
+    stop = _StopFlag()
+
+    def checkpoint() -> None:
+        path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
+                                           "heldout_split": heldout_split, "max_grad_accum": max_grad_accum},
+                           keep=keep)
+        echo(f"saved {path}")
+
+    first = engine.steps_done
+    if eval_every is not None:  # where training starts from, for the curve's first point
+        echo(f"step {first:5d}  held-out loss {heldout_loss(engine, heldout):.4f}")
+    try:
+        with stop.installed():
+            for step in range(first, steps):
+                # drawn one at a time as the engine needs them: one micro-batch in memory, not grad_accum
+                result = engine.step(itertools.islice(data, t.grad_accum))
+                drawn += t.grad_accum
+                losses.append(result.loss)
+                stopping = _agree(stop.requested, engine)  # every rank stops after the same step
+                done = engine.steps_done
+                save = save_dir is not None and ((save_every is not None and done % save_every == 0)
+                                                 or done == steps or stopping)
+                if stopping:
+                    if save:
+                        checkpoint()
+                    losses.interrupted = True
+                    echo(f"interrupted after step {done}"
+                         + (f"; resume with --resume {save_dir}" if save_dir is not None else ""))
+                    break
+                tps = tokens_per_step / max(result.timings_s["total"], 1e-9)
+                record = {"step": done, "loss": result.loss, "tokens_per_s": round(tps, 1),
+                          "peak_bytes": result.peak_bytes, "time_s": round(time.perf_counter() - t0, 3)}
+                if eval_every is not None and done % eval_every == 0:
+                    record["heldout_loss"] = heldout_loss(engine, heldout)
+                    echo(f"step {done:5d}  held-out loss {record['heldout_loss']:.4f}")
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
+                          + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
+                if bar is not None:
+                    bar.update(task, advance=1, status=status)
+                elif done % log_every == 0 or done == steps or step == first:
+                    echo(f"step {done:5d}  {status}")
+                if save:  # after the step's line: "saved" says the step just shown is safe
+                    checkpoint()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if bar is not None:
+            bar.stop()
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            rec.save(trace_path)
+            echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+    if losses:
+        echo(f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in {time.perf_counter() - t0:.1f} s: "
+             f"loss {losses[0]:.3f} → {losses[-1]:.3f}")
+    return losses
+
+
+MAX_GLOBAL_MICRO_BATCH = 1 << 24
+"""Sequences per draw a checkpoint's data position may claim (a sanity bound, not a limit of
+any real run)."""
+
+
+def _skip_to(data, position: dict[str, int], t, world: int, echo, *, steps_done: int = 0,
+             where: str = "the checkpoint") -> int:
+    """Advance the data stream to where the checkpoint left it; returns the draws skipped.
+
+    A draw is one global micro-batch (``micro_batch × world`` sequences). Under a plan
+    with another global micro-batch the position is converted by sequences, rounded
+    down; the order of the data then differs from the uninterrupted run's. A position
+    no run of ``steps_done`` steps could have reached is refused (skipping it would take
+    forever): ``_check_position``.
+    """
+    draws = position.get("draws", 0)
+    saved_global = position.get("global_micro_batch", t.micro_batch * world)
+    _check_position(draws, saved_global, steps_done * position.get("max_grad_accum", t.grad_accum), where)
+    if saved_global != t.micro_batch * world:
+        draws = draws * saved_global // (t.micro_batch * world)
+        echo(f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
+             f"{t.micro_batch * world}: resuming at the same number of sequences, not the same batches")
+    for _ in range(draws):
+        next(data)
+    return draws
+
+
+def _check_position(draws: int, saved_global: int, most: int, where: str) -> None:
+    """``draws`` at most ``most`` (steps × micro-batches per step) and a plausible global micro-batch."""
+    if not 0 <= draws <= most or not 1 <= saved_global <= MAX_GLOBAL_MICRO_BATCH:
+        raise ConfigError(
+            f"{where}: the manifest's data position (draws {draws}, global_micro_batch {saved_global}) is not "
+            f"one this checkpoint's steps could reach (at most {most} draws; 1 to {MAX_GLOBAL_MICRO_BATCH} "
+            "sequences a draw): the manifest was edited or damaged",
+            "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or restore its "
+            "manifest.json")
+
+
+def _agree(requested: bool, engine) -> bool:
+    """Whether any rank was asked to stop (one all-reduce per step on several ranks), so all
+    ranks checkpoint and stop after the same step and their collectives stay matched."""
+    if engine.comm.world == 1:
+        return requested
+    flag = torch.tensor([1.0 if requested else 0.0], device=engine.device)
+    engine.comm.all_reduce(flag, "the stop flag")
+    return bool(flag.item() > 0)
+
+
+class _StopFlag:
+    """First Ctrl-C (or SIGTERM, which torchrun sends its workers on Ctrl-C): finish and
+    checkpoint the current step, then stop. A second one: stop now."""
+
+    def __init__(self):
+        self.requested = False
+
+    def installed(self):
+        import contextlib
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def scope():
+            def handler(signum, frame):
+                if self.requested:
+                    raise KeyboardInterrupt
+                self.requested = True
+
+            previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, old in previous.items():
+                    signal.signal(sig, old)
+
+        return scope()

@@ -1,0 +1,355 @@
+"""The Profile: everything the cost model needs about one (model, training shape, device).
+
+Made once, planned from many times: ``protrain profile`` measures it on the device
+(``measure`` below), ``planner/profiling/analytic.py`` estimates it from FLOP and byte counts
+and a hardware spec. Both produce this one type, canonical JSON like plans.
+
+Per segment (``<pre>``, each block, ``<post>``, as in the plan's schedule):
+
+- ``fwd_us`` / ``bwd_us``: compute time of its forward and backward;
+- ``saved_bytes``: activations it saves for backward, counted the way the
+  executor's ledger counts them (each storage once, chunk parameters excluded,
+  a storage saved by two segments belonging to the first): the cost model's
+  memory walk then speaks the ledger's language;
+- ``saved_tensor_bytes``: the same tensors without de-duplication, i.e. what a
+  swap policy moves over the link (swap copies each saved tensor);
+- ``input_bytes``: its input activation (what a checkpointed block keeps);
+- ``fwd_peak_bytes`` / ``bwd_peak_bytes``: transient peak above the allocation at
+  the segment's start (CUDA allocator; 0 on CPU, where no allocator is observable
+  and the ledger does not count transients either).
+
+The Struct part imports only msgspec and the plan module; ``measure`` imports
+torch inside.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from protrain.executor.errors import ProfileError
+from protrain.executor.plan import Generator, canonical
+
+from ..hardware.spec import HardwareSpec
+
+PROFILE_VERSION = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class ProfileModel(_Strict, kw_only=True):
+    name: str
+    """Model name (zoo name or label)."""
+    fingerprint: str
+    """Same hash as a plan's ``model.fingerprint``: profile and plan must agree."""
+    n_params: NonNegInt
+    """Unique parameter elements."""
+    blocks: list[str]
+    """Block module paths in execution order."""
+    tied: list[list[str]]
+    """``[name, alias]`` pairs of tied parameters."""
+
+
+class ProfileTraining(_Strict, kw_only=True):
+    micro_batch: PosInt
+    """Sequences per micro-batch the profile was measured with."""
+    seq_len: PosInt
+    """Tokens per sequence."""
+    compute_dtype: Literal["float32", "bfloat16", "float16"]
+    """Dtype the model computed in."""
+
+
+class SegmentProfile(_Strict, kw_only=True):
+    segment: str
+    """``<pre>``, a block path, or ``<post>``."""
+    fwd_us: NonNegInt
+    """Forward compute time (median over measured iterations)."""
+    bwd_us: NonNegInt
+    """Backward compute time (median)."""
+    saved_bytes: NonNegInt
+    """Saved activations, as the ledger counts them (see module docstring)."""
+    saved_tensor_bytes: NonNegInt
+    """Saved activations summed per tensor (what swap moves)."""
+    input_bytes: NonNegInt
+    """The segment's input activation."""
+    fwd_peak_bytes: NonNegInt
+    """Transient peak above the running allocation during forward."""
+    bwd_peak_bytes: NonNegInt
+    """Transient peak above the running allocation during backward."""
+
+
+class ParamInfo(_Strict, kw_only=True):
+    name: str
+    """Canonical parameter name (tied aliases are in ``model.tied``)."""
+    shape: list[NonNegInt]
+    dtype: str
+    """Dtype as built (part of the fingerprint)."""
+    uses: list[str]
+    """Segments that use it, in execution order (the first is its first use)."""
+
+
+class Profile(_Strict, kw_only=True):
+    profile_version: int
+    """Format version; ``load_profile`` refuses others."""
+    source: Literal["measured", "analytic"]
+    """Measured on a device, or estimated from a hardware spec."""
+    generator: Generator = Generator()
+    model: ProfileModel
+    training: ProfileTraining
+    device: str
+    """Device the numbers describe (``cpu``, ``NVIDIA H200``, or ``analytic:<spec>``)."""
+    attention: str
+    """Attention kernel in use (SDPA backend), which sets activation sizes and times."""
+    bootstrap: bool
+    """True when the model was profiled through an all-offloaded executor plan (larger than the device)."""
+    iterations: NonNegInt
+    """Measured iterations the medians come from (0 for analytic)."""
+    segments: list[SegmentProfile]
+    """``<pre>``, blocks in order, ``<post>``."""
+    params: list[ParamInfo]
+    """Every unique parameter, in first-use order."""
+    hardware: HardwareSpec
+    """The machine: link, optimizer and memory figures (measured or from a spec)."""
+
+
+def dump_profile(profile: Profile) -> bytes:
+    return canonical(profile)
+
+
+def load_profile(source: str | Path | bytes) -> Profile:
+    """Read and check a profile; any bad input raises ``ProfileError`` (never executes code)."""
+    where = "<profile bytes>" if isinstance(source, bytes) else str(source)
+    try:
+        if isinstance(source, bytes):
+            data = source
+        else:
+            with open(source, "rb") as f:
+                data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ProfileError(f"{where}: cannot read the profile ({e.strerror or e})",
+                           "make one with `protrain profile --model NAME …`") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{where}: larger than {MAX_PROFILE_BYTES >> 20} MiB; no profile is that big",
+                           "check the path: is this a profile file?")
+    try:
+        version = msgspec.json.decode(data, type=_Version).profile_version
+        if version != PROFILE_VERSION:
+            raise ProfileError(f"{where}: profile version {version}; this protrain reads {PROFILE_VERSION}",
+                               "re-run `protrain profile`")
+        profile = msgspec.json.decode(data, type=Profile)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        raise ProfileError(f"{where}: not a valid profile: {e}", "re-run `protrain profile`") from None
+    expected = ["<pre>", *profile.model.blocks, "<post>"]
+    if [s.segment for s in profile.segments] != expected:
+        raise ProfileError(f"{where}: segments must be <pre>, the blocks in order, <post> - at `$.segments`",
+                           "re-run `protrain profile`")
+    return profile
+
+
+MAX_PROFILE_BYTES = 64 << 20
+"""Largest profile file ``load_profile`` reads (a 70B model's profile is ~50 kB)."""
+
+
+class _Version(msgspec.Struct):
+    profile_version: int
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,
+                   compute_dtype: str, bootstrap: bool):
+    """The plan the profiler runs: every chunk persistent and every block kept, or — for a
+    model larger than the device — every chunk offloaded through the fewest buffers
+    (the bootstrap plan), so only one segment's parameters are resident at a time.
+
+    Chunks are sized to the largest segment so that each segment lives in one chunk.
+    """
+    from protrain.executor import plan as P
+    from protrain.executor import validation as V
+
+    from ..search.emit import assemble, model_facts
+
+    facts = model_facts(model, name, blocks, seq_len)
+    numel = {n: math.prod(s) for n, s, _ in facts.params}
+    chunk_numel = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments),
+                      max(numel.values()))
+    training = P.Training(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype,
+                          master_dtype="float32", world_size=1, grad_accum=1)
+    probe = assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
+                     n_buffer=len(facts.params) + 1, policies=["keep"] * len(blocks))
+    n_chunks = len(probe.chunks.items)
+    if not bootstrap:
+        return assemble(facts, training=training, chunk_numel=chunk_numel,
+                        persistent=list(range(n_chunks)), n_buffer=0,
+                        policies=["keep"] * len(blocks)), facts
+    need = max(len(c) for c in V.segment_chunks(probe).values())
+    return assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
+                    n_buffer=need, policies=["keep"] * len(blocks)), facts
+
+
+def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,
+            compute_dtype: str, device: str, spec: HardwareSpec, warmup: int = 2,
+            iterations: int = 5, bootstrap: bool | None = None, seed: int = 0,
+            progress=None) -> Profile:
+    """Measure a Profile by training ``model`` (real weights, any device) for a few steps
+    under the executor with a profiling plan, observing every segment boundary.
+
+    Times: CUDA events on GPU, ``perf_counter`` on CPU; the median of ``iterations``
+    measured steps after ``warmup``. Saved activations: the executor's own counting
+    (forced on, also on CUDA), so profile and ledger agree by construction. Transient
+    peaks: the allocator's peak between a segment's begin and end above the larger of
+    the allocation at those two moments (CUDA only; 0 on CPU). The model's weights are
+    changed by the measured steps (a learning rate of zero keeps them: AdamW with lr=0
+    still updates moments, never parameters).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    from protrain.executor import AdamWConfig, wrap
+    from protrain.executor.events import Event
+    from protrain.executor.schedule import block_input
+
+    from ..models.data import batches, load_tokens
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if bootstrap is None:
+        # Profile through the bootstrap plan when parameters, gradients and fp32 Adam
+        # state could not all sit on the device next to activations.
+        n_params = sum(p.numel() for p in model.parameters())
+        free = torch.cuda.mem_get_info(dev)[0] if cuda else spec.usable_memory_bytes
+        bootstrap = cuda and n_params * 16 > 0.6 * free
+    plan, facts = profiling_plan(model, name=name, blocks=blocks, micro_batch=micro_batch,
+                                 seq_len=seq_len, compute_dtype=compute_dtype, bootstrap=bootstrap)
+    engine = wrap(model, plan, AdamWConfig(lr=0.0, weight_decay=0.0), device=dev)
+
+    segments = facts.segments
+    spans: dict[tuple[str, str], list[float]] = {}
+    saved: dict[str, int] = {}  # segment → saved bytes, counted as the ledger counts them
+    swap_bytes: dict[str, int] = {}  # segment → what a swap of it moves
+    peaks: dict[tuple[str, str], int] = {}
+    inputs: dict[str, int] = {}
+    marks: dict[tuple[str, str], object] = {}
+    base_alloc: dict[tuple[str, str], int] = {}
+
+    def now():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def observer(ev: Event) -> None:
+        if ev.kind == "saved":
+            saved[ev.segment], swap_bytes[ev.segment] = ev.nbytes, ev.swap_bytes
+        if ev.kind != "segment":
+            return
+        key = (ev.phase, ev.segment)
+        if ev.edge == "begin":
+            if cuda:
+                base_alloc[key] = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            marks[key] = now()
+            return
+        end = now()
+        start = marks.pop(key)
+        if cuda:
+            end.synchronize()
+            spans.setdefault(key, []).append(start.elapsed_time(end) / 1e3)
+            top = torch.cuda.max_memory_allocated(dev)
+            peaks[key] = max(peaks.get(key, 0),
+                             top - max(base_alloc[key], torch.cuda.memory_allocated(dev)))
+        else:
+            spans.setdefault(key, []).append(end - start)
+
+    modules = dict(model.named_modules())
+
+    def record_input(segment):
+        def hook(_m, args, kwargs):  # hidden states positional (zoo, HF) or as a keyword (HF)
+            t, _ = block_input(args, kwargs)
+            inputs[segment] = t.untyped_storage().nbytes()
+        return hook
+
+    def record_output(_m, _a, out):
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        inputs[segments[-1]] = t.untyped_storage().nbytes()
+
+    handles = [modules[b].register_forward_pre_hook(record_input(b), with_kwargs=True) for b in blocks]
+    handles.append(modules[blocks[-1]].register_forward_hook(record_output))
+    data = batches(load_tokens(), micro_batch, seq_len, seed)
+    # Exact saved-activation counts on CUDA too: the executor's own counting, from the
+    # first step, so that warmup runs the same hooks as the measured steps.
+    engine.on_event(observer, count_activations=True)
+    try:
+        for i in range(warmup + iterations):
+            if i == warmup:
+                spans.clear()
+                peaks.clear()
+            x, y = next(data)
+            inputs["<pre>"] = x.to(dev).untyped_storage().nbytes()
+            saved.clear()
+            swap_bytes.clear()
+            engine.step((x, y))
+            if progress is not None:
+                progress(i + 1, warmup + iterations)
+    finally:
+        for h in handles:
+            h.remove()
+        engine.close()
+
+    def median_us(phase: str, seg: str) -> int:
+        return round(statistics.median(spans[(phase, seg)]) * 1e6)
+
+    seg_profiles = [
+        SegmentProfile(
+            segment=s,
+            fwd_us=median_us("forward", s),
+            bwd_us=median_us("backward", s),
+            saved_bytes=saved.get(s, 0),
+            saved_tensor_bytes=swap_bytes.get(s, 0),
+            input_bytes=inputs.get(s, 0),
+            fwd_peak_bytes=peaks.get(("forward", s), 0),
+            bwd_peak_bytes=peaks.get(("backward", s), 0),
+        )
+        for s in segments
+    ]
+    shape = {n: list(sh) for n, sh, _ in facts.params}
+    dtype = {n: d for n, _, d in facts.params}
+    params = [ParamInfo(name=n, shape=shape[n], dtype=dtype[n],
+                        uses=[s for s in segments if n in facts.uses[s]]) for n in facts.order]
+    attention = "sdpa"
+    if cuda:
+        flags = [k for k, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
+                                 ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
+                                 ("math", torch.backends.cuda.math_sdp_enabled())) if on]
+        attention = f"sdpa ({', '.join(flags)} enabled)"
+    else:
+        attention = "sdpa (cpu)"
+    from ..search.emit import generator
+
+    return Profile(
+        profile_version=PROFILE_VERSION,
+        source="measured",
+        generator=generator(),
+        model=ProfileModel(name=name, fingerprint=plan.model.fingerprint, n_params=plan.model.n_params,
+                           blocks=list(blocks), tied=[list(p) for p in plan.model.tied]),
+        training=ProfileTraining(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype),
+        device=torch.cuda.get_device_name(dev) if cuda else "cpu",
+        attention=attention,
+        bootstrap=bool(bootstrap),
+        iterations=iterations,
+        segments=seg_profiles,
+        params=params,
+        hardware=spec,
+    )

@@ -1,0 +1,222 @@
+"""Human renderings of plans: ``protrain show`` and ``explain`` (``diff``: planner/views/diff.py).
+
+Reads ``Plan`` Structs only; never imports torch, so it runs anywhere a plan file
+is reviewed (a laptop, a CI job, a ``git diff`` text converter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protrain.executor import accounting
+from protrain.executor.homes import POLICIES, block_policies  # noqa: F401  (explain rebuilds strips)
+from protrain.executor.plan import Plan
+
+
+def policy_strip(plan: Plan) -> str:
+    """One letter per block in execution order: ``S C C S C C K K``."""
+    return " ".join(POLICIES[a.policy].letter for a in plan.activations)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """One way a plan departs from the best four-count plan: a run of chunks placed the
+    other way, a different buffer count, or a run of blocks with another policy.
+
+    ``buys_us`` / ``buys_bytes``: what the cost model says the departure is worth,
+    measured by undoing it alone in the plan: the predicted time (µs) and peak (bytes)
+    undoing it would add, i.e. what the departure saves (negative: what it costs).
+    None when not computed (``explain`` without the profile)."""
+
+    kind: str  # "chunks" | "n_buffer" | "blocks"
+    first: int
+    last: int
+    chosen: str  # "persistent" / "offloaded", a policy, or the buffer count
+    four_count: str  # the same, in the best four-count plan
+    buys_us: float | None = None
+    buys_bytes: float | None = None
+    note: str = ""
+
+    def label(self, blocks: list[str]) -> str:
+        if self.kind == "n_buffer":
+            return f"n_buffer {self.chosen} (four-count plan: {self.four_count})"
+        if self.kind == "chunks":
+            span = f"chunk {self.first}" if self.first == self.last else f"chunks {self.first}-{self.last}"
+            return f"{span} {self.chosen} (four-count plan: {self.four_count})"
+        span = (f"block {blocks[self.first]}" if self.first == self.last
+                else f"blocks {blocks[self.first]} … {blocks[self.last]} ({self.last - self.first + 1})")
+        return f"{span} {self.chosen} (four-count plan: {self.four_count})"
+
+
+def departures_from(n_chunks: int, persistent: list[int], n_buffer: int, strip: list[str],
+                    base_n_persist: int, base_n_buffer: int, base_strip: list[str]) -> list[Departure]:
+    """The departures of (persistent, n_buffer, strip) from a four-count plan, grouped into
+    runs of neighbouring chunks / blocks that changed the same way, in execution order."""
+    out: list[Departure] = []
+    chosen = set(persistent)
+
+    def runs(pairs: list[tuple[str, str]], kind: str) -> None:
+        i = 0
+        while i < len(pairs):
+            j = i
+            while j + 1 < len(pairs) and pairs[j + 1] == pairs[i]:
+                j += 1
+            if pairs[i][0] != pairs[i][1]:
+                out.append(Departure(kind, i, j, pairs[i][0], pairs[i][1]))
+            i = j + 1
+
+    place = [("persistent" if c in chosen else "offloaded",
+              "persistent" if c < base_n_persist else "offloaded") for c in range(n_chunks)]
+    runs(place, "chunks")
+    if n_buffer != base_n_buffer:
+        out.append(Departure("n_buffer", 0, 0, str(n_buffer), str(base_n_buffer)))
+    runs(list(zip(strip, base_strip)), "blocks")
+    return out
+
+
+def is_four_count(plan: Plan) -> bool:
+    """Whether the plan lies in the paper's space: a persistent prefix and the ``S C C … K K``
+    layout of its counts (``block_policies``)."""
+    pl = plan.placement
+    strip = [a.policy for a in plan.activations]
+    return (pl.persistent == list(range(pl.n_persist))
+            and strip == block_policies(len(strip), strip.count("swap"), strip.count("checkpoint")))
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def render_show(plan: Plan, source: str = "") -> str:
+    m, t, h, pl = plan.model, plan.training, plan.hardware, plan.placement
+    pred = plan.prediction
+    lines = [
+        f"plan {source}".rstrip(),
+        f"  schema        v{plan.schema_version} (written by {plan.generator.name} {plan.generator.version})",
+        f"  model         {m.name}: {human_count(m.n_params)} parameters, {len(m.blocks)} blocks",
+        f"  fingerprint   {m.fingerprint[:23]}…",
+        f"  training      micro-batch {t.micro_batch} × seq {t.seq_len}, {t.compute_dtype} compute, "
+        f"{t.master_dtype} master, world size {t.world_size}, grad accum {t.grad_accum}",
+        f"  hardware      {h.name or '(not recorded)'}"
+        + (f", {human_bytes(h.device_memory_bytes)} device, budget {human_bytes(h.budget_bytes)}"
+           if h.device_memory_bytes else ""),
+        f"  chunks        {len(plan.chunks.items)} × {human_count(plan.chunks.chunk_numel)} elements",
+        f"  placement     {pl.n_persist} persistent {pl.persistent}, {len(pl.offloaded)} offloaded, "
+        f"{pl.n_buffer} device buffers"
+        + (f"; persistent optimizer states sharded over {t.world_size} ranks" if pl.shard_persistent_states else "")
+        + (f"; {len(pl.homeless)} homeless (no home on the host)" if pl.homeless else "")
+        + (f"; {len(pl.device_homed)} device-homed (master and moments on the device)" if pl.device_homed else "")
+        + (f"; {len(pl.nvme)} on disk (master and moments in a file: train with --nvme DIR)" if pl.nvme else ""),
+        f"  activations   {policy_strip(plan)}   (K keep, S swap, C checkpoint)",
+        f"  cpu adam      {plan.schedule.cpu_adam.replace('_', ' ')}"
+        + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),
+        "  model states  (per rank: persistent chunks and offloaded buffers on the device, offloaded states on the host)",
+    ]
+    walk = accounting.walk(plan)  # per rank; the same figures the prediction holds
+    for name, value in (("states_bytes", walk.states_bytes), ("buffers_bytes", walk.buffers_bytes),
+                        ("host_bytes", walk.host_bytes)):
+        lines.append(f"    {name:<22} {human_bytes(value)}")
+    if pred.iter_time_us or pred.peak_memory_bytes:
+        lines.append(f"  predicted     {pred.iter_time_us / 1e6:.3f} s/iteration, "
+                     f"peak {human_bytes(pred.peak_memory_bytes)}")
+        for name, value in pred.breakdown.items():
+            shown = human_bytes(value) if name.endswith("_bytes") else (
+                f"{value / 1e6:.3f} s" if name.endswith("_us") else str(value))
+            name = name.removesuffix("_us")  # shown in seconds: a name in µs would misread the value
+            lines.append(f"    {name:<22} {shown}")
+    else:
+        lines.append("  predicted     (no prediction: plan made without a profile)")
+    return "\n".join(lines)
+
+
+def _cand(c) -> str:
+    return (f"n_persist={c.n_persist:<3} n_buffer={c.n_buffer:<2} n_swap={c.n_swap:<3} "
+            f"n_checkpoint={c.n_checkpoint:<3} {c.iter_time_us / 1e3:10.1f} ms  "
+            f"{human_bytes(c.peak_memory_bytes):>11}")
+
+
+def render_explain(plan: Plan, source: str = "", departures: list[Departure] | None = None) -> str:
+    """Why this plan: its configuration, what bounds each phase, where it departs from the
+    best four-count plan (a MILP plan), runners-up, the Pareto front.
+
+    ``departures``: what the cost model says each departure buys (``milp.explain_departures``,
+    which needs the profile); without them the departures are listed without prices.
+    """
+    s = plan.provenance.search
+    b = plan.prediction.breakdown
+    lines = [f"explain {source}".rstrip(), f"  chosen      {_cand(s.chosen)}   ({s.solver}, "
+             f"{s.evaluated} of {s.space_size} configurations evaluated)"]
+    lines += _render_departures(plan, departures)
+    if b:
+        t_fwd, t_bwd = b.get("t_fwd_us", 0), b.get("t_bwd_us", 0)
+        t_cpu, t_gpu = b.get("t_cpu_optim_us", 0), b.get("t_gpu_optim_us", 0)
+        if plan.schedule.cpu_adam == "after_backward":
+            formula = ("T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)   "
+                       "(CPU Adam after backward: clipping or fp16)")
+            bound = "CPU Adam" if t_cpu > t_gpu else "device Adam"
+        else:
+            formula = "T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)   (paper Eq. 2)"
+            bound = "CPU Adam (offloaded chunks' update outlasts backward)" if t_cpu > t_bwd + t_gpu \
+                else "backward + device Adam"
+        lines += [
+            f"  time        {formula}",
+            f"              forward {t_fwd / 1e3:.1f} ms, backward {t_bwd / 1e3:.1f} ms, "
+            f"device Adam {t_gpu / 1e3:.1f} ms, CPU Adam {t_cpu / 1e3:.1f} ms",
+            f"              the max is bound by {bound}",
+            f"  memory      persistent states {human_bytes(b.get('states_bytes', 0))} + buffers "
+            f"{human_bytes(b.get('buffers_bytes', 0))} + activation walk "
+            f"{human_bytes(b.get('activation_walk_bytes', 0))} → peak "
+            f"{human_bytes(plan.prediction.peak_memory_bytes)} of budget {human_bytes(plan.hardware.budget_bytes)}",
+            f"  activations {policy_strip(plan)}",
+        ]
+    else:
+        lines.append("  (no prediction in this plan: it was not made by the search)")
+    if s.runners_up:
+        lines.append("  runners-up")
+        lines += [f"    {_cand(c)}" for c in s.runners_up]
+    if s.front:
+        lines.append("  Pareto front (less memory ↔ less time)")
+        lines += [f"    {_cand(c)}" for c in s.front]
+    return "\n".join(lines)
+
+
+def _render_departures(plan: Plan, priced: list[Departure] | None) -> list[str]:
+    """The MILP plan against the best four-count plan, which the search records as the
+    first runner-up whenever its plan leaves the paper's space."""
+    s = plan.provenance.search
+    if is_four_count(plan) or not s.runners_up:
+        return []
+    base = s.runners_up[0]
+    n_blocks = len(plan.activations)
+    strip = [a.policy for a in plan.activations]
+    deps = priced if priced is not None else departures_from(
+        len(plan.chunks.items), list(plan.placement.persistent), plan.placement.n_buffer, strip,
+        base.n_persist, base.n_buffer, block_policies(n_blocks, base.n_swap, base.n_checkpoint))
+    gain = base.iter_time_us - s.chosen.iter_time_us
+    lines = [f"  four-count  {_cand(base)}   (the best plan of the paper's space: a persistent prefix, "
+             "S C C … K K)",
+             f"              this plan is {gain / 1e3:.1f} ms/iteration faster "
+             f"({100 * gain / max(base.iter_time_us, 1):.2f}%), peak "
+             f"{human_bytes(abs(s.chosen.peak_memory_bytes - base.peak_memory_bytes))} "
+             f"{'more' if s.chosen.peak_memory_bytes >= base.peak_memory_bytes else 'less'}; "
+             f"{len(deps)} departure{'s' * (len(deps) != 1)}"
+             + (", each priced by undoing it alone (time, peak it saves):" if priced is not None else
+                " (pass --profile to price each):")]
+    blocks = plan.model.blocks
+    for d in deps:
+        price = ""
+        if d.buys_us is not None:
+            price = (f"   {d.buys_us / 1e3:+.1f} ms, {'+' if (d.buys_bytes or 0) >= 0 else '-'}"
+                     f"{human_bytes(abs(int(d.buys_bytes or 0)))}" + (f"  ({d.note})" if d.note else ""))
+        lines.append(f"    {d.label(blocks)}{price}")
+    return lines
