@@ -29,6 +29,17 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     return p
 
 
+def offline_backend() -> bool:
+    """Whether this environment builds a wheel without fetching anything: setuptools 70.1 or
+    later (``bdist_wheel`` built in), or an older one beside the ``wheel`` package."""
+    try:
+        from importlib.metadata import version
+        major, minor = (int(x) for x in version("setuptools").split(".")[:2])
+    except Exception:  # not installed, or a version string we do not read
+        return False
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A virtual environment with the wheel built from this checkout installed (not editable).
@@ -37,7 +48,7 @@ def venv(tmp_path_factory) -> Path:
     ``protrain`` comes first on its path, which the test checks."""
     tmp = tmp_path_factory.mktemp("wheel")
     # Offline when this environment has the build backend; else pip fetches it, as any install does.
-    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    isolation = ["--no-build-isolation"] if offline_backend() else []
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, str(ROOT),
          "-w", str(tmp / "dist")], cwd=tmp)
     wheel = next((tmp / "dist").glob("protrain-*.whl"))
