@@ -466,6 +466,17 @@ class ChunkStore:
             self.ledger.alloc("grads", c.nbytes)
             c.grad_opened()
 
+    def own_grad(self, cid: int) -> torch.Tensor:
+        """This rank's elements of the chunk's gradients (``own``): a view of the buffer (at one
+        rank, not the padding past the last parameter), or under ZeRO-3 a new buffer holding
+        their sum over the ranks (reduce-scatter)."""
+        c = self.chunks[cid]
+        if self.comm.world == 1:
+            return c.dev_grad[c.own]
+        out = torch.empty(c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device)
+        self.comm.reduce_scatter(out, c.dev_grad, f"gradients of chunk {cid}")
+        return out
+
     def close_grad(self, cid: int) -> None:
         c = self.chunks[cid]
         self.copies.resize(c.dev_grad, 0, f"gradients of chunk {cid}")

@@ -331,10 +331,7 @@ class ChunkOptimizer:
             return
         if acc is None:  # homeless: the gradients land in a slot (chunks.py [Note: host slots])
             acc = self.store.take_slot()
-        src = c.dev_grad[c.own]  # (at one rank, not the padding past the last parameter)
-        if comm.world > 1:
-            src = torch.empty(acc.numel(), dtype=c.dev_grad.dtype, device=c.dev_grad.device)
-            comm.reduce_scatter(src, c.dev_grad, f"gradients of chunk {cid}")
+        src = self.store.own_grad(cid)
         direct = home or (src.dtype == torch.float32 and first_micro_batch)
         dst = acc if direct else self.staging[cid]
         if c.pending is not None:  # the worker may still read dst (or acc) from the last offload
@@ -512,14 +509,9 @@ class ChunkOptimizer:
         reduce-scatter them into this rank's shard (ZeRO-3), step its master on the device
         through the device scratch, free the gradient buffer. Arithmetic of ``_adamw_pieces``,
         as a homeless chunk's CPU step. See chunks.py [Note: device homes]."""
-        c, comm = self.store.chunks[cid], self.store.comm
+        c = self.store.chunks[cid]
         which = self.stepping(cid)  # complete: the chunk is offloaded
-        grads = None
-        if c.grad_live:
-            grads = c.dev_grad[c.own]  # (at one rank, not the padding past the last parameter)
-            if comm.world > 1:
-                grads = torch.empty(c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device)
-                comm.reduce_scatter(grads, c.dev_grad, f"gradients of chunk {cid}")
+        grads = self.store.own_grad(cid) if c.grad_live else None
         # No wait for an upload reading the master: compute waited for each of this chunk's
         # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after them.
         if which:

@@ -148,11 +148,9 @@ class Replayer:
         self.offload = offload  # the engine's gradient offload (and CPU step) for one chunk
         self.phase = Phase.IDLE
         self.blocks = list(plan.model.blocks)
-        self.steps: dict[tuple[Phase, str], Step] = {}
-        for s in plan.schedule.forward:
-            self.steps[(Phase.FORWARD, s.segment)] = s
-        for s in plan.schedule.backward:
-            self.steps[(Phase.BACKWARD, s.segment)] = s
+        self.steps: dict[tuple[Phase, str], Step] = {
+            (phase, s.segment): s for phase, steps in ((Phase.FORWARD, plan.schedule.forward),
+                                                       (Phase.BACKWARD, plan.schedule.backward)) for s in steps}
         modules = dict(model.named_modules())
         self.modules = [modules[b] for b in self.blocks]
         # Gradient countdown per offloaded chunk (trainable parameters only: a frozen one
@@ -302,16 +300,13 @@ class Replayer:
 
     def _pre_hook(self, i: int, name: str):
         def hook(module, args, kwargs):
-            if self.phase is Phase.EVALUATE:
-                if i == 0:
-                    self.end(Phase.FORWARD, PRE)
-                self.begin(Phase.FORWARD, name)
-                return None
-            if self.phase is not Phase.FORWARD:
+            if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
                 return None
             if i == 0:
                 self.end(Phase.FORWARD, PRE)
             self.begin(Phase.FORWARD, name)
+            if self.phase is Phase.EVALUATE:  # no backward: no boundary
+                return None
             x, put = block_input(args, kwargs)
             return put(Boundary.mark(lambda: self._post_backward(i, name), x, self.anchor))
 
@@ -319,16 +314,13 @@ class Replayer:
 
     def _post_hook(self, i: int, name: str, last: bool):
         def hook(module, args, output):
-            if self.phase is Phase.EVALUATE:
-                self.end(Phase.FORWARD, name)
-                if last:
-                    self.begin(Phase.FORWARD, POST)
-                return None
-            if self.phase is not Phase.FORWARD:
+            if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
                 return None
             self.end(Phase.FORWARD, name)
             if last:
                 self.begin(Phase.FORWARD, POST)
+            if self.phase is Phase.EVALUATE:
+                return None
             y, put = first_tensor(output)
             return put(Boundary.mark(lambda: self._pre_backward(i, name), y, self.anchor))
 
