@@ -4,8 +4,8 @@ A plan that passes the schema can still say ``chunk_numel: 2**62`` or
 ``micro_batch: 10**12``: well-typed, consistent, and impossible to allocate or to
 iterate. ``validate`` (every plan ``load`` reads, and every plan ``wrap`` is given)
 and the commands that take the same values as flags (``protrain plan --grad-accum``,
-``--batch``, ``--seq``, ``--world-size``) refuse them through this module, with the
-JSON path or the flag, the value and the limit.
+``--batch``, ``--seq``, ``--world-size``; planner/checks.py ``check_flags``) refuse them
+by this module's limits, with the JSON path or the flag, the value and the limit.
 
 The limits are far above anything that trains (a trillion-element chunk, 65,536
 micro-batches per step, 65,536 ranks, 16M-token micro-batches) and far below what
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from .errors import ConfigError, PlanError
+from .errors import PlanError
 
 TRAINING_LIMITS: dict[str, tuple[int, str, str]] = {
     # field: (largest value, its flag, what it counts)
@@ -38,7 +38,7 @@ MAX_COUNT = 1 << 20
 """Chunks, parameters per chunk, blocks, device buffers, host slots: each is iterated or allocated per item."""
 
 
-def _training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int, str]]:
+def training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int, str]]:
     """(field, value, limit, what) of each training value over its limit, then the product's."""
     for field, (limit, _, what) in TRAINING_LIMITS.items():
         value = values.get(field)
@@ -47,18 +47,6 @@ def _training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int,
     b, t = values.get("micro_batch"), values.get("seq_len")
     if b is not None and t is not None and b * t > MAX_TOKENS_PER_MICRO_BATCH:
         yield "tokens", b * t, MAX_TOKENS_PER_MICRO_BATCH, "tokens per micro-batch (micro_batch × seq_len)"
-
-
-def check_flags(**values: int | None) -> None:
-    """Refuse command-line training values (``micro_batch=``, ``seq_len=``, …) over their limits."""
-    for field, value, limit, what in _training_excess({k: v for k, v in values.items() if v is not None}):
-        if field == "tokens":
-            raise ConfigError(f"--batch {values['micro_batch']} --seq {values['seq_len']}: {value:,} {what} is "
-                              f"more than protrain can allocate or iterate (at most {limit:,})",
-                              f"give a --batch and --seq whose product is at most {limit}")
-        flag = TRAINING_LIMITS[field][1]
-        raise ConfigError(f"{flag} {value}: {value:,} {what} is more than protrain can allocate or "
-                          f"iterate (at most {limit:,})", f"give {flag} {limit} or less")
 
 
 def check_plan(plan, where: str = "<plan>") -> None:
@@ -70,7 +58,7 @@ def check_plan(plan, where: str = "<plan>") -> None:
                         "regenerate the plan with `protrain plan` (its flags are checked against the same limits)")
 
     t = plan.training
-    for field, value, limit, what in _training_excess({f: getattr(t, f) for f in TRAINING_LIMITS}):
+    for field, value, limit, what in training_excess({f: getattr(t, f) for f in TRAINING_LIMITS}):
         fail("$.training.micro_batch" if field == "tokens" else f"$.training.{field}", value, limit, what)
     if plan.chunks.chunk_numel > MAX_NUMEL:
         fail("$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk")

@@ -156,22 +156,6 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
     return lock
 
 
-def check_root(root: str | Path, flag: str = "--save-dir") -> None:
-    """Refuse a non-empty directory that holds no checkpoint (not a root a run saved into):
-    pruning and sweeping would share it with files that are not protrain's."""
-    root = Path(root)
-    if not root.is_dir():
-        return
-    names = [p.name for p in root.iterdir()]
-    if names and not any(STEP_DIR.fullmatch(n) or n == "latest" for n in names):
-        foreign = sorted(n for n in names if not OWN_NAMES.fullmatch(n))
-        if foreign:
-            raise CheckpointError(
-                f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} and no "
-                "checkpoint: a checkpoint root is protrain's alone (old checkpoints are deleted there)",
-                f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}")
-
-
 # ------------------------------------------------------------------------- save
 
 
@@ -435,7 +419,7 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
 OPTIM_PARTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def _check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
+def check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
                   partial: bool = False) -> None:
     """Check the file's tensor names, shapes and dtypes against ``expected`` before reading.
     ``partial``: the optimizer file, which holds all three parts of some parameters (those
@@ -482,9 +466,9 @@ def load(engine: Engine, root: str | Path) -> Manifest:
             f"{directory}: checkpoint of another model (fingerprint {m.model_fingerprint[:19]}…, "
             f"this model {engine.plan.model.fingerprint[:19]}…; e.g. {wrong[:3]})",
             "resume with the model the checkpoint was saved from")
-    _check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+    check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
     step_shape: list[int] = []
-    _check_header(directory / "optim.safetensors", {
+    check_header(directory / "optim.safetensors", {
         f"{k}.{part}": ((step_shape if part == "step" else v), torch.float32)
         for k, v in m.params.items() for part in OPTIM_PARTS}
         if m.optimizer_state else {}, partial=True)
@@ -504,7 +488,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     for key, t in flat.items():
         name, part = key.rsplit(".", 1)
         optim.setdefault(name, {})[part] = t
-    _refuse_to_load_nonfinite(directory, model, optim)
+    refuse_to_load_nonfinite(directory, model, optim)
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
@@ -516,27 +500,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     return m
 
 
-def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
-    ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
-    excluded) have ``shapes``; no engine needed (``protrain export``)."""
-    from safetensors.torch import load_file
-
-    directory = resolve(root)
-    m = read_manifest(directory)
-    if m.params != shapes:
-        wrong = sorted(set(m.params) ^ set(shapes)) or [k for k in shapes if m.params.get(k) != shapes[k]]
-        raise CheckpointError(f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
-                              "export with the --hf-config the checkpoint was trained from")
-    _check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
-    model = load_file(directory / "model.safetensors")
-    _refuse_to_load_nonfinite(directory, model, {})
-    for name, alias in m.tied:
-        model[alias] = model[name]
-    return model
-
-
-def _refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
+def refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
     """A checkpoint holding NaN or inf (not one this protrain wrote) is refused before the
     engine changes."""
     from .optim import all_finite

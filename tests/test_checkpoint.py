@@ -247,7 +247,7 @@ def test_a_save_sweeps_and_prunes_only_its_own_names(tmp_path):
 
 
 def test_a_directory_of_other_files_is_not_a_checkpoint_root(tmp_path):
-    from protrain.executor.checkpoint import check_root
+    from protrain.planner.commands.checks import check_root
 
     (tmp_path / ".lock").touch()
     (tmp_path / ".tmp-step-00000001").mkdir()

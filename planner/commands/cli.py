@@ -213,8 +213,7 @@ def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None
 def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, reprobe,
             output):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
-    from protrain.executor.bounds import check_flags
-
+    from .checks import check_flags
     from .profile_plan import run_profile
 
     check_flags(micro_batch=batch, seq_len=seq)
@@ -262,8 +261,7 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
          grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, save_profile, output):
     """Search the fastest plan that fits the budget and write it."""
-    from protrain.executor.bounds import check_flags
-
+    from .checks import check_flags
     from .profile_plan import run_plan
 
     check_flags(micro_batch=batch, seq_len=seq, world_size=world_size, grad_accum=grad_accum)
@@ -513,7 +511,7 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme)
     (total and active parameters, the best micro-batch, what binds); exit status 1
     when it does not fit.
     """
-    from protrain.executor.bounds import check_flags
+    from .checks import check_flags
 
     check_flags(seq_len=seq, world_size=world_size)
     if hf_config is None:

@@ -110,7 +110,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     output_file(metrics_path, "--metrics")
     output_dir(save_dir, "--save-dir")
     if save_dir is not None:
-        from protrain.executor.checkpoint import check_root
+        from .checks import check_root
 
         check_root(save_dir)  # a directory of other files is not a checkpoint root
     if export_dir is not None:
@@ -119,7 +119,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                               "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
         if save_dir is None:
-            from protrain.executor.checkpoint import check_root
+            from .checks import check_root
 
             check_root(export_keeper(export_dir), "the checkpoint kept until the export")
     plan = P.load(plan_path)

@@ -576,7 +576,7 @@ def export_checkpoint(checkpoint: str | Path, model_name: str, out_dir: str | Pa
     """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
     as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
     checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values)."""
-    from protrain.executor.checkpoint import load_model_state
+    from .hf_checkpoint import load_model_state
 
     path, blocks = parse_hf_name(model_name)
     model = build(path, blocks=blocks, device="meta")

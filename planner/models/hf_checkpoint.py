@@ -18,8 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protrain.executor.checkpoint import fsync_path
-from protrain.executor.errors import ConfigError
+from protrain.executor.checkpoint import (
+    check_header,
+    fsync_path,
+    read_manifest,
+    refuse_to_load_nonfinite,
+    resolve,
+)
+from protrain.executor.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from .hf import HFCausalLM
@@ -212,3 +218,23 @@ def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
                 shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
     for f in [*tmp.iterdir(), tmp]:
         fsync_path(f)
+
+
+def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
+    ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
+    excluded) have ``shapes``; no engine needed (``protrain export``)."""
+    from safetensors.torch import load_file
+
+    directory = resolve(root)
+    m = read_manifest(directory)
+    if m.params != shapes:
+        wrong = sorted(set(m.params) ^ set(shapes)) or [k for k in shapes if m.params.get(k) != shapes[k]]
+        raise CheckpointError(f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
+                              "export with the --hf-config the checkpoint was trained from")
+    check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+    model = load_file(directory / "model.safetensors")
+    refuse_to_load_nonfinite(directory, model, {})
+    for name, alias in m.tied:
+        model[alias] = model[name]
+    return model

@@ -1,0 +1,43 @@
+"""Checks of what a command is given, before anything runs: training flags, checkpoint roots.
+
+The executor never sees a flag or a directory before ``wrap``; these checks, moved here
+from it, refuse a command's inputs with the executor's own limits and names: the bounds
+of executor/bounds.py (the same a plan's fields are held to) and the names a checkpoint
+root holds (executor/checkpoint.py [Note: one run per root]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from protrain.executor.bounds import TRAINING_LIMITS, training_excess
+from protrain.executor.checkpoint import OWN_NAMES, STEP_DIR
+from protrain.executor.errors import CheckpointError, ConfigError
+
+
+def check_flags(**values: int | None) -> None:
+    """Refuse command-line training values (``micro_batch=``, ``seq_len=``, …) over their limits."""
+    for field, value, limit, what in training_excess({k: v for k, v in values.items() if v is not None}):
+        if field == "tokens":
+            raise ConfigError(f"--batch {values['micro_batch']} --seq {values['seq_len']}: {value:,} {what} is "
+                              f"more than protrain can allocate or iterate (at most {limit:,})",
+                              f"give a --batch and --seq whose product is at most {limit}")
+        flag = TRAINING_LIMITS[field][1]
+        raise ConfigError(f"{flag} {value}: {value:,} {what} is more than protrain can allocate or "
+                          f"iterate (at most {limit:,})", f"give {flag} {limit} or less")
+
+
+def check_root(root: str | Path, flag: str = "--save-dir") -> None:
+    """Refuse a non-empty directory that holds no checkpoint (not a root a run saved into):
+    pruning and sweeping would share it with files that are not protrain's."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    names = [p.name for p in root.iterdir()]
+    if names and not any(STEP_DIR.fullmatch(n) or n == "latest" for n in names):
+        foreign = sorted(n for n in names if not OWN_NAMES.fullmatch(n))
+        if foreign:
+            raise CheckpointError(
+                f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} and no "
+                "checkpoint: a checkpoint root is protrain's alone (old checkpoints are deleted there)",
+                f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}")
