@@ -85,5 +85,3 @@ def test_homes_of_names_one_home_per_chunk_and_refuses_what_names_none():
 
 def test_policies_hold_what_they_say():
     assert [H.held_bytes(p, saved=100, inputs=7) for p in ("keep", "swap", "checkpoint")] == [100, 0, 7]
-    assert H.block_policies(8, 2, 4) == ["swap", "checkpoint", "checkpoint", "swap", "checkpoint",
-                                        "checkpoint", "keep", "keep"]

@@ -62,7 +62,6 @@ import numpy as np
 
 from protrain.executor import accounting as A
 from protrain.executor import homes as H
-from protrain.executor.homes import block_policies  # noqa: F401  (re-exported: the paper's layout)
 from protrain.executor.plan import POST, PRE
 
 from ..hardware.datasheets import ADAM_BYTES_PER_PARAM
@@ -73,6 +72,7 @@ from .grid import (  # noqa: F401  (re-exported: the search and tools use them f
     SWAP_OVERHEAD_US,
     GridTerms,
     PolicyGrid,
+    block_policies,
     grid_terms,
     policy_grid,
     strips_grid,

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protrain.executor import homes as H
-from protrain.executor.homes import block_policies
+
+from .policy_layout import block_policies
 
 if TYPE_CHECKING:
     from .cost import Terms
+
 
 SWAP_OVERHEAD_US = 30.0
 """Host-side cost of swapping one block on a GPU, beyond the copies themselves:

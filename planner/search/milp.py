@@ -62,8 +62,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protrain.executor.homes import block_policies
-
 from ..hardware.spec import default_host_budget
 from ..views.show import Departure, departures_from, is_four_count
 from .cost import (
@@ -71,6 +69,7 @@ from .cost import (
     LINK_DUPLEX,
     SWAP_OVERHEAD_US,
     Terms,
+    block_policies,
     evaluate,
     host_bytes_per_chunk,
     host_need,

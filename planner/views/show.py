@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protrain.executor import accounting
-from protrain.executor.homes import POLICIES, block_policies  # noqa: F401  (explain rebuilds strips)
+from protrain.executor.homes import POLICIES
 from protrain.executor.plan import Plan
+
+from ..search.policy_layout import block_policies  # noqa: F401  (explain rebuilds strips)
 
 
 def policy_strip(plan: Plan) -> str:
