@@ -63,7 +63,8 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
   of it are read and written (nvme.py [Note: NVMe tier]).
 
 The device peak is the largest running total over the stream, times ``alpha``
-(allocator fragmentation on a GPU, 1 on a CPU). Within a step the order is: swap-in,
+(allocator fragmentation on a GPU, 1 on a CPU): planner/search/memory_walk.py ``walk``, with the
+per-element figures the planner reads (``element_bytes``). Within a step the order is: swap-in,
 fetches and prefetches, opened gradients; activations; transients (allocated, then
 freed); offloads, the segment's activations, releases.
 """
@@ -73,38 +74,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 from . import homes as H
 from .homes import DTYPE_BYTES, NVME_ALIGN, NVME_WINDOW, STEP_PIECE, nvme_span  # noqa: F401  (re-exported)
 from .plan import Plan, Schedule, Step, segments
 from .validation import param_segments
-
-ALPHA_GPU = 1.10
-"""Fragmentation factor on CUDA: allocator block rounding and cached-but-free
-segments. 1.10 is the paper's reported worst case (≤ 10% over-prediction target);
-not yet fitted to a measured GPU peak."""
-
-
-@dataclass(frozen=True)
-class ElementBytes:
-    """Bytes per chunk element of each model state, for one training setup (homes.py's table)."""
-
-    compute: int  # values, gradients, the offloaded home and staging
-    persistent: int  # a trainable persistent chunk on the device: values, gradients, moments, master
-    host: int  # a trainable offloaded chunk's shard on the host: home, moments, accumulator, master, staging
-
-
-def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
-    """Per-element bytes of a trainable chunk's states, read from the homes table."""
-    s = H.Setup(compute_dtype, grad_accum)
-    return ElementBytes(compute=s.cb, persistent=H.PERSISTENT.per_elem(s, "device"),
-                        host=H.HOST.per_elem(s, "host"))
-
-
-HOMED_BYTES = H.DEVICE_HOMED.per_elem(H.Setup("float32"), "device")
-"""Device bytes per element of a device-homed chunk's shard: fp32 master and the two fp32
-Adam moments, whatever the compute dtype (chunks.py [Note: device homes])."""
 
 
 def setup(plan: Plan) -> H.Setup:
@@ -145,18 +119,6 @@ def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
 
 
 @dataclass(frozen=True)
-class SegmentBytes:
-    """Activation bytes per segment in forward order (``<pre>``, blocks, ``<post>``), from a profile."""
-
-    saved: Sequence[int]  # what keeping the segment's saved tensors holds
-    swapped: Sequence[int]  # what swapping them moves (and brings back)
-    inputs: Sequence[int]  # what a checkpointed block keeps: its inputs
-    fwd_peak: Sequence[int]  # transient peak in forward (counted on a GPU only)
-    bwd_peak: Sequence[int]  # transient peak in backward (counted on a GPU only)
-    gpu: bool = False
-
-
-@dataclass(frozen=True)
 class Event:
     """One allocation (``nbytes > 0``) or free (``< 0``)."""
 
@@ -171,29 +133,15 @@ class Event:
     block: str = ""
 
 
-@dataclass(frozen=True)
-class Walk:
-    """The stream and the figures derived from it."""
-
-    events: list[Event]
-    states_bytes: int  # persistent chunks' states, from wrap on
-    buffers_bytes: int  # the offloaded chunks' reserved device buffers
-    activation_walk_bytes: int  # most device bytes above those two at once (gradients, activations)
-    peak_bytes: float  # (states + buffers + walk) × alpha
-    host_bytes: int  # offloaded chunks' states on the host
-    host_swap_bytes: int  # swapped activations on the host at the turn
-    alpha: float
-    disk_bytes: int = 0  # NVMe chunks' states in the file (placement.nvme)
-
-
-def events(plan: Plan, acts: SegmentBytes | None = None,
-           trainable: Sequence[bool] | None = None) -> list[Event]:
-    """The allocation stream of wrap and one iteration (see the module docstring)."""
+def events(plan: Plan, acts=None, trainable: Sequence[bool] | None = None) -> list[Event]:
+    """The allocation stream of wrap and one iteration (see the module docstring). ``acts``:
+    activation bytes per segment from a profile (planner/search/memory_walk.py ``SegmentBytes``), or
+    None (model states only: what the executor checks)."""
     t = plan.training
     W = t.world_size
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
-    eb = element_bytes(t.compute_dtype, t.grad_accum)
-    chunk_bytes, shard = numel * eb.compute, numel // W
+    cb = DTYPE_BYTES[t.compute_dtype]
+    chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else [True] * len(plan.chunks.items)
     segs = segments(plan)
     policy = {a.block: a.policy for a in plan.activations}
@@ -231,7 +179,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         ev("wrap", "", "host", "nvme_window", NVME_WINDOW)
     if any(train[c] and h.offloaded and h.steps_on == "host" for c, h in enumerate(homes)):
         ev("wrap", "", "host", "scratch", H.host_scratch_bytes(su, shard))
-    ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * eb.compute)
+    ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * cb)
 
     def act(i: int, field: str) -> int:
         return int(getattr(acts, field)[i]) if acts is not None else 0
@@ -319,27 +267,11 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
             yield phase, step, begin, end
 
 
-def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None) -> Walk:
-    """``events`` and its figures: the peaks on the device and the host."""
-    stream = events(plan, acts, trainable)
-    alpha = ALPHA_GPU if acts is not None and acts.gpu else 1.0
-    states = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "device" and e.kind != "buffers")
-    buffers = sum(e.nbytes for e in stream if e.phase == "wrap" and e.kind == "buffers")
-    host = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "host")
-    high = step_highs(stream)
-    most = max((sum(k.values()) for _, _, k in high), default=0)
-    # swapped activations on the host: the most the running total of their events reaches
-    most_swap = max(accumulate((e.nbytes for e in stream if e.phase != "wrap" and e.where == "host"), initial=0))
-    return Walk(stream, states_bytes=states, buffers_bytes=buffers, activation_walk_bytes=most,
-                peak_bytes=(states + buffers + most) * alpha, host_bytes=host, host_swap_bytes=most_swap,
-                alpha=alpha, disk_bytes=sum(e.nbytes for e in stream if e.where == "disk"))
-
-
 STATE_KINDS = ("chunks", "grads", "optim")
 """Device kinds that are model states (the rest are activations)."""
 
 
-def _by_step(stream: Sequence[Event], occupancy: bool = False) -> list[tuple[str, str, list[Event]]]:
+def by_step(stream: Sequence[Event], occupancy: bool = False) -> list[tuple[str, str, list[Event]]]:
     """The device events after wrap (and with ``occupancy`` the reserved buffers'), grouped by
     step (``step`` markers start each group)."""
     out: list[tuple[str, str, list[Event]]] = []
@@ -348,21 +280,6 @@ def _by_step(stream: Sequence[Event], occupancy: bool = False) -> list[tuple[str
             out.append((e.phase, e.segment, []))
         elif e.phase != "wrap" and (e.where == "device" or occupancy and e.where == "buffers"):
             out[-1][2].append(e)
-    return out
-
-
-def step_highs(stream: Sequence[Event]) -> list[tuple[str, str, dict[str, int]]]:
-    """Device bytes allocated after wrap, by kind, at each step's high point (after its
-    allocations, before its frees: a step allocates before it frees), in step order."""
-    totals: dict[str, int] = {}
-    out = []
-    for phase, segment, evs in _by_step(stream):
-        high = dict(totals)
-        for e in evs:
-            if e.nbytes > 0:
-                high[e.kind] = high.get(e.kind, 0) + e.nbytes
-            totals[e.kind] = totals.get(e.kind, 0) + e.nbytes
-        out.append((phase, segment, high))
     return out
 
 
@@ -377,7 +294,7 @@ def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict
         if e.phase == "wrap" and e.where == "device" and e.kind in STATE_KINDS:
             totals[e.kind] += e.nbytes
     out = {}
-    for phase, segment, evs in _by_step(stream, occupancy=True):
+    for phase, segment, evs in by_step(stream, occupancy=True):
         evs = [e for e in evs if e.kind in STATE_KINDS]
         for e in evs:
             if e.nbytes > 0:

@@ -178,10 +178,11 @@ class Engine:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
         boundary's model states (``Ledger.check``, called by the replayer)."""
         trainable = [c.trainable for c in self.store.chunks]
-        walk = accounting.walk(plan, trainable=trainable)
-        if self.ledger.host_bytes != walk.host_bytes:
+        host = sum(e.nbytes for e in accounting.events(plan, None, trainable)
+                   if e.phase == "wrap" and e.where == "host")
+        if self.ledger.host_bytes != host:
             raise AssertionError(f"host states: counted {self.ledger.host_bytes} B, accounting.py "
-                                 f"says {walk.host_bytes} B")
+                                 f"says {host} B")
         self.ledger.expected = accounting.expected_states(plan, trainable)
 
     # -- observation

@@ -16,6 +16,7 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import accounting as A
 from protrain.executor import plan as P
+from protrain.planner.search import memory_walk
 from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,
@@ -69,7 +70,7 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
                     n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless,
                     device_homed=homed, cpu_adam=cpu_adam, nvme=nvme)
 
-    walk = A.walk(plan, segment_bytes(prof))
+    walk = memory_walk.walk(plan, segment_bytes(prof))
     pred = predict_plan(t, persistent, n_buffer, strip, homeless, homed, nvme)
     b = pred.breakdown
     assert walk.peak_bytes == pred.peak_bytes
@@ -82,9 +83,9 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
 def test_a_frozen_chunk_has_no_gradients_moments_or_master(world):
     plan = next(p for p in _library() if p.training.world_size == world and p.placement.persistent)
     assert plan.placement.shard_persistent_states == (world > 1)  # the planner shards when it can
-    everything = A.walk(plan)
-    frozen = A.walk(plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items])
-    eb = A.element_bytes(plan.training.compute_dtype, plan.training.grad_accum)
+    everything = memory_walk.walk(plan)
+    frozen = memory_walk.walk(plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items])
+    eb = memory_walk.element_bytes(plan.training.compute_dtype, plan.training.grad_accum)
     numel = -(-plan.chunks.chunk_numel // world) * world
     # gradients (whole on every rank), and this rank's shard of the moments and master
     assert everything.states_bytes - frozen.states_bytes == numel * eb.compute + numel // world * (
@@ -93,13 +94,13 @@ def test_a_frozen_chunk_has_no_gradients_moments_or_master(world):
 
 def test_element_bytes():
     # fp32: values + gradients + moments on the device; the chunk is its own master.
-    assert A.element_bytes("float32") == A.ElementBytes(compute=4, persistent=16, host=16)
+    assert memory_walk.element_bytes("float32") == memory_walk.ElementBytes(compute=4, persistent=16, host=16)
     # fp32 with accumulation: a staging buffer, because later micro-batches cannot land in place.
-    assert A.element_bytes("float32", grad_accum=2).host == 20
+    assert memory_walk.element_bytes("float32", grad_accum=2).host == 20
     # bf16: gradients land in the home (optim.py [Note: gradients land in home]): 14 B ...
-    assert A.element_bytes("bfloat16") == A.ElementBytes(compute=2, persistent=16, host=14)
+    assert memory_walk.element_bytes("bfloat16") == memory_walk.ElementBytes(compute=2, persistent=16, host=14)
     # ... unless accumulating: an fp32 accumulator and a bf16 staging buffer.
-    assert A.element_bytes("bfloat16", grad_accum=3).host == 20
+    assert memory_walk.element_bytes("bfloat16", grad_accum=3).host == 20
 
 
 def _library() -> list[P.Plan]:
@@ -114,7 +115,7 @@ def test_show_prints_the_predictions_figures_for_every_library_plan():
     assert len(plans) >= 20
     for plan in plans:
         text = render_show(plan)
-        walk = A.walk(plan)
+        walk = memory_walk.walk(plan)
         shown = {"states_bytes": walk.states_bytes, "buffers_bytes": walk.buffers_bytes, "host_bytes": walk.host_bytes}
         for key, value in shown.items():
             line = next(ln for ln in text.splitlines() if ln.split()[:1] == [key])

@@ -335,8 +335,8 @@ def test_device_homes_fill_what_homeless_chunks_leave():
     backward, and an explicit prediction of the same sets gives the same numbers."""
     from pathlib import Path
 
-    from protrain.executor import accounting as A
     from protrain.planner.profiling.profile import load_profile
+    from protrain.planner.search import memory_walk
     from protrain.planner.search.cost import (
         choose_chunk_numel,
         evaluate,
@@ -363,8 +363,8 @@ def test_device_homes_fill_what_homeless_chunks_leave():
     homed = list(range(kd))  # the first offloaded chunks (all chunks are offloaded here)
     homeless = sorted(range(kd, t.n_chunks))[-int(parts["n_homeless"][0]):] if parts["n_homeless"][0] else []
     # device: 12 B per element of each homed chunk's shard and one fp32 scratch, times alpha
-    extra = sum(int(t.host_numel[c]) for c in homed) * A.HOMED_BYTES + t.homed_scratch_bytes
-    assert peak[0] == pytest.approx(peak0[0] + extra * (A.ALPHA_GPU if t.gpu else 1.0))
+    extra = sum(int(t.host_numel[c]) for c in homed) * memory_walk.HOMED_BYTES + t.homed_scratch_bytes
+    assert peak[0] == pytest.approx(peak0[0] + extra * (memory_walk.ALPHA_GPU if t.gpu else 1.0))
     assert parts["homed_peak_bytes"][0] == pytest.approx(peak[0] - peak0[0])
     # no CPU step for them; their device steps inside backward
     n_homed = int(t.chunk_params[:kd].sum())

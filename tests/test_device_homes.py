@@ -24,6 +24,7 @@ from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import PlanError
 from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.search import memory_walk
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
@@ -40,7 +41,7 @@ def test_device_homed_chunks_train_exactly_as_plain_pytorch(model, persistent, p
     assert run.losses == run.ref_losses
     assert_same_state(run)
     # nothing on the host; master and moments (12 B per element) and one scratch on the device
-    assert run.engine.ledger.host_bytes == 0 == accounting.walk(plan).host_bytes
+    assert run.engine.ledger.host_bytes == 0 == memory_walk.walk(plan).host_bytes
 
 
 def test_some_device_homed_beside_host_homes_under_async_copies():
@@ -74,7 +75,7 @@ def test_bf16_device_homes_step_as_host_homes(monkeypatch):
     # what moved: 14 host bytes per element of the homed chunks, 12 device bytes, one scratch
     moved = sum(accounting.host_numel(homed, c) for c in homed.placement.device_homed)
     assert a[2] - b[2] == 14 * moved
-    assert accounting.walk(homed).states_bytes - accounting.walk(kept).states_bytes == 12 * moved + 4 * 192
+    assert memory_walk.walk(homed).states_bytes - memory_walk.walk(kept).states_bytes == 12 * moved + 4 * 192
 
 
 @pytest.mark.parametrize("n_buffer", [2, 6])

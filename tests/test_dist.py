@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 from distworker import LR, MICRO, SEQ, die, disagree, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
-from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.checkpoint import read_manifest, resolve
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import build
+from protrain.planner.search import memory_walk
 
 pytestmark = pytest.mark.dist
 
@@ -184,7 +184,7 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     land in a slot) trains bit for bit as the same plan with homes kept (bf16, 2 ranks, 10
     steps), and each rank holds what accounting.py says: 2 B per shard element less, plus the
     slot."""
-    from protrain.executor import accounting
+    from protrain.planner.search import memory_walk
 
     kept = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16")
     off = kept.placement.offloaded
@@ -198,10 +198,10 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     for n, st in sd_k["optim"].items():
         assert all(torch.equal(sd_h["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
     shard = kept.chunks.chunk_numel // 2
-    assert all(r["host"] == accounting.walk(homeless).host_bytes for r in ranks_h)
-    assert all(r["host"] == accounting.walk(kept).host_bytes for r in ranks_k)
+    assert all(r["host"] == memory_walk.walk(homeless).host_bytes for r in ranks_h)
+    assert all(r["host"] == memory_walk.walk(kept).host_bytes for r in ranks_k)
     slots = homeless.placement.n_host_slots * shard * 2
-    assert accounting.walk(kept).host_bytes - accounting.walk(homeless).host_bytes == 2 * shard * len(off) - slots
+    assert memory_walk.walk(kept).host_bytes - memory_walk.walk(homeless).host_bytes == 2 * shard * len(off) - slots
 
 
 def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
@@ -218,7 +218,7 @@ def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
     out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 8)
     for i, dtype in enumerate(("bfloat16", "float32")):
         _assert_same_run(out[f"{dtype}-nvme"], out[f"{dtype}-host"])
-        assert all(r["host"] == accounting.walk(runs[2 * i + 1][1]).host_bytes for r in out[f"{dtype}-nvme"][0])
+        assert all(r["host"] == memory_walk.walk(runs[2 * i + 1][1]).host_bytes for r in out[f"{dtype}-nvme"][0])
 
 
 def test_a_rank_whose_shard_is_padding_steps_nothing(tmp_path):
@@ -246,12 +246,12 @@ def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
                      nvme=host.placement.offloaded[::2])
     out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("disk", disk, None)], 10)
     _assert_same_run(out["disk"], out["host"])
-    assert all(r["host"] == accounting.walk(disk).host_bytes for r in out["disk"][0])
+    assert all(r["host"] == memory_walk.walk(disk).host_bytes for r in out["disk"][0])
 
 
 def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:
     """Bit for bit as the host layout, and each rank's host and device bytes as accounting.py says."""
-    from protrain.executor import accounting
+    from protrain.planner.search import memory_walk
 
     (ranks_d, sd_d), (ranks_h, sd_h) = out[label], out[host_label]
     assert [r["losses"] for r in ranks_d] == [r["losses"] for r in ranks_h], label
@@ -259,7 +259,7 @@ def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> Non
         assert torch.equal(sd_d["model"][n], t), (label, n)
     for n, st in sd_h["optim"].items():
         assert all(torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), (label, n)
-    walk = accounting.walk(plan)
+    walk = memory_walk.walk(plan)
     assert all(r["host"] == walk.host_bytes for r in ranks_d), label
     homed = sum(e.nbytes for e in walk.events if e.phase == "wrap" and e.where == "device" and e.kind == "optim"
                 and e.chunk in plan.placement.device_homed)

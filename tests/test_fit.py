@@ -192,6 +192,7 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
     accounting.py's; a spec whose disk was not measured is refused, naming the probe."""
     from protrain.executor import accounting
     from protrain.planner.commands.fit import render_fit
+    from protrain.planner.search import memory_walk
 
     disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
     kw = dict(budget_bytes=GiB // 2, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
@@ -200,7 +201,7 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
     assert host.next_binds == "host memory" and not host.plan.placement.nvme and host.disk_bytes == 0
     assert nvme.n_params > host.n_params and nvme.plan.placement.nvme
     assert nvme.next_binds == "device memory" and nvme.host_bytes <= nvme.host_budget_bytes
-    assert nvme.disk_bytes == accounting.walk(nvme.plan).disk_bytes >= 12 * sum(
+    assert nvme.disk_bytes == memory_walk.walk(nvme.plan).disk_bytes >= 12 * sum(
         accounting.host_numel(nvme.plan, c) for c in nvme.plan.placement.nvme)
     text = render_fit([nvme])
     assert "optimizer states may go to disk (--nvme)" in text and "disk" in text.splitlines()[1]
@@ -229,9 +230,9 @@ def test_fit_with_nvme_climbs_past_the_host_floor():
 def test_fit_a_model_with_nvme_names_the_disk():
     """`fit --hf-config … --nvme` (``fit_model``): a model the host cannot hold fits with its
     optimizer states on disk, and the verdict says how much the disk holds."""
-    from protrain.executor import accounting
     from protrain.planner.commands.fit_config import fit_model, render_model_fit
     from protrain.planner.models.zoo import build
+    from protrain.planner.search import memory_walk
 
     disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
     model = build("gpt2-medium", device="meta")
@@ -241,7 +242,7 @@ def test_fit_a_model_with_nvme_names_the_disk():
     r = fit_model(model, **kw, nvme=True)
     plan = r.best.plan
     assert r.fits and plan.placement.nvme
-    assert f"keep their optimizer states on disk ({human_bytes(accounting.walk(plan).disk_bytes)} per rank)" \
+    assert f"keep their optimizer states on disk ({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)" \
         in render_model_fit(r)
     with pytest.raises(ConfigError, match="hardware probe --nvme"):
         fit_model(model, **{**kw, "spec": SMALL}, nvme=True)

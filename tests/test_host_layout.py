@@ -14,6 +14,7 @@ from torch import nn
 
 from protrain.executor import AdamWConfig, accounting, homes, optim
 from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.search import memory_walk
 from protrain.planner.search.emit import emit
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
@@ -50,7 +51,7 @@ def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous, monk
     # piece, as accounting.py says and the ledger counted
     held = sum(accounting.host_numel(offloaded, c) for c in offloaded.placement.offloaded)  # no padding
     assert held < len(offloaded.placement.offloaded) * offloaded.chunks.chunk_numel
-    assert got[2] == accounting.walk(offloaded).host_bytes == 14 * held + 4 * 192
+    assert got[2] == memory_walk.walk(offloaded).host_bytes == 14 * held + 4 * 192
 
 
 class _Gate(nn.Module):
@@ -139,14 +140,14 @@ def test_homeless_chunks_train_bit_for_bit_as_kept_homes(policies, asynchronous,
         with emulate(11) if asynchronous else _nothing():
             got = _train(make_model("gpt2-4"), plan)
         _same(got, want)
-        walk = accounting.walk(plan)
+        walk = memory_walk.walk(plan)
         assert got[2] == walk.host_bytes
     shard = kept.chunks.chunk_numel
     plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16",
                      homeless="all")
     held = sum(accounting.host_numel(kept, c) for c in off)  # up to each chunk's last parameter
-    assert accounting.walk(plan).host_bytes == 12 * held + 2 * shard * plan.placement.n_host_slots + 4 * 192
-    assert accounting.walk(kept).host_bytes == 14 * held + 4 * 192
+    assert memory_walk.walk(plan).host_bytes == 12 * held + 2 * shard * plan.placement.n_host_slots + 4 * 192
+    assert memory_walk.walk(kept).host_bytes == 14 * held + 4 * 192
 
 
 def test_homeless_plans_are_refused_where_a_gradient_must_wait():

@@ -34,6 +34,7 @@ from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError, HostMemoryError, PlanError
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import GPT2Config
+from protrain.planner.search import memory_walk
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"
@@ -69,9 +70,9 @@ def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, poli
     # fp32: the home is the master, on the disk with the moments; the accumulator stays
     kept = make_plan(model, persistent=persistent, n_buffer=2, policies=policies)
     moved = sum(accounting.host_numel(plan, c) for c in plan.placement.nvme)
-    assert run.engine.ledger.host_bytes == accounting.walk(plan).host_bytes
-    assert accounting.walk(kept).host_bytes - accounting.walk(plan).host_bytes == 12 * moved - accounting.NVME_WINDOW
-    assert accounting.walk(plan).disk_bytes == 3 * sum(accounting.nvme_span(accounting.host_numel(plan, c))
+    assert run.engine.ledger.host_bytes == memory_walk.walk(plan).host_bytes
+    assert memory_walk.walk(kept).host_bytes - memory_walk.walk(plan).host_bytes == 12 * moved - accounting.NVME_WINDOW
+    assert memory_walk.walk(plan).disk_bytes == 3 * sum(accounting.nvme_span(accounting.host_numel(plan, c))
                                                        for c in plan.placement.nvme)
     assert list(tmp_path.iterdir()) == []  # the file is unlinked from the start
 
@@ -88,7 +89,7 @@ def test_bf16_nvme_chunks_train_bit_for_bit_as_host_states(policies, tmp_path, m
         with emulate(3):
             got = _train(make_model("gpt2-4"), plan, nvme_dir=tmp_path)
         assert_same_training(got, want)
-        assert got[2] == accounting.walk(plan).host_bytes
+        assert got[2] == memory_walk.walk(plan).host_bytes
     accum = dict(kw, grad_accum=2)
     want = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum), data=batches(load_tokens(), 4, 32, 0))
     got = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum, nvme=[1, 3]), nvme_dir=tmp_path,
@@ -122,7 +123,7 @@ def test_the_file_stays_on_disk_beyond_the_window(dtype, homeless, tmp_path, mon
                                                          block_size=64))
     plan = make_plan("gpt2-wide", persistent=[], n_buffer=2, policies="checkpoint", compute_dtype=dtype,
                      chunk_numel=1 << 23, nvme="all", homeless=homeless)
-    assert accounting.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
+    assert memory_walk.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
     engine = wrap(make_model("gpt2-wide"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
     seen = [_mapped_bytes(engine)]
     engine.on_event(lambda ev: seen.append(_mapped_bytes(engine)))
@@ -245,7 +246,7 @@ def _half_host() -> int:
     from protrain.planner.search.planning import make_plan
 
     roomy, _ = make_plan(_profile(), 22 * 2**30, host_budget_bytes=2**40)
-    return int(accounting.walk(roomy).host_bytes * 0.5)
+    return int(memory_walk.walk(roomy).host_bytes * 0.5)
 
 
 def test_the_disk_takes_what_homeless_chunks_leave():
@@ -309,7 +310,7 @@ def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
         make_plan(prof, 16 * 2**30, host_budget_bytes=cap)
     plan, _ = make_plan(prof, 16 * 2**30, host_budget_bytes=cap, nvme=True)
     assert plan.placement.nvme and not plan.placement.device_homed
-    walk = accounting.walk(plan)
+    walk = memory_walk.walk(plan)
     assert walk.host_bytes == plan.prediction.breakdown["host_bytes"] <= cap
     assert walk.disk_bytes >= 12 * sum(accounting.host_numel(plan, c) for c in plan.placement.nvme)
     assert plan.prediction.iter_time_us > homes.prediction.iter_time_us

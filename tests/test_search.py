@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
-from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
+from protrain.planner.search import memory_walk
 from protrain.planner.search.cost import (
     choose_chunk_numel,
     chunk_candidates,
@@ -317,7 +317,7 @@ def test_a_tight_host_makes_the_fewest_chunks_homeless(gpt2xl):
     b = plan.prediction.breakdown
     assert b["host_bytes"] + b["host_swap_bytes"] <= need and b["n_homeless"] == len(homeless)
     assert b["t_convert_us"] > 0 and plan.prediction.iter_time_us >= roomy.prediction.iter_time_us
-    walk = accounting.walk(plan)
+    walk = memory_walk.walk(plan)
     assert walk.host_bytes == b["host_bytes"]
     t = make_terms(prof, plan.chunks.chunk_numel)
     fewer = predict_plan(t, plan.placement.persistent, plan.placement.n_buffer,

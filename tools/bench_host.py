@@ -6,7 +6,7 @@ nothing built), builds the model (fp32, on CPU), wraps it under a plan whose chu
 are all offloaded, trains ``--steps`` steps, and reads ``VmHWM`` (the process's peak
 RSS). ``(VmHWM - baseline) / offloaded parameters`` is what training cost the host per
 parameter at its peak, the model's own fp32 weights included while they lived (wrap
-moves them into chunks and frees them). The prediction is ``accounting.walk(plan)``'s
+moves them into chunks and frees them). The prediction is ``memory_walk.walk(plan)``'s
 host bytes (+ the swapped activations, none here) over the same parameters.
 
     python tools/bench_host.py                # print the table
@@ -105,10 +105,11 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
              device: str = "cpu") -> dict:
     import torch
 
-    from protrain.executor import accounting, wrap
     from protrain.executor import plan as P
+    from protrain.executor import wrap
     from protrain.planner.models.data import batches, load_tokens
     from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.search import memory_walk
     from protrain.planner.search.cost import choose_chunk_numel
     from protrain.planner.search.emit import emit, model_facts
 
@@ -163,7 +164,7 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     file_growth = max(0, _kib("RssFile") - file_base)
     peak = max(wrap_peak, train_peak)
     on_host = host_share(device_peak, device)
-    walk = accounting.walk(plan)
+    walk = memory_walk.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
     return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
             "device": device,
@@ -206,7 +207,7 @@ def render(rows: list[dict], cmd: str) -> str:
         "threshold as mapped blocks are freed, so freed device-side blocks of the CPU run (op "
         "temporaries the ledger does not count, which on a GPU never touch host memory) stay in the "
         "heap and in RSS. *Predicted*: "
-        "`accounting.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's host "
+        "`memory_walk.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's host "
         "states stop at its last parameter (`accounting.host_numel`, not the chunk's padding), plus "
         "the slots and the CPU step's fp32 scratch of one 1M-element piece. *After wrap* is below it "
         "where pages are not yet touched (slots and fp32 accumulators are first written by the step). "

@@ -102,17 +102,18 @@ def llama70b_row() -> str:
 
 def layout_note() -> str:
     from protrain.executor import accounting
+    from protrain.planner.search import memory_walk
     from protrain.planner.search.rules import HOST_SLOTS
 
-    eb = accounting.element_bytes("bfloat16")
+    eb = memory_walk.element_bytes("bfloat16")
     return (f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "
             f"parameter, {eb.host - eb.compute} B for the chunks a plan makes homeless when the host "
             f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
-            "of device memory per persistent one (`accounting.element_bytes`); at one rank an offloaded "
+            "of device memory per persistent one (`memory_walk.element_bytes`); at one rank an offloaded "
             "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
             f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the chunks a "
             "plan homes on the device when even every chunk homeless misses the host (their shard's "
-            f"fp32 master and moments on the card, {accounting.HOMED_BYTES} B per element: "
+            f"fp32 master and moments on the card, {memory_walk.HOMED_BYTES} B per element: "
             "executor/chunks.py [Note: device homes])")
 
 

@@ -38,7 +38,7 @@ shared by the ``N`` ranks, each
 rank's share less 10% (the OS) and 2 GiB (its process) — the rule of
 ``planning.default_host_budget``, which is this at one rank with the spec's RAM.
 Host need = the plan's ``host_bytes`` (each offloaded chunk's shard of states on the
-host, ``accounting.element_bytes``: 14 B per element in bf16 without gradient
+host, ``memory_walk.element_bytes``: 14 B per element in bf16 without gradient
 accumulation, 12 for the chunks the search makes homeless to fit the host, none for
 those it then homes on the device (12 B per element of their shard on the card), 16 in
 fp32, 20 when accumulating, and the CPU step's scratch; the
@@ -59,7 +59,7 @@ where host memory binds (planner/search/host_tiers.py [NVMe tier]; the spec must
 bandwidth, ``protrain hardware probe --nvme DIR``): the host floor above no longer applies
 (every offloaded chunk may leave its 12 B per element on disk), so no rung is ruled out
 without a probe,
-and the report adds each winner's file size (``accounting.walk(plan).disk_bytes``), which
+and the report adds each winner's file size (``memory_walk.walk(plan).disk_bytes``), which
 the disk must hold.
 
 Between the largest fitting rung and the next one, deeper models of the fitting rung's
@@ -87,13 +87,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
 
 from ..hardware.spec import HardwareSpec, dump_spec
 from ..models.zoo import GPT2Config, LlamaConfig
 from ..profiling.profile import Profile
+from ..search import memory_walk
 
 FAMILIES = ("gpt2", "llama")
 
@@ -292,13 +292,13 @@ def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1
     """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
     persistent parameters at their compute dtype alone, or device-homed ones at their shard of
-    master and moments (``accounting.HOMED_BYTES / world_size``), whichever holds more (module
+    master and moments (``memory_walk.HOMED_BYTES / world_size``), whichever holds more (module
     docstring). With a disk (``nvme``) none: every offloaded chunk's states may go there."""
     if nvme:
         return 0
-    eb = accounting.element_bytes(dtype)
+    eb = memory_walk.element_bytes(dtype)
     host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
-    on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // accounting.HOMED_BYTES)
+    on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // memory_walk.HOMED_BYTES)
     return max(0, n - on_device) * host // world_size
 
 
@@ -436,7 +436,7 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
         peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
         plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
         world_size=world_size, host_budget_bytes=host_budget,
-        next_config=next_config, nvme=nvme, disk_bytes=accounting.walk(plan).disk_bytes,
+        next_config=next_config, nvme=nvme, disk_bytes=memory_walk.walk(plan).disk_bytes,
     )
 
 

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from protrain.executor import accounting
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
 
 from ..hardware.spec import HardwareSpec
 from ..models.moe import MoeLayout
+from ..search import memory_walk
 from .fit import MICRO_BATCHES, host_need_bytes
 
 
@@ -243,7 +243,7 @@ def render_model_fit(r: ModelFit) -> str:
                  f"{human_bytes(r.host_budget_bytes)} ({host / max(r.host_budget_bytes, 1):.0%}); "
                  f"{n_persist} of {n_chunks} chunks stay on the device"
                  + (f"; {len(plan.placement.nvme)} keep their optimizer states on disk "
-                    f"({human_bytes(accounting.walk(plan).disk_bytes)} per rank)" if plan.placement.nvme else ""))
+                    f"({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)" if plan.placement.nvme else ""))
     lines.append(f"binds: {r.binds}")
     if r.moe is not None:
         m = r.moe

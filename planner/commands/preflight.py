@@ -96,16 +96,15 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
     return that need in bytes.
 
     The need, per process: the model's fp32 parameters (built on the CPU first), the
-    plan's own host figures from ``accounting.walk`` (offloaded chunks' states, swapped
+    plan's own host figures from ``memory_walk.walk`` (offloaded chunks' states, swapped
     activations at the turn) and, when the device is the CPU, the device side too (the
     walk's peak: persistent chunks, buffers, gradients) and one micro-batch's token ids
     and fp32 logits. torchrun's ``LOCAL_WORLD_SIZE`` ranks share the machine. Also
     refuses a sequence longer than the model's positions, which would fail only at the
     first forward.
     """
-    from protrain.executor import accounting
-
     from ..models.zoo import describe
+    from ..search import memory_walk
 
     info = describe(model_name)
     t = plan.training
@@ -113,7 +112,7 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
         raise ConfigError(f"{where}: seq_len {t.seq_len} is longer than {model_name}'s {info.max_seq_len} "
                           "positions - at `$.training.seq_len`",
                           f"make a plan with `protrain plan --seq {info.max_seq_len}` or less")
-    w = accounting.walk(plan)
+    w = memory_walk.walk(plan)
     parts = {"fp32 parameters": info.n_params * 4, "offloaded states": w.host_bytes,
              "swapped activations": w.host_swap_bytes}
     if device == "cpu":

@@ -67,7 +67,7 @@ from protrain.executor.plan import POST, PRE
 from ..hardware.datasheets import ADAM_BYTES_PER_PARAM
 from ..hardware.spec import link_bandwidth
 from ..profiling.profile import Profile
-from . import host_tiers
+from . import host_tiers, memory_walk
 from .grid import (  # noqa: F401  (re-exported: the search and tools use them from here)
     SWAP_OVERHEAD_US,
     GridTerms,
@@ -82,7 +82,7 @@ from .layout import assign, groups
 from .rules import HOST_SLOTS, ModelFacts
 
 DTYPE_BYTES = A.DTYPE_BYTES
-ALPHA_GPU = A.ALPHA_GPU
+ALPHA_GPU = memory_walk.ALPHA_GPU
 
 
 LINK_DUPLEX = 1.45
@@ -113,10 +113,10 @@ def facts_from_profile(profile: Profile) -> ModelFacts:
                       order=[p.name for p in profile.params], uses=uses)
 
 
-def segment_bytes(profile: Profile) -> A.SegmentBytes:
+def segment_bytes(profile: Profile) -> memory_walk.SegmentBytes:
     """The profile's activation bytes per segment, as ``executor/accounting.py`` takes them."""
     segs = profile.segments
-    return A.SegmentBytes(saved=[x.saved_bytes for x in segs], swapped=[x.saved_tensor_bytes for x in segs],
+    return memory_walk.SegmentBytes(saved=[x.saved_bytes for x in segs], swapped=[x.saved_tensor_bytes for x in segs],
                           inputs=[x.input_bytes for x in segs], fwd_peak=[x.fwd_peak_bytes for x in segs],
                           bwd_peak=[x.bwd_peak_bytes for x in segs], gpu=profile.hardware.kind == "gpu")
 
@@ -220,7 +220,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
     su = H.Setup(profile.training.compute_dtype, grad_accum)  # the homes table's bytes per element
-    eb = A.element_bytes(profile.training.compute_dtype, grad_accum)
+    eb = memory_walk.element_bytes(profile.training.compute_dtype, grad_accum)
     cb = eb.compute
     W = world_size
     shard = W > 1 and (shard_persistent is None or shard_persistent)

@@ -48,7 +48,7 @@ class MemoryStep:
 
     @property
     def total_bytes(self) -> float:
-        # Integers until the last multiplication, as accounting.walk sums them.
+        # Integers until the last multiplication, as memory_walk.walk sums them.
         walk = self.activations + self.swapping_out + self.swapped_in + self.grads + self.recompute + self.transient
         return (self.states + self.buffers + walk) * self.alpha
 
@@ -61,16 +61,15 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
     model the cost model is tested equal to, so the largest ``total_bytes`` is the plan's
     predicted peak to the byte (tested).
     """
-    from protrain.executor import accounting
-
+    from ..search import memory_walk
     from ..search.cost import segment_bytes
 
     _terms_for(profile, plan)  # refuses a profile of another model or layout
-    w = accounting.walk(plan, segment_bytes(profile))
+    w = memory_walk.walk(plan, segment_bytes(profile))
     return [MemoryStep(f"{phase} {seg}", w.states_bytes, w.buffers_bytes, k.get("activations", 0),
                        k.get("swap_out", 0), k.get("swapped_in", 0), k.get("grads", 0) + k.get("shared_grads", 0), k.get("recompute", 0),
                        k.get("transient", 0), w.alpha)
-            for phase, seg, k in accounting.step_highs(w.events)]
+            for phase, seg, k in memory_walk.step_highs(w.events)]
 
 
 def memory_timeline(profile: Profile, plan: P.Plan) -> list[tuple[str, int]]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protrain.executor import accounting
 from protrain.executor.homes import POLICIES
 from protrain.executor.plan import Plan
 
+from ..search import memory_walk
 from ..search.policy_layout import block_policies  # noqa: F401  (explain rebuilds strips)
 
 
@@ -124,7 +124,7 @@ def render_show(plan: Plan, source: str = "") -> str:
         + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),
         "  model states  (per rank: persistent chunks and offloaded buffers on the device, offloaded states on the host)",
     ]
-    walk = accounting.walk(plan)  # per rank; the same figures the prediction holds
+    walk = memory_walk.walk(plan)  # per rank; the same figures the prediction holds
     for name, value in (("states_bytes", walk.states_bytes), ("buffers_bytes", walk.buffers_bytes),
                         ("host_bytes", walk.host_bytes)):
         lines.append(f"    {name:<22} {human_bytes(value)}")

@@ -13,9 +13,10 @@ import pytest
 import torch
 from harness import MICRO_BATCH, SEQ_LEN, make_model, make_plan, sleeper
 
-from protrain.executor import AdamWConfig, accounting, wrap
+from protrain.executor import AdamWConfig, wrap
 from protrain.executor.schedule import Phase
 from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.search import memory_walk
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +120,7 @@ def test_nvme_chunks_match_plain_on_cuda(model_name, tmp_path):
     # AdamW of offloaded chunks runs on the CPU as in test_fp32_offloaded_matches_plain: 1e-5.
     plan = make_plan(model_name, persistent=[], n_buffer=2, policies="swap checkpoint keep swap", nvme="all")
     engine = _fp32_against_plain(model_name, plan, 1e-5, nvme_dir=tmp_path)
-    assert engine.ledger.host_bytes == accounting.walk(plan).host_bytes
+    assert engine.ledger.host_bytes == memory_walk.walk(plan).host_bytes
 
 
 def test_offloaded_plan_holds_device_memory_to_its_states_plus_activations():
@@ -142,9 +143,9 @@ def test_offloaded_plan_holds_device_memory_to_its_states_plus_activations():
     engine.step(next(data))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    walk = accounting.walk(plan)
+    walk = memory_walk.walk(plan)
     states = walk.states_bytes + walk.buffers_bytes + max(  # + the offloaded gradients open at once
-        k.get("grads", 0) for _, _, k in accounting.step_highs(walk.events))
+        k.get("grads", 0) for _, _, k in memory_walk.step_highs(walk.events))
     activations = marks["fwd_end"] - before  # measured: what forward left on the device
     # Slack for the logits' gradient and kernel workspaces during backward.
     assert peak <= states + max(activations, 0) + 64 * 2**20, (peak, states, activations)
