@@ -64,7 +64,10 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
 
 The device peak is the largest running total over the stream, times ``alpha``
 (allocator fragmentation on a GPU, 1 on a CPU): planner/search/memory_walk.py ``walk``, with the
-per-element figures the planner reads (``element_bytes``). Within a step the order is: swap-in,
+per-element figures the planner reads (``element_bytes``). This module streams the model
+states (``state_events``, ``events``: what the executor checks); the activation and
+shared-gradient events come from a profile and matter to the planner only, which adds
+them (``memory_walk.events``). Within a step the order is: swap-in,
 fetches and prefetches, opened gradients; activations; transients (allocated, then
 freed); offloads, the segment's activations, releases.
 """
@@ -133,18 +136,21 @@ class Event:
     block: str = ""
 
 
-def events(plan: Plan, acts=None, trainable: Sequence[bool] | None = None) -> list[Event]:
-    """The allocation stream of wrap and one iteration (see the module docstring). ``acts``:
-    activation bytes per segment from a profile (planner/search/memory_walk.py ``SegmentBytes``), or
-    None (model states only: what the executor checks)."""
+StepEvents = tuple[str, Step, list[Event], list[Event]]
+"""``(phase, step, begin, end)``: a schedule step's model-state events (``state_events``)."""
+
+
+def state_events(plan: Plan,
+                 trainable: Sequence[bool] | None = None) -> tuple[list[Event], list[StepEvents]]:
+    """The model states' events (see the module docstring): wrap's, and per schedule step
+    ``(phase, step, begin, end)``: ``begin`` its fetches, prefetches and opened gradients,
+    ``end`` its offloads and releases (``chunk_steps``)."""
     t = plan.training
     W = t.world_size
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
     cb = DTYPE_BYTES[t.compute_dtype]
     chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else [True] * len(plan.chunks.items)
-    segs = segments(plan)
-    policy = {a.block: a.policy for a in plan.activations}
     out: list[Event] = []
 
     def ev(phase, seg, where, kind, nbytes, chunk=-1, block=""):
@@ -181,59 +187,21 @@ def events(plan: Plan, acts=None, trainable: Sequence[bool] | None = None) -> li
         ev("wrap", "", "host", "scratch", H.host_scratch_bytes(su, shard))
     ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * cb)
 
-    def act(i: int, field: str) -> int:
-        return int(getattr(acts, field)[i]) if acts is not None else 0
+    def chunk_events(phase: str, step: Step, changes: list) -> list[Event]:
+        return [Event(phase, step.segment, "buffers" if kind == "chunks" else "device", kind,
+                      sign * chunk_bytes, c) for kind, c, sign in changes if kind == "chunks" or train[c]]
 
-    gpu = acts is not None and acts.gpu
-    held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
-    moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
-    recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
+    return out, [(phase, step, chunk_events(phase, step, begin), chunk_events(phase, step, end))
+                 for phase, step, begin, end in chunk_steps(plan.schedule)]
 
-    def chunk_events(phase, s, changes):
-        for kind, c, sign in changes:
-            if kind == "chunks":
-                ev(phase, s, "buffers", kind, sign * chunk_bytes, c)
-            elif train[c]:
-                ev(phase, s, "device", kind, sign * chunk_bytes, c)
 
-    shared = shared_grads(plan, train)
-    back_in: set[str] = set()
-    for phase, step, begin, end in chunk_steps(plan.schedule):
-        s = step.segment
-        i = segs.index(s)
-        out.append(Event(phase, s, "device", "step", 0))  # marks the step's start
-        for b in step.swap_in:
-            back_in.add(b)
-            ev(phase, s, "device", "swapped_in", act(segs.index(b), "swapped"), block=b)
-        chunk_events(phase, s, begin)
-        if phase == "backward":
-            ev(phase, s, "device", "shared_grads", shared[s, 1])
-        if phase == "forward":
-            ev(phase, s, "device", "activations", held[i], block=s)
-            if gpu and s in moves:
-                ev(phase, s, "device", "swap_out", act(i, "saved"), block=s)
-        elif gpu and s in recomputes:
-            ev(phase, s, "device", "recompute", act(i, "saved"), block=s)
-        transient = act(i, "fwd_peak" if phase == "forward" else "bwd_peak") if gpu else 0
-        ev(phase, s, "device", "transient", transient)
-        ev(phase, s, "device", "transient", -transient)
-        chunk_events(phase, s, end)
-        if phase == "forward":
-            if gpu and i and segs[i - 1] in moves:
-                ev(phase, s, "device", "swap_out", -act(i - 1, "saved"), block=segs[i - 1])
-            if i == len(segs) - 1:  # the turn: every swapped block's activations are on the host
-                for b in plan.model.blocks:
-                    if b in moves:
-                        ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
-        else:
-            if gpu and s in recomputes:
-                ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
-            ev(phase, s, "device", "activations", -held[i], block=s)
-            ev(phase, s, "device", "shared_grads", -shared[s, -1])
-            if s in back_in:
-                ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)
-                ev(phase, s, "host", "swap", -act(i, "swapped"), block=s)
-    return out
+def events(plan: Plan, trainable: Sequence[bool] | None = None) -> list[Event]:
+    """The model states' stream of wrap and one iteration, a ``step`` marker starting each
+    step: what the executor's ledger is held to. The planner's stream adds activations and
+    shared gradients to it (planner/search/memory_walk.py ``events``)."""
+    wrap, steps = state_events(plan, trainable)
+    return wrap + [e for phase, step, begin, end in steps
+                   for e in (Event(phase, step.segment, "device", "step", 0), *begin, *end)]
 
 
 def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
@@ -288,7 +256,7 @@ def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict
     ``chunks``: persistent chunks' values plus the chunks occupying the reserved buffers) at
     every step's begin (after its fetches and prefetches) and end (after its releases):
     what ``Ledger.check`` holds the executor to. Keys ``(phase, segment, "begin" | "end")``."""
-    stream = events(plan, None, trainable)
+    stream = events(plan, trainable)
     totals = dict.fromkeys(STATE_KINDS, 0)
     for e in stream:
         if e.phase == "wrap" and e.where == "device" and e.kind in STATE_KINDS:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from protrain.executor import accounting
+from protrain.planner.search import memory_walk
 
 
 class Tied(nn.Module):
@@ -105,7 +106,7 @@ def test_shared_grads_rule_on_a_tied_plan():
     trainable = [c.id != owner for c in plan.chunks.items]  # the tied weight's chunk frozen
     assert not accounting.shared_grads(plan, trainable)
     # in the stream: opened at the backward step after <post>, closed at the end of <pre>'s
-    held = [(e.phase, e.segment, e.nbytes) for e in accounting.events(plan) if e.kind == "shared_grads"]
+    held = [(e.phase, e.segment, e.nbytes) for e in memory_walk.events(plan) if e.kind == "shared_grads"]
     assert held == [("backward", plan.model.blocks[-1], wte.numel() * 2), ("backward", "<pre>", -wte.numel() * 2)]
 
 

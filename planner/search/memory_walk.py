@@ -2,11 +2,12 @@
 
 executor/accounting.py streams every allocation and free of wrap and one iteration (the
 one memory model; the executor's ledger is held to its model states while training).
-What the planner reads from it lives here: the peaks (``walk``, ``step_highs``), the
-allocator's fragmentation factor on a GPU, the activation bytes a profile gives the
-stream (``SegmentBytes``) and the per-element bytes of each model state
-(``element_bytes``). ``show``, ``fit``, the cost model's property tests and the tools
-read them; the executor does not.
+What the planner reads from it lives here: the whole stream, activations and the
+gradients of shared parameters added to the model states (``events``), its peaks
+(``walk``, ``step_highs``), the allocator's fragmentation factor on a GPU, the activation
+bytes a profile gives the stream (``SegmentBytes``) and the per-element bytes of each
+model state (``element_bytes``). ``show``, ``fit``, the cost model's property tests and
+the tools read them; the executor does not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from itertools import accumulate
 
 from protrain.executor import accounting as A
 from protrain.executor import homes as H
-from protrain.executor.plan import Plan
+from protrain.executor.plan import Plan, segments
 
 ALPHA_GPU = 1.10
 """Fragmentation factor on CUDA: allocator block rounding and cached-but-free
@@ -73,9 +74,71 @@ class Walk:
     disk_bytes: int = 0  # NVMe chunks' states in the file (placement.nvme)
 
 
+def events(plan: Plan, acts: SegmentBytes | None = None,
+           trainable: Sequence[bool] | None = None) -> list[A.Event]:
+    """The allocation stream of wrap and one iteration (executor/accounting.py's module
+    docstring): the model states' (``accounting.state_events``) with the activations of
+    ``acts`` and the gradients autograd holds for shared parameters, in each step's order."""
+    wrap, steps = A.state_events(plan, trainable)
+    segs = segments(plan)
+    policy = {a.block: a.policy for a in plan.activations}
+    out: list[A.Event] = list(wrap)
+
+    def ev(phase, seg, where, kind, nbytes, chunk=-1, block=""):
+        if nbytes:
+            out.append(A.Event(phase, seg, where, kind, nbytes, chunk, block))
+
+    def act(i: int, field: str) -> int:
+        return int(getattr(acts, field)[i]) if acts is not None else 0
+
+    gpu = acts is not None and acts.gpu
+    held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
+    moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
+    recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
+
+    shared = A.shared_grads(plan, trainable)
+    back_in: set[str] = set()
+    for phase, step, begin, end in steps:
+        s = step.segment
+        i = segs.index(s)
+        out.append(A.Event(phase, s, "device", "step", 0))  # marks the step's start
+        for b in step.swap_in:
+            back_in.add(b)
+            ev(phase, s, "device", "swapped_in", act(segs.index(b), "swapped"), block=b)
+        out += begin
+        if phase == "backward":
+            ev(phase, s, "device", "shared_grads", shared[s, 1])
+        if phase == "forward":
+            ev(phase, s, "device", "activations", held[i], block=s)
+            if gpu and s in moves:
+                ev(phase, s, "device", "swap_out", act(i, "saved"), block=s)
+        elif gpu and s in recomputes:
+            ev(phase, s, "device", "recompute", act(i, "saved"), block=s)
+        transient = act(i, "fwd_peak" if phase == "forward" else "bwd_peak") if gpu else 0
+        ev(phase, s, "device", "transient", transient)
+        ev(phase, s, "device", "transient", -transient)
+        out += end
+        if phase == "forward":
+            if gpu and i and segs[i - 1] in moves:
+                ev(phase, s, "device", "swap_out", -act(i - 1, "saved"), block=segs[i - 1])
+            if i == len(segs) - 1:  # the turn: every swapped block's activations are on the host
+                for b in plan.model.blocks:
+                    if b in moves:
+                        ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
+        else:
+            if gpu and s in recomputes:
+                ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
+            ev(phase, s, "device", "activations", -held[i], block=s)
+            ev(phase, s, "device", "shared_grads", -shared[s, -1])
+            if s in back_in:
+                ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)
+                ev(phase, s, "host", "swap", -act(i, "swapped"), block=s)
+    return out
+
+
 def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None) -> Walk:
     """``events`` and its figures: the peaks on the device and the host."""
-    stream = A.events(plan, acts, trainable)
+    stream = events(plan, acts, trainable)
     alpha = ALPHA_GPU if acts is not None and acts.gpu else 1.0
     states = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "device" and e.kind != "buffers")
     buffers = sum(e.nbytes for e in stream if e.phase == "wrap" and e.kind == "buffers")
