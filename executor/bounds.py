@@ -4,7 +4,7 @@ A plan that passes the schema can still say ``chunk_numel: 2**62`` or
 ``micro_batch: 10**12``: well-typed, consistent, and impossible to allocate or to
 iterate. ``validate`` (every plan ``load`` reads, and every plan ``wrap`` is given)
 and the commands that take the same values as flags (``protrain plan --grad-accum``,
-``--batch``, ``--seq``, ``--world-size``; planner/checks.py ``check_flags``) refuse them
+``--batch``, ``--seq``, ``--world-size``; planner/commands/checks.py ``check_flags``) refuse them
 by this module's limits, with the JSON path or the flag, the value and the limit.
 
 The limits are far above anything that trains (a trillion-element chunk, 65,536
