@@ -1,12 +1,11 @@
-"""Chunk homes: where each state lives, declared once.
+"""Chunk homes and block policies: where each state lives, declared once.
 
 A chunk's *home* says where its states are kept between uses: its compute-dtype values,
 its gradients, and (if any parameter trains) its fp32 master and the two Adam moments.
-Each is one entry in a table below: the tensors it keeps (where, how many bytes per
-element, of which element count), the traffic of its events, and the preconditions of
-the plan that may use it. (A block's *policy*, what its saved activations do between its
-forward and its backward, has its table in planner/search/policy_layout.py: the planner's
-stream, cost model and views read it; the executor runs each as activations.py says.)
+A block's *policy* says what its saved activations do between its forward and its
+backward. Each is one entry in a table below: the tensors it keeps (where, how many
+bytes per element, of which element count), the traffic of its events, and the
+preconditions of the plan that may use it.
 
 Everything that needs bytes or traffic reads these tables: the accounting stream
 (``accounting.events``: the ledger's expectations, ``show``, ``fit``), the executor's
@@ -287,6 +286,41 @@ NVME_HOMELESS = Home("nvme_homeless", "as homeless, with its fp32 master and mom
 
 HOMES: dict[str, Home] = {h.name: h for h in (PERSISTENT, HOST, HOMELESS, DEVICE_HOMED, NVME, NVME_HOMELESS)}
 """Every home by name, in the order ``show`` lists them."""
+
+
+# ------------------------------------------------------------------------ the policies
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a block's saved activations do between its forward and its backward."""
+
+    name: str
+    letter: str
+    """Its one-letter name in policy strips (``show``, ``diff``: ``SCCK``)."""
+    doc: str
+    held: str | None
+    """The profile's bytes the block holds on the device after its forward: ``saved`` (all it
+    saved), ``inputs`` (only its inputs), or None (nothing)."""
+    moves: bool = False
+    """Its saved bytes (``swapped``) go to the host after forward and come back before backward."""
+    recomputes: bool = False
+    """Its forward runs again in backward (its time, and its saved bytes at that moment)."""
+
+
+KEEP = Policy("keep", "K", "saved activations stay on the device", held="saved")
+SWAP = Policy("swap", "S", "saved activations go to host memory during forward and come back before the "
+              "block's backward", held=None, moves=True)
+CHECKPOINT = Policy("checkpoint", "C", "only the block's inputs are kept; its forward is recomputed in backward",
+                    held="inputs", recomputes=True)
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (KEEP, SWAP, CHECKPOINT)}
+
+
+def held_bytes(policy: str, saved: int, inputs: int) -> int:
+    """Device bytes a block holds from its forward to its backward under ``policy``."""
+    held = POLICIES[policy].held
+    return saved if held == "saved" else inputs if held == "inputs" else 0
 
 
 def homes_of(n_chunks: int, persistent: Iterable[int], homeless: Iterable[int] = (),

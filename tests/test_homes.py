@@ -11,7 +11,6 @@ import pytest
 
 from protrain.executor import homes as H
 from protrain.executor.errors import PlanError
-from protrain.planner.search.policy_layout import held_bytes
 
 BF16, FP32 = H.Setup("bfloat16"), H.Setup("float32")
 BF16_ACC2, FP32_ACC2 = H.Setup("bfloat16", 2), H.Setup("float32", 2)
@@ -85,4 +84,4 @@ def test_homes_of_names_one_home_per_chunk_and_refuses_what_names_none():
 
 
 def test_policies_hold_what_they_say():
-    assert [held_bytes(p, saved=100, inputs=7) for p in ("keep", "swap", "checkpoint")] == [100, 0, 7]
+    assert [H.held_bytes(p, saved=100, inputs=7) for p in ("keep", "swap", "checkpoint")] == [100, 0, 7]

@@ -32,13 +32,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from torch import nn
 
+from protrain.executor import homes as H
 from protrain.executor import plan as P
 from protrain.executor.check import model_signature, tied_pairs
 from protrain.executor.errors import ConfigError
 
 from ..profiling.graph import ExecutionGraph, trace
 from .layout import assign, groups
-from .policy_layout import POLICIES
 from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # noqa: F401  (emit's API)
 
 
@@ -95,9 +95,9 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     if len(policies) != len(blocks):
         raise ConfigError(f"{len(policies)} activation policies for {len(blocks)} blocks")
     for b, pol in zip(blocks, policies):
-        if pol not in POLICIES:
+        if pol not in H.POLICIES:
             raise ConfigError(f"block {b!r}: unknown activation policy {pol!r}",
-                              f"use one of {', '.join(POLICIES)}")
+                              f"use one of {', '.join(H.POLICIES)}")
     for b in blocks:
         outside = [n for n in facts.uses[b] if not n.startswith(b + ".")]
         if outside:

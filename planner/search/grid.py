@@ -4,7 +4,7 @@ A search evaluates one grid of per-block policy strips (``keep``/``swap``/``chec
 at every placement. ``GridTerms`` are the terms of the time and memory models that the
 strips decide without the placement (activations held, swapped or recomputed, swap
 times, the walk's placement-free part); ``grid_terms`` computes them once per grid and
-activation profile. Which policy moves or recomputes comes from policy_layout.py.
+activation profile. Which policy moves or recomputes comes from executor/homes.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .policy_layout import POLICIES, block_policies
+from protrain.executor import homes as H
+
+from .policy_layout import block_policies
 
 if TYPE_CHECKING:
     from .cost import Terms
@@ -78,11 +80,11 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
         out = GridTerms(**{f: getattr(terms, f)[idx] for f in GridTerms.__dataclass_fields__})
         grid.cache[key] = (arrays, out)
         return out
-    # What each policy holds after forward (policy_layout.POLICIES): its strips' mask times that term
+    # What each policy holds after forward (homes.POLICIES): its strips' mask times that term
     # (whole bytes: the sum is exact). <pre> and <post> are kept.
     mask = {"keep": 1.0 - grid.swap - grid.ckpt, "swap": grid.swap, "checkpoint": grid.ckpt}
     term = {"saved": t.saved, "inputs": t.inputs}
-    held_each = sum(mask[p.name] * term[p.held] for p in POLICIES.values() if p.held)  # (G, S)
+    held_each = sum(mask[p.name] * term[p.held] for p in H.POLICIES.values() if p.held)  # (G, S)
     back_in = grid.swap * t.saved_tensor  # swapped block s back on device during its backward
     # [Swap-out in flight] (memory_terms)
     out_each = grid.swap * t.saved if t.gpu else np.zeros_like(held_each)  # (G, S)
@@ -132,12 +134,12 @@ def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
     S = len(strips[0]) + 2
     assert all(len(strip) == S - 2 for strip in strips), (S - 2, {len(strip) for strip in strips})
     codes = np.array([list(strip) for strip in strips], dtype=object).reshape(len(strips), S - 2)  # (G, N)
-    unknown = set(codes.ravel().tolist()) - set(POLICIES)
+    unknown = set(codes.ravel().tolist()) - set(H.POLICIES)
     assert not unknown, unknown
     swap = np.zeros((len(strips), S), dtype=np.float64)
     ckpt = np.zeros((len(strips), S), dtype=np.float64)
     # The grid's two masks, from the policies table: blocks whose activations move to the host
     # and back, and blocks recomputed in backward (the rest keep theirs).
-    swap[:, 1:-1] = np.isin(codes, [p.name for p in POLICIES.values() if p.moves])
-    ckpt[:, 1:-1] = np.isin(codes, [p.name for p in POLICIES.values() if p.recomputes])
+    swap[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.moves])
+    ckpt[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.recomputes])
     return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)

@@ -20,8 +20,6 @@ from protrain.executor import accounting as A
 from protrain.executor import homes as H
 from protrain.executor.plan import Plan, segments
 
-from .policy_layout import POLICIES, held_bytes
-
 ALPHA_GPU = 1.10
 """Fragmentation factor on CUDA: allocator block rounding and cached-but-free
 segments. 1.10 is the paper's reported worst case (≤ 10% over-prediction target);
@@ -94,9 +92,9 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         return int(getattr(acts, field)[i]) if acts is not None else 0
 
     gpu = acts is not None and acts.gpu
-    held = [held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
-    moves = {b for b, p in policy.items() if POLICIES[p].moves}  # (POLICIES: swapped blocks)
-    recomputes = {b for b, p in policy.items() if POLICIES[p].recomputes}
+    held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
+    moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
+    recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
 
     shared = A.shared_grads(plan, trainable)
     back_in: set[str] = set()

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
+from protrain.executor.homes import POLICIES
 from protrain.executor.plan import Generator, Plan, Provenance, dump
 
-from ..search.policy_layout import POLICIES
 from .show import human_bytes, human_count, policy_strip
 
 # ------------------------------------------------------------------------ diff

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protrain.executor.homes import POLICIES
 from protrain.executor.plan import Plan
 
 from ..search import memory_walk
-from ..search.policy_layout import POLICIES, block_policies  # noqa: F401  (explain rebuilds strips)
+from ..search.policy_layout import block_policies  # noqa: F401  (explain rebuilds strips)
 
 
 def policy_strip(plan: Plan) -> str:

@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from protrain.executor import homes as H
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
 from protrain.executor.events import Event
 
 from ..profiling.profile import Profile
-from ..search.policy_layout import POLICIES
 
 TRACKS = {"iteration": 0, "compute": 1, "H2D": 2, "D2H": 3, "CPU Adam": 4, "collectives": 5}
 """Track name → ``tid``. The same numbers in predicted and measured traces."""
@@ -296,7 +296,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             for c in step.prefetch:
                 ready[c] = upload(c, now, "prefetch")
             at = max([now, *(ready[c] for c in step.fetch)])
-            swap = step.segment in policy and POLICIES[policy[step.segment]].moves
+            swap = step.segment in policy and H.POLICIES[policy[step.segment]].moves
             overhead = SWAP_OVERHEAD_US if (swap and t.gpu) else 0.0
             cs, ce = lanes.run("compute", at, float(t.comp_fwd[s]) + overhead)
             events.append(_x(f"forward {step.segment}", "compute", cs, ce - cs, pid, "compute",
@@ -327,7 +327,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             for c in step.prefetch:
                 ready[c] = upload(c, now, "prefetch")
             at = max([now, *(ready[c] for c in step.fetch), swapped_in.get(step.segment, 0.0)])
-            if step.segment in policy and POLICIES[policy[step.segment]].recomputes:
+            if step.segment in policy and H.POLICIES[policy[step.segment]].recomputes:
                 cs, ce = lanes.run("compute", at, float(t.comp_fwd[s]))
                 events.append(_x(f"recompute {step.segment}", "compute", cs, ce - cs, pid, "compute",
                                  segment=step.segment, phase="backward", micro_batch=micro))
