@@ -123,7 +123,7 @@ MUTANTS = [
            "        for c in step.release[1:]:\n            self.store.release(c)",
            ("tests/test_memory.py::test_after_wrap_and_after_step",)),
     Mutant("home restored when a landed chunk has nothing to step", "optim.py",
-           "                c.home.copy_(self.master[cid])\n            return\n",
+           "                self._refresh_home(cid)\n            return\n",
            "                pass\n            return\n",
            ("tests/test_host_layout.py::test_a_chunk_with_nothing_to_step_gets_its_home_back",)),
     Mutant("gradients in home or slot read through the scratch", "optim.py",
@@ -177,32 +177,32 @@ MUTANTS = [
            "        if spans:  # (none under ZeRO-3", "        if True:  # (none under ZeRO-3",
            ("tests/test_dist.py::test_a_rank_whose_shard_is_padding_steps_nothing",)),
     # The planner's rules for the host tiers (issue 17): the search, fit, the trace.
-    Mutant("search: device homes only where the disk does not fit", "search.py",
+    Mutant("search: device homes only where the disk does not fit", "search/exhaustive.py",
            "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h & ~fits_d",
            (f"{N}::test_the_faster_tier_that_fits_per_strip",), package="planner"),
-    Mutant("search: device homes wherever they fit", "search.py",
+    Mutant("search: device homes wherever they fit", "search/exhaustive.py",
            "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h",
            (f"{N}::test_the_faster_tier_that_fits_per_strip",), package="planner"),
-    Mutant("search: the disk alone (no weighing)", "search.py",
+    Mutant("search: the disk alone (no weighing)", "search/exhaustive.py",
            "    use = fits_h & (~fits_d | (homes[0] < disk[0]))", "    use = fits_h & False",
            (f"{N}::test_the_faster_tier_that_fits_per_strip",
             f"{N}::test_plan_with_nvme_fits_a_host_that_refuses_it_without"), package="planner"),
-    Mutant("search: time bound past the dense buffers from the faster tier", "search.py",
+    Mutant("search: time bound past the dense buffers from the faster tier", "search/exhaustive.py",
            "    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])",
            "    return time",
            ("tests/test_search.py::test_buffers_past_the_dense_range_weigh_both_host_tiers",), package="planner"),
-    Mutant("cost: a fetch reads a master from disk", "host_tiers.py",
-           "    return on_disk & (homeless | (t.home_bytes_per_elem == 4))", "    return on_disk & False",
+    Mutant("cost: a fetch reads a master from disk", "search/host_tiers.py",
+           "    return on_disk & (homeless | t.disk_fetch_with_home)", "    return on_disk & False",
            (f"{N}::test_the_disk_takes_what_homeless_chunks_leave",), package="planner"),
-    Mutant("trace: a chunk on disk adds its traffic to its CPU step", "trace.py",
+    Mutant("trace: a chunk on disk adds its traffic to its CPU step", "views/trace.py",
            "        disk = int(t.host_numel[c]) * t.disk_step_us_per_elem if c in on_disk else 0.0",
            "        disk = 0.0", (f"{N}::test_predicted_trace_charges_the_disk",), package="planner"),
-    Mutant("fit: probes plan with the disk", "fit.py",
+    Mutant("fit: probes plan with the disk", "commands/fit.py",
            "        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size,\n"
            "                            nvme=nvme)",
            "        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size)",
            ("tests/test_fit.py::test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold",), package="planner"),
-    Mutant("fit: no host floor with a disk", "fit.py",
+    Mutant("fit: no host floor with a disk", "commands/fit.py",
            "    if nvme:\n        return 0\n    eb = memory_walk", "    eb = memory_walk",
            ("tests/test_fit.py::test_fit_with_nvme_climbs_past_the_host_floor",), package="planner"),
 ]
@@ -210,12 +210,12 @@ MUTANTS = [
 
 def scratch(root: Path, package: str = "executor") -> Path:
     """A ``protrain`` package: a copy of ``root``'s ``package`` (executor/ or planner/), the
-    others of executor/, planner/ and testing/ linked, and plans/ (the stock hardware specs)."""
+    other of executor/ and planner/ linked, and plans/ (the stock hardware specs)."""
     top = Path(tempfile.mkdtemp(prefix="protrain-mutant-"))
     pkg = top / "protrain"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for name in ("executor", "planner", "testing"):
+    for name in ("executor", "planner"):
         if name == package:
             shutil.copytree(root / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
