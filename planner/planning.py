@@ -40,6 +40,9 @@ def _milp(terms, budget_bytes: int, host_budget_bytes: float | None = None) -> S
     """The MILP solver (milp.py), imported on first use (scipy.optimize.milp)."""
     from .milp import solve
 
+    if terms.trainable is not None:
+        raise ConfigError("the MILP solver does not model frozen parameters (LoRA) yet",
+                          "use `--solver exhaustive` (the default)")
     return solve(terms, budget_bytes, host_budget_bytes)
 
 
@@ -115,9 +118,9 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
             hint,
         )
     persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
-    homeless = best.homeless_ids(terms.n_chunks)  # [Homeless chunks] in cost.py
-    homed = best.homed_ids(terms.n_chunks)  # [Device homes] in host_tiers.py
-    on_disk = best.nvme_ids(terms.n_chunks)  # [NVMe tier] in host_tiers.py
+    homeless = best.homeless_ids(terms.n_chunks, terms.trainable)  # [Homeless chunks] in cost.py
+    homed = best.homed_ids(terms.n_chunks, terms.trainable)  # [Device homes] in host_tiers.py
+    on_disk = best.nvme_ids(terms.n_chunks, terms.trainable)  # [NVMe tier] in host_tiers.py
     pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless, homed, on_disk)
     training = P.Training(micro_batch=profile.training.micro_batch, seq_len=profile.training.seq_len,
                           compute_dtype=profile.training.compute_dtype, master_dtype="float32",
