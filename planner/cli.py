@@ -17,6 +17,9 @@ import click
 
 from protrain.executor.errors import ProtrainError
 
+from .lora_options import click_options as lora_options
+from .lora_options import spec_from as lora_spec
+
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C: 128 + SIGINT."""
 
@@ -226,9 +229,10 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
                    "(train with --nvme DIR); the spec must carry the disk's bandwidth "
                    "(`protrain hardware probe --nvme DIR`).")
 @click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
+@lora_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output):
+         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, output, **lora):
     """Search the fastest plan that fits the budget and write it."""
     from protrain.executor.bounds import check_flags
 
@@ -239,7 +243,7 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
     run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
-             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme)
+             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme, lora=lora_spec(**lora))
 
 
 @main.command()
@@ -359,13 +363,19 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
                    "when evaluated) to FILE (rank 0).")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
-                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config.")
+                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config. With --lora: "
+                   "the adapter in peft's format (adapter_config.json, adapter_model.safetensors, the "
+                   "tokenizer), for PeftModel.from_pretrained.")
+@click.option("--export-merged", "export_merged", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="With --lora and --hf-config: after training, write the base with the adapter merged in "
+                   "as a Hugging Face model directory (AutoModelForCausalLM.from_pretrained loads it).")
+@lora_options
 @click.option("--nvme", "nvme_dir", default=None, metavar="DIR", type=click.Path(file_okay=False),
               help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
                    "(placement.nvme); an unlinked file there, gone when training ends.")
 def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, seed, timeout_s,
           trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
-          export_dir, nvme_dir):
+          export_dir, nvme_dir, export_merged, **lora):
     """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
 
     Ctrl-C stops after the current step (checkpointing first with --save-dir) and
@@ -378,7 +388,7 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
                  trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
                  eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
                  text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,
-                 progress=None, nvme_dir=nvme_dir)
+                 progress=None, nvme_dir=nvme_dir, lora=lora_spec(**lora), export_merged=export_merged)
     code = EXIT_INTERRUPTED if getattr(losses, "interrupted", False) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A rank of a finished multi-rank run (its process group destroyed, its files closed)

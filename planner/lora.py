@@ -82,6 +82,27 @@ def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
     return model
 
 
+def injected(model: nn.Module) -> tuple[str, ...]:
+    """The module names (last part of the path) that carry an adapter, in model order."""
+    names: list[str] = []
+    for path, m in model.named_modules():
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer") and path.rpartition(".")[2] not in names:
+            names.append(path.rpartition(".")[2])
+    return tuple(names)
+
+
+def check_plan(plan, lora: LoraSpec | None, where: str) -> None:
+    """Refuse, before the model is built, a LoRA plan trained without ``--lora`` and the reverse."""
+    frozen = any(p.frozen for c in plan.chunks.items for p in c.params)
+    adapters = any("lora_" in p.name for c in plan.chunks.items for p in c.params)
+    if lora is None and adapters:
+        raise ConfigError(f"{where} was made for a LoRA model (its parameters include peft's adapters)",
+                          "train with --lora and the --lora-r/--lora-targets it was planned with")
+    if lora is not None and not (frozen and adapters):
+        raise ConfigError(f"{where} was made for training the whole model, not LoRA",
+                          "make a plan with `protrain plan … --lora`, or drop --lora")
+
+
 def trainable_count(model: nn.Module) -> tuple[int, int]:
     """(trainable, all) parameter elements."""
     ps = list(model.parameters())
@@ -125,13 +146,13 @@ def export_adapter(model: nn.Module, state: dict[str, torch.Tensor], spec: LoraS
     ``PeftModel.from_pretrained(base, out_dir)`` loads it."""
     from safetensors.torch import save_file
 
-    inner = getattr(model, "hf", None)
-    target = inner if isinstance(inner, nn.Module) else model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config(spec, target)
+    cfg = config(spec if spec.targets else LoraSpec(spec.r, spec.alpha, spec.dropout, injected(model)), model)
     cfg.base_model_name_or_path = base_name or None
     cfg.inference_mode = True
+    if isinstance(getattr(model, "hf", None), nn.Module):  # a transformers causal LM (planner/hf.py)
+        cfg.task_type = "CAUSAL_LM"
     cfg.save_pretrained(str(out))
     save_file(peft_state_dict(model, state), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     if tokenizer_dir is not None:
@@ -149,7 +170,9 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     """The base's weights with each adapter folded in, under the names the model had before
     injection (``...q_proj.weight``), as peft's ``merge_and_unload`` computes them (each LoRA
     layer's ``scaling`` and ``fan_in_fan_out``): for ``from_pretrained``. ``state``: the
-    engine's ``state_dict()["model"]`` of the injected ``model``."""
+    engine's ``state_dict()["model"]`` of the injected ``model``; its frozen base is the base
+    as trained, in the plan's compute dtype (a frozen chunk keeps no fp32 master: chunks.py
+    [Note: frozen chunks]), so a 16-bit run merges into its 16-bit base."""
     out = {name.replace(".base_layer.", "."): t for name, t in state.items() if "lora_" not in name}
     for path, m in model.named_modules():
         if not (hasattr(m, "lora_A") and hasattr(m, "base_layer") and ADAPTER in getattr(m, "lora_A", {})):

@@ -65,8 +65,10 @@ def cached_probe(device: str, *, reprobe: bool = False, echo: Callable[[str], No
 
 def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, device: str | None,
                   analytic: bool, hardware: str | None, iterations: int = 5,
-                  echo: Callable[[str], None] = print, reprobe: bool = False) -> Profile:
-    from .models import block_paths, build, check_name
+                  echo: Callable[[str], None] = print, reprobe: bool = False, lora=None) -> Profile:
+    """``lora``: a ``lora.LoraSpec`` whose adapters are injected (its base frozen)."""
+    from .lora import build_model
+    from .models import block_paths, check_name
     from .spec import find_spec
 
     check_name(model_name)  # a mistyped name fails now, not after a probe
@@ -78,7 +80,7 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
         from .analytic import analytic_profile
 
         spec = find_spec(hardware)
-        model = build(model_name, device="meta")
+        model = build_model(model_name, lora, device="meta")
         echo(f"profile  {model_name}: analytic estimate for {spec.name} "
              f"(micro-batch {batch} × seq {seq}, {dtype or 'bfloat16'})")
         return analytic_profile(model, name=model_name, blocks=block_paths(model), micro_batch=batch,
@@ -93,7 +95,7 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
     from .profile import measure
 
     host_memory_for_build(model_name, what="profile")
-    model = build(model_name, device="cpu")
+    model = build_model(model_name, lora, device="cpu")
     echo(f"profile  {model_name} on {dev}: micro-batch {batch} × seq {seq}, {dtype}, "
          f"{iterations} measured iterations")
 
@@ -123,7 +125,7 @@ def run_profile(*, model_name, batch, seq, dtype, device, analytic, hardware, it
 def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, budget, world_size,
              grad_accum, output, echo=print, solver: str | None = None,
              host_memory: str | None = None, max_grad_norm: float | None = None,
-             reprobe: bool = False, nvme: bool = False) -> P.Plan:
+             reprobe: bool = False, nvme: bool = False, lora=None) -> P.Plan:
     from .planning import make_plan, parse_budget
     from .preflight import budget_within_card, output_file
     from .search import DEFAULT_SOLVER
@@ -153,9 +155,10 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
         if model_name is not None:
             from protrain.executor.check import model_fingerprint
 
-            from .models import block_paths, build
+            from .lora import build_model
+            from .models import block_paths
 
-            meta = build(model_name, device="meta")
+            meta = build_model(model_name, lora, device="meta")
             if model_fingerprint(meta, block_paths(meta)) != profile.model.fingerprint:
                 raise ConfigError(f"{profile_path} is a profile of {profile.model.name}, not of {model_name}",
                                   f"profile {model_name} with `protrain profile --model {model_name} …`")
@@ -164,7 +167,7 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
             raise ConfigError("--model needs --batch and --seq", "add e.g. --batch 8 --seq 1024")
         profile = build_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype,
                                 device=device, analytic=device is None and hardware is not None,
-                                hardware=hardware, echo=echo, reprobe=reprobe)
+                                hardware=hardware, echo=echo, reprobe=reprobe, lora=lora)
     if budget_bytes is None:
         budget_bytes = profile.hardware.usable_memory_bytes
     budget_within_card(budget_bytes, profile.hardware,
@@ -181,6 +184,10 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
     for w in result.warnings:
         echo(f"warning  {w}")
     echo(render_show(plan, output))
+    if lora is not None:
+        from .lora import closing_note
+
+        echo(closing_note(plan, lora, parse_budget(host_memory) if host_memory else None))
     return plan
 
 
