@@ -254,3 +254,54 @@ def test_lora_zero3_on_two_ranks_matches_single_process(tmp_path):
     for n, p in ref.named_parameters():
         torch.testing.assert_close(sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=n)
         assert (n in sd["optim"]) == p.requires_grad, n
+
+
+# ------------------------------------------------------------------ adapter checkpoints
+
+
+def test_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+    """[Note: adapter checkpoints]: trainable masters and moments and the base's fingerprint;
+    resuming equals the uninterrupted run bit for bit; another base is refused."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from protrain.executor import AdamWConfig, wrap
+    from protrain.executor.errors import CheckpointError
+    from protrain.planner.data import batches, load_tokens
+
+    plan = make_plan("llama-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep swap", lora=SPEC)
+    config = AdamWConfig(lr=1e-2, weight_decay=0.1)
+
+    def run(model, steps, save=None, load=None, skip=0):
+        torch.manual_seed(7)
+        engine = wrap(model, plan, config, device="cpu")
+        try:
+            if load:
+                engine.load(load)
+            data = batches(load_tokens(), 4, 32, 0)
+            for _ in range(skip):
+                next(data)
+            losses = [engine.step(next(data)).loss for _ in range(steps)]
+            if save:
+                engine.save(save)
+            return losses, engine.state_dict()
+        finally:
+            engine.close()
+
+    whole, sd = run(make_model("llama-4", lora=SPEC), 4)
+    first, _ = run(make_model("llama-4", lora=SPEC), 2, save=tmp_path / "ck")
+    step = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
+    saved = load_file(step / "model.safetensors")
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert saved and all("lora_" in k for k in saved)
+    assert manifest["base_fingerprint"].startswith("sha256:")
+    trainable = sum(p.numel for c in plan.chunks.items for p in c.params if not p.frozen)
+    assert sum(t.numel() for t in saved.values()) == trainable
+    rest, sd2 = run(make_model("llama-4", lora=SPEC), 2, load=tmp_path / "ck", skip=2)
+    assert first + rest == whole
+    for name, t in sd["model"].items():
+        assert torch.equal(t, sd2["model"][name]), name
+    other = make_model("llama-4", seed=2, lora=SPEC)  # another base, the same shapes
+    with pytest.raises(CheckpointError, match="another base"):
+        run(other, 1, load=tmp_path / "ck")
