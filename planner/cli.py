@@ -467,7 +467,8 @@ def export(checkpoint, hf_config, blocks, tokenizer, output):
 @click.option("--nvme", is_flag=True,
               help="Let plans keep optimizer states on disk where host memory binds (train with "
                    "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).")
-def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme):
+@lora_options
+def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme, **lora):
     """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
 
     Prints, per family, the largest size, its plan's time and memory, which resource
@@ -485,13 +486,13 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme)
         from .fit import run_fit
 
         run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo, host_memory=host_memory,
-                world_size=world_size, nvme=nvme)
+                world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
         return
     from .fit_model import run_model_fit
 
     model_name = model_option(None, hf_config, blocks, required=True)
     run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo,
-                  world_size=world_size, nvme=nvme)
+                  world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
 
 
 @main.group()

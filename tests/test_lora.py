@@ -305,3 +305,33 @@ def test_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
     other = make_model("llama-4", seed=2, lora=SPEC)  # another base, the same shapes
     with pytest.raises(CheckpointError, match="another base"):
         run(other, 1, load=tmp_path / "ck")
+
+
+# ------------------------------------------------------------------ fit --lora
+
+
+@pytest.mark.slow
+def test_fit_lora_climbs_past_full_training_where_the_host_binds():
+    """`fit --lora`: the base keeps its values only, so where the host binds full training
+    a larger model LoRA-trains; the winner's plan marks its base frozen."""
+    from test_fit import SEQ, SMALL
+
+    from protrain.planner.fit import largest_fitting
+
+    kw = dict(budget_bytes=2**29, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * 2**30)
+    full = largest_fitting("gpt2", SMALL, **kw)
+    lora = largest_fitting("gpt2", SMALL, **kw, lora=LoraSpec(r=8, alpha=16))
+    assert full.next_binds == "host memory"
+    assert lora.n_params > 1.5 * full.n_params
+    assert any(p.frozen for c in lora.plan.chunks.items for p in c.params)
+    assert lora.host_bytes <= lora.host_budget_bytes
+
+
+def test_fit_a_model_with_lora():
+    from planfactory import gpu_spec
+
+    from protrain.planner.fit_model import fit_model
+
+    model = make_model("llama-4", device="meta", lora=LoraSpec(r=4, alpha=8))
+    r = fit_model(model, name="llama-4", spec=gpu_spec(), seq_len=32, micro_batches=(1, 2))
+    assert r.fits and any(p.frozen for c in r.best.plan.chunks.items for p in c.params)
