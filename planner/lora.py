@@ -37,17 +37,28 @@ def _peft():
 
 
 def attention_projections(model: nn.Module) -> tuple[str, ...]:
-    """The family's attention projections: the names of the linear layers (``nn.Linear``, or
-    transformers' GPT-2 ``Conv1D``) directly inside a module whose name says attention
-    (``self_attn``, ``attn``, ``attention``), e.g. ``q_proj k_proj v_proj o_proj`` for llama,
-    ``qkv_proj o_proj`` for phi3, ``c_attn c_proj`` for GPT-2."""
-    names: list[str] = []
+    """The family's attention projections: the linear layers (``nn.Linear``, or transformers'
+    GPT-2 ``Conv1D``) directly inside a module whose name says attention (``self_attn``,
+    ``attn``, ``attention``), by name: ``q_proj k_proj v_proj o_proj`` for llama, ``qkv_proj
+    o_proj`` for phi3; a name that a layer outside attention has too is qualified by its
+    parent (GPT-2: ``attn.c_attn attn.c_proj``, not the MLP's ``c_proj``), as peft matches
+    a target against the end of each module's path."""
+    inside: list[tuple[str, str]] = []
+    outside: set[str] = set()
     for path, m in model.named_modules():
+        if not (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
+            continue
         parent, _, leaf = path.rpartition(".")
-        last = parent.rpartition(".")[2].lower()
-        if ("attn" in last or "attention" in last) and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
-            if leaf not in names:
-                names.append(leaf)
+        last = parent.rpartition(".")[2]
+        if "attn" in last.lower() or "attention" in last.lower():
+            inside.append((last, leaf))
+        else:
+            outside.add(leaf)
+    names: list[str] = []
+    for last, leaf in inside:
+        name = f"{last}.{leaf}" if leaf in outside else leaf
+        if name not in names:
+            names.append(name)
     if not names:
         raise ConfigError(f"found no attention projections to adapt in {type(model).__name__}",
                           "name the modules: --lora-targets q_proj,v_proj")
@@ -83,11 +94,18 @@ def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
 
 
 def injected(model: nn.Module) -> tuple[str, ...]:
-    """The module names (last part of the path) that carry an adapter, in model order."""
+    """The targets that carry an adapter, in model order, named as ``attention_projections``
+    names them (a leaf name another, unadapted linear layer also has is qualified by its parent)."""
+    adapted = [path for path, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    others = {path.rpartition(".")[2] for path, m in model.named_modules()
+              if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+              and not any(path == a or path.startswith(a + ".") for a in adapted)}
     names: list[str] = []
-    for path, m in model.named_modules():
-        if hasattr(m, "lora_A") and hasattr(m, "base_layer") and path.rpartition(".")[2] not in names:
-            names.append(path.rpartition(".")[2])
+    for path in adapted:
+        parent, _, leaf = path.rpartition(".")
+        name = f"{parent.rpartition('.')[2]}.{leaf}" if leaf in others else leaf
+        if name not in names:
+            names.append(name)
     return tuple(names)
 
 

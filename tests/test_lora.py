@@ -113,6 +113,14 @@ def test_the_v8_fixture_trains_exactly():
 
 def test_attention_projections_are_the_familys():
     assert attention_projections(make_model("llama-4", device="meta")) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    # GPT-2's MLP has a c_proj too: the attention's is named by its parent, as peft matches paths' ends
+    from protrain.planner.lora import inject, injected
+
+    gpt2 = make_model("gpt2-4", device="meta")
+    assert attention_projections(gpt2) == ("c_attn", "attn.c_proj")
+    adapted = {n.rsplit(".lora_", 1)[0] for n, p in inject(gpt2, SPEC).named_parameters() if p.requires_grad}
+    assert adapted and all(".attn." in n for n in adapted)
+    assert injected(gpt2) == ("c_attn", "attn.c_proj")
 
 
 # ------------------------------------------------------------------ the planner's own plans
