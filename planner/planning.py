@@ -7,6 +7,7 @@ each stage is its own module: ``cost`` (models), ``search`` (choice), ``emit``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
@@ -40,9 +41,10 @@ def _milp(terms, budget_bytes: int, host_budget_bytes: float | None = None) -> S
     """The MILP solver (milp.py), imported on first use (scipy.optimize.milp)."""
     from .milp import solve
 
-    if terms.trainable is not None:
-        raise ConfigError("the MILP solver does not model frozen parameters (LoRA) yet",
-                          "use `--solver exhaustive` (the default)")
+    if terms.trainable is not None:  # the MILP charges every chunk as trainable: the exhaustive search's plan
+        result = exhaustive(terms, budget_bytes, host_budget_bytes)
+        return dataclasses.replace(result, warnings=[*result.warnings, "the MILP solver does not model frozen "
+                                                     "parameters (LoRA) yet: this is the exhaustive search's plan"])
     return solve(terms, budget_bytes, host_budget_bytes)
 
 

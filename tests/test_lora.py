@@ -343,3 +343,18 @@ def test_fit_a_model_with_lora():
     model = make_model("llama-4", device="meta", lora=LoraSpec(r=4, alpha=8))
     r = fit_model(model, name="llama-4", spec=gpu_spec(), seq_len=32, micro_batches=(1, 2))
     assert r.fits and any(p.frozen for c in r.best.plan.chunks.items for p in c.params)
+
+
+def test_bench_host_lora_section_reads_its_rows():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_host as bh
+
+    row = {"model": "gpt2-large", "params": 778e6, "frozen": 774e6, "dtype": "bfloat16", "predicted_per_param": 2.085,
+           "wrapped_per_param": 2.1, "measured_per_param": 4.05, "train_peak_per_param": 1.98,
+           "train_peak_mmap_per_param": 1.9, "full_predicted_per_param": 14.01}
+    text = bh.render_lora([row], "python tools/bench_host.py --lora --write")
+    assert text.startswith("## Host bytes per frozen parameter, LoRA")
+    assert "| gpt2-large | 778M | 4.00M | bfloat16 | 2.085 |" in text and "14.01" in text
