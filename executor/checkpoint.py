@@ -36,8 +36,10 @@ names, that every file has the listed size and SHA-256, that the parameter names
 shapes are this model's, and that each safetensors header agrees — all before any
 tensor is read. Tensors are read with safetensors (no pickle, no code).
 
-[Note: adapter checkpoints] A model with frozen parameters (a LoRA base) saves only the
-trainable ones (their fp32 masters and moments): a 70B LoRA run writes megabytes. The
+[Note: adapter checkpoints] A model that is mostly frozen (more frozen elements than
+trainable ones: a LoRA base) saves only the trainable parameters (their fp32 masters and
+moments): a 70B LoRA run writes megabytes. (A model with a few frozen layers saves them
+all, as before: a checkpoint of it restores every value.) The
 manifest's ``base_fingerprint`` stands for the base instead (``base_fingerprint``: the
 frozen parameters' names, shapes, dtypes and a strided sample of up to ``BASE_SAMPLE``
 values of each, read before wrap), and ``load`` refuses a checkpoint whose base is not
@@ -126,9 +128,9 @@ BASE_SAMPLE = 4096
 
 def base_fingerprint(model: torch.nn.Module) -> str:
     """``sha256:`` of the frozen parameters (name, shape, dtype, a strided sample of values:
-    [Note: adapter checkpoints]), or "" when every parameter trains."""
+    [Note: adapter checkpoints]), or "" unless they are most of the model."""
     frozen = sorted((n, p) for n, p in model.named_parameters() if not p.requires_grad)
-    if not frozen:
+    if sum(p.numel() for _, p in frozen) * 2 <= sum(p.numel() for p in model.parameters()):
         return ""
     h = hashlib.sha256()
     for name, p in frozen:

@@ -143,7 +143,7 @@ class Engine:
         # clip_grad_norm_(model.parameters()) does.
         self.param_order = list(model.parameters())
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.base_fingerprint = base_fingerprint(model)  # "" unless frozen: checkpoints save adapters only
+        self.base_fingerprint = base_fingerprint(model)  # "" unless mostly frozen: checkpoints save the rest only
         for _, b in model.named_buffers():
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)

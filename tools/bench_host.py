@@ -405,7 +405,7 @@ def render_lora(rows: list[dict], cmd: str) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
         f"date {time.strftime('%Y-%m-%d')}.",
         "",
-        "As the section above, with peft's LoRA injected (r=16, alpha 32, on the attention projections; "
+        "As the section *Host bytes per offloaded parameter*, with peft's LoRA injected (r=16, alpha 32, on the attention projections; "
         "planner/lora.py) and the base frozen: the plan marks the frozen parameters (`Param.frozen`, "
         "schema 8), the adapters get chunks of their own, and every chunk is offloaded, so a frozen "
         "chunk keeps only its compute-dtype home on the host (no master, moments or gradients: "
