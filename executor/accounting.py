@@ -104,18 +104,23 @@ def host_numel(plan: Plan, cid: int) -> int:
     return H.own_numel(plan.chunks.chunk_numel, plan.training.world_size, chunk_end(plan, cid))
 
 
+def plan_trainable(plan: Plan) -> list[bool]:
+    """Each chunk trains unless all its parameters are frozen (``Param.frozen``, schema 8)."""
+    return [any(not p.frozen for p in c.params) for c in plan.chunks.items]
+
+
 def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
                  frozen: Collection[str] = ()) -> Counter[tuple[str, int]]:
     """Bytes of the gradients autograd holds for trainable parameters two segments use
     (module docstring): ``[(segment, 1)]`` opened at that backward step (the one after the
     later use), ``[(segment, -1)]`` closed at its end (the earlier use). ``frozen``: names
-    of parameters without gradients (the executor knows them; the planner does not)."""
+    of parameters without gradients (the executor's live ones), beside those the plan marks."""
     segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
     uses = param_segments(plan)
     for c in plan.chunks.items:
         for p in c.params:
             u = uses[p.name]
-            if len(u) > 1 and (trainable is None or trainable[c.id]) and p.name not in frozen:
+            if len(u) > 1 and (trainable is None or trainable[c.id]) and p.name not in frozen and not p.frozen:
                 out[segs[segs.index(u[-1]) - 1], 1] += p.numel * cb
                 out[u[0], -1] += p.numel * cb
     return out
@@ -150,7 +155,7 @@ def state_events(plan: Plan,
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
     cb = DTYPE_BYTES[t.compute_dtype]
     chunk_bytes, shard = numel * cb, numel // W
-    train = list(trainable) if trainable is not None else [True] * len(plan.chunks.items)
+    train = list(trainable) if trainable is not None else plan_trainable(plan)
     out: list[Event] = []
 
     def ev(phase, seg, where, kind, nbytes, chunk=-1, block=""):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import FingerprintError, did_you_mean
+from .errors import ConfigError, FingerprintError, did_you_mean
 from .plan import Plan, fingerprint
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -106,3 +106,11 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
                                f"make a plan for this model: `protrain plan --model {run_name} …`" if run_name else
                                "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
                                f"or run the plan's model, {plan.model.name}")
+    # Schema 8: a plan provisions no gradient, master or moments for a chunk it says is frozen.
+    # Training a parameter the plan froze is refused; freezing one it trains is not (it needs less).
+    trains = [p.name for c in plan.chunks.items for p in c.params if p.frozen and params[p.name].requires_grad]
+    if trains:
+        raise ConfigError(f"{where} was made with {len(trains)} parameters frozen that this model trains "
+                          f"({', '.join(trains[:3])}{', …' if len(trains) > 3 else ''})",
+                          "freeze them as the plan was made (e.g. `--lora` with the same adapter), or make "
+                          "a plan for the model as it trains now")

@@ -36,6 +36,15 @@ names, that every file has the listed size and SHA-256, that the parameter names
 shapes are this model's, and that each safetensors header agrees — all before any
 tensor is read. Tensors are read with safetensors (no pickle, no code).
 
+[Note: adapter checkpoints] A model that is mostly frozen (more frozen elements than
+trainable ones: a LoRA base) saves only the trainable parameters (their fp32 masters and
+moments): a 70B LoRA run writes megabytes. (A model with a few frozen layers saves them
+all, as before: a checkpoint of it restores every value.) The
+manifest's ``base_fingerprint`` stands for the base instead (``base_fingerprint``: the
+frozen parameters' names, shapes, dtypes and a strided sample of up to ``BASE_SAMPLE``
+values of each, read before wrap), and ``load`` refuses a checkpoint whose base is not
+the live model's; the frozen parameters keep the values the model was built with.
+
 State is saved in plain parameter names (``Engine.state_dict``), so a checkpoint
 resumes under any plan of the same model: other budget, other world size. RNG
 states are restored when the world size matches (each rank its own); under another
@@ -108,6 +117,29 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     files: dict[str, FileEntry]
     optimizer_state: bool = True
     """False when no update has happened yet (e.g. fp16 steps all skipped): no moments saved."""
+    base_fingerprint: str = ""
+    """An adapter checkpoint ([Note: adapter checkpoints]): the frozen base it was trained on,
+    whose parameters it does not hold (``params`` lists the trainable ones); "" otherwise."""
+
+
+BASE_SAMPLE = 4096
+"""Values of each frozen parameter the base fingerprint reads (strided over the whole tensor)."""
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """``sha256:`` of the frozen parameters (name, shape, dtype, a strided sample of values:
+    [Note: adapter checkpoints]), or "" unless they are most of the model."""
+    frozen = sorted((n, p) for n, p in model.named_parameters() if not p.requires_grad)
+    if sum(p.numel() for _, p in frozen) * 2 <= sum(p.numel() for p in model.parameters()):
+        return ""
+    h = hashlib.sha256()
+    for name, p in frozen:
+        h.update(f"{name}|{list(p.shape)}|{p.dtype}|".encode())
+        if p.device.type != "meta" and p.numel():
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // BASE_SAMPLE)][:BASE_SAMPLE]
+            h.update(sample.float().cpu().contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
 
 
 # ------------------------------------------------------------------------- the root's owner
@@ -164,7 +196,7 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
     if keep < 1:
         raise ValueError("keep must be at least 1")
     root = Path(root)
-    sd = engine.state_dict()  # a collective on several ranks: every rank gathers
+    sd = engine.state_dict(trainable_only=bool(engine.base_fingerprint))  # a collective: every rank gathers
     tensors = [*sd["model"].values(), *(t for st in sd["optim"].values() for t in st.values())]
     need = sum(t.numel() * t.element_size() for t in tensors)  # bytes; tied aliases counted twice (a bound)
     _refuse_nonfinite(sd, f"checkpoint to {root} at step {engine.steps_done}", engine.last_checkpoint)
@@ -300,7 +332,7 @@ def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | Non
         params={k: list(v.shape) for k, v in model.items()},
         tied=[list(p) for p in engine.plan.model.tied],
         scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
-        data=dict(data or {}), files=files, optimizer_state=bool(optim),
+        data=dict(data or {}), files=files, optimizer_state=bool(optim), base_fingerprint=engine.base_fingerprint,
     )
     (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     fsync_path(tmp / "manifest.json")
@@ -459,7 +491,12 @@ def load(engine: Engine, root: str | Path) -> Manifest:
 
     directory = resolve(root)
     m = read_manifest(directory)
-    mine = {k: list(v) for k, v in _param_shapes(engine).items()}
+    if m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint:  # [Note: adapter checkpoints]
+        raise CheckpointError(
+            f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, this model's "
+            + (f"{engine.base_fingerprint[:19]}…)" if engine.base_fingerprint else "has no frozen parameters)"),
+            "resume with the base model (and the --lora settings) the checkpoint was trained with")
+    mine = {k: list(v) for k, v in _param_shapes(engine, bool(m.base_fingerprint)).items()}
     if m.model_fingerprint != engine.plan.model.fingerprint or m.params != mine:
         wrong = sorted(set(m.params) ^ set(mine)) or [k for k in mine if m.params.get(k) != mine[k]]
         raise CheckpointError(
@@ -482,7 +519,8 @@ def load(engine: Engine, root: str | Path) -> Manifest:
                 raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", "resume from another checkpoint")
     model = load_file(directory / "model.safetensors")
     for name, alias in m.tied:
-        model[alias] = model[name]
+        if name in model:
+            model[alias] = model[name]
     flat = load_file(directory / "optim.safetensors")
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():
@@ -512,7 +550,7 @@ def refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
                 f"resume from an earlier checkpoint: `protrain train … --resume {directory.parent}/step-NNNNNNNN`")
 
 
-def _param_shapes(engine: Engine) -> dict[str, torch.Size]:
+def _param_shapes(engine: Engine, trainable_only: bool = False) -> dict[str, torch.Size]:
     aliases = {alias for _, alias in engine.plan.model.tied}
     return {engine.names[id(p)]: p.shape for c in engine.store.chunks for p, _, _ in c.params
-            if engine.names[id(p)] not in aliases}
+            if engine.names[id(p)] not in aliases and (p.requires_grad or not trainable_only)}

@@ -39,6 +39,7 @@ from torch import nn
 from . import accounting
 from .activations import Activations
 from .check import check
+from .checkpoint import base_fingerprint
 from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
 from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteLossError
@@ -142,6 +143,7 @@ class Engine:
         # clip_grad_norm_(model.parameters()) does.
         self.param_order = list(model.parameters())
         self.names = {id(p): n for n, p in model.named_parameters()}
+        self.base_fingerprint = base_fingerprint(model)  # "" unless mostly frozen: checkpoints save the rest only
         for _, b in model.named_buffers():
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
@@ -494,24 +496,29 @@ class Engine:
 
     # -- state in plain PyTorch names
 
-    def state_dict(self) -> dict[str, dict]:
+    def state_dict(self, trainable_only: bool = False) -> dict[str, dict]:
         """``{"model": {name: fp32 tensor}, "optim": {name: {step, exp_avg, exp_avg_sq}}}``.
 
         Names and shapes are the model's own (tied aliases included), on the host,
         independent of the plan's chunk layout. As in ``torch.optim.AdamW``, a parameter
         that has never stepped (frozen, or never given a gradient) has no optimizer state.
+        ``trainable_only``: leave the frozen parameters out (a LoRA run's adapter checkpoint).
         """
         self.optim.wait_all()
         self._refuse_poisoned()
         model, optim = {}, {}
         o = self.optim
         for c in self.store.chunks:
+            if trainable_only and not c.trainable:  # (the same chunks on every rank: no collective skipped alone)
+                continue
             master = self._whole(c, o.master[c.id])
             moments = {k: self._whole(c, v[c.id]) for k, v in (("exp_avg", o.exp_avg),
                                                                  ("exp_avg_sq", o.exp_avg_sq))
                        if c.trainable}
             for i, (p, off, n) in enumerate(c.params):
                 name = self.names[id(p)]
+                if trainable_only and not p.requires_grad:
+                    continue
                 model[name] = master[off: off + n].view(p.shape).detach().float().cpu().clone()
                 if o.counts[c.id][i]:  # (counts, not steps: the same on every rank under ZeRO-3)
                     optim[name] = {"step": torch.tensor(float(o.counts[c.id][i])),
@@ -520,7 +527,8 @@ class Engine:
             if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
                 self.store.disk.drop(o.master[c.id], o.exp_avg[c.id], o.exp_avg_sq[c.id])
         for name, alias in self.plan.model.tied:
-            model[alias] = model[name]
+            if name in model:
+                model[alias] = model[name]
         return {"model": model, "optim": optim}
 
     def _whole(self, c, t: torch.Tensor) -> torch.Tensor:
@@ -534,11 +542,12 @@ class Engine:
         return full.cpu()
 
     def load_state_dict(self, sd: dict[str, dict]) -> None:
-        """Load what ``state_dict`` (of any plan for this model) returned."""
+        """Load what ``state_dict`` (of any plan for this model) returned; frozen parameters it
+        lacks (``state_dict(trainable_only=True)``) keep their values."""
         self.optim.wait_all()
-        model, optim = sd["model"], sd.get("optim", {})
+        model, optim = dict(sd["model"]), sd.get("optim", {})
         missing = [self.names[id(p)] for c in self.store.chunks for p, _, _ in c.params
-                   if self.names[id(p)] not in model]
+                   if self.names[id(p)] not in model and p.requires_grad]
         if missing:
             raise ConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}",
                               "load a state dict saved from this model")
@@ -547,6 +556,13 @@ class Engine:
             for c in self.store.chunks:
                 master = self.optim.master[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
+                if not all(nm in model for nm in names):  # frozen ones left out: as they are
+                    if any(nm in model for nm in names):
+                        kept = self._whole(c, master).float().cpu()
+                        offs = {nm: (off, n) for (_p, off, n), nm in zip(c.params, names)}
+                        model.update({nm: kept[offs[nm][0]: sum(offs[nm])] for nm in names if nm not in model})
+                    else:
+                        continue
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them (c.own).
 
                 def image(get, c=c, names=names):

@@ -131,7 +131,14 @@ def v6_to_v7(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6, 6: v6_to_v7}
+def v7_to_v8(doc: dict[str, Any]) -> dict[str, Any]:
+    """Nothing to write: schema 8's ``Param.frozen`` defaults to false, so a schema 7 plan
+    (made for training every parameter) says every parameter trains, as it was made for."""
+    return doc
+
+
+MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6, 6: v6_to_v7,
+                                    7: v7_to_v8}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 SCHEMA_VERSION = max(MIGRATIONS) + 1

@@ -51,6 +51,11 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
   ``device_homed`` and ``nvme``: one home per chunk, named as in executor/homes.py, instead
   of five overlapping id lists (a chunk both homeless and on disk is ``nvme_homeless``).
   ``migrate.v6_to_v7`` rewrites the lists; no decision changes.
+- 8: ``Param.frozen`` (binding): parameters that do not train (``requires_grad=False``, a
+  LoRA model's base): a chunk of frozen parameters only keeps its values, no gradients,
+  master or moments (executor/homes.py), and the executor refuses to train a parameter
+  its plan says is frozen. Written only where true, so a plan for full training reads as
+  schema 7's did; ``migrate.v7_to_v8`` changes nothing (old plans: everything trains).
 
 Only the standard library and msgspec are imported here, so ``protrain show``,
 ``diff`` and ``validate`` never import torch.
@@ -189,7 +194,7 @@ class Training(Binding):
     """Micro-batches per optimizer step."""
 
 
-class Param(Binding):
+class Param(Binding, omit_defaults=True):
     """One parameter's place in its chunk (one line in the file)."""
 
     name: str
@@ -202,6 +207,10 @@ class Param(Binding):
     """Element offset of the parameter inside its chunk."""
     numel: NonNegInt
     """Number of elements (the product of ``shape``)."""
+    frozen: bool = False
+    """The parameter does not train (written only when true): the plan provisions no
+    gradient, master or moments for a chunk whose parameters are all frozen, and the
+    executor refuses a model that trains it (schema 8)."""
 
 
 class Chunk(Binding):

@@ -121,6 +121,9 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         if why:
             fail(f"$.placement.homes[{i}]", f"chunk {i} is {name!r}, which {why} (this plan: "
                  f"{t.compute_dtype}, grad_accum {t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})")
+        if H.HOMES[name].needs_trainable and all(p.frozen for p in plan.chunks.items[i].params):
+            fail(f"$.placement.homes[{i}]", f"chunk {i} is {name!r}, whose master is its only copy of the values, "
+                 "but its parameters are all frozen (Param.frozen): a frozen chunk has no master")
     slotted = sum(H.HOMES[h].uses_slots for h in pl.homes)
     if (pl.n_host_slots > 0) != bool(slotted):
         fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)")

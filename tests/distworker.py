@@ -30,13 +30,21 @@ MICRO, SEQ, LR = 2, 32, 2e-3
 
 def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
               micro: int = MICRO, chunk_numel: int = 65536, dtype: str = "float32", grad_accum: int = 1,
-              **config) -> P.Plan:
-    """``config``: more of ``emit.assemble``'s options (``cpu_adam``, ``shard_persistent_states``)."""
-    meta = build(name, device="meta")
+              lora=None, **config) -> P.Plan:
+    """``config``: more of ``emit.assemble``'s options (``cpu_adam``, ``shard_persistent_states``).
+    ``lora``: a ``planner.lora.LoraSpec`` injected into the model (its base frozen)."""
+    meta = build(name, device="meta") if lora is None else build_lora(name, lora, device="meta")
     training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype=dtype, master_dtype="float32",
                           world_size=world, grad_accum=grad_accum)
     return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=chunk_numel,
                 persistent=persistent, n_buffer=n_buffer, policies=policies, **config)
+
+
+def build_lora(name: str, lora, **kw):
+    """The zoo model ``name`` with ``lora``'s adapters (planner/models/lora.py), seeded as ``kw`` says."""
+    from protrain.planner.models.lora import build_model
+
+    return build_model(name, lora, **kw)
 
 
 def _exit_cleanly() -> None:
@@ -61,12 +69,13 @@ def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
 
 def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_buffer: int,
           policies: list[str], steps: int, load: str | None = None, save: str | None = None,
-          skip: int = 0, micro: int = MICRO, chunk_numel: int = 65536) -> None:
+          skip: int = 0, micro: int = MICRO, chunk_numel: int = 65536, lora=None) -> None:
     """Train ``steps`` steps (after skipping ``skip`` global batches); write losses and state."""
     init(rank, world, port)
     try:
-        plan = make_plan(name, world, persistent, n_buffer, policies, micro, chunk_numel)
-        engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
+        plan = make_plan(name, world, persistent, n_buffer, policies, micro, chunk_numel, lora=lora)
+        model = build(name, seed=1) if lora is None else build_lora(name, lora, seed=1)
+        engine = wrap(model, plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
         if load:
             engine.load(load)  # the checkpoint saved on another world size
         data = batches(load_tokens(), micro, SEQ, 0, rank=rank, world_size=world)

@@ -41,7 +41,12 @@ CONFIGS = {
 }
 
 
-def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
+def make_model(name: str, seed: int = 1, device: str = "cpu", lora=None) -> nn.Module:
+    """``lora``: a ``planner.lora.LoraSpec`` to inject (peft), freezing the base."""
+    if lora is not None:
+        from protrain.planner.models.lora import inject
+
+        return inject(make_model(name, seed, device), lora, seed=seed)
     if name in CONFIGS:
         cfg = CONFIGS[name]
         with torch.device("meta"):
@@ -52,8 +57,8 @@ def make_model(name: str, seed: int = 1, device: str = "cpu") -> nn.Module:
 
 def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
               compute_dtype: str = "float32", chunk_numel: int = CHUNK,
-              cpu_adam: str | None = None, homeless=(), device_homed=(), nvme=()) -> P.Plan:
-    meta = make_model(name, device="meta") if name in CONFIGS else build(name, device="meta")
+              cpu_adam: str | None = None, homeless=(), device_homed=(), nvme=(), lora=None) -> P.Plan:
+    meta = make_model(name, device="meta", lora=lora) if name in CONFIGS or lora else build(name, device="meta")
     blocks = block_paths(meta)
     if isinstance(policies, str):
         policies = [policies] * len(blocks) if policies in ("keep", "swap", "checkpoint") else policies.split()
@@ -144,10 +149,11 @@ PARITY_MATRIX = {
 
 
 def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,
-             seed: int = 0, on_event=None, nvme_dir=None) -> Run:
-    """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``."""
+             seed: int = 0, on_event=None, nvme_dir=None, lora=None) -> Run:
+    """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``.
+    ``lora``: train a peft LoRA model (``make_model``'s); the reference steps its adapters."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
-    model = make_model(name)
+    model = make_model(name, lora=lora)
     ref = copy.deepcopy(model)
     engine = wrap(model, plan, config, device="cpu", nvme_dir=nvme_dir)
     if on_event is not None:
@@ -190,6 +196,9 @@ def assert_same_state(run: Run, atol: float = 0.0, rtol: float = 0.0) -> None:
     sd = run.engine.state_dict()
     for name, p in run.ref.named_parameters():
         torch.testing.assert_close(sd["model"][name], p.detach(), rtol=rtol, atol=atol, msg=name)
+        if not p.requires_grad:  # frozen (a LoRA base): no optimizer state on either side
+            assert p not in run.ref_opt.state and name not in sd["optim"], name
+            continue
         st = run.ref_opt.state[p]
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(sd["optim"][name][key], st[key], rtol=rtol, atol=atol,

@@ -117,7 +117,8 @@ def synthetic_profile(facts: ModelFacts, spec: HardwareSpec, *, block_us: float,
         segs.append(SegmentProfile(segment=s, fwd_us=round(fwd), bwd_us=round(2 * fwd), saved_bytes=act,
                                    saved_tensor_bytes=int(act * 1.1), input_bytes=act // 8,
                                    fwd_peak_bytes=act // 4, bwd_peak_bytes=act // 3))
-    params = [ParamInfo(name=n, shape=list(sh), dtype=d, uses=[s for s in facts.segments if n in facts.uses[s]])
+    params = [ParamInfo(name=n, shape=list(sh), dtype=d, uses=[s for s in facts.segments if n in facts.uses[s]],
+                        frozen=n in facts.frozen)
               for n, sh, d in sorted(facts.params, key=lambda p: facts.order.index(p[0]))]
     from protrain.executor.plan import fingerprint
 

@@ -3,6 +3,7 @@ its stream on random plans, and what `show` prints is what the plan predicted.""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import random
 import sys
@@ -38,6 +39,8 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     # A random valid plan: device kind, dtype, world size, grad accumulation, chunk size,
     # any persistent set, any workable buffer count, any policy strip.
     rng = random.Random(seed)
+    if rng.random() < 0.3:  # some parameters frozen (a LoRA base): their chunks keep values only
+        facts = dataclasses.replace(facts, frozen=frozenset(n for n, _, _ in facts.params if rng.random() < 0.7))
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
     if rng.random() < 0.4:
         spec = msgspec.structs.replace(spec, kind="cpu")
@@ -57,7 +60,7 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     training = P.Training(micro_batch=1, seq_len=1024, compute_dtype=dtype, master_dtype="float32",
                           world_size=world, grad_accum=accum)
     # Homeless chunks (placement.homeless) where the plan may have them: any offloaded subset.
-    offloaded = [c for c in range(t.n_chunks) if c not in persistent]
+    offloaded = [c for c in range(t.n_chunks) if c not in persistent and (t.trainable is None or t.trainable[c])]
     homeless = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if t.homeless_ok else []
     # Device-homed chunks (placement.device_homed), where the plan may have them: any of the rest.
     rest = [c for c in offloaded if c not in homeless]

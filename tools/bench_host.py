@@ -13,6 +13,8 @@ host bytes (+ the swapped activations, none here) over the same parameters.
     python tools/bench_host.py --write        # and replace its section in BENCHMARKS.md
     python tools/bench_host.py --device cuda --row gpt2-medium,bfloat16,1,1,0 --jsonl host.jsonl
     python tools/bench_host.py --report host.jsonl   # the rows of such runs, as a table
+    python tools/bench_host.py --lora --write # LoRA (peft, r=16 on the attention projections):
+                                              # host bytes per frozen parameter, its own section
 
 On a GPU (``--device cuda``, tools/gpu_check.sh) the chunk buffers, gradients, activations
 and op temporaries live in device memory, so nothing is subtracted from the host's peak:
@@ -53,6 +55,12 @@ CASES = [  # (zoo model, compute dtype, grad_accum, homeless: every offloaded ch
     ("gpt2-medium", "bfloat16", 1, True, True),
     ("gpt2-medium", "float32", 1, False, True),
 ]
+
+
+LORA_CASES = [("gpt2-medium", "bfloat16", 1, False, False), ("gpt2-large", "bfloat16", 1, False, False)]
+"""``--lora``'s rows: the model with peft's LoRA (r=16, alpha 32, the attention projections)
+and its base frozen; every chunk offloaded, so the frozen base's chunks keep their home
+(compute dtype) and nothing else (executor/homes.py), the adapters' chunk its states."""
 
 
 def _kib(field: str) -> int:
@@ -102,16 +110,23 @@ def host_share(device_peak: int, device: str) -> int:
 
 
 def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", lora: bool = False) -> dict:
     import torch
 
     from protrain.executor import plan as P
     from protrain.executor import wrap
     from protrain.planner.models.data import batches, load_tokens
-    from protrain.planner.models.zoo import block_paths, build
+    from protrain.planner.models.lora import LoraSpec
+    from protrain.planner.models.lora import build_model as _build
+    from protrain.planner.models.zoo import block_paths
     from protrain.planner.search import memory_walk
     from protrain.planner.search.cost import choose_chunk_numel
     from protrain.planner.search.emit import emit, model_facts
+
+    spec = LoraSpec() if lora else None
+
+    def build(name, **kw):
+        return _build(name, spec, **kw)
 
     if device == "cpu":
         torch.set_num_threads(2)  # the CI box's cores; a GPU host's CPU step takes them all
@@ -166,7 +181,14 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     on_host = host_share(device_peak, device)
     walk = memory_walk.walk(plan)
     offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
-    return {"model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
+    if lora:  # per frozen parameter (every chunk is offloaded); full training's prediction beside it
+        full = memory_walk.walk(plan, trainable=[True] * len(plan.chunks.items))
+        frozen = sum(p.numel for c in plan.chunks.items for p in c.params if p.frozen)
+        extra = {"lora": True, "frozen": frozen, "full_predicted_per_param": (full.host_bytes + full.host_swap_bytes) / n}
+        offloaded = frozen
+    else:
+        extra = {}
+    return {**extra, "model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
             "device": device,
             "disk_per_param": walk.disk_bytes / offloaded,
             "slots": plan.placement.n_host_slots, "params": n, "offloaded": offloaded,
@@ -345,7 +367,8 @@ def render_rows(rows: list[dict], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: str | None = None) -> list[dict]:
+def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: str | None = None,
+            lora: bool = False) -> list[dict]:
     """Each case in two fresh processes, glibc's default allocator and ``MMAP_ENV``; each row
     appended to ``jsonl`` as soon as it is measured (a time-boxed GPU run keeps what it did).
     A case whose process fails is reported with its error and skipped (its stderr reaches
@@ -356,7 +379,7 @@ def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: s
         runs = []
         for env in ({}, MMAP_ENV):
             p = subprocess.run([sys.executable, __file__, "--case", case, "--steps", str(steps),
-                                "--nvme-dir", nvme_dir, "--device", device],
+                                "--nvme-dir", nvme_dir, "--device", device, *(["--lora"] if lora else [])],
                                stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
             if p.returncode != 0:
                 print(f"bench_host: {case} on {device}{' with ' + str(env) if env else ''} failed "
@@ -372,6 +395,40 @@ def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: s
             with open(jsonl, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     return rows
+
+
+def render_lora(rows: list[dict], cmd: str) -> str:
+    """``--lora``'s section: host bytes per frozen parameter, predicted and measured."""
+    lines = [
+        "## Host bytes per frozen parameter, LoRA (tools/bench_host.py --lora)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"date {time.strftime('%Y-%m-%d')}.",
+        "",
+        "As the section *Host bytes per offloaded parameter*, with peft's LoRA injected (r=16, alpha 32, on the attention projections; "
+        "planner/models/lora.py) and the base frozen: the plan marks the frozen parameters (`Param.frozen`, "
+        "schema 8), the adapters get chunks of their own, and every chunk is offloaded, so a frozen "
+        "chunk keeps only its compute-dtype home on the host (no master, moments or gradients: "
+        "executor/homes.py). Bytes are per *frozen* parameter. *Full training, predicted*: "
+        "`memory_walk.walk` of the same plan with every chunk trainable, per parameter.",
+        "",
+        "| model | params | trainable | compute | predicted B/frozen param | after wrap | peak | "
+        "peak in training | its ratio | peak in training, mmap threshold 1 MiB | full training, predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {(r['params'] - r['frozen']) / 1e6:.2f}M | "
+                     f"{r['dtype']} | {r['predicted_per_param']:.3f} | {r['wrapped_per_param']:.2f} | "
+                     f"{r['measured_per_param']:.2f} | {r['train_peak_per_param']:.3f} | "
+                     f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
+                     f"{r['train_peak_mmap_per_param']:.3f} | {r['full_predicted_per_param']:.2f} |")
+    lines += ["", "Reading. *Peak* includes the user's fp32 model built on the host before wrap (4 B per "
+              "parameter), which is the whole-process peak here; *peak in training* is the plan's: "
+              + ", ".join(f"{r['model']} {r['train_peak_per_param']:.2f} B per frozen parameter "
+                          f"(predicted {r['predicted_per_param']:.2f}; full training predicted "
+                          f"{r['full_predicted_per_param']:.2f})" for r in rows) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def _parse_case(text: str) -> tuple:
@@ -393,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="MODEL,DTYPE,GRAD_ACCUM,HOMELESS,NVME: measure these rows instead of the table's")
     ap.add_argument("--jsonl", help="append the measured rows to this file (one JSON object a line)")
     ap.add_argument("--report", help="print the table of the rows in this --jsonl file and exit")
+    ap.add_argument("--lora", action="store_true", help="LoRA rows (peft): host bytes per frozen parameter")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
     args = ap.parse_args(argv)
     if args.report:
@@ -402,7 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         name, dtype, accum, homeless, nvme = _parse_case(args.case)
         print(json.dumps(run_case(name, dtype, accum, homeless, args.steps,
-                                  args.nvme_dir if nvme else None, args.device)))
+                                  args.nvme_dir if nvme else None, args.device, lora=args.lora)))
+        return 0
+    if args.lora:
+        rows = measure(LORA_CASES, args.steps, args.nvme_dir, args.device, args.jsonl, lora=True)
+        if len(rows) < len(LORA_CASES):
+            return 1
+        text = render_lora(rows, "python tools/bench_host.py --lora --write")
+        print(text)
+        if args.write:
+            write_section(text)
         return 0
     if args.write and (args.row or args.device != "cpu"):
         raise SystemExit("bench_host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "

@@ -52,10 +52,15 @@ SHAPES: dict[str, tuple[int, int]] = {
     "llama-70b": (1, 4096),
     "llama-3.1-8b": (4, 2048),
     "mixtral-8x7b": (1, 4096),
+    "llama-3.1-8b-lora": (4, 2048),
+    "llama-70b-lora": (1, 4096),
 }
 # Library models that are Hugging Face config.json files under plans/configs/ (no weights):
 # one dense, one mixture of experts. Their profiles and plans carry the library name.
 HF_CONFIGS = {"llama-3.1-8b": "plans/configs/llama-3.1-8b", "mixtral-8x7b": "plans/configs/mixtral-8x7b"}
+# LoRA fine-tuning (peft; planner/models/lora.py): a library model with `protrain plan --lora`'s
+# defaults (r 16, alpha 32, the attention projections), its base frozen (Param.frozen).
+LORA = {"llama-3.1-8b-lora": "llama-3.1-8b", "llama-70b-lora": "llama-70b"}
 HARDWARE = ["rtx3090", "rtx4090", "a100-40g", "a100-80g", "h100", "h200"]
 WORLD_SIZES = (1, 4)
 COMPUTE_DTYPE = "bfloat16"
@@ -112,13 +117,16 @@ def analytic_profile_bytes(entry: Entry, spec_path: str) -> bytes:
     from protrain.planner.commands.profile_plan import build_profile
     from protrain.planner.profiling.profile import dump_profile
 
-    if entry.model in HF_CONFIGS:  # named by its library name, not by a machine's path
+    base = LORA.get(entry.model, entry.model)
+    if base in HF_CONFIGS or entry.model in LORA:  # named by its library name, not by a machine's path
         from protrain.planner.hardware.spec import find_spec
-        from protrain.planner.models.zoo import block_paths, build
+        from protrain.planner.models.lora import LoraSpec, build_model
+        from protrain.planner.models.zoo import block_paths
         from protrain.planner.profiling.analytic import analytic_profile
 
         root = Path(spec_path).resolve().parents[2]
-        model = build(f"hf:{root / HF_CONFIGS[entry.model]}", device="meta")
+        model = build_model(f"hf:{root / HF_CONFIGS[base]}" if base in HF_CONFIGS else base,
+                            LoraSpec() if entry.model in LORA else None, device="meta")
         profile = analytic_profile(model, name=entry.model, blocks=block_paths(model),
                                    micro_batch=entry.micro_batch, seq_len=entry.seq_len,
                                    compute_dtype=COMPUTE_DTYPE, spec=find_spec(spec_path))
@@ -355,7 +363,8 @@ def render_index(rows: list[Row]) -> str:
         "",
         "The largest model in the library with a plan that fits (predicted peak within the",
         "card's usable memory, offloaded states and swapped activations within the host budget:",
-        "the spec's host RAM less 10% and 2 GiB), and its predicted throughput.",
+        "the spec's host RAM less 10% and 2 GiB), and its predicted throughput. Full training;",
+        "the LoRA plans (`-lora`: a frozen base, planner/models/lora.py) are in the index below.",
         "",
         "| hardware | one GPU | four GPUs (ZeRO-3) |",
         "|---|---|---|",
@@ -363,7 +372,8 @@ def render_index(rows: list[Row]) -> str:
     for hw in HARDWARE:
         cells = []
         for w in WORLD_SIZES:
-            fits = [r for r in rows if r.entry.hardware == hw and r.world_size == w and r.plan]
+            fits = [r for r in rows if r.entry.hardware == hw and r.world_size == w and r.plan
+                    and r.entry.model not in LORA]
             best = max(fits, key=lambda r: n_params[r.entry.model], default=None)
             cells.append("none" if best is None else
                          f"{best.entry.model} ({human_count(n_params[best.entry.model])} parameters, "

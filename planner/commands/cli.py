@@ -18,6 +18,9 @@ import click
 
 from protrain.executor.errors import ProtrainError
 
+from .lora_options import click_options as lora_options
+from .lora_options import spec_from as lora_spec
+
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C: 128 + SIGINT."""
 
@@ -257,9 +260,10 @@ def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, 
 @click.option("--save-profile", "save_profile", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="With --model/--hf-config: also write the profile made on the way, which "
                    "`protrain explain PLAN --profile FILE --trace/--plot` needs.")
+@lora_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
 def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, save_profile, output):
+         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, save_profile, output, **lora):
     """Search the fastest plan that fits the budget and write it."""
     from .checks import check_flags
     from .profile_plan import run_plan
@@ -270,7 +274,7 @@ def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtyp
              seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
              grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
              max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme, save_profile=save_profile,
-             status=_status)
+             status=_status, lora=lora_spec(**lora))
 
 
 @main.command()
@@ -402,14 +406,20 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
                    "when evaluated) to FILE (rank 0).")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
-                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config.")
+                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config. With --lora: "
+                   "the adapter in peft's format (adapter_config.json, adapter_model.safetensors, the "
+                   "tokenizer), for PeftModel.from_pretrained.")
+@click.option("--export-merged", "export_merged", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="With --lora and --hf-config: after training, write the base with the adapter merged in "
+                   "as a Hugging Face model directory (AutoModelForCausalLM.from_pretrained loads it).")
+@lora_options
 @click.option("--nvme", "nvme_dir", default=None, metavar="DIR", type=click.Path(file_okay=False),
               help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
                    "(placement.nvme); an unlinked file there, gone when training ends.")
 def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, weight_decay,
           betas, eps, seed, timeout_s,
           trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
-          export_dir, nvme_dir):
+          export_dir, nvme_dir, export_merged, **lora):
     """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
 
     Ctrl-C stops after the current step (checkpointing first with --save-dir) and
@@ -423,7 +433,7 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
                  trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
                  eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
                  text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,
-                 progress=None, nvme_dir=nvme_dir)
+                 progress=None, nvme_dir=nvme_dir, lora=lora_spec(**lora), export_merged=export_merged)
     code = EXIT_INTERRUPTED if getattr(losses, "interrupted", False) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A rank of a finished multi-rank run (its process group destroyed, its files closed)
@@ -502,7 +512,8 @@ def export(checkpoint, hf_config, blocks, tokenizer, output):
 @click.option("--nvme", is_flag=True,
               help="Let plans keep optimizer states on disk where host memory binds (train with "
                    "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).")
-def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme):
+@lora_options
+def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme, **lora):
     """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
 
     Prints, per family, the largest size, its plan's time and memory, which resource
@@ -520,13 +531,13 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme)
         from .fit import run_fit
 
         run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo, host_memory=host_memory,
-                world_size=world_size, nvme=nvme)
+                world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
         return
     from .fit_config import run_model_fit
 
     model_name = model_option(None, hf_config, blocks, required=True)
     run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo,
-                  world_size=world_size, nvme=nvme)
+                  world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
 
 
 @main.group()

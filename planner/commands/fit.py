@@ -263,8 +263,9 @@ on the budget, so a second fit on the same card (another budget) reuses them."""
 _MAX_CACHED = 48
 
 
-def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str) -> Profile:
-    key = (cfg, micro_batch, seq_len, dtype, digest)
+def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
+             lora=None) -> Profile:
+    key = (cfg, micro_batch, seq_len, dtype, digest, lora)
     if key not in _PROFILES:
         import torch
 
@@ -273,6 +274,10 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
 
         with torch.device("meta"):
             model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+        if lora is not None:  # peft's adapters, the base frozen (planner/models/lora.py)
+            from ..models.lora import inject
+
+            model = inject(model, lora)
         name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
         if len(_PROFILES) >= _MAX_CACHED:
             _PROFILES.pop(next(iter(_PROFILES)))
@@ -288,34 +293,40 @@ def host_need_bytes(plan: P.Plan) -> int:
     return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
 
 
-def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1, nvme: bool = False) -> int:
+def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1, nvme: bool = False,
+                      lora: bool = False) -> int:
     """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
     persistent parameters at their compute dtype alone, or device-homed ones at their shard of
     master and moments (``memory_walk.HOMED_BYTES / world_size``), whichever holds more (module
-    docstring). With a disk (``nvme``) none: every offloaded chunk's states may go there."""
+    docstring). With a disk (``nvme``) none: every offloaded chunk's states may go there.
+    ``lora``: the base is frozen, its offloaded chunks keep their values only (the compute
+    dtype's bytes), whatever the device holds."""
     if nvme:
         return 0
     eb = memory_walk.element_bytes(dtype)
+    if lora:
+        return max(0, n - budget_bytes // eb.compute) * eb.compute // world_size
     host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
     on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // memory_walk.HOMED_BYTES)
     return max(0, n - on_device) * host // world_size
 
 
 def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
-           budget_bytes: int, host_budget_bytes: int, world_size: int = 1, nvme: bool = False) -> Probe:
+           budget_bytes: int, host_budget_bytes: int, world_size: int = 1, nvme: bool = False,
+           lora=None) -> Probe:
     from ..search.planning import make_plan
     from ..views.show import human_bytes
 
     t0 = time.perf_counter()
     n = n_params(cfg)
     host_budget = host_budget_bytes
-    floor = _host_floor_bytes(n, budget_bytes, dtype, world_size, nvme)
+    floor = _host_floor_bytes(n, budget_bytes, dtype, world_size, nvme, lora is not None)
     if floor > host_budget:
         return Probe(cfg, n, micro_batch, False,
                      f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
                      time.perf_counter() - t0)
-    profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest)
+    profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest, lora)
     try:
         plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size,
                             nvme=nvme)
@@ -337,7 +348,8 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
                     seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
                     compute_dtype: str = "bfloat16",
                     progress: Callable[[Probe], None] | None = None,
-                    host_memory_bytes: int | None = None, world_size: int = 1, nvme: bool = False) -> FitResult:
+                    host_memory_bytes: int | None = None, world_size: int = 1, nvme: bool = False,
+                    lora=None) -> FitResult:
     """The largest rung of ``family``'s ladder that trains on ``world_size`` ``spec``
     devices (ZeRO-3), and the largest of ``micro_batches`` at that size (see the module
     docstring).
@@ -346,7 +358,8 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     (the machine's RAM, shared by the ranks) to ``world_size`` times the spec's
     ``host_memory_bytes`` (a spec's host RAM is one rank's share). Raises
     ``BudgetError`` when not even the smallest rung fits at the smallest micro-batch.
-    ``nvme``: plans may put optimizer states on disk (module docstring).
+    ``nvme``: plans may put optimizer states on disk (module docstring). ``lora``: a
+    ``lora.LoraSpec``: each rung LoRA-trained (its base frozen, values only).
     """
     from ..search.planning import host_budget_per_rank, require_disk
 
@@ -366,7 +379,8 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
 
     def probe(cfg: GPT2Config | LlamaConfig, mb: int) -> Probe:
         p = _probe(cfg, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
-                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme)
+                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme,
+                   lora=lora)
         probes.append(p)
         if progress is not None:
             progress(p)
@@ -374,13 +388,14 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
     hi = next((i for i, c in enumerate(configs)
-               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size, nvme) > host_budget),
+               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size, nvme, lora is not None)
+               > host_budget),
               len(configs))
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):
         limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
                        digest=digest, budget_bytes=budget, host_budget_bytes=host_budget,
-                       world_size=world_size, nvme=nvme).reason
+                       world_size=world_size, nvme=nvme, lora=lora).reason
     # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -479,7 +494,8 @@ def render_fit(results: Sequence[FitResult]) -> str:
 def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
             families: Sequence[str] = FAMILIES, micro_batches: Sequence[int] = MICRO_BATCHES,
             compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
-            host_memory: str | None = None, world_size: int = 1, nvme: bool = False) -> list[FitResult]:
+            host_memory: str | None = None, world_size: int = 1, nvme: bool = False,
+            lora=None) -> list[FitResult]:
     """``protrain fit --hardware X [--budget SIZE] [--host-memory SIZE] [--world-size N] [--nvme]``:
     search every family, print the table."""
     from ..hardware.spec import find_spec
@@ -491,7 +507,7 @@ def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
     results = []
     for family in families:
         on = spec.name if world_size == 1 else f"{world_size} x {spec.name}"
-        echo(f"fit      {family}: bisecting the ladder on {on} …")
+        echo(f"fit      {family}{f' ({lora.describe()})' if lora else ''}: bisecting the ladder on {on} …")
 
         def progress(p: Probe) -> None:
             echo(f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
@@ -500,6 +516,6 @@ def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
         results.append(largest_fitting(family, spec, budget_bytes=budget_bytes, seq_len=seq_len,
                                        micro_batches=micro_batches, compute_dtype=compute_dtype,
                                        progress=progress, host_memory_bytes=host_bytes,
-                                       world_size=world_size, nvme=nvme))
+                                       world_size=world_size, nvme=nvme, lora=lora))
     echo(render_fit(results))
     return results

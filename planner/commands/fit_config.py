@@ -257,21 +257,22 @@ def render_model_fit(r: ModelFit) -> str:
 def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, host_memory: str | None = None,
                   seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
                   compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
-                  world_size: int = 1, nvme: bool = False) -> ModelFit:
+                  world_size: int = 1, nvme: bool = False, lora=None) -> ModelFit:
     """``protrain fit --hf-config DIR --hardware X``: build ``model_name`` on meta, probe, print.
 
     Raises ``BudgetError`` (exit status 1) after the report when nothing fits, so that
     scripts can tell the two answers apart.
     """
     from ..hardware.spec import find_spec
-    from ..models.zoo import build
     from ..search.planning import host_budget_per_rank, parse_budget
 
     spec = find_spec(hardware)
     budget_bytes = parse_budget(budget) if budget else None
     host_bytes = host_budget_per_rank(parse_budget(host_memory), world_size) if host_memory else None
-    model = build(model_name, device="meta")
-    echo(f"fit      {model_name}: probing micro-batches on {spec.name} …")
+    from ..models.lora import build_model
+
+    model = build_model(model_name, lora, device="meta")
+    echo(f"fit      {model_name}{f' ({lora.describe()})' if lora else ''}: probing micro-batches on {spec.name} …")
 
     def progress(p: BatchProbe) -> None:
         echo(f"         micro-batch {p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)")

@@ -65,9 +65,11 @@ def cached_probe(device: str, *, reprobe: bool = False, echo: Callable[[str], No
 
 def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, device: str | None,
                   analytic: bool, hardware: str | None, iterations: int = 5,
-                  echo: Callable[[str], None] = print, reprobe: bool = False) -> Profile:
+                  echo: Callable[[str], None] = print, reprobe: bool = False, lora=None) -> Profile:
+    """``lora``: a ``lora.LoraSpec`` whose adapters are injected (its base frozen)."""
     from ..hardware.spec import find_spec
-    from ..models.zoo import block_paths, build, check_name
+    from ..models.lora import build_model
+    from ..models.zoo import block_paths, check_name
 
     check_name(model_name)  # a mistyped name fails now, not after a probe
 
@@ -78,7 +80,7 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
         from ..profiling.analytic import analytic_profile
 
         spec = find_spec(hardware)
-        model = build(model_name, device="meta")
+        model = build_model(model_name, lora, device="meta")
         echo(f"profile  {model_name}: analytic estimate for {spec.name} "
              f"(micro-batch {batch} × seq {seq}, {dtype or 'bfloat16'})")
         return analytic_profile(model, name=model_name, blocks=block_paths(model), micro_batch=batch,
@@ -93,7 +95,7 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
     from .preflight import host_memory_for_build
 
     host_memory_for_build(model_name, what="profile")
-    model = build(model_name, device="cpu")
+    model = build_model(model_name, lora, device="cpu")
     echo(f"profile  {model_name} on {dev}: micro-batch {batch} × seq {seq}, {dtype}, "
          f"{iterations} measured iterations")
 
@@ -124,7 +126,7 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
              grad_accum, output, echo=print, solver: str | None = None,
              host_memory: str | None = None, max_grad_norm: float | None = None,
              reprobe: bool = False, nvme: bool = False, save_profile: str | None = None,
-             status: Callable[[str], None] | None = None) -> P.Plan:
+             status: Callable[[str], None] | None = None, lora=None) -> P.Plan:
     """``save_profile``: also write the profile made on the way (``--model``); ``status``: where
     the lines announcing each slow phase go (the CLI's stderr; None: ``echo``)."""
     status = status or echo
@@ -164,9 +166,10 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
         if model_name is not None:
             from protrain.executor.check import model_fingerprint
 
-            from ..models.zoo import block_paths, build
+            from ..models.lora import build_model
+            from ..models.zoo import block_paths
 
-            meta = build(model_name, device="meta")
+            meta = build_model(model_name, lora, device="meta")
             if model_fingerprint(meta, block_paths(meta)) != profile.model.fingerprint:
                 raise ConfigError(f"{profile_path} is a profile of {profile.model.name}, not of {model_name}",
                                   f"profile {model_name} with `protrain profile --model {model_name} …`")
@@ -175,7 +178,7 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
             raise ConfigError("--model needs --batch and --seq", "add e.g. --batch 8 --seq 1024")
         profile = build_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype,
                                 device=device, analytic=device is None and hardware is not None,
-                                hardware=hardware, echo=echo, reprobe=reprobe)
+                                hardware=hardware, echo=echo, reprobe=reprobe, lora=lora)
         if save_profile is not None:
             write_output(save_profile, dump_profile(profile))
             echo(f"wrote {save_profile} (`protrain explain {output} --profile {save_profile}` "
@@ -199,6 +202,10 @@ def run_plan(*, profile_path, model_name, hardware, batch, seq, dtype, device, b
     for w in result.warnings:
         echo(f"warning  {w}")
     echo(render_show(plan, output))
+    if lora is not None:
+        from ..models.lora import closing_note
+
+        echo(closing_note(plan, lora, parse_budget(host_memory) if host_memory else None))
     return plan
 
 

@@ -78,7 +78,8 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
           resume: str | None = None, eval_every: int | None = None,
           max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
           text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
-          export_dir: str | None = None, nvme_dir: str | None = None,
+          export_dir: str | None = None, nvme_dir: str | None = None, lora=None,
+          export_merged: str | None = None,
           weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
@@ -98,7 +99,9 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
     model's directory's own tokenizer when it has one, else byte-level tokens.
     ``progress``: True or None (the CLI's) draws a bar when stdout is a terminal (and no
     ``log_every``), False never; otherwise plain lines every ``log_every`` (default 10) steps.
-    ``export_dir``: write the trained Hugging Face model there (``hf.export``).
+    ``export_dir``: write the trained Hugging Face model there (``hf.export``); with ``lora``
+    (a ``lora.LoraSpec``: peft's adapters injected, the base frozen) the adapter in peft's
+    format, and ``export_merged`` the base with the adapter merged in (planner/models/lora.py).
     ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (one group, every parameter; the
     defaults are ``AdamWConfig``'s but for the rate), printed in the run's header.
     """
@@ -113,7 +116,14 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
         from .checks import check_root
 
         check_root(save_dir)  # a directory of other files is not a checkpoint root
-    if export_dir is not None:
+    if export_merged is not None and (lora is None or not is_hf_name(model_name)):
+        raise ConfigError("--export-merged writes a Hugging Face model with its LoRA adapter merged in",
+                          "train with --lora and --hf-config DIR, or drop --export-merged")
+    if export_merged is not None:
+        output_dir(export_merged, "--export-merged", create=False, must_be_empty=True)
+    if export_dir is not None and lora is not None:
+        output_dir(export_dir, "--export", create=False, must_be_empty=True)
+    elif export_dir is not None:
         if not is_hf_name(model_name):
             raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
                               "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
@@ -143,7 +153,7 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
                       save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
                       max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
                       log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
-                      export_dir=export_dir, nvme_dir=nvme_dir,
+                      export_dir=export_dir, nvme_dir=nvme_dir, lora=lora, export_merged=export_merged,
                       adamw=AdamWConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                                         max_grad_norm=max_grad_norm))
     finally:
@@ -180,7 +190,8 @@ def _model_dir(model_name: str) -> Path:
 def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
            progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
            max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
-           metrics_path=None, export_dir=None, nvme_dir=None, adamw: AdamWConfig | None = None) -> Losses:
+           metrics_path=None, export_dir=None, nvme_dir=None, lora=None, export_merged=None,
+           adamw: AdamWConfig | None = None) -> Losses:
     check_name(model_name)
     adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,7 +211,10 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
              "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
              "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
              "--tokenizer bytes to choose bytes (and silence this note)")
-    model = build(model_name, device="cpu", seed=seed)
+    from ..models.lora import build_model, check_plan
+
+    check_plan(plan, lora, plan_path)
+    model = build_model(model_name, lora, device="cpu", seed=seed)
     loaded = getattr(model, "weights_loaded_from", None)
     echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
                                        else f"random init (seed {seed})")
@@ -225,7 +239,12 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
                        progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
                        resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,
                        metrics_path=metrics_path)
-        if export_dir is not None:
+        if lora is not None and (export_dir or export_merged):
+            if losses.interrupted:
+                echo("not exported: the run was interrupted")
+            else:
+                _export_lora(engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo)
+        elif export_dir is not None:
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
             else:
@@ -294,6 +313,32 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
         import shutil
 
         shutil.rmtree(keeper, ignore_errors=True)
+
+
+def _export_lora(engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo) -> None:
+    """``--export`` of a LoRA run: the adapter in peft's format; ``--export-merged``: the base
+    with it merged in, as a Hugging Face directory (planner/models/lora.py)."""
+    from ..models import lora as L
+
+    state = engine.state_dict()["model"]  # a collective on several ranks
+    if rank != 0:
+        return
+    base = ""
+    if is_hf_name(model_name):
+        from ..models.hf import parse_hf_name
+
+        path = Path(parse_hf_name(model_name)[0])
+        base = str(path if path.is_dir() else path.parent)
+    if export_dir is not None:
+        L.export_adapter(model, state, lora, export_dir, base_name=base, tokenizer_dir=tok_dir)
+        echo(f"exported {export_dir} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)")
+    if export_merged is not None:
+        from ..models.hf import export, parse_hf_name
+
+        config = parse_hf_name(model_name)[0]
+        export(build(model_name, device="meta"), L.merged_state_dict(model, state), export_merged,
+               config_path=config, tokenizer_dir=tok_dir)
+        echo(f"exported {export_merged} (the adapter merged in; AutoModelForCausalLM.from_pretrained loads it)")
 
 
 def heldout_loss(engine, heldout: list) -> float:

@@ -468,8 +468,11 @@ def from_model(model: nn.Module, *, blocks: str | None = None) -> HFCausalLM:
     fused experts), ``use_cache=False``, and on every module the family's own
     attention implementation for [Note: which attention]. Dropout stays as the
     caller set it. LayerDrop is refused: it skips blocks at random, and with them the
-    plan's events.
+    plan's events. A peft ``PeftModel`` (``get_peft_model``) is adapted as the transformers
+    model inside it, its LoRA layers in place and its base frozen (planner/models/lora.py).
     """
+    if type(model).__module__.startswith("peft.") and hasattr(model, "base_model"):
+        model = model.base_model.model  # PeftModel → LoraModel → the injected transformers model
     PreTrainedModel = _transformers().PreTrainedModel
     if not isinstance(model, PreTrainedModel):
         raise ConfigError(f"from_model needs a transformers PreTrainedModel, got {type(model).__name__}",

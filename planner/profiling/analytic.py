@@ -583,6 +583,7 @@ def analytic_profile(
             shape=list(named[n].shape),
             dtype=str(named[n].dtype).removeprefix("torch."),
             uses=[s for s in graph.segments if n in graph.uses[s]],
+            frozen=not named[n].requires_grad,
         )
         for n in graph.order
     ]

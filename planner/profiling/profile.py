@@ -86,7 +86,7 @@ class SegmentProfile(_Strict, kw_only=True):
     """Transient peak above the running allocation during backward."""
 
 
-class ParamInfo(_Strict, kw_only=True):
+class ParamInfo(_Strict, kw_only=True, omit_defaults=True):
     name: str
     """Canonical parameter name (tied aliases are in ``model.tied``)."""
     shape: list[NonNegInt]
@@ -94,6 +94,9 @@ class ParamInfo(_Strict, kw_only=True):
     """Dtype as built (part of the fingerprint)."""
     uses: list[str]
     """Segments that use it, in execution order (the first is its first use)."""
+    frozen: bool = False
+    """It does not train (``requires_grad=False``; written only when true): the plan keeps
+    no gradient, master or moments for a chunk of frozen parameters."""
 
 
 class Profile(_Strict, kw_only=True):
@@ -326,7 +329,7 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     ]
     shape = {n: list(sh) for n, sh, _ in facts.params}
     dtype = {n: d for n, _, d in facts.params}
-    params = [ParamInfo(name=n, shape=shape[n], dtype=dtype[n],
+    params = [ParamInfo(name=n, shape=shape[n], dtype=dtype[n], frozen=n in facts.frozen,
                         uses=[s for s in segments if n in facts.uses[s]]) for n in facts.order]
     attention = "sdpa"
     if cuda:

@@ -78,7 +78,7 @@ from .grid import (  # noqa: F401  (re-exported: the search and tools use them f
     strips_grid,
 )
 from .host_tiers import homeless_order  # noqa: F401  (re-exported: the search names chunks by it)
-from .layout import assign, groups
+from .layout import assign, layout_order
 from .rules import HOST_SLOTS, ModelFacts
 
 DTYPE_BYTES = A.DTYPE_BYTES
@@ -110,7 +110,8 @@ def facts_from_profile(profile: Profile) -> ModelFacts:
     return ModelFacts(name=profile.model.name, blocks=list(profile.model.blocks),
                       params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
                       tied=[list(t) for t in profile.model.tied], segments=segments,
-                      order=[p.name for p in profile.params], uses=uses)
+                      order=[p.name for p in profile.params], uses=uses,
+                      frozen=frozenset(p.name for p in profile.params if p.frozen))
 
 
 def segment_bytes(profile: Profile) -> memory_walk.SegmentBytes:
@@ -179,6 +180,10 @@ class Terms:
     disk_step_us_per_elem: float = 0.0  # a CPU step's disk traffic (homes.Home.step_disk_bytes)
     disk_fetch_us_per_elem: float = 0.0  # a fetch that reads the fp32 master from the disk
     disk_fetch_with_home: bool = False  # whether a chunk on disk that keeps its home reads the disk to fetch (fp32)
+    # Frozen chunks (a LoRA model's base; executor/chunks.py [Note: frozen chunks]): values only.
+    trainable: np.ndarray | None = None  # (C,) bool, None when every chunk trains (full training)
+    frozen_persist_bytes: int = 0  # device bytes of one frozen persistent chunk: its values
+    frozen_host_bytes_per_elem: int = 0  # a frozen offloaded chunk's host bytes per element: its home
 
     @property
     def reduce_us_per_chunk(self) -> float:
@@ -192,12 +197,24 @@ def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.
     """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
     parameter ends (elements), for one chunk size."""
     numel = {n: math.prod(s) for n, s, _ in facts.params}
-    slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
+    order, grp, fresh = layout_order(facts)
+    slots = assign(order, numel, grp, chunk_numel, fresh)
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
     need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
     per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     ends = np.array([max(s.offset + s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     return need, per_chunk, ends
+
+
+def chunk_trainable(facts: ModelFacts, chunk_numel: int) -> np.ndarray | None:
+    """(C,) whether each chunk trains (some parameter in it is not frozen, as the executor
+    decides: chunks.py [Note: frozen chunks]), or None when no parameter is frozen."""
+    if not facts.frozen:
+        return None
+    numel = {n: math.prod(s) for n, s, _ in facts.params}
+    order, grp, fresh = layout_order(facts)
+    return np.array([any(s.name not in facts.frozen for s in chunk)
+                     for chunk in assign(order, numel, grp, chunk_numel, fresh)], dtype=bool)
 
 
 def collective_bandwidth(spec, size_bytes: int) -> float:
@@ -217,6 +234,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
     facts = facts_from_profile(profile)
     need, per_chunk, ends = chunk_need(facts, chunk_numel)
+    train = chunk_trainable(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
     spec = profile.hardware
     su = H.Setup(profile.training.compute_dtype, grad_accum)  # the homes table's bytes per element
@@ -248,8 +266,10 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         used = [s for s in range(S) if c in need[s]]
         first_bwd, last_bwd = (max(used), min(used)) if used else (0, 0)
         offload_at[last_bwd, c] = 1  # backward order: the smallest index is reached last
-        if used:  # a chunk no segment uses is never fetched in backward: no gradient buffer
+        if used and (train is None or train[c]):  # unused or frozen: no gradient buffer, no offload
             grad_live[last_bwd: first_bwd + 1, c] = 1
+        if train is not None and not train[c]:
+            offload_at[last_bwd, c] = 0
     # A parameter two segments use (a tied embedding and head): its gradient is held from
     # the end of the later one's backward to the end of the earlier one's (accounting.shared_grads).
     segs_of: dict[str, list[int]] = {}  # parameter → the segments using it, in forward order
@@ -258,7 +278,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
             segs_of.setdefault(n, []).append(s)
     shared = np.zeros(S)
     for n, shape, _ in facts.params:
-        if len(segs_of.get(n, ())) > 1:
+        if len(segs_of.get(n, ())) > 1 and n not in facts.frozen:
             shared[segs_of[n][0]: segs_of[n][-1]] += math.prod(shape) * cb
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
@@ -266,7 +286,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     disk_rw = H.NVME.step_disk_bytes()
     return Terms(
         chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
-        chunk_bytes=chunk_bytes, chunk_params=per_chunk,
+        chunk_bytes=chunk_bytes, chunk_params=per_chunk if train is None else per_chunk * train,  # (what steps)
         state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
         host_scratch_bytes=H.host_scratch_bytes(su, shard_bytes // cb),
         gpu=spec.kind == "gpu",
@@ -309,6 +329,9 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         disk_fetch_us_per_elem=(H.NVME.fetch_disk_bytes() * 1e6 / spec.disk_read_bytes_per_s
                                 if nvme and spec.disk_read_bytes_per_s else 0.0),
         disk_fetch_with_home=H.NVME.fetch_reads_disk(su),
+        trainable=train,
+        frozen_persist_bytes=H.PERSISTENT.nbytes(su, "device", chunk_numel, chunk_numel, trainable=False),
+        frozen_host_bytes_per_elem=H.HOST.per_elem(su, "host", trainable=False),
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
         # per parameter; planner/hardware/datasheets.py): the same bandwidth moves (4 + cb) B per element.
@@ -331,8 +354,20 @@ def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
 
 
 def host_bytes_per_chunk(t: Terms) -> np.ndarray:
-    """(C,) host bytes per rank of each chunk, trainable and offloaded (``accounting.events``)."""
-    return t.host_numel * t.host_bytes_per_elem
+    """(C,) host bytes per rank of each chunk, offloaded (``accounting.events``): a frozen one's home only."""
+    if t.trainable is None:
+        return t.host_numel * t.host_bytes_per_elem
+    return t.host_numel * np.where(t.trainable, t.host_bytes_per_elem, t.frozen_host_bytes_per_elem)
+
+
+def persist_bytes_per_chunk(t: Terms) -> np.ndarray:
+    """(C,) device bytes of each chunk if persistent: a frozen one's values only."""
+    return np.where(t.trainable, t.persist_chunk_bytes, t.frozen_persist_bytes)
+
+
+def trains(t: Terms, off: np.ndarray) -> np.ndarray:
+    """``off`` (a (C,) chunk mask) less the frozen chunks: those that step."""
+    return off if t.trainable is None else off * t.trainable
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
@@ -351,7 +386,6 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     """
     C = t.n_chunks
     off = offload_mask(t, persist)  # (C,) offloaded chunks
-    n_off = int(off.sum())
     # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
     order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
     cached = np.zeros(C, dtype=np.int64)
@@ -361,7 +395,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if n_off else 0)
+    host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if trains(t, off).any() else 0)
     g = grid_terms(t, grid)
     host_swap = g.host_swap  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
@@ -376,7 +410,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
     # over-estimate). For the disk: its traffic in the CPU step and in fetches that read it.
-    tiers = host_tiers.choose(t, off, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
+    tiers = host_tiers.choose(t, trains(t, off), host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     mask = is_homed.astype(np.float64)
@@ -447,7 +481,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         for s, c in offload_steps:
             if not off[c]:
                 reduced = np.maximum(reduced, end_b[:, s]) + reduce_us
-    gather_after = (C - n_off) * (t.allreduce_us_per_chunk - reduce_us)
+    gather_after = int(trains(t, 1 - off).sum()) * (t.allreduce_us_per_chunk - reduce_us)
     t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
              + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
@@ -544,7 +578,8 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     n_off = int(off.sum())
     g = grid_terms(t, grid)
     return MemoryTerms(
-        states=(t.n_chunks - n_off) * t.persist_chunk_bytes,
+        states=((t.n_chunks - n_off) * t.persist_chunk_bytes if t.trainable is None
+                else int(persist_bytes_per_chunk(t) @ (1 - off))),
         resident=min(n_buffer, n_off) * t.chunk_bytes,
         held=g.held,
         swap_out=g.swap_out_bytes,

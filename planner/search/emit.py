@@ -38,7 +38,7 @@ from protrain.executor.check import model_signature, tied_pairs
 from protrain.executor.errors import ConfigError
 
 from ..profiling.graph import ExecutionGraph, trace
-from .layout import assign, groups
+from .layout import assign, layout_order
 from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # noqa: F401  (emit's API)
 
 
@@ -56,7 +56,7 @@ def model_facts(model: nn.Module, name: str, blocks: list[str], seq_len: int = 8
     graph = graph or trace(model, blocks, seq_len=min(seq_len, 8))
     return ModelFacts(name=name, blocks=list(blocks), params=model_signature(model),
                       tied=tied_pairs(model), segments=graph.segments, order=graph.order,
-                      uses=graph.uses)
+                      uses=graph.uses, frozen=frozenset(n for n, p in model.named_parameters() if not p.requires_grad))
 
 
 def emit(model: nn.Module, *, name: str, blocks: list[str], training: P.Training,
@@ -109,10 +109,12 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     shape = {n: s for n, s, _ in facts.params}
     dtype = {n: d for n, _, d in facts.params}
     numel = {n: math.prod(s) for n, s in shape.items()}
-    slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
+    order, grp, fresh = layout_order(facts)
+    slots = assign(order, numel, grp, chunk_numel, fresh)
     chunks = P.Chunks(chunk_numel=chunk_numel, items=[
         P.Chunk(id=i, params=[P.Param(name=s.name, shape=list(shape[s.name]), dtype=dtype[s.name],
-                                      offset=s.offset, numel=s.numel) for s in chunk])
+                                      offset=s.offset, numel=s.numel, frozen=s.name in facts.frozen)
+                          for s in chunk])
         for i, chunk in enumerate(slots)
     ])
     n_chunks = len(slots)

@@ -113,22 +113,24 @@ class Choice:
     def persistent_ids(self) -> list[int]:
         return list(self.persistent) if self.persistent is not None else list(range(self.n_persist))
 
-    def homeless_ids(self, n_chunks: int) -> list[int]:
+    def _offloaded(self, n_chunks: int, trainable=None) -> np.ndarray:
+        """(C,) the offloaded chunks that train (``cost.Terms.trainable``; None: all do): the
+        only ones a host tier can take (a frozen chunk has no master to move)."""
+        off = np.ones(n_chunks, dtype=np.int64)
+        off[self.persistent_ids()] = 0
+        return off if trainable is None else off * trainable
+
+    def homeless_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The homeless chunk ids, ascending: the first ``n_homeless`` of ``host_tiers.homeless_order``."""
-        off = np.ones(n_chunks, dtype=np.int64)
-        off[self.persistent_ids()] = 0
-        return sorted(int(c) for c in homeless_order(off)[:self.n_homeless])
+        return sorted(int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[:self.n_homeless])
 
-    def homed_ids(self, n_chunks: int) -> list[int]:
+    def homed_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device homes])."""
-        persistent = set(self.persistent_ids())
-        return [c for c in range(n_chunks) if c not in persistent][:self.n_homed]
+        return [int(c) for c in np.nonzero(self._offloaded(n_chunks, trainable))[0][:self.n_homed]]
 
-    def nvme_ids(self, n_chunks: int) -> list[int]:
+    def nvme_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The chunk ids on disk, ascending: the first ``n_nvme`` of ``host_tiers.homeless_order``."""
-        off = np.ones(n_chunks, dtype=np.int64)
-        off[self.persistent_ids()] = 0
-        return sorted(int(c) for c in homeless_order(off)[:self.n_nvme])
+        return sorted(int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[:self.n_nvme])
 
     def strip(self, n_blocks: int) -> list[str]:
         return list(self.policies) if self.policies is not None else \

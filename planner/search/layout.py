@@ -6,6 +6,8 @@ Rules (ProTrain §3.1; README "Plan file"):
 - A block's parameters are not split across two chunks unless the block alone is
   larger than a chunk: if the block does not fit in what is left of the current
   chunk, it starts a new one. Splitting a block would make it wait on two fetches.
+- Frozen parameters (a LoRA model's base) go after every trainable one, so adapters share
+  a few chunks and a chunk of frozen parameters keeps only its values (``layout_order``).
 - A parameter larger than a chunk cannot be laid out: the chunk size must grow.
 - Every parameter starts at an offset that is a multiple of ``ALIGN_NUMEL`` elements
   (128 bytes in fp32, 64 in 16-bit). A parameter is a view into its chunk, and BLAS
@@ -21,7 +23,7 @@ is an input.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from protrain.executor.errors import ConfigError
@@ -55,13 +57,29 @@ def groups(segments: Sequence[str], uses: dict[str, list[str]], order: Sequence[
     return out
 
 
+def layout_order(facts) -> tuple[list[str], dict[str, str], set[str]]:
+    """What ``assign`` packs ``facts``' parameters by: their order, groups and the parameters
+    that start a new chunk. First-use order and ``groups``, except that the frozen parameters
+    (``ModelFacts.frozen``) come after every trainable one, from a new chunk, and each
+    segment's trainable ones are a group of their own: a LoRA model's adapters share a few
+    chunks (persistent, stepped on the device) and the frozen base fills the rest, chunks of
+    values only (no master, no moments). Without frozen parameters, the plain layout."""
+    grp = groups(facts.segments, facts.uses, facts.order)
+    if not facts.frozen:
+        return list(facts.order), grp, set()
+    trainable = [n for n in facts.order if n not in facts.frozen]
+    order = trainable + [n for n in facts.order if n in facts.frozen]
+    fresh = {order[len(trainable)]} if trainable and len(order) > len(trainable) else set()
+    return order, {n: g if n in facts.frozen else "<trainable>" + g for n, g in grp.items()}, fresh
+
+
 def assign(order: Sequence[str], numel: dict[str, int], groups: dict[str, str],
-           chunk_numel: int) -> list[list[Slot]]:
+           chunk_numel: int, fresh: Collection[str] = ()) -> list[list[Slot]]:
     """Pack parameters into chunks of ``chunk_numel`` elements; return the slots per chunk.
 
     ``order``: parameter names in first-use order. ``groups``: parameter → group (its
     block path, or the segment name for parameters outside blocks); a group is kept
-    in one chunk when it fits in one.
+    in one chunk when it fits in one. ``fresh``: parameters that start a new chunk.
     """
     biggest = max(numel[n] for n in order)
     if biggest > chunk_numel:
@@ -87,7 +105,7 @@ def assign(order: Sequence[str], numel: dict[str, int], groups: dict[str, str],
                 chunks.append([])
                 used = 0
         used = aligned(used)
-        if used + numel[n] > chunk_numel:
+        if used + numel[n] > chunk_numel or (used and n in fresh):
             chunks.append([])
             used = 0
         chunks[-1].append(Slot(n, len(chunks) - 1, used, numel[n]))

@@ -7,6 +7,7 @@ each stage is its own module: ``cost`` (models), ``search`` (choice), ``emit``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
@@ -40,6 +41,10 @@ def _milp(terms, budget_bytes: int, host_budget_bytes: float | None = None) -> S
     """The MILP solver (milp.py), imported on first use (scipy.optimize.milp)."""
     from .milp import solve
 
+    if terms.trainable is not None:  # the MILP charges every chunk as trainable: the exhaustive search's plan
+        result = exhaustive(terms, budget_bytes, host_budget_bytes)
+        return dataclasses.replace(result, warnings=[*result.warnings, "the MILP solver does not model frozen "
+                                                     "parameters (LoRA) yet: this is the exhaustive search's plan"])
     return solve(terms, budget_bytes, host_budget_bytes)
 
 
@@ -115,9 +120,9 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
             hint,
         )
     persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
-    homeless = best.homeless_ids(terms.n_chunks)  # [Homeless chunks] in cost.py
-    homed = best.homed_ids(terms.n_chunks)  # [Device homes] in host_tiers.py
-    on_disk = best.nvme_ids(terms.n_chunks)  # [NVMe tier] in host_tiers.py
+    homeless = best.homeless_ids(terms.n_chunks, terms.trainable)  # [Homeless chunks] in cost.py
+    homed = best.homed_ids(terms.n_chunks, terms.trainable)  # [Device homes] in host_tiers.py
+    on_disk = best.nvme_ids(terms.n_chunks, terms.trainable)  # [NVMe tier] in host_tiers.py
     pred = predict_plan(terms, persistent, best.n_buffer, policies, homeless, homed, on_disk)
     training = P.Training(micro_batch=profile.training.micro_batch, seq_len=profile.training.seq_len,
                           compute_dtype=profile.training.compute_dtype, master_dtype="float32",

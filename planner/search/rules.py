@@ -103,3 +103,6 @@ class ModelFacts:
     """Parameter names in first-use order."""
     uses: dict[str, list[str]]
     """Segment → parameters it uses."""
+    frozen: frozenset[str] = frozenset()
+    """Parameters that do not train (``requires_grad=False``): laid out after the trainable
+    ones (``layout.layout_order``), their chunks keep values only."""
