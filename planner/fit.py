@@ -7,9 +7,10 @@ rung whose analytic profile (``analytic.analytic_profile`` on a meta model) gets
 feasible plan from ``planning.make_plan`` at the world size asked (``N`` ranks,
 ZeRO-3: ``make_plan(..., world_size=N)``) and whose host memory need fits the host;
 then, at that size, bisection over the candidate micro-batches finds the largest
-that still fits. A probe profiles one (size, micro-batch) pair:
-2-8 s for a big model on a 2-core box, so a family costs about 7 size probes, up to
-3 more between rungs (below) and 2-3 micro-batch probes.
+that still fits. A probe profiles one (size, micro-batch) pair (a 4-block model of its
+shape, replicated to its depth: ``_profile``) and plans it, well under a second on a
+2-core box; a family costs about 7 size probes, up to 3 more between rungs (below) and
+2-3 micro-batch probes.
 
 Ladders (the interpolation rules):
 
@@ -86,6 +87,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from protrain.executor import accounting
 from protrain.executor import plan as P
@@ -261,25 +264,53 @@ _PROFILES: dict[tuple, Profile] = {}
 """(config, micro-batch, seq, dtype, spec digest) → analytic profile. Profiles do not depend
 on the budget, so a second fit on the same card (another budget) reuses them."""
 _MAX_CACHED = 48
+_SHALLOW: dict[tuple, tuple[Profile, list]] = {}
+"""The same key, of a ``REPLICA_BLOCKS``-deep config → its profile and parameter signature
+(``_profile``): the depths of one width (fit.py [Between rungs]) share it."""
 
 
 def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str) -> Profile:
+    """The analytic profile of ``cfg``. A deep model's blocks are all alike, so its profile is
+    a shallow model's (``REPLICA_BLOCKS`` blocks) with the interior block repeated
+    (``analytic.deepen``, equal field by field to profiling the deep model: tested), a
+    fraction of the time; the deep model itself where ``deepen`` declines."""
     key = (cfg, micro_batch, seq_len, dtype, digest)
     if key not in _PROFILES:
-        import torch
+        from .analytic import REPLICA_BLOCKS, deepen
 
-        from .analytic import analytic_profile
-        from .models import GPT2, Llama, block_paths
-
-        with torch.device("meta"):
-            model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
         name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
+        profile = None
+        if cfg.n_layer > REPLICA_BLOCKS:
+            shallow = dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS)
+            skey = (shallow, micro_batch, seq_len, dtype, digest)
+            if skey not in _SHALLOW:
+                if len(_SHALLOW) >= _MAX_CACHED:
+                    _SHALLOW.pop(next(iter(_SHALLOW)))
+                _SHALLOW[skey] = _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec)
+            deep = deepen(*_SHALLOW[skey], cfg.n_layer)
+            if deep is not None:
+                profile = msgspec.structs.replace(deep[0], model=msgspec.structs.replace(deep[0].model, name=name))
+        if profile is None:
+            profile = _analytic(cfg, name, micro_batch, seq_len, dtype, spec)[0]
         if len(_PROFILES) >= _MAX_CACHED:
             _PROFILES.pop(next(iter(_PROFILES)))
-        _PROFILES[key] = analytic_profile(model, name=name, blocks=block_paths(model),
-                                          micro_batch=micro_batch, seq_len=seq_len,
-                                          compute_dtype=dtype, spec=spec)
+        _PROFILES[key] = profile
     return _PROFILES[key]
+
+
+def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec) -> tuple[Profile, list]:
+    """``analytic.analytic_profile`` of ``cfg`` built on meta, and its parameter signature."""
+    import torch
+
+    from protrain.executor.check import model_signature
+
+    from .analytic import analytic_profile
+    from .models import GPT2, Llama, block_paths
+
+    with torch.device("meta"):
+        model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+    return analytic_profile(model, name=name, blocks=block_paths(model), micro_batch=micro_batch, seq_len=seq_len,
+                            compute_dtype=dtype, spec=spec), model_signature(model)
 
 
 def host_need_bytes(plan: P.Plan) -> int:
