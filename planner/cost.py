@@ -71,6 +71,7 @@ from .grid import (  # noqa: F401  (re-exported: the search and tools use them f
     SWAP_OVERHEAD_US,
     GridTerms,
     PolicyGrid,
+    grid_codes,
     grid_terms,
     policy_grid,
     strips_grid,
@@ -394,34 +395,41 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     ahead_f = np.minimum(np.append(n_up_f[1:], 0), spare)
     lane_up_f = ahead_f * t.t_up  # (S,) hidden under segment s (if compute is longer)
     late_f = (np.append(n_up_f[1:], 0) - ahead_f) * t.t_up  # (S,) serialised after segment s
-    swap_out = g.swap_out_us  # (G, S)
     swap_overhead = g.swap_overhead_us  # (G,)
     # Backward visits s = S-1 … 0; the first backward use of a cached chunk is free.
     refetch = t.up_bwd @ (off * (1 - cached)) * t.t_up  # (S,) at backward segment s
-    refetch += ((t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)) @ (off * cached)) * t.t_up
+    refetch += ((t.up_bwd * again) @ (off * cached)) * t.t_up
     n_ref = refetch / t.t_up if t.t_up > 0 else refetch  # (S,) chunk count
-    swap_in = g.swap_in_us  # (G, S) for block s
     # While backward segment s computes, the H2D lane carries what segment s-1 needs
     # next: its re-fetched chunks and, if it is a swapped block, its activations.
     ahead_b = np.zeros_like(refetch)
     ahead_b[1:] = np.minimum(n_ref[:-1], spare[1:])  # needs a free buffer too
     late_b = np.zeros_like(refetch)
     late_b[1:] = (n_ref[:-1] - ahead_b[1:]) * t.t_up
-    lane_up_b = np.zeros_like(swap_in)
-    lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + swap_in[:, :-1]
     grad_down = t.offload_at @ off * t.t_down  # (S,) gradients leaving at segment s's end
-    comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
     if t.gpu:
+        # A segment's terms take one of a few values each (grid.grid_codes): computed once per
+        # value in a small table, then laid out over the grid (the same values, in the same
+        # places, as computing them per strip).
+        code_f, code_b = grid_codes(grid)
+        swap_out = np.array([[0.0], [1.0]]) * t.saved_tensor * t.swap_out_us_per_byte  # (2, S): not / swapped
         # Each lane alone, and both directions of the link together (LINK_DUPLEX).
-        duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (G, S)
-        t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f)).sum(axis=1)
-                 + late_f.sum() + up_f[0] + swap_overhead)
-        duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (G, S)
-        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b  # (G, S)
+        duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (2, S)
+        seg_f = np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f))
+        t_fwd = seg_f.ravel().take(code_f).sum(axis=1) + late_f.sum() + up_f[0] + swap_overhead
+        # (4, S): (checkpointed, swapped before) = (0, 0), (0, 1), (1, 0), (1, 1)
+        ck, sw = np.array([[0.0], [0.0], [1.0], [1.0]]), np.array([[0.0], [1.0], [0.0], [1.0]])
+        comp_b = t.comp_bwd + ck * t.comp_fwd  # with a checkpointed block's forward again
+        lane_up_b = np.zeros((4, len(t.comp_fwd)))
+        lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
+        duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
+        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
+        seg_b = seg_b.ravel().take(code_b)  # (G, S)
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
+        comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
-        seg_b = comp_b + refetch + swap_in + grad_down  # (G, S)
+        seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
     # Backward runs segment S-1 first: segment s ends at the sum of s..S-1.
@@ -484,10 +492,10 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
-    m = memory_terms(t, off, n_buffer, grid)
-    walk = np.maximum(g.fwd_walk, (g.bwd_base + m.grads).max(axis=1))  # (grid_terms: the rest of each step)
-    states, resident = m.states + homed_dev, m.resident  # [Device homes]
-    peak = (states + resident + walk) * m.alpha
+    states, resident, grads, alpha = placement_memory(t, off, n_buffer)  # (memory_terms without the grid's)
+    walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))  # (grid_terms: the rest of each step)
+    states = states + homed_dev  # [Device homes]
+    peak = (states + resident + walk) * alpha
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": t_cpu + np.zeros_like(time),
         "t_cpu_optim_done_us": cpu_done,
@@ -497,7 +505,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
         "n_device_homed": kd.astype(np.float64), "n_nvme": kn.astype(np.float64),
         # what the search reports when nothing fits: the figures without device homes
-        "homed_peak_bytes": homed_dev * m.alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
+        "homed_peak_bytes": homed_dev * alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
     }
     return time, peak, parts
 
@@ -541,21 +549,29 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     lane is free again by then). On a cpu device the copy is synchronous: a swapped
     block's activations are gone when its segment ends, never held. (``grid_terms``.)
     """
-    n_off = int(off.sum())
     g = grid_terms(t, grid)
+    states, resident, grads, alpha = placement_memory(t, off, n_buffer)
     return MemoryTerms(
-        states=(t.n_chunks - n_off) * t.persist_chunk_bytes,
-        resident=min(n_buffer, n_off) * t.chunk_bytes,
+        states=states,
+        resident=resident,
         held=g.held,
         swap_out=g.swap_out_bytes,
         swapped_in=g.swapped_in,
-        grads=(t.grad_live @ off) * t.chunk_bytes,
+        grads=grads,
         shared_grads=t.shared_grads,
         recompute=g.recompute_bytes,
         fwd_transient=t.fwd_peak if t.gpu else 0.0,
         bwd_transient=t.bwd_peak if t.gpu else 0.0,
-        alpha=ALPHA_GPU if t.gpu else 1.0,
+        alpha=alpha,
     )
+
+
+def placement_memory(t: Terms, off: np.ndarray, n_buffer: int) -> tuple[float, float, np.ndarray, float]:
+    """``MemoryTerms``' parts that the placement decides and the strips do not: ``states``,
+    ``resident``, ``grads``, ``alpha`` (what ``evaluate`` adds to ``grid_terms``' walk)."""
+    n_off = int(off.sum())
+    return ((t.n_chunks - n_off) * t.persist_chunk_bytes, min(n_buffer, n_off) * t.chunk_bytes,
+            (t.grad_live @ off) * t.chunk_bytes, ALPHA_GPU if t.gpu else 1.0)
 
 
 def min_buffers(t: Terms, persist: Placement) -> int:

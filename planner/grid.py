@@ -64,19 +64,40 @@ class GridTerms:
     bwd_base: np.ndarray  # each backward step's bytes but the offloaded chunks' open gradients
 
 
+_MAX_CACHED = 8
+"""Activation profiles whose strip-only terms a grid keeps (the oldest go first)."""
+
+
+class _RowsOf:
+    """Rows ``idx`` of a parent grid's ``GridTerms``, each field indexed when first read (a
+    sub-grid's evaluation reads a few of them)."""
+
+    def __init__(self, whole: GridTerms, idx: np.ndarray):
+        self._whole, self._idx = whole, idx
+
+    def __getattr__(self, name: str):
+        if name not in GridTerms.__dataclass_fields__:
+            raise AttributeError(name)
+        value = getattr(self._whole, name)[self._idx]
+        setattr(self, name, value)
+        return value
+
+
 def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
-    """The strip-only terms of ``grid`` for ``t``'s activation profile, cached on the grid (keyed
-    by the arrays themselves, which the cache keeps alive, so a key is never reused)."""
+    """The strip-only terms of ``grid`` for ``t``'s activation profile, cached on the grid, keyed
+    by the values they are computed from (the chunk sizes of one profile share them)."""
     arrays = (t.saved, t.inputs, t.saved_tensor, t.comp_fwd, t.comp_bwd, t.shared_grads, t.fwd_peak, t.bwd_peak)
-    key = (*map(id, arrays), t.gpu, t.swap_out_us_per_byte, t.swap_in_us_per_byte)
+    key = (*(np.asarray(a, dtype=np.float64).tobytes() for a in arrays), t.gpu, t.swap_out_us_per_byte,
+           t.swap_in_us_per_byte)
     hit = grid.cache.get(key)
     if hit is not None:
-        return hit[1]
+        return hit
+    if len(grid.cache) >= _MAX_CACHED:
+        grid.cache.pop(next(k for k in grid.cache if k != "codes"), None)
     if grid.parent is not None:  # each row is one strip's terms: index the parent's
         whole, idx = grid.parent
-        terms = grid_terms(t, whole)
-        out = GridTerms(**{f: getattr(terms, f)[idx] for f in GridTerms.__dataclass_fields__})
-        grid.cache[key] = (arrays, out)
+        out = _RowsOf(grid_terms(t, whole), idx)
+        grid.cache[key] = out
         return out
     # What each policy holds after forward (homes.POLICIES): its strips' mask times that term
     # (whole bytes: the sum is exact). <pre> and <post> are kept.
@@ -112,8 +133,28 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
         fwd_walk=(held + swap_out + (t.fwd_peak if t.gpu else 0.0)).max(axis=1),
         bwd_base=bwd_base,
     )
-    grid.cache[key] = (arrays, out)  # (the arrays stay alive with their ids)
+    grid.cache[key] = out
     return out
+
+
+def grid_codes(grid: PolicyGrid) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices into ``(2, S)`` and ``(4, S)`` tables of per-segment values, (G, S) each:
+    a forward segment's by whether it is a swapped block; a backward segment's by whether it
+    is a checkpointed block and whether the segment before it is a swapped one (what the
+    time model's per-segment terms depend on, cost.py ``evaluate``). Cached on the grid."""
+    hit = grid.cache.get("codes")
+    if hit is None and grid.parent is not None:  # rows of the parent's
+        whole, idx = grid.parent
+        hit = tuple(c[idx] for c in grid_codes(whole))
+        grid.cache["codes"] = hit
+    if hit is None:
+        G, S = grid.swap.shape
+        cols = np.arange(S)
+        prev = np.zeros((G, S), dtype=np.int64)
+        prev[:, 1:] = grid.swap[:, :-1] > 0
+        hit = ((grid.swap > 0) * S + cols, ((grid.ckpt > 0) * 2 + prev) * S + cols)
+        grid.cache["codes"] = hit
+    return hit
 
 
 def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
