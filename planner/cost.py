@@ -55,6 +55,7 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -336,9 +337,54 @@ def host_bytes_per_chunk(t: Terms) -> np.ndarray:
     return t.host_numel * t.host_bytes_per_elem
 
 
+_LAST_WALK: list = [None]
+"""``(g, grads bytes, walk)`` of the last ``_walk``: a search evaluates one placement at several
+buffer counts in a row, and the walk does not depend on the buffers."""
+
+
+def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
+    """The memory walk's highest step per strip (grid_terms: the rest of each step), (G,),
+    read-only; the last one again for the same strip terms and gradient buffers."""
+    last, key = _LAST_WALK[0], grads.tobytes()
+    if last is not None and last[0] is g and last[1] == key:
+        return last[2]
+    walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))
+    walk.flags.writeable = False
+    _LAST_WALK[0] = (g, key, walk)
+    return walk
+
+
+_FIXED: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _fixed(t: Terms) -> dict:
+    """What ``evaluate`` reads of ``t`` whatever the placement, computed once per Terms object
+    (kept while it lives; Terms are frozen and their arrays never written after make_terms)."""
+    hit = _FIXED.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
+    ss, cs = np.nonzero(t.offload_at)
+    out = {
+        "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
+        "up_bwd_again": t.up_bwd * again,
+        "uploads_b_cached": (t.up_bwd * again).sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
+        "host_per_chunk": host_bytes_per_chunk(t),
+        # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
+        "offload_steps": [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))],
+        "offload_s": ss[np.lexsort((cs, -ss))], "offload_c": cs[np.lexsort((cs, -ss))],
+        "n_params": int(t.chunk_params.sum()),
+        # chunks by their last forward use, latest first (ties: the higher id)
+        "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
+    }
+    key = id(t)
+    _FIXED[key] = (weakref.ref(t, lambda _ref: _FIXED.pop(key, None)), out)
+    return out
+
+
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
              homeless: Sequence[int] | None = None, homed: Sequence[int] = (),
-             nvme: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
+             nvme: Sequence[int] = (), *, time_only: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
@@ -349,12 +395,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     under ``host_cap``, per strip ([Homeless chunks]), and where even every offloaded chunk
     homeless does not, the fewest device-homed ones or chunks on disk (planner/host_tiers.py).
     ``homed``, ``nvme``: the plan's device-homed chunks and chunks on disk, with ``homeless`` given.
+    ``time_only``: the time alone, as ``(time, None, {})`` (the search's bounds).
     """
     C = t.n_chunks
+    fixed = _fixed(t)
     off = offload_mask(t, persist)  # (C,) offloaded chunks
     n_off = int(off.sum())
     # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
-    order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
+    order = fixed["last_used_first"]
+    order = order[off[order] > 0]
     cached = np.zeros(C, dtype=np.int64)
     cached[order[:n_buffer]] = 1
 
@@ -362,7 +411,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if n_off else 0)
+    host = float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if n_off else 0)
     g = grid_terms(t, grid)
     host_swap = g.host_swap  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
@@ -370,9 +419,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # into a slot on the main thread before the upload is issued, which holds back the
     # segment's compute as much (charged serially, on GPU and CPU alike; backward's also
     # hold back the gradient landings, hence the CPU steps).
-    uploads_f = t.up_fwd.sum(axis=0)  # (C,) forward uploads of each chunk
-    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
-    uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
+    uploads_f = fixed["uploads_f"]  # (C,) forward uploads of each chunk
+    uploads_b = np.where(cached > 0, fixed["uploads_b_cached"], fixed["uploads_b"])  # (C,)
     # [Homeless chunks], [Device homes], [NVMe tier]: planner/host_tiers.py. Charged for device
     # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
@@ -380,11 +428,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     tiers = host_tiers.choose(t, off, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
-    mask = is_homed.astype(np.float64)
     any_disk = bool(kn.any())
     disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem) if any_disk else None  # (G, C) each chunk's step's disk traffic
-    homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
-    homed_params = mask @ t.chunk_params  # (G,)
+    any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
+    if any_homed:
+        mask = is_homed.astype(np.float64)
+        homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
+        homed_params = mask @ t.chunk_params  # (G,)
+    else:  # (what the two products give where no chunk is device-homed)
+        homed_dev, homed_params = np.zeros(len(kd)), np.zeros(len(kd))
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
     n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
@@ -398,7 +450,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     swap_overhead = g.swap_overhead_us  # (G,)
     # Backward visits s = S-1 … 0; the first backward use of a cached chunk is free.
     refetch = t.up_bwd @ (off * (1 - cached)) * t.t_up  # (S,) at backward segment s
-    refetch += ((t.up_bwd * again) @ (off * cached)) * t.t_up
+    refetch += (fixed["up_bwd_again"] @ (off * cached)) * t.t_up
     n_ref = refetch / t.t_up if t.t_up > 0 else refetch  # (S,) chunk count
     # While backward segment s computes, the H2D lane carries what segment s-1 needs
     # next: its re-fetched chunks and, if it is a swapped block, its activations.
@@ -424,18 +476,28 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
         duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
         seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
-        seg_b = seg_b.ravel().take(code_b)  # (G, S)
+        seg_b, seg_b_rev = seg_b.ravel().take(code_b), seg_b.ravel().take(grid_codes(grid, reverse=True))
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
         seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
+        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T)
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
-    # Backward runs segment S-1 first: segment s ends at the sum of s..S-1.
-    end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
+    # Backward runs segment S-1 first: segment s ends at the sum of s..S-1. Row i of done_b is
+    # segments S-1 … S-1-i, summed in that order (np.cumsum's sums, a row of G at a time).
+    done_b = np.empty_like(seg_b_rev)  # (S, G)
+    done_b[0] = seg_b_rev[0]
+    for i in range(1, len(done_b)):
+        np.add(done_b[i - 1], seg_b_rev[i], out=done_b[i])
+
+    def end_b(cols) -> np.ndarray:
+        """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""
+        return start_b + done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
+
     n_params_off = int(t.chunk_params @ off)
-    n_params_dev = int(t.chunk_params.sum()) - n_params_off
+    n_params_dev = fixed["n_params"] - n_params_off
     t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
     if any_disk:  # (else adding zeros: exact)
         t_cpu = t_cpu + disk_us.sum(axis=1)
@@ -448,13 +510,11 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # (in t_down, on the host link) are not made to wait for it.
     reduce_us = t.reduce_us_per_chunk
     reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
-    # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
-    ss, cs = np.nonzero(t.offload_at)
-    offload_steps = [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))]
+    offload_steps = fixed["offload_steps"]  # (s, c) of every chunk's gradients leaving, in backward order
     if reduce_us:
         for s, c in offload_steps:
             if not off[c]:
-                reduced = np.maximum(reduced, end_b[:, s]) + reduce_us
+                reduced = np.maximum(reduced, end_b([s])[0]) + reduce_us
     gather_after = (C - n_off) * (t.allreduce_us_per_chunk - reduce_us)
     t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
              + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
@@ -473,13 +533,20 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # Never faster than the overlapped schedule: each chunk's step starts no earlier.
     cpu_done = np.zeros(len(grid.swap))
     landed = np.zeros(len(grid.swap))  # when the last offloaded gradients reach the host
-    any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
-    for s, c in offload_steps:
-        if not off[c]:
-            continue
-        ready = end_b[:, s] + t.t_down
-        landed = np.maximum(landed, ready)
-        stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+    on = off[fixed["offload_c"]] > 0
+    steps = [st for st, o in zip(offload_steps, on.tolist()) if o]
+    if steps:
+        # Each chunk's landing, (k, G) in offload order.
+        ready_at = end_b(fixed["offload_s"][on]) + t.t_down
+        landed = np.maximum(landed, ready_at.max(axis=0))  # (max is exact in any order)
+    if steps and not (any_disk or any_homed):  # the loop below, in place
+        cpu_us = t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param
+        for j in range(len(steps)):
+            np.maximum(cpu_done, ready_at[j], out=cpu_done)
+            cpu_done += cpu_us[j]
+        steps = []
+    for j, (_s, c) in enumerate(steps):
+        stepped = np.maximum(cpu_done, ready_at[j]) + t.chunk_params[c] * t.cpu_adam_us_per_param
         if any_disk:
             stepped = stepped + disk_us[:, c]
         cpu_done = np.where(is_homed[:, c], cpu_done, stepped) if any_homed else stepped  # [Device homes]: no CPU step
@@ -490,10 +557,12 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
     cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
+    if time_only:
+        return time, None, {}
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
     states, resident, grads, alpha = placement_memory(t, off, n_buffer)  # (memory_terms without the grid's)
-    walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))  # (grid_terms: the rest of each step)
+    walk = _walk(g, grads)
     states = states + homed_dev  # [Device homes]
     peak = (states + resident + walk) * alpha
     parts = {
