@@ -476,25 +476,30 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
         duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
         seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
-        seg_b, seg_b_rev = seg_b.ravel().take(code_b), seg_b.ravel().take(grid_codes(grid, reverse=True))
+        table_b, code_rev = seg_b.ravel(), grid_codes(grid, reverse=True)
+        seg_b = table_b.take(code_b)  # (G, S)
+
+        def seg_b_rev(i: int) -> np.ndarray:  # (G,) backward segment S-1-i of every strip
+            return table_b.take(code_rev[i])
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
         seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
-        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T)
+        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T).__getitem__
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
     # Backward runs segment S-1 first: segment s ends at the sum of s..S-1. Row i of done_b is
     # segments S-1 … S-1-i, summed in that order (np.cumsum's sums, a row of G at a time).
-    done_b = np.empty_like(seg_b_rev)  # (S, G)
-    done_b[0] = seg_b_rev[0]
+    done_b = np.empty(seg_b.shape[::-1])  # (S, G)
+    done_b[0] = seg_b_rev(0)
     for i in range(1, len(done_b)):
-        np.add(done_b[i - 1], seg_b_rev[i], out=done_b[i])
+        np.add(done_b[i - 1], seg_b_rev(i), out=done_b[i])
 
     def end_b(cols) -> np.ndarray:
         """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""
-        return start_b + done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
+        rows = done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
+        return rows if start_b == 0.0 else start_b + rows  # (adding 0.0 to sums of times >= 0 is exact)
 
     n_params_off = int(t.chunk_params @ off)
     n_params_dev = fixed["n_params"] - n_params_off
@@ -538,7 +543,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     if steps:
         # Each chunk's landing, (k, G) in offload order.
         ready_at = end_b(fixed["offload_s"][on]) + t.t_down
+    if steps and t.cpu_adam == "after_backward":  # (the timeline below is replaced then)
         landed = np.maximum(landed, ready_at.max(axis=0))  # (max is exact in any order)
+        steps = []
     if steps and not (any_disk or any_homed):  # the loop below, in place
         cpu_us = t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param
         for j in range(len(steps)):
