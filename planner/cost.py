@@ -54,6 +54,7 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -192,11 +193,22 @@ class Terms:
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray, np.ndarray]:
     """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
-    parameter ends (elements), for one chunk size."""
-    numel = {n: math.prod(s) for n, s, _ in facts.params}
-    slots = assign(facts.order, numel, groups(facts.segments, facts.uses, facts.order), chunk_numel)
+    parameter ends (elements), for one chunk size. (Cached by what it reads of ``facts``:
+    ``make_plan`` asks for each size ``chunk_candidates`` asked for, once per chunk size.)"""
+    key = (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
+           tuple(tuple(facts.uses[s]) for s in facts.segments))
+    need, per_chunk, ends = _chunk_need(key, chunk_numel)
+    return [set(x) for x in need], per_chunk.copy(), ends.copy()
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_need(key: tuple, chunk_numel: int) -> tuple[tuple[frozenset[int], ...], np.ndarray, np.ndarray]:
+    order, params, segments, uses = key
+    uses = dict(zip(segments, map(list, uses)))
+    numel = {n: math.prod(s) for n, s, _ in params}
+    slots = assign(list(order), numel, groups(list(segments), uses, list(order)), chunk_numel)
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
-    need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
+    need = tuple(frozenset(owner[n] for n in uses[s]) for s in segments)
     per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     ends = np.array([max(s.offset + s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     return need, per_chunk, ends

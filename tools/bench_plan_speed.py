@@ -11,9 +11,10 @@ this tree is faster).
   fresh process per tree that times ``--repeats`` calls after one warm-up call; and, of
   each call, the time spent in the exhaustive searches (``planning.SOLVERS["exhaustive"]``,
   wrapped: every chunk-size candidate's search, without building terms or emitting the plan).
-  Each timed call starts with the planner's policy-grid cache emptied (``grid._policy_grid``,
-  in the trees that have one), so it pays for its grids and their strip-only terms as a
-  fresh ``protrain plan`` process does, not a previous call's.
+  Each timed call starts with the planner's caches emptied (``grid._policy_grid``,
+  ``cost._chunk_need``, in the trees that have them), so it pays for its grids, their
+  strip-only terms and its chunk layouts as a fresh ``protrain plan`` process does, not a
+  previous call's.
 - ``protrain fit --hardware rtx3090`` (both families' ladders), wall time of the command and
   its CPU time (user + system, from the children's rusage).
 
@@ -63,11 +64,15 @@ root, path, repeats, HOST_BUDGET = sys.argv[1], sys.argv[2], int(sys.argv[3]), i
 prof = msgspec.json.decode(open(root + "/" + path, "rb").read(), type=Profile)
 budget = prof.hardware.usable_memory_bytes
 inner = planning.SOLVERS["exhaustive"]  # (both trees: the dict make_plan reads)
-try:  # a fresh process's caches for each timed call (the trees that cache grids)
-    from protrain.planner.grid import _policy_grid
-    clear = _policy_grid.cache_clear
-except (ImportError, AttributeError):
-    clear = lambda: None
+caches = []  # a fresh process's caches for each timed call (in the trees that have them)
+for module, name in (("grid", "_policy_grid"), ("cost", "_chunk_need")):
+    try:
+        caches.append(getattr(__import__("protrain.planner." + module, fromlist=[name]), name).cache_clear)
+    except (ImportError, AttributeError):
+        pass
+def clear():
+    for c in caches:
+        c()
 spent = [0.0, 0.0]
 def timed(*a, **k):
     t, c = time.perf_counter(), time.process_time()
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
              f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
              f"(1 min; the box is shared); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
              f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
-             "(after a warm-up call in each, each timed call with the grid cache emptied), trees interleaved "
+             "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
              f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
              "(the process's user + system seconds: what the work costs when other jobs share the cores). "
              "Ratio: baseline / this (above 1: faster now).", "",
