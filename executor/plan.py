@@ -469,6 +469,8 @@ def _emit(value: object, depth: int) -> str:
         if not value:
             return "[]"
         if all(not isinstance(v, (list, dict)) for v in value):
+            if not any(isinstance(v, float) for v in value):  # what the items below give, in one call
+                return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
             return "[" + ", ".join(_emit(v, depth + 1) for v in value) + "]"
         return "[\n" + ",\n".join(inner + _emit(v, depth + 1) for v in value) + "\n" + pad + "]"
     if isinstance(value, float):

@@ -475,3 +475,118 @@ def test_llama_70b_is_fast_and_small(capsys):
 def test_json_of_the_profile_is_plain_data():
     data = json.loads(dump_profile(profile_of("llama-tiny")))
     assert data["source"] == "analytic" and data["segments"][0]["segment"] == PRE
+
+
+# ---------------------------------------------------------------------------- replicated blocks
+
+
+def _deepened_and_full(cfg, *, micro_batch, seq_len, compute_dtype, spec):
+    """``deepen`` of the ``REPLICA_BLOCKS``-deep model of ``cfg``, and ``cfg``'s own profile."""
+    import dataclasses
+
+    import torch
+
+    from protrain.executor.check import model_signature
+    from protrain.planner.models.zoo import GPT2, GPT2Config, Llama
+    from protrain.planner.profiling.analytic import REPLICA_BLOCKS, deepen
+
+    def profile(c):
+        with torch.device("meta"):
+            model = GPT2(c) if isinstance(c, GPT2Config) else Llama(c)
+        return analytic_profile(model, name="m", blocks=block_paths(model), micro_batch=micro_batch,
+                                seq_len=seq_len, compute_dtype=compute_dtype, spec=spec), model_signature(model)
+
+    shallow = profile(dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS))
+    full, signature = profile(cfg)
+    deep = deepen(*shallow, cfg.n_layer)
+    assert deep is not None, "deepen declined a model of identical blocks"
+    return deep, (full, signature), shallow
+
+
+def _cases():
+    from protrain.planner.commands.fit import gpt2_ladder, llama_ladder
+    from protrain.planner.models.zoo import GPT2Config, LlamaConfig
+
+    gpu, cpu = rtx3090_like(), find_spec("cpu")
+    return [  # (config, micro-batch, seq, dtype, spec): both families, GQA, dropout, fp32, a CPU spec
+        pytest.param(gpt2_ladder()[0], 2, 128, "bfloat16", gpu, id="gpt2-124m"),
+        pytest.param(GPT2Config(n_layer=7, n_head=4, n_embd=256, dropout=0.1), 3, 64, "float32", gpu,
+                     id="gpt2-dropout-fp32"),
+        pytest.param(GPT2Config(n_layer=6, n_head=4, n_embd=256, dropout=0.1), 2, 64, "float32", cpu,
+                     id="gpt2-dropout-cpu"),
+        pytest.param(llama_ladder()[0], 1, 256, "bfloat16", gpu, id="llama-1.1b"),
+        pytest.param(LlamaConfig(n_layer=9, n_head=8, n_kv_head=2, dim=512, ffn_dim=1408), 2, 128,
+                     "bfloat16", gpu, id="llama-gqa"),
+        pytest.param(LlamaConfig(n_layer=5, n_head=8, n_kv_head=8, dim=512, ffn_dim=1408), 1, 64,
+                     "float16", cpu, id="llama-cpu"),
+    ]
+
+
+@pytest.mark.parametrize("cfg, micro_batch, seq_len, dtype, spec", _cases())
+def test_deepen_equals_profiling_every_block(cfg, micro_batch, seq_len, dtype, spec):
+    """``analytic.deepen`` (a shallow model's profile with its interior block repeated: what
+    ``protrain fit`` profiles) is the deep model's own profile, field by field, segment by
+    segment, parameter by parameter, with the deep model's parameter signature."""
+    (deep, deep_sig), (full, full_sig), _ = _deepened_and_full(
+        cfg, micro_batch=micro_batch, seq_len=seq_len, compute_dtype=dtype, spec=spec)
+    assert deep_sig == full_sig
+    assert deep.model == full.model
+    assert len(deep.segments) == len(full.segments)
+    for a, b in zip(deep.segments, full.segments):
+        assert a == b, (a, b)
+    assert deep.params == full.params
+    for f in full.__struct_fields__:
+        assert getattr(deep, f) == getattr(full, f), f
+    assert dump_profile(deep) == dump_profile(full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, rung", [("gpt2", 60), ("llama", 28)])
+def test_deepen_equals_profiling_every_block_at_ladder_sizes(family, rung):
+    """The same at sizes ``protrain fit`` probes (gpt2 5.6B, 48 layers; llama 60B-shaped, GQA)."""
+    from protrain.planner.commands.fit import ladder
+
+    cfg = ladder(family, 1024)[rung]
+    (deep, _), (full, _), _ = _deepened_and_full(cfg, micro_batch=2, seq_len=1024, compute_dtype="bfloat16",
+                                                spec=find_spec("rtx3090"))
+    assert [a for a, b in zip(deep.segments, full.segments) if a != b] == []
+    assert dump_profile(deep) == dump_profile(full)
+
+
+def test_deepen_declines_what_it_cannot_replicate():
+    """Where the shallow model's two interior blocks differ, or the blocks are too few, or a
+    non-block parameter is used inside a block, ``deepen`` returns None (fit then profiles
+    every block)."""
+    from protrain.planner.models.zoo import GPT2Config
+    from protrain.planner.profiling.analytic import deepen
+
+    cfg = GPT2Config(n_layer=6, n_head=4, n_embd=256)
+    _, _, (shallow, sig) = _deepened_and_full(cfg, micro_batch=1, seq_len=32, compute_dtype="float32",
+                                              spec=rtx3090_like())
+    assert deepen(shallow, sig, 6) is not None
+    segs = list(shallow.segments)
+    segs[3] = msgspec.structs.replace(segs[3], fwd_us=segs[3].fwd_us + 1)
+    assert deepen(msgspec.structs.replace(shallow, segments=segs), sig, 6) is None
+    assert deepen(shallow, sig, 3) is None
+    params = list(shallow.params)
+    params[0] = msgspec.structs.replace(params[0], uses=[*params[0].uses, shallow.model.blocks[1]])
+    assert deepen(msgspec.structs.replace(shallow, params=params), sig, 6) is None
+
+
+def test_fit_profiles_equal_the_deep_models(monkeypatch):
+    """``fit._profile`` (through ``deepen``) gives the profile ``analytic_profile`` gives the deep
+    model, named as fit names it; and the shallow profile is shared by the depths of one width."""
+    import dataclasses
+
+    from protrain.planner.commands import fit as F
+
+    monkeypatch.setattr(F, "_PROFILES", {})
+    monkeypatch.setattr(F, "_SHALLOW", {})
+    spec = rtx3090_like()
+    cfg = dataclasses.replace(F.gpt2_ladder()[0], n_layer=7)
+    got = F._profile(cfg, 2, 64, "bfloat16", spec, "d")
+    want, _ = F._analytic(cfg, got.model.name, 2, 64, "bfloat16", spec)
+    assert dump_profile(got) == dump_profile(want)
+    assert got.model.name == f"gpt2-{F.n_params(cfg) / 1e9:.2f}b"
+    F._profile(dataclasses.replace(cfg, n_layer=9), 2, 64, "bfloat16", spec, "d")
+    assert len(F._SHALLOW) == 1 and len(F._PROFILES) == 2

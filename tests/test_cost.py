@@ -36,6 +36,22 @@ def test_block_policies_layout():
     assert block_policies(5, 1, 2) == ["swap", "checkpoint", "checkpoint", "keep", "keep"]
 
 
+def test_policy_grid_is_the_strips_of_block_policies():
+    """``policy_grid`` lays out ``block_policies`` for every pair at once, without strings: the
+    same masks and counts as ``strips_grid`` of the strips themselves, for every pair."""
+    import numpy as np
+
+    from protrain.planner.search import grid as G
+
+    for n in (1, 2, 3, 5, 12, 48, 80):
+        pairs = tuple((s, c) for s in range(n + 1) for c in range(n - s + 1))
+        fast = G._policy_grid(n, pairs)
+        slow = G.strips_grid([block_policies(n, s, c) for s, c in pairs])
+        for f in ("n_swap", "n_checkpoint", "swap", "ckpt"):
+            a, b = getattr(fast, f), getattr(slow, f)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (n, f)
+
+
 def _uploads(plan: P.Plan) -> tuple[int, int]:
     """Chunks uploaded in forward and in backward when replaying ``plan``."""
     resident: set[int] = set()

@@ -7,9 +7,10 @@ rung whose analytic profile (``analytic.analytic_profile`` on a meta model) gets
 feasible plan from ``planning.make_plan`` at the world size asked (``N`` ranks,
 ZeRO-3: ``make_plan(..., world_size=N)``) and whose host memory need fits the host;
 then, at that size, bisection over the candidate micro-batches finds the largest
-that still fits. A probe profiles one (size, micro-batch) pair:
-2-8 s for a big model on a 2-core box, so a family costs about 7 size probes, up to
-3 more between rungs (below) and 2-3 micro-batch probes.
+that still fits. A probe profiles one (size, micro-batch) pair (a 4-block model of its
+shape, replicated to its depth: ``_profile``) and plans it, well under a second on a
+2-core box; a family costs about 7 size probes, up to 3 more between rungs (below) and
+2-3 micro-batch probes.
 
 Ladders (the interpolation rules):
 
@@ -86,6 +87,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
@@ -261,30 +264,61 @@ _PROFILES: dict[tuple, Profile] = {}
 """(config, micro-batch, seq, dtype, spec digest) → analytic profile. Profiles do not depend
 on the budget, so a second fit on the same card (another budget) reuses them."""
 _MAX_CACHED = 48
+_SHALLOW: dict[tuple, tuple[Profile, list]] = {}
+"""The same key, of a ``REPLICA_BLOCKS``-deep config → its profile and parameter signature
+(``_profile``): the depths of one width (fit.py [Between rungs]) share it."""
 
 
 def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
              lora=None) -> Profile:
+    """The analytic profile of ``cfg`` (with ``lora``'s adapters, its base frozen). A deep
+    model's blocks are all alike, so its profile is a shallow model's (``REPLICA_BLOCKS``
+    blocks) with the interior block repeated (``analytic.deepen``, equal field by field to
+    profiling the deep model: tested), a fraction of the time; the deep model itself where
+    ``deepen`` declines, and with adapters (``deepen`` is not tested with frozen parameters)."""
     key = (cfg, micro_batch, seq_len, dtype, digest, lora)
     if key not in _PROFILES:
-        import torch
+        from ..profiling.analytic import REPLICA_BLOCKS, deepen
 
-        from ..models.zoo import GPT2, Llama, block_paths
-        from ..profiling.analytic import analytic_profile
-
-        with torch.device("meta"):
-            model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
-        if lora is not None:  # peft's adapters, the base frozen (planner/models/lora.py)
-            from ..models.lora import inject
-
-            model = inject(model, lora)
         name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
+        profile = None
+        if cfg.n_layer > REPLICA_BLOCKS and lora is None:
+            shallow = dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS)
+            skey = (shallow, micro_batch, seq_len, dtype, digest)
+            if skey not in _SHALLOW:
+                if len(_SHALLOW) >= _MAX_CACHED:
+                    _SHALLOW.pop(next(iter(_SHALLOW)))
+                _SHALLOW[skey] = _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec)
+            deep = deepen(*_SHALLOW[skey], cfg.n_layer)
+            if deep is not None:
+                profile = msgspec.structs.replace(deep[0], model=msgspec.structs.replace(deep[0].model, name=name))
+        if profile is None:
+            profile = _analytic(cfg, name, micro_batch, seq_len, dtype, spec, lora)[0]
         if len(_PROFILES) >= _MAX_CACHED:
             _PROFILES.pop(next(iter(_PROFILES)))
-        _PROFILES[key] = analytic_profile(model, name=name, blocks=block_paths(model),
-                                          micro_batch=micro_batch, seq_len=seq_len,
-                                          compute_dtype=dtype, spec=spec)
+        _PROFILES[key] = profile
     return _PROFILES[key]
+
+
+def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec,
+              lora=None) -> tuple[Profile, list]:
+    """``analytic.analytic_profile`` of ``cfg`` built on meta (with ``lora``'s adapters), and
+    its parameter signature."""
+    import torch
+
+    from protrain.executor.check import model_signature
+
+    from ..models.zoo import GPT2, Llama, block_paths
+    from ..profiling.analytic import analytic_profile
+
+    with torch.device("meta"):
+        model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+    if lora is not None:  # peft's adapters, the base frozen (planner/models/lora.py)
+        from ..models.lora import inject
+
+        model = inject(model, lora)
+    return analytic_profile(model, name=name, blocks=block_paths(model), micro_batch=micro_batch, seq_len=seq_len,
+                            compute_dtype=dtype, spec=spec), model_signature(model)
 
 
 def host_need_bytes(plan: P.Plan) -> int:

@@ -54,9 +54,12 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -72,13 +75,14 @@ from .grid import (  # noqa: F401  (re-exported: the search and tools use them f
     SWAP_OVERHEAD_US,
     GridTerms,
     PolicyGrid,
-    block_policies,
+    grid_codes,
     grid_terms,
     policy_grid,
     strips_grid,
 )
 from .host_tiers import homeless_order  # noqa: F401  (re-exported: the search names chunks by it)
 from .layout import assign, layout_order
+from .policy_layout import block_policies  # noqa: F401  (re-exported: the search and the MILP use it)
 from .rules import HOST_SLOTS, ModelFacts
 
 DTYPE_BYTES = A.DTYPE_BYTES
@@ -195,12 +199,24 @@ class Terms:
 
 def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray, np.ndarray]:
     """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
-    parameter ends (elements), for one chunk size."""
-    numel = {n: math.prod(s) for n, s, _ in facts.params}
-    order, grp, fresh = layout_order(facts)
+    parameter ends (elements), for one chunk size. (Cached by what it reads of ``facts``:
+    ``make_plan`` asks for each size ``chunk_candidates`` asked for, once per chunk size.)"""
+    key = (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
+           tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen)
+    need, per_chunk, ends = _chunk_need(key, chunk_numel)
+    return [set(x) for x in need], per_chunk.copy(), ends.copy()
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_need(key: tuple, chunk_numel: int) -> tuple[tuple[frozenset[int], ...], np.ndarray, np.ndarray]:
+    order, params, segments, uses, frozen = key
+    uses = dict(zip(segments, map(list, uses)))
+    numel = {n: math.prod(s) for n, s, _ in params}
+    facts = SimpleNamespace(order=list(order), segments=list(segments), uses=uses, frozen=frozen)
+    order, grp, fresh = layout_order(facts)  # (what layout_order reads of ModelFacts)
     slots = assign(order, numel, grp, chunk_numel, fresh)
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
-    need = [{owner[n] for n in facts.uses[s]} for s in facts.segments]
+    need = tuple(frozenset(owner[n] for n in uses[s]) for s in segments)
     per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     ends = np.array([max(s.offset + s.numel for s in chunk) for chunk in slots], dtype=np.int64)
     return need, per_chunk, ends
@@ -370,9 +386,54 @@ def trains(t: Terms, off: np.ndarray) -> np.ndarray:
     return off if t.trainable is None else off * t.trainable
 
 
+_LAST_WALK: list = [None]
+"""``(g, grads bytes, walk)`` of the last ``_walk``: a search evaluates one placement at several
+buffer counts in a row, and the walk does not depend on the buffers."""
+
+
+def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
+    """The memory walk's highest step per strip (grid_terms: the rest of each step), (G,),
+    read-only; the last one again for the same strip terms and gradient buffers."""
+    last, key = _LAST_WALK[0], grads.tobytes()
+    if last is not None and last[0] is g and last[1] == key:
+        return last[2]
+    walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))
+    walk.flags.writeable = False
+    _LAST_WALK[0] = (g, key, walk)
+    return walk
+
+
+_FIXED: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _fixed(t: Terms) -> dict:
+    """What ``evaluate`` reads of ``t`` whatever the placement, computed once per Terms object
+    (kept while it lives; Terms are frozen and their arrays never written after make_terms)."""
+    hit = _FIXED.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
+    ss, cs = np.nonzero(t.offload_at)
+    out = {
+        "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
+        "up_bwd_again": t.up_bwd * again,
+        "uploads_b_cached": (t.up_bwd * again).sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
+        "host_per_chunk": host_bytes_per_chunk(t),
+        # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
+        "offload_steps": [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))],
+        "offload_s": ss[np.lexsort((cs, -ss))], "offload_c": cs[np.lexsort((cs, -ss))],
+        "n_params": int(t.chunk_params.sum()),
+        # chunks by their last forward use, latest first (ties: the higher id)
+        "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
+    }
+    key = id(t)
+    _FIXED[key] = (weakref.ref(t, lambda _ref: _FIXED.pop(key, None)), out)
+    return out
+
+
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
              homeless: Sequence[int] | None = None, homed: Sequence[int] = (),
-             nvme: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, dict]:
+             nvme: Sequence[int] = (), *, time_only: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
@@ -383,11 +444,14 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     under ``host_cap``, per strip ([Homeless chunks]), and where even every offloaded chunk
     homeless does not, the fewest device-homed ones or chunks on disk (planner/search/host_tiers.py).
     ``homed``, ``nvme``: the plan's device-homed chunks and chunks on disk, with ``homeless`` given.
+    ``time_only``: the time alone, as ``(time, None, {})`` (the search's bounds).
     """
     C = t.n_chunks
+    fixed = _fixed(t)
     off = offload_mask(t, persist)  # (C,) offloaded chunks
     # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
-    order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
+    order = fixed["last_used_first"]
+    order = order[off[order] > 0]
     cached = np.zeros(C, dtype=np.int64)
     cached[order[:n_buffer]] = 1
 
@@ -395,7 +459,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = float(host_bytes_per_chunk(t) @ off) + (t.host_scratch_bytes if trains(t, off).any() else 0)
+    host = float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if trains(t, off).any() else 0)
     g = grid_terms(t, grid)
     host_swap = g.host_swap  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
@@ -403,9 +467,8 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # into a slot on the main thread before the upload is issued, which holds back the
     # segment's compute as much (charged serially, on GPU and CPU alike; backward's also
     # hold back the gradient landings, hence the CPU steps).
-    uploads_f = t.up_fwd.sum(axis=0)  # (C,) forward uploads of each chunk
-    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
-    uploads_b = np.where(cached > 0, (t.up_bwd * again).sum(axis=0), t.up_bwd.sum(axis=0))  # (C,)
+    uploads_f = fixed["uploads_f"]  # (C,) forward uploads of each chunk
+    uploads_b = np.where(cached > 0, fixed["uploads_b_cached"], fixed["uploads_b"])  # (C,)
     # [Homeless chunks], [Device homes], [NVMe tier]: planner/search/host_tiers.py. Charged for device
     # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
@@ -413,11 +476,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     tiers = host_tiers.choose(t, trains(t, off), host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
-    mask = is_homed.astype(np.float64)
     any_disk = bool(kn.any())
     disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem) if any_disk else None  # (G, C) each chunk's step's disk traffic
-    homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
-    homed_params = mask @ t.chunk_params  # (G,)
+    any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
+    if any_homed:
+        mask = is_homed.astype(np.float64)
+        homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
+        homed_params = mask @ t.chunk_params  # (G,)
+    else:  # (what the two products give where no chunk is device-homed)
+        homed_dev, homed_params = np.zeros(len(kd)), np.zeros(len(kd))
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
     n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
@@ -428,40 +495,62 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     ahead_f = np.minimum(np.append(n_up_f[1:], 0), spare)
     lane_up_f = ahead_f * t.t_up  # (S,) hidden under segment s (if compute is longer)
     late_f = (np.append(n_up_f[1:], 0) - ahead_f) * t.t_up  # (S,) serialised after segment s
-    swap_out = g.swap_out_us  # (G, S)
     swap_overhead = g.swap_overhead_us  # (G,)
     # Backward visits s = S-1 … 0; the first backward use of a cached chunk is free.
     refetch = t.up_bwd @ (off * (1 - cached)) * t.t_up  # (S,) at backward segment s
-    refetch += ((t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)) @ (off * cached)) * t.t_up
+    refetch += (fixed["up_bwd_again"] @ (off * cached)) * t.t_up
     n_ref = refetch / t.t_up if t.t_up > 0 else refetch  # (S,) chunk count
-    swap_in = g.swap_in_us  # (G, S) for block s
     # While backward segment s computes, the H2D lane carries what segment s-1 needs
     # next: its re-fetched chunks and, if it is a swapped block, its activations.
     ahead_b = np.zeros_like(refetch)
     ahead_b[1:] = np.minimum(n_ref[:-1], spare[1:])  # needs a free buffer too
     late_b = np.zeros_like(refetch)
     late_b[1:] = (n_ref[:-1] - ahead_b[1:]) * t.t_up
-    lane_up_b = np.zeros_like(swap_in)
-    lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + swap_in[:, :-1]
     grad_down = t.offload_at @ off * t.t_down  # (S,) gradients leaving at segment s's end
-    comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
     if t.gpu:
+        # A segment's terms take one of a few values each (grid.grid_codes): computed once per
+        # value in a small table, then laid out over the grid (the same values, in the same
+        # places, as computing them per strip).
+        code_f, code_b = grid_codes(grid)
+        swap_out = np.array([[0.0], [1.0]]) * t.saved_tensor * t.swap_out_us_per_byte  # (2, S): not / swapped
         # Each lane alone, and both directions of the link together (LINK_DUPLEX).
-        duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (G, S)
-        t_fwd = (np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f)).sum(axis=1)
-                 + late_f.sum() + up_f[0] + swap_overhead)
-        duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (G, S)
-        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b  # (G, S)
+        duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (2, S)
+        seg_f = np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f))
+        t_fwd = seg_f.ravel().take(code_f).sum(axis=1) + late_f.sum() + up_f[0] + swap_overhead
+        # (4, S): (checkpointed, swapped before) = (0, 0), (0, 1), (1, 0), (1, 1)
+        ck, sw = np.array([[0.0], [0.0], [1.0], [1.0]]), np.array([[0.0], [1.0], [0.0], [1.0]])
+        comp_b = t.comp_bwd + ck * t.comp_fwd  # with a checkpointed block's forward again
+        lane_up_b = np.zeros((4, len(t.comp_fwd)))
+        lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
+        duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
+        seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
+        table_b, code_rev = seg_b.ravel(), grid_codes(grid, reverse=True)
+        seg_b = table_b.take(code_b)  # (G, S)
+
+        def seg_b_rev(i: int) -> np.ndarray:  # (G,) backward segment S-1-i of every strip
+            return table_b.take(code_rev[i])
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
+        comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
-        seg_b = comp_b + refetch + swap_in + grad_down  # (G, S)
+        seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
+        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T).__getitem__
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
-    # Backward runs segment S-1 first: segment s ends at the sum of s..S-1.
-    end_b = start_b + np.cumsum(seg_b[:, ::-1], axis=1)[:, ::-1]  # (G, S)
+    # Backward runs segment S-1 first: segment s ends at the sum of s..S-1. Row i of done_b is
+    # segments S-1 … S-1-i, summed in that order (np.cumsum's sums, a row of G at a time).
+    done_b = np.empty(seg_b.shape[::-1])  # (S, G)
+    done_b[0] = seg_b_rev(0)
+    for i in range(1, len(done_b)):
+        np.add(done_b[i - 1], seg_b_rev(i), out=done_b[i])
+
+    def end_b(cols) -> np.ndarray:
+        """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""
+        rows = done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
+        return rows if start_b == 0.0 else start_b + rows  # (adding 0.0 to sums of times >= 0 is exact)
+
     n_params_off = int(t.chunk_params @ off)
-    n_params_dev = int(t.chunk_params.sum()) - n_params_off
+    n_params_dev = fixed["n_params"] - n_params_off
     t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
     if any_disk:  # (else adding zeros: exact)
         t_cpu = t_cpu + disk_us.sum(axis=1)
@@ -474,13 +563,11 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # (in t_down, on the host link) are not made to wait for it.
     reduce_us = t.reduce_us_per_chunk
     reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
-    # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
-    ss, cs = np.nonzero(t.offload_at)
-    offload_steps = [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))]
+    offload_steps = fixed["offload_steps"]  # (s, c) of every chunk's gradients leaving, in backward order
     if reduce_us:
         for s, c in offload_steps:
             if not off[c]:
-                reduced = np.maximum(reduced, end_b[:, s]) + reduce_us
+                reduced = np.maximum(reduced, end_b([s])[0]) + reduce_us
     gather_after = int(trains(t, 1 - off).sum()) * (t.allreduce_us_per_chunk - reduce_us)
     t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
              + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
@@ -499,13 +586,22 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # Never faster than the overlapped schedule: each chunk's step starts no earlier.
     cpu_done = np.zeros(len(grid.swap))
     landed = np.zeros(len(grid.swap))  # when the last offloaded gradients reach the host
-    any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
-    for s, c in offload_steps:
-        if not off[c]:
-            continue
-        ready = end_b[:, s] + t.t_down
-        landed = np.maximum(landed, ready)
-        stepped = np.maximum(cpu_done, ready) + t.chunk_params[c] * t.cpu_adam_us_per_param
+    on = off[fixed["offload_c"]] > 0
+    steps = [st for st, o in zip(offload_steps, on.tolist()) if o]
+    if steps:
+        # Each chunk's landing, (k, G) in offload order.
+        ready_at = end_b(fixed["offload_s"][on]) + t.t_down
+    if steps and t.cpu_adam == "after_backward":  # (the timeline below is replaced then)
+        landed = np.maximum(landed, ready_at.max(axis=0))  # (max is exact in any order)
+        steps = []
+    if steps and not (any_disk or any_homed):  # the loop below, in place
+        cpu_us = t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param
+        for j in range(len(steps)):
+            np.maximum(cpu_done, ready_at[j], out=cpu_done)
+            cpu_done += cpu_us[j]
+        steps = []
+    for j, (_s, c) in enumerate(steps):
+        stepped = np.maximum(cpu_done, ready_at[j]) + t.chunk_params[c] * t.cpu_adam_us_per_param
         if any_disk:
             stepped = stepped + disk_us[:, c]
         cpu_done = np.where(is_homed[:, c], cpu_done, stepped) if any_homed else stepped  # [Device homes]: no CPU step
@@ -516,12 +612,14 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
     cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
+    if time_only:
+        return time, None, {}
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
-    m = memory_terms(t, off, n_buffer, grid)
-    walk = np.maximum(g.fwd_walk, (g.bwd_base + m.grads).max(axis=1))  # (grid_terms: the rest of each step)
-    states, resident = m.states + homed_dev, m.resident  # [Device homes]
-    peak = (states + resident + walk) * m.alpha
+    states, resident, grads, alpha = placement_memory(t, off, n_buffer)  # (memory_terms without the grid's)
+    walk = _walk(g, grads)
+    states = states + homed_dev  # [Device homes]
+    peak = (states + resident + walk) * alpha
     parts = {
         "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": t_cpu + np.zeros_like(time),
         "t_cpu_optim_done_us": cpu_done,
@@ -531,7 +629,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
         "n_device_homed": kd.astype(np.float64), "n_nvme": kn.astype(np.float64),
         # what the search reports when nothing fits: the figures without device homes
-        "homed_peak_bytes": homed_dev * m.alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
+        "homed_peak_bytes": homed_dev * alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
     }
     return time, peak, parts
 
@@ -575,22 +673,31 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
     lane is free again by then). On a cpu device the copy is synchronous: a swapped
     block's activations are gone when its segment ends, never held. (``grid_terms``.)
     """
-    n_off = int(off.sum())
     g = grid_terms(t, grid)
+    states, resident, grads, alpha = placement_memory(t, off, n_buffer)
     return MemoryTerms(
-        states=((t.n_chunks - n_off) * t.persist_chunk_bytes if t.trainable is None
-                else int(persist_bytes_per_chunk(t) @ (1 - off))),
-        resident=min(n_buffer, n_off) * t.chunk_bytes,
+        states=states,
+        resident=resident,
         held=g.held,
         swap_out=g.swap_out_bytes,
         swapped_in=g.swapped_in,
-        grads=(t.grad_live @ off) * t.chunk_bytes,
+        grads=grads,
         shared_grads=t.shared_grads,
         recompute=g.recompute_bytes,
         fwd_transient=t.fwd_peak if t.gpu else 0.0,
         bwd_transient=t.bwd_peak if t.gpu else 0.0,
-        alpha=ALPHA_GPU if t.gpu else 1.0,
+        alpha=alpha,
     )
+
+
+def placement_memory(t: Terms, off: np.ndarray, n_buffer: int) -> tuple[float, float, np.ndarray, float]:
+    """``MemoryTerms``' parts that the placement decides and the strips do not: ``states``,
+    ``resident``, ``grads``, ``alpha`` (what ``evaluate`` adds to ``grid_terms``' walk)."""
+    n_off = int(off.sum())
+    states = ((t.n_chunks - n_off) * t.persist_chunk_bytes if t.trainable is None
+              else int(persist_bytes_per_chunk(t) @ (1 - off)))  # (frozen chunks: their values only)
+    return (states, min(n_buffer, n_off) * t.chunk_bytes,
+            (t.grad_live @ off) * t.chunk_bytes, ALPHA_GPU if t.gpu else 1.0)
 
 
 def min_buffers(t: Terms, persist: Placement) -> int:

@@ -199,11 +199,13 @@ def policy_pairs(t: Terms) -> list[tuple[int, int]]:
 
 def space(t: Terms) -> list[tuple[int, int]]:
     """The ``(n_persist, n_buffer)`` pairs of the space, in increasing ``n_persist``."""
+    C = t.n_chunks
+    # min_buffers at every n_persist at once: row p of ``off`` is offload_mask(t, p)
+    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C)
+    needs = (t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)
     out = []
-    for n_persist in range(t.n_chunks + 1):
-        n_off = t.n_chunks - n_persist
-        need = min_buffers(t, n_persist)
-        out += [(n_persist, nb) for nb in range(need, max(need, n_off) + 1)]
+    for n_persist, need in enumerate(needs.tolist()):
+        out += [(n_persist, nb) for nb in range(need, max(need, C - n_persist) + 1)]
     return out
 
 
@@ -244,9 +246,9 @@ def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_ca
 def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float) -> np.ndarray:
     """A lower bound of ``_evaluate``'s time at ``n_buffer`` or fewer buffers: with
     ``n_buffer`` (time never grows with buffers), the faster of the host tiers."""
-    time, _, _ = evaluate(t, n_persist, n_buffer, grid, host_cap)
+    time, _, _ = evaluate(t, n_persist, n_buffer, grid, host_cap, time_only=True)
     th = _homes_tier(t)
-    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])
+    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, time_only=True)[0])
 
 
 class _Rows:

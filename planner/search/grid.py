@@ -10,6 +10,7 @@ activation profile. Which policy moves or recomputes comes from executor/homes.p
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,8 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protrain.executor import homes as H
-
-from .policy_layout import block_policies
 
 if TYPE_CHECKING:
     from .cost import Terms
@@ -66,19 +65,54 @@ class GridTerms:
     bwd_base: np.ndarray  # each backward step's bytes but the offloaded chunks' open gradients
 
 
-def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
-    """The strip-only terms of ``grid`` for ``t``'s activation profile, cached on the grid (keyed
-    by the arrays themselves, which the cache keeps alive, so a key is never reused)."""
+_MAX_CACHED = 8
+"""Activation profiles whose strip-only terms a grid keeps (the oldest go first)."""
+
+
+class _RowsOf:
+    """Rows ``idx`` of a parent grid's ``GridTerms``, each field indexed when first read (a
+    sub-grid's evaluation reads a few of them)."""
+
+    def __init__(self, whole: GridTerms, idx: np.ndarray):
+        self._whole, self._idx = whole, idx
+
+    def __getattr__(self, name: str):
+        if name not in GridTerms.__dataclass_fields__:
+            raise AttributeError(name)
+        value = getattr(self._whole, name)[self._idx]
+        setattr(self, name, value)
+        return value
+
+
+_KEYS: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def _key(t: Terms) -> tuple:
+    """What ``grid_terms`` reads of ``t``, as a key (once per Terms object, kept while it lives)."""
+    hit = _KEYS.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
     arrays = (t.saved, t.inputs, t.saved_tensor, t.comp_fwd, t.comp_bwd, t.shared_grads, t.fwd_peak, t.bwd_peak)
-    key = (*map(id, arrays), t.gpu, t.swap_out_us_per_byte, t.swap_in_us_per_byte)
+    key = (*(np.asarray(a, dtype=np.float64).tobytes() for a in arrays), t.gpu, t.swap_out_us_per_byte,
+           t.swap_in_us_per_byte)
+    ident = id(t)
+    _KEYS[ident] = (weakref.ref(t, lambda _ref: _KEYS.pop(ident, None)), key)
+    return key
+
+
+def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
+    """The strip-only terms of ``grid`` for ``t``'s activation profile, cached on the grid, keyed
+    by the values they are computed from (the chunk sizes of one profile share them)."""
+    key = _key(t)
     hit = grid.cache.get(key)
     if hit is not None:
-        return hit[1]
+        return hit
+    if len(grid.cache) >= _MAX_CACHED:
+        grid.cache.pop(next((k for k in grid.cache if not isinstance(k, str)), None), None)
     if grid.parent is not None:  # each row is one strip's terms: index the parent's
         whole, idx = grid.parent
-        terms = grid_terms(t, whole)
-        out = GridTerms(**{f: getattr(terms, f)[idx] for f in GridTerms.__dataclass_fields__})
-        grid.cache[key] = (arrays, out)
+        out = _RowsOf(grid_terms(t, whole), idx)
+        grid.cache[key] = out
         return out
     # What each policy holds after forward (homes.POLICIES): its strips' mask times that term
     # (whole bytes: the sum is exact). <pre> and <post> are kept.
@@ -114,8 +148,35 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
         fwd_walk=(held + swap_out + (t.fwd_peak if t.gpu else 0.0)).max(axis=1),
         bwd_base=bwd_base,
     )
-    grid.cache[key] = (arrays, out)  # (the arrays stay alive with their ids)
+    grid.cache[key] = out
     return out
+
+
+def grid_codes(grid: PolicyGrid, reverse: bool = False):
+    """Flat indices into ``(2, S)`` and ``(4, S)`` tables of per-segment values, (G, S) each:
+    a forward segment's by whether it is a swapped block; a backward segment's by whether it
+    is a checkpointed block and whether the segment before it is a swapped one (what the
+    time model's per-segment terms depend on, cost.py ``evaluate``). Cached on the grid.
+    ``reverse``: the backward ones alone, (S, G), row i for segment S-1-i (backward's order)."""
+    if reverse:
+        hit = grid.cache.get("codes reversed")
+        if hit is None:
+            hit = np.ascontiguousarray(grid_codes(grid)[1][:, ::-1].T)
+            grid.cache["codes reversed"] = hit
+        return hit
+    hit = grid.cache.get("codes")
+    if hit is None and grid.parent is not None:  # rows of the parent's
+        whole, idx = grid.parent
+        hit = tuple(c[idx] for c in grid_codes(whole))
+        grid.cache["codes"] = hit
+    if hit is None:
+        G, S = grid.swap.shape
+        cols = np.arange(S)
+        prev = np.zeros((G, S), dtype=np.int64)
+        prev[:, 1:] = grid.swap[:, :-1] > 0
+        hit = ((grid.swap > 0) * S + cols, ((grid.ckpt > 0) * 2 + prev) * S + cols)
+        grid.cache["codes"] = hit
+    return hit
 
 
 def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
@@ -126,20 +187,39 @@ def policy_grid(n_blocks: int, pairs: list[tuple[int, int]]) -> PolicyGrid:
 
 @functools.lru_cache(maxsize=16)
 def _policy_grid(n_blocks: int, pairs: tuple[tuple[int, int], ...]) -> PolicyGrid:
-    return strips_grid([block_policies(n_blocks, ns, nc) for ns, nc in pairs])
+    # block_policies' layout for every pair at once, as policy indices (G, N): the first
+    # n_swap + n_checkpoint blocks checkpointed, swap i at (i * length) // n_swap, the rest kept
+    # (tests/test_cost.py holds it equal to strips_grid of block_policies).
+    ns = np.array([p[0] for p in pairs], dtype=np.int64).reshape(-1)
+    nc = np.array([p[1] for p in pairs], dtype=np.int64).reshape(-1)
+    length = ns + nc
+    assert (ns >= 0).all() and (nc >= 0).all() and (length <= n_blocks).all(), (n_blocks, pairs)
+    index = {name: i for i, name in enumerate(H.POLICIES)}
+    code = np.where(np.arange(n_blocks) < length[:, None], index[H.CHECKPOINT.name], index[H.KEEP.name])
+    rows = np.repeat(np.arange(len(pairs)), ns)
+    nth = np.arange(len(rows)) - np.repeat(np.cumsum(ns) - ns, ns)  # i = 0 … n_swap - 1 within each row
+    code[rows, (nth * length[rows]) // np.maximum(ns[rows], 1)] = index[H.SWAP.name]
+    return _masks_grid(code)
 
 
 def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
     """Any per-block policy strips (``keep``/``swap``/``checkpoint`` per block) as a grid."""
     S = len(strips[0]) + 2
     assert all(len(strip) == S - 2 for strip in strips), (S - 2, {len(strip) for strip in strips})
-    codes = np.array([list(strip) for strip in strips], dtype=object).reshape(len(strips), S - 2)  # (G, N)
-    unknown = set(codes.ravel().tolist()) - set(H.POLICIES)
+    unknown = {p for strip in strips for p in strip} - set(H.POLICIES)
     assert not unknown, unknown
-    swap = np.zeros((len(strips), S), dtype=np.float64)
-    ckpt = np.zeros((len(strips), S), dtype=np.float64)
+    index = {name: i for i, name in enumerate(H.POLICIES)}
+    return _masks_grid(np.array([[index[p] for p in strip] for strip in strips], dtype=np.int64)
+                       .reshape(len(strips), S - 2))
+
+
+def _masks_grid(code: np.ndarray) -> PolicyGrid:
+    """The grid of per-block policy indices ``code`` (G, N) into ``homes.POLICIES``."""
+    G, N = code.shape
+    swap = np.zeros((G, N + 2), dtype=np.float64)
+    ckpt = np.zeros((G, N + 2), dtype=np.float64)
     # The grid's two masks, from the policies table: blocks whose activations move to the host
     # and back, and blocks recomputed in backward (the rest keep theirs).
-    swap[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.moves])
-    ckpt[:, 1:-1] = np.isin(codes, [p.name for p in H.POLICIES.values() if p.recomputes])
+    swap[:, 1:-1] = np.array([p.moves for p in H.POLICIES.values()], dtype=np.float64)[code]
+    ckpt[:, 1:-1] = np.array([p.recomputes for p in H.POLICIES.values()], dtype=np.float64)[code]
     return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)

@@ -80,13 +80,13 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
     """``t``: cost.Terms; ``off``: (C,) offloaded mask; ``host``: the host need with every home
     kept (scratch included); ``uploads_f``/``uploads_b``: (C,) uploads of each chunk per pass."""
     C, G = t.n_chunks, len(host_swap)
+    if homeless is None and not (host + host_swap - host_cap > 0).any():
+        return _all_at_home(t, G, host)
     n_off = int(off.sum())
     offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
     first = homeless_order(off)  # the k first of these are homeless, the kn first on disk
     numel = t.host_numel.astype(np.float64)
     disk_read = uploads_f * numel * t.disk_fetch_us_per_elem, uploads_b * numel * t.disk_fetch_us_per_elem
-    if homeless is None and not (host + host_swap - host_cap > 0).any():
-        return _all_at_home(t, G, host)
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
         k = np.zeros(G, dtype=np.int64)
