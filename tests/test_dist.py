@@ -295,6 +295,7 @@ def test_device_homed_chunks_train_as_host_homes_on_three_ranks(tmp_path):
     _assert_homed_as_host(out, "homed", "host", homed)
 
 
+@pytest.mark.slow  # (20 s; the synchronous ZeRO-3 parity stays in the default run)
 def test_async_zero3_equals_sync(tmp_path, monkeypatch):
     """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
     all-gathers run on the copy worker, later; losses and state equal the synchronous run's

@@ -112,9 +112,7 @@ def hostile(base: bytes):
                      st.binary(max_size=64))
 
 
-@fuzz(6_000)
-@given(data=hostile(PLAN_BYTES))
-def test_plan_load_only_raises_plan_error(data: bytes):
+def plan_loads_or_refuses(data: bytes) -> None:
     try:
         plan = P.load(data)
     except PlanError:
@@ -123,15 +121,40 @@ def test_plan_load_only_raises_plan_error(data: bytes):
     assert P.load(P.dump(plan)) == plan
 
 
-@fuzz(4_000)
-@given(data=hostile(PROFILE_BYTES))
-def test_profile_load_only_raises_profile_error(data: bytes):
+def profile_loads_or_refuses(data: bytes) -> None:
     try:
         profile = load_profile(data)
     except ProfileError:
         return
     assert isinstance(profile, Profile)
     assert msgspec.json.decode(msgspec.json.encode(profile), type=Profile) == profile
+
+
+# A quarter of the examples in the default run (the 10-minute budget), all of them in the slow run.
+@fuzz(1_500)
+@given(data=hostile(PLAN_BYTES))
+def test_plan_load_only_raises_plan_error(data: bytes):
+    plan_loads_or_refuses(data)
+
+
+@pytest.mark.slow
+@fuzz(6_000)
+@given(data=hostile(PLAN_BYTES))
+def test_plan_load_only_raises_plan_error_long(data: bytes):
+    plan_loads_or_refuses(data)
+
+
+@fuzz(1_000)
+@given(data=hostile(PROFILE_BYTES))
+def test_profile_load_only_raises_profile_error(data: bytes):
+    profile_loads_or_refuses(data)
+
+
+@pytest.mark.slow
+@fuzz(4_000)
+@given(data=hostile(PROFILE_BYTES))
+def test_profile_load_only_raises_profile_error_long(data: bytes):
+    profile_loads_or_refuses(data)
 
 
 @fuzz(1_000)

@@ -57,7 +57,7 @@ def _train(model, plan, steps=None, data=None, nvme_dir=None, config=CONFIG):
     ("gpt2-4", [0], "keep swap checkpoint keep", "all", False),
     pytest.param("gpt2-4", [0], "keep swap checkpoint keep", "all", True, marks=pytest.mark.slow),  # (22 s)
     ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], False),
-    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], True),
+    pytest.param("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], True, marks=pytest.mark.slow),  # (17 s)
 ])
 def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, policies, which, asynchronous,
                                                          tmp_path, monkeypatch):
