@@ -553,6 +553,27 @@ def test_deepen_equals_profiling_every_block_at_ladder_sizes(family, rung):
     assert dump_profile(deep) == dump_profile(full)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fit_profiles_with_adapters_equal_the_deep_models(family, monkeypatch):
+    """With LoRA's adapters (peft; the base frozen) ``fit._profile`` through ``deepen`` is still
+    the deep model's own profile, its frozen marks included (``fit --lora`` relies on it)."""
+    pytest.importorskip("peft")
+    import dataclasses
+
+    from protrain.planner.commands import fit as F
+    from protrain.planner.models.lora import LoraSpec
+
+    monkeypatch.setattr(F, "_PROFILES", {})
+    monkeypatch.setattr(F, "_SHALLOW", {})
+    spec, lora = rtx3090_like(), LoraSpec(r=4)
+    cfg = dataclasses.replace(F.ladder(family, 64)[0], n_layer=7)
+    got = F._profile(cfg, 2, 64, "bfloat16", spec, "d", lora)
+    assert F._SHALLOW, "deepen was not used"
+    want, _ = F._analytic(cfg, got.model.name, 2, 64, "bfloat16", spec, lora)
+    assert any(p.frozen for p in want.params) and not all(p.frozen for p in want.params)
+    assert dump_profile(got) == dump_profile(want)
+
+
 def test_deepen_declines_what_it_cannot_replicate():
     """Where the shallow model's two interior blocks differ, or the blocks are too few, or a
     non-block parameter is used inside a block, ``deepen`` returns None (fit then profiles

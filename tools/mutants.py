@@ -188,7 +188,7 @@ MUTANTS = [
            (f"{N}::test_the_faster_tier_that_fits_per_strip",
             f"{N}::test_plan_with_nvme_fits_a_host_that_refuses_it_without"), package="planner"),
     Mutant("search: time bound past the dense buffers from the faster tier", "search/exhaustive.py",
-           "    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap)[0])",
+           "    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, time_only=True)[0])",
            "    return time",
            ("tests/test_search.py::test_buffers_past_the_dense_range_weigh_both_host_tiers",), package="planner"),
     Mutant("cost: a fetch reads a master from disk", "search/host_tiers.py",

@@ -274,21 +274,21 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
     """The analytic profile of ``cfg`` (with ``lora``'s adapters, its base frozen). A deep
     model's blocks are all alike, so its profile is a shallow model's (``REPLICA_BLOCKS``
     blocks) with the interior block repeated (``analytic.deepen``, equal field by field to
-    profiling the deep model: tested), a fraction of the time; the deep model itself where
-    ``deepen`` declines, and with adapters (``deepen`` is not tested with frozen parameters)."""
+    profiling the deep model: tested, with adapters too), a fraction of the time; the deep
+    model itself where ``deepen`` declines."""
     key = (cfg, micro_batch, seq_len, dtype, digest, lora)
     if key not in _PROFILES:
         from ..profiling.analytic import REPLICA_BLOCKS, deepen
 
         name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
         profile = None
-        if cfg.n_layer > REPLICA_BLOCKS and lora is None:
+        if cfg.n_layer > REPLICA_BLOCKS:
             shallow = dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS)
-            skey = (shallow, micro_batch, seq_len, dtype, digest)
+            skey = (shallow, micro_batch, seq_len, dtype, digest, lora)
             if skey not in _SHALLOW:
                 if len(_SHALLOW) >= _MAX_CACHED:
                     _SHALLOW.pop(next(iter(_SHALLOW)))
-                _SHALLOW[skey] = _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec)
+                _SHALLOW[skey] = _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec, lora)
             deep = deepen(*_SHALLOW[skey], cfg.n_layer)
             if deep is not None:
                 profile = msgspec.structs.replace(deep[0], model=msgspec.structs.replace(deep[0].model, name=name))
