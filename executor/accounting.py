@@ -75,7 +75,7 @@ freed); offloads, the segment's activations, releases.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import homes as H
@@ -109,20 +109,28 @@ def plan_trainable(plan: Plan) -> list[bool]:
     return [any(not p.frozen for p in c.params) for c in plan.chunks.items]
 
 
+def tied_spans(uses: Mapping[str, Sequence[int]], nbytes: Mapping[str, int]) -> list[tuple[int, int, int]]:
+    """``(first, last, bytes)`` of each parameter of ``nbytes`` that more than one segment uses
+    (``uses``: segment indexes in forward order; a tied embedding and head): autograd holds its
+    gradient from the backward step after its later use (``last - 1``) to the end of its
+    earlier use's (``first``), so over the backward steps ``first .. last - 1``. The executor's
+    stream (``shared_grads``) and the cost model (``cost.make_terms``) both read it."""
+    return [(u[0], u[-1], nbytes[n]) for n in nbytes if len(u := uses.get(n, ())) > 1]
+
+
 def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
                  frozen: Collection[str] = ()) -> Counter[tuple[str, int]]:
     """Bytes of the gradients autograd holds for trainable parameters two segments use
-    (module docstring): ``[(segment, 1)]`` opened at that backward step (the one after the
-    later use), ``[(segment, -1)]`` closed at its end (the earlier use). ``frozen``: names
-    of parameters without gradients (the executor's live ones), beside those the plan marks."""
+    (module docstring, ``tied_spans``): ``[(segment, 1)]`` opened at that backward step,
+    ``[(segment, -1)]`` closed at its end. ``frozen``: names of parameters without gradients
+    (the executor's live ones), beside those the plan marks."""
     segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
-    uses = param_segments(plan)
-    for c in plan.chunks.items:
-        for p in c.params:
-            u = uses[p.name]
-            if len(u) > 1 and (trainable is None or trainable[c.id]) and p.name not in frozen and not p.frozen:
-                out[segs[segs.index(u[-1]) - 1], 1] += p.numel * cb
-                out[u[0], -1] += p.numel * cb
+    uses = {n: [segs.index(s) for s in u] for n, u in param_segments(plan).items()}
+    held = {p.name: p.numel * cb for c in plan.chunks.items for p in c.params
+            if (trainable is None or trainable[c.id]) and p.name not in frozen and not p.frozen}
+    for first, last, nbytes in tied_spans(uses, held):
+        out[segs[last - 1], 1] += nbytes
+        out[segs[first], -1] += nbytes
     return out
 
 

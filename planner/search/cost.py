@@ -287,15 +287,15 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         if train is not None and not train[c]:
             offload_at[last_bwd, c] = 0
     # A parameter two segments use (a tied embedding and head): its gradient is held from
-    # the end of the later one's backward to the end of the earlier one's (accounting.shared_grads).
+    # the end of the later one's backward to the end of the earlier one's (accounting.tied_spans).
     segs_of: dict[str, list[int]] = {}  # parameter → the segments using it, in forward order
     for s, seg in enumerate(facts.segments):
         for n in set(facts.uses[seg]):
             segs_of.setdefault(n, []).append(s)
     shared = np.zeros(S)
-    for n, shape, _ in facts.params:
-        if len(segs_of.get(n, ())) > 1 and n not in facts.frozen:
-            shared[segs_of[n][0]: segs_of[n][-1]] += math.prod(shape) * cb
+    held = {n: math.prod(shape) * cb for n, shape, _ in facts.params if n not in facts.frozen}
+    for first, last, nbytes in A.tied_spans(segs_of, held):
+        shared[first:last] += nbytes
     segs = profile.segments
     arr = lambda f: np.array([getattr(x, f) for x in segs], dtype=np.float64)  # noqa: E731
     big = 64 * 2**20
