@@ -439,6 +439,7 @@ print(f"{t2 - t1} {t1 - t0} {hwm} "
 """
 
 
+@pytest.mark.slow  # (11 s)
 def test_llama_70b_is_fast_and_small(capsys):
     out = (
         subprocess.run(

@@ -111,6 +111,7 @@ def test_bench_train_back_ends_train_the_same_model_on_the_same_data(train_recor
             assert (r["loss_first"], r["loss_last"]) == (plain["loss_first"], plain["loss_last"]), name
 
 
+@pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_fsdp2_runs_or_skips_cleanly(train_records):
     r = train_records["fsdp2-offload"]
     if r["fits"] is None:  # torch refused: the record says why, and nothing else broke
@@ -120,6 +121,7 @@ def test_bench_train_fsdp2_runs_or_skips_cleanly(train_records):
         assert r["ac"] == "every block" and r["offload"].startswith("CPUOffloadPolicy")
 
 
+@pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_deepspeed_record(train_records):
     r = train_records["deepspeed-zero3-offload"]
     try:
@@ -133,6 +135,7 @@ def test_bench_train_deepspeed_record(train_records):
         assert z["stage"] == 3 and z["offload_param"]["device"] == "cpu"
 
 
+@pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
     proc = run([str(TOOLS / "bench_train.py"), "--report", train_records["protrain"]["_jsonl"]])
     table = proc.stdout
@@ -181,6 +184,7 @@ def test_bench_fit_tiny_ladder(tmp_path):
     assert len([p for p in probes if p["backend"] == "torch-plain"]) <= 3 + 2  # log2 of 6, of 3
 
 
+@pytest.mark.slow  # (8 s)
 def test_gpu_preflight_on_cpu(tmp_path):
     # The census runs on CPU; the pinned part is recorded as skipped; back-ends CPU lacks
     # are records with their error, not crashes. --isolate-all runs the move-everything
@@ -278,6 +282,7 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     assert any(n.endswith("host.jsonl") for n in names), names
 
 
+@pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_write_replaces_only_its_own_section(train_records, tmp_path, monkeypatch):
     sys.path.insert(0, str(TOOLS))
     import bench_executor

@@ -71,7 +71,7 @@ def _read(tmp_path, world):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3 ranks: 8 s each)
 @pytest.mark.parametrize("name", list(CASES))
 def test_zero3_matches_single_process(tmp_path, name, world):
     persistent, n_buffer, policies = CASES[name]

@@ -113,7 +113,8 @@ def _mapped_bytes(engine) -> int:
     return total
 
 
-@pytest.mark.parametrize("dtype,homeless", [("bfloat16", ()), ("bfloat16", "all"), ("float32", ())])
+@pytest.mark.parametrize("dtype,homeless", [("bfloat16", ()), pytest.param("bfloat16", "all", marks=pytest.mark.slow),
+                                             ("float32", ())])
 def test_the_file_stays_on_disk_beyond_the_window(dtype, homeless, tmp_path, monkeypatch):
     """What keeps the states off the host is ``drop`` after each piece: at every event of a
     step (fetch, offload, CPU step) and just before every drop in a step, the file's pages mapped in
