@@ -489,7 +489,7 @@ def _deepened_and_full(cfg, *, micro_batch, seq_len, compute_dtype, spec):
 
     from protrain.executor.check import model_signature
     from protrain.planner.models.zoo import GPT2, GPT2Config, Llama
-    from protrain.planner.profiling.analytic import REPLICA_BLOCKS, deepen
+    from protrain.planner.profiling.deepen import REPLICA_BLOCKS, deepen
 
     def profile(c):
         with torch.device("meta"):
@@ -525,7 +525,7 @@ def _cases():
 
 @pytest.mark.parametrize("cfg, micro_batch, seq_len, dtype, spec", _cases())
 def test_deepen_equals_profiling_every_block(cfg, micro_batch, seq_len, dtype, spec):
-    """``analytic.deepen`` (a shallow model's profile with its interior block repeated: what
+    """``deepen.deepen`` (a shallow model's profile with its interior block repeated: what
     ``protrain fit`` profiles) is the deep model's own profile, field by field, segment by
     segment, parameter by parameter, with the deep model's parameter signature."""
     (deep, deep_sig), (full, full_sig), _ = _deepened_and_full(
@@ -580,7 +580,7 @@ def test_deepen_declines_what_it_cannot_replicate():
     non-block parameter is used inside a block, ``deepen`` returns None (fit then profiles
     every block)."""
     from protrain.planner.models.zoo import GPT2Config
-    from protrain.planner.profiling.analytic import deepen
+    from protrain.planner.profiling.deepen import deepen
 
     cfg = GPT2Config(n_layer=6, n_head=4, n_embd=256)
     _, _, (shallow, sig) = _deepened_and_full(cfg, micro_batch=1, seq_len=32, compute_dtype="float32",

@@ -273,12 +273,12 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
              lora=None) -> Profile:
     """The analytic profile of ``cfg`` (with ``lora``'s adapters, its base frozen). A deep
     model's blocks are all alike, so its profile is a shallow model's (``REPLICA_BLOCKS``
-    blocks) with the interior block repeated (``analytic.deepen``, equal field by field to
+    blocks) with the interior block repeated (``deepen.deepen``, equal field by field to
     profiling the deep model: tested, with adapters too), a fraction of the time; the deep
     model itself where ``deepen`` declines."""
     key = (cfg, micro_batch, seq_len, dtype, digest, lora)
     if key not in _PROFILES:
-        from ..profiling.analytic import REPLICA_BLOCKS, deepen
+        from ..profiling.deepen import REPLICA_BLOCKS, deepen
 
         name = f"{'gpt2' if isinstance(cfg, GPT2Config) else 'llama'}-{n_params(cfg) / 1e9:.2f}b"
         profile = None
