@@ -54,12 +54,10 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -81,7 +79,14 @@ from .grid import (  # noqa: F401  (re-exported: the search and tools use them f
     strips_grid,
 )
 from .host_tiers import homeless_order  # noqa: F401  (re-exported: the search names chunks by it)
-from .layout import assign, layout_order
+from .layout import (  # noqa: F401  (re-exported: the chunk size's choice, which tools and tests read here)
+    CHUNK_GRID,
+    MIN_CHUNKS,
+    choose_chunk_numel,
+    chunk_candidates,
+    chunk_need,
+    chunk_trainable,
+)
 from .policy_layout import block_policies  # noqa: F401  (re-exported: the search and the MILP use it)
 from .rules import HOST_SLOTS, ModelFacts
 
@@ -195,42 +200,6 @@ class Terms:
         reductions] in ``evaluate``): the all-reduce, or sharded the reduce-scatter; the rest of
         ``allreduce_us_per_chunk`` (sharded: the all-gather) runs after the step."""
         return self.allreduce_us_per_chunk / (2 if self.shard_persistent else 1)
-
-
-def chunk_need(facts: ModelFacts, chunk_numel: int) -> tuple[list[set[int]], np.ndarray, np.ndarray]:
-    """Chunks each segment uses, parameter elements per chunk, and where each chunk's last
-    parameter ends (elements), for one chunk size. (Cached by what it reads of ``facts``:
-    ``make_plan`` asks for each size ``chunk_candidates`` asked for, once per chunk size.)"""
-    key = (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
-           tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen)
-    need, per_chunk, ends = _chunk_need(key, chunk_numel)
-    return [set(x) for x in need], per_chunk.copy(), ends.copy()
-
-
-@functools.lru_cache(maxsize=32)
-def _chunk_need(key: tuple, chunk_numel: int) -> tuple[tuple[frozenset[int], ...], np.ndarray, np.ndarray]:
-    order, params, segments, uses, frozen = key
-    uses = dict(zip(segments, map(list, uses)))
-    numel = {n: math.prod(s) for n, s, _ in params}
-    facts = SimpleNamespace(order=list(order), segments=list(segments), uses=uses, frozen=frozen)
-    order, grp, fresh = layout_order(facts)  # (what layout_order reads of ModelFacts)
-    slots = assign(order, numel, grp, chunk_numel, fresh)
-    owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
-    need = tuple(frozenset(owner[n] for n in uses[s]) for s in segments)
-    per_chunk = np.array([sum(s.numel for s in chunk) for chunk in slots], dtype=np.int64)
-    ends = np.array([max(s.offset + s.numel for s in chunk) for chunk in slots], dtype=np.int64)
-    return need, per_chunk, ends
-
-
-def chunk_trainable(facts: ModelFacts, chunk_numel: int) -> np.ndarray | None:
-    """(C,) whether each chunk trains (some parameter in it is not frozen, as the executor
-    decides: chunks.py [Note: frozen chunks]), or None when no parameter is frozen."""
-    if not facts.frozen:
-        return None
-    numel = {n: math.prod(s) for n, s, _ in facts.params}
-    order, grp, fresh = layout_order(facts)
-    return np.array([any(s.name not in facts.frozen for s in chunk)
-                     for chunk in assign(order, numel, grp, chunk_numel, fresh)], dtype=bool)
 
 
 def collective_bandwidth(spec, size_bytes: int) -> float:
@@ -728,66 +697,3 @@ def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Seque
     time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless,
                                  homed=homed, nvme=nvme)
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
-
-
-CHUNK_GRID = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
-"""Chunk-size candidates as multiples of the largest segment's (or parameter's) size.
-
-Below 1× a block would straddle chunks and wait on two fetches; above ~4× the
-chunks get too coarse for persistence to be chosen finely (a 70B model would have
-~20 chunks). Candidates are rounded up to 1024 elements (4 KiB in fp32) so
-parameter views stay aligned for vectorised kernels."""
-
-
-MIN_CHUNKS = 4
-"""Candidates giving fewer chunks are used only if none gives this many: with one or
-two chunks there is nothing to choose between persistent and offloaded."""
-
-
-def chunk_candidates(facts: ModelFacts) -> tuple[list[int], dict[int, int]]:
-    """The chunk sizes worth a search, smallest first, and the waste of every candidate.
-
-    Of ``CHUNK_GRID``'s sizes giving at least ``MIN_CHUNKS`` chunks (else all of them),
-    a size is worth searching only if it wastes fewer elements (chunk padding) than
-    every smaller one: a larger chunk that also wastes more is coarser on every count
-    (persistence and buffers come in bigger steps, more padding rides along). The
-    search (``planning.make_plan``) then plans each and keeps the best plan, as the
-    paper searches the chunk size too.
-
-    Why not the least waste alone: whole blocks tile a chunk of 1×, 2×, 3×, 4× a
-    block equally well, so the waste ties and the old rule (ties to the larger) gave a
-    14B GPT-2 (54 × 4608) 1.02B-element chunks (16 GB of persistent state each on a
-    24 GB card) and llama-70b 41 chunks of 1.7B. Measured on the plan library (108 cells, 2-core CPU,
-    before item 4b): ties to the smaller is never slower and 1.8% faster at the median
-    (25% at most); planning every size on this list finds the best plan of all seven
-    sizes in 106 cells (mixtral-8x7b on 4x a100-80g / 4x h100: 1.25× is 1.1-1.6%
-    faster, with more waste), and finds plans the least-waste size cannot
-    (llama-3.1-8b on one rtx3090 / rtx4090: its 128K-vocabulary embedding makes 4× the
-    least wasteful, 4 chunks, and nothing fits; 1.25× plans). The list has 1 size for
-    most models (1×: blocks tile it), 3 for gpt2-xl and llama-3.1-8b.
-    """
-    numel = {n: math.prod(s) for n, s, _ in facts.params}
-    largest = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments), max(numel.values()))
-    total = sum(numel.values())
-    waste, count = {}, {}
-    for f in CHUNK_GRID:
-        size = -(-int(largest * f) // 1024) * 1024
-        _, per_chunk, _ = chunk_need(facts, size)
-        waste[size], count[size] = len(per_chunk) * size - total, len(per_chunk)
-    fine = sorted(s for s in waste if count[s] >= MIN_CHUNKS)
-    if not fine:  # too few chunks whatever the size: the size giving the most, least waste
-        return [max(waste, key=lambda s: (count[s], -waste[s], -s))], waste
-    out = []
-    for size in fine:
-        if not out or waste[size] < waste[out[-1]]:
-            out.append(size)
-    return out, waste
-
-
-def choose_chunk_numel(facts: ModelFacts) -> tuple[int, dict[int, int]]:
-    """The candidate with the least wasted elements (ties to the smaller) among those
-    giving at least ``MIN_CHUNKS`` chunks (else the one giving the most): the last of
-    ``chunk_candidates``; and the waste of every candidate. ``make_plan`` searches all
-    of ``chunk_candidates``; this is one size for tools and tests that need one."""
-    sizes, waste = chunk_candidates(facts)
-    return sizes[-1], waste

@@ -73,7 +73,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
     """The fastest plan that fits ``budget_bytes`` of device memory and ``host_budget_bytes``
     of host memory per rank (default: ``default_host_budget`` of the profile's hardware)
     per the cost model, and the search behind it, over the chunk sizes of
-    ``cost.chunk_candidates`` (``search_chunk_sizes``). ``solver``: a key of
+    ``layout.chunk_candidates`` (``search_chunk_sizes``). ``solver``: a key of
     ``search.SOLVERS``; a solver other than ``exhaustive`` runs at the size the
     exhaustive search chose.
     ``max_grad_norm``: the training will clip gradients, so the plan's CPU AdamW steps
@@ -161,7 +161,7 @@ def make_plan(profile: Profile, budget_bytes: int, *, solver: str = DEFAULT_SOLV
 
 def search_chunk_sizes(profile: Profile, facts, budget_bytes: int, host_budget: int, world_size: int,
                        cpu_adam: str, grad_accum: int, nvme: bool = False) -> tuple[int, Terms, SearchResult]:
-    """Run the exhaustive search at every size of ``cost.chunk_candidates`` and keep the
+    """Run the exhaustive search at every size of ``layout.chunk_candidates`` and keep the
     best plan by the search's own order (``Choice.key``; ties to the smaller chunk).
 
     When nothing fits at any size, the size whose search came closest: the least host
