@@ -215,3 +215,19 @@ def test_readme_pins_torch_as_ci_does():
     lines = [x for x in readme.splitlines() if x.startswith("pip install torch")]
     assert lines and all(x.startswith(f"pip install {pinned}") for x in lines), lines
     assert f"`pip install {pinned}`" in readme  # the route without PyTorch's index, as CI installs it
+
+
+def test_hf_config_names_a_shipped_config_when_no_such_path_exists(tmp_path, monkeypatch):
+    """``--hf-config mixtral-8x7b`` from any directory is the config shipped in plans/configs
+    (what an installed wheel has; tests/test_wheel.py runs it there); a path that exists wins,
+    and a name with a separator is never looked up among the shipped ones."""
+    from protrain.planner.models.hf import config_path
+    from protrain.planner.shipped import plans_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert config_path("mixtral-8x7b") == plans_dir() / "configs" / "mixtral-8x7b"
+    (tmp_path / "mixtral-8x7b").mkdir()
+    assert config_path("mixtral-8x7b") == tmp_path / "mixtral-8x7b"
+    traversal = "../configs/mixtral-8x7b"  # (from plans/configs it would reach a shipped config)
+    assert config_path(traversal) == (tmp_path / traversal).resolve()
+    assert config_path("no-such-config") == tmp_path / "no-such-config"
