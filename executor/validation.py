@@ -186,7 +186,7 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     n_buffer = plan.placement.n_buffer
     need = segment_chunks(plan)
     order = segments(plan)
-    swapped = {a.block for a in plan.activations if a.policy == "swap"}
+    swapped = {a.block for a in plan.activations if H.POLICIES[a.policy].moves}
     resident: set[int] = set()
     trace: list[tuple[str, str, frozenset[int]]] = []
     offloaded_at: dict[int, int] = {}

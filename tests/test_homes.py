@@ -85,3 +85,34 @@ def test_homes_of_names_one_home_per_chunk_and_refuses_what_names_none():
 
 def test_policies_hold_what_they_say():
     assert [H.held_bytes(p, saved=100, inputs=7) for p in ("keep", "swap", "checkpoint")] == [100, 0, 7]
+
+
+POLICY_SPELLERS = {
+    "executor/homes.py": "the table itself",
+    "executor/plan.py": "the schema's Literal (a new policy is a schema version and a migration)",
+    "executor/activations.py": "the mechanism: what a block's pack/unpack hooks do under each policy",
+    "planner/search/grid.py": "the search's space: one mask per policy over the strips",
+    "planner/search/milp.py": "the search's space as MILP variables, one one-hot per policy",
+}
+"""The only modules that may spell a block policy's name: the rest read ``homes.POLICIES``
+(``held``, ``moves``, ``recomputes``, ``letter``) or its entries' ``.name``."""
+
+
+def test_policies_are_named_only_by_the_table_mechanism_search_space_and_schema():
+    """A fourth policy is one entry in homes.POLICIES plus the modules above: a module that
+    tests ``policy == "swap"`` (as emit, validation, memory_walk and memory_plot once did)
+    would have to be found and changed by hand."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = set(H.POLICIES)
+    found = []
+    for package in ("executor", "planner"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Constant) and node.value in names and rel not in POLICY_SPELLERS
+                        and not (rel == "planner/commands/cli.py" and node.value == "checkpoint")):
+                    found.append(f"{rel}:{node.lineno}: {node.value!r}")  # (cli: --resume's dest, a checkpoint)
+    assert not found, "read homes.POLICIES instead of spelling a policy:\n" + "\n".join(found)

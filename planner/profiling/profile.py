@@ -31,6 +31,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from protrain.executor.errors import ProfileError
+from protrain.executor.homes import KEEP
 from protrain.executor.plan import Generator, canonical
 
 from ..hardware.spec import HardwareSpec
@@ -188,15 +189,15 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
     training = P.Training(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype,
                           master_dtype="float32", world_size=1, grad_accum=1)
     probe = assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
-                     n_buffer=len(facts.params) + 1, policies=["keep"] * len(blocks))
+                     n_buffer=len(facts.params) + 1, policies=[KEEP.name] * len(blocks))
     n_chunks = len(probe.chunks.items)
     if not bootstrap:
         return assemble(facts, training=training, chunk_numel=chunk_numel,
                         persistent=list(range(n_chunks)), n_buffer=0,
-                        policies=["keep"] * len(blocks)), facts
+                        policies=[KEEP.name] * len(blocks)), facts
     need = max(len(c) for c in V.segment_chunks(probe).values())
     return assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
-                    n_buffer=need, policies=["keep"] * len(blocks)), facts
+                    n_buffer=need, policies=[KEEP.name] * len(blocks)), facts
 
 
 def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,

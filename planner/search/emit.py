@@ -128,7 +128,7 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
 
     owner = {s.name: i for i, chunk in enumerate(slots) for s in chunk}
     need = {s: {owner[n] for n in facts.uses[s]} for s in facts.segments}
-    swapped = [b for b, pol in zip(blocks, policies) if pol == "swap"]
+    swapped = [b for b, pol in zip(blocks, policies) if H.POLICIES[pol].moves]
     if cpu_adam is None:
         cpu_adam = cpu_adam_schedule(training.compute_dtype, request.max_grad_norm if request else None)
     schedule = build_schedule(facts.segments, need, set(offloaded), n_buffer, swapped, cpu_adam)

@@ -92,7 +92,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         return int(getattr(acts, field)[i]) if acts is not None else 0
 
     gpu = acts is not None and acts.gpu
-    held = [H.held_bytes(policy.get(s, "keep"), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
+    held = [H.held_bytes(policy.get(s, H.KEEP.name), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
     moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
     recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
 
@@ -124,7 +124,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             if i == len(segs) - 1:  # the turn: every swapped block's activations are on the host
                 for b in plan.model.blocks:
                     if b in moves:
-                        ev(phase, s, "host", "swap", act(segs.index(b), "swapped"), block=b)
+                        ev(phase, s, "host", "swapped", act(segs.index(b), "swapped"), block=b)
         else:
             if gpu and s in recomputes:
                 ev(phase, s, "device", "recompute", -act(i, "saved"), block=s)
@@ -132,7 +132,7 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
             ev(phase, s, "device", "shared_grads", -shared[s, -1])
             if s in back_in:
                 ev(phase, s, "device", "swapped_in", -act(i, "swapped"), block=s)
-                ev(phase, s, "host", "swap", -act(i, "swapped"), block=s)
+                ev(phase, s, "host", "swapped", -act(i, "swapped"), block=s)
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
+from protrain.executor.homes import POLICIES
 
 from ..profiling.profile import Profile
 from .trace import _terms_for
@@ -154,8 +155,8 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
         f"{plan.model.name} on {plan.hardware.name}: predicted device memory per schedule step\n"
         f"micro-batch {plan.training.micro_batch} × seq {plan.training.seq_len}, "
         f"{plan.training.compute_dtype}; {plan.placement.n_persist}/{len(plan.chunks.items)} chunks "
-        f"persistent, {plan.placement.n_buffer} buffers; blocks: {policies.count('swap')} swap, "
-        f"{policies.count('checkpoint')} checkpoint, {policies.count('keep')} keep; "
+        f"persistent, {plan.placement.n_buffer} buffers; blocks: "
+        f"{', '.join(f'{policies.count(p)} {p}' for p in POLICIES)}; "
         f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iteration",
         fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protrain.executor.homes import POLICIES
+from protrain.executor.homes import CHECKPOINT, POLICIES, SWAP
 from protrain.executor.plan import Plan
 
 from ..search import memory_walk
@@ -82,7 +82,7 @@ def is_four_count(plan: Plan) -> bool:
     pl = plan.placement
     strip = [a.policy for a in plan.activations]
     return (pl.persistent == list(range(pl.n_persist))
-            and strip == block_policies(len(strip), strip.count("swap"), strip.count("checkpoint")))
+            and strip == block_policies(len(strip), strip.count(SWAP.name), strip.count(CHECKPOINT.name)))
 
 
 def human_bytes(n: int) -> str:
