@@ -167,8 +167,8 @@ class Engine:
             self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
             raise
         # Per-step state, set in step().
-        self._first_micro = True  # the micro-batch being run is the step's first
-        self._last_micro = True  # ... and/or its last (CPU steps may start)
+        # Whether the micro-batch being run is the step's first, and/or its last (CPU steps may start).
+        self._first_micro = self._last_micro = True
         self._reducing: dict[int, tuple] = {}  # persistent chunk → (its reduction's output, work)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
@@ -595,10 +595,9 @@ class Engine:
         """Undo what wrap did, as far as it got (also after a failed wrap)."""
         if self.optim is not None:
             self.optim.shutdown()
-        if self.replayer is not None:
-            self.replayer.uninstall()
-        if self.acts is not None:
-            self.acts.uninstall()
+        for part in (self.replayer, self.acts):  # (None: the failed wrap did not get to it)
+            if part is not None:
+                part.uninstall()
         if self.store is not None:
             self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory
             if self.store.disk is not None:

@@ -170,7 +170,6 @@ class ChunkOptimizer:
 
     def __init__(self, store: ChunkStore, config: AdamWConfig):
         self.store = store
-        self.config = config
         fp32 = store.dtype == torch.float32
         self.hyper = dict(amsgrad=False, lr=config.lr, beta1=config.betas[0], beta2=config.betas[1],
                           weight_decay=config.weight_decay, eps=config.eps, maximize=False)
@@ -246,8 +245,8 @@ class ChunkOptimizer:
         # step's, host (one chunk at a time: one worker); ``dev_scratch``: the device steps'
         # ([Note: device homes] in chunks.py).
         piece = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
-        host = store.grad_in_home and any(not c.persistent and not c.homed and c.trainable for c in store.chunks)
-        self.scratch = torch.empty(piece if host else 0, dtype=torch.float32)
+        host = any(not c.persistent and not c.homed and c.trainable for c in store.chunks)
+        self.scratch = torch.empty(piece if host and store.grad_in_home else 0, dtype=torch.float32)
         self.dev_scratch = torch.empty(piece if any(c.homed and c.trainable for c in store.chunks) else 0,
                                        dtype=torch.float32, device=store.device)
         store.ledger.host_alloc(self.scratch.numel() * 4)
@@ -269,15 +268,9 @@ class ChunkOptimizer:
         """Raise before chunk ``cid`` steps when one of its ``grads`` is not finite, or when an
         earlier chunk's were ([Note: finite-state guard]). ``partial``: other chunks may have
         stepped already in this step."""
-        if not self.guarded:
+        if not self.guarded or self.poisoned is None and self._finite(grads):
             return
-        t0 = time.perf_counter()
-        finite = self.poisoned is None and all_finite([g for g in grads if g is not None])
-        self.guard_seconds += time.perf_counter() - t0
-        if finite:
-            return
-        if self.poisoned is None:
-            self.poisoned = (cid, step, partial)
+        self.poisoned = self.poisoned or (cid, step, partial)  # the first failure stays the one named
         raise self.nonfinite_error(*self.poisoned)
 
     def guard_persistent(self) -> None:
@@ -285,13 +278,17 @@ class ChunkOptimizer:
         together (one read back), then one by one to name the first that is not finite."""
         if not self.guarded:
             return
-        t0 = time.perf_counter()
         grads = {c.id: self.step_grads(c.id) for c in self.store.chunks if c.persistent and c.trainable}
-        finite = all_finite([g for views in grads.values() for g in views])
-        self.guard_seconds += time.perf_counter() - t0
-        if not finite:
+        if not self._finite([g for views in grads.values() for g in views]):
             for cid, views in grads.items():
                 self.guard(cid, self.step_no, views)
+
+    def _finite(self, grads: list[torch.Tensor]) -> bool:
+        """``all_finite(grads)``, its wall time counted in ``guard_seconds``."""
+        t0 = time.perf_counter()
+        finite = all_finite(grads)
+        self.guard_seconds += time.perf_counter() - t0
+        return finite
 
     def step_grads(self, cid: int) -> list[torch.Tensor]:
         """What the chunk's step now reads of its gradients (``read_by_step`` of ``grad``)."""
@@ -391,7 +388,8 @@ class ChunkOptimizer:
         for c in self.store.chunks:
             if c.trainable and not c.homed:  # (device-homed: stepped at its offload, its gradients gone)
                 # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read them
-                flat = c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home else self.cpu_grad[c.id]
+                flat = (c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home
+                        else self.cpu_grad[c.id])
                 for i in self.stepping(c.id):
                     p, off, n = c.params[i]
                     views[id(p)] = flat[off: off + n].view(p.shape)
