@@ -404,10 +404,8 @@ class ChunkOptimizer:
 
     def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
         """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
-        g = self.grad(cid)
-        if g.dtype != torch.float32:
-            g = g.float()  # a fresh fp32 copy; the compute-dtype buffer is zeroed next step
-        return _unscale(g, inv_scale, coef)
+        # (16-bit: a fresh fp32 copy, the compute-dtype buffer is zeroed next step; fp32: itself)
+        return _unscale(self.grad(cid).float(), inv_scale, coef)
 
     def grad(self, cid: int) -> torch.Tensor:
         """This rank's gradient of the chunk, in master coordinates: a persistent chunk's device
