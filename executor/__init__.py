@@ -18,18 +18,13 @@ from .plan import dump, load
 
 __all__ = ["AdamWConfig", "Engine", "ProtrainError", "StepResult", "dump", "load", "wrap"]
 
-_LAZY = {
-    "wrap": ("engine", "wrap"),
-    "Engine": ("engine", "Engine"),
-    "StepResult": ("engine", "StepResult"),
-    "AdamWConfig": ("optim", "AdamWConfig"),
-}
+# name → the submodule that defines it
+_LAZY = {"wrap": "engine", "Engine": "engine", "StepResult": "engine", "AdamWConfig": "optim"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

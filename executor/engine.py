@@ -45,7 +45,7 @@ from .dist import Comm
 from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteLossError
 from .events import Listener
 from .memory import Ledger
-from .optim import AdamWConfig, ChunkOptimizer, LossScaler, all_finite, clip_coefficient
+from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .plan import POST, PRE, Plan
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
@@ -97,16 +97,13 @@ def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
 
     import msgspec
 
-    def digest(value) -> str:
-        return json.dumps(msgspec.to_builtins(value, order="deterministic"), sort_keys=True)
-
-    t = plan.training
     return {"$.model.fingerprint": plan.model.fingerprint,
-            "$.training.micro_batch": t.micro_batch, "$.training.seq_len": t.seq_len,
-            "$.training.grad_accum": t.grad_accum, "$.training.compute_dtype": t.compute_dtype,
+            **{f"$.training.{k}": getattr(plan.training, k)
+               for k in ("micro_batch", "seq_len", "grad_accum", "compute_dtype")},
             "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
             "$.schedule.cpu_adam": plan.schedule.cpu_adam,
-            **{f"$.{s} (the plan's binding section)": digest(getattr(plan, s))
+            **{f"$.{s} (the plan's binding section)":  # a digest: canonical JSON of the section
+               json.dumps(msgspec.to_builtins(getattr(plan, s), order="deterministic"), sort_keys=True)
                for s in ("chunks", "placement", "activations", "schedule")},
             "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
 
@@ -122,6 +119,14 @@ def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
             "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)")
 
 
+def _image(c, parts: list[torch.Tensor]) -> torch.Tensor:
+    """A whole-chunk fp32 image (padding zero) of one tensor per parameter of chunk ``c``."""
+    full = torch.zeros(c.numel, dtype=torch.float32)
+    for (_p, off, n), t in zip(c.params, parts):
+        full[off: off + n].copy_(t.reshape(-1))
+    return full
+
+
 class Engine:
     def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
                  device: str | torch.device | None, nvme_dir: str | os.PathLike | None = None):
@@ -129,16 +134,12 @@ class Engine:
         check(plan, model)  # refuses before any state changes
         _check_cpu_adam(plan, config)
         self.comm = Comm(plan.training.world_size)  # refuses a world-size mismatch
-        dev = torch.device(device if device is not None else
-                           ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         # before any other collective: ranks with other plans would deadlock in them (dist.py [Note: ranks agree])
         self.comm.agree(agreement(plan, config), dev)
-        self.model = model
-        self.plan = plan
-        self.device = dev
-        self.config = config
+        self.model, self.plan, self.device, self.config = model, plan, dev, config
         # The model's own parameter order: clipping reduces norms in this order, as
         # clip_grad_norm_(model.parameters()) does.
         self.param_order = list(model.parameters())
@@ -157,8 +158,7 @@ class Engine:
             self.optim = ChunkOptimizer(self.store, config)
             self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
-            self.scaler = LossScaler(plan.training.compute_dtype == "float16", config.loss_scale,
-                                     config.scale_window)
+            self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
             self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
             self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
             self.acts.install()
@@ -167,8 +167,8 @@ class Engine:
             self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
             raise
         # Per-step state, set in step().
-        self._first_micro = True  # the micro-batch being run is the step's first
-        self._last_micro = True  # ... and/or its last (CPU steps may start)
+        # Whether the micro-batch being run is the step's first, and/or its last (CPU steps may start).
+        self._first_micro = self._last_micro = True
         self._reducing: dict[int, tuple] = {}  # persistent chunk → (its reduction's output, work)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
@@ -377,48 +377,28 @@ class Engine:
         if poisoned is not None and (stepping or poisoned[2]):
             raise self._nonfinite_error(*poisoned)
 
-    def _guard_after_backward(self, total: torch.Tensor) -> bool:
-        """Whether every gradient is finite, from the global norm (``after_backward``: no chunk
-        has stepped); raise when one is not. The chunks are looked at one by one only when the
-        norm is not finite. optim.py [Note: finite-state guard]."""
+    def _guard_after_backward(self, total: torch.Tensor) -> None:
+        """Raise when a gradient is not finite, known from the global norm (``after_backward``: no
+        chunk has stepped). The chunks are looked at one by one only when the norm is not finite;
+        finite gradients whose squares overflowed step (clipped to zero). optim.py [Note:
+        finite-state guard]."""
         if not self.optim.guarded or bool(torch.isfinite(total)):
-            return True
+            return
         try:
             for c in self.store.chunks:
                 if c.trainable:  # (no chunk is device-homed: those plans step during backward)
-                    grad = c.dev_grad[c.own] if c.persistent else self.optim._host_grad(c.id)
-                    self.optim.guard(c.id, self.steps_done + 1,
-                                     self.optim.read_by_step(c.id, self.optim.stepping(c.id), grad), partial=False)
+                    self.optim.guard(c.id, self.optim.step_no, self.optim.step_grads(c.id), partial=False)
         except NonFiniteGradientError:
             self.optim.discard_home_grads()  # the homes' weights back, as for a skipped fp16 step
             raise
-        return True  # finite gradients whose squares overflowed: they step (clipped to zero)
-
-    def _guard_persistent(self) -> None:
-        """Before the persistent chunks step (``during_backward``): their gradients, checked
-        together (one read back), then one by one to name the first that is not finite."""
-        if not self.optim.guarded:
-            return
-        t0 = time.perf_counter()
-        chunks = [c for c in self.store.chunks if c.persistent and c.trainable]
-        grads = {c.id: self.optim.read_by_step(c.id, self.optim.stepping(c.id), c.dev_grad[c.own]) for c in chunks}
-        finite = all_finite([g for views in grads.values() for g in views])
-        self.optim.guard_seconds += time.perf_counter() - t0
-        if finite:
-            return
-        for cid, views in grads.items():
-            self.optim.guard(cid, self.steps_done + 1, views)
 
     def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
         """What ran out, where, against what the plan predicted, and the budget to plan with."""
         phase = self.replayer.phase.name.lower()
         segment = getattr(self.acts, "segment", None)  # the segment whose step began last
         predicted = self.plan.prediction.peak_memory_bytes
-        if self.device.type == "cuda":
-            held = torch.cuda.memory_reserved(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            held = peak = self.ledger.device_peak_bytes()
+        peak = self.ledger.device_peak_bytes()  # CUDA: the allocator's peak allocated
+        held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else peak
         budget = self.plan.request.budget_bytes or max(predicted, held)
         return BudgetError(
             f"out of device memory in the {phase}"
@@ -467,8 +447,7 @@ class Engine:
             c.dev_grad[c.shard].copy_(out.div_(self.comm.world)) if c.sharded else out.div_(self.comm.world)
         self._reducing.clear()
         inv_scale = 1.0 / self.scaler.scale
-        coef = None
-        grad_norm = None
+        coef = grad_norm = None
         if self._defer_cpu_steps:
             self.optim.wait_all()  # the accumulators are complete once the worker has landed them
             total = self.optim.global_norm(self.param_order) * inv_scale
@@ -478,15 +457,15 @@ class Engine:
                 self.optim.discard_home_grads()
                 return grad_norm, True  # skip: no master changes; grads are zeroed next step
             self.scaler.update(overflow=False)
-            checked = self._guard_after_backward(total)
+            self._guard_after_backward(total)
             if self.config.max_grad_norm is not None:
                 coef = clip_coefficient(total, self.config.max_grad_norm)
             host_coef = None if coef is None else coef.item()  # the worker never reads the device
             for c in self.store.chunks:
-                if not c.persistent:
-                    self.optim.submit_cpu_step(c.id, host_coef, inv_scale, checked=checked)
+                if not c.persistent:  # (checked: the guard above found every gradient finite)
+                    self.optim.submit_cpu_step(c.id, host_coef, inv_scale, checked=True)
         else:
-            self._guard_persistent()
+            self.optim.guard_persistent()
         for c in self.store.chunks:
             if c.persistent:
                 self.events.emit("device_step", "begin", chunk=c.id)
@@ -526,9 +505,7 @@ class Engine:
                                       for k, v in moments.items()}}
             if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
                 self.store.disk.drop(o.master[c.id], o.exp_avg[c.id], o.exp_avg_sq[c.id])
-        for name, alias in self.plan.model.tied:
-            if name in model:
-                model[alias] = model[name]
+        model.update({alias: model[name] for name, alias in self.plan.model.tied if name in model})
         return {"model": model, "optim": optim}
 
     def _whole(self, c, t: torch.Tensor) -> torch.Tensor:
@@ -551,43 +528,35 @@ class Engine:
         if missing:
             raise ConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}",
                               "load a state dict saved from this model")
-        dtype = DTYPES[self.plan.training.compute_dtype]
+        dtype, o = DTYPES[self.plan.training.compute_dtype], self.optim
+        zero = dict.fromkeys(("step", "exp_avg", "exp_avg_sq"), torch.zeros(()))  # a parameter never stepped
         with torch.no_grad():
             for c in self.store.chunks:
-                master = self.optim.master[c.id]
+                master = o.master[c.id]
                 names = [self.names[id(p)] for p, _, _ in c.params]
                 if not all(nm in model for nm in names):  # frozen ones left out: as they are
-                    if any(nm in model for nm in names):
-                        kept = self._whole(c, master).float().cpu()
-                        offs = {nm: (off, n) for (_p, off, n), nm in zip(c.params, names)}
-                        model.update({nm: kept[offs[nm][0]: sum(offs[nm])] for nm in names if nm not in model})
-                    else:
+                    if not any(nm in model for nm in names):
                         continue
+                    kept = self._whole(c, master).float().cpu()
+                    model.update({nm: kept[off: off + n] for (_, off, n), nm in zip(c.params, names)
+                                  if nm not in model})
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them (c.own).
-
-                def image(get, c=c, names=names):
-                    full = torch.zeros(c.numel, dtype=torch.float32)
-                    for (_p, off, n), name in zip(c.params, names):
-                        full[off: off + n].copy_(get(name).reshape(-1))
-                    return full
-
-                values = image(lambda nm: model[nm])
+                values = _image(c, [model[nm] for nm in names])
                 master.copy_(values[c.own])
                 if optim and c.trainable:  # per parameter; one never stepped starts afresh
-                    zero = {"step": torch.zeros(()), "exp_avg": torch.zeros(()), "exp_avg_sq": torch.zeros(())}
-                    state = {nm: optim.get(nm, zero) for nm in names}
-                    for key, moment in (("exp_avg", self.optim.exp_avg), ("exp_avg_sq", self.optim.exp_avg_sq)):
-                        moment[c.id].copy_(image(lambda nm, key=key, state=state:
-                                                 state[nm][key].expand(model[nm].shape))[c.own])
-                    for i, nm in enumerate(names):
-                        self.optim.steps[c.id][i].fill_(float(state[nm]["step"]))
-                        self.optim.counts[c.id][i] = int(float(state[nm]["step"]))
+                    state = [optim.get(nm, zero) for nm in names]
+                    for key, moment in (("exp_avg", o.exp_avg), ("exp_avg_sq", o.exp_avg_sq)):
+                        moment[c.id].copy_(_image(c, [s[key].expand(model[nm].shape)
+                                                      for s, nm in zip(state, names)])[c.own])
+                    for i, s in enumerate(state):
+                        o.steps[c.id][i].fill_(float(s["step"]))
+                        o.counts[c.id][i] = int(float(s["step"]))
                 # Compute-dtype copies follow the masters (a persistent chunk's whole values).
                 target = c.dev if c.persistent else c.home  # None: homeless, the master alone
                 if target is not None and target is not master:
                     target.copy_((values if c.persistent else master).to(dtype))
                 if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
-                    self.store.disk.drop(master, self.optim.exp_avg[c.id], self.optim.exp_avg_sq[c.id])
+                    self.store.disk.drop(master, o.exp_avg[c.id], o.exp_avg_sq[c.id])
 
     # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)
 
@@ -626,10 +595,9 @@ class Engine:
         """Undo what wrap did, as far as it got (also after a failed wrap)."""
         if self.optim is not None:
             self.optim.shutdown()
-        if self.replayer is not None:
-            self.replayer.uninstall()
-        if self.acts is not None:
-            self.acts.uninstall()
+        for part in (self.replayer, self.acts):  # (None: the failed wrap did not get to it)
+            if part is not None:
+                part.uninstall()
         if self.store is not None:
             self.store.arena.close()  # unpins (CUDA); the homes stay valid as pageable memory
             if self.store.disk is not None:

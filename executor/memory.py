@@ -65,8 +65,7 @@ class Ledger:
     def alloc(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
         self.current_bytes += nbytes
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def free(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] -= nbytes

@@ -139,10 +139,10 @@ class AdamWConfig:
 class LossScaler:
     """Dynamic loss scaling for fp16: halve and skip the step on overflow, grow after a window."""
 
-    def __init__(self, enabled: bool, init_scale: float, window: int):
+    def __init__(self, enabled: bool, config: AdamWConfig):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
-        self.window = window
+        self.scale = config.loss_scale if enabled else 1.0
+        self.window = config.scale_window
         self.good_steps = 0  # consecutive steps without overflow
 
     def update(self, overflow: bool) -> None:
@@ -170,7 +170,6 @@ class ChunkOptimizer:
 
     def __init__(self, store: ChunkStore, config: AdamWConfig):
         self.store = store
-        self.config = config
         fp32 = store.dtype == torch.float32
         self.hyper = dict(amsgrad=False, lr=config.lr, beta1=config.betas[0], beta2=config.betas[1],
                           weight_decay=config.weight_decay, eps=config.eps, maximize=False)
@@ -200,9 +199,6 @@ class ChunkOptimizer:
         # host slot (chunks.py [Note: host slots]), until their CPU step: the 16-bit buffer,
         # 1D (shard_numel,), pinned host. [Note: gradients land in home]
         self.landed: dict[int, torch.Tensor] = {}
-        # The fp32 buffer the CPU step reads those gradients through, a piece at a time:
-        # 1D (min(shard_numel, STEP_PIECE),), host; one chunk at a time (one worker).
-        self.scratch = torch.empty(0)
         for c in store.chunks:
             if not c.trainable:  # chunks.py [Note: frozen chunks]: no master, moments, gradients
                 m = c.dev if c.persistent else c.home
@@ -244,15 +240,17 @@ class ChunkOptimizer:
             if (m.device.type == "cpu" and not c.sharded and not c.on_disk
                     and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
                 self.flat_ok.add(c.id)
-        shard = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
-        if store.grad_in_home and any(not c.persistent and not c.homed and c.trainable for c in store.chunks):
-            self.scratch = torch.empty(shard, dtype=torch.float32)
-            store.ledger.host_alloc(self.scratch.numel() * 4)
-        # The device steps' fp32 scratch, as ``scratch`` for the host's ([Note: device homes] in chunks.py).
-        self.dev_scratch = torch.empty(0)
-        if any(c.homed and c.trainable for c in store.chunks):
-            self.dev_scratch = torch.empty(shard, dtype=torch.float32, device=store.device)
-            store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
+        # The fp32 buffers that landed gradients are read through, a piece at a time: 1D
+        # (min(shard_numel, STEP_PIECE),), or (0,) where no chunk needs one. ``scratch``: the CPU
+        # step's, host (one chunk at a time: one worker); ``dev_scratch``: the device steps'
+        # ([Note: device homes] in chunks.py).
+        piece = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
+        host = any(not c.persistent and not c.homed and c.trainable for c in store.chunks)
+        self.scratch = torch.empty(piece if host and store.grad_in_home else 0, dtype=torch.float32)
+        self.dev_scratch = torch.empty(piece if any(c.homed and c.trainable for c in store.chunks) else 0,
+                                       dtype=torch.float32, device=store.device)
+        store.ledger.host_alloc(self.scratch.numel() * 4)
+        store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
         # [Note: finite-state guard]: the first non-finite gradient (chunk, step, partial), the
         # engine's step number (set before each step, read when a step is queued) and the error
         # to raise (the engine's, naming the last finite checkpoint).
@@ -270,32 +268,43 @@ class ChunkOptimizer:
         """Raise before chunk ``cid`` steps when one of its ``grads`` is not finite, or when an
         earlier chunk's were ([Note: finite-state guard]). ``partial``: other chunks may have
         stepped already in this step."""
+        if not self.guarded or self.poisoned is None and self._finite(grads):
+            return
+        self.poisoned = self.poisoned or (cid, step, partial)  # the first failure stays the one named
+        raise self.nonfinite_error(*self.poisoned)
+
+    def guard_persistent(self) -> None:
+        """Before the persistent chunks step (``during_backward``): their gradients, checked
+        together (one read back), then one by one to name the first that is not finite."""
         if not self.guarded:
             return
+        grads = {c.id: self.step_grads(c.id) for c in self.store.chunks if c.persistent and c.trainable}
+        if not self._finite([g for views in grads.values() for g in views]):
+            for cid, views in grads.items():
+                self.guard(cid, self.step_no, views)
+
+    def _finite(self, grads: list[torch.Tensor]) -> bool:
+        """``all_finite(grads)``, its wall time counted in ``guard_seconds``."""
         t0 = time.perf_counter()
-        finite = self.poisoned is None and all_finite([g for g in grads if g is not None])
+        finite = all_finite(grads)
         self.guard_seconds += time.perf_counter() - t0
-        if finite:
-            return
-        if self.poisoned is None:
-            self.poisoned = (cid, step, partial)
-        raise self.nonfinite_error(*self.poisoned)
+        return finite
+
+    def step_grads(self, cid: int) -> list[torch.Tensor]:
+        """What the chunk's step now reads of its gradients (``read_by_step`` of ``grad``)."""
+        return self.read_by_step(cid, self.stepping(cid), self.grad(cid))
 
     def read_by_step(self, cid: int, which: list[int], g: torch.Tensor | None) -> list[torch.Tensor]:
         """The elements of the chunk's gradient ``g`` (master coordinates) that stepping the
         parameters ``which`` reads, adjacent spans merged: what the guard checks (a host slot's
         tail past the chunk, or padding, holds no gradient)."""
-        views: list[torch.Tensor] = []
-        start = end = -1
+        merged: list[list[int]] = []
         for a, b in (self.spans[cid][i] for i in which if g is not None and self.spans[cid][i] is not None):
-            if a != end:
-                if end >= 0:
-                    views.append(g[start:end])
-                start = a
-            end = b
-        if end >= 0:
-            views.append(g[start:end])
-        return views
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        return [g[a:b] for a, b in merged]
 
     def stepping(self, cid: int) -> list[int]:
         """Indices (in Chunk.params) of the chunk's parameters that step now. See [Note: which
@@ -320,7 +329,6 @@ class ChunkOptimizer:
             return  # no gradient buffer, nothing to step (chunks.py [Note: frozen chunks])
         home = self.store.grad_in_home
         acc = c.home if home else self.cpu_grad[cid]
-        comm = self.store.comm
         self.landed.pop(cid, None)
         if not c.grad_live:
             # Never fetched in this backward (every parameter unused or frozen): no gradient
@@ -337,10 +345,10 @@ class ChunkOptimizer:
         if c.pending is not None:  # the worker may still read dst (or acc) from the last offload
             c.pending.result()
             c.pending = None
-        with record_function("protrain::offload"):
-            down = self.store.copies.download(dst[: src.numel()], src)  # (a slot: one shard)
+        # (a slot: one shard; the copy engine names it "protrain::offload" for the profiler)
+        down = self.store.copies.download(dst[: src.numel()], src)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
-        divide = comm.world if comm.world > 1 and last_micro_batch and not home else 1
+        divide = self.store.comm.world if last_micro_batch and not home else 1  # (1: nothing to divide)
         if home:
             self.landed[cid] = acc
 
@@ -348,30 +356,11 @@ class ChunkOptimizer:
             down.synchronize()  # a wait on the copy's event: the only device call here
             self.store.copies.events.emit("land", "mark", chunk=cid)  # events.py; worker thread
             if not direct:
-                if first_micro_batch:
-                    acc.copy_(dst)
-                else:
-                    acc.add_(dst)
+                acc.copy_(dst) if first_micro_batch else acc.add_(dst)
             if divide != 1:
                 acc.div_(divide)
 
         c.pending = self.worker.submit(land)
-
-    def grad_views(self) -> dict[int, torch.Tensor]:
-        """id(parameter) → its gradient as the optimizer sees it (device or host accumulator),
-        for the parameters that received one this step."""
-        views = {}
-        for c in self.store.chunks:
-            if not c.trainable:
-                continue
-            if c.homed:  # stepped at its offload: its gradients are gone ([Note: device homes])
-                continue
-            # 16-bit: where the gradients landed (home or slot), as _host_grad and the CPU step read them
-            flat = c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home else self.cpu_grad[c.id]
-            for i in self.stepping(c.id):
-                p, off, n = c.params[i]
-                views[id(p)] = flat[off: off + n].view(p.shape)
-        return views
 
     def global_norm(self, param_order: list[torch.nn.Parameter]) -> torch.Tensor:
         """L2 norm over all gradients, reduced exactly as ``clip_grad_norm_`` does.
@@ -388,15 +377,23 @@ class ChunkOptimizer:
         if comm.world > 1:
             sq = torch.zeros((), dtype=torch.float32, device=self.store.device)
             for c in self.store.chunks:
-                if c.sharded and c.trainable:
-                    g = c.dev_grad[c.shard] if c.persistent else self._host_grad(c.id)
-                    sq += g.double().square().sum().float().to(sq.device)
+                if c.sharded and c.trainable:  # (a persistent chunk's own slice: c.own is c.shard)
+                    sq += self.grad(c.id).double().square().sum().float().to(sq.device)
             comm.all_reduce(sq, "the gradient norm")
             for c in self.store.chunks:
                 if c.persistent and c.trainable and not c.sharded:
                     sq += c.dev_grad.double().square().sum().float()
             return sq.sqrt()
-        views = self.grad_views()  # as clip_grad_norm_, parameters without a gradient are skipped
+        views = {}  # id(parameter) → its gradient as the optimizer sees it, if it received one this step
+        for c in self.store.chunks:
+            if c.trainable and not c.homed:  # (device-homed: stepped at its offload, its gradients gone)
+                # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read them
+                flat = (c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home
+                        else self.cpu_grad[c.id])
+                for i in self.stepping(c.id):
+                    p, off, n = c.params[i]
+                    views[id(p)] = flat[off: off + n].view(p.shape)
+        # as clip_grad_norm_, parameters without a gradient are skipped
         norms = [torch.linalg.vector_norm(views[id(p)], 2.0, dtype=torch.float32).to(self.store.device)
                  for p in param_order if id(p) in views]
         if not norms:
@@ -407,23 +404,18 @@ class ChunkOptimizer:
 
     def _grad(self, cid: int, coef: torch.Tensor | float | None, inv_scale: float) -> torch.Tensor:
         """The chunk's fp32 gradient, unscaled and clipped (1D, beside the master)."""
-        c = self.store.chunks[cid]
-        g = self._host_grad(cid) if not c.persistent else c.dev_grad[c.own]
-        if g.dtype != torch.float32:
-            g = g.float()  # a fresh fp32 copy; the compute-dtype buffer is zeroed next step
-        if inv_scale != 1.0:
-            g.mul_(inv_scale)
-        if coef is not None:
-            # as clip_grad_norm_: in place, per element, by the fp32 coefficient (a host
-            # float on the worker: exactly the fp32 value, so the same products)
-            g.mul_(coef)
-        return g
+        # (16-bit: a fresh fp32 copy, the compute-dtype buffer is zeroed next step; fp32: itself)
+        return _unscale(self.grad(cid).float(), inv_scale, coef)
 
-    def _host_grad(self, cid: int) -> torch.Tensor:
-        """An offloaded chunk's fp32 gradient on the host: its accumulator, or for 16-bit
-        gradients that landed (home or slot) a fresh fp32 copy, divided by the world size
-        (zeros when none landed). For the ZeRO-3 norm; the CPU step reads landed gradients
-        in pieces (``_adamw_pieces``)."""
+    def grad(self, cid: int) -> torch.Tensor:
+        """This rank's gradient of the chunk, in master coordinates: a persistent chunk's device
+        buffer (``own``: its slice when the states are sharded); an offloaded chunk's host fp32
+        accumulator, or for 16-bit gradients that landed (home or slot) a fresh fp32 copy,
+        divided by the world size (zeros when none landed). For the ZeRO-3 norm and the guard;
+        the CPU step reads landed gradients in pieces (``_adamw_pieces``)."""
+        c = self.store.chunks[cid]
+        if c.persistent:
+            return c.dev_grad[c.own]
         if not self.store.grad_in_home:
             return self.cpu_grad[cid]
         g = self.landed[cid].float() if cid in self.landed else torch.zeros(self.master[cid].numel())
@@ -478,10 +470,7 @@ class ChunkOptimizer:
                     g.copy_(grads[a:b]) if grads is not None else g.zero_()
                     if self.store.comm.world > 1:
                         g.div_(self.store.comm.world)
-                    if inv_scale != 1.0:
-                        g.mul_(inv_scale)
-                    if coef is not None:
-                        g.mul_(coef)
+                    _unscale(g, inv_scale, coef)
                 torch._fused_adamw_([m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper)
                 if disk is not None:
                     disk.drop(m[a:b], ea[a:b], es[a:b])
@@ -530,8 +519,7 @@ class ChunkOptimizer:
         runs in submission order); the chunk's next fetch waits for it. ``checked``: its
         gradients are known finite ([Note: finite-state guard])."""
         c = self.store.chunks[cid]
-        previous = c.pending
-        reads_home = c.last_upload
+        previous, reads_home = c.pending, c.last_upload
         which = self.stepping(cid)  # now, on this thread: complete once the chunk is offloaded
         grads = self.landed.pop(cid, None)
         step = None if checked else self.step_no  # None: the global norm proved them finite
@@ -606,6 +594,16 @@ class ChunkOptimizer:
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_``'s coefficient: max_norm / (norm + 1e-6), clamped to at most 1."""
-    coef = max_norm / (total_norm + 1e-6)
-    return torch.clamp(coef, max=1.0)
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def _unscale(g: torch.Tensor, inv_scale: float, coef: torch.Tensor | float | None) -> torch.Tensor:
+    """``g`` unscaled (fp16 loss scaling) and clipped, in place. As ``clip_grad_norm_``: per
+    element, by the fp32 coefficient (a host float on the worker: exactly the fp32 value, so
+    the same products)."""
+    if inv_scale != 1.0:
+        g.mul_(inv_scale)
+    if coef is not None:
+        g.mul_(coef)
+    return g
 

@@ -63,20 +63,17 @@ class CopyHandle:
 
     def wait(self) -> None:
         """Make the engine device's compute stream wait for the copy (the host does not block)."""
-        if self.event is None:
-            return
         if isinstance(self.event, torch.cuda.Event):
             torch.cuda.current_stream(self.device).wait_event(self.event)
-        else:
+        elif self.event is not None:
             self.event.wait()  # emulated: the host *is* the CPU's compute stream
 
     def synchronize(self) -> None:
         """Block the host until the copy is done (for host-side readers: the CPU Adam worker)."""
-        if self.event is not None:
-            if isinstance(self.event, torch.cuda.Event):
-                self.event.synchronize()
-            else:
-                self.event.wait()
+        if isinstance(self.event, torch.cuda.Event):
+            self.event.synchronize()
+        elif self.event is not None:
+            self.event.wait()
 
 
 class HostArena:
@@ -146,19 +143,15 @@ class CopyEngine:
         self.device = device
         self.events = Events()  # the engine's listeners (events.py), shared by its parts
         self.cuda = device.type == "cuda"
-        if emulation is None and not self.cuda:
-            emulation = _emulation()
+        if emulation is None and not self.cuda and EMULATION is not None:
+            emulation = EMULATION()  # the tests' asynchronous CPU device, if installed
         self.emu = None if self.cuda else emulation
         self.asynchronous = self.cuda or self.emu is not None
         # Dedicated copy streams: CUDA streams, emulated worker streams, or None (sync CPU).
         if self.cuda:
-            self.h2d = torch.cuda.Stream(device)
-            self.d2h = torch.cuda.Stream(device)
-        elif self.emu is not None:
-            self.h2d = self.emu.stream("h2d")
-            self.d2h = self.emu.stream("d2h")
+            self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
         else:
-            self.h2d = self.d2h = None
+            self.h2d, self.d2h = (self.emu.stream("h2d"), self.emu.stream("d2h")) if self.emu else (None, None)
         # [Note: chunk memory pool] Chunk and chunk-gradient storage is allocated from a
         # private pool, so activation churn in the general pool cannot fragment it, and
         # the pool holds no other tensors; ``reserve`` sizes it from the plan up front.
@@ -221,38 +214,35 @@ class CopyEngine:
         The caller must ``wait()`` on the handle before compute reads ``dst``, and before
         ``dst``'s storage is freed (``free``).
         """
-        with record_function(f"protrain::{name}"):
-            if not self.asynchronous:
-                self._note(name, "begin", src, None)
-                dst.copy_(src)
-                if gather is not None:
-                    gather()
-                self._note(name, "end", src, None)
-                return CopyHandle(None, self.device)
-            self._wait_compute(self.h2d)  # dst may have been in use by compute until now
-            if after is not None and after.event is not None:
-                self.h2d.wait_event(after.event)
-            self._note(name, "begin", src, self.h2d)
-            copy = CopyHandle(self._launch(self.h2d, dst, src, gather), self.device)
-            self._note(name, "end", src, self.h2d)
-            return copy
+        return self._copy(self.h2d, dst, src, name, after, gather)
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> CopyHandle:
         """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst.
 
         ``src`` may be freed right after this returns: it is recorded on the copy stream.
         """
+        return self._copy(self.d2h, dst, src, name)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, name: str,
+              after: CopyHandle | None = None, then=None) -> CopyHandle:
+        """``upload`` (on ``h2d``) or ``download`` (on ``d2h``): ``dst.copy_(src)``, then ``then()``."""
         with record_function(f"protrain::{name}"):
             if not self.asynchronous:
                 self._note(name, "begin", src, None)
                 dst.copy_(src)
+                if then is not None:
+                    then()
                 self._note(name, "end", src, None)
                 return CopyHandle(None, self.device)
-            self._wait_compute(self.d2h)  # src is complete
-            self._note(name, "begin", src, self.d2h)
-            event = self._launch(self.d2h, dst, src, weak_src=True)
-            self._record(src, self.d2h)  # src's memory must outlive the copy
-            self._note(name, "end", src, self.d2h)
+            # An upload's dst may have been in use by compute until now; a download's src is complete.
+            self._wait_compute(stream)
+            if after is not None and after.event is not None:
+                stream.wait_event(after.event)
+            self._note(name, "begin", src, stream)
+            event = self._launch(stream, dst, src, then, weak_src=stream is self.d2h)
+            if stream is self.d2h:
+                self._record(src, stream)  # src's memory must outlive the copy
+            self._note(name, "end", src, stream)
             return CopyHandle(event, self.device)
 
     # -- chunk storage
@@ -268,12 +258,7 @@ class CopyEngine:
             if nbytes == 0 and self.emu.free(t, what):
                 return  # deferred to the copy stream that recorded it
             self.emu.before_alloc(t)
-        if nbytes == 0:
-            s.resize_(0)
-        elif self.pool is not None:
-            with torch.cuda.use_mem_pool(self.pool, self.device):
-                s.resize_(nbytes)
-        else:
+        with self.pooled() if nbytes else contextlib.nullcontext():
             s.resize_(nbytes)
 
     def pooled(self):
@@ -297,8 +282,3 @@ EMULATION: Callable[[], object] | None = None
 callable returning one (or None), installed by the test suite (tests/emulation.py, which
 the tests and their worker processes import); None in every other process. The runtime
 imports nothing of the tests: they inject their device here."""
-
-
-def _emulation():
-    """The asynchronous CPU emulation a new CPU copy engine should use (``EMULATION``), or None."""
-    return EMULATION() if EMULATION is not None else None
