@@ -79,7 +79,6 @@ STEP_DIR = re.compile(r"step-(\d{8})(?:\.(\d{1,6}))?")
 LOCK_FILE = ".lock"
 OWN_NAMES = re.compile(r"latest|\.latest\.tmp|\.lock|(?:\.tmp-)?step-\d{8}(?:\.\d{1,6})?")
 """Every name a save (or its lock) writes in a root: [Note: one run per root]."""
-FILE_NAME = re.compile(r"(model|optim|rng-rank\d{1,5})\.safetensors")
 HASH_BLOCK = 8 << 20
 DAMAGED = "resume from another checkpoint"
 """The hint of every refusal of a damaged or foreign file (the previous step directory may be whole)."""
@@ -149,7 +148,8 @@ _held: dict[str, RootLock] = {}
 
 
 class RootLock:
-    """The advisory lock of one checkpoint root ([Note: one run per root]); ``release`` ends it."""
+    """The advisory lock of one checkpoint root ([Note: one run per root]); ``release`` ends it.
+    ``fd`` -1: none held (as after ``release``; a save on a root its run already holds)."""
 
     def __init__(self, root: Path, fd: int):
         self.root, self.fd = root, fd
@@ -183,8 +183,7 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    lock = RootLock(root, fd)
-    _held[os.path.realpath(root)] = lock
+    _held[os.path.realpath(root)] = lock = RootLock(root, fd)
     return lock
 
 
@@ -205,14 +204,13 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
                       "; not written (a checkpoint must resume)",
                       f"resume from the last finite checkpoint: `protrain train … --resume {last}`" if last
                       else "train again with a lower learning rate: `protrain train … --lr X`")
-    lock = None
-    if engine.comm.rank == 0 and os.path.realpath(root) not in _held:
-        lock = lock_root(root, "the checkpoint root")  # a save outside a run owns the root meanwhile
+    # A save outside a run (rank 0, a root no lock_root of this process holds) owns the root meanwhile.
+    outside = engine.comm.rank == 0 and os.path.realpath(root) not in _held
+    lock = lock_root(root, "the checkpoint root") if outside else RootLock(root, -1)
     try:
         return _write(engine, sd["model"], optim, root, data, keep, need)
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
 
 
 def _write(engine: Engine, model: dict, optim: dict, root: Path, data: dict[str, int] | None, keep: int,
@@ -415,7 +413,7 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
                               f"{m.scaler.scale} out of range", DAMAGED)
     expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
                                                              for r in range(m.world_size)}
-    if set(m.files) != expected or not all(FILE_NAME.fullmatch(n) for n in m.files):
+    if set(m.files) != expected:  # (plain names only: world_size is at most 65536, checked above)
         raise CheckpointError(f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}",
                               DAMAGED)
     return m
@@ -488,10 +486,8 @@ def load(engine: Engine, root: str | Path) -> Manifest:
     model.update({alias: model[name] for name, alias in m.tied if name in model})
     flat = load_file(directory / "optim.safetensors")
     refuse_to_load_nonfinite(directory, model, flat)
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        name, part = key.rsplit(".", 1)
-        optim.setdefault(name, {})[part] = t
+    optim = {n: {part: flat[f"{n}.{part}"] for part in OPTIM_PARTS}  # all three of each: check_header
+             for n in dict.fromkeys(k.rsplit(".", 1)[0] for k in flat)}
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
