@@ -30,17 +30,15 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
     strict decode to report; a field already there is refused, because the old version's
     binding sections forbid unknown fields and a migration must not make an invalid old
     file valid by accident."""
-    doc = dict(doc)
     body = doc.get(section)
     if not isinstance(body, dict):
-        return doc
+        return dict(doc)
     for key in fields:
         if key in body:
             raise PlanError(f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
                             f"- at `$.{section}.{key}`",
                             f"set `schema_version` to {version + 1} if the file was written for it, or {REGENERATE}")
-    doc[section] = {**body, **fields}
-    return doc
+    return {**doc, section: {**body, **fields}}
 
 
 def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +144,5 @@ def migrate(doc: dict[str, Any], version: int, target: int | None = None) -> dic
         step = MIGRATIONS.get(v)
         if step is None:
             raise PlanError(f"no migration from plan schema {v} to {v + 1}", REGENERATE)
-        doc = step(doc)
-        doc["schema_version"] = v + 1
+        doc = {**step(doc), "schema_version": v + 1}  # (a copy: the caller's dict stays as it was)
     return doc
