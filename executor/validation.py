@@ -64,12 +64,10 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     # -- chunks: ids, bounds, overlaps, one chunk per parameter
     cap = plan.chunks.chunk_numel
     owner: dict[str, int] = {}
-    n_params = 0
     for ci, chunk in enumerate(plan.chunks.items):
         cpath = f"$.chunks.list[{ci}]"
         if chunk.id != ci:
             fail(f"{cpath}.id", f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}")
-        spans = []
         for pi, p in enumerate(chunk.params):
             ppath = f"{cpath}.params[{pi}]"
             if prod(p.shape) != p.numel:
@@ -80,12 +78,11 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
             if p.name in owner:
                 fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
             owner[p.name] = ci
-            spans.append((p.offset, p.offset + p.numel, pi, p.name))
-            n_params += p.numel
-        spans.sort()
+        spans = sorted((p.offset, p.offset + p.numel, pi, p.name) for pi, p in enumerate(chunk.params))
         for (_, end_a, _, name_a), (start_b, _, pi_b, name_b) in zip(spans, spans[1:]):
             if start_b < end_a:
                 fail(f"{cpath}.params[{pi_b}].offset", f"{name_b} overlaps {name_a} in chunk {ci}")
+    n_params = sum(p.numel for c in plan.chunks.items for p in c.params)
     if n_params != plan.model.n_params:
         fail("$.model.n_params", f"chunks hold {n_params} elements but the model declares {plan.model.n_params}")
     for field in ("pre_block_params", "post_block_params"):
