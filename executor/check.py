@@ -69,8 +69,9 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
                                           ("dtype", planned[n][1], live[n][1])) if ours != theirs]
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    tying = [f"{alias} is tied to {n} in the plan but is a separate tensor in the model" if alias in params
-             else f"tied alias {alias} is not a parameter name of the model" for n, alias in plan.model.tied
+    tying = [f"tied alias {alias} is not a parameter name of the model" if alias not in params else
+             f"{alias} is tied to {n} in the plan but is a separate tensor in the model"
+             for n, alias in plan.model.tied
              if alias not in params or (n in params and params[n] is not params[alias])]
     tying += [f"{alias} is tied to {n} in the model but not in the plan"
               for n, alias in sorted({tuple(p) for p in tied_pairs(model)} - {tuple(p) for p in plan.model.tied})]
