@@ -184,7 +184,6 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     trace: list[tuple[str, str, frozenset[int]]] = []
     offloaded_at: dict[int, int] = {}
     swapped_in_at: dict[str, int] = {}
-    last_use_bwd: dict[int, int] = {}
     in_flight: dict[int, str] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
 
     for phase, steps, expected in (("forward", plan.schedule.forward, order),
@@ -230,13 +229,10 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 fail(f"{spath}.fetch", f"segment {step.segment!r} uses chunks {sorted(missing)}, "
                      "which must be fetched by this step")
             trace.append((phase, step.segment, frozenset(resident)))
-            if phase == "backward":
-                for c in need[step.segment] & offloaded:
-                    last_use_bwd[c] = si
-                for i, c in enumerate(step.offload):
-                    if c in offloaded_at:
-                        fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
-                    offloaded_at[c] = si
+            for i, c in enumerate(step.offload):  # (backward only: forward's refused above)
+                if c in offloaded_at:
+                    fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
+                offloaded_at[c] = si
             for i, c in enumerate(step.release):
                 if c not in resident:
                     fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
@@ -250,6 +246,7 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
              "(its upload could still be in flight when the iteration ends)")
     if resident:
         fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
+    last_use_bwd = {c: si for si, step in enumerate(plan.schedule.backward) for c in need[step.segment] & offloaded}
     for c in sorted(offloaded):
         if c not in offloaded_at:
             fail("$.schedule.backward", f"offloaded chunk {c} is never offloaded in backward")
