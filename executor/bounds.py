@@ -57,18 +57,16 @@ def check_plan(plan, where: str = "<plan>") -> None:
                         f"(at most {limit:,}) - at `{path}`",
                         "regenerate the plan with `protrain plan` (its flags are checked against the same limits)")
 
-    t = plan.training
-    for field, value, limit, what in training_excess({f: getattr(t, f) for f in TRAINING_LIMITS}):
+    for field, value, limit, what in training_excess({f: getattr(plan.training, f) for f in TRAINING_LIMITS}):
         fail("$.training.micro_batch" if field == "tokens" else f"$.training.{field}", value, limit, what)
-    if plan.chunks.chunk_numel > MAX_NUMEL:
-        fail("$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk")
-    counts = (("$.chunks.list", len(plan.chunks.items), "chunks"),
-              ("$.model.blocks", len(plan.model.blocks), "blocks"),
-              ("$.placement.n_buffer", plan.placement.n_buffer, "device buffers"),
-              ("$.placement.n_host_slots", plan.placement.n_host_slots, "host slots"))
-    for path, value, what in counts:
-        if value > MAX_COUNT:
-            fail(path, value, MAX_COUNT, what)
+    sizes = (("$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk"),
+             ("$.chunks.list", len(plan.chunks.items), MAX_COUNT, "chunks"),
+             ("$.model.blocks", len(plan.model.blocks), MAX_COUNT, "blocks"),
+             ("$.placement.n_buffer", plan.placement.n_buffer, MAX_COUNT, "device buffers"),
+             ("$.placement.n_host_slots", plan.placement.n_host_slots, MAX_COUNT, "host slots"))
+    for path, value, limit, what in sizes:
+        if value > limit:
+            fail(path, value, limit, what)
     for ci, chunk in enumerate(plan.chunks.items):
         if len(chunk.params) > MAX_COUNT:
             fail(f"$.chunks.list[{ci}].params", len(chunk.params), MAX_COUNT, "parameters in one chunk")

@@ -33,14 +33,9 @@ def model_signature(model: nn.Module) -> Signature:
 
 def tied_pairs(model: nn.Module) -> list[list[str]]:
     """``[name, alias]`` for every parameter reachable under more than one name."""
-    first: dict[int, str] = {}
-    pairs = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            pairs.append([first[id(p)], name])
-        else:
-            first[id(p)] = name
-    return pairs
+    first: dict[int, str] = {}  # id → the first name it was reached under
+    return [[first[id(p)], name] for name, p in model.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name]
 
 
 def model_fingerprint(model: nn.Module, blocks: list[str]) -> str:
@@ -59,41 +54,27 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
     the fingerprint agrees (it covers everything above, so this last test only fires
     if the plan's own listing was edited inconsistently).
     """
-    run_name = name  # `name` is reused by the loops below
     # One list per kind of problem, each capped on display, so a plan for an entirely
     # different model shows some of each kind rather than 20 lines of the first.
-    blocks_bad: list[str] = []
-    missing: list[str] = []
-    extra: list[str] = []
-    changed: list[str] = []
-    tying: list[str] = []
     modules = dict(model.named_modules())
-    for b in plan.model.blocks:
-        if b not in modules:
-            blocks_bad.append(f"block {b!r} is not a module of the model{did_you_mean(b, modules)}")
-
+    blocks_bad = [f"block {b!r} is not a module of the model{did_you_mean(b, modules)}"
+                  for b in plan.model.blocks if b not in modules]
     live = {n: (shape, dt) for n, shape, dt in model_signature(model)}
     planned = {p.name: (tuple(p.shape), p.dtype) for c in plan.chunks.items for p in c.params}
-    for name in sorted(planned.keys() - live.keys()):
-        missing.append(f"missing in the model: {name}{did_you_mean(name, live.keys() - planned.keys())}")
-    for name in sorted(live.keys() - planned.keys()):
-        extra.append(f"not in the plan: {name} {list(live[name][0])} {live[name][1]}")
-    for name in sorted(planned.keys() & live.keys()):
-        (ps, pd), (ls, ld) = planned[name], live[name]
-        if ps != ls:
-            changed.append(f"shape of {name}: plan {list(ps)}, model {list(ls)}")
-        if pd != ld:
-            changed.append(f"dtype of {name}: plan {pd}, model {ld}")
+    missing = [f"missing in the model: {n}{did_you_mean(n, live.keys() - planned.keys())}"
+               for n in sorted(planned.keys() - live.keys())]
+    extra = [f"not in the plan: {n} {list(live[n][0])} {live[n][1]}" for n in sorted(live.keys() - planned.keys())]
+    changed = [f"{what} of {n}: plan {ours}, model {theirs}" for n in sorted(planned.keys() & live.keys())
+               for what, ours, theirs in (("shape", list(planned[n][0]), list(live[n][0])),
+                                          ("dtype", planned[n][1], live[n][1])) if ours != theirs]
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, alias in plan.model.tied:
-        if name in params and alias in params and params[name] is not params[alias]:
-            tying.append(f"{alias} is tied to {name} in the plan but is a separate tensor in the model")
-        elif alias not in params:
-            tying.append(f"tied alias {alias} is not a parameter name of the model")
-    live_tied = {tuple(p) for p in tied_pairs(model)}
-    for name, alias in sorted(live_tied - {tuple(p) for p in plan.model.tied}):
-        tying.append(f"{alias} is tied to {name} in the model but not in the plan")
+    tying = [f"tied alias {alias} is not a parameter name of the model" if alias not in params else
+             f"{alias} is tied to {n} in the plan but is a separate tensor in the model"
+             for n, alias in plan.model.tied
+             if alias not in params or (n in params and params[n] is not params[alias])]
+    tying += [f"{alias} is tied to {n} in the model but not in the plan"
+              for n, alias in sorted({tuple(p) for p in tied_pairs(model)} - {tuple(p) for p in plan.model.tied})]
 
     problems: list[str] = []
     for group in (blocks_bad, missing, extra, changed, tying):
@@ -103,7 +84,7 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
     if problems:
         raise FingerprintError(f"{where} was made for another model ({plan.model.name}, {len(planned)} parameters; "
                                f"this model has {len(live)}):\n  " + "\n  ".join(problems),
-                               f"make a plan for this model: `protrain plan --model {run_name} …`" if run_name else
+                               f"make a plan for this model: `protrain plan --model {name} …`" if name else
                                "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
                                f"or run the plan's model, {plan.model.name}")
     # Schema 8: a plan provisions no gradient, master or moments for a chunk it says is frozen.

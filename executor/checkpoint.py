@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -78,16 +79,14 @@ STEP_DIR = re.compile(r"step-(\d{8})(?:\.(\d{1,6}))?")
 LOCK_FILE = ".lock"
 OWN_NAMES = re.compile(r"latest|\.latest\.tmp|\.lock|(?:\.tmp-)?step-\d{8}(?:\.\d{1,6})?")
 """Every name a save (or its lock) writes in a root: [Note: one run per root]."""
-FILE_NAME = re.compile(r"(model|optim|rng-rank\d{1,5})\.safetensors")
 HASH_BLOCK = 8 << 20
+DAMAGED = "resume from another checkpoint"
+"""The hint of every refusal of a damaged or foreign file (the previous step directory may be whole)."""
 
-_after_phase = None
-"""Test hook: ``f(phase)`` after each phase of a save (see [Note: atomicity]); None in use."""
 
-
-def _phase(name: str) -> None:
-    if _after_phase is not None:
-        _after_phase(name)
+def _after_phase(phase: str) -> None:
+    """Test hook: called with each phase's name as a save completes it (see [Note: atomicity]);
+    a test replaces it (tests/ckptworker.py) to kill the saver there. Does nothing in use."""
 
 
 class FileEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -149,7 +148,8 @@ _held: dict[str, RootLock] = {}
 
 
 class RootLock:
-    """The advisory lock of one checkpoint root ([Note: one run per root]); ``release`` ends it."""
+    """The advisory lock of one checkpoint root ([Note: one run per root]); ``release`` ends it.
+    ``fd`` -1: none held (as after ``release``; a save on a root its run already holds)."""
 
     def __init__(self, root: Path, fd: int):
         self.root, self.fd = root, fd
@@ -183,8 +183,7 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    lock = RootLock(root, fd)
-    _held[os.path.realpath(root)] = lock
+    _held[os.path.realpath(root)] = lock = RootLock(root, fd)
     return lock
 
 
@@ -197,29 +196,34 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         raise ValueError("keep must be at least 1")
     root = Path(root)
     sd = engine.state_dict(trainable_only=bool(engine.base_fingerprint))  # a collective: every rank gathers
-    tensors = [*sd["model"].values(), *(t for st in sd["optim"].values() for t in st.values())]
-    need = sum(t.numel() * t.element_size() for t in tensors)  # bytes; tied aliases counted twice (a bound)
-    _refuse_nonfinite(sd, f"checkpoint to {root} at step {engine.steps_done}", engine.last_checkpoint)
-    lock = None
-    if engine.comm.rank == 0 and os.path.realpath(root) not in _held:
-        lock = lock_root(root, "the checkpoint root")  # a save outside a run owns the root meanwhile
+    optim = {f"{k}.{part}": v for k, st in sd["optim"].items() for part, v in st.items()}
+    tensors = [*sd["model"].items(), *optim.items()]
+    need = sum(t.numel() * t.element_size() for _, t in tensors)  # bytes; tied aliases counted twice (a bound)
+    last = engine.last_checkpoint
+    _refuse_nonfinite(tensors, f"checkpoint to {root} at step {engine.steps_done}",
+                      "; not written (a checkpoint must resume)",
+                      f"resume from the last finite checkpoint: `protrain train … --resume {last}`" if last
+                      else "train again with a lower learning rate: `protrain train … --lr X`")
+    # A save outside a run (rank 0, a root no lock_root of this process holds) owns the root meanwhile.
+    outside = engine.comm.rank == 0 and os.path.realpath(root) not in _held
+    lock = lock_root(root, "the checkpoint root") if outside else RootLock(root, -1)
     try:
-        return _save_locked(engine, sd, root, data, keep, need)
+        return _write(engine, sd["model"], optim, root, data, keep, need)
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
 
 
-def _save_locked(engine: Engine, sd: dict, root: Path, data: dict[str, int] | None, keep: int,
-                 need: int) -> Path:
-    """``save`` once rank 0 holds the root's lock: name, sweep, write ([Note: one run per root])."""
+def _write(engine: Engine, model: dict, optim: dict, root: Path, data: dict[str, int] | None, keep: int,
+           need: int) -> Path:
+    """``save`` once rank 0 holds the root's lock ([Note: one run per root]): name, sweep, the
+    files, the rename, ``latest`` and the pruning ([Note: atomicity])."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
     comm = engine.comm
     name = f"step-{engine.steps_done:08d}"
-    if comm.rank == 0 and (root / name).exists():  # saved again at one step: a new name,
-        k = 1                                         # never a replaced directory
-        while (root / f"{name}.{k}").exists():
-            k += 1
-        name = f"{name}.{k}"
+    if comm.rank == 0 and (root / name).exists():  # saved again at one step: a new name, never replaced
+        name += f".{next(k for k in itertools.count(1) if not (root / f'{name}.{k}').exists())}"
     if comm.world > 1:  # rank 0's choice, as bytes (no pickle)
         buf = torch.zeros(64, dtype=torch.uint8, device=engine.device)
         if comm.rank == 0:
@@ -227,53 +231,41 @@ def _save_locked(engine: Engine, sd: dict, root: Path, data: dict[str, int] | No
         comm.broadcast(buf, "checkpoint name")
         name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     tmp, final = root / f".tmp-{name}", root / name
-    try:
+    try:  # safetensors reports a full disk as its own error
         if comm.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.iterdir():  # ours only: [Note: one run per root]
                 if stale.name.startswith(".tmp-") and OWN_NAMES.fullmatch(stale.name):
                     shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
-    except OSError as e:
-        raise _save_failed(root, tmp, e, need) from None
-    _write(engine, sd, root, name, tmp, data, keep, need)
-    return final
-
-
-def _write(engine: Engine, sd: dict, root: Path, name: str, tmp: Path, data: dict[str, int] | None,
-           keep: int, need: int) -> None:
-    """The save's files, its rename, ``latest`` and the pruning ([Note: atomicity])."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    comm, final = engine.comm, root / name
-    comm.barrier("checkpoint directory")
-    _phase("directory")
-    try:
-        save_file(_rng_state(engine.device), tmp / f"rng-rank{comm.rank}.safetensors")
+        comm.barrier("checkpoint directory")
+        _after_phase("directory")
+        rng = {"cpu": torch.get_rng_state()}
+        if engine.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(engine.device)
+        save_file(rng, tmp / f"rng-rank{comm.rank}.safetensors")
         fsync_path(tmp / f"rng-rank{comm.rank}.safetensors")
-    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
+        comm.barrier("checkpoint RNG states")
+        _after_phase("rng")
+        if comm.rank == 0:
+            _write_rank0(engine, model, optim, tmp, data)
+    except (OSError, SafetensorError) as e:
         raise _save_failed(root, tmp, e, need) from None
-    comm.barrier("checkpoint RNG states")
-    _phase("rng")
     if comm.rank == 0:
-        try:
-            _write_rank0(engine, sd, tmp, data)
-        except (OSError, SafetensorError) as e:
-            raise _save_failed(root, tmp, e, need) from None
         os.rename(tmp, final)
         fsync_path(root)
-        _phase("renamed")
+        _after_phase("renamed")
         _write_latest(root, name, final)
-        _phase("latest")
+        _after_phase("latest")
         # Keep the one just written (``latest``) and the keep-1 newest others by step; a run
         # resumed from an older step may write a lower step than those already there.
-        others = sorted((_order(p.name), p) for p in root.iterdir()
-                        if STEP_DIR.fullmatch(p.name) and p.name != name)
-        for _, old in others[:max(0, len(others) - (keep - 1))]:
+        others = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.name != name),
+                        key=lambda p: ([int(g or 0) for g in STEP_DIR.fullmatch(p.name).groups()], p.name))
+        for old in others[:max(0, len(others) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
-        _phase("pruned")
+        _after_phase("pruned")
     comm.barrier("checkpoint rename")
+    return final
 
 
 def _write_latest(root: Path, name: str, final: Path) -> None:
@@ -295,39 +287,22 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
             f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`") from None
 
 
-def _refuse_nonfinite(sd: dict, where: str, last: str | None) -> None:
-    """A save writes finite tensors only ([Note: one run per root])."""
-    from .optim import all_finite
-
-    for part in ("model", "optim"):
-        for name, value in sd[part].items():
-            tensors = [value] if part == "model" else list(value.values())
-            if not all_finite(tensors):
-                raise CheckpointError(
-                    f"{where}: {part} state of {name} holds NaN or infinite values; not written (a "
-                    "checkpoint must resume)",
-                    f"resume from the last finite checkpoint: `protrain train … --resume {last}`" if last
-                    else "train again with a lower learning rate: `protrain train … --lr X`")
-
-
-def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | None) -> None:
-    """Rank 0's files: parameters, optimizer state, then the manifest listing every file."""
+def _write_rank0(engine: Engine, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None) -> None:
+    """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing every file."""
     from safetensors.torch import save_file
 
-    comm = engine.comm
     aliases = {alias for _, alias in engine.plan.model.tied}
-    model = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
-    optim = {f"{k}.{part}": v.contiguous() for k, st in sd["optim"].items() for part, v in st.items()}
+    model = {k: v.contiguous() for k, v in model.items() if k not in aliases}
     save_file(model, tmp / "model.safetensors")
-    save_file(optim, tmp / "optim.safetensors")
+    save_file({k: v.contiguous() for k, v in optim.items()}, tmp / "optim.safetensors")
     files = {}
     for f in sorted(tmp.iterdir()):
         fsync_path(f)
         files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
-    _phase("tensors")
+    _after_phase("tensors")
     manifest = Manifest(
         format=FORMAT, version=VERSION, step=engine.steps_done,
-        model_fingerprint=engine.plan.model.fingerprint, world_size=comm.world,
+        model_fingerprint=engine.plan.model.fingerprint, world_size=engine.comm.world,
         compute_dtype=engine.plan.training.compute_dtype,
         params={k: list(v.shape) for k, v in model.items()},
         tied=[list(p) for p in engine.plan.model.tied],
@@ -337,7 +312,7 @@ def _write_rank0(engine: Engine, sd: dict, tmp: Path, data: dict[str, int] | Non
     (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     fsync_path(tmp / "manifest.json")
     fsync_path(tmp)
-    _phase("manifest")
+    _after_phase("manifest")
 
 
 def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> CheckpointError:
@@ -352,18 +327,6 @@ def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> Checkpoi
         f"{need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and `latest` still names "
         "the previous checkpoint",
         "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less")
-
-
-def _order(name: str) -> tuple[int, int]:
-    step, again = STEP_DIR.fullmatch(name).groups()
-    return int(step), int(again or 0)
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
 
 
 def fsync_path(path: Path) -> None:
@@ -381,6 +344,17 @@ def _sha256(path: Path) -> str:
         while block := f.read(HASH_BLOCK):
             h.update(block)
     return h.hexdigest()
+
+
+def _refuse_nonfinite(tensors: list[tuple[str, torch.Tensor]], where: str, fate: str, hint: str) -> None:
+    """Refuse a state holding NaN or inf, naming its first such tensor: a save writes finite
+    tensors only and a load reads them only ([Note: one run per root]). All on the host: one
+    ``all_finite`` reads each tensor once, and only a refusal looks for the name."""
+    from .optim import all_finite
+
+    if not all_finite([t for _, t in tensors]):
+        bad = next(name for name, t in tensors if not all_finite([t]))
+        raise CheckpointError(f"{where}: {bad} holds NaN or infinite values{fate}", hint)
 
 
 # ------------------------------------------------------------------------- load
@@ -416,11 +390,9 @@ def read_manifest(directory: str | Path) -> Manifest:
     for name, entry in m.files.items():
         path = directory / name
         if not path.is_file() or path.stat().st_size != entry.bytes:
-            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)",
-                                  "resume from another checkpoint")
+            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)", DAMAGED)
         if _sha256(path) != entry.sha256:
-            raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)",
-                                  "resume from another checkpoint")
+            raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)", DAMAGED)
     return m
 
 
@@ -432,19 +404,18 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
         m = msgspec.json.decode(raw, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise CheckpointError(f"{where}: not a valid checkpoint manifest: {e}",
-                              "resume from another checkpoint (the previous step directory)") from None
+                              f"{DAMAGED} (the previous step directory)") from None
     if m.version != VERSION:
         raise CheckpointError(f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
                               "resume with the protrain version that wrote it")
     if not 1 <= m.world_size <= 65536 or m.step < 0 or not 0 < m.scaler.scale < float("inf"):
         raise CheckpointError(f"{where}: world_size {m.world_size}, step {m.step} or loss scale "
-                              f"{m.scaler.scale} out of range",
-                              "resume from another checkpoint")
+                              f"{m.scaler.scale} out of range", DAMAGED)
     expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
                                                              for r in range(m.world_size)}
-    if set(m.files) != expected or not all(FILE_NAME.fullmatch(n) for n in m.files):
+    if set(m.files) != expected:  # (plain names only: world_size is at most 65536, checked above)
         raise CheckpointError(f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}",
-                              "resume from another checkpoint")
+                              DAMAGED)
     return m
 
 
@@ -458,28 +429,22 @@ def check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
     that have stepped; frozen and never-used ones have no state, as in torch.optim)."""
     from safetensors import safe_open
 
-    try:
+    try:  # the header alone; safetensors raises its own SafetensorError on a bad one
         with safe_open(path, framework="pt") as f:
-            keys = set(f.keys())
-            if partial:
-                names = {k.rsplit(".", 1)[0] for k in keys}
-                whole = {f"{n}.{part}" for n in names for part in OPTIM_PARTS}
-                expected = {k: v for k, v in expected.items() if k in whole}
-            if keys != set(expected):
-                diff = sorted(keys ^ set(expected))
-                raise CheckpointError(f"{path}: tensors differ from the manifest, e.g. {diff[:3]}",
-                                      "resume from another checkpoint")
-            for k in keys:
-                s = f.get_slice(k)
-                shape, dtype = expected[k]
-                if list(s.get_shape()) != shape or s.get_dtype() != _ST_DTYPES[dtype]:
-                    raise CheckpointError(f"{path}: tensor {k!r} is {s.get_dtype()} {s.get_shape()}, "
-                                          f"expected {_ST_DTYPES[dtype]} {shape}", "resume from another checkpoint")
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
-        raise CheckpointError(f"{path}: unreadable safetensors file ({e})",
-                              "resume from another checkpoint") from None
+            found = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e})", DAMAGED) from None
+    if partial:
+        whole = {f"{k.rsplit('.', 1)[0]}.{part}" for k in found for part in OPTIM_PARTS}
+        expected = {k: v for k, v in expected.items() if k in whole}
+    if found.keys() != expected.keys():
+        diff = sorted(found.keys() ^ expected.keys())
+        raise CheckpointError(f"{path}: tensors differ from the manifest, e.g. {diff[:3]}", DAMAGED)
+    for k, (shape, dtype) in found.items():
+        want = (expected[k][0], _ST_DTYPES[expected[k][1]])
+        if (shape, dtype) != want:
+            raise CheckpointError(f"{path}: tensor {k!r} is {dtype} {shape}, expected {want[1]} {want[0]}",
+                                  DAMAGED)
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
@@ -487,6 +452,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
 
 def load(engine: Engine, root: str | Path) -> Manifest:
     """Restore ``engine`` from the checkpoint ``root`` names; returns its manifest (data position)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     directory = resolve(root)
@@ -496,7 +462,9 @@ def load(engine: Engine, root: str | Path) -> Manifest:
             f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, this model's "
             + (f"{engine.base_fingerprint[:19]}…)" if engine.base_fingerprint else "has no frozen parameters)"),
             "resume with the base model (and the --lora settings) the checkpoint was trained with")
-    mine = {k: list(v) for k, v in _param_shapes(engine, bool(m.base_fingerprint)).items()}
+    aliases = {alias for _, alias in engine.plan.model.tied}
+    mine = {engine.names[id(p)]: list(p.shape) for c in engine.store.chunks for p, _, _ in c.params
+            if engine.names[id(p)] not in aliases and (p.requires_grad or not m.base_fingerprint)}
     if m.model_fingerprint != engine.plan.model.fingerprint or m.params != mine:
         wrong = sorted(set(m.params) ^ set(mine)) or [k for k in mine if m.params.get(k) != mine[k]]
         raise CheckpointError(
@@ -504,29 +472,22 @@ def load(engine: Engine, root: str | Path) -> Manifest:
             f"this model {engine.plan.model.fingerprint[:19]}…; e.g. {wrong[:3]})",
             "resume with the model the checkpoint was saved from")
     check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
-    step_shape: list[int] = []
     check_header(directory / "optim.safetensors", {
-        f"{k}.{part}": ((step_shape if part == "step" else v), torch.float32)
+        f"{k}.{part}": (([] if part == "step" else v), torch.float32)
         for k, v in m.params.items() for part in OPTIM_PARTS}
         if m.optimizer_state else {}, partial=True)
     rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
     restore_rng = m.world_size == engine.comm.world
     if restore_rng:  # checked before the engine changes, like the other files
-        from safetensors import safe_open
-
         with safe_open(rng, framework="pt") as f:
             if "cpu" not in f.keys() or f.get_slice("cpu").get_dtype() != "U8":
-                raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", "resume from another checkpoint")
+                raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", DAMAGED)
     model = load_file(directory / "model.safetensors")
-    for name, alias in m.tied:
-        if name in model:
-            model[alias] = model[name]
+    model.update({alias: model[name] for name, alias in m.tied if name in model})
     flat = load_file(directory / "optim.safetensors")
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        name, part = key.rsplit(".", 1)
-        optim.setdefault(name, {})[part] = t
-    refuse_to_load_nonfinite(directory, model, optim)
+    refuse_to_load_nonfinite(directory, model, flat)
+    optim = {n: {part: flat[f"{n}.{part}"] for part in OPTIM_PARTS}  # all three of each: check_header
+             for n in dict.fromkeys(k.rsplit(".", 1)[0] for k in flat)}
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
@@ -540,17 +501,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
 
 def refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
     """A checkpoint holding NaN or inf (not one this protrain wrote) is refused before the
-    engine changes."""
-    from .optim import all_finite
-
-    for name, t in [*model.items(), *((f"{n}.{k}", v) for n, st in optim.items() for k, v in st.items())]:
-        if not all_finite([t]):
-            raise CheckpointError(
-                f"{directory}: {name} holds NaN or infinite values (the state of a diverged run); not loaded",
-                f"resume from an earlier checkpoint: `protrain train … --resume {directory.parent}/step-NNNNNNNN`")
-
-
-def _param_shapes(engine: Engine, trainable_only: bool = False) -> dict[str, torch.Size]:
-    aliases = {alias for _, alias in engine.plan.model.tied}
-    return {engine.names[id(p)]: p.shape for c in engine.store.chunks for p, _, _ in c.params
-            if engine.names[id(p)] not in aliases and (p.requires_grad or not trainable_only)}
+    engine changes; ``optim`` as the file holds it (``name.part``: tensor)."""
+    _refuse_nonfinite([*model.items(), *optim.items()], str(directory), " (the state of a diverged run); not loaded",
+                      "resume from an earlier checkpoint: "
+                      f"`protrain train … --resume {directory.parent}/step-NNNNNNNN`")

@@ -20,6 +20,8 @@ from .errors import PlanError
 from .homes import homes_of
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
+REGENERATE = "regenerate the plan with `protrain plan`"
+"""The fix of every refusal of a plan file as it stands (plan.py, validation.py use it too)."""
 
 
 def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int) -> dict[str, Any]:
@@ -28,18 +30,15 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
     strict decode to report; a field already there is refused, because the old version's
     binding sections forbid unknown fields and a migration must not make an invalid old
     file valid by accident."""
-    doc = dict(doc)
     body = doc.get(section)
     if not isinstance(body, dict):
-        return doc
+        return dict(doc)
     for key in fields:
         if key in body:
             raise PlanError(f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
                             f"- at `$.{section}.{key}`",
-                            f"set `schema_version` to {version + 1} if the file was written for it, or "
-                            "regenerate the plan with `protrain plan`")
-    doc[section] = {**body, **fields}
-    return doc
+                            f"set `schema_version` to {version + 1} if the file was written for it, or {REGENERATE}")
+    return {**doc, section: {**body, **fields}}
 
 
 def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
@@ -102,33 +101,25 @@ def v6_to_v7(doc: dict[str, Any]) -> dict[str, Any]:
         return doc  # malformed: left to the strict decode
     if "homes" in placement:
         raise PlanError("plan schema 6 has no `placement.homes` (added in schema 7) - at `$.placement.homes`",
-                        "set `schema_version` to 7 if the file was written for it, or regenerate the plan "
-                        "with `protrain plan`")
+                        f"set `schema_version` to 7 if the file was written for it, or {REGENERATE}")
     n, ids = len(items), {}
     for key in V6_LISTS:
         value = placement.get(key, [])
         if (not isinstance(value, list) or not all(type(c) is int and 0 <= c < n for c in value)
                 or value != sorted(set(value))):
             raise PlanError(f"plan schema 6: `placement.{key}` must list chunk ids (0..{n - 1}), ascending "
-                            f"and unique - at `$.placement.{key}`", "regenerate the plan with `protrain plan`")
+                            f"and unique - at `$.placement.{key}`", REGENERATE)
         ids[key] = set(value)
 
-    def refuse(key: str, what: str):
-        raise PlanError(f"plan schema 6: {what} - at `$.placement.{key}`", "regenerate the plan with `protrain plan`")
-
-    if ids["persistent"] & ids["offloaded"]:
-        refuse("offloaded", f"chunks {sorted(ids['persistent'] & ids['offloaded'])} are both persistent and offloaded")
-    if len(ids["persistent"]) + len(ids["offloaded"]) != n:
-        refuse("offloaded", f"chunks {sorted(set(range(n)) - ids['persistent'] - ids['offloaded'])} are "
-                            "neither persistent nor offloaded")
-    body = {k: v for k, v in placement.items() if k not in V6_LISTS}
+    both = sorted(ids["persistent"] & ids["offloaded"])
+    neither = sorted(set(range(n)) - ids["persistent"] - ids["offloaded"])
+    if both or neither:
+        raise PlanError(f"plan schema 6: chunks {both or neither} are "
+                        f"{'both persistent and offloaded' if both else 'neither persistent nor offloaded'} "
+                        "- at `$.placement.offloaded`", REGENERATE)
     homes = homes_of(n, ids["persistent"], ids["homeless"], ids["device_homed"], ids["nvme"], "plan schema 6: ")
-    # Key order as schema 7 writes it (the strict decode does not care; `dump` would).
-    order = ("n_persist", "n_buffer")
-    doc = dict(doc)
-    doc["placement"] = {**{k: body[k] for k in order if k in body}, "homes": homes,
-                        **{k: v for k, v in body.items() if k not in order}}
-    return doc
+    # (Key order matters to no one: the strict decode reads any, and `dump` writes the Plan's own.)
+    return {**doc, "placement": {**{k: v for k, v in placement.items() if k not in V6_LISTS}, "homes": homes}}
 
 
 def v7_to_v8(doc: dict[str, Any]) -> dict[str, Any]:
@@ -152,8 +143,6 @@ def migrate(doc: dict[str, Any], version: int, target: int | None = None) -> dic
     for v in range(version, target):
         step = MIGRATIONS.get(v)
         if step is None:
-            raise PlanError(f"no migration from plan schema {v} to {v + 1}",
-                            "regenerate the plan with `protrain plan`")
-        doc = step(doc)
-        doc["schema_version"] = v + 1
+            raise PlanError(f"no migration from plan schema {v} to {v + 1}", REGENERATE)
+        doc = {**step(doc), "schema_version": v + 1}  # (a copy: the caller's dict stays as it was)
     return doc

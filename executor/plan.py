@@ -72,7 +72,7 @@ import msgspec
 from .errors import PlanError
 from .homes import homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
 from .identity import POST, PRE, fingerprint, plan_fingerprint, segments  # noqa: F401  (re-exported)
-from .migrate import SCHEMA_VERSION, migrate
+from .migrate import REGENERATE, SCHEMA_VERSION, migrate
 from .validation import validate
 
 # SCHEMA_VERSION (the version ``dump`` writes) is one past the last migration (migrate.py).
@@ -512,25 +512,20 @@ def load(source: str | Path | bytes) -> Plan:
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PlanError(f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file",
-                        "regenerate the plan with `protrain plan`") from None
+        raise PlanError(f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file", REGENERATE) from None
     try:
         header = msgspec.json.decode(data, type=_Header)
     except RecursionError:  # msgspec's guard against deeply nested documents
-        raise PlanError(f"{where}: JSON nested too deeply; no plan is",
-                        "regenerate the plan with `protrain plan`") from None
+        raise PlanError(f"{where}: JSON nested too deeply; no plan is", REGENERATE) from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise PlanError(f"{where}: not a protrain plan: {e}",
                         "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`") from None
-    version = header.schema_version
-    if version > SCHEMA_VERSION:
-        raise PlanError(f"{where}: plan schema {version} is newer than this protrain reads "
+    version, newer = header.schema_version, header.schema_version > SCHEMA_VERSION
+    if newer or version < MIN_SCHEMA_VERSION:
+        raise PlanError(f"{where}: plan schema {version} is {'newer' if newer else 'older'} than this protrain reads "
                         f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
-                        "upgrade protrain, or regenerate the plan with this version's `protrain plan`")
-    if version < MIN_SCHEMA_VERSION:
-        raise PlanError(f"{where}: plan schema {version} is older than this protrain reads "
-                        f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
-                        "regenerate the plan with `protrain plan`")
+                        "upgrade protrain, or regenerate the plan with this version's `protrain plan`" if newer
+                        else REGENERATE)
     if version < SCHEMA_VERSION:
         try:
             data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
@@ -539,9 +534,8 @@ def load(source: str | Path | bytes) -> Plan:
     try:
         plan = msgspec.json.decode(data, type=Plan)
     except msgspec.ValidationError as e:
-        raise PlanError(f"{where}: {e}{_choices(str(e))}",
-                        "fix that field, or regenerate the plan with `protrain plan`") from None
+        raise PlanError(f"{where}: {e}{_choices(str(e))}", f"fix that field, or {REGENERATE}") from None
     except (msgspec.DecodeError, RecursionError) as e:
-        raise PlanError(f"{where}: malformed JSON: {e}", "regenerate the plan with `protrain plan`") from None
+        raise PlanError(f"{where}: malformed JSON: {e}", REGENERATE) from None
     validate(plan, where)
     return plan

@@ -9,13 +9,14 @@ that loads can never overflow its buffers or free an upload in flight. ``load`` 
 
 from __future__ import annotations
 
+from math import prod
 from typing import TYPE_CHECKING
 
 from . import homes as H
 from .bounds import check_plan as check_bounds
 from .errors import PlanError
 from .identity import POST, PRE, plan_fingerprint, segments
-from .migrate import SCHEMA_VERSION
+from .migrate import REGENERATE, SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -30,7 +31,7 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     resident without ever holding more than ``n_buffer`` offloaded chunks.
     """
 
-    def fail(path: str, what: str, hint: str = "regenerate the plan with `protrain plan`") -> None:
+    def fail(path: str, what: str, hint: str = REGENERATE) -> None:
         raise PlanError(f"{where}: {what} - at `{path}`", hint)
 
     if plan.schema_version != SCHEMA_VERSION:
@@ -53,47 +54,39 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
 
     # -- model
     blocks = plan.model.blocks
-    seen_blocks: set[str] = set()
+    first: dict[str, int] = {}
     for i, b in enumerate(blocks):
         if b in (PRE, POST) or not b:
             fail(f"$.model.blocks[{i}]", f"{b!r} is not a module path")
-        if b in seen_blocks:
+        if first.setdefault(b, i) != i:
             fail(f"$.model.blocks[{i}]", f"block {b!r} is listed twice")
-        seen_blocks.add(b)
 
     # -- chunks: ids, bounds, overlaps, one chunk per parameter
     cap = plan.chunks.chunk_numel
     owner: dict[str, int] = {}
-    n_params = 0
     for ci, chunk in enumerate(plan.chunks.items):
         cpath = f"$.chunks.list[{ci}]"
         if chunk.id != ci:
             fail(f"{cpath}.id", f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}")
-        spans = []
         for pi, p in enumerate(chunk.params):
             ppath = f"{cpath}.params[{pi}]"
-            numel = 1
-            for s in p.shape:
-                numel *= s
-            if numel != p.numel:
-                fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {numel}")
+            if prod(p.shape) != p.numel:
+                fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {prod(p.shape)}")
             if p.offset + p.numel > cap:
                 fail(f"{ppath}.offset",
                      f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}")
             if p.name in owner:
                 fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
             owner[p.name] = ci
-            spans.append((p.offset, p.offset + p.numel, pi, p.name))
-            n_params += p.numel
-        spans.sort()
+        spans = sorted((p.offset, p.offset + p.numel, pi, p.name) for pi, p in enumerate(chunk.params))
         for (_, end_a, _, name_a), (start_b, _, pi_b, name_b) in zip(spans, spans[1:]):
             if start_b < end_a:
                 fail(f"{cpath}.params[{pi_b}].offset", f"{name_b} overlaps {name_a} in chunk {ci}")
+    n_params = sum(p.numel for c in plan.chunks.items for p in c.params)
     if n_params != plan.model.n_params:
         fail("$.model.n_params", f"chunks hold {n_params} elements but the model declares {plan.model.n_params}")
-    for field, names in (("pre_block_params", plan.model.pre_block_params),
-                         ("post_block_params", plan.model.post_block_params)):
-        for i, name in enumerate(names):
+    for field in ("pre_block_params", "post_block_params"):
+        for i, name in enumerate(getattr(plan.model, field)):
             if name not in owner:
                 fail(f"$.model.{field}[{i}]", f"parameter {name!r} is in no chunk")
     for i, pair in enumerate(plan.model.tied):
@@ -129,11 +122,11 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)")
 
     # -- activations
-    if [a.block for a in plan.activations] != blocks:
-        got = [a.block for a in plan.activations]
+    got = [a.block for a in plan.activations]
+    if got != blocks:
         i = next((i for i, (a, b) in enumerate(zip(got, blocks)) if a != b), min(len(got), len(blocks)))
-        fail(f"$.activations[{i}]", f"expected one policy per block in model.blocks order; "
-             f"expected {blocks[i] if i < len(blocks) else 'nothing'!r}, got {got[i] if i < len(got) else 'nothing'!r}")
+        fail(f"$.activations[{i}]", "expected one policy per block in model.blocks order; "
+             f"expected {[*blocks, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
 
     simulate_residency(plan, where)
 
@@ -180,7 +173,7 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     """
 
     def fail(path: str, what: str) -> None:
-        raise PlanError(f"{where}: {what} - at `{path}`", "regenerate the plan with `protrain plan`")
+        raise PlanError(f"{where}: {what} - at `{path}`", REGENERATE)
 
     offloaded = set(plan.placement.offloaded)
     n_buffer = plan.placement.n_buffer
@@ -191,7 +184,6 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     trace: list[tuple[str, str, frozenset[int]]] = []
     offloaded_at: dict[int, int] = {}
     swapped_in_at: dict[str, int] = {}
-    last_use_bwd: dict[int, int] = {}
     in_flight: dict[int, str] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
 
     for phase, steps, expected in (("forward", plan.schedule.forward, order),
@@ -199,9 +191,8 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
         got = [s.segment for s in steps]
         if got != expected:
             i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            want = expected[i] if i < len(expected) else "nothing"
-            have = got[i] if i < len(got) else "nothing"
-            fail(f"$.schedule.{phase}[{i}].segment", f"expected segment {want!r}, got {have!r}")
+            fail(f"$.schedule.{phase}[{i}].segment",
+                 f"expected segment {[*expected, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
         for si, step in enumerate(steps):
             spath = f"$.schedule.{phase}[{si}]"
             for field in ("fetch", "prefetch", "release", "offload"):
@@ -238,13 +229,10 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 fail(f"{spath}.fetch", f"segment {step.segment!r} uses chunks {sorted(missing)}, "
                      "which must be fetched by this step")
             trace.append((phase, step.segment, frozenset(resident)))
-            if phase == "backward":
-                for c in need[step.segment] & offloaded:
-                    last_use_bwd[c] = si
-                for i, c in enumerate(step.offload):
-                    if c in offloaded_at:
-                        fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
-                    offloaded_at[c] = si
+            for i, c in enumerate(step.offload):  # (backward only: forward's refused above)
+                if c in offloaded_at:
+                    fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
+                offloaded_at[c] = si
             for i, c in enumerate(step.release):
                 if c not in resident:
                     fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
@@ -258,6 +246,7 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
              "(its upload could still be in flight when the iteration ends)")
     if resident:
         fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
+    last_use_bwd = {c: si for si, step in enumerate(plan.schedule.backward) for c in need[step.segment] & offloaded}
     for c in sorted(offloaded):
         if c not in offloaded_at:
             fail("$.schedule.backward", f"offloaded chunk {c} is never offloaded in backward")
