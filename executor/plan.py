@@ -70,7 +70,7 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from .errors import PlanError
-from .homes import homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
+from .homes import HOMES, homes_of  # noqa: F401  (homes_of re-exported: the placement of chunk-id sets)
 from .identity import POST, PRE, fingerprint, plan_fingerprint, segments  # noqa: F401  (re-exported)
 from .migrate import REGENERATE, SCHEMA_VERSION, migrate
 from .validation import validate
@@ -264,36 +264,37 @@ class Placement(Binding):
     """Pinned compute-dtype slots of one chunk shard each, shared by the homeless chunks'
     uploads and gradients; 0 exactly when no chunk is homeless."""
 
-    # Chunk ids by home, ascending (derived from ``homes``; not fields of the file).
+    # Chunk ids by what their home is (homes.HOMES' attributes), ascending: derived from
+    # ``homes``, not fields of the file.
 
-    def ids(self, *names: str) -> list[int]:
-        """Ids of the chunks whose home is one of ``names``, ascending."""
-        return [i for i, h in enumerate(self.homes) if h in names]
+    def ids(self, test) -> list[int]:
+        """Ids of the chunks whose home (a ``homes.Home``) passes ``test``, ascending."""
+        return [i for i, h in enumerate(self.homes) if test(HOMES[h])]
 
     @property
     def persistent(self) -> list[int]:
-        """Persistent chunks."""
-        return self.ids("persistent")
+        """Chunks always on the device (not fetched: ``persistent``)."""
+        return self.ids(lambda h: not h.offloaded)
 
     @property
     def offloaded(self) -> list[int]:
         """Every chunk fetched into the shared buffers (every home but ``persistent``)."""
-        return [i for i, h in enumerate(self.homes) if h != "persistent"]
+        return self.ids(lambda h: h.offloaded)
 
     @property
     def homeless(self) -> list[int]:
-        """Chunks with no compute-dtype home on the host (``homeless``, ``nvme_homeless``)."""
-        return self.ids("homeless", "nvme_homeless")
+        """Chunks with no compute-dtype home: each fetch rounds the master (``homeless``, ``nvme_homeless``)."""
+        return self.ids(lambda h: h.fetch_rounds_master)
 
     @property
     def device_homed(self) -> list[int]:
-        """Chunks whose master and moments live on the device."""
-        return self.ids("device_homed")
+        """Offloaded chunks whose master and moments live (and step) on the device."""
+        return self.ids(lambda h: h.offloaded and h.steps_on == "device")
 
     @property
     def nvme(self) -> list[int]:
         """Chunks whose master and moments live on disk (``nvme``, ``nvme_homeless``)."""
-        return self.ids("nvme", "nvme_homeless")
+        return self.ids(lambda h: h.on_disk)
 
 
 class Activation(Binding):
