@@ -116,10 +116,13 @@ class DiskStates:
         self._close()
 
 
-def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates, *, drop_dst: bool = False) -> None:
+def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates | None, *,
+                drop_dst: bool = False) -> None:
     """``dst.copy_(src)`` one ``STEP_PIECE`` at a time, dropping each piece of the file-backed
-    side (``src``, or ``dst`` with ``drop_dst``) after it: the resident part stays one piece."""
+    side (``src``, or ``dst`` with ``drop_dst``) after it: the resident part stays one piece.
+    ``disk`` None: neither side is in the file (the same values, nothing to drop)."""
     for a in range(0, src.numel(), STEP_PIECE):
         b = min(a + STEP_PIECE, src.numel())
         dst[a:b].copy_(src[a:b])
-        disk.drop(dst[a:b] if drop_dst else src[a:b])
+        if disk is not None:
+            disk.drop(dst[a:b] if drop_dst else src[a:b])
