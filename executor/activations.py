@@ -138,12 +138,11 @@ class Activations:
     def _swapped(self, name: str, original: Callable) -> Callable:
         # See [Note: swap per storage].
         def pack(live: dict[int, tuple[torch.Tensor, int, SwapHandle]], t: torch.Tensor):
-            if self.store.owns(t):
-                return (False, t)  # a parameter: its chunk's residency is the schedule's business
-            if t.device != self.store.device or t.dim() == 0:
-                # Not a device activation: flash/efficient SDPA save philox seed and offset
-                # as CPU int64 scalars (a D2H copy of a host tensor has no stream to record
-                # on), and a 0-dim tensor is not worth a copy. Kept as it is.
+            # Kept as it is: a parameter (its chunk's residency is the schedule's business), or
+            # not a device activation: flash/efficient SDPA save philox seed and offset as CPU
+            # int64 scalars (a D2H copy of a host tensor has no stream to record on), and a
+            # 0-dim tensor is not worth a copy.
+            if self.store.owns(t) or t.device != self.store.device or t.dim() == 0:
                 return (False, t)
             storage = t.untyped_storage()
             key = storage.data_ptr()

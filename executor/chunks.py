@@ -391,8 +391,10 @@ class ChunkStore:
     def release(self, cid: int) -> None:
         c = self.chunks[cid]
         assert c.residency is Residency.RESIDENT, f"{cid=} {c.residency=}: release of a released chunk"
-        self.wait(cid)  # prefetched and never used (evaluate, an error): the copy and all-gather
-        self.write_back(cid)  # still write the storage we are about to free
+        # A prefetch never used (evaluate, an error): its copy and all-gather still write the
+        # storage we are about to free.
+        self.wait(cid)  # a prefetch never used
+        self.write_back(cid)
         self.copies.resize(c.dev, 0, f"chunk {cid}")
         self._refresh_live()
         self.ledger.free("chunks", c.nbytes)

@@ -106,13 +106,10 @@ class DiskStates:
             if n:
                 self.map.madvise(mmap.MADV_WILLNEED, lo, n)
 
-    def drop_all(self) -> None:
-        self.drop(self.bytes)
-
     def close(self) -> None:
         """Out of this process's memory, and the descriptor closed. The disk space is freed
         when the last view of the mapping goes (the engine's optimizer holds them)."""
-        self.drop_all()
+        self.drop(self.bytes)
         self._close()
 
 

@@ -262,16 +262,15 @@ class Replayer:
     def finish_backward(self) -> None:
         """After ``.backward()`` returned: offload whatever the countdown still held back
         (parameters that got no gradient), in plan order."""
-        for c in self.offload_order[self.next_offload:]:
-            self.offload(c)
-        self.next_offload = len(self.offload_order)
+        self._drain(everything=True)
 
-    def _drain(self) -> None:
-        """Offload, in plan order, every chunk whose moment has come and whose gradients are complete."""
+    def _drain(self, everything: bool = False) -> None:
+        """Offload, in plan order, every chunk whose moment has come and whose gradients are
+        complete (``everything``: every chunk not offloaded yet)."""
         order = self.offload_order
         while self.next_offload < len(order):
             c = order[self.next_offload]
-            if c not in self.requested or self.remaining[c] != 0:
+            if not everything and (c not in self.requested or self.remaining[c] != 0):
                 return
             self.offload(c)
             self.next_offload += 1
