@@ -187,8 +187,8 @@ class Replayer:
         modules = dict(model.named_modules())
         for i, name in enumerate(self.blocks):
             m = modules[name]
-            self.handles += [m.register_forward_pre_hook(self._pre_hook(i, name), with_kwargs=True),
-                             m.register_forward_hook(self._post_hook(name, i == len(self.blocks) - 1))]
+            self.handles += [m.register_forward_pre_hook(self._hook(i, name, pre=True), with_kwargs=True),
+                             m.register_forward_hook(self._hook(i, name, pre=False))]
         for cid, i in self.param_slot.values():  # the trainable parameters
             p = self.store.chunks[cid].params[i][0]
             self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -305,30 +305,23 @@ class Replayer:
         if begun is not None:
             self.begin(phase, begun)
 
-    def _pre_hook(self, i: int, name: str):
-        before = PRE if i == 0 else None  # the segment before the block's, if no block's
+    def _hook(self, i: int, name: str, pre: bool):
+        """Block ``i``'s forward pre-hook (``pre``) or forward hook. A pre-hook ends the segment
+        before the block's (``<pre>`` before block 0; a block's own end was its forward hook)
+        and begins the block's, and marks its input with the post-backward boundary; a forward
+        hook ends the block's segment, begins the one after (``<post>`` after the last block),
+        and marks its output with the pre-backward boundary. Backward makes each turn in
+        reverse: it ends what forward began and begins what forward ended."""
+        other = (PRE if i == 0 else None) if pre else (POST if i == len(self.blocks) - 1 else None)
+        turn = (other, name) if pre else (name, other)  # (ended, begun) in forward
 
-        def hook(module, args, kwargs):
+        def hook(module, args, kwargs_or_output):
             if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
                 return None
-            self._turn(Phase.FORWARD, before, name)
+            self._turn(Phase.FORWARD, *turn)
             if self.phase is Phase.EVALUATE:  # no backward: no boundary
                 return None
-            x, put = block_input(args, kwargs)  # its post-backward
-            return put(Boundary.mark(lambda: self._turn(Phase.BACKWARD, name, before), x, self.anchor))
-
-        return hook
-
-    def _post_hook(self, name: str, last: bool):
-        after = POST if last else None  # the segment after the block's, if no block's
-
-        def hook(module, args, output):
-            if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
-                return None
-            self._turn(Phase.FORWARD, name, after)
-            if self.phase is Phase.EVALUATE:
-                return None
-            y, put = first_tensor(output)  # its pre-backward (the next block's end was its own post-backward)
-            return put(Boundary.mark(lambda: self._turn(Phase.BACKWARD, after, name), y, self.anchor))
+            x, put = block_input(args, kwargs_or_output) if pre else first_tensor(kwargs_or_output)
+            return put(Boundary.mark(lambda: self._turn(Phase.BACKWARD, *turn[::-1]), x, self.anchor))
 
         return hook
