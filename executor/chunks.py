@@ -157,20 +157,19 @@ class Chunk:
         """Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py)."""
         return self.where.on_disk and self.trainable
 
-    def _assert_in(self, *states: Residency) -> None:
-        assert self.residency in states, f"chunk {self.id}: {self.residency=}, expected one of {states}"
+    def _move(self, start: Residency, to: Residency, verb: str) -> None:
+        """From ``start`` (asserted) to ``to``: an offloaded chunk's fetch or release."""
+        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never {verb}"
+        assert self.residency is start, f"chunk {self.id}: {self.residency=}, expected one of {(start,)}"
+        self.residency = to
 
     def to_resident(self) -> None:
         """A fetch has given the chunk's values device storage (offloaded chunks only)."""
-        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never fetched"
-        self._assert_in(Residency.RELEASED)
-        self.residency = Residency.RESIDENT
+        self._move(Residency.RELEASED, Residency.RESIDENT, "fetched")
 
     def to_released(self) -> None:
         """A release has freed the chunk's device values (offloaded chunks only)."""
-        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never released"
-        self._assert_in(Residency.RESIDENT)
-        self.residency = Residency.RELEASED
+        self._move(Residency.RESIDENT, Residency.RELEASED, "released")
 
     def grad_opened(self) -> None:
         """The gradient buffer got device storage (a trainable chunk; offloaded ones in backward)."""
