@@ -155,10 +155,8 @@ def state_events(plan: Plan,
     """The model states' events (see the module docstring): wrap's, and per schedule step
     ``(phase, step, begin, end)``: ``begin`` its fetches, prefetches and opened gradients,
     ``end`` its offloads and releases (``chunk_steps``)."""
-    t = plan.training
-    W = t.world_size
+    W, cb = plan.training.world_size, DTYPE_BYTES[plan.training.compute_dtype]
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
-    cb = DTYPE_BYTES[t.compute_dtype]
     chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else plan_trainable(plan)
     su, homes = setup(plan), chunk_homes(plan)
