@@ -91,12 +91,18 @@ class Chunk:
                  dtype: torch.dtype, device: torch.device):
         self.id = cid
         # The chunk's home (executor/homes.py): where its values, gradients and optimizer
-        # states live between uses. Fixed for the run; ``persistent``, ``homed`` and
-        # ``on_disk`` read it.
+        # states live between uses. Fixed for the run, as is ``trainable``; the three flags
+        # below are read from them once.
         self.where = where
         # Some parameter requires grad. A chunk of frozen parameters only has no gradient
         # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
         self.trainable = trainable
+        # Always on the device, stepped there (never fetched or released).
+        self.persistent = not where.offloaded
+        # Offloaded, with its master and moments on the device ([Note: device homes]).
+        self.homed = where.offloaded and where.steps_on == "device"
+        # Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py).
+        self.on_disk = where.on_disk and trainable
         self.numel = numel
         self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
         # The elements whose master and moments (and home, if offloaded) this rank keeps: the
@@ -141,21 +147,6 @@ class Chunk:
         # Each parameter's ``_version`` when last synced with home/master: a forward that
         # writes a parameter in place bumps it. See [Note: in-place writes in forward].
         self.versions: list[int] = []
-
-    @property
-    def persistent(self) -> bool:
-        """Always on the device, stepped there (never fetched or released)."""
-        return not self.where.offloaded
-
-    @property
-    def homed(self) -> bool:
-        """Offloaded, with its master and moments on the device ([Note: device homes])."""
-        return self.where.offloaded and self.where.steps_on == "device"
-
-    @property
-    def on_disk(self) -> bool:
-        """Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py)."""
-        return self.where.on_disk and self.trainable
 
     def _move(self, start: Residency, to: Residency, verb: str) -> None:
         """From ``start`` (asserted) to ``to``: an offloaded chunk's fetch or release."""
