@@ -94,14 +94,11 @@ def chunk_homes(plan: Plan) -> list[H.Home]:
     return [H.HOMES[h] for h in plan.placement.homes]
 
 
-def chunk_end(plan: Plan, cid: int) -> int:
-    """The element offset just past chunk ``cid``'s last parameter."""
-    return max((p.offset + p.numel for p in plan.chunks.items[cid].params), default=0)
-
-
 def host_numel(plan: Plan, cid: int) -> int:
-    """Elements of offloaded chunk ``cid`` whose states one rank keeps (``homes.own_numel``)."""
-    return H.own_numel(plan.chunks.chunk_numel, plan.training.world_size, chunk_end(plan, cid))
+    """Elements of offloaded chunk ``cid`` whose states one rank keeps (``homes.own_numel``; its
+    ``end``: the element offset just past the chunk's last parameter)."""
+    end = max((p.offset + p.numel for p in plan.chunks.items[cid].params), default=0)
+    return H.own_numel(plan.chunks.chunk_numel, plan.training.world_size, end)
 
 
 def plan_trainable(plan: Plan) -> list[bool]:
@@ -143,7 +140,7 @@ class Event:
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
     kind: str  # device: chunks, buffers, grads, optim (model states); activations (held), shared_grads,
     # swapped_in, swap_out (in flight to the host), recompute, transient;
-    # "buffers": chunks; host: home, optim, scratch, slots, swap, nvme_window; disk: optim; "step" (0 bytes) marks each step's start
+    # "buffers": chunks; host: home, optim, scratch, slots, swapped (activations), nvme_window; disk: optim; "step" (0 bytes) marks each step's start
     nbytes: int
     chunk: int = -1
     block: str = ""
@@ -158,47 +155,38 @@ def state_events(plan: Plan,
     """The model states' events (see the module docstring): wrap's, and per schedule step
     ``(phase, step, begin, end)``: ``begin`` its fetches, prefetches and opened gradients,
     ``end`` its offloads and releases (``chunk_steps``)."""
-    t = plan.training
-    W = t.world_size
+    W, cb = plan.training.world_size, DTYPE_BYTES[plan.training.compute_dtype]
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
-    cb = DTYPE_BYTES[t.compute_dtype]
     chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else plan_trainable(plan)
-    out: list[Event] = []
-
-    def ev(phase, seg, where, kind, nbytes, chunk=-1, block=""):
-        if nbytes:
-            out.append(Event(phase, seg, where, kind, nbytes, chunk, block))
-
     su, homes = setup(plan), chunk_homes(plan)
     sharded = W > 1 and plan.placement.shard_persistent_states  # persistent chunks' states: a shard each
-    order = (("device", "chunks"), ("device", "grads"), ("device", "optim"), ("host", "home"),
-             ("host", "optim"), ("disk", "optim"))
+    out: list[Event] = []
 
-    def states(c: int) -> None:  # the chunk's parts, one event per (where, kind)
-        home = homes[c]
-        own = (shard if sharded else numel) if not home.offloaded else host_numel(plan, c)
-        for where, kind in order:
-            ev("wrap", "", where, kind, home.nbytes(su, where, numel, own, train[c], kind), c)
+    def ev(where: str, kind: str, nbytes: int, chunk: int = -1) -> None:
+        if nbytes:
+            out.append(Event("wrap", "", where, kind, nbytes, chunk))
 
-    for c, home in enumerate(homes):
-        if home is H.PERSISTENT:
-            states(c)
-    n_off = sum(h.offloaded for h in homes)
-    ev("wrap", "", "device", "buffers", min(plan.placement.n_buffer, n_off) * chunk_bytes)
-    for c, home in enumerate(homes):
-        if home.offloaded and home.steps_on == "device":
-            states(c)
-    if any(train[c] and h.offloaded and h.steps_on == "device" for c, h in enumerate(homes)):
-        ev("wrap", "", "device", "optim", H.device_scratch_bytes(shard))
-    for c, home in enumerate(homes):
-        if home.offloaded and home.steps_on == "host":
-            states(c)
+    def states(offloaded: bool, steps_on: str) -> bool:
+        """Each such chunk's parts, one event per (where, kind); whether one of them trains."""
+        group = [c for c, h in enumerate(homes) if h.offloaded == offloaded and h.steps_on == steps_on]
+        for c in group:
+            own = host_numel(plan, c) if offloaded else shard if sharded else numel
+            for where, kind in (("device", "chunks"), ("device", "grads"), ("device", "optim"),
+                                ("host", "home"), ("host", "optim"), ("disk", "optim")):
+                ev(where, kind, homes[c].nbytes(su, where, numel, own, train[c], kind), c)
+        return any(train[c] for c in group)
+
+    states(False, "device")  # the persistent chunks
+    ev("device", "buffers", min(plan.placement.n_buffer, sum(h.offloaded for h in homes)) * chunk_bytes)
+    if states(True, "device"):  # the device-homed ones, and their steps' scratch
+        ev("device", "optim", H.device_scratch_bytes(shard))
+    host_steps = states(True, "host")
     if any(train[c] and h.on_disk for c, h in enumerate(homes)):
-        ev("wrap", "", "host", "nvme_window", NVME_WINDOW)
-    if any(train[c] and h.offloaded and h.steps_on == "host" for c, h in enumerate(homes)):
-        ev("wrap", "", "host", "scratch", H.host_scratch_bytes(su, shard))
-    ev("wrap", "", "host", "slots", plan.placement.n_host_slots * shard * cb)
+        ev("host", "nvme_window", NVME_WINDOW)
+    if host_steps:
+        ev("host", "scratch", H.host_scratch_bytes(su, shard))
+    ev("host", "slots", plan.placement.n_host_slots * shard * cb)
 
     def chunk_events(phase: str, step: Step, changes: list) -> list[Event]:
         return [Event(phase, step.segment, "buffers" if kind == "chunks" else "device", kind,
@@ -226,25 +214,21 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
     backward and close when it is offloaded."""
     resident: set[int] = set()
     grads: set[int] = set()
+
+    def turn(kind: str, ids, held: set[int], sign: int) -> list:
+        """``(kind, c, sign)`` for each chunk of ``ids`` this opens (+1: it was closed) or closes (-1)."""
+        out = []
+        for c in ids:
+            if (c in held) != (sign > 0):
+                (held.add if sign > 0 else held.discard)(c)
+                out.append((kind, c, sign))
+        return out
+
     for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
         for step in steps:
-            begin, end = [], []
-            for c in (*step.fetch, *step.prefetch):
-                if c not in resident:
-                    resident.add(c)
-                    begin.append(("chunks", c, 1))
-            for c in step.fetch if phase == "backward" else ():
-                if c not in grads:
-                    grads.add(c)
-                    begin.append(("grads", c, 1))
-            for c in step.offload:
-                if c in grads:
-                    grads.discard(c)
-                    end.append(("grads", c, -1))
-            for c in step.release:
-                if c in resident:
-                    resident.discard(c)
-                    end.append(("chunks", c, -1))
+            begin = turn("chunks", (*step.fetch, *step.prefetch), resident, 1) \
+                + turn("grads", step.fetch if phase == "backward" else (), grads, 1)
+            end = turn("grads", step.offload, grads, -1) + turn("chunks", step.release, resident, -1)
             yield phase, step, begin, end
 
 
@@ -252,39 +236,19 @@ STATE_KINDS = ("chunks", "grads", "optim")
 """Device kinds that are model states (the rest are activations)."""
 
 
-def by_step(stream: Sequence[Event], occupancy: bool = False) -> list[tuple[str, str, list[Event]]]:
-    """The device events after wrap (and with ``occupancy`` the reserved buffers'), grouped by
-    step (``step`` markers start each group)."""
-    out: list[tuple[str, str, list[Event]]] = []
-    for e in stream:
-        if e.kind == "step":
-            out.append((e.phase, e.segment, []))
-        elif e.phase != "wrap" and (e.where == "device" or occupancy and e.where == "buffers"):
-            out[-1][2].append(e)
-    return out
-
-
 def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict[tuple[str, str, str], dict[str, int]]:
     """Device model-state bytes as the executor's ledger counts them (``STATE_KINDS``;
     ``chunks``: persistent chunks' values plus the chunks occupying the reserved buffers) at
     every step's begin (after its fetches and prefetches) and end (after its releases):
     what ``Ledger.check`` holds the executor to. Keys ``(phase, segment, "begin" | "end")``."""
-    stream = events(plan, trainable)
-    totals = dict.fromkeys(STATE_KINDS, 0)
-    for e in stream:
-        if e.phase == "wrap" and e.where == "device" and e.kind in STATE_KINDS:
-            totals[e.kind] += e.nbytes
+    wrap, steps = state_events(plan, trainable)
+    totals = {k: sum(e.nbytes for e in wrap if e.where == "device" and e.kind == k) for k in STATE_KINDS}
     out = {}
-    for phase, segment, evs in by_step(stream, occupancy=True):
-        evs = [e for e in evs if e.kind in STATE_KINDS]
-        for e in evs:
-            if e.nbytes > 0:
+    for phase, step, begin, end in steps:  # (a step's begin only allocates, its end only frees)
+        for when, evs in (("begin", begin), ("end", end)):
+            for e in evs:
                 totals[e.kind] += e.nbytes
-        out[(phase, segment, "begin")] = dict(totals)
-        for e in evs:
-            if e.nbytes < 0:
-                totals[e.kind] += e.nbytes
-        out[(phase, segment, "end")] = dict(totals)
+            out[(phase, step.segment, when)] = dict(totals)
     return out
 
 

@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -66,24 +68,17 @@ from .plan import PRE, Plan
 from .transfer import CopyEngine, CopyHandle
 
 
+@dataclass(slots=True, eq=False)  # (a handle is compared by identity)
 class SwapHandle:
     """One swapped storage: its host copy, and its device copy once swapped in.
 
     See [Note: swap per storage]; the saved tensors are views of it.
     """
 
-    __slots__ = ("host", "down", "dev", "up")
-
-    def __init__(self, host: torch.Tensor, down: CopyHandle):
-        self.host = host  # 1D uint8 (storage nbytes,), the storage's bytes; pinned on CUDA
-        self.down = down  # the D2H copy that fills `host`
-        self.dev: torch.Tensor | None = None  # 1D uint8 (storage nbytes,) once swapped in
-        self.up: CopyHandle | None = None  # the H2D copy that fills `dev`
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A 1D uint8 tensor over all of ``storage`` (``(nbytes,)``, on its device)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    host: torch.Tensor  # 1D uint8 (storage nbytes,), the storage's bytes; pinned on CUDA
+    down: CopyHandle  # the D2H copy that fills `host`
+    dev: torch.Tensor | None = None  # 1D uint8 (storage nbytes,) once swapped in
+    up: CopyHandle | None = None  # the H2D copy that fills `dev`
 
 
 class Activations:
@@ -102,12 +97,12 @@ class Activations:
         self.swapped: dict[str, list[SwapHandle]] = {b: [] for b in self.blocks}
         # CPU ledger: storage → (segment, bytes) of activations counted now, and per-segment sums.
         self.counted: dict[int, tuple[str, int]] = {}
-        self.segment_bytes: dict[str, int] = {}
+        self.segment_bytes: Counter[str] = Counter()
         # What a swap of the segment moves (swapped blocks) or would move (counted ones):
         # bytes of the distinct storages it saves. See [Note: swap per storage]. Reset at
         # each counted forward, reported in ``saved`` events (events.py); its storages per
         # segment, until the segment's backward ends.
-        self.segment_swap_bytes: dict[str, int] = {}
+        self.segment_swap_bytes: Counter[str] = Counter()
         self._swap_counted: dict[str, set[int]] = {}
         self._originals: dict[str, Callable] = {}
 
@@ -117,12 +112,8 @@ class Activations:
         for name, (module, policy) in self.blocks.items():
             if policy == "keep":
                 continue
-            original = module.forward
-            self._originals[name] = original
-            if policy == "checkpoint":
-                module.forward = self._checkpointed(name, original)
-            else:
-                module.forward = self._swapped(name, original)
+            original = self._originals[name] = module.forward
+            module.forward = (self._checkpointed if policy == "checkpoint" else self._swapped)(name, original)
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
@@ -147,24 +138,23 @@ class Activations:
     def _swapped(self, name: str, original: Callable) -> Callable:
         # See [Note: swap per storage].
         def pack(live: dict[int, tuple[torch.Tensor, int, SwapHandle]], t: torch.Tensor):
-            if self.store.owns(t):
-                return (False, t)  # a parameter: its chunk's residency is the schedule's business
-            if t.device != self.store.device or t.dim() == 0:
-                # Not a device activation: flash/efficient SDPA save philox seed and offset
-                # as CPU int64 scalars (a D2H copy of a host tensor has no stream to record
-                # on), and a 0-dim tensor is not worth a copy. Kept as it is.
+            # Kept as it is: a parameter (its chunk's residency is the schedule's business), or
+            # not a device activation: flash/efficient SDPA save philox seed and offset as CPU
+            # int64 scalars (a D2H copy of a host tensor has no stream to record on), and a
+            # 0-dim tensor is not worth a copy.
+            if self.store.owns(t) or t.device != self.store.device or t.dim() == 0:
                 return (False, t)
             storage = t.untyped_storage()
             key = storage.data_ptr()
             held = live.get(key)
             if held is None or held[1] != t._version:  # new storage, or written since its download
-                src = _bytes_of(storage)  # (nbytes,) uint8 on the device
+                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # all its bytes
                 host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self.copies.cuda)
                 handle = SwapHandle(host, self.copies.download(host, src, name="swap_out"))
                 self.swapped[name].append(handle)
                 held = live[key] = (src, t._version, handle)  # src: see the Note's third point
                 # Each download counts (a storage rewritten in place is moved twice).
-                self.segment_swap_bytes[name] = self.segment_swap_bytes.get(name, 0) + src.numel()
+                self.segment_swap_bytes[name] += src.numel()
             return (True, (held[2], t.dtype, t.shape, t.stride(), t.storage_offset()))
 
         def unpack(packed):
@@ -209,9 +199,7 @@ class Activations:
         self.swapped.get(segment, []).clear()
         self._swap_counted.pop(segment, None)
         if self.count:
-            nbytes = self.segment_bytes.pop(segment, 0)
-            if nbytes:
-                self.ledger.free("activations", nbytes)
+            self.ledger.free("activations", self.segment_bytes.pop(segment, 0))
             self.counted = {k: v for k, v in self.counted.items() if v[0] != segment}
 
     # -- CPU ledger counting (see memory.py)
@@ -234,26 +222,22 @@ class Activations:
         if self.copies.events.listeners:  # events.py [Note: events]
             for seg in {**self.segment_swap_bytes, **self.segment_bytes}:
                 self.copies.events.emit("saved", "mark", phase="forward", segment=seg,
-                                        nbytes=self.segment_bytes.get(seg, 0),
-                                        swap_bytes=self.segment_swap_bytes.get(seg, 0))
+                                        nbytes=self.segment_bytes[seg],
+                                        swap_bytes=self.segment_swap_bytes[seg])
 
     def _count(self, t: torch.Tensor, segment: str) -> None:
         if not self.count or self.store.owns(t):
             return
         s = t.untyped_storage()
-        self._add_swap(segment, s.data_ptr(), s.nbytes())
+        seen = self._swap_counted.setdefault(segment, set())  # what a swap of the segment moves:
+        if s.data_ptr() not in seen:  # once per storage and segment
+            seen.add(s.data_ptr())
+            self.segment_swap_bytes[segment] += s.nbytes()
         self._add(s.data_ptr(), segment, s.nbytes())
-
-    def _add_swap(self, segment: str, key: int, nbytes: int) -> None:
-        """Count a storage in what a swap of ``segment`` moves, once per storage and segment."""
-        seen = self._swap_counted.setdefault(segment, set())
-        if key not in seen:
-            seen.add(key)
-            self.segment_swap_bytes[segment] = self.segment_swap_bytes.get(segment, 0) + nbytes
 
     def _add(self, key: int, segment: str, nbytes: int) -> None:
         if key in self.counted:
             return
         self.counted[key] = (segment, nbytes)
-        self.segment_bytes[segment] = self.segment_bytes.get(segment, 0) + nbytes
+        self.segment_bytes[segment] += nbytes
         self.ledger.alloc("activations", nbytes)

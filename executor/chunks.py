@@ -61,10 +61,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from . import homes as H
-from .accounting import NVME_WINDOW, STEP_PIECE, chunk_homes, host_numel, nvme_span, pool_slots
-from .accounting import setup as chunk_setup
+from .accounting import STEP_PIECE, chunk_homes, host_numel, pool_slots, setup
 from .errors import ConfigError
-from .homes import ARENA_PARTS
 from .memory import Ledger
 from .nvme import DiskStates, copy_pieces
 from .plan import Plan
@@ -93,12 +91,18 @@ class Chunk:
                  dtype: torch.dtype, device: torch.device):
         self.id = cid
         # The chunk's home (executor/homes.py): where its values, gradients and optimizer
-        # states live between uses. Fixed for the run; ``persistent``, ``homed`` and
-        # ``on_disk`` read it.
+        # states live between uses. Fixed for the run, as is ``trainable``; the three flags
+        # below are read from them once.
         self.where = where
         # Some parameter requires grad. A chunk of frozen parameters only has no gradient
         # buffer, no optimizer state and no fp32 master (see [Note: frozen chunks]).
         self.trainable = trainable
+        # Always on the device, stepped there (never fetched or released).
+        self.persistent = not where.offloaded
+        # Offloaded, with its master and moments on the device ([Note: device homes]).
+        self.homed = where.offloaded and where.steps_on == "device"
+        # Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py).
+        self.on_disk = where.on_disk and trainable
         self.numel = numel
         self.shard = slice(rank * shard_numel, (rank + 1) * shard_numel)  # this rank's slice
         # The elements whose master and moments (and home, if offloaded) this rank keeps: the
@@ -144,35 +148,19 @@ class Chunk:
         # writes a parameter in place bumps it. See [Note: in-place writes in forward].
         self.versions: list[int] = []
 
-    @property
-    def persistent(self) -> bool:
-        """Always on the device, stepped there (never fetched or released)."""
-        return not self.where.offloaded
-
-    @property
-    def homed(self) -> bool:
-        """Offloaded, with its master and moments on the device ([Note: device homes])."""
-        return self.where.offloaded and self.where.steps_on == "device"
-
-    @property
-    def on_disk(self) -> bool:
-        """Trainable, with its master and moments (fp32: and home) in the NVMe file (nvme.py)."""
-        return self.where.on_disk and self.trainable
-
-    def _assert_in(self, *states: Residency) -> None:
-        assert self.residency in states, f"chunk {self.id}: {self.residency=}, expected one of {states}"
+    def _move(self, start: Residency, to: Residency, verb: str) -> None:
+        """From ``start`` (asserted) to ``to``: an offloaded chunk's fetch or release."""
+        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never {verb}"
+        assert self.residency is start, f"chunk {self.id}: {self.residency=}, expected one of {(start,)}"
+        self.residency = to
 
     def to_resident(self) -> None:
         """A fetch has given the chunk's values device storage (offloaded chunks only)."""
-        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never fetched"
-        self._assert_in(Residency.RELEASED)
-        self.residency = Residency.RESIDENT
+        self._move(Residency.RELEASED, Residency.RESIDENT, "fetched")
 
     def to_released(self) -> None:
         """A release has freed the chunk's device values (offloaded chunks only)."""
-        assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never released"
-        self._assert_in(Residency.RESIDENT)
-        self.residency = Residency.RELEASED
+        self._move(Residency.RESIDENT, Residency.RELEASED, "released")
 
     def grad_opened(self) -> None:
         """The gradient buffer got device storage (a trainable chunk; offloaded ones in backward)."""
@@ -200,63 +188,55 @@ class ChunkStore:
         self.shard_persistent = plan.placement.shard_persistent_states and comm.world > 1
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
+        su, homes = setup(plan), chunk_homes(plan)
+        train = [any(params[p.name].requires_grad for p in spec.params) for spec in plan.chunks.items]
+        self.grad_in_home = su.grads_in_home
+        self.staged = plan.training.grad_accum > 1
         # One pinned arena for every offloaded chunk's host buffers ([Note: pinned arena]
         # in transfer.py): its home (compute dtype) and, unless its gradients land in the
         # home (optim.py [Note: gradients land in home]), an fp32 gradient accumulator (the
         # download's target) and, with grad_accum > 1, a compute-dtype staging buffer for
         # the micro-batches that cannot land in the accumulator directly. Homeless chunks have
         # no home, and the plan's host slots are carved from it too ([Note: host slots]).
-        setup, homes = chunk_setup(plan), chunk_homes(plan)
-        self.grad_in_home = setup.grads_in_home
-        self.staged = plan.training.grad_accum > 1
         n_slots = plan.placement.n_host_slots
         size = n_slots * HostArena.span(shard_numel, self.dtype)
-        for spec in plan.chunks.items:  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
-            n = host_numel(plan, spec.id)
-            trainable = any(params[p.name].requires_grad for p in spec.params)
-            size += sum(-(-p.nbytes(n, n) // HostArena.ALIGN) * HostArena.ALIGN
-                        for p in homes[spec.id].parts(setup, trainable) if p.where == "host" and p.name in ARENA_PARTS)
+        for c, home in enumerate(homes):  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
+            n = host_numel(plan, c)
+            size += sum(HostArena.span(p.nbytes(n, n), torch.uint8) for p in home.parts(su, train[c])
+                        if p.where == "host" and p.name in H.ARENA_PARTS)
         self.disk: DiskStates | None = None
-        on_disk = [s.id for s in plan.chunks.items  # (a frozen chunk has no states: nothing to put there)
-                   if homes[s.id].on_disk and any(params[p.name].requires_grad for p in s.params)]
+        on_disk = [c for c, home in enumerate(homes) if home.on_disk and train[c]]  # (frozen: no states)
         if on_disk:
             if nvme_dir is None:
                 raise ConfigError(f"the plan keeps the optimizer states of chunks {on_disk} on disk "
                                   "(placement.nvme) but no directory was given for them",
                                   "pass --nvme DIR to `protrain train` (wrap(..., nvme_dir=DIR)): a directory on "
                                   "a fast local disk")
-            self.disk = DiskStates(nvme_dir, sum(3 * nvme_span(host_numel(plan, c)) for c in on_disk))
-            self.ledger.host_alloc(NVME_WINDOW)
-        try:
-            self.arena = HostArena(size, pin=copies.cuda)
-        except BaseException:
-            if self.disk is not None:
-                self.disk.close()
-            raise
+            self.disk = DiskStates(nvme_dir, sum(3 * H.nvme_span(host_numel(plan, c)) for c in on_disk))
+            self.ledger.host_alloc(H.NVME_WINDOW)
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.
         self.masters: dict[int, torch.Tensor] = {}
-        self.chunks: list[Chunk] = []
-        chunk_bytes = shard_numel * comm.world * self.dtype.itemsize
-        copies.reserve(pool_slots(plan) * chunk_bytes)  # [Note: chunk memory pool] in transfer.py
+        self.arena: HostArena | None = None
         try:
-            for spec in plan.chunks.items:
-                self.chunks.append(self._lay_out(spec, params, shard_numel, comm, homes[spec.id],
-                                                 host_numel(plan, spec.id)))
+            self.arena = HostArena(size, pin=copies.cuda)
+            # [Note: chunk memory pool] in transfer.py
+            copies.reserve(pool_slots(plan) * shard_numel * comm.world * self.dtype.itemsize)
+            self.chunks = [self._lay_out(spec, params, shard_numel, homes[spec.id], train[spec.id],
+                                         host_numel(plan, spec.id)) for spec in plan.chunks.items]
         except BaseException:
-            self.arena.close()  # a failed wrap must not leave host memory pinned
-            if self.disk is not None:
-                self.disk.close()
+            for held in (self.arena, self.disk):  # a failed wrap must not leave host memory pinned
+                if held is not None:
+                    held.close()
             raise
         # The host slots (see [Note: host slots]), free for a next use once guard() returns:
         # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute dtype.
         self.slots = collections.deque((self.arena.take(shard_numel, self.dtype), None) for _ in range(n_slots))
         self.ledger.host_alloc(n_slots * shard_numel * self.dtype.itemsize)
-        self._live_ptrs: set[int] = set()  # data_ptr of every resident chunk's storage
-        self._refresh_live()
+        self._refresh_live()  # _live_ptrs: the data_ptr of every resident chunk's storage
 
-    def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, comm,
-                 where: H.Home, own_numel: int) -> Chunk:
+    def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, where: H.Home,
+                 trainable: bool, own_numel: int) -> Chunk:
         """Build one chunk: views for its parameters, its values, a home if offloaded.
 
         [Note: masters from the user's fp32 values]
@@ -269,12 +249,11 @@ class ChunkStore:
         on the host, one shard at a time, so wrap never needs a whole offloaded model on
         the device.
         """
-        trainable = any(params[ps.name].requires_grad for ps in spec.params)
         with self.copies.pooled():  # values and gradients come from the chunk pool
-            c = Chunk(spec.id, shard_numel * comm.world, shard_numel, comm.rank, where, trainable,
+            c = Chunk(spec.id, shard_numel * self.comm.world, shard_numel, self.comm.rank, where, trainable,
                       self.dtype, self.device)
         persistent = c.persistent
-        c.sharded = comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
+        c.sharded = self.comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
         fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
         at = self.device if persistent or c.homed else torch.device("cpu")
@@ -289,38 +268,34 @@ class ChunkStore:
                 c.params.append((p, ps.offset, ps.numel))
                 c.versions.append(p._version)
             if persistent:
-                if image is not c.dev:
+                if image is not c.dev:  # (16-bit compute, trainable)
                     c.dev.copy_(image)
-                    c.master_init = image if c.trainable else None
+                    c.master_init = image
                 self.ledger.alloc("chunks", c.nbytes)
                 if c.trainable:
                     self.ledger.alloc("grads", c.nbytes)
-                else:
-                    self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
-                    c.grad_closed()
-                return c
-            if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
-                c.master_init = image[c.own].clone()
-            if c.homed and not c.trainable:  # no master: its values stay on the device ([Note: device homes])
-                c.home = image[c.own].to(self.dtype)
-                self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
-            elif c.on_disk and fp32:  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
-                c.home = self.disk.take(own_numel)
-                copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
-            elif not c.where.uses_slots and not c.homed:
-                c.home = self.arena.take(own_numel, self.dtype)
-                c.home.copy_(image[c.own])
-                self.ledger.host_alloc(c.home.numel() * c.home.element_size())
-            elif not c.trainable:  # its master would be its only copy, and frozen chunks have none
-                raise ConfigError(f"chunk {c.id} is homeless (placement.homeless) but its parameters are frozen",
-                                  "make the plan for the model with its parameters frozen as they are now")
-        self.copies.resize(c.dev, 0, f"chunk {c.id}")
-        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
-        c.to_released()
-        if c.trainable:
-            c.grad_closed()
-        else:
-            c.grad_live = False  # (a frozen chunk never opens its gradients)
+                    return c
+            else:
+                if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
+                    c.master_init = image[c.own].clone()
+                if c.homed and not c.trainable:  # no master: values stay on the device ([Note: device homes])
+                    c.home = image[c.own].to(self.dtype)
+                    self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
+                elif c.on_disk and fp32:  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
+                    c.home = self.disk.take(own_numel)
+                    copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
+                elif not c.where.uses_slots and not c.homed:
+                    c.home = self.arena.take(own_numel, self.dtype)
+                    c.home.copy_(image[c.own])
+                    self.ledger.host_alloc(c.home.numel() * c.home.element_size())
+                elif not c.trainable:  # its master would be its only copy, and frozen chunks have none
+                    raise ConfigError(f"chunk {c.id} is homeless (placement.homeless) but its parameters "
+                                      "are frozen", "make the plan for the model with its parameters frozen "
+                                      "as they are now")
+                self.copies.resize(c.dev, 0, f"chunk {c.id}")
+                c.to_released()
+        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")  # (a frozen chunk never opens them)
+        c.grad_closed()
         return c
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -353,16 +328,12 @@ class ChunkStore:
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         n = c.own.stop - c.own.start
-        if c.homed and c.trainable:  # the device master, rounded by the copy itself ([Note: device homes])
-            src = self.masters[cid]
-        else:
-            src = c.home if c.home is not None else self.take_slot()  # a slot: one shard
-        if c.home is None and not c.homed:  # homeless: the master rounded into a slot ([Note: host slots])
+        slotted = c.where.uses_slots  # homeless: the master rounded into a slot ([Note: host slots])
+        # (device-homed: the device master, rounded by the copy itself ([Note: device homes]))
+        src = self.masters[cid] if c.homed and c.trainable else self.take_slot() if slotted else c.home
+        if slotted:
             with record_function("protrain::round_master"):
-                if c.on_disk:
-                    copy_pieces(src[:n], self.masters[cid], self.disk)
-                else:
-                    src[:n].copy_(self.masters[cid])
+                copy_pieces(src[:n], self.masters[cid], self.disk if c.on_disk else None)
         gather = (lambda: self.comm.all_gather(c.dev, f"chunk {cid}")) if self.comm.world > 1 else None
         if c.on_disk and src is c.home and self.dtype == torch.float32:  # the home: the master, on disk
             # A piece at a time, each dropped once issued (data-safe under an upload still
@@ -375,7 +346,7 @@ class ChunkStore:
                 self.disk.drop(src[a:b])
         else:
             c.upload = self.copies.upload(c.dev[c.own], src[:n], gather=gather)
-        if c.home is None and not c.homed:
+        if slotted:
             self.slots.append((src, c.upload.synchronize))
         c.last_upload = c.upload
         c.to_resident()
@@ -410,9 +381,9 @@ class ChunkStore:
     def release(self, cid: int) -> None:
         c = self.chunks[cid]
         assert c.residency is Residency.RESIDENT, f"{cid=} {c.residency=}: release of a released chunk"
-        if c.upload is not None:  # prefetched and never used (evaluate, an error): the copy
-            c.upload.wait()  # and all-gather still write the storage we are about to free
-            c.upload = None
+        # A prefetch never used (evaluate, an error): its copy and all-gather still write the
+        # storage we are about to free.
+        self.wait(cid)  # a prefetch never used
         self.write_back(cid)
         self.copies.resize(c.dev, 0, f"chunk {cid}")
         self._refresh_live()

@@ -64,13 +64,6 @@ class RankFailure(ProtrainError):
     """A collective failed: another rank died or the process group timed out."""
 
 
-def _op(name: str):
-    # torch >= 2.10 renamed the tensor collectives; keep the floor (2.6) working.
-    new = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}[name]
-    old = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[name]
-    return getattr(dist, new, None) or getattr(dist, old)
-
-
 class Comm:
     """The rank's view of the process group; a no-op stand-in for world size 1."""
 
@@ -84,8 +77,9 @@ class Comm:
             raise PlanError(f"plan is for world size {plan_world_size} but {where}",
                             f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
                             f"`protrain plan --world-size {self.world} …`")
-        self._all_gather = _op("all_gather")
-        self._reduce_scatter = _op("reduce_scatter")
+        # torch >= 2.10 renamed the tensor collectives; keep the floor (2.6) working.
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         # Runs each collective call: directly, or (the asynchronous CPU emulation) on the
         # copy engine's upload worker so gloo sees every rank's calls in plan order.
         self.runner = lambda fn: fn()
@@ -152,12 +146,9 @@ class Comm:
         differ = [(r, i) for r in range(1, self.world) for i in range(len(names)) if rows[r][i] != rows[0][i]]
         if not differ:
             return
-        shown = []
-        for r, i in differ[:4]:
-            value = fields[names[i]]
-            plain = isinstance(value, int) and not isinstance(value, bool)
-            shown.append(f"rank {r} has {names[i]} = {rows[r][i]} where rank 0 has {rows[0][i]}" if plain
-                         else f"rank {r}'s {names[i]} differs from rank 0's")
+        shown = [f"rank {r} has {names[i]} = {rows[r][i]} where rank 0 has {rows[0][i]}"
+                 if isinstance(fields[names[i]], int) and not isinstance(fields[names[i]], bool)
+                 else f"rank {r}'s {names[i]} differs from rank 0's" for r, i in differ[:4]]
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
         raise PlanError(f"rank {self.rank} of {self.world}: the ranks disagree: {'; '.join(shown)}{more}",
                         "start every rank with the same plan file and options (torchrun runs one command "

@@ -82,44 +82,44 @@ class DiskStates:
         self.offset += size
         return t
 
-    def _range(self, t: torch.Tensor) -> tuple[int, int]:
-        """``t``'s bytes in the mapping, widened to whole pages (a view of ``take``'s)."""
-        start = t.data_ptr() - self.base
-        assert 0 <= start <= self.nbytes, "not a tensor of this file"
-        lo = start // PAGE * PAGE
-        return lo, -(-(start + t.numel() * t.element_size()) // PAGE) * PAGE - lo
+    def _pages(self, ts: tuple[torch.Tensor, ...]):
+        """``(lo, n)``: each of ``ts``'s bytes in the mapping (views of ``take``'s), widened to
+        whole pages; those of no page left out."""
+        for t in ts:
+            start = t.data_ptr() - self.base
+            assert 0 <= start <= self.nbytes, "not a tensor of this file"
+            lo = start // PAGE * PAGE
+            n = -(-(start + t.numel() * t.element_size()) // PAGE) * PAGE - lo
+            if n:
+                yield lo, n
 
     def drop(self, *ts: torch.Tensor) -> None:
         """Take the pages of ``ts`` out of this process and start writing them back. Pages of
         the same chunk only: another chunk's states start on pages of their own."""
-        for t in ts:
-            lo, n = self._range(t)
-            if n:
-                self.map.madvise(mmap.MADV_DONTNEED, lo, n)
-                if hasattr(os, "posix_fadvise"):  # (Linux; macOS has none)
-                    os.posix_fadvise(self.file.fileno(), lo, n, os.POSIX_FADV_DONTNEED)
+        for lo, n in self._pages(ts):
+            self.map.madvise(mmap.MADV_DONTNEED, lo, n)
+            if hasattr(os, "posix_fadvise"):  # (Linux; macOS has none)
+                os.posix_fadvise(self.file.fileno(), lo, n, os.POSIX_FADV_DONTNEED)
 
     def prefetch(self, *ts: torch.Tensor) -> None:
         """Ask the kernel to read ``ts`` into its page cache ahead of their use."""
-        for t in ts:
-            lo, n = self._range(t)
-            if n:
-                self.map.madvise(mmap.MADV_WILLNEED, lo, n)
-
-    def drop_all(self) -> None:
-        self.drop(self.bytes)
+        for lo, n in self._pages(ts):
+            self.map.madvise(mmap.MADV_WILLNEED, lo, n)
 
     def close(self) -> None:
         """Out of this process's memory, and the descriptor closed. The disk space is freed
         when the last view of the mapping goes (the engine's optimizer holds them)."""
-        self.drop_all()
+        self.drop(self.bytes)
         self._close()
 
 
-def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates, *, drop_dst: bool = False) -> None:
+def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates | None, *,
+                drop_dst: bool = False) -> None:
     """``dst.copy_(src)`` one ``STEP_PIECE`` at a time, dropping each piece of the file-backed
-    side (``src``, or ``dst`` with ``drop_dst``) after it: the resident part stays one piece."""
+    side (``src``, or ``dst`` with ``drop_dst``) after it: the resident part stays one piece.
+    ``disk`` None: neither side is in the file (the same values, nothing to drop)."""
     for a in range(0, src.numel(), STEP_PIECE):
         b = min(a + STEP_PIECE, src.numel())
         dst[a:b].copy_(src[a:b])
-        disk.drop(dst[a:b] if drop_dst else src[a:b])
+        if disk is not None:
+            disk.drop(dst[a:b] if drop_dst else src[a:b])

@@ -104,6 +104,9 @@ class Boundary(torch.autograd.Function):
         return Boundary.apply(callback, x) if x.requires_grad else Boundary.apply(callback, x, anchor)
 
 
+BLOCKS_FIX = "choose block paths whose modules map hidden states to hidden states (`--blocks`)"
+
+
 def first_tensor(x) -> tuple[torch.Tensor, Callable]:
     """The tensor a block takes or returns (HF blocks return tuples), and how to put it back."""
     if isinstance(x, torch.Tensor):
@@ -111,8 +114,7 @@ def first_tensor(x) -> tuple[torch.Tensor, Callable]:
     if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
         return x[0], lambda t: type(x)((t, *x[1:]))
     raise ConfigError(f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
-                      "(or a tuple whose first element is the hidden states)",
-                      "choose block paths whose modules map hidden states to hidden states (`--blocks`)")
+                      "(or a tuple whose first element is the hidden states)", BLOCKS_FIX)
 
 
 HIDDEN_STATES = "hidden_states"
@@ -133,8 +135,7 @@ def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torc
     if isinstance(kwargs.get(HIDDEN_STATES), torch.Tensor):
         return kwargs[HIDDEN_STATES], lambda t: (args, {**kwargs, HIDDEN_STATES: t})
     raise ConfigError(f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
-                      f"take the hidden states first or as {HIDDEN_STATES}=",
-                      "choose block paths whose modules map hidden states to hidden states (`--blocks`)")
+                      f"take the hidden states first or as {HIDDEN_STATES}=", BLOCKS_FIX)
 
 
 class Replayer:
@@ -151,8 +152,6 @@ class Replayer:
         self.steps: dict[tuple[Phase, str], Step] = {
             (phase, s.segment): s for phase, steps in ((Phase.FORWARD, plan.schedule.forward),
                                                        (Phase.BACKWARD, plan.schedule.backward)) for s in steps}
-        modules = dict(model.named_modules())
-        self.modules = [modules[b] for b in self.blocks]
         # Gradient countdown per offloaded chunk (trainable parameters only: a frozen one
         # never gets a gradient); see [Note: gradient completion].
         self.param_slot: dict[int, tuple[int, int]] = {}  # id(param) → (chunk id, index in params)
@@ -168,8 +167,7 @@ class Replayer:
                 self.n_params[c.id] = len(trainable)
                 if c.persistent:
                     self.complete[first.get(c.id, PRE)].append(c.id)
-            for i in trainable:
-                self.param_slot[id(c.params[i][0])] = (c.id, i)
+            self.param_slot.update({id(c.params[i][0]): (c.id, i) for i in trainable})
         # See [Note: boundaries on tensors without grad]. 0-dim, device, never gets a gradient.
         self.anchor = torch.zeros((), device=store.device, requires_grad=True)
         self.remaining: dict[int, int] = {}  # chunk → parameters still without gradient
@@ -186,14 +184,14 @@ class Replayer:
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._guard))
-        last = len(self.modules) - 1
-        for i, (name, m) in enumerate(zip(self.blocks, self.modules)):
-            self.handles.append(m.register_forward_pre_hook(self._pre_hook(i, name), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post_hook(i, name, i == last)))
-        for c in self.store.chunks:
-            for p, _, _ in c.params:
-                if id(p) in self.param_slot:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        modules = dict(model.named_modules())
+        for i, name in enumerate(self.blocks):
+            m = modules[name]
+            self.handles += [m.register_forward_pre_hook(self._hook(i, name, pre=True), with_kwargs=True),
+                             m.register_forward_hook(self._hook(i, name, pre=False))]
+        for cid, i in self.param_slot.values():  # the trainable parameters
+            p = self.store.chunks[cid].params[i][0]
+            self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def check_trainable(self, names: dict[int, str]) -> None:
         """Refuse a step after ``requires_grad`` changed since wrap: hooks, countdowns and the
@@ -264,16 +262,15 @@ class Replayer:
     def finish_backward(self) -> None:
         """After ``.backward()`` returned: offload whatever the countdown still held back
         (parameters that got no gradient), in plan order."""
-        for c in self.offload_order[self.next_offload:]:
-            self.offload(c)
-        self.next_offload = len(self.offload_order)
+        self._drain(everything=True)
 
-    def _drain(self) -> None:
-        """Offload, in plan order, every chunk whose moment has come and whose gradients are complete."""
+    def _drain(self, everything: bool = False) -> None:
+        """Offload, in plan order, every chunk whose moment has come and whose gradients are
+        complete (``everything``: every chunk not offloaded yet)."""
         order = self.offload_order
         while self.next_offload < len(order):
             c = order[self.next_offload]
-            if c not in self.requested or self.remaining[c] != 0:
+            if not everything and (c not in self.requested or self.remaining[c] != 0):
                 return
             self.offload(c)
             self.next_offload += 1
@@ -298,44 +295,33 @@ class Replayer:
                 "use `engine.evaluate((idx, targets))` for a held-out loss, or "
                 "`engine.state_dict()` for the weights")
 
-    def _pre_hook(self, i: int, name: str):
-        def hook(module, args, kwargs):
+    def _turn(self, phase: Phase, ended: str | None, begun: str | None) -> None:
+        """End segment ``ended``, then begin ``begun`` (None: no such segment at this boundary).
+        A backward boundary acts only inside ``.backward()``."""
+        if phase is Phase.BACKWARD and self.phase is not Phase.BACKWARD:
+            return
+        if ended is not None:
+            self.end(phase, ended)
+        if begun is not None:
+            self.begin(phase, begun)
+
+    def _hook(self, i: int, name: str, pre: bool):
+        """Block ``i``'s forward pre-hook (``pre``) or forward hook. A pre-hook ends the segment
+        before the block's (``<pre>`` before block 0; a block's own end was its forward hook)
+        and begins the block's, and marks its input with the post-backward boundary; a forward
+        hook ends the block's segment, begins the one after (``<post>`` after the last block),
+        and marks its output with the pre-backward boundary. Backward makes each turn in
+        reverse: it ends what forward began and begins what forward ended."""
+        other = (PRE if i == 0 else None) if pre else (POST if i == len(self.blocks) - 1 else None)
+        turn = (other, name) if pre else (name, other)  # (ended, begun) in forward
+
+        def hook(module, args, kwargs_or_output):
             if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
                 return None
-            if i == 0:
-                self.end(Phase.FORWARD, PRE)
-            self.begin(Phase.FORWARD, name)
+            self._turn(Phase.FORWARD, *turn)
             if self.phase is Phase.EVALUATE:  # no backward: no boundary
                 return None
-            x, put = block_input(args, kwargs)
-            return put(Boundary.mark(lambda: self._post_backward(i, name), x, self.anchor))
+            x, put = block_input(args, kwargs_or_output) if pre else first_tensor(kwargs_or_output)
+            return put(Boundary.mark(lambda: self._turn(Phase.BACKWARD, *turn[::-1]), x, self.anchor))
 
         return hook
-
-    def _post_hook(self, i: int, name: str, last: bool):
-        def hook(module, args, output):
-            if self.phase not in (Phase.FORWARD, Phase.EVALUATE):
-                return None
-            self.end(Phase.FORWARD, name)
-            if last:
-                self.begin(Phase.FORWARD, POST)
-            if self.phase is Phase.EVALUATE:
-                return None
-            y, put = first_tensor(output)
-            return put(Boundary.mark(lambda: self._pre_backward(i, name), y, self.anchor))
-
-        return hook
-
-    def _pre_backward(self, i: int, name: str) -> None:
-        if self.phase is not Phase.BACKWARD:
-            return
-        if i == len(self.blocks) - 1:
-            self.end(Phase.BACKWARD, POST)  # block i+1's end was its own post-backward
-        self.begin(Phase.BACKWARD, name)
-
-    def _post_backward(self, i: int, name: str) -> None:
-        if self.phase is not Phase.BACKWARD:
-            return
-        self.end(Phase.BACKWARD, name)
-        if i == 0:
-            self.begin(Phase.BACKWARD, PRE)

@@ -152,12 +152,23 @@ def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool]
                 alpha=alpha, disk_bytes=sum(e.nbytes for e in stream if e.where == "disk"))
 
 
+def by_step(stream: Sequence[A.Event]) -> list[tuple[str, str, list[A.Event]]]:
+    """The device events after wrap, grouped by step (``step`` markers start each group)."""
+    out: list[tuple[str, str, list[A.Event]]] = []
+    for e in stream:
+        if e.kind == "step":
+            out.append((e.phase, e.segment, []))
+        elif e.phase != "wrap" and e.where == "device":
+            out[-1][2].append(e)
+    return out
+
+
 def step_highs(stream: Sequence[A.Event]) -> list[tuple[str, str, dict[str, int]]]:
     """Device bytes allocated after wrap, by kind, at each step's high point (after its
     allocations, before its frees: a step allocates before it frees), in step order."""
     totals: dict[str, int] = {}
     out = []
-    for phase, segment, evs in A.by_step(stream):
+    for phase, segment, evs in by_step(stream):
         high = dict(totals)
         for e in evs:
             if e.nbytes > 0:
