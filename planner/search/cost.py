@@ -496,22 +496,19 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         table_b, code_rev = seg_b.ravel(), grid_codes(grid, reverse=True)
         seg_b = table_b.take(code_b)  # (G, S)
 
-        def seg_b_rev(i: int) -> np.ndarray:  # (G,) backward segment S-1-i of every strip
-            return table_b.take(code_rev[i])
+        seg_b_rev = table_b.take(code_rev)  # (S, G) row i: backward segment S-1-i of every strip
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
         seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
-        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T).__getitem__
+        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T)
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
     # Backward runs segment S-1 first: segment s ends at the sum of s..S-1. Row i of done_b is
-    # segments S-1 … S-1-i, summed in that order (np.cumsum's sums, a row of G at a time).
-    done_b = np.empty(seg_b.shape[::-1])  # (S, G)
-    done_b[0] = seg_b_rev(0)
-    for i in range(1, len(done_b)):
-        np.add(done_b[i - 1], seg_b_rev(i), out=done_b[i])
+    # segments S-1 … S-1-i, summed in that order (an accumulate along axis 0 adds row i to the
+    # running row i-1, element by element: the sums of a loop over rows).
+    done_b = np.cumsum(seg_b_rev, axis=0)  # (S, G)
 
     def end_b(cols) -> np.ndarray:
         """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""

@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 from torch import nn
 
 from protrain.executor import homes as H
@@ -161,4 +162,16 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     )
     # Return exactly what a reader of the file gets: the round trip type-checks every
     # field (Struct constructors do not) and runs the structural checks.
-    return P.load(P.dump(plan))
+    return round_trip(plan)
+
+
+def round_trip(plan: P.Plan) -> P.Plan:
+    """``P.load(P.dump(plan))``, through msgspec's compact JSON instead of the file's layout
+    (which costs more than the checks): the same bytes decode to the same Plan once the plan's
+    one float, ``request.max_grad_norm``, is rounded as ``P.dump`` rounds floats (tests/test_emit.py
+    holds the schema to that one float, and the two round trips equal)."""
+    req = plan.request
+    if isinstance(req.max_grad_norm, float):
+        plan = msgspec.structs.replace(plan, request=msgspec.structs.replace(
+            req, max_grad_norm=round(req.max_grad_norm, 6)))
+    return P.load(msgspec.json.encode(plan, order="deterministic"))
