@@ -252,29 +252,40 @@ def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_
 
 
 class _Rows:
-    """The configurations that fit, kept as blocks of arrays; ``smallest`` gives the best as
-    tuples ``(time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed,
-    nvme)``, ordered as those tuples compare (``Choice.key``)."""
+    """The configurations that fit, kept as the arrays each evaluation gave (stacked only for
+    the few that can be among the best); ``smallest`` gives the best as tuples
+    ``(time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed, nvme)``,
+    ordered as those tuples compare (``Choice.key``)."""
 
     def __init__(self):
-        self.blocks: list[np.ndarray] = []  # each (12, k), float64 (every value is exact in it)
+        self.blocks: list[tuple] = []  # (whole µs of each, js, n_persist, n_buffer, sw, ck, time, peak, host, parts)
 
     def add(self, js, n_persist, n_buffer, sw, ck, time, peak, host, parts) -> None:
         if not len(js):
             return
+        self.blocks.append((np.round(time[js]), js, n_persist, n_buffer, sw, ck, time, peak, host, parts))
+
+    @staticmethod
+    def _stack(block, m) -> np.ndarray:
+        """(12, k): the rows ``m`` (a mask or all) of one block, every value exact in float64."""
+        first, js, n_persist, n_buffer, sw, ck, time, peak, host, parts = block
+        js, ck = js[m], ck[m]
         k = len(js)
-        self.blocks.append(np.stack([
-            np.round(time[js]), peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw, ck,
+        return np.stack([
+            first[m], peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw[m], ck,
             time[js], host[js], parts["n_homeless"][js], parts["n_device_homed"][js], parts["n_nvme"][js],
-        ]).astype(np.float64))
+        ]).astype(np.float64)
 
     def smallest(self, n: int, since: int = 0) -> list[tuple]:
         """The ``n`` smallest rows (of the blocks added from ``since`` on), as tuples."""
-        if len(self.blocks) <= since:
+        blocks = self.blocks[since:]
+        if not blocks:
             return []
-        a = np.concatenate(self.blocks[since:], axis=1)
-        if a.shape[1] > n:  # the n smallest all have a first key within the n smallest first keys
-            a = a[:, a[0] <= np.partition(a[0], n - 1)[n - 1]]
+        if sum(len(b[1]) for b in blocks) > n:  # the n smallest all have a first key within the n smallest first keys
+            bar = np.partition(np.concatenate([b[0] for b in blocks]), n - 1)[n - 1]
+            a = np.concatenate([self._stack(b, b[0] <= bar) for b in blocks], axis=1)
+        else:
+            a = np.concatenate([self._stack(b, slice(None)) for b in blocks], axis=1)
         top = np.lexsort(a[::-1])[:n]  # last key first: lexsort sorts by its last row
         ints = (0, 2, 3, 4, 5, 6, 9, 10, 11)
         return [tuple(int(a[i, j]) if i in ints else float(a[i, j]) for i in range(12)) for j in top]
