@@ -26,6 +26,7 @@ rule, so two runs of the planner give the same bytes:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -44,11 +45,17 @@ from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # 
 
 
 def generator() -> P.Generator:
+    return P.Generator(name="protrain", version=_version())
+
+
+@functools.cache
+def _version() -> str:
+    """The installed protrain's version, looked up once per process (a millisecond each time:
+    ``protrain fit`` makes dozens of profiles and plans)."""
     try:
-        v = version("protrain")
+        return version("protrain")
     except PackageNotFoundError:  # running from a source tree that was not installed
-        v = "0+unknown"
-    return P.Generator(name="protrain", version=v)
+        return "0+unknown"
 
 
 def model_facts(model: nn.Module, name: str, blocks: list[str], seq_len: int = 8,

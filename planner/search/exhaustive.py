@@ -57,8 +57,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 import time as _time
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -188,7 +190,9 @@ def swap_interval(t: Terms) -> int:
     """
     blocks = slice(1, len(t.comp_fwd) - 1)
     ratios = (t.saved_tensor[blocks] * t.swap_out_us_per_byte) / np.maximum(t.comp_fwd[blocks], 1e-9)
-    return max(1, math.ceil(float(np.median(ratios)))) if len(ratios) else 1
+    # (statistics.median: np.median's value, the middle one or the mean of the two, without its
+    # first call's 20-30 ms of set-up in every process)
+    return max(1, math.ceil(statistics.median(ratios.tolist()))) if len(ratios) else 1
 
 
 def policy_pairs(t: Terms) -> list[tuple[int, int]]:
@@ -378,7 +382,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
                       n_nvme=r[11])
                for r in rows.smallest(TOP)]
     front, best_t = [], math.inf
-    for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
+    for tm, pk, cfg in sorted(all_points, key=itemgetter(1, 0, 2)):  # (peak, time, counts)
         if tm < best_t:
             best_t = tm
             front.append(Choice(*cfg, tm, pk))
