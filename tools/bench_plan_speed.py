@@ -144,6 +144,20 @@ def time_fit(py: Path, root: Path) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def others_running() -> int:
+    """Processes running or runnable on this box now, outside this benchmark's session (the
+    trees it times run in it): what shares the cores with the timed ones."""
+    mine, n = os.getsid(0), 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            n += fields[0] == "R" and int(fields[3]) != mine  # (state, ..., session)
+    return n
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})"
 
@@ -169,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     current = f"{head}{'+' if dirty else ''}"
     names = [*revs, current]
     load_before = os.getloadavg()
+    busy = [others_running()]  # sampled before each timed process
     rows = []
     with tempfile.TemporaryDirectory(prefix="protrain-baseline-") as tmp:
         trees = []
@@ -180,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             got = {name: ([], [], [], []) for name in names}
             for _ in range(args.rounds):
                 for name, py, root in trees:
+                    busy.append(others_running())
                     for mine, times in zip(got[name], time_plan(py, root, path, args.repeats)):
                         mine.extend(times)
             for i, what in enumerate(("make_plan", "its searches", "make_plan, CPU time", "its searches, CPU time")):
@@ -189,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         got = {name: ([], []) for name in names}
         for _ in range(args.fit_rounds):
             for name, py, root in trees:
+                busy.append(others_running())
                 for mine, t in zip(got[name], time_fit(py, root)):
                     mine.append(t)
         rows.append(("`protrain fit --hardware rtx3090`", [got[n][0] for n in names]))
@@ -200,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     section = SECTION.format(rev=" and ".join(revs))
     lines = [section, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
              f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-             f"(1 min; the box is shared); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
+             f"(1 min; the box is shared: other processes running at {len(busy)} samples, median "
+             f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
              f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
              "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
              f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
