@@ -201,16 +201,22 @@ def policy_pairs(t: Terms) -> list[tuple[int, int]]:
     return [(s, c) for s in range(max_swap + 1) for c in range(n - s + 1)]
 
 
+def _needs(t: Terms) -> list[int]:
+    """``min_buffers`` at every ``n_persist`` in ``0..C`` at once."""
+    C = t.n_chunks
+    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C): row p offload_mask(t, p)
+    return ((t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)).tolist()
+
+
 def space(t: Terms) -> list[tuple[int, int]]:
     """The ``(n_persist, n_buffer)`` pairs of the space, in increasing ``n_persist``."""
-    C = t.n_chunks
-    # min_buffers at every n_persist at once: row p of ``off`` is offload_mask(t, p)
-    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C)
-    needs = (t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)
-    out = []
-    for n_persist, need in enumerate(needs.tolist()):
-        out += [(n_persist, nb) for nb in range(need, max(need, C - n_persist) + 1)]
-    return out
+    return [(n_persist, nb) for n_persist, need in enumerate(_needs(t))
+            for nb in range(need, max(need, t.n_chunks - n_persist) + 1)]
+
+
+def space_size(t: Terms) -> int:
+    """``len(space(t))``, without listing the pairs."""
+    return sum(max(need, t.n_chunks - n_persist) - need + 1 for n_persist, need in enumerate(_needs(t)))
 
 
 def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
@@ -390,7 +396,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         best=choices[0] if choices else None,
         front=front,
         runners_up=choices[1:],
-        space_size=len(space(t)) * len(pairs),
+        space_size=space_size(t) * len(pairs),
         evaluated=evaluated,
         seconds=_time.perf_counter() - start,
         min_peak_bytes=min_peak,
