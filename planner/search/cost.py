@@ -507,9 +507,10 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     # [Homeless chunks]; [Device homes]: each one's reduce-scatter and step, serially on compute
-    homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
-    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
-    cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
+    if any_homed or conv_f.any() or conv_b.any():  # (else each add is of zeros and the where keeps all: exact)
+        homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
+        t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
+        cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
     if time_only:
         return time, None, {}
