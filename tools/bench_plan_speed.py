@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if section in md:
             a = md.index(section)
             b = md.find("\n## ", a + len(section))
-            md = md[:a] + text + (md[b + 1:] if b >= 0 else "")
+            md = md[:a] + text + ("\n" + md[b + 1:] if b >= 0 else "")  # (a blank line before the next section)
         else:
             md = md.rstrip() + "\n\n" + text
         BENCHMARKS_MD.write_text(md)
