@@ -12,7 +12,7 @@ this tree is faster).
   each call, the time spent in the exhaustive searches (``planning.SOLVERS["exhaustive"]``,
   wrapped: every chunk-size candidate's search, without building terms or emitting the plan).
   Each timed call starts with the planner's caches emptied (``search.grid._policy_grid``,
-  ``search.layout._layout``; before the move ``grid``/``cost._chunk_need``), so it pays for its grids, their
+  ``search.layout._layout``, ``search.emit._version``; before the move ``grid``/``cost._chunk_need``), so it pays for its grids, their
   strip-only terms and its chunk layouts as a fresh ``protrain plan`` process does, not a
   previous call's.
 - ``protrain fit --hardware rtx3090`` (both families' ladders), wall time of the command and
@@ -70,6 +70,7 @@ budget = prof.hardware.usable_memory_bytes
 inner = planning.SOLVERS["exhaustive"]  # (both trees: the dict make_plan reads)
 caches = []  # a fresh process's caches for each timed call (in the trees that have them)
 for module, name in (("search.grid", "_policy_grid"), ("search.layout", "_layout"),  # (the planner by concern)
+                     ("search.emit", "_version"),  # (the installed version, looked up once per process)
                      ("grid", "_policy_grid"), ("cost", "_chunk_need")):  # (trees before that move)
     try:
         caches.append(getattr(__import__("protrain.planner." + module, fromlist=[name]), name).cache_clear)
@@ -143,6 +144,20 @@ def time_fit(py: Path, root: Path) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def others_running() -> int:
+    """Processes running or runnable on this box now, outside this benchmark's session (the
+    trees it times run in it): what shares the cores with the timed ones."""
+    mine, n = os.getsid(0), 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            n += fields[0] == "R" and int(fields[3]) != mine  # (state, ..., session)
+    return n
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})"
 
@@ -168,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     current = f"{head}{'+' if dirty else ''}"
     names = [*revs, current]
     load_before = os.getloadavg()
+    busy = [others_running()]  # sampled before each timed process
     rows = []
     with tempfile.TemporaryDirectory(prefix="protrain-baseline-") as tmp:
         trees = []
@@ -179,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             got = {name: ([], [], [], []) for name in names}
             for _ in range(args.rounds):
                 for name, py, root in trees:
+                    busy.append(others_running())
                     for mine, times in zip(got[name], time_plan(py, root, path, args.repeats)):
                         mine.extend(times)
             for i, what in enumerate(("make_plan", "its searches", "make_plan, CPU time", "its searches, CPU time")):
@@ -188,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         got = {name: ([], []) for name in names}
         for _ in range(args.fit_rounds):
             for name, py, root in trees:
+                busy.append(others_running())
                 for mine, t in zip(got[name], time_fit(py, root)):
                     mine.append(t)
         rows.append(("`protrain fit --hardware rtx3090`", [got[n][0] for n in names]))
@@ -199,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     section = SECTION.format(rev=" and ".join(revs))
     lines = [section, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
              f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-             f"(1 min; the box is shared); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
+             f"(1 min; the box is shared: other processes running at {len(busy)} samples, median "
+             f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
              f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
              "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
              f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if section in md:
             a = md.index(section)
             b = md.find("\n## ", a + len(section))
-            md = md[:a] + text + (md[b + 1:] if b >= 0 else "")
+            md = md[:a] + text + ("\n" + md[b + 1:] if b >= 0 else "")  # (a blank line before the next section)
         else:
             md = md.rstrip() + "\n\n" + text
         BENCHMARKS_MD.write_text(md)

@@ -300,6 +300,11 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
     return _PROFILES[key]
 
 
+_MODELS: dict[tuple, tuple] = {}
+"""(config, seq, LoRA) → its meta model, block paths and parameter trace (``_analytic``): a
+width's micro-batches share them (analytic_profile changes neither)."""
+
+
 def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec,
               lora=None) -> tuple[Profile, list]:
     """``analytic.analytic_profile`` of ``cfg`` built on meta (with ``lora``'s adapters), and
@@ -309,16 +314,25 @@ def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: 
     from protrain.executor.check import model_signature
 
     from ..models.zoo import GPT2, Llama, block_paths
-    from ..profiling.analytic import analytic_profile
+    from ..profiling.analytic import analytic_profile, parameter_trace
+    from ..profiling.lazy_dynamo import defer_dynamo
 
-    with torch.device("meta"):
-        model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
-    if lora is not None:  # peft's adapters, the base frozen (planner/models/lora.py)
-        from ..models.lora import inject
+    key = (cfg, min(seq_len, 8), lora)
+    if key not in _MODELS:
+        defer_dynamo()  # meta's Python kernels without importing torch._dynamo: 1.8 s of a fit here
+        with torch.device("meta"):
+            model = GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)
+        if lora is not None:  # peft's adapters, the base frozen (planner/models/lora.py)
+            from ..models.lora import inject
 
-        model = inject(model, lora)
-    return analytic_profile(model, name=name, blocks=block_paths(model), micro_batch=micro_batch, seq_len=seq_len,
-                            compute_dtype=dtype, spec=spec), model_signature(model)
+            model = inject(model, lora)
+        if len(_MODELS) >= _MAX_CACHED:
+            _MODELS.pop(next(iter(_MODELS)))
+        blocks = block_paths(model)
+        _MODELS[key] = model, blocks, parameter_trace(model, blocks, seq_len)
+    model, blocks, graph = _MODELS[key]
+    return analytic_profile(model, name=name, blocks=blocks, micro_batch=micro_batch, seq_len=seq_len,
+                            compute_dtype=dtype, spec=spec, graph=graph), model_signature(model)
 
 
 def host_need_bytes(plan: P.Plan) -> int:

@@ -270,7 +270,9 @@ def run_model_fit(model_name: str, hardware: str, *, budget: str | None = None, 
     budget_bytes = parse_budget(budget) if budget else None
     host_bytes = host_budget_per_rank(parse_budget(host_memory), world_size) if host_memory else None
     from ..models.lora import build_model
+    from ..profiling.lazy_dynamo import defer_dynamo
 
+    defer_dynamo()  # meta's Python kernels without importing torch._dynamo (lazy_dynamo.py)
     model = build_model(model_name, lora, device="meta")
     echo(f"fit      {model_name}{f' ({lora.describe()})' if lora else ''}: probing micro-batches on {spec.name} …")
 

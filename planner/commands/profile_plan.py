@@ -78,8 +78,10 @@ def build_profile(*, model_name: str, batch: int, seq: int, dtype: str | None, d
             raise ConfigError("--analytic needs --hardware: the spec to estimate for",
                               "add --hardware rtx3090 (or any name in plans/hardware/, or a spec file)")
         from ..profiling.analytic import analytic_profile
+        from ..profiling.lazy_dynamo import defer_dynamo
 
         spec = find_spec(hardware)
+        defer_dynamo()  # meta's Python kernels without importing torch._dynamo (lazy_dynamo.py)
         model = build_model(model_name, lora, device="meta")
         echo(f"profile  {model_name}: analytic estimate for {spec.name} "
              f"(micro-batch {batch} × seq {seq}, {dtype or 'bfloat16'})")

@@ -109,7 +109,7 @@ from protrain.executor.schedule import Boundary, block_input, first_tensor
 
 from ..hardware.spec import HardwareSpec
 from ..models.moe import balanced_experts
-from .graph import trace
+from .graph import ExecutionGraph, trace
 from .profile import (
     PROFILE_VERSION,
     ParamInfo,
@@ -546,6 +546,12 @@ def count_segments(
 # ---------------------------------------------------------------------------- profiles
 
 
+def parameter_trace(model: nn.Module, blocks: list[str], seq_len: int) -> ExecutionGraph:
+    """The trace ``analytic_profile`` reads the parameters' uses from (as emit.model_facts traces)."""
+    with balanced_experts(model):  # the trace runs the model too (on meta)
+        return trace(model, blocks, seq_len=min(seq_len, 8))
+
+
 def analytic_profile(
     model: nn.Module,
     *,
@@ -556,27 +562,22 @@ def analytic_profile(
     compute_dtype: str,
     spec: HardwareSpec,
     progress: Callable[[int, int], None] | None = None,
+    graph: ExecutionGraph | None = None,
 ) -> Profile:
     """Estimate the Profile of ``model`` (built on meta) on the machine ``spec`` describes.
 
     Same fields and units as a measured profile; see the module docstring for how each
     number is made. ``progress(done, total)`` is called after each of the two passes
-    (parameter trace, counted training step).
+    (parameter trace, counted training step). ``graph``: ``parameter_trace(model, blocks,
+    seq_len)`` where the caller has it (the micro-batches of one model share it).
     """
     from ..search.emit import generator
 
-    with balanced_experts(model):  # the trace runs the model too (on meta)
-        graph = trace(model, blocks, seq_len=min(seq_len, 8))  # as emit.model_facts traces
+    graph = parameter_trace(model, blocks, seq_len) if graph is None else graph
     if progress is not None:
         progress(1, 2)
-    counts = count_segments(
-        model,
-        blocks=blocks,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        compute_dtype=compute_dtype,
-        spec=spec,
-    )
+    counts = count_segments(model, blocks=blocks, micro_batch=micro_batch, seq_len=seq_len,
+                            compute_dtype=compute_dtype, spec=spec)
     if progress is not None:
         progress(2, 2)
     named = dict(model.named_parameters())
@@ -630,15 +631,8 @@ def _segment_profile(c: SegmentCount, spec: HardwareSpec) -> SegmentProfile:
     )
 
 
-_SCALED = (
-    "fwd_us",
-    "bwd_us",
-    "saved_bytes",
-    "saved_tensor_bytes",
-    "input_bytes",
-    "fwd_peak_bytes",
-    "bwd_peak_bytes",
-)
+_SCALED = ("fwd_us", "bwd_us", "saved_bytes", "saved_tensor_bytes", "input_bytes", "fwd_peak_bytes",
+           "bwd_peak_bytes")
 
 
 def scale_profile(

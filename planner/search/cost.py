@@ -55,7 +55,6 @@ would hold) during their own forward segment and the next one (``swap_out`` in
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,7 +62,6 @@ import numpy as np
 
 from protrain.executor import accounting as A
 from protrain.executor import homes as H
-from protrain.executor.plan import POST, PRE
 
 from ..hardware.datasheets import ADAM_BYTES_PER_PARAM
 from ..hardware.spec import link_bandwidth
@@ -87,8 +85,19 @@ from .layout import (  # noqa: F401  (re-exported: the chunk size's choice, whic
     chunk_need,
     chunk_trainable,
 )
+from .placement import (  # noqa: F401  (re-exported: the search and the MILP use them from here)
+    Placement,
+    fixed_terms,
+    host_bytes_per_chunk,
+    min_buffers,
+    offload_mask,
+    persist_bytes_per_chunk,
+    placed,
+    placement_memory,
+    trains,
+)
 from .policy_layout import block_policies  # noqa: F401  (re-exported: the search and the MILP use it)
-from .rules import HOST_SLOTS, ModelFacts
+from .rules import HOST_SLOTS, ModelFacts, facts_from_profile  # noqa: F401  (re-exported: the search reads facts here)
 
 DTYPE_BYTES = A.DTYPE_BYTES
 ALPHA_GPU = memory_walk.ALPHA_GPU
@@ -110,17 +119,6 @@ is the compute). Under ZeRO-3 ``t_up``/``t_down`` include the collective, charge
 the link too (exact for GeForce cards, whose NCCL goes through host memory; a small
 over-charge over NVLink). TODO(#17): probe the bidirectional rate
 (``protrain hardware probe``) and carry it in the spec."""
-
-
-def facts_from_profile(profile: Profile) -> ModelFacts:
-    """The model facts a plan needs, read from a profile (no model, no torch)."""
-    segments = [PRE, *profile.model.blocks, POST]
-    uses = {s: [p.name for p in profile.params if s in p.uses] for s in segments}
-    return ModelFacts(name=profile.model.name, blocks=list(profile.model.blocks),
-                      params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
-                      tied=[list(t) for t in profile.model.tied], segments=segments,
-                      order=[p.name for p in profile.params], uses=uses,
-                      frozen=frozenset(p.name for p in profile.params if p.frozen))
 
 
 def segment_bytes(profile: Profile) -> memory_walk.SegmentBytes:
@@ -210,14 +208,15 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
 
 def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
                cpu_adam: str = "during_backward", grad_accum: int = 1,
-               shard_persistent: bool | None = None, nvme: bool = False) -> Terms:
+               shard_persistent: bool | None = None, nvme: bool = False, facts: ModelFacts | None = None) -> Terms:
     """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
     for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``) and persistent
     optimizer states sharded over the ranks or not (default: sharded when the world
     size is above 1, as ``emit.assemble`` writes plans). ``nvme``: the plan may keep
-    chunks' states on disk (the spec's disk figures must be measured)."""
+    chunks' states on disk (the spec's disk figures must be measured). ``facts``:
+    ``facts_from_profile(profile)``, where the caller has them."""
     assert cpu_adam in ("during_backward", "after_backward"), cpu_adam
-    facts = facts_from_profile(profile)
+    facts = facts_from_profile(profile) if facts is None else facts
     need, per_chunk, ends = chunk_need(facts, chunk_numel)
     train = chunk_trainable(facts, chunk_numel)
     S, C = len(need), len(per_chunk)
@@ -324,37 +323,6 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     )
 
 
-Placement = int | Sequence[int]
-"""Which chunks are persistent: a count ``n_persist`` (the first chunks in execution
-order, the paper's space) or the persistent chunk ids themselves (any subset)."""
-
-
-def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
-    """(C,) 1 for each offloaded chunk of ``persist`` (see ``Placement``)."""
-    if isinstance(persist, (int, np.integer)):
-        return (np.arange(t.n_chunks) >= persist).astype(np.int64)
-    off = np.ones(t.n_chunks, dtype=np.int64)
-    off[np.asarray(list(persist), dtype=np.int64)] = 0
-    return off
-
-
-def host_bytes_per_chunk(t: Terms) -> np.ndarray:
-    """(C,) host bytes per rank of each chunk, offloaded (``accounting.events``): a frozen one's home only."""
-    if t.trainable is None:
-        return t.host_numel * t.host_bytes_per_elem
-    return t.host_numel * np.where(t.trainable, t.host_bytes_per_elem, t.frozen_host_bytes_per_elem)
-
-
-def persist_bytes_per_chunk(t: Terms) -> np.ndarray:
-    """(C,) device bytes of each chunk if persistent: a frozen one's values only."""
-    return np.where(t.trainable, t.persist_chunk_bytes, t.frozen_persist_bytes)
-
-
-def trains(t: Terms, off: np.ndarray) -> np.ndarray:
-    """``off`` (a (C,) chunk mask) less the frozen chunks: those that step."""
-    return off if t.trainable is None else off * t.trainable
-
-
 _LAST_WALK: list = [None]
 """``(g, grads bytes, walk)`` of the last ``_walk``: a search evaluates one placement at several
 buffer counts in a row, and the walk does not depend on the buffers."""
@@ -370,34 +338,6 @@ def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
     walk.flags.writeable = False
     _LAST_WALK[0] = (g, key, walk)
     return walk
-
-
-_FIXED: dict[int, tuple[weakref.ref, dict]] = {}
-
-
-def _fixed(t: Terms) -> dict:
-    """What ``evaluate`` reads of ``t`` whatever the placement, computed once per Terms object
-    (kept while it lives; Terms are frozen and their arrays never written after make_terms)."""
-    hit = _FIXED.get(id(t))
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
-    ss, cs = np.nonzero(t.offload_at)
-    out = {
-        "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
-        "up_bwd_again": t.up_bwd * again,
-        "uploads_b_cached": (t.up_bwd * again).sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
-        "host_per_chunk": host_bytes_per_chunk(t),
-        # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
-        "offload_steps": [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))],
-        "offload_s": ss[np.lexsort((cs, -ss))], "offload_c": cs[np.lexsort((cs, -ss))],
-        "n_params": int(t.chunk_params.sum()),
-        # chunks by their last forward use, latest first (ties: the higher id)
-        "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
-    }
-    key = id(t)
-    _FIXED[key] = (weakref.ref(t, lambda _ref: _FIXED.pop(key, None)), out)
-    return out
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
@@ -416,11 +356,11 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     ``time_only``: the time alone, as ``(time, None, {})`` (the search's bounds).
     """
     C = t.n_chunks
-    fixed = _fixed(t)
-    off = offload_mask(t, persist)  # (C,) offloaded chunks
+    fixed = fixed_terms(t)
+    pl = placed(t, persist, fixed)
+    off = pl.off  # (C,) offloaded chunks
     # Chunks still resident when backward starts: the n_buffer offloaded ones used last.
-    order = fixed["last_used_first"]
-    order = order[off[order] > 0]
+    order = pl.order
     cached = np.zeros(C, dtype=np.int64)
     cached[order[:n_buffer]] = 1
 
@@ -428,7 +368,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # the swapped blocks' saved tensors, all on the host at the forward→backward turn
     # (each block's come back only during backward). Separate terms: the first is what
     # the ledger counts as ``host``, the second lives in the swap's pinned buffers.
-    host = float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if trains(t, off).any() else 0)
+    host = pl.host
     g = grid_terms(t, grid)
     host_swap = g.host_swap  # (G,)
     # [Homeless chunks] A homeless chunk keeps no home on the host (home_bytes less) and
@@ -442,7 +382,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
     # over-estimate). For the disk: its traffic in the CPU step and in fetches that read it.
-    tiers = host_tiers.choose(t, trains(t, off), host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
+    tiers = host_tiers.choose(t, pl.trains, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     any_disk = bool(kn.any())
@@ -456,11 +396,10 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         homed_dev, homed_params = np.zeros(len(kd)), np.zeros(len(kd))
 
     # -- time, paper Eq. 2 (per-segment pipeline; see module docstring)
-    n_up_f = t.up_fwd @ off  # (S,) chunks uploaded for forward segment s
-    up_f = n_up_f * t.t_up
+    n_up_f, up_f = pl.n_up_f, pl.up_f  # (S,) chunks uploaded for forward segment s, and their time
     # A prefetch needs a free buffer: while segment s holds its own chunks, only
     # n_buffer - in_use(s) uploads for s+1 can run ahead; the rest wait for s to end.
-    spare = np.maximum(n_buffer - t.uses @ off, 0)  # (S,)
+    spare = np.maximum(n_buffer - pl.in_use, 0)  # (S,)
     ahead_f = np.minimum(np.append(n_up_f[1:], 0), spare)
     lane_up_f = ahead_f * t.t_up  # (S,) hidden under segment s (if compute is longer)
     late_f = (np.append(n_up_f[1:], 0) - ahead_f) * t.t_up  # (S,) serialised after segment s
@@ -475,7 +414,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     ahead_b[1:] = np.minimum(n_ref[:-1], spare[1:])  # needs a free buffer too
     late_b = np.zeros_like(refetch)
     late_b[1:] = (n_ref[:-1] - ahead_b[1:]) * t.t_up
-    grad_down = t.offload_at @ off * t.t_down  # (S,) gradients leaving at segment s's end
+    grad_down = pl.grad_down  # (S,) gradients leaving at segment s's end
     if t.gpu:
         # A segment's terms take one of a few values each (grid.grid_codes): computed once per
         # value in a small table, then laid out over the grid (the same values, in the same
@@ -493,32 +432,24 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
         duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
         seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
-        table_b, code_rev = seg_b.ravel(), grid_codes(grid, reverse=True)
-        seg_b = table_b.take(code_b)  # (G, S)
-
-        def seg_b_rev(i: int) -> np.ndarray:  # (G,) backward segment S-1-i of every strip
-            return table_b.take(code_rev[i])
+        seg_b = seg_b.ravel().take(code_b)  # (G, S)
         start_b = refetch[-1]
     else:  # a cpu device copies synchronously: nothing overlaps
         comp_b = g.comp_b  # (G, S) with a checkpointed block's forward again
         t_fwd = t.comp_fwd.sum() + up_f.sum() + g.swap_out_total_us
         seg_b = comp_b + refetch + g.swap_in_us + grad_down  # (G, S)
-        seg_b_rev = np.ascontiguousarray(seg_b[:, ::-1].T).__getitem__
         start_b = 0.0
     t_bwd = seg_b.sum(axis=1) + start_b
     # Backward runs segment S-1 first: segment s ends at the sum of s..S-1. Row i of done_b is
-    # segments S-1 … S-1-i, summed in that order (np.cumsum's sums, a row of G at a time).
-    done_b = np.empty(seg_b.shape[::-1])  # (S, G)
-    done_b[0] = seg_b_rev(0)
-    for i in range(1, len(done_b)):
-        np.add(done_b[i - 1], seg_b_rev(i), out=done_b[i])
+    # segments S-1 … S-1-i, summed in that order (each strip's running sum, one add at a time).
+    done_b = np.cumsum(seg_b[:, ::-1], axis=1).T  # (S, G), a view
 
     def end_b(cols) -> np.ndarray:
         """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""
         rows = done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
         return rows if start_b == 0.0 else start_b + rows  # (adding 0.0 to sums of times >= 0 is exact)
 
-    n_params_off = int(t.chunk_params @ off)
+    n_params_off = pl.n_params_off
     n_params_dev = fixed["n_params"] - n_params_off
     t_cpu = (n_params_off - homed_params) * t.cpu_adam_us_per_param  # (G,)
     if any_disk:  # (else adding zeros: exact)
@@ -537,7 +468,7 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         for s, c in offload_steps:
             if not off[c]:
                 reduced = np.maximum(reduced, end_b([s])[0]) + reduce_us
-    gather_after = int(trains(t, 1 - off).sum()) * (t.allreduce_us_per_chunk - reduce_us)
+    gather_after = pl.n_trains_dev * (t.allreduce_us_per_chunk - reduce_us)
     t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
              + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
@@ -555,16 +486,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # Never faster than the overlapped schedule: each chunk's step starts no earlier.
     cpu_done = np.zeros(len(grid.swap))
     landed = np.zeros(len(grid.swap))  # when the last offloaded gradients reach the host
-    on = off[fixed["offload_c"]] > 0
-    steps = [st for st, o in zip(offload_steps, on.tolist()) if o]
+    steps = list(pl.steps)
     if steps:
         # Each chunk's landing, (k, G) in offload order.
-        ready_at = end_b(fixed["offload_s"][on]) + t.t_down
+        ready_at = end_b(pl.offload_s) + t.t_down
     if steps and t.cpu_adam == "after_backward":  # (the timeline below is replaced then)
         landed = np.maximum(landed, ready_at.max(axis=0))  # (max is exact in any order)
         steps = []
     if steps and not (any_disk or any_homed):  # the loop below, in place
-        cpu_us = t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param
+        cpu_us = pl.cpu_us
         for j in range(len(steps)):
             np.maximum(cpu_done, ready_at[j], out=cpu_done)
             cpu_done += cpu_us[j]
@@ -577,9 +507,10 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     # [Homeless chunks]; [Device homes]: each one's reduce-scatter and step, serially on compute
-    homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
-    t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
-    cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
+    if any_homed or conv_f.any() or conv_b.any():  # (else each add is of zeros and the where keeps all: exact)
+        homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
+        t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
+        cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
     time = t_fwd + np.maximum(t_bwd + t_gpu, cpu_done)
     if time_only:
         return time, None, {}
@@ -657,22 +588,6 @@ def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> 
         bwd_transient=t.bwd_peak if t.gpu else 0.0,
         alpha=alpha,
     )
-
-
-def placement_memory(t: Terms, off: np.ndarray, n_buffer: int) -> tuple[float, float, np.ndarray, float]:
-    """``MemoryTerms``' parts that the placement decides and the strips do not: ``states``,
-    ``resident``, ``grads``, ``alpha`` (what ``evaluate`` adds to ``grid_terms``' walk)."""
-    n_off = int(off.sum())
-    states = ((t.n_chunks - n_off) * t.persist_chunk_bytes if t.trainable is None
-              else int(persist_bytes_per_chunk(t) @ (1 - off)))  # (frozen chunks: their values only)
-    return (states, min(n_buffer, n_off) * t.chunk_bytes,
-            (t.grad_live @ off) * t.chunk_bytes, ALPHA_GPU if t.gpu else 1.0)
-
-
-def min_buffers(t: Terms, persist: Placement) -> int:
-    """Fewest buffers a schedule needs: the most offloaded chunks one segment uses at once."""
-    off = offload_mask(t, persist)
-    return int((t.uses @ off).max()) if off.any() else 0
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,12 @@ rule, so two runs of the planner give the same bytes:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 from torch import nn
 
 from protrain.executor import homes as H
@@ -43,11 +45,17 @@ from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # 
 
 
 def generator() -> P.Generator:
+    return P.Generator(name="protrain", version=_version())
+
+
+@functools.cache
+def _version() -> str:
+    """The installed protrain's version, looked up once per process (a millisecond each time:
+    ``protrain fit`` makes dozens of profiles and plans)."""
     try:
-        v = version("protrain")
+        return version("protrain")
     except PackageNotFoundError:  # running from a source tree that was not installed
-        v = "0+unknown"
-    return P.Generator(name="protrain", version=v)
+        return "0+unknown"
 
 
 def model_facts(model: nn.Module, name: str, blocks: list[str], seq_len: int = 8,
@@ -161,4 +169,16 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     )
     # Return exactly what a reader of the file gets: the round trip type-checks every
     # field (Struct constructors do not) and runs the structural checks.
-    return P.load(P.dump(plan))
+    return round_trip(plan)
+
+
+def round_trip(plan: P.Plan) -> P.Plan:
+    """``P.load(P.dump(plan))``, through msgspec's compact JSON instead of the file's layout
+    (which costs more than the checks): the same bytes decode to the same Plan once the plan's
+    one float, ``request.max_grad_norm``, is rounded as ``P.dump`` rounds floats (tests/test_emit.py
+    holds the schema to that one float, and the two round trips equal)."""
+    req = plan.request
+    if isinstance(req.max_grad_norm, float):
+        plan = msgspec.structs.replace(plan, request=msgspec.structs.replace(
+            req, max_grad_norm=round(req.max_grad_norm, 6)))
+    return P.load(msgspec.json.encode(plan, order="deterministic"))

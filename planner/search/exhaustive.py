@@ -57,8 +57,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 import time as _time
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -188,7 +190,9 @@ def swap_interval(t: Terms) -> int:
     """
     blocks = slice(1, len(t.comp_fwd) - 1)
     ratios = (t.saved_tensor[blocks] * t.swap_out_us_per_byte) / np.maximum(t.comp_fwd[blocks], 1e-9)
-    return max(1, math.ceil(float(np.median(ratios)))) if len(ratios) else 1
+    # (statistics.median: np.median's value, the middle one or the mean of the two, without its
+    # first call's 20-30 ms of set-up in every process)
+    return max(1, math.ceil(statistics.median(ratios.tolist()))) if len(ratios) else 1
 
 
 def policy_pairs(t: Terms) -> list[tuple[int, int]]:
@@ -197,16 +201,22 @@ def policy_pairs(t: Terms) -> list[tuple[int, int]]:
     return [(s, c) for s in range(max_swap + 1) for c in range(n - s + 1)]
 
 
+def _needs(t: Terms) -> list[int]:
+    """``min_buffers`` at every ``n_persist`` in ``0..C`` at once."""
+    C = t.n_chunks
+    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C): row p offload_mask(t, p)
+    return ((t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)).tolist()
+
+
 def space(t: Terms) -> list[tuple[int, int]]:
     """The ``(n_persist, n_buffer)`` pairs of the space, in increasing ``n_persist``."""
-    C = t.n_chunks
-    # min_buffers at every n_persist at once: row p of ``off`` is offload_mask(t, p)
-    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C)
-    needs = (t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)
-    out = []
-    for n_persist, need in enumerate(needs.tolist()):
-        out += [(n_persist, nb) for nb in range(need, max(need, C - n_persist) + 1)]
-    return out
+    return [(n_persist, nb) for n_persist, need in enumerate(_needs(t))
+            for nb in range(need, max(need, t.n_chunks - n_persist) + 1)]
+
+
+def space_size(t: Terms) -> int:
+    """``len(space(t))``, without listing the pairs."""
+    return sum(max(need, t.n_chunks - n_persist) - need + 1 for n_persist, need in enumerate(_needs(t)))
 
 
 def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
@@ -252,29 +262,40 @@ def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_
 
 
 class _Rows:
-    """The configurations that fit, kept as blocks of arrays; ``smallest`` gives the best as
-    tuples ``(time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed,
-    nvme)``, ordered as those tuples compare (``Choice.key``)."""
+    """The configurations that fit, kept as the arrays each evaluation gave (stacked only for
+    the few that can be among the best); ``smallest`` gives the best as tuples
+    ``(time_us_int, peak, n_checkpoint, np, nb, sw, ck, time, host, homeless, homed, nvme)``,
+    ordered as those tuples compare (``Choice.key``)."""
 
     def __init__(self):
-        self.blocks: list[np.ndarray] = []  # each (12, k), float64 (every value is exact in it)
+        self.blocks: list[tuple] = []  # (whole µs of each, js, n_persist, n_buffer, sw, ck, time, peak, host, parts)
 
     def add(self, js, n_persist, n_buffer, sw, ck, time, peak, host, parts) -> None:
         if not len(js):
             return
+        self.blocks.append((np.round(time[js]), js, n_persist, n_buffer, sw, ck, time, peak, host, parts))
+
+    @staticmethod
+    def _stack(block, m) -> np.ndarray:
+        """(12, k): the rows ``m`` (a mask or all) of one block, every value exact in float64."""
+        first, js, n_persist, n_buffer, sw, ck, time, peak, host, parts = block
+        js, ck = js[m], ck[m]
         k = len(js)
-        self.blocks.append(np.stack([
-            np.round(time[js]), peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw, ck,
+        return np.stack([
+            first[m], peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw[m], ck,
             time[js], host[js], parts["n_homeless"][js], parts["n_device_homed"][js], parts["n_nvme"][js],
-        ]).astype(np.float64))
+        ]).astype(np.float64)
 
     def smallest(self, n: int, since: int = 0) -> list[tuple]:
         """The ``n`` smallest rows (of the blocks added from ``since`` on), as tuples."""
-        if len(self.blocks) <= since:
+        blocks = self.blocks[since:]
+        if not blocks:
             return []
-        a = np.concatenate(self.blocks[since:], axis=1)
-        if a.shape[1] > n:  # the n smallest all have a first key within the n smallest first keys
-            a = a[:, a[0] <= np.partition(a[0], n - 1)[n - 1]]
+        if sum(len(b[1]) for b in blocks) > n:  # the n smallest all have a first key within the n smallest first keys
+            bar = np.partition(np.concatenate([b[0] for b in blocks]), n - 1)[n - 1]
+            a = np.concatenate([self._stack(b, b[0] <= bar) for b in blocks], axis=1)
+        else:
+            a = np.concatenate([self._stack(b, slice(None)) for b in blocks], axis=1)
         top = np.lexsort(a[::-1])[:n]  # last key first: lexsort sorts by its last row
         ints = (0, 2, 3, 4, 5, 6, 9, 10, 11)
         return [tuple(int(a[i, j]) if i in ints else float(a[i, j]) for i in range(12)) for j in top]
@@ -367,7 +388,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
                       n_nvme=r[11])
                for r in rows.smallest(TOP)]
     front, best_t = [], math.inf
-    for tm, pk, cfg in sorted(all_points, key=lambda x: (x[1], x[0], x[2])):
+    for tm, pk, cfg in sorted(all_points, key=itemgetter(1, 0, 2)):  # (peak, time, counts)
         if tm < best_t:
             best_t = tm
             front.append(Choice(*cfg, tm, pk))
@@ -375,7 +396,7 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
         best=choices[0] if choices else None,
         front=front,
         runners_up=choices[1:],
-        space_size=len(space(t)) * len(pairs),
+        space_size=space_size(t) * len(pairs),
         evaluated=evaluated,
         seconds=_time.perf_counter() - start,
         min_peak_bytes=min_peak,

@@ -152,18 +152,11 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
     return out
 
 
-def grid_codes(grid: PolicyGrid, reverse: bool = False):
+def grid_codes(grid: PolicyGrid):
     """Flat indices into ``(2, S)`` and ``(4, S)`` tables of per-segment values, (G, S) each:
     a forward segment's by whether it is a swapped block; a backward segment's by whether it
     is a checkpointed block and whether the segment before it is a swapped one (what the
-    time model's per-segment terms depend on, cost.py ``evaluate``). Cached on the grid.
-    ``reverse``: the backward ones alone, (S, G), row i for segment S-1-i (backward's order)."""
-    if reverse:
-        hit = grid.cache.get("codes reversed")
-        if hit is None:
-            hit = np.ascontiguousarray(grid_codes(grid)[1][:, ::-1].T)
-            grid.cache["codes reversed"] = hit
-        return hit
+    time model's per-segment terms depend on, cost.py ``evaluate``). Cached on the grid."""
     hit = grid.cache.get("codes")
     if hit is None and grid.parent is not None:  # rows of the parent's
         whole, idx = grid.parent

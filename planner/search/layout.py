@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,7 @@ def aligned(numel: int) -> int:
     return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):  # (a tuple: made a few thousand times per plan, as fast as a tuple is made)
     name: str
     chunk: int
     offset: int
@@ -133,11 +133,24 @@ def chunk_trainable(facts, chunk_numel: int) -> np.ndarray | None:
     return np.array(_layout(_layout_key(facts), chunk_numel)[3], dtype=bool)
 
 
+_KEYS: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
 def _layout_key(facts) -> tuple:
     """What the layout reads of ``facts``, hashable: ``make_plan`` asks for each chunk size
-    several times (candidates, search, terms), and lays it out once."""
-    return (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
-            tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen)
+    several times (candidates, search, terms), and lays it out once. Made once per facts
+    object while it lives (ModelFacts are frozen, their lists never written after they are made)."""
+    hit = _KEYS.get(id(facts))
+    if hit is not None and hit[0]() is facts:
+        return hit[1]
+    key = (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
+           tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen)
+    try:
+        ident = id(facts)
+        _KEYS[ident] = (weakref.ref(facts, lambda _ref: _KEYS.pop(ident, None)), key)
+    except TypeError:  # (an object without weak references: made again next time)
+        pass
+    return key
 
 
 @functools.lru_cache(maxsize=32)

@@ -174,7 +174,7 @@ def search_chunk_sizes(profile: Profile, facts, budget_bytes: int, host_budget: 
         # Persistent chunks' optimizer states are sharded whenever there are ranks to shard
         # over: less device memory and device Adam time for the same traffic (make_terms).
         terms = make_terms(profile, size, world_size, cpu_adam, grad_accum, shard_persistent=world_size > 1,
-                           nvme=nvme)
+                           nvme=nvme, facts=facts)
         runs.append((size, terms, SOLVERS["exhaustive"](terms, budget_bytes, host_budget)))
     fitting = [r for r in runs if r[2].best is not None]
     if fitting:

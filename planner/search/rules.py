@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from protrain.executor import plan as P
 from protrain.executor.errors import BudgetError
+
+if TYPE_CHECKING:
+    from ..profiling.profile import Profile
 
 
 def cpu_adam_schedule(compute_dtype: str, max_grad_norm: float | None = None) -> P.CpuAdam:
@@ -106,3 +110,18 @@ class ModelFacts:
     frozen: frozenset[str] = frozenset()
     """Parameters that do not train (``requires_grad=False``): laid out after the trainable
     ones (``layout.layout_order``), their chunks keep values only."""
+
+
+def facts_from_profile(profile: Profile) -> ModelFacts:
+    """The model facts a plan needs, read from a profile (no model, no torch)."""
+    segments = [P.PRE, *profile.model.blocks, P.POST]
+    uses: dict[str, list[str]] = {s: [] for s in segments}  # each segment's parameters, in profile order
+    for p in profile.params:  # (one pass: a deep model has hundreds of each)
+        for s in dict.fromkeys(p.uses):
+            if s in uses:
+                uses[s].append(p.name)
+    return ModelFacts(name=profile.model.name, blocks=list(profile.model.blocks),
+                      params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
+                      tied=[list(t) for t in profile.model.tied], segments=segments,
+                      order=[p.name for p in profile.params], uses=uses,
+                      frozen=frozenset(p.name for p in profile.params if p.frozen))
