@@ -159,7 +159,7 @@ class Engine:
             self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
-            self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
+            self.acts = Activations(model, plan, self.store)
             self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
             self.acts.install()
             self.replayer.install(model)

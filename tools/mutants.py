@@ -51,7 +51,7 @@ MUTANTS = [
            "        self.wait(cid)  # a prefetch never used", "        pass  # a prefetch never used",
            (f"{R}::test_evaluate_releases_a_prefetch_in_flight",)),
     Mutant("fetch waits for the chunk's CPU step", "chunks.py",
-           "            c.pending.result()  # the updated weights", "            pass  # the updated weights",
+           "        c.settle()  # the updated weights", "        pass  # the updated weights",
            (f"{R}::test_parity_with_delays",)),
     Mutant("fetch bounded by n_buffer", "chunks.py",
            "        assert len(self.resident_offloaded()) < self.n_buffer", "        assert True",
@@ -60,8 +60,8 @@ MUTANTS = [
            "            down.synchronize()  # a wait", "            pass  # a wait",
            (f"{R}::test_async_matrix_fp32_is_exact", f"{R}::test_async_matrix_equals_sync")),
     Mutant("offload waits before reusing staging", "optim.py",
-           "        if c.pending is not None:  # the worker may still read dst",
-           "        if False:  # the worker may still read dst",
+           "        c.settle()  # the worker may still read dst",
+           "        pass  # the worker may still read dst",
            (f"{R}::test_staging_is_reused_only_after_the_worker_landed_it",),
            "redundant today: every offloaded chunk is fetched in forward, and fetch already waits "
            "for the chunk's pending landing; it guards chunks no forward fetches (unused "
