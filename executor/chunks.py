@@ -183,9 +183,9 @@ class Chunk:
 class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
-    def __init__(self, model: nn.Module, plan: Plan, device: torch.device,
-                 copies: CopyEngine, ledger: Ledger, comm, nvme_dir: str | os.PathLike | None = None):
-        self.device = device
+    def __init__(self, model: nn.Module, plan: Plan, copies: CopyEngine, ledger: Ledger, comm,
+                 nvme_dir: str | os.PathLike | None = None):
+        self.device = copies.device  # the engine's
         self.copies = copies
         self.ledger = ledger
         self.comm = comm  # executor.dist.Comm (passed in: chunks sits below dist)

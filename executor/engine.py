@@ -109,13 +109,12 @@ def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
 
 
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
-    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
-    needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
-             else "fp16 loss scaling" if plan.training.compute_dtype == "float16" else None)
-    if needs and plan.schedule.cpu_adam != "after_backward":
+    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math: clipping's. (fp16
+    loss scaling needs the same; ``validate``, which wrap runs first, refuses such a plan.)"""
+    if config.max_grad_norm is not None and plan.schedule.cpu_adam != "after_backward":
         raise ConfigError(
-            f"{needs} needs every gradient before any parameter changes, but the plan overlaps "
-            f"CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
+            "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, but the "
+            f"plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
             "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)")
 
 
@@ -154,13 +153,13 @@ class Engine:
         self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = None
         try:
-            self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm, nvme_dir)
+            self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
             self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
             self.acts = Activations(model, plan, self.store)
-            self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
+            self.replayer = Replayer(model, plan, self.acts, self._offload)
             self.acts.install()
             self.replayer.install(model)
         except BaseException:
