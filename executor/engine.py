@@ -179,8 +179,8 @@ class Engine:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
         boundary's model states (``Ledger.check``, called by the replayer)."""
         trainable = [c.trainable for c in self.store.chunks]
-        host = sum(e.nbytes for e in accounting.events(plan, trainable)
-                   if e.phase == "wrap" and e.where == "host")
+        # (state_events' first part: the events at wrap)
+        host = sum(e.nbytes for e in accounting.state_events(plan, trainable)[0] if e.where == "host")
         if self.ledger.host_bytes != host:
             raise AssertionError(f"host states: counted {self.ledger.host_bytes} B, accounting.py "
                                  f"says {host} B")
