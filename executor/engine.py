@@ -46,7 +46,7 @@ from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteL
 from .events import Listener
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .plan import POST, PRE, Plan
+from .plan import POST, PRE, Plan, canonical
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
 from .validation import validate
@@ -93,17 +93,12 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
 def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
     """What every rank's plan and optimizer must agree on (``Comm.agree``): the training shape
     and activation policies by name, then a digest of every binding section (the rest)."""
-    import json
-
-    import msgspec
-
     return {"$.model.fingerprint": plan.model.fingerprint,
             **{f"$.training.{k}": getattr(plan.training, k)
                for k in ("micro_batch", "seq_len", "grad_accum", "compute_dtype")},
             "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
             "$.schedule.cpu_adam": plan.schedule.cpu_adam,
-            **{f"$.{s} (the plan's binding section)":  # a digest: canonical JSON of the section
-               json.dumps(msgspec.to_builtins(getattr(plan, s), order="deterministic"), sort_keys=True)
+            **{f"$.{s} (the plan's binding section)": canonical(getattr(plan, s))  # (digested: dist.py)
                for s in ("chunks", "placement", "activations", "schedule")},
             "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
 
