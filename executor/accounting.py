@@ -65,7 +65,7 @@ What lives where, per rank (``W`` ranks; a chunk's ``numel`` is the plan's
 The device peak is the largest running total over the stream, times ``alpha``
 (allocator fragmentation on a GPU, 1 on a CPU): planner/search/memory_walk.py ``walk``, with the
 per-element figures the planner reads (``element_bytes``). This module streams the model
-states (``state_events``, ``events``: what the executor checks); the activation and
+states (``state_events``: what the executor checks); the activation and
 shared-gradient events come from a profile and matter to the planner only, which adds
 them (``memory_walk.events``). Within a step the order is: swap-in,
 fetches and prefetches, opened gradients; activations; transients (allocated, then
@@ -194,15 +194,6 @@ def state_events(plan: Plan,
 
     return out, [(phase, step, chunk_events(phase, step, begin), chunk_events(phase, step, end))
                  for phase, step, begin, end in chunk_steps(plan.schedule)]
-
-
-def events(plan: Plan, trainable: Sequence[bool] | None = None) -> list[Event]:
-    """The model states' stream of wrap and one iteration, a ``step`` marker starting each
-    step: what the executor's ledger is held to. The planner's stream adds activations and
-    shared gradients to it (planner/search/memory_walk.py ``events``)."""
-    wrap, steps = state_events(plan, trainable)
-    return wrap + [e for phase, step, begin, end in steps
-                   for e in (Event(phase, step.segment, "device", "step", 0), *begin, *end)]
 
 
 def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:

@@ -63,9 +63,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .chunks import ChunkStore
-from .memory import Ledger
 from .plan import PRE, Plan
-from .transfer import CopyEngine, CopyHandle
+from .transfer import CopyHandle
 
 
 @dataclass(slots=True, eq=False)  # (a handle is compared by identity)
@@ -84,12 +83,9 @@ class SwapHandle:
 class Activations:
     """Installs the plan's activation policies and counts activation bytes for the CPU ledger."""
 
-    def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore, copies: CopyEngine,
-                 ledger: Ledger):
-        self.store = store
-        self.copies = copies
-        self.ledger = ledger
-        self.count = not ledger.cuda  # on CUDA the allocator counts; see memory.py
+    def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore):
+        self.store, self.copies, self.ledger = store, store.copies, store.ledger  # the engine's (chunks.py)
+        self.count = not self.ledger.cuda  # on CUDA the allocator counts; see memory.py
         modules = dict(model.named_modules())
         self.blocks = {a.block: (modules[a.block], a.policy) for a in plan.activations}
         self.segment = PRE  # segment whose forward is running (set by the schedule)

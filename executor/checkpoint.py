@@ -462,9 +462,10 @@ def load(engine: Engine, root: str | Path) -> Manifest:
             f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, this model's "
             + (f"{engine.base_fingerprint[:19]}…)" if engine.base_fingerprint else "has no frozen parameters)"),
             "resume with the base model (and the --lora settings) the checkpoint was trained with")
-    aliases = {alias for _, alias in engine.plan.model.tied}
+    # (a chunk's parameter is never a tied alias: validate refuses an alias with a chunk slot, and
+    # check() at wrap refuses a plan naming other than the model's first names (named_parameters))
     mine = {engine.names[id(p)]: list(p.shape) for c in engine.store.chunks for p, _, _ in c.params
-            if engine.names[id(p)] not in aliases and (p.requires_grad or not m.base_fingerprint)}
+            if p.requires_grad or not m.base_fingerprint}
     if m.model_fingerprint != engine.plan.model.fingerprint or m.params != mine:
         wrong = sorted(set(m.params) ^ set(mine)) or [k for k in mine if m.params.get(k) != mine[k]]
         raise CheckpointError(
@@ -482,8 +483,7 @@ def load(engine: Engine, root: str | Path) -> Manifest:
         with safe_open(rng, framework="pt") as f:
             if "cpu" not in f.keys() or f.get_slice("cpu").get_dtype() != "U8":
                 raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", DAMAGED)
-    model = load_file(directory / "model.safetensors")
-    model.update({alias: model[name] for name, alias in m.tied if name in model})
+    model = load_file(directory / "model.safetensors")  # (no aliases: load_state_dict reads chunk names only)
     flat = load_file(directory / "optim.safetensors")
     refuse_to_load_nonfinite(directory, model, flat)
     optim = {n: {part: flat[f"{n}.{part}"] for part in OPTIM_PARTS}  # all three of each: check_header

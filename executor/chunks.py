@@ -148,6 +148,12 @@ class Chunk:
         # writes a parameter in place bumps it. See [Note: in-place writes in forward].
         self.versions: list[int] = []
 
+    def settle(self) -> None:
+        """Wait for the chunk's ``pending`` host work (re-raising its error), then forget it."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
     def _move(self, start: Residency, to: Residency, verb: str) -> None:
         """From ``start`` (asserted) to ``to``: an offloaded chunk's fetch or release."""
         assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never {verb}"
@@ -177,9 +183,9 @@ class Chunk:
 class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
-    def __init__(self, model: nn.Module, plan: Plan, device: torch.device,
-                 copies: CopyEngine, ledger: Ledger, comm, nvme_dir: str | os.PathLike | None = None):
-        self.device = device
+    def __init__(self, model: nn.Module, plan: Plan, copies: CopyEngine, ledger: Ledger, comm,
+                 nvme_dir: str | os.PathLike | None = None):
+        self.device = copies.device  # the engine's
         self.copies = copies
         self.ledger = ledger
         self.comm = comm  # executor.dist.Comm (passed in: chunks sits below dist)
@@ -321,9 +327,7 @@ class ChunkStore:
         # n_buffer is the plan's bound on resident offloaded chunks; the validator's
         # replay checks it, and this holds the executor to it.
         assert len(self.resident_offloaded()) < self.n_buffer, f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
-        if c.pending is not None:
-            c.pending.result()  # the updated weights must be in home before we read it
-            c.pending = None
+        c.settle()  # the updated weights must be in home before we read it
         self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)

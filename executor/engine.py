@@ -46,7 +46,7 @@ from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteL
 from .events import Listener
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .plan import POST, PRE, Plan
+from .plan import POST, PRE, Plan, canonical
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
 from .validation import validate
@@ -93,29 +93,23 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
 def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
     """What every rank's plan and optimizer must agree on (``Comm.agree``): the training shape
     and activation policies by name, then a digest of every binding section (the rest)."""
-    import json
-
-    import msgspec
-
     return {"$.model.fingerprint": plan.model.fingerprint,
             **{f"$.training.{k}": getattr(plan.training, k)
                for k in ("micro_batch", "seq_len", "grad_accum", "compute_dtype")},
             "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
             "$.schedule.cpu_adam": plan.schedule.cpu_adam,
-            **{f"$.{s} (the plan's binding section)":  # a digest: canonical JSON of the section
-               json.dumps(msgspec.to_builtins(getattr(plan, s), order="deterministic"), sort_keys=True)
+            **{f"$.{s} (the plan's binding section)": canonical(getattr(plan, s))  # (digested: dist.py)
                for s in ("chunks", "placement", "activations", "schedule")},
             "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
 
 
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
-    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math."""
-    needs = ("gradient clipping (max_grad_norm)" if config.max_grad_norm is not None
-             else "fp16 loss scaling" if plan.training.compute_dtype == "float16" else None)
-    if needs and plan.schedule.cpu_adam != "after_backward":
+    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math: clipping's. (fp16
+    loss scaling needs the same; ``validate``, which wrap runs first, refuses such a plan.)"""
+    if config.max_grad_norm is not None and plan.schedule.cpu_adam != "after_backward":
         raise ConfigError(
-            f"{needs} needs every gradient before any parameter changes, but the plan overlaps "
-            f"CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
+            "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, but the "
+            f"plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
             "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)")
 
 
@@ -154,13 +148,13 @@ class Engine:
         self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = None
         try:
-            self.store = ChunkStore(model, plan, dev, self.copies, self.ledger, self.comm, nvme_dir)
+            self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
             self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
-            self.acts = Activations(model, plan, self.store, self.copies, self.ledger)
-            self.replayer = Replayer(model, plan, self.store, self.acts, self._offload)
+            self.acts = Activations(model, plan, self.store)
+            self.replayer = Replayer(model, plan, self.acts, self._offload)
             self.acts.install()
             self.replayer.install(model)
         except BaseException:
@@ -180,8 +174,8 @@ class Engine:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
         boundary's model states (``Ledger.check``, called by the replayer)."""
         trainable = [c.trainable for c in self.store.chunks]
-        host = sum(e.nbytes for e in accounting.events(plan, trainable)
-                   if e.phase == "wrap" and e.where == "host")
+        # (state_events' first part: the events at wrap)
+        host = sum(e.nbytes for e in accounting.state_events(plan, trainable)[0] if e.where == "host")
         if self.ledger.host_bytes != host:
             raise AssertionError(f"host states: counted {self.ledger.host_bytes} B, accounting.py "
                                  f"says {host} B")

@@ -342,9 +342,7 @@ class ChunkOptimizer:
         src = self.store.own_grad(cid)
         direct = home or (src.dtype == torch.float32 and first_micro_batch)
         dst = acc if direct else self.staging[cid]
-        if c.pending is not None:  # the worker may still read dst (or acc) from the last offload
-            c.pending.result()
-            c.pending = None
+        c.settle()  # the worker may still read dst (or acc) from the last offload
         # (a slot: one shard; the copy engine names it "protrain::offload" for the profiler)
         down = self.store.copies.download(dst[: src.numel()], src)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
@@ -584,9 +582,7 @@ class ChunkOptimizer:
     def wait_all(self) -> None:
         """Wait for every chunk's queued host work (re-raising the first error)."""
         for c in self.store.chunks:
-            if c.pending is not None:
-                c.pending.result()
-                c.pending = None
+            c.settle()
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)

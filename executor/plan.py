@@ -445,8 +445,9 @@ def dump(plan: Plan) -> bytes:
     return canonical(plan)
 
 
-def canonical(obj: msgspec.Struct) -> bytes:
-    """Canonical JSON bytes of any Struct, in the plan file's layout (profiles and specs use it too)."""
+def canonical(obj: msgspec.Struct | list) -> bytes:
+    """Canonical JSON bytes of any Struct (or list of them), in the plan file's layout (profiles and
+    specs use it too, and ``engine.agreement`` digests a plan's binding sections with it)."""
     return (_emit(msgspec.to_builtins(obj, order="deterministic"), 0) + "\n").encode()
 
 

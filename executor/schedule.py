@@ -65,7 +65,6 @@ from torch import nn
 
 from . import accounting
 from .activations import Activations
-from .chunks import ChunkStore
 from .errors import ConfigError, ProtrainError
 from .plan import POST, PRE, Plan, Step
 from .validation import segment_chunks
@@ -141,9 +140,8 @@ def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torc
 class Replayer:
     """Holds the schedule and the hooks; calls into the chunk store, activations and offload."""
 
-    def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore, acts: Activations,
-                 offload: Callable[[int], None]):
-        self.store = store
+    def __init__(self, model: nn.Module, plan: Plan, acts: Activations, offload: Callable[[int], None]):
+        self.store = store = acts.store  # the chunk store (activations.py holds the engine's)
         self.acts = acts
         self.events = store.copies.events  # the engine's listeners (events.py)
         self.offload = offload  # the engine's gradient offload (and CPU step) for one chunk

@@ -122,13 +122,18 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)")
 
     # -- activations
-    got = [a.block for a in plan.activations]
-    if got != blocks:
-        i = next((i for i, (a, b) in enumerate(zip(got, blocks)) if a != b), min(len(got), len(blocks)))
-        fail(f"$.activations[{i}]", "expected one policy per block in model.blocks order; "
-             f"expected {[*blocks, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
+    _in_order([a.block for a in plan.activations], blocks, fail, "$.activations[{}]",
+              "one policy per block, in model.blocks order")
 
     simulate_residency(plan, where)
+
+
+def _in_order(got: list[str], expected: list[str], fail, path: str, what: str) -> None:
+    """Refuse ``got`` unless it is ``expected`` (``what``), at the first difference: ``path``
+    formatted with its index, each side's name there ('nothing' past an end)."""
+    if got != expected:
+        i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        fail(path.format(i), f"{what}: expected {[*expected, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
 
 
 def param_segments(plan: Plan) -> dict[str, list[str]]:
@@ -188,11 +193,8 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
 
     for phase, steps, expected in (("forward", plan.schedule.forward, order),
                                    ("backward", plan.schedule.backward, order[::-1])):
-        got = [s.segment for s in steps]
-        if got != expected:
-            i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            fail(f"$.schedule.{phase}[{i}].segment",
-                 f"expected segment {[*expected, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
+        _in_order([s.segment for s in steps], expected, fail, f"$.schedule.{phase}[{{}}].segment",
+                  "one step per segment, in segment order")
         for si, step in enumerate(steps):
             spath = f"$.schedule.{phase}[{si}]"
             for field in ("fetch", "prefetch", "release", "offload"):
