@@ -218,7 +218,9 @@ class ChunkStore:
                                   "(placement.nvme) but no directory was given for them",
                                   "pass --nvme DIR to `protrain train` (wrap(..., nvme_dir=DIR)): a directory on "
                                   "a fast local disk")
-            self.disk = DiskStates(nvme_dir, sum(3 * H.nvme_span(host_numel(plan, c)) for c in on_disk))
+            # The file holds each chunk's disk parts (homes.py: master and moments, page-aligned).
+            own = {c: host_numel(plan, c) for c in on_disk}
+            self.disk = DiskStates(nvme_dir, sum(homes[c].nbytes(su, "disk", n, n) for c, n in own.items()))
             self.ledger.host_alloc(H.NVME_WINDOW)
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.

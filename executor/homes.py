@@ -8,7 +8,7 @@ bytes per element, of which element count), the traffic of its events, and the
 preconditions of the plan that may use it.
 
 Everything that needs bytes or traffic reads these tables: the accounting stream
-(``accounting.events``: the ledger's expectations, ``show``, ``fit``), the executor's
+(``accounting.state_events``: the ledger's expectations, ``show``, ``fit``), the executor's
 allocation (``chunks.ChunkStore``'s pinned arena, ``optim``'s states), the cost model and
 its tier choice (planner ``cost``, ``host_tiers``), the trace, and validation. Adding a
 home is one entry here plus its mechanism in the executor, the search's space and a

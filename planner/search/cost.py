@@ -169,7 +169,7 @@ class Terms:
     world_size: int = 1
     allreduce_us_per_chunk: float = 0.0  # a persistent chunk's collectives after backward (see make_terms)
     shard_persistent: bool = False  # the plan's placement.shard_persistent_states (world size > 1)
-    persist_chunk_bytes: int = 0  # device bytes of one trainable persistent chunk (accounting.events)
+    persist_chunk_bytes: int = 0  # device bytes of one trainable persistent chunk (accounting.state_events)
     cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
     # Homeless chunks ([Homeless chunks] in ``evaluate``; executor/chunks.py [Note: host slots]).
     homeless_ok: bool = False  # 16-bit compute, grad_accum 1, CPU steps during backward
