@@ -451,6 +451,10 @@ def canonical(obj: msgspec.Struct | list) -> bytes:
     return (_emit(msgspec.to_builtins(obj, order="deterministic"), 0) + "\n").encode()
 
 
+FLOAT_DIGITS = 6
+"""Decimal places a float keeps in the file (``dump``): machine noise never reaches it."""
+
+
 def _emit(value: object, depth: int) -> str:
     # depth 0 is the plan object and depth 1 its sections: those always span lines, so
     # every section starts on a line of its own. Deeper containers whose children are
@@ -478,7 +482,7 @@ def _emit(value: object, depth: int) -> str:
     if isinstance(value, float):
         # Informational sections only (binding sections hold integers). Round so that
         # float noise from different machines never reaches the file.
-        return repr(round(value, 6))
+        return repr(round(value, FLOAT_DIGITS))
     return json.dumps(value, ensure_ascii=False)
 
 

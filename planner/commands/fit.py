@@ -264,6 +264,15 @@ _PROFILES: dict[tuple, Profile] = {}
 """(config, micro-batch, seq, dtype, spec digest) → analytic profile. Profiles do not depend
 on the budget, so a second fit on the same card (another budget) reuses them."""
 _MAX_CACHED = 48
+
+
+def _keep(cache: dict, key, value) -> None:
+    """``cache[key] = value``, first dropping the oldest entry once the cache holds ``_MAX_CACHED``."""
+    if len(cache) >= _MAX_CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
 _SHALLOW: dict[tuple, tuple[Profile, list]] = {}
 """The same key, of a ``REPLICA_BLOCKS``-deep config → its profile and parameter signature
 (``_profile``): the depths of one width (fit.py [Between rungs]) share it."""
@@ -286,17 +295,13 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
             shallow = dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS)
             skey = (shallow, micro_batch, seq_len, dtype, digest, lora)
             if skey not in _SHALLOW:
-                if len(_SHALLOW) >= _MAX_CACHED:
-                    _SHALLOW.pop(next(iter(_SHALLOW)))
-                _SHALLOW[skey] = _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec, lora)
+                _keep(_SHALLOW, skey, _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec, lora))
             deep = deepen(*_SHALLOW[skey], cfg.n_layer)
             if deep is not None:
                 profile = msgspec.structs.replace(deep[0], model=msgspec.structs.replace(deep[0].model, name=name))
         if profile is None:
             profile = _analytic(cfg, name, micro_batch, seq_len, dtype, spec, lora)[0]
-        if len(_PROFILES) >= _MAX_CACHED:
-            _PROFILES.pop(next(iter(_PROFILES)))
-        _PROFILES[key] = profile
+        _keep(_PROFILES, key, profile)
     return _PROFILES[key]
 
 
@@ -326,10 +331,8 @@ def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: 
             from ..models.lora import inject
 
             model = inject(model, lora)
-        if len(_MODELS) >= _MAX_CACHED:
-            _MODELS.pop(next(iter(_MODELS)))
         blocks = block_paths(model)
-        _MODELS[key] = model, blocks, parameter_trace(model, blocks, seq_len)
+        _keep(_MODELS, key, (model, blocks, parameter_trace(model, blocks, seq_len)))
     model, blocks, graph = _MODELS[key]
     return analytic_profile(model, name=name, blocks=blocks, micro_batch=micro_batch, seq_len=seq_len,
                             compute_dtype=dtype, spec=spec, graph=graph), model_signature(model)

@@ -180,5 +180,5 @@ def round_trip(plan: P.Plan) -> P.Plan:
     req = plan.request
     if isinstance(req.max_grad_norm, float):
         plan = msgspec.structs.replace(plan, request=msgspec.structs.replace(
-            req, max_grad_norm=round(req.max_grad_norm, 6)))
+            req, max_grad_norm=round(req.max_grad_norm, P.FLOAT_DIGITS)))
     return P.load(msgspec.json.encode(plan, order="deterministic"))
