@@ -82,14 +82,15 @@ def fixed_terms(t: Terms) -> dict:
         return hit[1]
     again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
     ss, cs = np.nonzero(t.offload_at)
+    by_step = np.lexsort((cs, -ss))  # backward order: s descending, then c
     out = {
         "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
         "up_bwd_again": t.up_bwd * again,
         "uploads_b_cached": (t.up_bwd * again).sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
         "host_per_chunk": host_bytes_per_chunk(t),
         # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
-        "offload_steps": [(int(ss[i]), int(cs[i])) for i in np.lexsort((cs, -ss))],
-        "offload_s": ss[np.lexsort((cs, -ss))], "offload_c": cs[np.lexsort((cs, -ss))],
+        "offload_steps": [(int(ss[i]), int(cs[i])) for i in by_step],
+        "offload_s": ss[by_step], "offload_c": cs[by_step],
         "n_params": int(t.chunk_params.sum()),
         # chunks by their last forward use, latest first (ties: the higher id)
         "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
@@ -136,11 +137,12 @@ def placed(t: Terms, persist: Placement, fixed: dict) -> Placed:
     order = fixed["last_used_first"]
     on = off[fixed["offload_c"]] > 0
     n_up_f = t.up_fwd @ off
+    stepping = trains(t, off)
     for a in (off, n_up_f, on):
         a.flags.writeable = False
     out = Placed(
-        off=off, order=order[off[order] > 0], trains=trains(t, off),
-        host=float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if trains(t, off).any() else 0),
+        off=off, order=order[off[order] > 0], trains=stepping,
+        host=float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if stepping.any() else 0),
         n_up_f=n_up_f, up_f=n_up_f * t.t_up, in_use=t.uses @ off, grad_down=t.offload_at @ off * t.t_down,
         n_params_off=int(t.chunk_params @ off), n_trains_dev=int(trains(t, 1 - off).sum()),
         on=on, steps=tuple(st for st, o in zip(fixed["offload_steps"], on.tolist()) if o),
