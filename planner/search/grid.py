@@ -10,7 +10,6 @@ activation profile. Which policy moves or recomputes comes from executor/homes.p
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protrain.executor import homes as H
+
+from .memo import per_object
 
 if TYPE_CHECKING:
     from .cost import Terms
@@ -84,20 +85,14 @@ class _RowsOf:
         return value
 
 
-_KEYS: dict[int, tuple[weakref.ref, tuple]] = {}
+_KEYS: dict = {}
 
 
 def _key(t: Terms) -> tuple:
     """What ``grid_terms`` reads of ``t``, as a key (once per Terms object, kept while it lives)."""
-    hit = _KEYS.get(id(t))
-    if hit is not None and hit[0]() is t:
-        return hit[1]
     arrays = (t.saved, t.inputs, t.saved_tensor, t.comp_fwd, t.comp_bwd, t.shared_grads, t.fwd_peak, t.bwd_peak)
-    key = (*(np.asarray(a, dtype=np.float64).tobytes() for a in arrays), t.gpu, t.swap_out_us_per_byte,
-           t.swap_in_us_per_byte)
-    ident = id(t)
-    _KEYS[ident] = (weakref.ref(t, lambda _ref: _KEYS.pop(ident, None)), key)
-    return key
+    return per_object(_KEYS, t, lambda: (*(np.asarray(a, dtype=np.float64).tobytes() for a in arrays), t.gpu,
+                                         t.swap_out_us_per_byte, t.swap_in_us_per_byte))
 
 
 def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:

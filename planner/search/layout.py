@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Collection, Sequence
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -33,6 +32,8 @@ from typing import NamedTuple
 import numpy as np
 
 from protrain.executor.errors import ConfigError
+
+from .memo import per_object
 
 ALIGN_NUMEL = 32
 """Parameter offsets inside a chunk are multiples of this many elements (see above)."""
@@ -133,24 +134,15 @@ def chunk_trainable(facts, chunk_numel: int) -> np.ndarray | None:
     return np.array(_layout(_layout_key(facts), chunk_numel)[3], dtype=bool)
 
 
-_KEYS: dict[int, tuple[weakref.ref, tuple]] = {}
+_KEYS: dict = {}
 
 
 def _layout_key(facts) -> tuple:
     """What the layout reads of ``facts``, hashable: ``make_plan`` asks for each chunk size
     several times (candidates, search, terms), and lays it out once. Made once per facts
     object while it lives (ModelFacts are frozen, their lists never written after they are made)."""
-    hit = _KEYS.get(id(facts))
-    if hit is not None and hit[0]() is facts:
-        return hit[1]
-    key = (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
-           tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen)
-    try:
-        ident = id(facts)
-        _KEYS[ident] = (weakref.ref(facts, lambda _ref: _KEYS.pop(ident, None)), key)
-    except TypeError:  # (an object without weak references: made again next time)
-        pass
-    return key
+    return per_object(_KEYS, facts, lambda: (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
+                                             tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen))
 
 
 @functools.lru_cache(maxsize=32)

@@ -11,13 +11,13 @@ and read again, the same values each time. The placement's share of the memory w
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .memo import per_object
 from .memory_walk import ALPHA_GPU
 
 if TYPE_CHECKING:
@@ -71,22 +71,23 @@ def min_buffers(t: Terms, persist: Placement) -> int:
     return int((t.uses @ off).max()) if off.any() else 0
 
 
-_FIXED: dict[int, tuple[weakref.ref, dict]] = {}
+_FIXED: dict = {}
 
 
 def fixed_terms(t: Terms) -> dict:
     """What ``evaluate`` reads of ``t`` whatever the placement, computed once per Terms object
     (kept while it lives; Terms are frozen and their arrays never written after make_terms)."""
-    hit = _FIXED.get(id(t))
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
+    return per_object(_FIXED, t, lambda: _fixed_terms(t))
+
+
+def _fixed_terms(t: Terms) -> dict:
+    again = t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
     ss, cs = np.nonzero(t.offload_at)
     by_step = np.lexsort((cs, -ss))  # backward order: s descending, then c
     out = {
         "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
-        "up_bwd_again": t.up_bwd * again,
-        "uploads_b_cached": (t.up_bwd * again).sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
+        "up_bwd_again": again,
+        "uploads_b_cached": again.sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
         "host_per_chunk": host_bytes_per_chunk(t),
         # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
         "offload_steps": [(int(ss[i]), int(cs[i])) for i in by_step],
@@ -95,8 +96,6 @@ def fixed_terms(t: Terms) -> dict:
         # chunks by their last forward use, latest first (ties: the higher id)
         "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
     }
-    key = id(t)
-    _FIXED[key] = (weakref.ref(t, lambda _ref: _FIXED.pop(key, None)), out)
     return out
 
 
