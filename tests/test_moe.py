@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -298,7 +299,14 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
 
 # ---------------------------------------------------------------------------- against a measured profile
 
-PROFILE_B, PROFILE_T, PROFILE_ROUNDS = 4, 64, 5
+PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY = 4, 64, 12, 4
+CAL_HOST_NS, SLOW_HOST = 1100, 1.35
+"""A bare ``Tensor.view`` from Python (``host_view_ns``) on the 2-core box the CPU host
+costs in analytic.py were measured on, in its usual state: 1.05-1.21 us on 2026-12-06 (the
+least of 7 x 2000 calls, one thread, the thread's CPU clock), and 1.9-2.6 us in the spells,
+minutes long, in which that VM runs slow. A measurement whose host ran more than
+``SLOW_HOST`` times slower (the median over its rounds) is not one the absolute checks
+compare against (``_calibrated``)."""
 
 
 def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
@@ -315,19 +323,40 @@ def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
     return best
 
 
+def host_view_ns(calls: int = 2000) -> float:
+    """Nanoseconds of one ``Tensor.view`` called from Python, on the thread's CPU clock (after a warm-up)."""
+    x = torch.zeros(4, 4)
+    for _ in range(calls // 10):
+        x.view(16)
+    t0 = time.thread_time()
+    for _ in range(calls):
+        x.view(16)
+    return (time.thread_time() - t0) / calls * 1e9
+
+
+def _calibrated(host_ns: float) -> None:
+    """Skip an absolute check when this host's per-op speed is unlike the calibration box's."""
+    if host_ns > SLOW_HOST * CAL_HOST_NS:
+        pytest.skip(f"a bare Tensor.view took {host_ns:.0f} ns (median) while measuring, {host_ns / CAL_HOST_NS:.1f}x "
+                    f"the {CAL_HOST_NS} ns of the box analytic.py's CPU host costs were measured on, which they "
+                    "do not scale by: an absolute time is not comparable here (the MoE-over-dense checks still ran)")
+
+
 @pytest.fixture(scope="module")
 def probed_block_us():
     """The tiny Mixtral block, its dense twin and a tiny Qwen3-MoE block against a spec probed on this machine.
 
-    Returns the probed spec and, per model, ((analytic fwd_us, bwd_us), (measured fwd_us,
+    Returns the probed spec; per model ((analytic fwd_us, bwd_us), (measured fwd_us,
     bwd_us)): the analytic profile planned with the probed spec, the measured profile of
-    the same model (real weights) run with it. The dense twin has the same attention and
+    the same model (real weights) run with it; the host's per-op time while measuring
+    (``host_view_ns``, the median over the rounds); and the measured MoE over its dense
+    twin per phase, the median over the rounds of the two blocks measured back to back. The dense twin has the same attention and
     one MLP as wide as the two experts a token visits. The Qwen3-MoE (16 experts, top-4,
     every block MoE, head size 16, q/k norms) is the second family: another router and
     other routing sizes (1024 routed rows over 16 experts, against Mixtral's 512 over 8),
     none of which the CPU MoE constants were measured on.
 
-    Two things keep the numbers about this machine and not about its neighbours:
+    Three things keep the numbers about this machine and not about its neighbours:
 
     - **One thread**, for the probe and the profiles alike, so the spec describes the
       machine the profile runs on. On a shared 2-core box another process that takes a
@@ -341,6 +370,21 @@ def probed_block_us():
       clock is the op's time. Measured at load 5 on 2 cores: the wall-clock probe gave
       46-63 GFLOP/s fp32 from run to run, the CPU clock 79-101, and a wall-clock 8x256
       block came out 2x its ops' sum. Cache and memory-bandwidth contention still count.
+    - **The machine at its best on both sides.** The CPU clock still counts the spells in
+      which this VM's core runs slow (a bare ``x.view`` took 1.1 us or 2.0-2.6 us by turns:
+      spells of a second on an idle box, at times of minutes). A profile is the least over
+      ``PROFILE_ROUNDS`` interleaved rounds, which filters the short spells, and a rate is
+      the best of a probe every ``PROBE_EVERY`` rounds, the same statistic. With one probe
+      ahead of 5 rounds (before 2026-12-06) a probe that fell in a slow spell read 93-117
+      GFLOP/s where others read 130-158, which moved every analytic time with it (backward
+      up to 1.27x of measured), and 5 rounds that all fell in slow spells made a measured
+      block 1.3x slow (the Mixtral forward at 0.70x, once in CI and once in 12 runs here).
+      A spell of minutes slows every round, and the small ops of these blocks more than
+      the probe's large matmul (in one: dense forward 0.65x, backward 0.79x; MoE over
+      dense still 0.97x and 0.95x), so the absolute checks skip when ``host_view_ns``
+      shows one (``CAL_HOST_NS``), and the MoE-over-dense checks, which cancel it, run
+      on every host: on pairs measured back to back, since the least of each alone can
+      come from different states (0.71x once, in a spell that came and went).
     """
     from protrain.planner.hardware.probe import probe
 
@@ -349,28 +393,39 @@ def probed_block_us():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(time, "perf_counter", time.thread_time)  # measure() and the probe read it
-            spec = probe("cpu", quick=True)
-            pair = {}
-            for name, cfg in (("dense", tiny("mistral")), ("moe", tiny("mixtral")),
-                              ("qwen3_moe", tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2))):
+            cfgs = {"dense": tiny("mistral"), "moe": tiny("mixtral"),
+                    "qwen3_moe": tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)}
+            models = {}
+            for name, cfg in cfgs.items():
+                torch.manual_seed(0)
+                models[name] = build(cfg, device="cpu")
+            spec, rounds, host = None, [], []
+            for r in range(PROFILE_ROUNDS):  # interleaved, so that a busy moment hits every model
+                host.append(host_view_ns())
+                if r % PROBE_EVERY == 0:
+                    s = probe("cpu", quick=True)
+                    spec = s if spec is None else msgspec.structs.replace(
+                        spec, matmul_fp32_flops_per_s=max(spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s),
+                        mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s))
+                rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, rounds=1, spec=spec)
+                               for name, model in models.items()})
+            analytic = {}
+            for name, cfg in cfgs.items():
                 meta = build(cfg)
                 c = count_segments(meta, blocks=block_paths(meta), micro_batch=PROFILE_B, seq_len=PROFILE_T,
                                    compute_dtype="float32", spec=spec)
-                torch.manual_seed(0)
-                pair[name] = ((c[1].fwd.time_s * 1e6, c[1].bwd.time_s * 1e6), build(cfg, device="cpu"))
-            measured = {name: (float("inf"), float("inf")) for name in pair}
-            for _ in range(PROFILE_ROUNDS):  # interleaved, so that a busy moment hits both models
-                for name, (_, model) in pair.items():
-                    m = measured_block_us(model, B=PROFILE_B, T=PROFILE_T, rounds=1, spec=spec)
-                    measured[name] = (min(measured[name][0], m[0]), min(measured[name][1], m[1]))
+                analytic[name] = (c[1].fwd.time_s * 1e6, c[1].bwd.time_s * 1e6)
     finally:
         torch.set_num_threads(threads)
-    return spec, {name: (pair[name][0], measured[name]) for name in pair}
+    measured = {name: tuple(min(r[name][i] for r in rounds) for i in (0, 1)) for name in cfgs}
+    paired = tuple(statistics.median(r["moe"][i] / r["dense"][i] for r in rounds) for i in (0, 1))
+    return spec, {name: (analytic[name], measured[name]) for name in cfgs}, statistics.median(host), paired
 
 
-def _report(spec, times) -> list[str]:
+def _report(spec, times, host_ns) -> list[str]:
     lines = [f"probed spec: fp32 matmul {spec.matmul_fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
-             f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock)"]
+             f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock); "
+             f"host: a bare Tensor.view in {host_ns:.0f} ns, median (calibration box {CAL_HOST_NS})"]
     for i, phase in enumerate(("fwd", "bwd")):
         row = []
         for name in times:
@@ -385,11 +440,15 @@ def _report(spec, times) -> list[str]:
 @pytest.mark.slow
 def test_moe_block_backward_time_against_a_probed_cpu_spec(probed_block_us, capsys):
     # Absolute, within 25%, MoE and dense: measured 0.89-1.04x (MoE) and 0.92-1.06x
-    # (dense) in seven runs at load 2.5-5 on the 2-core box, probes of 79-101 GFLOP/s.
-    spec, times = probed_block_us
-    lines = _report(spec, times)
+    # (dense) in seven runs at load 2.5-5 on the 2-core box, probes of 79-101 GFLOP/s. With
+    # the best of three probes and 12 rounds (the fixture's docstring), 14 runs on 2026-12-06
+    # (four with a busy loop on the other core; probes of 150-163 GFLOP/s): 1.02-1.13x (MoE),
+    # 1.03-1.11x (dense), where one probe ahead of 5 rounds had given 0.92-1.27x in 25 runs.
+    spec, times, host_ns, _ = probed_block_us
+    lines = _report(spec, times, host_ns)
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+    _calibrated(host_ns)
     for name in ("moe", "dense"):
         (_, a), (_, m) = times[name]
         assert abs(a / m - 1) <= 0.25, (name, lines)
@@ -400,13 +459,27 @@ def test_moe_over_dense_backward_against_a_probed_cpu_spec(probed_block_us):
     # The MoE block over its dense twin, analytic against measured: what the MoE charge
     # adds to a dense block, with the errors both share cancelling. Charging all eight
     # experts would make the analytic ratio ~2.6. Measured 1.21-1.24 analytic against
-    # 1.17-1.32. The forward's ratio is printed, not asserted: on a cpu spec it carries
-    # the MoE's own host costs (CPU_MOE_EXPERT_US, CPU_MOE_ROW_US; the MoE forward test
-    # below), 1.47-1.50 analytic against 1.42-1.61 measured in seven runs (1.17-1.18
-    # against 1.38-1.67 before them).
-    _, times = probed_block_us
-    ratio_a = times["moe"][0][1] / times["dense"][0][1]
-    ratio_m = times["moe"][1][1] / times["dense"][1][1]
+    # 1.17-1.32; on 2026-12-06 0.95-1.03x in 14 runs (the least of each block), and 0.96-0.98x
+    # (pairs measured back to back) in five runs in a slow spell that skipped the absolute
+    # checks (the fixture's docstring). Runs on any host.
+    _, times, _, paired = probed_block_us
+    ratio_a, ratio_m = times["moe"][0][1] / times["dense"][0][1], paired[1]
+    assert abs(ratio_a / ratio_m - 1) <= 0.25, (ratio_a, ratio_m)
+
+
+@pytest.mark.slow
+def test_moe_over_dense_forward_against_a_probed_cpu_spec(probed_block_us):
+    # The same in forward, where a cpu spec charges the MoE's own host costs
+    # (CPU_MOE_EXPERT_US, CPU_MOE_ROW_US; the MoE forward test below), which were fitted as
+    # this difference (the MoE block less its dense twin, tools/bench_moe_cpu.py) on other
+    # shapes. 1.47-1.50 analytic against 1.42-1.61 measured in seven runs (1.17-1.18 against
+    # 1.38-1.67 before them); on 2026-12-06, pairs measured back to back, 0.90-0.98x in five
+    # runs in a slow spell that skipped the absolute checks. Runs on any host, but catches
+    # only gross errors: with the two MoE costs set to 0 it reads ~0.78x, inside the bound
+    # (the absolute check below fails on that). The Qwen3-MoE over the same twin is not a
+    # pair (another router, head size and width; 1.17-1.20x): its absolute check covers it.
+    _, times, _, paired = probed_block_us
+    ratio_a, ratio_m = times["moe"][0][0] / times["dense"][0][0], paired[0]
     assert abs(ratio_a / ratio_m - 1) <= 0.25, (ratio_a, ratio_m)
 
 
@@ -418,9 +491,10 @@ def test_dense_block_forward_time_against_a_probed_cpu_spec(probed_block_us):
     # this test (see their docstrings in planner/profiling/analytic.py). Before them 0.58-0.68x;
     # with them 0.86-0.98x in seven runs on a quiet box (probes of 81-97 GFLOP/s), 0.72-0.83x
     # with another of our processes on the second core (the backward test fails there too).
-    _, times = probed_block_us
+    spec, times, host_ns, _ = probed_block_us
+    _calibrated(host_ns)
     (a, _), (m, _) = times["dense"]
-    assert abs(a / m - 1) <= 0.25, (a, m)
+    assert abs(a / m - 1) <= 0.25, _report(spec, times, host_ns)
 
 
 @pytest.mark.slow
@@ -453,9 +527,14 @@ def test_moe_block_forward_time_against_a_probed_cpu_spec(probed_block_us, famil
     # Mixtral 0.80-0.95x (median 0.85; 0.68-0.77x before), Qwen3-MoE 1.03-1.13x (median
     # 1.10; 0.71-0.73x before), the dense twin 0.84-0.97x in the same runs. By hand, the
     # same way (three runs): OLMoE 0.88-0.93x, Qwen2-MoE (a shared expert) 0.91-0.98x.
-    _, times = probed_block_us
+    # With the best of three probes and 12 rounds, 14 runs on 2026-12-06: Mixtral 0.85-0.93x,
+    # Qwen3-MoE 1.02-1.13x, the dense twin 0.86-0.93x (one probe ahead of 5 rounds: Mixtral
+    # 0.70-0.97x in 25 runs, 0.70x once in CI). Without the MoE host charges (both constants
+    # set to 0) the Mixtral forward reads 0.71x and fails here.
+    spec, times, host_ns, _ = probed_block_us
+    _calibrated(host_ns)
     (a, _), (m, _) = times[family]
-    assert abs(a / m - 1) <= 0.25, (family, a, m)
+    assert abs(a / m - 1) <= 0.25, (family, _report(spec, times, host_ns))
 
 
 # ---------------------------------------------------------------------------- fit for one model
