@@ -148,6 +148,7 @@ def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
     assert "allocated / reserved" in table
 
 
+@pytest.mark.slow
 def test_bench_train_does_not_fit_is_a_clean_record():
     # 256 KiB is below anything the planner can do for gpt2-tiny: a "fits": false
     # record naming the planner's reason, exit status 0, no traceback.
@@ -158,6 +159,7 @@ def test_bench_train_does_not_fit_is_a_clean_record():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_fit_tiny_ladder(tmp_path):
     jsonl = tmp_path / "fit.jsonl"
     proc = run([str(TOOLS / "bench_fit.py"), "--device", "cpu", "--tiny", "--family", "gpt2",

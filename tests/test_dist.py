@@ -178,6 +178,7 @@ def test_sharded_persistent_states_train_as_replicated_on_three_ranks(tmp_path):
         _assert_same_training(out[dtype], out[f"{dtype}-replicated"], 3)
 
 
+@pytest.mark.slow
 def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     """ZeRO-3 with the 12 B host layout (every offloaded chunk homeless: each rank's shard is
     converted from its master into a slot at every fetch, and its reduce-scattered gradients
@@ -204,6 +205,7 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
     assert memory_walk.walk(kept).host_bytes - memory_walk.walk(homeless).host_bytes == 2 * shard * len(off) - slots
 
 
+@pytest.mark.slow
 def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
     """ZeRO-3 with the optimizer states of every offloaded chunk on disk (each rank's shard in
     its own file; bf16 homeless and kept homes, fp32): bit for bit as host states, each
@@ -267,6 +269,7 @@ def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> Non
     assert all(r["optim"] >= homed for r in ranks_d), label
 
 
+@pytest.mark.slow
 def test_device_homed_chunks_train_as_host_homes_on_two_ranks(tmp_path):
     """ZeRO-3 on the device (chunks.py [Note: device homes]): each rank keeps its shard of the
     offloaded chunks' master and moments on the device, all-gathers at fetch and steps as

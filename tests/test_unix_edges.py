@@ -63,6 +63,7 @@ def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe(tmp_path):
     shown = _under_a_terminal([*TRAIN, "--steps", "3"], tmp_path)
     assert "━" in shown and "3/3" in shown, shown  # rich's bar and its M/N column
