@@ -300,13 +300,16 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
 # ---------------------------------------------------------------------------- against a measured profile
 
 PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY = 4, 64, 12, 4
-CAL_HOST_NS, SLOW_HOST = 1100, 1.35
+CAL_HOST_NS, SLOW_HOST = 1100, 1.2
 """A bare ``Tensor.view`` from Python (``host_view_ns``) on the 2-core box the CPU host
 costs in analytic.py were measured on, in its usual state: 1.05-1.21 us on 2026-12-06 (the
 least of 7 x 2000 calls, one thread, the thread's CPU clock), and 1.9-2.6 us in the spells,
 minutes long, in which that VM runs slow. A measurement whose host ran more than
 ``SLOW_HOST`` times slower (the median over its rounds) is not one the absolute checks
-compare against (``_calibrated``)."""
+compare against (``_calibrated``): the CPU host costs are ~45% of the Mixtral forward's
+analytic time and do not scale, so the forward reads lower as the host slows (medians of
+1,073-1,195 ns gave 0.80-0.93x, 1,252-1,441 ns 0.80-0.84x, in eleven runs here), and a host
+1.35x slow would take its usual 0.86x to ~0.75x, the bound."""
 
 
 def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
