@@ -85,6 +85,7 @@ from .layout import (  # noqa: F401  (re-exported: the chunk size's choice, whic
     chunk_need,
     chunk_trainable,
 )
+from .memo import last_call
 from .placement import (  # noqa: F401  (re-exported: the search and the MILP use them from here)
     Placement,
     fixed_terms,
@@ -331,13 +332,12 @@ buffer counts in a row, and the walk does not depend on the buffers."""
 def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
     """The memory walk's highest step per strip (grid_terms: the rest of each step), (G,),
     read-only; the last one again for the same strip terms and gradient buffers."""
-    last, key = _LAST_WALK[0], grads.tobytes()
-    if last is not None and last[0] is g and last[1] == key:
-        return last[2]
-    walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))
-    walk.flags.writeable = False
-    _LAST_WALK[0] = (g, key, walk)
-    return walk
+    def make() -> np.ndarray:
+        walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))
+        walk.flags.writeable = False
+        return walk
+
+    return last_call(_LAST_WALK, g, grads.tobytes(), make)
 
 
 def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,

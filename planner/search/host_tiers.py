@@ -30,6 +30,8 @@ import numpy as np
 
 from protrain.executor import homes as H
 
+from .memo import last_call
+
 
 @dataclass(frozen=True)
 class Tiers:
@@ -66,23 +68,23 @@ def _prefix(values: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 _LAST_AT_HOME: list = [None]
-"""``(t, G, host, Tiers)`` of the last ``_all_at_home``: a search asks again for each buffer count."""
+"""``(t, (G, host), Tiers)`` of the last ``_all_at_home``: a search asks again for each buffer count."""
 
 
 def _all_at_home(t, G: int, host: float) -> Tiers:
     """``choose`` where every strip fits the host with every home kept: no chunk moves (the
     same values ``choose``'s general path gives with all its counts 0). Read-only arrays, the
     last ones again for the same Terms object, grid size and host bytes."""
-    last = _LAST_AT_HOME[0]
-    if last is not None and last[0] is t and last[1] == G and last[2] == host:
-        return last[3]
+    return last_call(_LAST_AT_HOME, t, (G, host), lambda: _at_home(t, G, host))
+
+
+def _at_home(t, G: int, host: float) -> Tiers:
     zero, none = np.zeros(G, dtype=np.int64), np.zeros((G, t.n_chunks), dtype=bool)
     need = np.full(G, float(host))  # (no scratch is dropped: kd == n_off only where nothing is offloaded)
     out = Tiers(k=zero, kd=zero, kn=zero, is_homed=none, is_nvme=none, conv_f=np.zeros(G), conv_b=np.zeros(G),
                 host=need, unhomed=need.copy())
     for a in (zero, none, need, out.conv_f, out.conv_b, out.unhomed):
         a.flags.writeable = False
-    _LAST_AT_HOME[0] = (t, G, host, out)
     return out
 
 

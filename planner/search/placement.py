@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .memo import per_object
+from .memo import last_call, per_object
 from .memory_walk import ALPHA_GPU
 
 if TYPE_CHECKING:
@@ -114,14 +114,13 @@ class Placed:
     grad_down: np.ndarray  # (S,) gradients leaving at segment s's end
     n_params_off: int
     n_trains_dev: int  # persistent chunks that step
-    on: np.ndarray  # fixed["offload_steps"] of offloaded chunks
-    steps: tuple  # those steps
+    steps: tuple  # fixed["offload_steps"] of offloaded chunks
     offload_s: np.ndarray  # their segments
     cpu_us: np.ndarray  # their CPU steps' time
 
 
 _LAST_PLACED: list = [None]
-"""``(t, placement, Placed)`` of the last ``evaluate``: the search evaluates one placement at
+"""``(t, placement, Placed)`` of the last ``placed``: the search evaluates one placement at
 several buffer counts in a row."""
 
 
@@ -129,23 +128,22 @@ def placed(t: Terms, persist: Placement, fixed: dict) -> Placed:
     """``Placed`` of ``persist`` (``fixed``: ``fixed_terms(t)``); the last one again for the same
     Terms object and placement (its arrays are read-only)."""
     key = int(persist) if isinstance(persist, (int, np.integer)) else tuple(int(c) for c in persist)
-    last = _LAST_PLACED[0]
-    if last is not None and last[0] is t and last[1] == key:
-        return last[2]
+    return last_call(_LAST_PLACED, t, key, lambda: _placed(t, persist, fixed))
+
+
+def _placed(t: Terms, persist: Placement, fixed: dict) -> Placed:
     off = offload_mask(t, persist)
     order = fixed["last_used_first"]
     on = off[fixed["offload_c"]] > 0
     n_up_f = t.up_fwd @ off
     stepping = trains(t, off)
-    for a in (off, n_up_f, on):
+    for a in (off, n_up_f):  # (shared by the calls last_call answers)
         a.flags.writeable = False
-    out = Placed(
+    return Placed(
         off=off, order=order[off[order] > 0], trains=stepping,
         host=float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if stepping.any() else 0),
         n_up_f=n_up_f, up_f=n_up_f * t.t_up, in_use=t.uses @ off, grad_down=t.offload_at @ off * t.t_down,
         n_params_off=int(t.chunk_params @ off), n_trains_dev=int(trains(t, 1 - off).sum()),
-        on=on, steps=tuple(st for st, o in zip(fixed["offload_steps"], on.tolist()) if o),
+        steps=tuple(st for st, o in zip(fixed["offload_steps"], on.tolist()) if o),
         offload_s=fixed["offload_s"][on], cpu_us=t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param,
     )
-    _LAST_PLACED[0] = (t, key, out)
-    return out
