@@ -312,18 +312,14 @@ analytic time and do not scale, so the forward reads lower as the host slows (me
 1.35x slow would take its usual 0.86x to ~0.75x, the bound."""
 
 
-def measured_block_us(model, *, B, T, rounds, spec) -> tuple[float, float]:
-    """The least over ``rounds`` measured profiles of the least block's (fwd_us, bwd_us)."""
+def measured_block_us(model, *, B, T, spec) -> tuple[float, float]:
+    """One measured profile's least block (fwd_us, bwd_us)."""
     from protrain.planner.profiling.profile import measure
 
-    blocks = block_paths(model)
-    best = (float("inf"), float("inf"))
-    for _ in range(rounds):
-        p = measure(model, name="m", blocks=blocks, micro_batch=B, seq_len=T, compute_dtype="float32",
-                    device="cpu", spec=spec, iterations=5, warmup=1)
-        seg = p.segments[1:-1]
-        best = (min(best[0], *(s.fwd_us for s in seg)), min(best[1], *(s.bwd_us for s in seg)))
-    return best
+    p = measure(model, name="m", blocks=block_paths(model), micro_batch=B, seq_len=T, compute_dtype="float32",
+                device="cpu", spec=spec, iterations=5, warmup=1)
+    seg = p.segments[1:-1]
+    return min(s.fwd_us for s in seg), min(s.bwd_us for s in seg)
 
 
 def host_view_ns(calls: int = 2000) -> float:
@@ -410,7 +406,7 @@ def probed_block_us():
                     spec = s if spec is None else msgspec.structs.replace(
                         spec, matmul_fp32_flops_per_s=max(spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s),
                         mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s))
-                rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, rounds=1, spec=spec)
+                rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, spec=spec)
                                for name, model in models.items()})
             analytic = {}
             for name, cfg in cfgs.items():
