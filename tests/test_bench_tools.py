@@ -425,3 +425,15 @@ def test_bench_host_measures_on_the_device_it_is_given(tmp_path, monkeypatch, ca
     out = capsys.readouterr()
     assert "broken,bfloat16,1,1,0 on cuda failed" in out.err and "1 of 3 rows failed" in out.err
     assert "| cuda | gpt2-large |" in out.out
+
+
+@pytest.mark.slow
+def test_bench_moe_spread_reports_each_run_and_the_ranges():
+    """One run of the probed-CPU fixture in a fresh process: its ratios, and the section's table."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench_moe_spread.py"), "--runs", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("run 1: ") and "MoE/dense paired" in out, out
+    assert "| MoE/dense forward, paired | " in out and "| check | range |" in out, out
