@@ -299,7 +299,7 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
 
 # ---------------------------------------------------------------------------- against a measured profile
 
-PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY = 4, 64, 12, 4
+PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY, MAX_ROUNDS, NEAR = 4, 64, 12, 4, 36, 0.2
 CAL_HOST_NS, SLOW_HOST = 1100, 1.2
 """A bare ``Tensor.view`` from Python (``host_view_ns``) on the 2-core box the CPU host
 costs in analytic.py were measured on, in its usual state: 1.05-1.21 us on 2026-12-06 (the
@@ -384,6 +384,14 @@ def probed_block_us():
       shows one (``CAL_HOST_NS``), and the MoE-over-dense checks, which cancel it, run
       on every host: on pairs measured back to back, since the least of each alone can
       come from different states (0.71x once, in a spell that came and went).
+    - **More rounds near the bound.** A spell the host-op time does not show can last a
+      whole measurement: in the slow suite's process, with a host median of 1,196 ns, the
+      Mixtral forward read 0.72x and the dense one 0.78x (0.79-0.93x on other runs). When
+      any ratio is more than ``NEAR`` off, ``PROFILE_ROUNDS`` more rounds run, up to
+      ``MAX_ROUNDS``, and every figure is the least (the best probe) over all of them: the
+      same statistic over a longer window, the same 25% bound. A model that is wrong stays
+      out: with the MoE costs at 0 the Mixtral forward read 0.74x after 24 rounds (0.70-0.71x
+      in 12), still failing; the margin is thin, the absolute checks' power is a calibration's.
     """
     from protrain.planner.hardware.probe import probe
 
@@ -399,24 +407,28 @@ def probed_block_us():
                 torch.manual_seed(0)
                 models[name] = build(cfg, device="cpu")
             spec, rounds, host = None, [], []
-            for r in range(PROFILE_ROUNDS):  # interleaved, so that a busy moment hits every model
-                host.append(host_view_ns())
-                if r % PROBE_EVERY == 0:
-                    s = probe("cpu", quick=True)
-                    spec = s if spec is None else msgspec.structs.replace(
-                        spec, matmul_fp32_flops_per_s=max(spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s),
-                        mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s))
-                rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, spec=spec)
-                               for name, model in models.items()})
-            analytic = {}
-            for name, cfg in cfgs.items():
-                meta = build(cfg)
-                c = count_segments(meta, blocks=block_paths(meta), micro_batch=PROFILE_B, seq_len=PROFILE_T,
-                                   compute_dtype="float32", spec=spec)
-                analytic[name] = (c[1].fwd.time_s * 1e6, c[1].bwd.time_s * 1e6)
+            while True:
+                for r in range(len(rounds), len(rounds) + PROFILE_ROUNDS):  # interleaved: a busy moment hits all
+                    host.append(host_view_ns())
+                    if r % PROBE_EVERY == 0:
+                        s = probe("cpu", quick=True)
+                        spec = s if spec is None else msgspec.structs.replace(
+                            spec, matmul_fp32_flops_per_s=max(spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s),
+                            mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s))
+                    rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, spec=spec)
+                                   for name, model in models.items()})
+                analytic = {}
+                for name, cfg in cfgs.items():
+                    meta = build(cfg)
+                    c = count_segments(meta, blocks=block_paths(meta), micro_batch=PROFILE_B, seq_len=PROFILE_T,
+                                       compute_dtype="float32", spec=spec)
+                    analytic[name] = (c[1].fwd.time_s * 1e6, c[1].bwd.time_s * 1e6)
+                measured = {name: tuple(min(r[name][i] for r in rounds) for i in (0, 1)) for name in cfgs}
+                near = any(abs(analytic[n][i] / measured[n][i] - 1) > NEAR for n in cfgs for i in (0, 1))
+                if not near or len(rounds) >= MAX_ROUNDS:
+                    break  # (near the bound: PROFILE_ROUNDS more, later; the least over all of them)
     finally:
         torch.set_num_threads(threads)
-    measured = {name: tuple(min(r[name][i] for r in rounds) for i in (0, 1)) for name in cfgs}
     paired = tuple(statistics.median(r["moe"][i] / r["dense"][i] for r in rounds) for i in (0, 1))
     return spec, {name: (analytic[name], measured[name]) for name in cfgs}, statistics.median(host), paired
 
