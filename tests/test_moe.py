@@ -26,6 +26,7 @@ from planfactory import gpu_spec
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from protrain.executor import transfer
 from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.plan import POST, PRE
 from protrain.planner.commands.fit import host_need_bytes
@@ -400,6 +401,9 @@ def probed_block_us():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(time, "perf_counter", time.thread_time)  # measure() and the probe read it
+            # The CPU path a user runs: not the suite's emulated asynchronous device (its copy
+            # threads share this core; tests/emulation.py), which the host costs never described.
+            mp.setattr(transfer, "EMULATION", None)
             cfgs = {"dense": tiny("mistral"), "moe": tiny("mixtral"),
                     "qwen3_moe": tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)}
             models = {}
