@@ -106,7 +106,9 @@ def plan_trainable(plan: Plan) -> list[bool]:
     return [any(not p.frozen for p in c.params) for c in plan.chunks.items]
 
 
-def tied_spans(uses: Mapping[str, Sequence[int]], nbytes: Mapping[str, int]) -> list[tuple[int, int, int]]:
+def tied_spans(
+    uses: Mapping[str, Sequence[int]], nbytes: Mapping[str, int]
+) -> list[tuple[int, int, int]]:
     """``(first, last, bytes)`` of each parameter of ``nbytes`` that more than one segment uses
     (``uses``: segment indexes in forward order; a tied embedding and head): autograd holds its
     gradient from the backward step after its later use (``last - 1``) to the end of its
@@ -115,16 +117,21 @@ def tied_spans(uses: Mapping[str, Sequence[int]], nbytes: Mapping[str, int]) -> 
     return [(u[0], u[-1], nbytes[n]) for n in nbytes if len(u := uses.get(n, ())) > 1]
 
 
-def shared_grads(plan: Plan, trainable: Sequence[bool] | None = None,
-                 frozen: Collection[str] = ()) -> Counter[tuple[str, int]]:
+def shared_grads(
+    plan: Plan, trainable: Sequence[bool] | None = None, frozen: Collection[str] = ()
+) -> Counter[tuple[str, int]]:
     """Bytes of the gradients autograd holds for trainable parameters two segments use
     (module docstring, ``tied_spans``): ``[(segment, 1)]`` opened at that backward step,
     ``[(segment, -1)]`` closed at its end. ``frozen``: names of parameters without gradients
     (the executor's live ones), beside those the plan marks."""
     segs, cb, out = segments(plan), DTYPE_BYTES[plan.training.compute_dtype], Counter()
     uses = {n: [segs.index(s) for s in u] for n, u in param_segments(plan).items()}
-    held = {p.name: p.numel * cb for c in plan.chunks.items for p in c.params
-            if (trainable is None or trainable[c.id]) and p.name not in frozen and not p.frozen}
+    held = {
+        p.name: p.numel * cb
+        for c in plan.chunks.items
+        for p in c.params
+        if (trainable is None or trainable[c.id]) and p.name not in frozen and not p.frozen
+    }
     for first, last, nbytes in tied_spans(uses, held):
         out[segs[last - 1], 1] += nbytes
         out[segs[first], -1] += nbytes
@@ -150,8 +157,9 @@ StepEvents = tuple[str, Step, list[Event], list[Event]]
 """``(phase, step, begin, end)``: a schedule step's model-state events (``state_events``)."""
 
 
-def state_events(plan: Plan,
-                 trainable: Sequence[bool] | None = None) -> tuple[list[Event], list[StepEvents]]:
+def state_events(
+    plan: Plan, trainable: Sequence[bool] | None = None
+) -> tuple[list[Event], list[StepEvents]]:
     """The model states' events (see the module docstring): wrap's, and per schedule step
     ``(phase, step, begin, end)``: ``begin`` its fetches, prefetches and opened gradients,
     ``end`` its offloads and releases (``chunk_steps``)."""
@@ -160,7 +168,9 @@ def state_events(plan: Plan,
     chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else plan_trainable(plan)
     su, homes = setup(plan), chunk_homes(plan)
-    sharded = W > 1 and plan.placement.shard_persistent_states  # persistent chunks' states: a shard each
+    sharded = (
+        W > 1 and plan.placement.shard_persistent_states
+    )  # persistent chunks' states: a shard each
     out: list[Event] = []
 
     def ev(where: str, kind: str, nbytes: int, chunk: int = -1) -> None:
@@ -169,16 +179,28 @@ def state_events(plan: Plan,
 
     def states(offloaded: bool, steps_on: str) -> bool:
         """Each such chunk's parts, one event per (where, kind); whether one of them trains."""
-        group = [c for c, h in enumerate(homes) if h.offloaded == offloaded and h.steps_on == steps_on]
+        group = [
+            c for c, h in enumerate(homes) if h.offloaded == offloaded and h.steps_on == steps_on
+        ]
         for c in group:
             own = host_numel(plan, c) if offloaded else shard if sharded else numel
-            for where, kind in (("device", "chunks"), ("device", "grads"), ("device", "optim"),
-                                ("host", "home"), ("host", "optim"), ("disk", "optim")):
+            for where, kind in (
+                ("device", "chunks"),
+                ("device", "grads"),
+                ("device", "optim"),
+                ("host", "home"),
+                ("host", "optim"),
+                ("disk", "optim"),
+            ):
                 ev(where, kind, homes[c].nbytes(su, where, numel, own, train[c], kind), c)
         return any(train[c] for c in group)
 
     states(False, "device")  # the persistent chunks
-    ev("device", "buffers", min(plan.placement.n_buffer, sum(h.offloaded for h in homes)) * chunk_bytes)
+    ev(
+        "device",
+        "buffers",
+        min(plan.placement.n_buffer, sum(h.offloaded for h in homes)) * chunk_bytes,
+    )
     if states(True, "device"):  # the device-homed ones, and their steps' scratch
         ev("device", "optim", H.device_scratch_bytes(shard))
     host_steps = states(True, "host")
@@ -189,11 +211,23 @@ def state_events(plan: Plan,
     ev("host", "slots", plan.placement.n_host_slots * shard * cb)
 
     def chunk_events(phase: str, step: Step, changes: list) -> list[Event]:
-        return [Event(phase, step.segment, "buffers" if kind == "chunks" else "device", kind,
-                      sign * chunk_bytes, c) for kind, c, sign in changes if kind == "chunks" or train[c]]
+        return [
+            Event(
+                phase,
+                step.segment,
+                "buffers" if kind == "chunks" else "device",
+                kind,
+                sign * chunk_bytes,
+                c,
+            )
+            for kind, c, sign in changes
+            if kind == "chunks" or train[c]
+        ]
 
-    return out, [(phase, step, chunk_events(phase, step, begin), chunk_events(phase, step, end))
-                 for phase, step, begin, end in chunk_steps(plan.schedule)]
+    return out, [
+        (phase, step, chunk_events(phase, step, begin), chunk_events(phase, step, end))
+        for phase, step, begin, end in chunk_steps(plan.schedule)
+    ]
 
 
 def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
@@ -217,9 +251,12 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
 
     for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
         for step in steps:
-            begin = turn("chunks", (*step.fetch, *step.prefetch), resident, 1) \
-                + turn("grads", step.fetch if phase == "backward" else (), grads, 1)
-            end = turn("grads", step.offload, grads, -1) + turn("chunks", step.release, resident, -1)
+            begin = turn("chunks", (*step.fetch, *step.prefetch), resident, 1) + turn(
+                "grads", step.fetch if phase == "backward" else (), grads, 1
+            )
+            end = turn("grads", step.offload, grads, -1) + turn(
+                "chunks", step.release, resident, -1
+            )
             yield phase, step, begin, end
 
 
@@ -227,13 +264,17 @@ STATE_KINDS = ("chunks", "grads", "optim")
 """Device kinds that are model states (the rest are activations)."""
 
 
-def expected_states(plan: Plan, trainable: Sequence[bool] | None = None) -> dict[tuple[str, str, str], dict[str, int]]:
+def expected_states(
+    plan: Plan, trainable: Sequence[bool] | None = None
+) -> dict[tuple[str, str, str], dict[str, int]]:
     """Device model-state bytes as the executor's ledger counts them (``STATE_KINDS``;
     ``chunks``: persistent chunks' values plus the chunks occupying the reserved buffers) at
     every step's begin (after its fetches and prefetches) and end (after its releases):
     what ``Ledger.check`` holds the executor to. Keys ``(phase, segment, "begin" | "end")``."""
     wrap, steps = state_events(plan, trainable)
-    totals = {k: sum(e.nbytes for e in wrap if e.where == "device" and e.kind == k) for k in STATE_KINDS}
+    totals = {
+        k: sum(e.nbytes for e in wrap if e.where == "device" and e.kind == k) for k in STATE_KINDS
+    }
     out = {}
     for phase, step, begin, end in steps:  # (a step's begin only allocates, its end only frees)
         for when, evs in (("begin", begin), ("end", end)):

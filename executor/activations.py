@@ -84,7 +84,11 @@ class Activations:
     """Installs the plan's activation policies and counts activation bytes for the CPU ledger."""
 
     def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore):
-        self.store, self.copies, self.ledger = store, store.copies, store.ledger  # the engine's (chunks.py)
+        self.store, self.copies, self.ledger = (
+            store,
+            store.copies,
+            store.ledger,
+        )  # the engine's (chunks.py)
         self.count = not self.ledger.cuda  # on CUDA the allocator counts; see memory.py
         modules = dict(model.named_modules())
         self.blocks = {a.block: (modules[a.block], a.policy) for a in plan.activations}
@@ -109,7 +113,9 @@ class Activations:
             if policy == "keep":
                 continue
             original = self._originals[name] = module.forward
-            module.forward = (self._checkpointed if policy == "checkpoint" else self._swapped)(name, original)
+            module.forward = (self._checkpointed if policy == "checkpoint" else self._swapped)(
+                name, original
+            )
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
@@ -127,7 +133,9 @@ class Activations:
                 for a in tree_flatten((args, kwargs))[0]:
                     if isinstance(a, torch.Tensor):
                         self._count(a, name)
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(
+                original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+            )
 
         return forward
 
@@ -144,7 +152,9 @@ class Activations:
             key = storage.data_ptr()
             held = live.get(key)
             if held is None or held[1] != t._version:  # new storage, or written since its download
-                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # all its bytes
+                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+                    storage
+                )  # all its bytes
                 host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self.copies.cuda)
                 handle = SwapHandle(host, self.copies.download(host, src, name="swap_out"))
                 self.swapped[name].append(handle)
@@ -163,7 +173,8 @@ class Activations:
             h.up.wait()
             # The saved view, exactly: same size, stride and offset, on the swapped-in storage.
             return torch.empty(0, dtype=dtype, device=h.dev.device).set_(
-                h.dev.untyped_storage(), offset, size, stride)
+                h.dev.untyped_storage(), offset, size, stride
+            )
 
         def forward(*args, **kwargs):
             # Storages this call swapped: data pointer → (device bytes held, version, handle).
@@ -217,9 +228,14 @@ class Activations:
             yield
         if self.copies.events.listeners:  # events.py [Note: events]
             for seg in {**self.segment_swap_bytes, **self.segment_bytes}:
-                self.copies.events.emit("saved", "mark", phase="forward", segment=seg,
-                                        nbytes=self.segment_bytes[seg],
-                                        swap_bytes=self.segment_swap_bytes[seg])
+                self.copies.events.emit(
+                    "saved",
+                    "mark",
+                    phase="forward",
+                    segment=seg,
+                    nbytes=self.segment_bytes[seg],
+                    swap_bytes=self.segment_swap_bytes[seg],
+                )
 
     def _count(self, t: torch.Tensor, segment: str) -> None:
         if not self.count or self.store.owns(t):

@@ -169,8 +169,10 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
         root.mkdir(parents=True, exist_ok=True)
         fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise CheckpointError(f"{flag} {root}: cannot create its lock file ({e.strerror or e})",
-                              f"give {flag} a directory you can write") from None
+        raise CheckpointError(
+            f"{flag} {root}: cannot create its lock file ({e.strerror or e})",
+            f"give {flag} a directory you can write",
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -179,7 +181,7 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
         raise CheckpointError(
             f"{flag} {root} is in use by another protrain run (pid {holder} holds {root / LOCK_FILE}); "
             "two runs saving into one directory would delete each other's checkpoints",
-            f"give this run its own directory (--save-dir {root}-2), or wait for pid {holder} to finish"
+            f"give this run its own directory (--save-dir {root}-2), or wait for pid {holder} to finish",
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -190,20 +192,30 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
 # ------------------------------------------------------------------------- save
 
 
-def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2) -> Path:
+def save(
+    engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2
+) -> Path:
     """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
     if keep < 1:
         raise ValueError("keep must be at least 1")
     root = Path(root)
-    sd = engine.state_dict(trainable_only=bool(engine.base_fingerprint))  # a collective: every rank gathers
+    sd = engine.state_dict(
+        trainable_only=bool(engine.base_fingerprint)
+    )  # a collective: every rank gathers
     optim = {f"{k}.{part}": v for k, st in sd["optim"].items() for part, v in st.items()}
     tensors = [*sd["model"].items(), *optim.items()]
-    need = sum(t.numel() * t.element_size() for _, t in tensors)  # bytes; tied aliases counted twice (a bound)
+    need = sum(
+        t.numel() * t.element_size() for _, t in tensors
+    )  # bytes; tied aliases counted twice (a bound)
     last = engine.last_checkpoint
-    _refuse_nonfinite(tensors, f"checkpoint to {root} at step {engine.steps_done}",
-                      "; not written (a checkpoint must resume)",
-                      f"resume from the last finite checkpoint: `protrain train … --resume {last}`" if last
-                      else "train again with a lower learning rate: `protrain train … --lr X`")
+    _refuse_nonfinite(
+        tensors,
+        f"checkpoint to {root} at step {engine.steps_done}",
+        "; not written (a checkpoint must resume)",
+        f"resume from the last finite checkpoint: `protrain train … --resume {last}`"
+        if last
+        else "train again with a lower learning rate: `protrain train … --lr X`",
+    )
     # A save outside a run (rank 0, a root no lock_root of this process holds) owns the root meanwhile.
     outside = engine.comm.rank == 0 and os.path.realpath(root) not in _held
     lock = lock_root(root, "the checkpoint root") if outside else RootLock(root, -1)
@@ -213,8 +225,15 @@ def save(engine: Engine, root: str | Path, *, data: dict[str, int] | None = None
         lock.release()
 
 
-def _write(engine: Engine, model: dict, optim: dict, root: Path, data: dict[str, int] | None, keep: int,
-           need: int) -> Path:
+def _write(
+    engine: Engine,
+    model: dict,
+    optim: dict,
+    root: Path,
+    data: dict[str, int] | None,
+    keep: int,
+    need: int,
+) -> Path:
     """``save`` once rank 0 holds the root's lock ([Note: one run per root]): name, sweep, the
     files, the rename, ``latest`` and the pruning ([Note: atomicity])."""
     from safetensors import SafetensorError
@@ -222,12 +241,14 @@ def _write(engine: Engine, model: dict, optim: dict, root: Path, data: dict[str,
 
     comm = engine.comm
     name = f"step-{engine.steps_done:08d}"
-    if comm.rank == 0 and (root / name).exists():  # saved again at one step: a new name, never replaced
+    if (
+        comm.rank == 0 and (root / name).exists()
+    ):  # saved again at one step: a new name, never replaced
         name += f".{next(k for k in itertools.count(1) if not (root / f'{name}.{k}').exists())}"
     if comm.world > 1:  # rank 0's choice, as bytes (no pickle)
         buf = torch.zeros(64, dtype=torch.uint8, device=engine.device)
         if comm.rank == 0:
-            buf[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+            buf[: len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
         comm.broadcast(buf, "checkpoint name")
         name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     tmp, final = root / f".tmp-{name}", root / name
@@ -259,9 +280,11 @@ def _write(engine: Engine, model: dict, optim: dict, root: Path, data: dict[str,
         _after_phase("latest")
         # Keep the one just written (``latest``) and the keep-1 newest others by step; a run
         # resumed from an older step may write a lower step than those already there.
-        others = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.name != name),
-                        key=lambda p: ([int(g or 0) for g in STEP_DIR.fullmatch(p.name).groups()], p.name))
-        for old in others[:max(0, len(others) - (keep - 1))]:
+        others = sorted(
+            (p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.name != name),
+            key=lambda p: ([int(g or 0) for g in STEP_DIR.fullmatch(p.name).groups()], p.name),
+        )
+        for old in others[: max(0, len(others) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         _after_phase("pruned")
     comm.barrier("checkpoint rename")
@@ -284,10 +307,13 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
         raise CheckpointError(
             f"checkpoint {final} is complete, but {root / 'latest'} could not be pointed at it: "
             f"{e.strerror or e}; `latest` still names the previous checkpoint",
-            f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`") from None
+            f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`",
+        ) from None
 
 
-def _write_rank0(engine: Engine, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None) -> None:
+def _write_rank0(
+    engine: Engine, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None
+) -> None:
     """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing every file."""
     from safetensors.torch import save_file
 
@@ -301,13 +327,19 @@ def _write_rank0(engine: Engine, model: dict, optim: dict, tmp: Path, data: dict
         files[f.name] = FileEntry(bytes=f.stat().st_size, sha256=_sha256(f))
     _after_phase("tensors")
     manifest = Manifest(
-        format=FORMAT, version=VERSION, step=engine.steps_done,
-        model_fingerprint=engine.plan.model.fingerprint, world_size=engine.comm.world,
+        format=FORMAT,
+        version=VERSION,
+        step=engine.steps_done,
+        model_fingerprint=engine.plan.model.fingerprint,
+        world_size=engine.comm.world,
         compute_dtype=engine.plan.training.compute_dtype,
         params={k: list(v.shape) for k, v in model.items()},
         tied=[list(p) for p in engine.plan.model.tied],
         scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
-        data=dict(data or {}), files=files, optimizer_state=bool(optim), base_fingerprint=engine.base_fingerprint,
+        data=dict(data or {}),
+        files=files,
+        optimizer_state=bool(optim),
+        base_fingerprint=engine.base_fingerprint,
     )
     (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     fsync_path(tmp / "manifest.json")
@@ -326,7 +358,8 @@ def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> Checkpoi
         f"checkpoint to {root} failed: {getattr(error, 'strerror', None) or error} (a checkpoint needs about "
         f"{need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and `latest` still names "
         "the previous checkpoint",
-        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less")
+        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less",
+    )
 
 
 def fsync_path(path: Path) -> None:
@@ -346,7 +379,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _refuse_nonfinite(tensors: list[tuple[str, torch.Tensor]], where: str, fate: str, hint: str) -> None:
+def _refuse_nonfinite(
+    tensors: list[tuple[str, torch.Tensor]], where: str, fate: str, hint: str
+) -> None:
     """Refuse a state holding NaN or inf, naming its first such tensor: a save writes finite
     tensors only and a load reads them only ([Note: one run per root]). All on the host: one
     ``all_finite`` reads each tensor once, and only a refusal looks for the name."""
@@ -367,13 +402,17 @@ def resolve(root: str | Path) -> Path:
         return root
     latest = root / "latest"
     if not latest.is_file():
-        raise CheckpointError(f"{root}: no checkpoint here (neither manifest.json nor latest)",
-                              "pass the directory given to --save-dir / Engine.save")
+        raise CheckpointError(
+            f"{root}: no checkpoint here (neither manifest.json nor latest)",
+            "pass the directory given to --save-dir / Engine.save",
+        )
     with open(latest, "rb") as f:
         text = f.read(64).decode("ascii", "replace").strip()
     if not STEP_DIR.fullmatch(text):
-        raise CheckpointError(f"{latest}: names {text[:24]!r}, not a step-NNNNNNNN directory",
-                              "point --resume at a step directory that holds manifest.json")
+        raise CheckpointError(
+            f"{latest}: names {text[:24]!r}, not a step-NNNNNNNN directory",
+            "point --resume at a step directory that holds manifest.json",
+        )
     return root / text
 
 
@@ -385,12 +424,16 @@ def read_manifest(directory: str | Path) -> Manifest:
         with open(where, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
-        raise CheckpointError(f"{where}: cannot read ({e.strerror or e})", "check the path") from None
+        raise CheckpointError(
+            f"{where}: cannot read ({e.strerror or e})", "check the path"
+        ) from None
     m = decode_manifest(raw, str(where))
     for name, entry in m.files.items():
         path = directory / name
         if not path.is_file() or path.stat().st_size != entry.bytes:
-            raise CheckpointError(f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)", DAMAGED)
+            raise CheckpointError(
+                f"{path}: missing or not {entry.bytes} bytes (incomplete checkpoint)", DAMAGED
+            )
         if _sha256(path) != entry.sha256:
             raise CheckpointError(f"{path}: SHA-256 differs from the manifest (corrupted)", DAMAGED)
     return m
@@ -399,31 +442,43 @@ def read_manifest(directory: str | Path) -> Manifest:
 def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
     """Strictly decode and check a manifest's own bytes; any bad input is a ``CheckpointError``."""
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{where}: larger than 1 MiB; not a protrain manifest", "check the path")
+        raise CheckpointError(
+            f"{where}: larger than 1 MiB; not a protrain manifest", "check the path"
+        )
     try:
         m = msgspec.json.decode(raw, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
-        raise CheckpointError(f"{where}: not a valid checkpoint manifest: {e}",
-                              f"{DAMAGED} (the previous step directory)") from None
+        raise CheckpointError(
+            f"{where}: not a valid checkpoint manifest: {e}",
+            f"{DAMAGED} (the previous step directory)",
+        ) from None
     if m.version != VERSION:
-        raise CheckpointError(f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
-                              "resume with the protrain version that wrote it")
+        raise CheckpointError(
+            f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
+            "resume with the protrain version that wrote it",
+        )
     if not 1 <= m.world_size <= 65536 or m.step < 0 or not 0 < m.scaler.scale < float("inf"):
-        raise CheckpointError(f"{where}: world_size {m.world_size}, step {m.step} or loss scale "
-                              f"{m.scaler.scale} out of range", DAMAGED)
-    expected = {"model.safetensors", "optim.safetensors"} | {f"rng-rank{r}.safetensors"
-                                                             for r in range(m.world_size)}
+        raise CheckpointError(
+            f"{where}: world_size {m.world_size}, step {m.step} or loss scale "
+            f"{m.scaler.scale} out of range",
+            DAMAGED,
+        )
+    expected = {"model.safetensors", "optim.safetensors"} | {
+        f"rng-rank{r}.safetensors" for r in range(m.world_size)
+    }
     if set(m.files) != expected:  # (plain names only: world_size is at most 65536, checked above)
-        raise CheckpointError(f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}",
-                              DAMAGED)
+        raise CheckpointError(
+            f"{where}: lists files {sorted(m.files)[:6]}, expected {sorted(expected)[:6]}", DAMAGED
+        )
     return m
 
 
 OPTIM_PARTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
-                  partial: bool = False) -> None:
+def check_header(
+    path: Path, expected: dict[str, tuple[list[int], torch.dtype]], partial: bool = False
+) -> None:
     """Check the file's tensor names, shapes and dtypes against ``expected`` before reading.
     ``partial``: the optimizer file, which holds all three parts of some parameters (those
     that have stepped; frozen and never-used ones have no state, as in torch.optim)."""
@@ -431,7 +486,9 @@ def check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
 
     try:  # the header alone; safetensors raises its own SafetensorError on a bad one
         with safe_open(path, framework="pt") as f:
-            found = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            found = {
+                k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+            }
     except Exception as e:
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})", DAMAGED) from None
     if partial:
@@ -443,8 +500,9 @@ def check_header(path: Path, expected: dict[str, tuple[list[int], torch.dtype]],
     for k, (shape, dtype) in found.items():
         want = (expected[k][0], _ST_DTYPES[expected[k][1]])
         if (shape, dtype) != want:
-            raise CheckpointError(f"{path}: tensor {k!r} is {dtype} {shape}, expected {want[1]} {want[0]}",
-                                  DAMAGED)
+            raise CheckpointError(
+                f"{path}: tensor {k!r} is {dtype} {shape}, expected {want[1]} {want[0]}", DAMAGED
+            )
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
@@ -457,37 +515,62 @@ def load(engine: Engine, root: str | Path) -> Manifest:
 
     directory = resolve(root)
     m = read_manifest(directory)
-    if m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint:  # [Note: adapter checkpoints]
+    if (
+        m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint
+    ):  # [Note: adapter checkpoints]
         raise CheckpointError(
             f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, this model's "
-            + (f"{engine.base_fingerprint[:19]}…)" if engine.base_fingerprint else "has no frozen parameters)"),
-            "resume with the base model (and the --lora settings) the checkpoint was trained with")
+            + (
+                f"{engine.base_fingerprint[:19]}…)"
+                if engine.base_fingerprint
+                else "has no frozen parameters)"
+            ),
+            "resume with the base model (and the --lora settings) the checkpoint was trained with",
+        )
     # (a chunk's parameter is never a tied alias: validate refuses an alias with a chunk slot, and
     # check() at wrap refuses a plan naming other than the model's first names (named_parameters))
-    mine = {engine.names[id(p)]: list(p.shape) for c in engine.store.chunks for p, _, _ in c.params
-            if p.requires_grad or not m.base_fingerprint}
+    mine = {
+        engine.names[id(p)]: list(p.shape)
+        for c in engine.store.chunks
+        for p, _, _ in c.params
+        if p.requires_grad or not m.base_fingerprint
+    }
     if m.model_fingerprint != engine.plan.model.fingerprint or m.params != mine:
         wrong = sorted(set(m.params) ^ set(mine)) or [k for k in mine if m.params.get(k) != mine[k]]
         raise CheckpointError(
             f"{directory}: checkpoint of another model (fingerprint {m.model_fingerprint[:19]}…, "
             f"this model {engine.plan.model.fingerprint[:19]}…; e.g. {wrong[:3]})",
-            "resume with the model the checkpoint was saved from")
-    check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
-    check_header(directory / "optim.safetensors", {
-        f"{k}.{part}": (([] if part == "step" else v), torch.float32)
-        for k, v in m.params.items() for part in OPTIM_PARTS}
-        if m.optimizer_state else {}, partial=True)
+            "resume with the model the checkpoint was saved from",
+        )
+    check_header(
+        directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()}
+    )
+    check_header(
+        directory / "optim.safetensors",
+        {
+            f"{k}.{part}": (([] if part == "step" else v), torch.float32)
+            for k, v in m.params.items()
+            for part in OPTIM_PARTS
+        }
+        if m.optimizer_state
+        else {},
+        partial=True,
+    )
     rng = directory / f"rng-rank{engine.comm.rank}.safetensors"
     restore_rng = m.world_size == engine.comm.world
     if restore_rng:  # checked before the engine changes, like the other files
         with safe_open(rng, framework="pt") as f:
             if "cpu" not in f.keys() or f.get_slice("cpu").get_dtype() != "U8":
                 raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", DAMAGED)
-    model = load_file(directory / "model.safetensors")  # (no aliases: load_state_dict reads chunk names only)
+    model = load_file(
+        directory / "model.safetensors"
+    )  # (no aliases: load_state_dict reads chunk names only)
     flat = load_file(directory / "optim.safetensors")
     refuse_to_load_nonfinite(directory, model, flat)
-    optim = {n: {part: flat[f"{n}.{part}"] for part in OPTIM_PARTS}  # all three of each: check_header
-             for n in dict.fromkeys(k.rsplit(".", 1)[0] for k in flat)}
+    optim = {
+        n: {part: flat[f"{n}.{part}"] for part in OPTIM_PARTS}  # all three of each: check_header
+        for n in dict.fromkeys(k.rsplit(".", 1)[0] for k in flat)
+    }
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
@@ -502,6 +585,10 @@ def load(engine: Engine, root: str | Path) -> Manifest:
 def refuse_to_load_nonfinite(directory: Path, model: dict, optim: dict) -> None:
     """A checkpoint holding NaN or inf (not one this protrain wrote) is refused before the
     engine changes; ``optim`` as the file holds it (``name.part``: tensor)."""
-    _refuse_nonfinite([*model.items(), *optim.items()], str(directory), " (the state of a diverged run); not loaded",
-                      "resume from an earlier checkpoint: "
-                      f"`protrain train … --resume {directory.parent}/step-NNNNNNNN`")
+    _refuse_nonfinite(
+        [*model.items(), *optim.items()],
+        str(directory),
+        " (the state of a diverged run); not loaded",
+        "resume from an earlier checkpoint: "
+        f"`protrain train … --resume {directory.parent}/step-NNNNNNNN`",
+    )

@@ -87,8 +87,17 @@ class Chunk:
     plan's ``chunk_numel`` padded up); see executor/dist.py [Note: sharding].
     """
 
-    def __init__(self, cid: int, numel: int, shard_numel: int, rank: int, where: H.Home, trainable: bool,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cid: int,
+        numel: int,
+        shard_numel: int,
+        rank: int,
+        where: H.Home,
+        trainable: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.id = cid
         # The chunk's home (executor/homes.py): where its values, gradients and optimizer
         # states live between uses. Fixed for the run, as is ``trainable``; the three flags
@@ -157,7 +166,9 @@ class Chunk:
     def _move(self, start: Residency, to: Residency, verb: str) -> None:
         """From ``start`` (asserted) to ``to``: an offloaded chunk's fetch or release."""
         assert self.where.offloaded, f"chunk {self.id} is {self.where.name}: never {verb}"
-        assert self.residency is start, f"chunk {self.id}: {self.residency=}, expected one of {(start,)}"
+        assert self.residency is start, (
+            f"chunk {self.id}: {self.residency=}, expected one of {(start,)}"
+        )
         self.residency = to
 
     def to_resident(self) -> None:
@@ -170,21 +181,31 @@ class Chunk:
 
     def grad_opened(self) -> None:
         """The gradient buffer got device storage (a trainable chunk; offloaded ones in backward)."""
-        assert self.trainable and not self.grad_live, f"chunk {self.id}: {self.trainable=} {self.grad_live=}"
+        assert self.trainable and not self.grad_live, (
+            f"chunk {self.id}: {self.trainable=} {self.grad_live=}"
+        )
         self.grad_live = True
 
     def grad_closed(self) -> None:
         """The gradient buffer's device storage was freed (an offloaded chunk's offload, or at wrap)."""
-        assert self.grad_live and (self.where.offloaded or not self.trainable), \
+        assert self.grad_live and (self.where.offloaded or not self.trainable), (
             f"chunk {self.id}: {self.grad_live=} {self.where.name=} {self.trainable=}"
+        )
         self.grad_live = False
 
 
 class ChunkStore:
     """All chunks of one plan on one device. The schedule drives it; it decides nothing."""
 
-    def __init__(self, model: nn.Module, plan: Plan, copies: CopyEngine, ledger: Ledger, comm,
-                 nvme_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        copies: CopyEngine,
+        ledger: Ledger,
+        comm,
+        nvme_dir: str | os.PathLike | None = None,
+    ):
         self.device = copies.device  # the engine's
         self.copies = copies
         self.ledger = ledger
@@ -195,7 +216,9 @@ class ChunkStore:
         params = dict(model.named_parameters())
         shard_numel = comm.shard_numel(plan.chunks.chunk_numel)
         su, homes = setup(plan), chunk_homes(plan)
-        train = [any(params[p.name].requires_grad for p in spec.params) for spec in plan.chunks.items]
+        train = [
+            any(params[p.name].requires_grad for p in spec.params) for spec in plan.chunks.items
+        ]
         self.grad_in_home = su.grads_in_home
         self.staged = plan.training.grad_accum > 1
         # One pinned arena for every offloaded chunk's host buffers ([Note: pinned arena]
@@ -206,21 +229,32 @@ class ChunkStore:
         # no home, and the plan's host slots are carved from it too ([Note: host slots]).
         n_slots = plan.placement.n_host_slots
         size = n_slots * HostArena.span(shard_numel, self.dtype)
-        for c, home in enumerate(homes):  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
+        for c, home in enumerate(
+            homes
+        ):  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
             n = host_numel(plan, c)
-            size += sum(HostArena.span(p.nbytes(n, n), torch.uint8) for p in home.parts(su, train[c])
-                        if p.where == "host" and p.name in H.ARENA_PARTS)
+            size += sum(
+                HostArena.span(p.nbytes(n, n), torch.uint8)
+                for p in home.parts(su, train[c])
+                if p.where == "host" and p.name in H.ARENA_PARTS
+            )
         self.disk: DiskStates | None = None
-        on_disk = [c for c, home in enumerate(homes) if home.on_disk and train[c]]  # (frozen: no states)
+        on_disk = [
+            c for c, home in enumerate(homes) if home.on_disk and train[c]
+        ]  # (frozen: no states)
         if on_disk:
             if nvme_dir is None:
-                raise ConfigError(f"the plan keeps the optimizer states of chunks {on_disk} on disk "
-                                  "(placement.nvme) but no directory was given for them",
-                                  "pass --nvme DIR to `protrain train` (wrap(..., nvme_dir=DIR)): a directory on "
-                                  "a fast local disk")
+                raise ConfigError(
+                    f"the plan keeps the optimizer states of chunks {on_disk} on disk "
+                    "(placement.nvme) but no directory was given for them",
+                    "pass --nvme DIR to `protrain train` (wrap(..., nvme_dir=DIR)): a directory on "
+                    "a fast local disk",
+                )
             # The file holds each chunk's disk parts (homes.py: master and moments, page-aligned).
             own = {c: host_numel(plan, c) for c in on_disk}
-            self.disk = DiskStates(nvme_dir, sum(homes[c].nbytes(su, "disk", n, n) for c, n in own.items()))
+            self.disk = DiskStates(
+                nvme_dir, sum(homes[c].nbytes(su, "disk", n, n) for c, n in own.items())
+            )
             self.ledger.host_alloc(H.NVME_WINDOW)
         # The optimizer's fp32 masters (ChunkOptimizer.master, the same dict): a homeless
         # chunk's fetch rounds its values from there; write_back writes into them.
@@ -230,8 +264,17 @@ class ChunkStore:
             self.arena = HostArena(size, pin=copies.cuda)
             # [Note: chunk memory pool] in transfer.py
             copies.reserve(pool_slots(plan) * shard_numel * comm.world * self.dtype.itemsize)
-            self.chunks = [self._lay_out(spec, params, shard_numel, homes[spec.id], train[spec.id],
-                                         host_numel(plan, spec.id)) for spec in plan.chunks.items]
+            self.chunks = [
+                self._lay_out(
+                    spec,
+                    params,
+                    shard_numel,
+                    homes[spec.id],
+                    train[spec.id],
+                    host_numel(plan, spec.id),
+                )
+                for spec in plan.chunks.items
+            ]
         except BaseException:
             for held in (self.arena, self.disk):  # a failed wrap must not leave host memory pinned
                 if held is not None:
@@ -239,12 +282,21 @@ class ChunkStore:
             raise
         # The host slots (see [Note: host slots]), free for a next use once guard() returns:
         # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute dtype.
-        self.slots = collections.deque((self.arena.take(shard_numel, self.dtype), None) for _ in range(n_slots))
+        self.slots = collections.deque(
+            (self.arena.take(shard_numel, self.dtype), None) for _ in range(n_slots)
+        )
         self.ledger.host_alloc(n_slots * shard_numel * self.dtype.itemsize)
         self._refresh_live()  # _live_ptrs: the data_ptr of every resident chunk's storage
 
-    def _lay_out(self, spec, params: dict[str, nn.Parameter], shard_numel: int, where: H.Home,
-                 trainable: bool, own_numel: int) -> Chunk:
+    def _lay_out(
+        self,
+        spec,
+        params: dict[str, nn.Parameter],
+        shard_numel: int,
+        where: H.Home,
+        trainable: bool,
+        own_numel: int,
+    ) -> Chunk:
         """Build one chunk: views for its parameters, its values, a home if offloaded.
 
         [Note: masters from the user's fp32 values]
@@ -258,21 +310,37 @@ class ChunkStore:
         the device.
         """
         with self.copies.pooled():  # values and gradients come from the chunk pool
-            c = Chunk(spec.id, shard_numel * self.comm.world, shard_numel, self.comm.rank, where, trainable,
-                      self.dtype, self.device)
+            c = Chunk(
+                spec.id,
+                shard_numel * self.comm.world,
+                shard_numel,
+                self.comm.rank,
+                where,
+                trainable,
+                self.dtype,
+                self.device,
+            )
         persistent = c.persistent
-        c.sharded = self.comm.world > 1 and (not persistent or self.shard_persistent and c.trainable)
+        c.sharded = self.comm.world > 1 and (
+            not persistent or self.shard_persistent and c.trainable
+        )
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
-        fp32 = self.dtype == torch.float32 or not c.trainable  # no master: see [Note: frozen chunks]
+        fp32 = (
+            self.dtype == torch.float32 or not c.trainable
+        )  # no master: see [Note: frozen chunks]
         at = self.device if persistent or c.homed else torch.device("cpu")
-        image = c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=at)
+        image = (
+            c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=at)
+        )
         with torch.no_grad():
             for ps in spec.params:
                 p = params[ps.name]
-                image[ps.offset: ps.offset + ps.numel].copy_(p.detach().reshape(-1))
-                p.data = c.dev[ps.offset: ps.offset + ps.numel].view(p.shape)  # [Note: chunk storage resize]
+                image[ps.offset : ps.offset + ps.numel].copy_(p.detach().reshape(-1))
+                p.data = c.dev[ps.offset : ps.offset + ps.numel].view(
+                    p.shape
+                )  # [Note: chunk storage resize]
                 if p.requires_grad:  # a frozen parameter's .grad stays None, as in PyTorch
-                    p.grad = c.dev_grad[ps.offset: ps.offset + ps.numel].view(p.shape)
+                    p.grad = c.dev_grad[ps.offset : ps.offset + ps.numel].view(p.shape)
                 c.params.append((p, ps.offset, ps.numel))
                 c.versions.append(p._version)
             if persistent:
@@ -284,25 +352,37 @@ class ChunkStore:
                     self.ledger.alloc("grads", c.nbytes)
                     return c
             else:
-                if (not fp32 or c.homed) and c.trainable:  # (fp32: the home is the master, unless homed)
+                if (
+                    not fp32 or c.homed
+                ) and c.trainable:  # (fp32: the home is the master, unless homed)
                     c.master_init = image[c.own].clone()
-                if c.homed and not c.trainable:  # no master: values stay on the device ([Note: device homes])
+                if (
+                    c.homed and not c.trainable
+                ):  # no master: values stay on the device ([Note: device homes])
                     c.home = image[c.own].to(self.dtype)
                     self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
-                elif c.on_disk and fp32:  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
+                elif (
+                    c.on_disk and fp32
+                ):  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
                     c.home = self.disk.take(own_numel)
                     copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
                 elif not c.where.uses_slots and not c.homed:
                     c.home = self.arena.take(own_numel, self.dtype)
                     c.home.copy_(image[c.own])
                     self.ledger.host_alloc(c.home.numel() * c.home.element_size())
-                elif not c.trainable:  # its master would be its only copy, and frozen chunks have none
-                    raise ConfigError(f"chunk {c.id} is homeless (placement.homeless) but its parameters "
-                                      "are frozen", "make the plan for the model with its parameters frozen "
-                                      "as they are now")
+                elif (
+                    not c.trainable
+                ):  # its master would be its only copy, and frozen chunks have none
+                    raise ConfigError(
+                        f"chunk {c.id} is homeless (placement.homeless) but its parameters "
+                        "are frozen",
+                        "make the plan for the model with its parameters frozen as they are now",
+                    )
                 self.copies.resize(c.dev, 0, f"chunk {c.id}")
                 c.to_released()
-        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")  # (a frozen chunk never opens them)
+        self.copies.resize(
+            c.dev_grad, 0, f"gradients of chunk {c.id}"
+        )  # (a frozen chunk never opens them)
         c.grad_closed()
         return c
 
@@ -314,8 +394,11 @@ class ChunkStore:
 
     def _refresh_live(self) -> None:
         """Recompute the set of live parameter storages (after a fetch or release)."""
-        self._live_ptrs = {x.dev.untyped_storage().data_ptr() for x in self.chunks
-                           if x.dev.untyped_storage().nbytes() > 0}
+        self._live_ptrs = {
+            x.dev.untyped_storage().data_ptr()
+            for x in self.chunks
+            if x.dev.untyped_storage().nbytes() > 0
+        }
 
     # -- residency (offloaded chunks only; the schedule only names those)
 
@@ -328,27 +411,43 @@ class ChunkStore:
             return
         # n_buffer is the plan's bound on resident offloaded chunks; the validator's
         # replay checks it, and this holds the executor to it.
-        assert len(self.resident_offloaded()) < self.n_buffer, f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
+        assert len(self.resident_offloaded()) < self.n_buffer, (
+            f"{cid=}: fetch beyond placement.n_buffer={self.n_buffer}"
+        )
         c.settle()  # the updated weights must be in home before we read it
         self.copies.resize(c.dev, c.nbytes, f"chunk {cid}")
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         n = c.own.stop - c.own.start
-        slotted = c.where.uses_slots  # homeless: the master rounded into a slot ([Note: host slots])
+        slotted = (
+            c.where.uses_slots
+        )  # homeless: the master rounded into a slot ([Note: host slots])
         # (device-homed: the device master, rounded by the copy itself ([Note: device homes]))
-        src = self.masters[cid] if c.homed and c.trainable else self.take_slot() if slotted else c.home
+        src = (
+            self.masters[cid]
+            if c.homed and c.trainable
+            else self.take_slot()
+            if slotted
+            else c.home
+        )
         if slotted:
             with record_function("protrain::round_master"):
                 copy_pieces(src[:n], self.masters[cid], self.disk if c.on_disk else None)
-        gather = (lambda: self.comm.all_gather(c.dev, f"chunk {cid}")) if self.comm.world > 1 else None
-        if c.on_disk and src is c.home and self.dtype == torch.float32:  # the home: the master, on disk
+        gather = (
+            (lambda: self.comm.all_gather(c.dev, f"chunk {cid}")) if self.comm.world > 1 else None
+        )
+        if (
+            c.on_disk and src is c.home and self.dtype == torch.float32
+        ):  # the home: the master, on disk
             # A piece at a time, each dropped once issued (data-safe under an upload still
             # reading it: it faults back), so the fetch maps one piece, not the shard. One copy
             # stream: the last piece's handle covers them all.
             self.disk.prefetch(src[:n])
             for a in range(0, n, STEP_PIECE):
                 b = min(a + STEP_PIECE, n)
-                c.upload = self.copies.upload(c.dev[c.own][a:b], src[a:b], gather=gather if b == n else None)
+                c.upload = self.copies.upload(
+                    c.dev[c.own][a:b], src[a:b], gather=gather if b == n else None
+                )
                 self.disk.drop(src[a:b])
         else:
             c.upload = self.copies.upload(c.dev[c.own], src[:n], gather=gather)
@@ -386,7 +485,9 @@ class ChunkStore:
 
     def release(self, cid: int) -> None:
         c = self.chunks[cid]
-        assert c.residency is Residency.RESIDENT, f"{cid=} {c.residency=}: release of a released chunk"
+        assert c.residency is Residency.RESIDENT, (
+            f"{cid=} {c.residency=}: release of a released chunk"
+        )
         # A prefetch never used (evaluate, an error): its copy and all-gather still write the
         # storage we are about to free.
         self.wait(cid)  # a prefetch never used
@@ -419,11 +520,13 @@ class ChunkStore:
             a, b = max(off, lo), min(off + n, hi)  # the parameter's piece on this rank
             with torch.no_grad():
                 if a < b and c.home is not None:
-                    c.home[a - lo: b - lo].copy_(c.dev[a:b])
-                if a < b and (self.dtype != torch.float32 or c.homed):  # (fp32: the chunk or home is the master)
-                    self.masters[cid][a - lo: b - lo].copy_(c.dev[a:b])
+                    c.home[a - lo : b - lo].copy_(c.dev[a:b])
+                if a < b and (
+                    self.dtype != torch.float32 or c.homed
+                ):  # (fp32: the chunk or home is the master)
+                    self.masters[cid][a - lo : b - lo].copy_(c.dev[a:b])
                 if a < b and c.on_disk:
-                    self.disk.drop(self.masters[cid][a - lo: b - lo])
+                    self.disk.drop(self.masters[cid][a - lo : b - lo])
 
     def begin_step(self) -> None:
         """A new optimizer step: zero persistent gradients, forget who had a gradient."""
@@ -450,7 +553,9 @@ class ChunkStore:
         c = self.chunks[cid]
         if self.comm.world == 1:
             return c.dev_grad[c.own]
-        out = torch.empty(c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device)
+        out = torch.empty(
+            c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device
+        )
         self.comm.reduce_scatter(out, c.dev_grad, f"gradients of chunk {cid}")
         return out
 
@@ -461,5 +566,6 @@ class ChunkStore:
         c.grad_closed()
 
     def resident_offloaded(self) -> frozenset[int]:
-        return frozenset(c.id for c in self.chunks
-                         if not c.persistent and c.residency is Residency.RESIDENT)
+        return frozenset(
+            c.id for c in self.chunks if not c.persistent and c.residency is Residency.RESIDENT
+        )

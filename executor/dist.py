@@ -72,14 +72,21 @@ class Comm:
         self.world = dist.get_world_size() if self.active else 1
         self.rank = dist.get_rank() if self.active else 0
         if self.world != plan_world_size:
-            where = (f"torch.distributed has {self.world} ranks" if self.active
-                     else "torch.distributed is not initialised (one rank)")
-            raise PlanError(f"plan is for world size {plan_world_size} but {where}",
-                            f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
-                            f"`protrain plan --world-size {self.world} …`")
+            where = (
+                f"torch.distributed has {self.world} ranks"
+                if self.active
+                else "torch.distributed is not initialised (one rank)"
+            )
+            raise PlanError(
+                f"plan is for world size {plan_world_size} but {where}",
+                f"launch with `torchrun --nproc-per-node {plan_world_size} …`, or make a plan with "
+                f"`protrain plan --world-size {self.world} …`",
+            )
         # torch >= 2.10 renamed the tensor collectives; keep the floor (2.6) working.
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._reduce_scatter = (
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        )
         # Runs each collective call: directly, or (the asynchronous CPU emulation) on the
         # copy engine's upload worker so gloo sees every rank's calls in plan order.
         self.runner = lambda fn: fn()
@@ -101,21 +108,34 @@ class Comm:
         except torch.OutOfMemoryError:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
-            raise RankFailure(f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
-                              "another rank probably died or the process group timed out",
-                              "look at the other ranks' logs; resume from the last checkpoint") from None
+            raise RankFailure(
+                f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
+                "another rank probably died or the process group timed out",
+                "look at the other ranks' logs; resume from the last checkpoint",
+            ) from None
 
     def all_gather(self, full: torch.Tensor, what: str) -> None:
         """Fill ``full`` (W shards) from every rank's own shard, in place."""
         n = full.numel() // self.world
-        self._run(f"all-gather of {what}", self._all_gather, full, full[self.rank * n:(self.rank + 1) * n])
+        self._run(
+            f"all-gather of {what}",
+            self._all_gather,
+            full,
+            full[self.rank * n : (self.rank + 1) * n],
+        )
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False
+    ):
         """``shard`` = the sum over ranks of this rank's slice of ``full`` (``async_op``: the
         work to ``wait`` on)."""
-        return self._run(f"reduce-scatter of {what}", self._reduce_scatter, shard, full, async_op=async_op)
+        return self._run(
+            f"reduce-scatter of {what}", self._reduce_scatter, shard, full, async_op=async_op
+        )
 
-    def start_reduce_scatter(self, full: torch.Tensor, own: slice, what: str) -> tuple[torch.Tensor, object]:
+    def start_reduce_scatter(
+        self, full: torch.Tensor, own: slice, what: str
+    ) -> tuple[torch.Tensor, object]:
         """Start summing this rank's slice ``own`` of ``full`` over the ranks: ``(out, work)``.
         ``out`` is the slice itself on CUDA (NCCL reduces in place when the output is the
         rank's slice of the input: no memory beyond what accounting.py counts), a buffer of
@@ -138,21 +158,37 @@ class Comm:
         if self.world == 1 or not fields:
             return
         names = list(fields)
-        mine = torch.tensor([_agreement_value(fields[n]) for n in names], dtype=torch.int64, device=device)
+        mine = torch.tensor(
+            [_agreement_value(fields[n]) for n in names], dtype=torch.int64, device=device
+        )
         table = torch.empty(self.world * len(names), dtype=torch.int64, device=device)
-        self._run("all-gather of what the ranks must agree on (plan, training shape, data)",
-                  self._all_gather, table, mine)
+        self._run(
+            "all-gather of what the ranks must agree on (plan, training shape, data)",
+            self._all_gather,
+            table,
+            mine,
+        )
         rows = table.view(self.world, len(names)).tolist()
-        differ = [(r, i) for r in range(1, self.world) for i in range(len(names)) if rows[r][i] != rows[0][i]]
+        differ = [
+            (r, i)
+            for r in range(1, self.world)
+            for i in range(len(names))
+            if rows[r][i] != rows[0][i]
+        ]
         if not differ:
             return
-        shown = [f"rank {r} has {names[i]} = {rows[r][i]} where rank 0 has {rows[0][i]}"
-                 if isinstance(fields[names[i]], int) and not isinstance(fields[names[i]], bool)
-                 else f"rank {r}'s {names[i]} differs from rank 0's" for r, i in differ[:4]]
+        shown = [
+            f"rank {r} has {names[i]} = {rows[r][i]} where rank 0 has {rows[0][i]}"
+            if isinstance(fields[names[i]], int) and not isinstance(fields[names[i]], bool)
+            else f"rank {r}'s {names[i]} differs from rank 0's"
+            for r, i in differ[:4]
+        ]
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
-        raise PlanError(f"rank {self.rank} of {self.world}: the ranks disagree: {'; '.join(shown)}{more}",
-                        "start every rank with the same plan file and options (torchrun runs one command "
-                        "on every rank: check that the plan file is the same on every node)")
+        raise PlanError(
+            f"rank {self.rank} of {self.world}: the ranks disagree: {'; '.join(shown)}{more}",
+            "start every rank with the same plan file and options (torchrun runs one command "
+            "on every rank: check that the plan file is the same on every node)",
+        )
 
     def all_reduce(self, t: torch.Tensor, what: str, async_op: bool = False):
         return self._run(f"all-reduce of {what}", dist.all_reduce, t, async_op=async_op)

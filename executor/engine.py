@@ -77,8 +77,13 @@ class StepResult:
     """CUDA: allocator retries (cache flushes after a failed cudaMalloc) so far; CPU: 0."""
 
 
-def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
-         device: str | torch.device | None = None, nvme_dir: str | os.PathLike | None = None) -> Engine:
+def wrap(
+    model: nn.Module,
+    plan: Plan,
+    optimizer: AdamWConfig | None = None,
+    device: str | torch.device | None = None,
+    nvme_dir: str | os.PathLike | None = None,
+) -> Engine:
     """Lay ``model`` out as ``plan`` says and return the Engine that trains it.
 
     ``model``'s parameters must hold real values (on the host or the device); the
@@ -93,14 +98,22 @@ def wrap(model: nn.Module, plan: Plan, optimizer: AdamWConfig | None = None,
 def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
     """What every rank's plan and optimizer must agree on (``Comm.agree``): the training shape
     and activation policies by name, then a digest of every binding section (the rest)."""
-    return {"$.model.fingerprint": plan.model.fingerprint,
-            **{f"$.training.{k}": getattr(plan.training, k)
-               for k in ("micro_batch", "seq_len", "grad_accum", "compute_dtype")},
-            "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
-            "$.schedule.cpu_adam": plan.schedule.cpu_adam,
-            **{f"$.{s} (the plan's binding section)": canonical(getattr(plan, s))  # (digested: dist.py)
-               for s in ("chunks", "placement", "activations", "schedule")},
-            "the optimizer settings (--lr, --max-grad-norm)": repr(config)}
+    return {
+        "$.model.fingerprint": plan.model.fingerprint,
+        **{
+            f"$.training.{k}": getattr(plan.training, k)
+            for k in ("micro_batch", "seq_len", "grad_accum", "compute_dtype")
+        },
+        "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
+        "$.schedule.cpu_adam": plan.schedule.cpu_adam,
+        **{
+            f"$.{s} (the plan's binding section)": canonical(
+                getattr(plan, s)
+            )  # (digested: dist.py)
+            for s in ("chunks", "placement", "activations", "schedule")
+        },
+        "the optimizer settings (--lr, --max-grad-norm)": repr(config),
+    }
 
 
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
@@ -110,25 +123,34 @@ def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
         raise ConfigError(
             "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, but the "
             f"plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
-            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)")
+            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)",
+        )
 
 
 def _image(c, parts: list[torch.Tensor]) -> torch.Tensor:
     """A whole-chunk fp32 image (padding zero) of one tensor per parameter of chunk ``c``."""
     full = torch.zeros(c.numel, dtype=torch.float32)
     for (_p, off, n), t in zip(c.params, parts):
-        full[off: off + n].copy_(t.reshape(-1))
+        full[off : off + n].copy_(t.reshape(-1))
     return full
 
 
 class Engine:
-    def __init__(self, model: nn.Module, plan: Plan, config: AdamWConfig,
-                 device: str | torch.device | None, nvme_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        config: AdamWConfig,
+        device: str | torch.device | None,
+        nvme_dir: str | os.PathLike | None = None,
+    ):
         validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
         _check_cpu_adam(plan, config)
         self.comm = Comm(plan.training.world_size)  # refuses a world-size mismatch
-        dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(
+            device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+        )
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         # before any other collective: ranks with other plans would deadlock in them (dist.py [Note: ranks agree])
@@ -138,7 +160,9 @@ class Engine:
         # clip_grad_norm_(model.parameters()) does.
         self.param_order = list(model.parameters())
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.base_fingerprint = base_fingerprint(model)  # "" unless mostly frozen: checkpoints save the rest only
+        self.base_fingerprint = base_fingerprint(
+            model
+        )  # "" unless mostly frozen: checkpoints save the rest only
         for _, b in model.named_buffers():
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
@@ -150,7 +174,9 @@ class Engine:
         try:
             self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
-            self.optim.nonfinite_error = self._nonfinite_error  # optim.py [Note: finite-state guard]
+            self.optim.nonfinite_error = (
+                self._nonfinite_error
+            )  # optim.py [Note: finite-state guard]
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
             self.acts = Activations(model, plan, self.store)
@@ -168,22 +194,29 @@ class Engine:
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
         self.steps_done = 0
-        self.last_checkpoint: str | None = None  # the newest checkpoint saved or loaded here (all finite)
+        self.last_checkpoint: str | None = (
+            None  # the newest checkpoint saved or loaded here (all finite)
+        )
 
     def _expect_accounting(self, plan: Plan) -> None:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
         boundary's model states (``Ledger.check``, called by the replayer)."""
         trainable = [c.trainable for c in self.store.chunks]
         # (state_events' first part: the events at wrap)
-        host = sum(e.nbytes for e in accounting.state_events(plan, trainable)[0] if e.where == "host")
+        host = sum(
+            e.nbytes for e in accounting.state_events(plan, trainable)[0] if e.where == "host"
+        )
         if self.ledger.host_bytes != host:
-            raise AssertionError(f"host states: counted {self.ledger.host_bytes} B, accounting.py "
-                                 f"says {host} B")
+            raise AssertionError(
+                f"host states: counted {self.ledger.host_bytes} B, accounting.py says {host} B"
+            )
         self.ledger.expected = accounting.expected_states(plan, trainable)
 
     # -- observation
 
-    def on_event(self, callback: Listener, *, count_activations: bool = False) -> Callable[[], None]:
+    def on_event(
+        self, callback: Listener, *, count_activations: bool = False
+    ) -> Callable[[], None]:
         """Call ``callback(event)`` for everything the engine does, as it does it, until the
         returned function is called: segments, copies, releases, optimizer steps, collectives
         (``executor/events.py`` [Note: events] lists each ``Event``). Some events come from
@@ -203,14 +236,19 @@ class Engine:
     def _check_batch(self, batches: Sequence[Batch], count: bool = True, first: int = 0) -> None:
         t = self.plan.training
         if count and len(batches) != t.grad_accum:
-            raise ConfigError(f"step() got {len(batches)} micro-batches; the plan accumulates "
-                              f"{t.grad_accum} per step", "pass one (idx, targets) pair per micro-batch")
+            raise ConfigError(
+                f"step() got {len(batches)} micro-batches; the plan accumulates "
+                f"{t.grad_accum} per step",
+                "pass one (idx, targets) pair per micro-batch",
+            )
         for i, (x, y) in enumerate(batches, first):
             for what, tensor in (("idx", x), ("targets", y)):
                 if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
-                    raise ConfigError(f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
-                                      f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
-                                      "batch the data as the plan says, or make a plan for this shape with `protrain plan`")
+                    raise ConfigError(
+                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
+                        f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
+                        "batch the data as the plan says, or make a plan for this shape with `protrain plan`",
+                    )
 
     def _draws(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> Iterator[Batch]:
         """The step's micro-batches, in order: a sequence checked whole before anything runs; an
@@ -228,9 +266,11 @@ class Engine:
         for i in range(k):
             pair = next(it, None)
             if pair is None:
-                raise ConfigError(f"step() got {i} micro-batches; the plan accumulates {k} per step "
-                                  "(the engine must be closed: the drawn ones have run)",
-                                  "pass one (idx, targets) pair per micro-batch")
+                raise ConfigError(
+                    f"step() got {i} micro-batches; the plan accumulates {k} per step "
+                    "(the engine must be closed: the drawn ones have run)",
+                    "pass one (idx, targets) pair per micro-batch",
+                )
             self._check_batch([pair], count=False, first=i)
             yield pair
 
@@ -285,7 +325,9 @@ class Engine:
 
         tc = time.perf_counter()
         grad_norm, skipped = self._finish_update()
-        self._refuse_poisoned(stepping=True)  # a CPU step that already found one (others: next step)
+        self._refuse_poisoned(
+            stepping=True
+        )  # a CPU step that already found one (others: next step)
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
@@ -293,9 +335,15 @@ class Engine:
         loss_value = self.comm.mean(torch.stack(losses).float().mean(), "the loss")
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
-        return StepResult(loss=loss_value, grad_norm=grad_norm, peak_bytes=self.ledger.device_peak_bytes(),
-                          skipped=skipped, timings_s=timings, reserved_peak_bytes=reserved,
-                          alloc_retries=retries)
+        return StepResult(
+            loss=loss_value,
+            grad_norm=grad_norm,
+            peak_bytes=self.ledger.device_peak_bytes(),
+            skipped=skipped,
+            timings_s=timings,
+            reserved_peak_bytes=reserved,
+            alloc_retries=retries,
+        )
 
     def evaluate(self, batch: Batch) -> float:
         """The loss of one ``(idx, targets)`` batch of the plan's shape, without training.
@@ -343,26 +391,42 @@ class Engine:
                 f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
                 "optimizer state are those of the previous step",
                 "resume from the last checkpoint"
-                + (f" ({self.last_checkpoint}, the newest this run saved or loaded)" if self.last_checkpoint else "")
-                + " with a lower learning rate (or gradient clipping), and check the data around this step")
+                + (
+                    f" ({self.last_checkpoint}, the newest this run saved or loaded)"
+                    if self.last_checkpoint
+                    else ""
+                )
+                + " with a lower learning rate (or gradient clipping), and check the data around this step",
+            )
 
     def _nonfinite_error(self, cid: int, step: int, partial: bool) -> NonFiniteGradientError:
         """The error of optim.py's [Note: finite-state guard]: where, what state is left, and
         the last finite checkpoint to resume from."""
         names = [self.names[id(p)] for p, _, _ in self.store.chunks[cid].params]
         where = names[0] + (f" … {names[-1]}" if len(names) > 1 else "")
-        state = ("stopped before any parameter changed, so the model and optimizer state are those of "
-                 f"step {step - 1}" if not partial else
-                 "other chunks may have stepped already, so the state is partly updated and will not be "
-                 "saved or exported")
+        state = (
+            "stopped before any parameter changed, so the model and optimizer state are those of "
+            f"step {step - 1}"
+            if not partial
+            else "other chunks may have stepped already, so the state is partly updated and will not be "
+            "saved or exported"
+        )
         ckpt = self.last_checkpoint
         return NonFiniteGradientError(
             f"a gradient is NaN or infinite at step {step}: chunk {cid} ({where}), "
             f"{self.plan.training.compute_dtype}, with a finite loss; {state}; "
-            + (f"the last finite checkpoint is {ckpt}" if ckpt else "no checkpoint was saved or loaded in this run"),
-            (f"resume from it with a lower learning rate or clipping: `protrain train … --resume {ckpt} --lr X`"
-             if ckpt else "train again with a lower learning rate or clipping: `protrain train … --lr X`"),
-            partial=partial)
+            + (
+                f"the last finite checkpoint is {ckpt}"
+                if ckpt
+                else "no checkpoint was saved or loaded in this run"
+            ),
+            (
+                f"resume from it with a lower learning rate or clipping: `protrain train … --resume {ckpt} --lr X`"
+                if ckpt
+                else "train again with a lower learning rate or clipping: `protrain train … --lr X`"
+            ),
+            partial=partial,
+        )
 
     def _refuse_poisoned(self, *, stepping: bool = False) -> None:
         """Raise the guard's error again when a gradient was found non-finite: before any
@@ -381,7 +445,9 @@ class Engine:
         try:
             for c in self.store.chunks:
                 if c.trainable:  # (no chunk is device-homed: those plans step during backward)
-                    self.optim.guard(c.id, self.optim.step_no, self.optim.step_grads(c.id), partial=False)
+                    self.optim.guard(
+                        c.id, self.optim.step_no, self.optim.step_grads(c.id), partial=False
+                    )
         except NonFiniteGradientError:
             self.optim.discard_home_grads()  # the homes' weights back, as for a skipped fp16 step
             raise
@@ -401,16 +467,22 @@ class Engine:
             f"the allocator held {_size(held)} (peak allocated {_size(peak)}) when this failed: "
             f"{str(e).splitlines()[0][:160]}",
             f"make a plan with a 10% margin: `protrain plan … --budget {_size(int(budget * 0.9))}`, "
-            "and check that no other process uses this device")
+            "and check that no other process uses this device",
+        )
 
     def _offload(self, cid: int) -> None:
         """Gradients of an offloaded chunk are complete: send them to the host, maybe step.
         Nothing here waits for the device; see [Note: gradient offload] in optim.py.
         A persistent chunk's (ZeRO-3): start their reduction ([Note: overlapped reductions])."""
         c, what = self.store.chunks[cid], f"gradients of chunk {cid}"
-        if c.persistent and self._last_micro:  # sharded: this rank's slice ([Note: overlapped reductions])
-            self._reducing[cid] = (self.comm.start_reduce_scatter(c.dev_grad, c.shard, what) if c.sharded
-                                   else (c.dev_grad, self.comm.all_reduce(c.dev_grad, what, async_op=True)))
+        if (
+            c.persistent and self._last_micro
+        ):  # sharded: this rank's slice ([Note: overlapped reductions])
+            self._reducing[cid] = (
+                self.comm.start_reduce_scatter(c.dev_grad, c.shard, what)
+                if c.sharded
+                else (c.dev_grad, self.comm.all_reduce(c.dev_grad, what, async_op=True))
+            )
         if c.persistent:
             return
         # A forward's in-place writes reach home and master before the step reads them (and not
@@ -421,7 +493,9 @@ class Engine:
             self.optim.step_homed(cid)
             return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
-            self.optim.offload_grad(cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro)
+            self.optim.offload_grad(
+                cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro
+            )
         if self._last_micro and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
@@ -438,7 +512,9 @@ class Engine:
         for cid, (out, work) in sorted(self._reducing.items()):
             self.comm.wait(work, f"the reduction of chunk {cid}'s gradients")
             c = self.store.chunks[cid]
-            c.dev_grad[c.shard].copy_(out.div_(self.comm.world)) if c.sharded else out.div_(self.comm.world)
+            c.dev_grad[c.shard].copy_(out.div_(self.comm.world)) if c.sharded else out.div_(
+                self.comm.world
+            )
         self._reducing.clear()
         inv_scale = 1.0 / self.scaler.scale
         coef = grad_norm = None
@@ -482,21 +558,29 @@ class Engine:
         model, optim = {}, {}
         o = self.optim
         for c in self.store.chunks:
-            if trainable_only and not c.trainable:  # (the same chunks on every rank: no collective skipped alone)
+            if (
+                trainable_only and not c.trainable
+            ):  # (the same chunks on every rank: no collective skipped alone)
                 continue
             master = self._whole(c, o.master[c.id])
-            moments = {k: self._whole(c, v[c.id]) for k, v in (("exp_avg", o.exp_avg),
-                                                                 ("exp_avg_sq", o.exp_avg_sq))
-                       if c.trainable}
+            moments = {
+                k: self._whole(c, v[c.id])
+                for k, v in (("exp_avg", o.exp_avg), ("exp_avg_sq", o.exp_avg_sq))
+                if c.trainable
+            }
             for i, (p, off, n) in enumerate(c.params):
                 name = self.names[id(p)]
                 if trainable_only and not p.requires_grad:
                     continue
-                model[name] = master[off: off + n].view(p.shape).detach().float().cpu().clone()
+                model[name] = master[off : off + n].view(p.shape).detach().float().cpu().clone()
                 if o.counts[c.id][i]:  # (counts, not steps: the same on every rank under ZeRO-3)
-                    optim[name] = {"step": torch.tensor(float(o.counts[c.id][i])),
-                                   **{k: v[off: off + n].view(p.shape).cpu().clone()
-                                      for k, v in moments.items()}}
+                    optim[name] = {
+                        "step": torch.tensor(float(o.counts[c.id][i])),
+                        **{
+                            k: v[off : off + n].view(p.shape).cpu().clone()
+                            for k, v in moments.items()
+                        },
+                    }
             if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
                 self.store.disk.drop(o.master[c.id], o.exp_avg[c.id], o.exp_avg_sq[c.id])
         model.update({alias: model[name] for name, alias in self.plan.model.tied if name in model})
@@ -517,13 +601,21 @@ class Engine:
         lacks (``state_dict(trainable_only=True)``) keep their values."""
         self.optim.wait_all()
         model, optim = dict(sd["model"]), sd.get("optim", {})
-        missing = [self.names[id(p)] for c in self.store.chunks for p, _, _ in c.params
-                   if self.names[id(p)] not in model and p.requires_grad]
+        missing = [
+            self.names[id(p)]
+            for c in self.store.chunks
+            for p, _, _ in c.params
+            if self.names[id(p)] not in model and p.requires_grad
+        ]
         if missing:
-            raise ConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}",
-                              "load a state dict saved from this model")
+            raise ConfigError(
+                f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}",
+                "load a state dict saved from this model",
+            )
         dtype, o = DTYPES[self.plan.training.compute_dtype], self.optim
-        zero = dict.fromkeys(("step", "exp_avg", "exp_avg_sq"), torch.zeros(()))  # a parameter never stepped
+        zero = dict.fromkeys(
+            ("step", "exp_avg", "exp_avg_sq"), torch.zeros(())
+        )  # a parameter never stepped
         with torch.no_grad():
             for c in self.store.chunks:
                 master = o.master[c.id]
@@ -532,16 +624,24 @@ class Engine:
                     if not any(nm in model for nm in names):
                         continue
                     kept = self._whole(c, master).float().cpu()
-                    model.update({nm: kept[off: off + n] for (_, off, n), nm in zip(c.params, names)
-                                  if nm not in model})
+                    model.update(
+                        {
+                            nm: kept[off : off + n]
+                            for (_, off, n), nm in zip(c.params, names)
+                            if nm not in model
+                        }
+                    )
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them (c.own).
                 values = _image(c, [model[nm] for nm in names])
                 master.copy_(values[c.own])
                 if optim and c.trainable:  # per parameter; one never stepped starts afresh
                     state = [optim.get(nm, zero) for nm in names]
                     for key, moment in (("exp_avg", o.exp_avg), ("exp_avg_sq", o.exp_avg_sq)):
-                        moment[c.id].copy_(_image(c, [s[key].expand(model[nm].shape)
-                                                      for s, nm in zip(state, names)])[c.own])
+                        moment[c.id].copy_(
+                            _image(
+                                c, [s[key].expand(model[nm].shape) for s, nm in zip(state, names)]
+                            )[c.own]
+                        )
                     for i, s in enumerate(state):
                         o.steps[c.id][i].fill_(float(s["step"]))
                         o.counts[c.id][i] = int(float(s["step"]))

@@ -54,8 +54,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["step", "segment", "fetch", "prefetch", "swap_in", "offload", "swap_out", "release",
-               "land", "cpu_step", "device_step", "collective", "saved"]
+Kind = Literal[
+    "step",
+    "segment",
+    "fetch",
+    "prefetch",
+    "swap_in",
+    "offload",
+    "swap_out",
+    "release",
+    "land",
+    "cpu_step",
+    "device_step",
+    "collective",
+    "saved",
+]
 Edge = Literal["begin", "end", "mark"]
 
 

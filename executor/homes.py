@@ -155,20 +155,30 @@ the master and moments are plain host memory (or the NVMe file)."""
 def _optim(s: Setup, where: str, master: int | None = None) -> list[Part]:
     """fp32 master (``master`` bytes: ``s.master`` unless given) and the two Adam moments."""
     m = s.master if master is None else master
-    return [Part("master", where, "optim", m, "own"), Part("exp_avg", where, "optim", 4, "own"),
-            Part("exp_avg_sq", where, "optim", 4, "own")]
+    return [
+        Part("master", where, "optim", m, "own"),
+        Part("exp_avg", where, "optim", 4, "own"),
+        Part("exp_avg_sq", where, "optim", 4, "own"),
+    ]
 
 
 def _host_grads(s: Setup) -> list[Part]:
     """An offloaded chunk's host gradient buffers: none when they land in its home."""
     if s.grads_in_home:
         return []
-    return [Part("accumulator", "host", "optim", 4, "own"), Part("staging", "host", "optim", s.staging, "own")]
+    return [
+        Part("accumulator", "host", "optim", 4, "own"),
+        Part("staging", "host", "optim", s.staging, "own"),
+    ]
 
 
 def _persistent(s: Setup, trainable: bool) -> list[Part]:
     values = [Part("values", "device", "chunks", s.cb, "chunk")]
-    return values + [Part("grads", "device", "grads", s.cb, "chunk"), *_optim(s, "device")] if trainable else values
+    return (
+        values + [Part("grads", "device", "grads", s.cb, "chunk"), *_optim(s, "device")]
+        if trainable
+        else values
+    )
 
 
 def _host(s: Setup, trainable: bool) -> list[Part]:
@@ -182,7 +192,11 @@ def _homeless(s: Setup, trainable: bool) -> list[Part]:
 
 def _device_homed(s: Setup, trainable: bool) -> list[Part]:
     # The master is kept even in fp32: the chunk's device values live in a shared buffer.
-    return _optim(s, "device", master=4) if trainable else [Part("values", "device", "chunks", s.cb, "own")]
+    return (
+        _optim(s, "device", master=4)
+        if trainable
+        else [Part("values", "device", "chunks", s.cb, "own")]
+    )
 
 
 def _nvme(s: Setup, trainable: bool) -> list[Part]:
@@ -232,11 +246,21 @@ class Home:
         """Bytes per element kept ``where``."""
         return sum(p.elem_bytes for p in self.parts(setup, trainable) if p.where == where)
 
-    def nbytes(self, setup: Setup, where: str, chunk: int, own: int, trainable: bool = True,
-               kind: str | None = None) -> int:
+    def nbytes(
+        self,
+        setup: Setup,
+        where: str,
+        chunk: int,
+        own: int,
+        trainable: bool = True,
+        kind: str | None = None,
+    ) -> int:
         """Bytes kept ``where`` for one chunk (``kind``: of that ledger kind only)."""
-        return sum(p.nbytes(chunk, own) for p in self.parts(setup, trainable)
-                   if p.where == where and (kind is None or p.kind == kind))
+        return sum(
+            p.nbytes(chunk, own)
+            for p in self.parts(setup, trainable)
+            if p.where == where and (kind is None or p.kind == kind)
+        )
 
     def fetch_reads_disk(self, setup: Setup) -> bool:
         """Whether a fetch reads the fp32 master from the disk: a chunk on disk that is rounded
@@ -267,24 +291,65 @@ class Home:
         return f"needs {', '.join(need)}" if need else None
 
 
-PERSISTENT = Home("persistent", "always on the device: values, gradients, master and moments (fused "
-                  "device Adam); the first n_persist chunks", _persistent, offloaded=False, steps_on="device")
-HOST = Home("host", "fetched into a device buffer for its segments; its compute-dtype home, fp32 master "
-            "and moments in host memory, stepped by the CPU worker", _host)
-HOMELESS = Home("homeless", "as host, but no compute-dtype home: each fetch rounds the master into a "
-                "pinned slot (chunks.py [Note: host slots])", _homeless, needs_16bit=True, needs_accum_1=True,
-                needs_during_backward=True, needs_trainable=True, uses_slots=True, fetch_rounds_master=True)
-DEVICE_HOMED = Home("device_homed", "fetched into a device buffer; this rank's shard of its fp32 master "
-                    "and moments stays on the device, stepped there as its gradients complete "
-                    "(chunks.py [Note: device homes])", _device_homed, steps_on="device",
-                    needs_accum_1=True, needs_during_backward=True)
-NVME = Home("nvme", "as host, with its fp32 master and moments in the NVMe file (nvme.py [Note: NVMe "
-            "tier]); in fp32 the home is the master, on the disk", _nvme, on_disk=True)
-NVME_HOMELESS = Home("nvme_homeless", "as homeless, with its fp32 master and moments in the NVMe file",
-                     _nvme_homeless, needs_16bit=True, needs_accum_1=True, needs_during_backward=True,
-                     needs_trainable=True, uses_slots=True, fetch_rounds_master=True, on_disk=True)
+PERSISTENT = Home(
+    "persistent",
+    "always on the device: values, gradients, master and moments (fused "
+    "device Adam); the first n_persist chunks",
+    _persistent,
+    offloaded=False,
+    steps_on="device",
+)
+HOST = Home(
+    "host",
+    "fetched into a device buffer for its segments; its compute-dtype home, fp32 master "
+    "and moments in host memory, stepped by the CPU worker",
+    _host,
+)
+HOMELESS = Home(
+    "homeless",
+    "as host, but no compute-dtype home: each fetch rounds the master into a "
+    "pinned slot (chunks.py [Note: host slots])",
+    _homeless,
+    needs_16bit=True,
+    needs_accum_1=True,
+    needs_during_backward=True,
+    needs_trainable=True,
+    uses_slots=True,
+    fetch_rounds_master=True,
+)
+DEVICE_HOMED = Home(
+    "device_homed",
+    "fetched into a device buffer; this rank's shard of its fp32 master "
+    "and moments stays on the device, stepped there as its gradients complete "
+    "(chunks.py [Note: device homes])",
+    _device_homed,
+    steps_on="device",
+    needs_accum_1=True,
+    needs_during_backward=True,
+)
+NVME = Home(
+    "nvme",
+    "as host, with its fp32 master and moments in the NVMe file (nvme.py [Note: NVMe "
+    "tier]); in fp32 the home is the master, on the disk",
+    _nvme,
+    on_disk=True,
+)
+NVME_HOMELESS = Home(
+    "nvme_homeless",
+    "as homeless, with its fp32 master and moments in the NVMe file",
+    _nvme_homeless,
+    needs_16bit=True,
+    needs_accum_1=True,
+    needs_during_backward=True,
+    needs_trainable=True,
+    uses_slots=True,
+    fetch_rounds_master=True,
+    on_disk=True,
+)
 
-HOMES: dict[str, Home] = {h.name: h for h in (PERSISTENT, HOST, HOMELESS, DEVICE_HOMED, NVME, NVME_HOMELESS)}
+HOMES: dict[str, Home] = {
+    h.name: h for h in (PERSISTENT, HOST, HOMELESS, DEVICE_HOMED, NVME, NVME_HOMELESS)
+}
 """Every home by name, in the order ``show`` lists them."""
 
 
@@ -309,10 +374,20 @@ class Policy:
 
 
 KEEP = Policy("keep", "K", "saved activations stay on the device", held="saved")
-SWAP = Policy("swap", "S", "saved activations go to host memory during forward and come back before the "
-              "block's backward", held=None, moves=True)
-CHECKPOINT = Policy("checkpoint", "C", "only the block's inputs are kept; its forward is recomputed in backward",
-                    held="inputs", recomputes=True)
+SWAP = Policy(
+    "swap",
+    "S",
+    "saved activations go to host memory during forward and come back before the block's backward",
+    held=None,
+    moves=True,
+)
+CHECKPOINT = Policy(
+    "checkpoint",
+    "C",
+    "only the block's inputs are kept; its forward is recomputed in backward",
+    held="inputs",
+    recomputes=True,
+)
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (KEEP, SWAP, CHECKPOINT)}
 
@@ -323,29 +398,47 @@ def held_bytes(policy: str, saved: int, inputs: int) -> int:
     return saved if held == "saved" else inputs if held == "inputs" else 0
 
 
-def homes_of(n_chunks: int, persistent: Iterable[int], homeless: Iterable[int] = (),
-             device_homed: Iterable[int] = (), nvme: Iterable[int] = (), where: str = "") -> list[str]:
+def homes_of(
+    n_chunks: int,
+    persistent: Iterable[int],
+    homeless: Iterable[int] = (),
+    device_homed: Iterable[int] = (),
+    nvme: Iterable[int] = (),
+    where: str = "",
+) -> list[str]:
     """``placement.homes`` from chunk-id sets (the form of schema 6 and of the search's choice):
     ``homeless``, ``device_homed`` and ``nvme`` name offloaded chunks; a device-homed chunk is
     neither homeless nor on disk; a chunk on disk and homeless is ``nvme_homeless``. Sets that
     name no home are refused (``PlanError``, ``where`` before the message)."""
-    sets = {"persistent": set(persistent), "homeless": set(homeless), "device_homed": set(device_homed),
-            "nvme": set(nvme)}
+    sets = {
+        "persistent": set(persistent),
+        "homeless": set(homeless),
+        "device_homed": set(device_homed),
+        "nvme": set(nvme),
+    }
 
     def refuse(key: str, what: str):
-        raise PlanError(f"{where}{what} - at `$.placement.{key}`", "regenerate the plan with `protrain plan`")
+        raise PlanError(
+            f"{where}{what} - at `$.placement.{key}`", "regenerate the plan with `protrain plan`"
+        )
 
     for key, ids in sets.items():
         if not all(isinstance(c, int) and 0 <= c < n_chunks for c in ids):
-            refuse(key, f"chunk ids {sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks))} "
-                        f"are out of range (0..{n_chunks - 1})")
+            refuse(
+                key,
+                f"chunk ids {sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks))} "
+                f"are out of range (0..{n_chunks - 1})",
+            )
     for key in ("homeless", "device_homed", "nvme"):
         if sets[key] & sets["persistent"]:
             refuse(key, f"chunks {sorted(sets[key] & sets['persistent'])} are not offloaded")
     for key in ("homeless", "nvme"):
         if sets["device_homed"] & sets[key]:
-            refuse("device_homed", f"chunks {sorted(sets['device_homed'] & sets[key])} are also in `{key}`: a "
-                                   "device-homed chunk keeps nothing on the host")
+            refuse(
+                "device_homed",
+                f"chunks {sorted(sets['device_homed'] & sets[key])} are also in `{key}`: a "
+                "device-homed chunk keeps nothing on the host",
+            )
 
     def home(c: int) -> str:
         if c in sets["persistent"]:

@@ -60,7 +60,9 @@ class Ledger:
             return
         got = {k: self.bytes[k] for k in want}
         want = {**want, "grads": want["grads"] + deferred_grads}
-        assert got == want, f"ledger != accounting.py at {when} of {phase} {segment}: counted {got}, expected {want}"
+        assert got == want, (
+            f"ledger != accounting.py at {when} of {phase} {segment}: counted {got}, expected {want}"
+        )
 
     def alloc(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes

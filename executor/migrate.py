@@ -35,9 +35,11 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
         return dict(doc)
     for key in fields:
         if key in body:
-            raise PlanError(f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
-                            f"- at `$.{section}.{key}`",
-                            f"set `schema_version` to {version + 1} if the file was written for it, or {REGENERATE}")
+            raise PlanError(
+                f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
+                f"- at `$.{section}.{key}`",
+                f"set `schema_version` to {version + 1} if the file was written for it, or {REGENERATE}",
+            )
     return {**doc, section: {**body, **fields}}
 
 
@@ -54,7 +56,12 @@ def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     """
     training = doc.get("training")
     dtype = training.get("compute_dtype") if isinstance(training, dict) else None
-    return _add(doc, "schedule", {"cpu_adam": "after_backward" if dtype == "float16" else "during_backward"}, 1)
+    return _add(
+        doc,
+        "schedule",
+        {"cpu_adam": "after_backward" if dtype == "float16" else "during_backward"},
+        1,
+    )
 
 
 def v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
@@ -100,26 +107,42 @@ def v6_to_v7(doc: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(placement, dict) or not isinstance(items, list):
         return doc  # malformed: left to the strict decode
     if "homes" in placement:
-        raise PlanError("plan schema 6 has no `placement.homes` (added in schema 7) - at `$.placement.homes`",
-                        f"set `schema_version` to 7 if the file was written for it, or {REGENERATE}")
+        raise PlanError(
+            "plan schema 6 has no `placement.homes` (added in schema 7) - at `$.placement.homes`",
+            f"set `schema_version` to 7 if the file was written for it, or {REGENERATE}",
+        )
     n, ids = len(items), {}
     for key in V6_LISTS:
         value = placement.get(key, [])
-        if (not isinstance(value, list) or not all(type(c) is int and 0 <= c < n for c in value)
-                or value != sorted(set(value))):
-            raise PlanError(f"plan schema 6: `placement.{key}` must list chunk ids (0..{n - 1}), ascending "
-                            f"and unique - at `$.placement.{key}`", REGENERATE)
+        if (
+            not isinstance(value, list)
+            or not all(type(c) is int and 0 <= c < n for c in value)
+            or value != sorted(set(value))
+        ):
+            raise PlanError(
+                f"plan schema 6: `placement.{key}` must list chunk ids (0..{n - 1}), ascending "
+                f"and unique - at `$.placement.{key}`",
+                REGENERATE,
+            )
         ids[key] = set(value)
 
     both = sorted(ids["persistent"] & ids["offloaded"])
     neither = sorted(set(range(n)) - ids["persistent"] - ids["offloaded"])
     if both or neither:
-        raise PlanError(f"plan schema 6: chunks {both or neither} are "
-                        f"{'both persistent and offloaded' if both else 'neither persistent nor offloaded'} "
-                        "- at `$.placement.offloaded`", REGENERATE)
-    homes = homes_of(n, ids["persistent"], ids["homeless"], ids["device_homed"], ids["nvme"], "plan schema 6: ")
+        raise PlanError(
+            f"plan schema 6: chunks {both or neither} are "
+            f"{'both persistent and offloaded' if both else 'neither persistent nor offloaded'} "
+            "- at `$.placement.offloaded`",
+            REGENERATE,
+        )
+    homes = homes_of(
+        n, ids["persistent"], ids["homeless"], ids["device_homed"], ids["nvme"], "plan schema 6: "
+    )
     # (Key order matters to no one: the strict decode reads any, and `dump` writes the Plan's own.)
-    return {**doc, "placement": {**{k: v for k, v in placement.items() if k not in V6_LISTS}, "homes": homes}}
+    return {
+        **doc,
+        "placement": {**{k: v for k, v in placement.items() if k not in V6_LISTS}, "homes": homes},
+    }
 
 
 def v7_to_v8(doc: dict[str, Any]) -> dict[str, Any]:
@@ -128,8 +151,15 @@ def v7_to_v8(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-MIGRATIONS: dict[int, Migration] = {1: v1_to_v2, 2: v2_to_v3, 3: v3_to_v4, 4: v4_to_v5, 5: v5_to_v6, 6: v6_to_v7,
-                                    7: v7_to_v8}
+MIGRATIONS: dict[int, Migration] = {
+    1: v1_to_v2,
+    2: v2_to_v3,
+    3: v3_to_v4,
+    4: v4_to_v5,
+    5: v5_to_v6,
+    6: v6_to_v7,
+    7: v7_to_v8,
+}
 """``MIGRATIONS[v]`` turns a version-``v`` plan dict into a version-``v + 1`` one."""
 
 SCHEMA_VERSION = max(MIGRATIONS) + 1

@@ -50,8 +50,10 @@ class DiskStates:
     def __init__(self, directory: str | os.PathLike, nbytes: int):
         where = Path(directory)
         if not where.is_dir():
-            raise ConfigError(f"NVMe directory {str(where)!r} does not exist or is not a directory",
-                              "pass an existing directory on the disk for the tier (--nvme DIR)")
+            raise ConfigError(
+                f"NVMe directory {str(where)!r} does not exist or is not a directory",
+                "pass an existing directory on the disk for the tier (--nvme DIR)",
+            )
         try:
             self.file = tempfile.TemporaryFile(dir=where)  # unlinked: gone with the process
             # Blocks reserved now: a sparse file would run out of space at a page's first write,
@@ -60,14 +62,20 @@ class DiskStates:
                 os.posix_fallocate(self.file.fileno(), 0, max(nbytes, PAGE))
             else:
                 os.ftruncate(self.file.fileno(), max(nbytes, PAGE))
-            self.map = mmap.mmap(self.file.fileno(), max(nbytes, PAGE), flags=mmap.MAP_SHARED,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map = mmap.mmap(
+                self.file.fileno(),
+                max(nbytes, PAGE),
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except OSError as e:
             if getattr(self, "file", None) is not None:
                 self.file.close()
-            raise ConfigError(f"NVMe directory {str(where)!r}: cannot reserve and map a {nbytes:,}-byte file there "
-                              f"({e.strerror or e})",
-                              "pass a writable directory with that much free space (--nvme DIR)") from None
+            raise ConfigError(
+                f"NVMe directory {str(where)!r}: cannot reserve and map a {nbytes:,}-byte file there "
+                f"({e.strerror or e})",
+                "pass a writable directory with that much free space (--nvme DIR)",
+            ) from None
         self.nbytes = nbytes
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)  # 1D (nbytes,), file-backed
         self.base = self.bytes.data_ptr()
@@ -78,7 +86,7 @@ class DiskStates:
         """A zeroed fp32 tensor of ``numel`` elements in the file, starting on a page."""
         size = nvme_span(numel)
         assert self.offset + size <= self.nbytes, "NVMe file sized smaller than the plan needs"
-        t = self.bytes[self.offset: self.offset + numel * 4].view(torch.float32)
+        t = self.bytes[self.offset : self.offset + numel * 4].view(torch.float32)
         self.offset += size
         return t
 
@@ -113,8 +121,9 @@ class DiskStates:
         self._close()
 
 
-def copy_pieces(dst: torch.Tensor, src: torch.Tensor, disk: DiskStates | None, *,
-                drop_dst: bool = False) -> None:
+def copy_pieces(
+    dst: torch.Tensor, src: torch.Tensor, disk: DiskStates | None, *, drop_dst: bool = False
+) -> None:
     """``dst.copy_(src)`` one ``STEP_PIECE`` at a time, dropping each piece of the file-backed
     side (``src``, or ``dst`` with ``drop_dst``) after it: the resident part stays one piece.
     ``disk`` None: neither side is in the file (the same values, nothing to drop)."""

@@ -149,7 +149,9 @@ class LossScaler:
         if not self.enabled:
             return
         self.good_steps = 0 if overflow else self.good_steps + 1
-        if overflow or self.good_steps % self.window == 0:  # halve on overflow, double after a window
+        if (
+            overflow or self.good_steps % self.window == 0
+        ):  # halve on overflow, double after a window
             self.scale *= 0.5 if overflow else 2.0
 
 
@@ -171,8 +173,15 @@ class ChunkOptimizer:
     def __init__(self, store: ChunkStore, config: AdamWConfig):
         self.store = store
         fp32 = store.dtype == torch.float32
-        self.hyper = dict(amsgrad=False, lr=config.lr, beta1=config.betas[0], beta2=config.betas[1],
-                          weight_decay=config.weight_decay, eps=config.eps, maximize=False)
+        self.hyper = dict(
+            amsgrad=False,
+            lr=config.lr,
+            beta1=config.betas[0],
+            beta2=config.betas[1],
+            weight_decay=config.weight_decay,
+            eps=config.eps,
+            maximize=False,
+        )
         # One fp32 master per chunk: 1D (numel,), device for persistent and device-homed
         # chunks (their shard), host for other offloaded ones; the chunk's own tensor (or
         # home) when the compute dtype is fp32, except for a device-homed chunk.
@@ -206,14 +215,22 @@ class ChunkOptimizer:
             elif c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py. Sharded: this
                 # rank's slice only (for fp32 a view of it in the chunk); dist.py [Note: sharding].
-                m = c.dev[c.own] if fp32 else c.master_init[c.own].clone() if c.sharded else c.master_init
+                m = (
+                    c.dev[c.own]
+                    if fp32
+                    else c.master_init[c.own].clone()
+                    if c.sharded
+                    else c.master_init
+                )
             elif c.homed:  # chunks.py [Note: device homes]: the master alone, on the device
                 m = c.master_init
             else:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.own.stop - c.own.start
                 m = c.home if fp32 else c.master_init
-                if c.on_disk and not fp32:  # the master goes to the disk (nvme.py [Note: NVMe tier])
+                if (
+                    c.on_disk and not fp32
+                ):  # the master goes to the disk (nvme.py [Note: NVMe tier])
                     m = store.disk.take(n)
                     copy_pieces(m, c.master_init, store.disk, drop_dst=True)
                 if not store.grad_in_home:  # [Note: gradients land in home]
@@ -225,30 +242,54 @@ class ChunkOptimizer:
             self.master[c.id] = m
             if c.trainable:
                 disk = store.disk if c.on_disk else None  # (its moments: zeros, as the file starts)
-                self.exp_avg[c.id] = disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
-                self.exp_avg_sq[c.id] = disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
+                self.exp_avg[c.id] = (
+                    disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
+                )
+                self.exp_avg_sq[c.id] = (
+                    disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
+                )
                 # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
-                own = [self.exp_avg[c.id], self.exp_avg_sq[c.id], m if not fp32 or c.homed else None][3 * bool(disk):]
+                own = [
+                    self.exp_avg[c.id],
+                    self.exp_avg_sq[c.id],
+                    m if not fp32 or c.homed else None,
+                ][3 * bool(disk) :]
                 own += [self.cpu_grad.get(c.id), self.staging.get(c.id)]
                 nbytes = sum(x.numel() * x.element_size() for x in own if x is not None)
-                store.ledger.alloc("optim", nbytes) if c.persistent or c.homed else store.ledger.host_alloc(nbytes)
-            self.steps[c.id] = [torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params]
+                store.ledger.alloc(
+                    "optim", nbytes
+                ) if c.persistent or c.homed else store.ledger.host_alloc(nbytes)
+            self.steps[c.id] = [
+                torch.zeros((), dtype=torch.float32, device=m.device) for _ in c.params
+            ]
             self.counts[c.id] = [0] * len(c.params)
             hi = lo + m.numel()
-            self.spans[c.id] = [(max(off, lo) - lo, min(off + n, hi) - lo) if off < hi and off + n > lo
-                                else None for _, off, n in c.params]
-            if (m.device.type == "cpu" and not c.sharded and not c.on_disk
-                    and m.numel() % VEC_ALIGN == 0 and all(n % VEC_ALIGN == 0 for _, _, n in c.params)):
+            self.spans[c.id] = [
+                (max(off, lo) - lo, min(off + n, hi) - lo) if off < hi and off + n > lo else None
+                for _, off, n in c.params
+            ]
+            if (
+                m.device.type == "cpu"
+                and not c.sharded
+                and not c.on_disk
+                and m.numel() % VEC_ALIGN == 0
+                and all(n % VEC_ALIGN == 0 for _, _, n in c.params)
+            ):
                 self.flat_ok.add(c.id)
         # The fp32 buffers that landed gradients are read through, a piece at a time: 1D
         # (min(shard_numel, STEP_PIECE),), or (0,) where no chunk needs one. ``scratch``: the CPU
         # step's, host (one chunk at a time: one worker); ``dev_scratch``: the device steps'
         # ([Note: device homes] in chunks.py).
-        piece = min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
+        piece = (
+            min(store.comm.shard_numel(store.chunks[0].numel), STEP_PIECE) if store.chunks else 0
+        )
         host = any(not c.persistent and not c.homed and c.trainable for c in store.chunks)
         self.scratch = torch.empty(piece if host and store.grad_in_home else 0, dtype=torch.float32)
-        self.dev_scratch = torch.empty(piece if any(c.homed and c.trainable for c in store.chunks) else 0,
-                                       dtype=torch.float32, device=store.device)
+        self.dev_scratch = torch.empty(
+            piece if any(c.homed and c.trainable for c in store.chunks) else 0,
+            dtype=torch.float32,
+            device=store.device,
+        )
         store.ledger.host_alloc(self.scratch.numel() * 4)
         store.ledger.alloc("optim", self.dev_scratch.numel() * 4)
         # [Note: finite-state guard]: the first non-finite gradient (chunk, step, partial), the
@@ -258,9 +299,13 @@ class ChunkOptimizer:
         self.step_no = 0
         # fp16: the loss scaler skips such steps. PROTRAIN_NO_FINITE_CHECK=1 (debug and
         # tools/bench_finite.py only, read once here) turns the guard off to measure its cost.
-        self.guarded = store.dtype != torch.float16 and not os.environ.get("PROTRAIN_NO_FINITE_CHECK")
+        self.guarded = store.dtype != torch.float16 and not os.environ.get(
+            "PROTRAIN_NO_FINITE_CHECK"
+        )
         self.guard_seconds = 0.0  # wall time inside the guard's checks (approximate across threads)
-        self.nonfinite_error = lambda cid, step, partial: AssertionError(f"non-finite gradient, chunk {cid}")
+        self.nonfinite_error = lambda cid, step, partial: AssertionError(
+            f"non-finite gradient, chunk {cid}"
+        )
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
 
@@ -270,7 +315,11 @@ class ChunkOptimizer:
         stepped already in this step."""
         if not self.guarded or self.poisoned is None and self._finite(grads):
             return
-        self.poisoned = self.poisoned or (cid, step, partial)  # the first failure stays the one named
+        self.poisoned = self.poisoned or (
+            cid,
+            step,
+            partial,
+        )  # the first failure stays the one named
         raise self.nonfinite_error(*self.poisoned)
 
     def guard_persistent(self) -> None:
@@ -278,7 +327,9 @@ class ChunkOptimizer:
         together (one read back), then one by one to name the first that is not finite."""
         if not self.guarded:
             return
-        grads = {c.id: self.step_grads(c.id) for c in self.store.chunks if c.persistent and c.trainable}
+        grads = {
+            c.id: self.step_grads(c.id) for c in self.store.chunks if c.persistent and c.trainable
+        }
         if not self._finite([g for views in grads.values() for g in views]):
             for cid, views in grads.items():
                 self.guard(cid, self.step_no, views)
@@ -294,12 +345,16 @@ class ChunkOptimizer:
         """What the chunk's step now reads of its gradients (``read_by_step`` of ``grad``)."""
         return self.read_by_step(cid, self.stepping(cid), self.grad(cid))
 
-    def read_by_step(self, cid: int, which: list[int], g: torch.Tensor | None) -> list[torch.Tensor]:
+    def read_by_step(
+        self, cid: int, which: list[int], g: torch.Tensor | None
+    ) -> list[torch.Tensor]:
         """The elements of the chunk's gradient ``g`` (master coordinates) that stepping the
         parameters ``which`` reads, adjacent spans merged: what the guard checks (a host slot's
         tail past the chunk, or padding, holds no gradient)."""
         merged: list[list[int]] = []
-        for a, b in (self.spans[cid][i] for i in which if g is not None and self.spans[cid][i] is not None):
+        for a, b in (
+            self.spans[cid][i] for i in which if g is not None and self.spans[cid][i] is not None
+        ):
             if merged and merged[-1][1] == a:
                 merged[-1][1] = b
             else:
@@ -316,7 +371,9 @@ class ChunkOptimizer:
 
     # -- gradients
 
-    def offload_grad(self, cid: int, first_micro_batch: bool, last_micro_batch: bool = True) -> None:
+    def offload_grad(
+        self, cid: int, first_micro_batch: bool, last_micro_batch: bool = True
+    ) -> None:
         """Queue an offloaded chunk's gradient for the host fp32 accumulator and free the
         device buffer (``submit_cpu_step`` queues the step behind it). See [Note: gradient offload].
 
@@ -335,7 +392,9 @@ class ChunkOptimizer:
             # buffer, so no copy. The accumulator must read zero for the micro-batches after.
             if first_micro_batch and not home:
                 previous = c.pending
-                c.pending = self.worker.submit(lambda: (previous and previous.result(), acc.zero_()))
+                c.pending = self.worker.submit(
+                    lambda: (previous and previous.result(), acc.zero_())
+                )
             return
         if acc is None:  # homeless: the gradients land in a slot (chunks.py [Note: host slots])
             acc = self.store.take_slot()
@@ -346,7 +405,9 @@ class ChunkOptimizer:
         # (a slot: one shard; the copy engine names it "protrain::offload" for the profiler)
         down = self.store.copies.download(dst[: src.numel()], src)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
-        divide = self.store.comm.world if last_micro_batch and not home else 1  # (1: nothing to divide)
+        divide = (
+            self.store.comm.world if last_micro_batch and not home else 1
+        )  # (1: nothing to divide)
         if home:
             self.landed[cid] = acc
 
@@ -384,16 +445,26 @@ class ChunkOptimizer:
             return sq.sqrt()
         views = {}  # id(parameter) → its gradient as the optimizer sees it, if it received one this step
         for c in self.store.chunks:
-            if c.trainable and not c.homed:  # (device-homed: stepped at its offload, its gradients gone)
+            if (
+                c.trainable and not c.homed
+            ):  # (device-homed: stepped at its offload, its gradients gone)
                 # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read them
-                flat = (c.dev_grad if c.persistent else self.landed.get(c.id) if self.store.grad_in_home
-                        else self.cpu_grad[c.id])
+                flat = (
+                    c.dev_grad
+                    if c.persistent
+                    else self.landed.get(c.id)
+                    if self.store.grad_in_home
+                    else self.cpu_grad[c.id]
+                )
                 for i in self.stepping(c.id):
                     p, off, n = c.params[i]
-                    views[id(p)] = flat[off: off + n].view(p.shape)
+                    views[id(p)] = flat[off : off + n].view(p.shape)
         # as clip_grad_norm_, parameters without a gradient are skipped
-        norms = [torch.linalg.vector_norm(views[id(p)], 2.0, dtype=torch.float32).to(self.store.device)
-                 for p in param_order if id(p) in views]
+        norms = [
+            torch.linalg.vector_norm(views[id(p)], 2.0, dtype=torch.float32).to(self.store.device)
+            for p in param_order
+            if id(p) in views
+        ]
         if not norms:
             return torch.zeros((), device=self.store.device)
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
@@ -416,7 +487,11 @@ class ChunkOptimizer:
             return c.dev_grad[c.own]
         if not self.store.grad_in_home:
             return self.cpu_grad[cid]
-        g = self.landed[cid].float() if cid in self.landed else torch.zeros(self.master[cid].numel())
+        g = (
+            self.landed[cid].float()
+            if cid in self.landed
+            else torch.zeros(self.master[cid].numel())
+        )
         return g.div_(self.store.comm.world) if self.store.comm.world > 1 else g
 
     def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:
@@ -424,8 +499,11 @@ class ChunkOptimizer:
         ``AdamW(fused=True)`` steps them. See [Note: optimizer placement]."""
         counts, steps = self.counts[cid], self.steps[cid]
         m, ea, es = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid]
-        if (cid in self.flat_ok and len(which) == len(counts)
-                and all(k == counts[0] for k in counts)):
+        if (
+            cid in self.flat_ok
+            and len(which) == len(counts)
+            and all(k == counts[0] for k in counts)
+        ):
             # _flat: one tensor; every parameter's elements take the vector path, as in the
             # per-parameter call. The kernel reads one step count: the chunk's common one.
             torch._foreach_add_(steps, 1)
@@ -437,13 +515,21 @@ class ChunkOptimizer:
             if spans:
                 st = [steps[i] for i, _ in spans]
                 torch._foreach_add_(st, 1)
-                torch._fused_adamw_(*([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st,
-                                    **self.hyper)
+                torch._fused_adamw_(
+                    *([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st, **self.hyper
+                )
         for i in which:
             counts[i] += 1
 
-    def _adamw_pieces(self, cid: int, which: list[int], grads: torch.Tensor | None,
-                      coef: float | None, inv_scale: float, ready: bool = False) -> None:
+    def _adamw_pieces(
+        self,
+        cid: int,
+        which: list[int],
+        grads: torch.Tensor | None,
+        coef: float | None,
+        inv_scale: float,
+        ready: bool = False,
+    ) -> None:
         """``_adamw`` on 16-bit gradients that landed in the home or a slot (``grads``; None:
         zeros): they reach the fp32 ``scratch`` one piece at a time, then as ``_grad`` (divided
         by the world size, unscaled, clipped; per element). ``ready``: ``grads`` is ``_grad``'s
@@ -452,7 +538,12 @@ class ChunkOptimizer:
         same elements as in one call per parameter ([Note: optimizer placement]): the same
         arithmetic, bit for bit, with no shard-sized fp32 copy. An NVMe chunk's pieces of
         master and moments leave host memory after each piece (nvme.py [Note: NVMe tier])."""
-        m, ea, es, steps = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid], self.steps[cid]
+        m, ea, es, steps = (
+            self.master[cid],
+            self.exp_avg[cid],
+            self.exp_avg_sq[cid],
+            self.steps[cid],
+        )
         scratch = self.dev_scratch if self.store.chunks[cid].homed else self.scratch
         disk = self.store.disk if self.store.chunks[cid].on_disk else None
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
@@ -469,13 +560,17 @@ class ChunkOptimizer:
                     if self.store.comm.world > 1:
                         g.div_(self.store.comm.world)
                     _unscale(g, inv_scale, coef)
-                torch._fused_adamw_([m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper)
+                torch._fused_adamw_(
+                    [m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper
+                )
                 if disk is not None:
                     disk.drop(m[a:b], ea[a:b], es[a:b])
         for i in which:
             self.counts[cid][i] += 1
 
-    def step_device(self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0) -> None:
+    def step_device(
+        self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0
+    ) -> None:
         """Update a persistent chunk on the device: the whole chunk, or with sharded states
         this rank's shard, then every rank's updated shard into every rank's chunk."""
         c = self.store.chunks[cid]
@@ -511,8 +606,9 @@ class ChunkOptimizer:
         if c.grad_live:
             self.store.close_grad(cid)
 
-    def submit_cpu_step(self, cid: int, coef: float | None = None, inv_scale: float = 1.0,
-                        checked: bool = False) -> None:
+    def submit_cpu_step(
+        self, cid: int, coef: float | None = None, inv_scale: float = 1.0, checked: bool = False
+    ) -> None:
         """Queue an offloaded chunk's CPU step (after its gradients have landed: the worker
         runs in submission order); the chunk's next fetch waits for it. ``checked``: its
         gradients are known finite ([Note: finite-state guard])."""
@@ -531,8 +627,16 @@ class ChunkOptimizer:
         if c.home is None and grads is not None:  # the slot is free once this step has read it
             self.store.slots.append((grads, c.pending.result))
 
-    def _cpu_step(self, cid: int, which: list[int], coef: float | None, inv_scale: float,
-                  reads_home=None, grads: torch.Tensor | None = None, step: int | None = None) -> None:
+    def _cpu_step(
+        self,
+        cid: int,
+        which: list[int],
+        coef: float | None,
+        inv_scale: float,
+        reads_home=None,
+        grads: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> None:
         """On the worker: AdamW on the host master, then the new weights into home (if any).
         ``grads``: where 16-bit gradients landed (home or slot; None: none did). ``step``: the
         engine's step it belongs to, whose gradients are checked first ([Note: finite-state guard]);
@@ -540,10 +644,17 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         disk = self.store.disk if c.on_disk else None
         if which and step is not None:
-            self.guard(cid, step, self.read_by_step(cid, which, grads if self.store.grad_in_home
-                                                    else self.cpu_grad.get(cid)))
+            self.guard(
+                cid,
+                step,
+                self.read_by_step(
+                    cid, which, grads if self.store.grad_in_home else self.cpu_grad.get(cid)
+                ),
+            )
         if not which:
-            if grads is not None and grads is c.home:  # gradients overwrote it: the values come back
+            if (
+                grads is not None and grads is c.home
+            ):  # gradients overwrote it: the values come back
                 self._refresh_home(cid)
             return
         if reads_home is not None:
@@ -557,7 +668,9 @@ class ChunkOptimizer:
             if self.store.grad_in_home:
                 self._adamw_pieces(cid, which, grads, coef, inv_scale)
             elif disk is not None:  # (the fp32 gradient is in host memory: read in place)
-                self._adamw_pieces(cid, which, self._grad(cid, coef, inv_scale), None, 1.0, ready=True)
+                self._adamw_pieces(
+                    cid, which, self._grad(cid, coef, inv_scale), None, 1.0, ready=True
+                )
             else:
                 self._adamw(cid, which, self._grad(cid, coef, inv_scale))
         self.store.copies.events.emit("cpu_step", "end", chunk=cid)
@@ -602,4 +715,3 @@ def _unscale(g: torch.Tensor, inv_scale: float, coef: torch.Tensor | float | Non
     if coef is not None:
         g.mul_(coef)
     return g
-

@@ -465,17 +465,24 @@ def _emit(value: object, depth: int) -> str:
             return "{}"
         if depth >= 2 and all(_is_flat(v) for v in value.values()):
             if all(k.isascii() for k in value) and not any(
-                    isinstance(v, float) or isinstance(v, list) and any(isinstance(x, float) for x in v)
-                    for v in value.values()):  # what the items below give, in one call (no floats to round)
+                isinstance(v, float) or isinstance(v, list) and any(isinstance(x, float) for x in v)
+                for v in value.values()
+            ):  # what the items below give, in one call (no floats to round)
                 return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
-            return "{" + ", ".join(f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()) + "}"
+            return (
+                "{"
+                + ", ".join(f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items())
+                + "}"
+            )
         items = [f"{json.dumps(k)}: {_emit(v, depth + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(inner + i for i in items) + "\n" + pad + "}"
     if isinstance(value, list):
         if not value:
             return "[]"
         if all(not isinstance(v, (list, dict)) for v in value):
-            if not any(isinstance(v, float) for v in value):  # what the items below give, in one call
+            if not any(
+                isinstance(v, float) for v in value
+            ):  # what the items below give, in one call
                 return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
             return "[" + ", ".join(_emit(v, depth + 1) for v in value) + "]"
         return "[\n" + ",\n".join(inner + _emit(v, depth + 1) for v in value) + "\n" + pad + "]"
@@ -510,28 +517,39 @@ def load(source: str | Path | bytes) -> Plan:
             with open(source, "rb") as f:
                 data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
-            raise PlanError(f"{where}: cannot read the plan file ({e.strerror or e})",
-                            "check the path, or make a plan with `protrain plan`") from None
+            raise PlanError(
+                f"{where}: cannot read the plan file ({e.strerror or e})",
+                "check the path, or make a plan with `protrain plan`",
+            ) from None
     if len(data) > MAX_PLAN_BYTES:
-        raise PlanError(f"{where}: larger than {MAX_PLAN_BYTES >> 20} MiB; no plan is that big",
-                        "check the path: is this a plan file?")
+        raise PlanError(
+            f"{where}: larger than {MAX_PLAN_BYTES >> 20} MiB; no plan is that big",
+            "check the path: is this a plan file?",
+        )
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PlanError(f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file", REGENERATE) from None
+        raise PlanError(
+            f"{where}: not UTF-8 text (byte {e.start}); a plan is a JSON file", REGENERATE
+        ) from None
     try:
         header = msgspec.json.decode(data, type=_Header)
     except RecursionError:  # msgspec's guard against deeply nested documents
         raise PlanError(f"{where}: JSON nested too deeply; no plan is", REGENERATE) from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise PlanError(f"{where}: not a protrain plan: {e}",
-                        "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`") from None
+        raise PlanError(
+            f"{where}: not a protrain plan: {e}",
+            "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`",
+        ) from None
     version, newer = header.schema_version, header.schema_version > SCHEMA_VERSION
     if newer or version < MIN_SCHEMA_VERSION:
-        raise PlanError(f"{where}: plan schema {version} is {'newer' if newer else 'older'} than this protrain reads "
-                        f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
-                        "upgrade protrain, or regenerate the plan with this version's `protrain plan`" if newer
-                        else REGENERATE)
+        raise PlanError(
+            f"{where}: plan schema {version} is {'newer' if newer else 'older'} than this protrain reads "
+            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+            "upgrade protrain, or regenerate the plan with this version's `protrain plan`"
+            if newer
+            else REGENERATE,
+        )
     if version < SCHEMA_VERSION:
         try:
             data = msgspec.json.encode(migrate(msgspec.json.decode(data), version))
@@ -540,7 +558,9 @@ def load(source: str | Path | bytes) -> Plan:
     try:
         plan = msgspec.json.decode(data, type=Plan)
     except msgspec.ValidationError as e:
-        raise PlanError(f"{where}: {e}{_choices(str(e))}", f"fix that field, or {REGENERATE}") from None
+        raise PlanError(
+            f"{where}: {e}{_choices(str(e))}", f"fix that field, or {REGENERATE}"
+        ) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise PlanError(f"{where}: malformed JSON: {e}", REGENERATE) from None
     validate(plan, where)

@@ -100,7 +100,9 @@ class Boundary(torch.autograd.Function):
     @staticmethod
     def mark(callback: Callable[[], None], x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """``apply``, with ``anchor`` as an extra input when ``x`` does not require grad."""
-        return Boundary.apply(callback, x) if x.requires_grad else Boundary.apply(callback, x, anchor)
+        return (
+            Boundary.apply(callback, x) if x.requires_grad else Boundary.apply(callback, x, anchor)
+        )
 
 
 BLOCKS_FIX = "choose block paths whose modules map hidden states to hidden states (`--blocks`)"
@@ -112,8 +114,11 @@ def first_tensor(x) -> tuple[torch.Tensor, Callable]:
         return x, lambda t: t
     if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
         return x[0], lambda t: type(x)((t, *x[1:]))
-    raise ConfigError(f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
-                      "(or a tuple whose first element is the hidden states)", BLOCKS_FIX)
+    raise ConfigError(
+        f"a block took or returned {type(x).__name__}; blocks must take and return a tensor "
+        "(or a tuple whose first element is the hidden states)",
+        BLOCKS_FIX,
+    )
 
 
 HIDDEN_STATES = "hidden_states"
@@ -133,14 +138,19 @@ def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torc
         return x, lambda t: (put(t), kwargs)
     if isinstance(kwargs.get(HIDDEN_STATES), torch.Tensor):
         return kwargs[HIDDEN_STATES], lambda t: (args, {**kwargs, HIDDEN_STATES: t})
-    raise ConfigError(f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
-                      f"take the hidden states first or as {HIDDEN_STATES}=", BLOCKS_FIX)
+    raise ConfigError(
+        f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
+        f"take the hidden states first or as {HIDDEN_STATES}=",
+        BLOCKS_FIX,
+    )
 
 
 class Replayer:
     """Holds the schedule and the hooks; calls into the chunk store, activations and offload."""
 
-    def __init__(self, model: nn.Module, plan: Plan, acts: Activations, offload: Callable[[int], None]):
+    def __init__(
+        self, model: nn.Module, plan: Plan, acts: Activations, offload: Callable[[int], None]
+    ):
         self.store = store = acts.store  # the chunk store (activations.py holds the engine's)
         self.acts = acts
         self.events = store.copies.events  # the engine's listeners (events.py)
@@ -148,8 +158,13 @@ class Replayer:
         self.phase = Phase.IDLE
         self.blocks = list(plan.model.blocks)
         self.steps: dict[tuple[Phase, str], Step] = {
-            (phase, s.segment): s for phase, steps in ((Phase.FORWARD, plan.schedule.forward),
-                                                       (Phase.BACKWARD, plan.schedule.backward)) for s in steps}
+            (phase, s.segment): s
+            for phase, steps in (
+                (Phase.FORWARD, plan.schedule.forward),
+                (Phase.BACKWARD, plan.schedule.backward),
+            )
+            for s in steps
+        }
         # Gradient countdown per offloaded chunk (trainable parameters only: a frozen one
         # never gets a gradient); see [Note: gradient completion].
         self.param_slot: dict[int, tuple[int, int]] = {}  # id(param) → (chunk id, index in params)
@@ -177,16 +192,21 @@ class Replayer:
         self.handles: list = []
         # The CPU ledger counts the gradient autograd holds between two segments' backward
         # steps (a tied weight's; accounting.shared_grads): no hook sees that buffer.
-        self.shared = accounting.shared_grads(plan, [c.trainable for c in store.chunks],
-                                              {n for n, p in model.named_parameters() if not p.requires_grad})
+        self.shared = accounting.shared_grads(
+            plan,
+            [c.trainable for c in store.chunks],
+            {n for n, p in model.named_parameters() if not p.requires_grad},
+        )
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._guard))
         modules = dict(model.named_modules())
         for i, name in enumerate(self.blocks):
             m = modules[name]
-            self.handles += [m.register_forward_pre_hook(self._hook(i, name, pre=True), with_kwargs=True),
-                             m.register_forward_hook(self._hook(i, name, pre=False))]
+            self.handles += [
+                m.register_forward_pre_hook(self._hook(i, name, pre=True), with_kwargs=True),
+                m.register_forward_hook(self._hook(i, name, pre=False)),
+            ]
         for cid, i in self.param_slot.values():  # the trainable parameters
             p = self.store.chunks[cid].params[i][0]
             self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -201,7 +221,8 @@ class Replayer:
                         f"parameter {names[id(p)]!r} was {'frozen' if p.requires_grad else 'trainable'} "
                         f"at wrap and is {'trainable' if p.requires_grad else 'frozen'} now",
                         "set requires_grad before wrap(model, plan); to change it, close the engine, "
-                        "save its state_dict and wrap again")
+                        "save its state_dict and wrap again",
+                    )
 
     def uninstall(self) -> None:
         for h in self.handles:
@@ -247,9 +268,12 @@ class Replayer:
 
     def _check(self, phase: Phase, segment: str, when: str) -> None:
         """``Ledger.check``: the model states counted now are what accounting.py streams."""
-        done = self.offload_order[:self.next_offload]
-        deferred = sum(self.store.chunks[c].nbytes for c in self.requested.difference(done)
-                       if self.store.chunks[c].grad_live and not self.store.chunks[c].persistent)
+        done = self.offload_order[: self.next_offload]
+        deferred = sum(
+            self.store.chunks[c].nbytes
+            for c in self.requested.difference(done)
+            if self.store.chunks[c].grad_live and not self.store.chunks[c].persistent
+        )
         self.store.ledger.check(phase.value, segment, when, deferred)
 
     def start_backward(self) -> None:
@@ -291,7 +315,8 @@ class Replayer:
                 "chunks hold no device memory between steps, so a plain forward would read "
                 "released storage",
                 "use `engine.evaluate((idx, targets))` for a held-out loss, or "
-                "`engine.state_dict()` for the weights")
+                "`engine.state_dict()` for the weights",
+            )
 
     def _turn(self, phase: Phase, ended: str | None, begun: str | None) -> None:
         """End segment ``ended``, then begin ``begun`` (None: no such segment at this boundary).
@@ -320,6 +345,8 @@ class Replayer:
             if self.phase is Phase.EVALUATE:  # no backward: no boundary
                 return None
             x, put = block_input(args, kwargs_or_output) if pre else first_tensor(kwargs_or_output)
-            return put(Boundary.mark(lambda: self._turn(Phase.BACKWARD, *turn[::-1]), x, self.anchor))
+            return put(
+                Boundary.mark(lambda: self._turn(Phase.BACKWARD, *turn[::-1]), x, self.anchor)
+            )
 
         return hook

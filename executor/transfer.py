@@ -116,7 +116,7 @@ class HostArena:
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         size = numel * dtype.itemsize
         assert self.offset + size <= self.buffer.numel(), "arena sized smaller than the plan needs"
-        t = self.buffer[self.offset: self.offset + size].view(dtype)
+        t = self.buffer[self.offset : self.offset + size].view(dtype)
         self.offset += self.span(numel, dtype)
         return t
 
@@ -151,7 +151,9 @@ class CopyEngine:
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
         else:
-            self.h2d, self.d2h = (self.emu.stream("h2d"), self.emu.stream("d2h")) if self.emu else (None, None)
+            self.h2d, self.d2h = (
+                (self.emu.stream("h2d"), self.emu.stream("d2h")) if self.emu else (None, None)
+            )
         # [Note: chunk memory pool] Chunk and chunk-gradient storage is allocated from a
         # private pool, so activation churn in the general pool cannot fragment it, and
         # the pool holds no other tensors; ``reserve`` sizes it from the plan up front.
@@ -200,11 +202,23 @@ class CopyEngine:
         ev = self.events
         if ev.listeners:
             kind, chunk, block = ev.subject or (name, None, ev.segment)
-            ev.emit(kind, edge, chunk=chunk, block=block, nbytes=src.numel() * src.element_size(),
-                    stream=stream if self.cuda else None)
+            ev.emit(
+                kind,
+                edge,
+                chunk=chunk,
+                block=block,
+                nbytes=src.numel() * src.element_size(),
+                stream=stream if self.cuda else None,
+            )
 
-    def upload(self, dst: torch.Tensor, src: torch.Tensor, name: str = "fetch",
-               after: CopyHandle | None = None, gather=None) -> CopyHandle:
+    def upload(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        name: str = "fetch",
+        after: CopyHandle | None = None,
+        gather=None,
+    ) -> CopyHandle:
         """Copy ``src`` into device ``dst`` (already allocated): a host home or slot, or a
         device-homed chunk's device master (chunks.py [Note: device homes]). See [Note: copy streams].
 
@@ -223,8 +237,15 @@ class CopyEngine:
         """
         return self._copy(self.d2h, dst, src, name)
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, name: str,
-              after: CopyHandle | None = None, then=None) -> CopyHandle:
+    def _copy(
+        self,
+        stream,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        name: str,
+        after: CopyHandle | None = None,
+        then=None,
+    ) -> CopyHandle:
         """``upload`` (on ``h2d``) or ``download`` (on ``d2h``): ``dst.copy_(src)``, then ``then()``."""
         with record_function(f"protrain::{name}"):
             if not self.asynchronous:
@@ -263,7 +284,11 @@ class CopyEngine:
 
     def pooled(self):
         """Context in which new device tensors come from the chunk pool (CUDA; else nothing)."""
-        return torch.cuda.use_mem_pool(self.pool, self.device) if self.pool is not None else contextlib.nullcontext()
+        return (
+            torch.cuda.use_mem_pool(self.pool, self.device)
+            if self.pool is not None
+            else contextlib.nullcontext()
+        )
 
     def reserve(self, nbytes: int) -> None:
         """Grow the chunk pool to ``nbytes`` once (CUDA), so chunks and fetches reuse its blocks."""

@@ -35,7 +35,10 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         raise PlanError(f"{where}: {what} - at `{path}`", hint)
 
     if plan.schema_version != SCHEMA_VERSION:
-        fail("$.schema_version", f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}")
+        fail(
+            "$.schema_version",
+            f"expected {SCHEMA_VERSION} after migration, got {plan.schema_version}",
+        )
 
     # -- bounds: shapes, counts and sizes that could never be allocated or iterated (bounds.py)
     check_bounds(plan, where)
@@ -43,14 +46,20 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     # -- training ↔ schedule: fp16's loss scaler checks every gradient for overflow
     # before any parameter changes, so no CPU step may start during backward.
     if plan.training.compute_dtype == "float16" and plan.schedule.cpu_adam != "after_backward":
-        fail("$.schedule.cpu_adam", f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
-             "'after_backward' (the loss scaler's overflow check needs every gradient before any step)")
+        fail(
+            "$.schedule.cpu_adam",
+            f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
+            "'after_backward' (the loss scaler's overflow check needs every gradient before any step)",
+        )
 
     # -- training ↔ placement: one rank has nothing to shard over. Refused rather than read
     # as replicated, so that a plan's flag always says what the executor does.
     if plan.placement.shard_persistent_states and plan.training.world_size == 1:
-        fail("$.placement.shard_persistent_states", "is true but the plan is for one rank (world_size 1)",
-             "set it to false, or make the plan with `protrain plan --world-size N` (N > 1)")
+        fail(
+            "$.placement.shard_persistent_states",
+            "is true but the plan is for one rank (world_size 1)",
+            "set it to false, or make the plan with `protrain plan --world-size N` (N > 1)",
+        )
 
     # -- model
     blocks = plan.model.blocks
@@ -67,24 +76,37 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     for ci, chunk in enumerate(plan.chunks.items):
         cpath = f"$.chunks.list[{ci}]"
         if chunk.id != ci:
-            fail(f"{cpath}.id", f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}")
+            fail(
+                f"{cpath}.id",
+                f"chunk ids must be 0, 1, 2, … in order; expected {ci}, got {chunk.id}",
+            )
         for pi, p in enumerate(chunk.params):
             ppath = f"{cpath}.params[{pi}]"
             if prod(p.shape) != p.numel:
-                fail(f"{ppath}.numel", f"{p.name}: numel {p.numel} != product of shape {p.shape} = {prod(p.shape)}")
+                fail(
+                    f"{ppath}.numel",
+                    f"{p.name}: numel {p.numel} != product of shape {p.shape} = {prod(p.shape)}",
+                )
             if p.offset + p.numel > cap:
-                fail(f"{ppath}.offset",
-                     f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}")
+                fail(
+                    f"{ppath}.offset",
+                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}",
+                )
             if p.name in owner:
                 fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
             owner[p.name] = ci
-        spans = sorted((p.offset, p.offset + p.numel, pi, p.name) for pi, p in enumerate(chunk.params))
+        spans = sorted(
+            (p.offset, p.offset + p.numel, pi, p.name) for pi, p in enumerate(chunk.params)
+        )
         for (_, end_a, _, name_a), (start_b, _, pi_b, name_b) in zip(spans, spans[1:]):
             if start_b < end_a:
                 fail(f"{cpath}.params[{pi_b}].offset", f"{name_b} overlaps {name_a} in chunk {ci}")
     n_params = sum(p.numel for c in plan.chunks.items for p in c.params)
     if n_params != plan.model.n_params:
-        fail("$.model.n_params", f"chunks hold {n_params} elements but the model declares {plan.model.n_params}")
+        fail(
+            "$.model.n_params",
+            f"chunks hold {n_params} elements but the model declares {plan.model.n_params}",
+        )
     for field in ("pre_block_params", "post_block_params"):
         for i, name in enumerate(getattr(plan.model, field)):
             if name not in owner:
@@ -95,35 +117,60 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         if pair[0] not in owner:
             fail(f"$.model.tied[{i}][0]", f"tied parameter {pair[0]!r} is in no chunk")
         if pair[1] in owner:
-            fail(f"$.model.tied[{i}][1]", f"alias {pair[1]!r} must not have a chunk slot of its own")
+            fail(
+                f"$.model.tied[{i}][1]", f"alias {pair[1]!r} must not have a chunk slot of its own"
+            )
     if plan.model.fingerprint != plan_fingerprint(plan):
-        fail("$.model.fingerprint", "does not match the parameters listed in the chunks (the file was edited)")
+        fail(
+            "$.model.fingerprint",
+            "does not match the parameters listed in the chunks (the file was edited)",
+        )
 
     # -- placement: one home per chunk, each allowed by the training setup (homes.py)
     n_chunks = len(plan.chunks.items)
     pl, t = plan.placement, plan.training
     if len(pl.homes) != n_chunks:
-        fail("$.placement.homes", f"lists {len(pl.homes)} homes for {n_chunks} chunks (one per chunk, in chunk order)")
+        fail(
+            "$.placement.homes",
+            f"lists {len(pl.homes)} homes for {n_chunks} chunks (one per chunk, in chunk order)",
+        )
     if pl.n_persist != len(pl.persistent):
-        fail("$.placement.n_persist", f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent")
+        fail(
+            "$.placement.n_persist",
+            f"is {pl.n_persist} but {len(pl.persistent)} chunks are persistent",
+        )
     if pl.offloaded and pl.n_buffer < 1:
         fail("$.placement.n_buffer", "offloaded chunks need at least one device buffer")
     setup = H.Setup(t.compute_dtype, t.grad_accum)
     for i, name in enumerate(pl.homes):
         why = H.HOMES[name].refusal(setup, plan.schedule.cpu_adam)
         if why:
-            fail(f"$.placement.homes[{i}]", f"chunk {i} is {name!r}, which {why} (this plan: "
-                 f"{t.compute_dtype}, grad_accum {t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})")
+            fail(
+                f"$.placement.homes[{i}]",
+                f"chunk {i} is {name!r}, which {why} (this plan: "
+                f"{t.compute_dtype}, grad_accum {t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})",
+            )
         if H.HOMES[name].needs_trainable and all(p.frozen for p in plan.chunks.items[i].params):
-            fail(f"$.placement.homes[{i}]", f"chunk {i} is {name!r}, whose master is its only copy of the values, "
-                 "but its parameters are all frozen (Param.frozen): a frozen chunk has no master")
+            fail(
+                f"$.placement.homes[{i}]",
+                f"chunk {i} is {name!r}, whose master is its only copy of the values, "
+                "but its parameters are all frozen (Param.frozen): a frozen chunk has no master",
+            )
     slotted = sum(H.HOMES[h].uses_slots for h in pl.homes)
     if (pl.n_host_slots > 0) != bool(slotted):
-        fail("$.placement.n_host_slots", f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)")
+        fail(
+            "$.placement.n_host_slots",
+            f"is {pl.n_host_slots} with {slotted} homeless chunks (at least 1 if any, else 0)",
+        )
 
     # -- activations
-    _in_order([a.block for a in plan.activations], blocks, fail, "$.activations[{}]",
-              "one policy per block, in model.blocks order")
+    _in_order(
+        [a.block for a in plan.activations],
+        blocks,
+        fail,
+        "$.activations[{}]",
+        "one policy per block, in model.blocks order",
+    )
 
     simulate_residency(plan, where)
 
@@ -132,8 +179,14 @@ def _in_order(got: list[str], expected: list[str], fail, path: str, what: str) -
     """Refuse ``got`` unless it is ``expected`` (``what``), at the first difference: ``path``
     formatted with its index, each side's name there ('nothing' past an end)."""
     if got != expected:
-        i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        fail(path.format(i), f"{what}: expected {[*expected, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}")
+        i = next(
+            (i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+            min(len(got), len(expected)),
+        )
+        fail(
+            path.format(i),
+            f"{what}: expected {[*expected, 'nothing'][i]!r}, got {[*got, 'nothing'][i]!r}",
+        )
 
 
 def param_segments(plan: Plan) -> dict[str, list[str]]:
@@ -143,7 +196,9 @@ def param_segments(plan: Plan) -> dict[str, list[str]]:
     out = {}
     for p in (p for c in plan.chunks.items for p in c.params):
         block = next((b for b in plan.model.blocks if p.name.startswith(b + ".")), None)
-        out[p.name] = [s for s, used in ((PRE, p.name in pre), (block, block), (POST, p.name in post)) if used]
+        out[p.name] = [
+            s for s, used in ((PRE, p.name in pre), (block, block), (POST, p.name in post)) if used
+        ]
     return out
 
 
@@ -189,12 +244,21 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     trace: list[tuple[str, str, frozenset[int]]] = []
     offloaded_at: dict[int, int] = {}
     swapped_in_at: dict[str, int] = {}
-    in_flight: dict[int, str] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
+    in_flight: dict[
+        int, str
+    ] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
 
-    for phase, steps, expected in (("forward", plan.schedule.forward, order),
-                                   ("backward", plan.schedule.backward, order[::-1])):
-        _in_order([s.segment for s in steps], expected, fail, f"$.schedule.{phase}[{{}}].segment",
-                  "one step per segment, in segment order")
+    for phase, steps, expected in (
+        ("forward", plan.schedule.forward, order),
+        ("backward", plan.schedule.backward, order[::-1]),
+    ):
+        _in_order(
+            [s.segment for s in steps],
+            expected,
+            fail,
+            f"$.schedule.{phase}[{{}}].segment",
+            "one step per segment, in segment order",
+        )
         for si, step in enumerate(steps):
             spath = f"$.schedule.{phase}[{si}]"
             for field in ("fetch", "prefetch", "release", "offload"):
@@ -202,7 +266,10 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 for i, c in enumerate(ids):
                     if c not in offloaded:
                         kind = "persistent" if c < len(plan.chunks.items) else "unknown"
-                        fail(f"{spath}.{field}[{i}]", f"chunk {c} is {kind}; events name offloaded chunks only")
+                        fail(
+                            f"{spath}.{field}[{i}]",
+                            f"chunk {c} is {kind}; events name offloaded chunks only",
+                        )
                 if len(set(ids)) != len(ids):
                     fail(f"{spath}.{field}", f"chunk ids repeat: {ids}")
             if phase == "forward" and (step.offload or step.swap_in):
@@ -213,7 +280,9 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 if b in swapped_in_at:
                     fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in twice")
                 if order[::-1].index(b) < si:
-                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward")
+                    fail(
+                        f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward"
+                    )
                 swapped_in_at[b] = si
             resident |= set(step.fetch)
             for c in step.fetch:
@@ -224,12 +293,18 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 in_flight[c] = f"{spath}.prefetch[{i}]"
             resident |= set(step.prefetch)
             if len(resident) > n_buffer:
-                fail(f"{spath}", f"{len(resident)} offloaded chunks resident {sorted(resident)} "
-                     f"but placement.n_buffer is {n_buffer}")
+                fail(
+                    f"{spath}",
+                    f"{len(resident)} offloaded chunks resident {sorted(resident)} "
+                    f"but placement.n_buffer is {n_buffer}",
+                )
             missing = (need[step.segment] & offloaded) - set(step.fetch)
             if missing:
-                fail(f"{spath}.fetch", f"segment {step.segment!r} uses chunks {sorted(missing)}, "
-                     "which must be fetched by this step")
+                fail(
+                    f"{spath}.fetch",
+                    f"segment {step.segment!r} uses chunks {sorted(missing)}, "
+                    "which must be fetched by this step",
+                )
             trace.append((phase, step.segment, frozenset(resident)))
             for i, c in enumerate(step.offload):  # (backward only: forward's refused above)
                 if c in offloaded_at:
@@ -239,22 +314,37 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
                 if c not in resident:
                     fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
                 if c in in_flight:
-                    fail(in_flight[c], f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
-                         "frees it (its upload could still be writing the freed buffer)")
+                    fail(
+                        in_flight[c],
+                        f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
+                        "frees it (its upload could still be writing the freed buffer)",
+                    )
             resident -= set(step.release)
 
     for c, path in in_flight.items():
-        fail(path, f"chunk {c} is prefetched but never fetched before backward ends "
-             "(its upload could still be in flight when the iteration ends)")
+        fail(
+            path,
+            f"chunk {c} is prefetched but never fetched before backward ends "
+            "(its upload could still be in flight when the iteration ends)",
+        )
     if resident:
-        fail("$.schedule.backward", f"chunks {sorted(resident)} are still resident when backward ends")
-    last_use_bwd = {c: si for si, step in enumerate(plan.schedule.backward) for c in need[step.segment] & offloaded}
+        fail(
+            "$.schedule.backward",
+            f"chunks {sorted(resident)} are still resident when backward ends",
+        )
+    last_use_bwd = {
+        c: si
+        for si, step in enumerate(plan.schedule.backward)
+        for c in need[step.segment] & offloaded
+    }
     for c in sorted(offloaded):
         if c not in offloaded_at:
             fail("$.schedule.backward", f"offloaded chunk {c} is never offloaded in backward")
         if offloaded_at[c] < last_use_bwd.get(c, -1):
-            fail(f"$.schedule.backward[{offloaded_at[c]}].offload",
-                 f"chunk {c} is offloaded before its last use in backward (step {last_use_bwd[c]})")
+            fail(
+                f"$.schedule.backward[{offloaded_at[c]}].offload",
+                f"chunk {c} is offloaded before its last use in backward (step {last_use_bwd[c]})",
+            )
     for b in sorted(swapped - set(swapped_in_at)):
         fail("$.schedule.backward", f"swapped block {b!r} is never swapped in")
     return trace

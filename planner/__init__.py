@@ -26,24 +26,47 @@ import importlib
 
 _EXPORTS = {
     # models
-    "ZOO": "models.zoo", "build": "models.zoo", "block_paths": "models.zoo", "describe": "models.zoo",
-    "GPT2Config": "models.zoo", "LlamaConfig": "models.zoo", "materialize": "models.zoo",
-    "lm_loss": "models.zoo", "from_model": "models.hf", "load_config": "models.hf",
-    "load_tokens": "models.data", "batches": "models.data", "tokenize": "models.data",
+    "ZOO": "models.zoo",
+    "build": "models.zoo",
+    "block_paths": "models.zoo",
+    "describe": "models.zoo",
+    "GPT2Config": "models.zoo",
+    "LlamaConfig": "models.zoo",
+    "materialize": "models.zoo",
+    "lm_loss": "models.zoo",
+    "from_model": "models.hf",
+    "load_config": "models.hf",
+    "load_tokens": "models.data",
+    "batches": "models.data",
+    "tokenize": "models.data",
     # hardware
-    "HardwareSpec": "hardware.spec", "find_spec": "hardware.spec", "load_spec": "hardware.spec",
-    "dump_spec": "hardware.spec", "default_host_budget": "hardware.spec",
-    "host_budget_per_rank": "hardware.spec", "probe": "hardware.probe",
+    "HardwareSpec": "hardware.spec",
+    "find_spec": "hardware.spec",
+    "load_spec": "hardware.spec",
+    "dump_spec": "hardware.spec",
+    "default_host_budget": "hardware.spec",
+    "host_budget_per_rank": "hardware.spec",
+    "probe": "hardware.probe",
     # profiling
-    "Profile": "profiling.profile", "measure": "profiling.profile", "load_profile": "profiling.profile",
-    "dump_profile": "profiling.profile", "analytic_profile": "profiling.analytic",
+    "Profile": "profiling.profile",
+    "measure": "profiling.profile",
+    "load_profile": "profiling.profile",
+    "dump_profile": "profiling.profile",
+    "analytic_profile": "profiling.analytic",
     # search
-    "make_plan": "search.planning", "parse_budget": "search.planning", "emit": "search.emit",
+    "make_plan": "search.planning",
+    "parse_budget": "search.planning",
+    "emit": "search.emit",
     # views
-    "render_show": "views.show", "render_explain": "views.show", "render_diff": "views.diff",
-    "predicted_trace": "views.trace", "record_trace": "views.trace",
+    "render_show": "views.show",
+    "render_explain": "views.show",
+    "render_diff": "views.diff",
+    "predicted_trace": "views.trace",
+    "record_trace": "views.trace",
     # commands
-    "train": "commands.train", "largest_fitting": "commands.fit", "fit_model": "commands.fit_config",
+    "train": "commands.train",
+    "largest_fitting": "commands.fit",
+    "fit_model": "commands.fit_config",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -106,8 +106,14 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
     blocks = block_paths(model)
     facts = model_facts(model, "any", blocks, s["seq"])
     numel = {n: max(1, _prod(sh)) for n, sh, _ in facts.params}
-    training = P.Training(micro_batch=s["micro"], seq_len=s["seq"], compute_dtype="float32",
-                          master_dtype="float32", world_size=1, grad_accum=s["accum"])
+    training = P.Training(
+        micro_batch=s["micro"],
+        seq_len=s["seq"],
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=s["accum"],
+    )
     out = []
     for k, ps in enumerate(s["plans"]):
         label = f"{k}:{ps['kind']}"
@@ -117,23 +123,54 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
                 continue
             chunk = max(numel.values()) * ps["chunk_factor"]
             policies = ps["policies"][: len(blocks)]
-            probe = assemble(facts, training=training, chunk_numel=chunk, persistent=[],
-                             n_buffer=len(numel) + 1, policies=policies)
+            probe = assemble(
+                facts,
+                training=training,
+                chunk_numel=chunk,
+                persistent=[],
+                n_buffer=len(numel) + 1,
+                policies=policies,
+            )
             n = len(probe.chunks.items)
-            persistent = {"persistent": list(range(n)), "offloaded": [],
-                          "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1],
-                          "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0],
-                          "nvme": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 4 == 0]}[ps["kind"]]
+            persistent = {
+                "persistent": list(range(n)),
+                "offloaded": [],
+                "mixed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1],
+                "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0],
+                "nvme": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 4 == 0],
+            }[ps["kind"]]
             # device homes (executor/chunks.py [Note: device homes]): some offloaded chunks, grad_accum 1 only
-            homed = [c for c in range(n) if c not in persistent and (ps["mask"] >> ((c + 5) % 16) & 1 or c == n - 1)]
+            homed = [
+                c
+                for c in range(n)
+                if c not in persistent and (ps["mask"] >> ((c + 5) % 16) & 1 or c == n - 1)
+            ]
             homed = homed if ps["kind"] == "homed" and s["accum"] == 1 else []
             # the NVMe tier (executor/nvme.py): some offloaded chunks' states on disk, any accumulation
-            nvme = [c for c in range(n) if c not in persistent and (ps["mask"] >> ((c + 3) % 16) & 1 or c == 0)]
+            nvme = [
+                c
+                for c in range(n)
+                if c not in persistent and (ps["mask"] >> ((c + 3) % 16) & 1 or c == 0)
+            ]
             nvme = nvme if ps["kind"] == "nvme" else []
-            need = max((len(ids - set(persistent)) for ids in V.segment_chunks(probe).values()), default=0)
-            out.append((label, assemble(facts, training=training, chunk_numel=chunk, persistent=persistent,
-                                        n_buffer=max(1, need) + ps["extra_buffers"], policies=policies,
-                                        device_homed=homed, nvme=nvme)))
+            need = max(
+                (len(ids - set(persistent)) for ids in V.segment_chunks(probe).values()), default=0
+            )
+            out.append(
+                (
+                    label,
+                    assemble(
+                        facts,
+                        training=training,
+                        chunk_numel=chunk,
+                        persistent=persistent,
+                        n_buffer=max(1, need) + ps["extra_buffers"],
+                        policies=policies,
+                        device_homed=homed,
+                        nvme=nvme,
+                    ),
+                )
+            )
         except ProtrainError as e:
             out.append((label, e))
     return out
@@ -148,14 +185,23 @@ def _searched(s: dict, facts, ps: dict) -> P.Plan:
     from protrain.planner.search.exhaustive import exhaustive
     from protrain.planner.search.planning import make_plan
 
-    profile = synthetic_profile(facts, gpu_spec(), block_us=100.0, act_bytes=4096 * s["d"],
-                                micro_batch=s["micro"], seq_len=s["seq"], dtype="float32",
-                                rng=random.Random(s["seed"]))
+    profile = synthetic_profile(
+        facts,
+        gpu_spec(),
+        block_us=100.0,
+        act_bytes=4096 * s["d"],
+        micro_batch=s["micro"],
+        seq_len=s["seq"],
+        dtype="float32",
+        rng=random.Random(s["seed"]),
+    )
     terms = make_terms(profile, choose_chunk_numel(facts_from_profile(profile))[0])
     front = sorted(exhaustive(terms, 2**62, None).front, key=lambda c: c.peak_bytes)
     budget = int(front[min(ps["front"], len(front) - 1)].peak_bytes) + 1
     solver = "milp" if ps["kind"] == "milp" else "exhaustive"
-    return make_plan(profile, budget, solver=solver, grad_accum=s["accum"], host_budget_bytes=2**62)[0]
+    return make_plan(
+        profile, budget, solver=solver, grad_accum=s["accum"], host_budget_bytes=2**62
+    )[0]
 
 
 def _prod(shape) -> int:
@@ -173,14 +219,29 @@ def train(s: dict, plan: P.Plan) -> dict:
     for a in plan.activations:
         if a.policy == "checkpoint":
             block = ref.get_submodule(a.block)
-            block.forward = (lambda f: lambda *args: checkpoint(f, *args, use_reentrant=False))(block.forward)
-    engine = wrap(model, plan, AdamWConfig(lr=LR, weight_decay=WD), device="cpu", nvme_dir=tempfile.gettempdir())
+            block.forward = (lambda f: lambda *args: checkpoint(f, *args, use_reentrant=False))(
+                block.forward
+            )
+    engine = wrap(
+        model,
+        plan,
+        AdamWConfig(lr=LR, weight_decay=WD),
+        device="cpu",
+        nvme_dir=tempfile.gettempdir(),
+    )
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     g = torch.Generator().manual_seed(s["seed"])
     k = s["accum"]
-    data = [[(torch.randint(0, s["vocab"], (s["micro"], s["seq"]), generator=g),
-              torch.randint(0, s["vocab"], (s["micro"], s["seq"]), generator=g)) for _ in range(k)]
-            for _ in range(s["steps"])]
+    data = [
+        [
+            (
+                torch.randint(0, s["vocab"], (s["micro"], s["seq"]), generator=g),
+                torch.randint(0, s["vocab"], (s["micro"], s["seq"]), generator=g),
+            )
+            for _ in range(k)
+        ]
+        for _ in range(s["steps"])
+    ]
     torch.manual_seed(1234)
     rng_ours = rng_ref = torch.get_rng_state()
     try:
@@ -199,13 +260,19 @@ def train(s: dict, plan: P.Plan) -> dict:
             rng_ref = torch.get_rng_state()
             want = micro[0].item() if k == 1 else torch.stack(micro).float().mean().item()
             if loss != want:
-                return {"status": "mismatch", "detail": f"step {step}: loss {loss!r} != plain {want!r}"}
+                return {
+                    "status": "mismatch",
+                    "detail": f"step {step}: loss {loss!r} != plain {want!r}",
+                }
         sd = engine.state_dict()["model"]
         for name, p in ref.named_parameters():
             if not torch.equal(sd[name], p.detach()):
                 diff = (sd[name] - p.detach()).abs().max().item()
-                return {"status": "mismatch", "detail": f"parameter {name} {tuple(p.shape)} "
-                        f"frozen={not p.requires_grad}: max |diff| {diff:.3g}"}
+                return {
+                    "status": "mismatch",
+                    "detail": f"parameter {name} {tuple(p.shape)} "
+                    f"frozen={not p.requires_grad}: max |diff| {diff:.3g}",
+                }
         ours = dict(model.named_buffers())
         for name, b in ref.named_buffers():
             if not torch.equal(ours[name], b):

@@ -13,7 +13,9 @@ from hypothesis import settings
 # PROTRAIN_HYPOTHESIS_RANDOM=1 explores new ones (what found the MILP repair bug).
 settings.register_profile("protrain", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
-settings.load_profile("explore" if os.environ.get("PROTRAIN_HYPOTHESIS_RANDOM") == "1" else "protrain")
+settings.load_profile(
+    "explore" if os.environ.get("PROTRAIN_HYPOTHESIS_RANDOM") == "1" else "protrain"
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/planfactory.py and friends
 
@@ -23,8 +25,12 @@ import emulation  # noqa: E402, F401  (installs the asynchronous CPU device: exe
 def pytest_collection_modifyitems(config, items):
     # Slow tests (marked `slow`, several seconds each on a 2-core box) run when asked for:
     # `pytest -m slow` (CI runs it after the default `pytest -q`) or PROTRAIN_SLOW=1.
-    wants_slow = "slow" in (config.getoption("markexpr") or "") or os.environ.get("PROTRAIN_SLOW") == "1"
-    skip_slow = pytest.mark.skip(reason="slow: run with `pytest -m slow` (CI does) or PROTRAIN_SLOW=1")
+    wants_slow = (
+        "slow" in (config.getoption("markexpr") or "") or os.environ.get("PROTRAIN_SLOW") == "1"
+    )
+    skip_slow = pytest.mark.skip(
+        reason="slow: run with `pytest -m slow` (CI does) or PROTRAIN_SLOW=1"
+    )
     try:
         import torch
 

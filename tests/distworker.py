@@ -28,16 +28,41 @@ from protrain.planner.search.emit import emit
 MICRO, SEQ, LR = 2, 32, 2e-3
 
 
-def make_plan(name: str, world: int, persistent, n_buffer: int, policies: list[str],
-              micro: int = MICRO, chunk_numel: int = 65536, dtype: str = "float32", grad_accum: int = 1,
-              lora=None, **config) -> P.Plan:
+def make_plan(
+    name: str,
+    world: int,
+    persistent,
+    n_buffer: int,
+    policies: list[str],
+    micro: int = MICRO,
+    chunk_numel: int = 65536,
+    dtype: str = "float32",
+    grad_accum: int = 1,
+    lora=None,
+    **config,
+) -> P.Plan:
     """``config``: more of ``emit.assemble``'s options (``cpu_adam``, ``shard_persistent_states``).
     ``lora``: a ``planner.lora.LoraSpec`` injected into the model (its base frozen)."""
     meta = build(name, device="meta") if lora is None else build_lora(name, lora, device="meta")
-    training = P.Training(micro_batch=micro, seq_len=SEQ, compute_dtype=dtype, master_dtype="float32",
-                          world_size=world, grad_accum=grad_accum)
-    return emit(meta, name=name, blocks=block_paths(meta), training=training, chunk_numel=chunk_numel,
-                persistent=persistent, n_buffer=n_buffer, policies=policies, **config)
+    training = P.Training(
+        micro_batch=micro,
+        seq_len=SEQ,
+        compute_dtype=dtype,
+        master_dtype="float32",
+        world_size=world,
+        grad_accum=grad_accum,
+    )
+    return emit(
+        meta,
+        name=name,
+        blocks=block_paths(meta),
+        training=training,
+        chunk_numel=chunk_numel,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=policies,
+        **config,
+    )
 
 
 def build_lora(name: str, lora, **kw):
@@ -63,13 +88,28 @@ def _exit_cleanly() -> None:
 def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
-def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_buffer: int,
-          policies: list[str], steps: int, load: str | None = None, save: str | None = None,
-          skip: int = 0, micro: int = MICRO, chunk_numel: int = 65536, lora=None) -> None:
+def train(
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    name: str,
+    persistent,
+    n_buffer: int,
+    policies: list[str],
+    steps: int,
+    load: str | None = None,
+    save: str | None = None,
+    skip: int = 0,
+    micro: int = MICRO,
+    chunk_numel: int = 65536,
+    lora=None,
+) -> None:
     """Train ``steps`` steps (after skipping ``skip`` global batches); write losses and state."""
     init(rank, world, port)
     try:
@@ -89,8 +129,9 @@ def train(rank: int, world: int, port: int, out: str, name: str, persistent, n_b
             engine.save(save)  # every rank: collectives and barriers inside
         if rank == 0:
             torch.save(sd, Path(out) / "state.pt")
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "host": engine.ledger.host_bytes,
-                                                                "peak": peak}))
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"losses": losses, "host": engine.ledger.host_bytes, "peak": peak})
+        )
         engine.close()
     finally:
         dist.destroy_process_group()
@@ -105,16 +146,30 @@ def run_plans(rank: int, world: int, port: int, out: str, runs: list[tuple]) -> 
     try:
         for label, name, path, steps, clip in runs:
             plan = P.load(path)
-            engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip),
-                          device="cpu", nvme_dir=out)
-            data = batches(load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world)
+            engine = wrap(
+                build(name, seed=1),
+                plan,
+                AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip),
+                device="cpu",
+                nvme_dir=out,
+            )
+            data = batches(
+                load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world
+            )
             results = [engine.step(next(data)) for _ in range(steps)]
             sd = engine.state_dict()
             if rank == 0:
                 torch.save(sd, Path(out) / f"{label}.pt")
-            Path(out, f"{label}-rank{rank}.json").write_text(json.dumps({
-                "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-                "optim": engine.ledger.bytes["optim"], "host": engine.ledger.host_bytes}))
+            Path(out, f"{label}-rank{rank}.json").write_text(
+                json.dumps(
+                    {
+                        "losses": [r.loss for r in results],
+                        "norms": [r.grad_norm for r in results],
+                        "optim": engine.ledger.bytes["optim"],
+                        "host": engine.ledger.host_bytes,
+                    }
+                )
+            )
             engine.close()
     finally:
         dist.destroy_process_group()
@@ -144,15 +199,23 @@ def events(rank: int, world: int, port: int, out: str, name: str, persistent, sh
     """One step; write rank 0's event stream (kind, edge, phase, segment, detail)."""
     init(rank, world, port)
     try:
-        plan = make_plan(name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard)
+        plan = make_plan(
+            name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard
+        )
         engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR), device="cpu")
         seen = []
         engine.on_event(lambda e: seen.append([e.kind, e.edge, e.phase, e.segment, e.detail]))
         engine.step(next(batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)))
         if rank == 0:
-            Path(out, "events.json").write_text(json.dumps(
-                {"events": seen, "persistent": plan.placement.persistent,
-                 "blocks": list(plan.model.blocks)}))
+            Path(out, "events.json").write_text(
+                json.dumps(
+                    {
+                        "events": seen,
+                        "persistent": plan.placement.persistent,
+                        "blocks": list(plan.model.blocks),
+                    }
+                )
+            )
         engine.close()
     finally:
         dist.destroy_process_group()
@@ -168,7 +231,9 @@ def disagree(rank: int, world: int, port: int, out: str, change: dict) -> None:
         plan = make_plan("gpt2-tiny", world, [0], 2, **kwargs)
         try:
             engine = wrap(build("gpt2-tiny", seed=1), plan, device="cpu")
-            data = batches(load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world)
+            data = batches(
+                load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world
+            )
             for _ in range(2):
                 engine.step(itertools.islice(data, plan.training.grad_accum))
             result = "trained"

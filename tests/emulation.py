@@ -152,8 +152,14 @@ class EmulatedStream:
 class AsyncCPU:
     """The emulated device: two streams, the in-flight table and the recorded storages."""
 
-    def __init__(self, seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3,
-                 tail_p: float = 0.1, tail_s: float = 0.01):
+    def __init__(
+        self,
+        seed: int,
+        min_delay_s: float = 2e-4,
+        max_delay_s: float = 2e-3,
+        tail_p: float = 0.1,
+        tail_s: float = 0.01,
+    ):
         self.seed = seed
         self.min_delay_s = min_delay_s
         self.max_delay_s = max_delay_s
@@ -182,12 +188,21 @@ class AsyncCPU:
         self.n_streams += 1
         return EmulatedStream(self, name, self.seed * 1000 + self.n_streams)
 
-    def launch(self, stream: EmulatedStream, dst: torch.Tensor, src: torch.Tensor,
-               then: Callable[[], None] | None = None, weak_src: bool = False) -> EmulatedEvent:
+    def launch(
+        self,
+        stream: EmulatedStream,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        then: Callable[[], None] | None = None,
+        weak_src: bool = False,
+    ) -> EmulatedEvent:
         """Queue ``dst.copy_(src)`` (then ``then()``) on ``stream``; poison ``dst`` now."""
         if weak_src and _is_host(src):
-            raise AsyncHazard(f"{stream.name}: a device-to-host copy from a host tensor "
-                              f"{tuple(src.shape)} {src.dtype}", "leave host tensors where they are")
+            raise AsyncHazard(
+                f"{stream.name}: a device-to-host copy from a host tensor "
+                f"{tuple(src.shape)} {src.dtype}",
+                "leave host tensors where they are",
+            )
         poison(dst, whole_storage=then is not None)  # a ZeRO-3 all-gather writes the whole chunk
         ptrs = {dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()}
         ref = weakref.ref(src) if weak_src else (lambda s=src: s)
@@ -199,7 +214,9 @@ class AsyncCPU:
                 if s is None:
                     raise AsyncHazard(
                         f"{stream.name}: the source of a copy was freed before the copy ran "
-                        "(a missing record_stream)", "record the tensor on the copy stream")
+                        "(a missing record_stream)",
+                        "record the tensor on the copy stream",
+                    )
                 dst.copy_(s)
                 if then is not None:
                     then()
@@ -226,8 +243,10 @@ class AsyncCPU:
     def record(self, t: torch.Tensor, stream: EmulatedStream) -> None:
         """``t.record_stream(stream)``: a free of ``t`` is deferred past the stream's work so far."""
         if _is_host(t):
-            raise AsyncHazard("record_stream of a host tensor (no CPU kernel)",
-                              "leave host tensors where they are")
+            raise AsyncHazard(
+                "record_stream of a host tensor (no CPU kernel)",
+                "leave host tensors where they are",
+            )
         ev = stream.submit(lambda: None, delay=False)
         with self.lock:
             self.recorded.setdefault(t.untyped_storage().data_ptr(), []).append((t, stream, ev))
@@ -247,9 +266,12 @@ class AsyncCPU:
             recorded = [r for r in self.recorded.pop(ptr, []) if not r[2].query()]
             pending = [ev for ev in self.inflight.get(ptr, []) if not ev.query()]
         if pending and not recorded:
-            raise AsyncHazard(f"{what}: storage freed while {len(pending)} copy(ies) into or from it "
-                              "are still in flight", "wait on the copy's event (or record the "
-                              "storage on the copy stream) before freeing it")
+            raise AsyncHazard(
+                f"{what}: storage freed while {len(pending)} copy(ies) into or from it "
+                "are still in flight",
+                "wait on the copy's event (or record the "
+                "storage on the copy stream) before freeing it",
+            )
         if not recorded:
             return False
         stream = recorded[-1][1]
@@ -296,8 +318,13 @@ def current() -> AsyncCPU | None:  # installed as transfer.EMULATION below
 
 
 @contextlib.contextmanager
-def emulate(seed: int, min_delay_s: float = 2e-4, max_delay_s: float = 2e-3,
-            tail_p: float = 0.1, tail_s: float = 0.01):
+def emulate(
+    seed: int,
+    min_delay_s: float = 2e-4,
+    max_delay_s: float = 2e-3,
+    tail_p: float = 0.1,
+    tail_s: float = 0.01,
+):
     """Copy engines created inside run asynchronously on CPU (see the Note above)."""
     emu = AsyncCPU(seed, min_delay_s, max_delay_s, tail_p, tail_s)
     _override.append(emu)

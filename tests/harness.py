@@ -35,9 +35,19 @@ MICRO_BATCH, SEQ_LEN, CHUNK = 4, 32, 65536
 # Four-block models, so that policy strips like S C K S can be tested; the zoo's
 # tiny models have two blocks.
 CONFIGS = {
-    "gpt2-4": GPT2Config(n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=64, dropout=0.1),
-    "llama-4": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, dim=64, ffn_dim=172, vocab_size=256,
-                           max_seq_len=64, dropout=0.1),
+    "gpt2-4": GPT2Config(
+        n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=64, dropout=0.1
+    ),
+    "llama-4": LlamaConfig(
+        n_layer=4,
+        n_head=4,
+        n_kv_head=2,
+        dim=64,
+        ffn_dim=172,
+        vocab_size=256,
+        max_seq_len=64,
+        dropout=0.1,
+    ),
 }
 
 
@@ -55,25 +65,78 @@ def make_model(name: str, seed: int = 1, device: str = "cpu", lora=None) -> nn.M
     return build(name, dropout=0.1, seed=seed, device=device)
 
 
-def make_plan(name: str, *, persistent, n_buffer: int, policies, grad_accum: int = 1,
-              compute_dtype: str = "float32", chunk_numel: int = CHUNK,
-              cpu_adam: str | None = None, homeless=(), device_homed=(), nvme=(), lora=None) -> P.Plan:
-    meta = make_model(name, device="meta", lora=lora) if name in CONFIGS or lora else build(name, device="meta")
+def make_plan(
+    name: str,
+    *,
+    persistent,
+    n_buffer: int,
+    policies,
+    grad_accum: int = 1,
+    compute_dtype: str = "float32",
+    chunk_numel: int = CHUNK,
+    cpu_adam: str | None = None,
+    homeless=(),
+    device_homed=(),
+    nvme=(),
+    lora=None,
+) -> P.Plan:
+    meta = (
+        make_model(name, device="meta", lora=lora)
+        if name in CONFIGS or lora
+        else build(name, device="meta")
+    )
     blocks = block_paths(meta)
     if isinstance(policies, str):
-        policies = [policies] * len(blocks) if policies in ("keep", "swap", "checkpoint") else policies.split()
-    training = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype=compute_dtype,
-                          master_dtype="float32", world_size=1, grad_accum=grad_accum)
+        policies = (
+            [policies] * len(blocks)
+            if policies in ("keep", "swap", "checkpoint")
+            else policies.split()
+        )
+    training = P.Training(
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        compute_dtype=compute_dtype,
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=grad_accum,
+    )
     if "all" in (persistent, homeless, device_homed, nvme):  # every chunk / every offloaded chunk
-        n = len(emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
-                     persistent=[], n_buffer=64, policies=policies).chunks.items)
+        n = len(
+            emit(
+                meta,
+                name=name,
+                blocks=blocks,
+                training=training,
+                chunk_numel=chunk_numel,
+                persistent=[],
+                n_buffer=64,
+                policies=policies,
+            ).chunks.items
+        )
         persistent = list(range(n)) if persistent == "all" else persistent
-        homeless = [c for c in range(n) if c not in set(persistent)] if homeless == "all" else homeless
-        device_homed = [c for c in range(n) if c not in set(persistent)] if device_homed == "all" else device_homed
+        homeless = (
+            [c for c in range(n) if c not in set(persistent)] if homeless == "all" else homeless
+        )
+        device_homed = (
+            [c for c in range(n) if c not in set(persistent)]
+            if device_homed == "all"
+            else device_homed
+        )
         nvme = [c for c in range(n) if c not in set(persistent)] if nvme == "all" else nvme
-    return emit(meta, name=name, blocks=blocks, training=training, chunk_numel=chunk_numel,
-                persistent=persistent, n_buffer=n_buffer, policies=policies, cpu_adam=cpu_adam,
-                homeless=homeless, device_homed=device_homed, nvme=nvme)
+    return emit(
+        meta,
+        name=name,
+        blocks=blocks,
+        training=training,
+        chunk_numel=chunk_numel,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=policies,
+        cpu_adam=cpu_adam,
+        homeless=homeless,
+        device_homed=device_homed,
+        nvme=nvme,
+    )
 
 
 @dataclass
@@ -86,15 +149,24 @@ class Run:
     results: list
 
 
-def sleeper(before_copy: float = 0.0, before_cpu_adam: float = 0.0, before_weights_return: float = 0.0,
-            before_grad_land: float = 0.0):
+def sleeper(
+    before_copy: float = 0.0,
+    before_cpu_adam: float = 0.0,
+    before_weights_return: float = 0.0,
+    before_grad_land: float = 0.0,
+):
     """An ``Engine.on_event`` listener that sleeps at the named points (seconds), to make races
     visible on a CPU box: before every copy is queued; in the CPU
     AdamW worker before a chunk's step, before its new weights return to the chunk's home,
     and before a downloaded gradient is accumulated."""
-    seconds = {("begin", k): before_copy for k in ("fetch", "prefetch", "swap_in", "offload", "swap_out")}
-    seconds |= {("begin", "cpu_step"): before_cpu_adam, ("end", "cpu_step"): before_weights_return,
-                ("mark", "land"): before_grad_land}
+    seconds = {
+        ("begin", k): before_copy for k in ("fetch", "prefetch", "swap_in", "offload", "swap_out")
+    }
+    seconds |= {
+        ("begin", "cpu_step"): before_cpu_adam,
+        ("end", "cpu_step"): before_weights_return,
+        ("mark", "land"): before_grad_land,
+    }
 
     def listener(ev) -> None:
         s = seconds.get((ev.edge, ev.kind))
@@ -117,8 +189,14 @@ class Trained(NamedTuple):
     device_peak: int
 
 
-def train_engine(model: nn.Module, plan: P.Plan, steps: int = 4, data=None, nvme_dir=None,
-                 config: AdamWConfig | None = None) -> Trained:
+def train_engine(
+    model: nn.Module,
+    plan: P.Plan,
+    steps: int = 4,
+    data=None,
+    nvme_dir=None,
+    config: AdamWConfig | None = None,
+) -> Trained:
     """Train ``model`` under ``plan`` for ``steps`` steps (``grad_accum`` micro-batches each) from
     a fixed seed (dropout draws the same masks in every run); the losses, the state dict and
     the ledger's host bytes and device peak."""
@@ -128,7 +206,9 @@ def train_engine(model: nn.Module, plan: P.Plan, steps: int = 4, data=None, nvme
     k = plan.training.grad_accum
     try:
         losses = [engine.step([next(data) for _ in range(k)]).loss for _ in range(steps)]
-        return Trained(losses, engine.state_dict(), engine.ledger.host_bytes, engine.ledger.device_peak_bytes())
+        return Trained(
+            losses, engine.state_dict(), engine.ledger.host_bytes, engine.ledger.device_peak_bytes()
+        )
     finally:
         engine.close()
 
@@ -148,8 +228,16 @@ PARITY_MATRIX = {
 }
 
 
-def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | None = None,
-             seed: int = 0, on_event=None, nvme_dir=None, lora=None) -> Run:
+def lockstep(
+    name: str,
+    plan: P.Plan,
+    steps: int = 20,
+    config: AdamWConfig | None = None,
+    seed: int = 0,
+    on_event=None,
+    nvme_dir=None,
+    lora=None,
+) -> Run:
     """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``.
     ``lora``: train a peft LoRA model (``make_model``'s); the reference steps its adapters."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
@@ -158,8 +246,14 @@ def lockstep(name: str, plan: P.Plan, steps: int = 20, config: AdamWConfig | Non
     engine = wrap(model, plan, config, device="cpu", nvme_dir=nvme_dir)
     if on_event is not None:
         engine.on_event(on_event)
-    opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True,
+    )
     src = load_tokens()
     k = plan.training.grad_accum
     b, t = plan.training.micro_batch, plan.training.seq_len
@@ -201,8 +295,9 @@ def assert_same_state(run: Run, atol: float = 0.0, rtol: float = 0.0) -> None:
             continue
         st = run.ref_opt.state[p]
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(sd["optim"][name][key], st[key], rtol=rtol, atol=atol,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                sd["optim"][name][key], st[key], rtol=rtol, atol=atol, msg=f"{name} {key}"
+            )
         assert float(sd["optim"][name]["step"]) == float(st["step"])
 
 
@@ -216,8 +311,17 @@ def assert_same_training(a, b) -> None:
             assert torch.equal(st[key], b[1]["optim"][name][key]), (name, key)
 
 
-def stop_and_resume(first: P.Plan, second: P.Plan, root, config: AdamWConfig, *, name: str = "gpt2-4",
-                    stop_at: int = 2, steps: int = 4, nvme_dir=None) -> tuple[list[float], dict]:
+def stop_and_resume(
+    first: P.Plan,
+    second: P.Plan,
+    root,
+    config: AdamWConfig,
+    *,
+    name: str = "gpt2-4",
+    stop_at: int = 2,
+    steps: int = 4,
+    nvme_dir=None,
+) -> tuple[list[float], dict]:
     """Train ``stop_at`` steps under ``first``, checkpoint under ``root``, resume a model of another
     init under ``second`` to ``steps`` in all: the losses and the final state dict (the same
     data and dropout RNG as one uninterrupted run from ``torch.manual_seed(1234)``)."""

@@ -40,13 +40,21 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     # any persistent set, any workable buffer count, any policy strip.
     rng = random.Random(seed)
     if rng.random() < 0.3:  # some parameters frozen (a LoRA base): their chunks keep values only
-        facts = dataclasses.replace(facts, frozen=frozenset(n for n, _, _ in facts.params if rng.random() < 0.7))
+        facts = dataclasses.replace(
+            facts, frozen=frozenset(n for n, _, _ in facts.params if rng.random() < 0.7)
+        )
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
     if rng.random() < 0.4:
         spec = msgspec.structs.replace(spec, kind="cpu")
     dtype = rng.choice(["float32", "bfloat16"])
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             dtype=dtype, rng=rng)
+    prof = synthetic_profile(
+        facts,
+        spec,
+        block_us=rng.uniform(10, 5000),
+        act_bytes=rng.randint(10**3, 10**7),
+        dtype=dtype,
+        rng=rng,
+    )
     world, accum = rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 1, 2, 3])
     shard = world > 1 and rng.random() < 0.5  # persistent optimizer states sharded over the ranks
     size, _ = choose_chunk_numel(facts_from_profile(prof))
@@ -57,28 +65,59 @@ def test_cost_model_peak_is_the_accounting_peak(facts, seed):
     least = min_buffers(t, persistent)
     n_buffer = rng.randint(least, n_off + 1) if n_off else rng.randint(0, 2)
     strip = [rng.choice(["keep", "swap", "checkpoint"]) for _ in facts.blocks]
-    training = P.Training(micro_batch=1, seq_len=1024, compute_dtype=dtype, master_dtype="float32",
-                          world_size=world, grad_accum=accum)
+    training = P.Training(
+        micro_batch=1,
+        seq_len=1024,
+        compute_dtype=dtype,
+        master_dtype="float32",
+        world_size=world,
+        grad_accum=accum,
+    )
     # Homeless chunks (placement.homeless) where the plan may have them: any offloaded subset.
-    offloaded = [c for c in range(t.n_chunks) if c not in persistent and (t.trainable is None or t.trainable[c])]
-    homeless = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if t.homeless_ok else []
+    offloaded = [
+        c
+        for c in range(t.n_chunks)
+        if c not in persistent and (t.trainable is None or t.trainable[c])
+    ]
+    homeless = (
+        sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if t.homeless_ok else []
+    )
     # Device-homed chunks (placement.device_homed), where the plan may have them: any of the rest.
     rest = [c for c in offloaded if c not in homeless]
-    homed = sorted(rng.sample(rest, rng.randint(0, len(rest)))) if t.homed_ok and rng.random() < 0.5 else []
+    homed = (
+        sorted(rng.sample(rest, rng.randint(0, len(rest))))
+        if t.homed_ok and rng.random() < 0.5
+        else []
+    )
     # Chunks on disk (placement.nvme), any plan: any offloaded ones not device-homed.
-    nvme = sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if rng.random() < 0.3 else []
+    nvme = (
+        sorted(rng.sample(offloaded, rng.randint(0, len(offloaded)))) if rng.random() < 0.3 else []
+    )
     nvme = [c for c in nvme if c not in homed]
     cpu_adam = "during_backward" if (homeless or homed) else None
-    plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
-                    n_buffer=n_buffer, policies=strip, shard_persistent_states=shard, homeless=homeless,
-                    device_homed=homed, cpu_adam=cpu_adam, nvme=nvme)
+    plan = assemble(
+        facts,
+        training=training,
+        chunk_numel=size,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=strip,
+        shard_persistent_states=shard,
+        homeless=homeless,
+        device_homed=homed,
+        cpu_adam=cpu_adam,
+        nvme=nvme,
+    )
 
     walk = memory_walk.walk(plan, segment_bytes(prof))
     pred = predict_plan(t, persistent, n_buffer, strip, homeless, homed, nvme)
     b = pred.breakdown
     assert walk.peak_bytes == pred.peak_bytes
     assert (walk.states_bytes, walk.buffers_bytes, walk.activation_walk_bytes) == (
-        b["states_bytes"], b["buffers_bytes"], b["activation_walk_bytes"])
+        b["states_bytes"],
+        b["buffers_bytes"],
+        b["activation_walk_bytes"],
+    )
     assert (walk.host_bytes, walk.host_swap_bytes) == (b["host_bytes"], b["host_swap_bytes"])
 
 
@@ -87,28 +126,38 @@ def test_a_frozen_chunk_has_no_gradients_moments_or_master(world):
     plan = next(p for p in _library() if p.training.world_size == world and p.placement.persistent)
     assert plan.placement.shard_persistent_states == (world > 1)  # the planner shards when it can
     everything = memory_walk.walk(plan)
-    frozen = memory_walk.walk(plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items])
+    frozen = memory_walk.walk(
+        plan, trainable=[c.id != plan.placement.persistent[0] for c in plan.chunks.items]
+    )
     eb = memory_walk.element_bytes(plan.training.compute_dtype, plan.training.grad_accum)
     numel = -(-plan.chunks.chunk_numel // world) * world
     # gradients (whole on every rank), and this rank's shard of the moments and master
     assert everything.states_bytes - frozen.states_bytes == numel * eb.compute + numel // world * (
-        eb.persistent - 2 * eb.compute)
+        eb.persistent - 2 * eb.compute
+    )
 
 
 def test_element_bytes():
     # fp32: values + gradients + moments on the device; the chunk is its own master.
-    assert memory_walk.element_bytes("float32") == memory_walk.ElementBytes(compute=4, persistent=16, host=16)
+    assert memory_walk.element_bytes("float32") == memory_walk.ElementBytes(
+        compute=4, persistent=16, host=16
+    )
     # fp32 with accumulation: a staging buffer, because later micro-batches cannot land in place.
     assert memory_walk.element_bytes("float32", grad_accum=2).host == 20
     # bf16: gradients land in the home (optim.py [Note: gradients land in home]): 14 B ...
-    assert memory_walk.element_bytes("bfloat16") == memory_walk.ElementBytes(compute=2, persistent=16, host=14)
+    assert memory_walk.element_bytes("bfloat16") == memory_walk.ElementBytes(
+        compute=2, persistent=16, host=14
+    )
     # ... unless accumulating: an fp32 accumulator and a bf16 staging buffer.
     assert memory_walk.element_bytes("bfloat16", grad_accum=3).host == 20
 
 
 def _library() -> list[P.Plan]:
-    return [P.load(f) for f in sorted(glob.glob(str(ROOT / "plans" / "*" / "*.json")))
-            if "/profiles/" not in f and "/hardware/" not in f and "/schema/" not in f]
+    return [
+        P.load(f)
+        for f in sorted(glob.glob(str(ROOT / "plans" / "*" / "*.json")))
+        if "/profiles/" not in f and "/hardware/" not in f and "/schema/" not in f
+    ]
 
 
 def test_show_prints_the_predictions_figures_for_every_library_plan():
@@ -119,7 +168,11 @@ def test_show_prints_the_predictions_figures_for_every_library_plan():
     for plan in plans:
         text = render_show(plan)
         walk = memory_walk.walk(plan)
-        shown = {"states_bytes": walk.states_bytes, "buffers_bytes": walk.buffers_bytes, "host_bytes": walk.host_bytes}
+        shown = {
+            "states_bytes": walk.states_bytes,
+            "buffers_bytes": walk.buffers_bytes,
+            "host_bytes": walk.host_bytes,
+        }
         for key, value in shown.items():
             line = next(ln for ln in text.splitlines() if ln.split()[:1] == [key])
             assert line.split(None, 1)[1] == human_bytes(value), (key, line)
@@ -131,8 +184,10 @@ def test_show_prints_the_predictions_figures_for_every_library_plan():
 def test_cost_search_and_milp_do_not_import_torch():
     import subprocess
 
-    code = ("import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, protrain.planner.search.milp, "
-            "protrain.executor.accounting; sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, protrain.planner.search.milp, "
+        "protrain.executor.accounting; sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

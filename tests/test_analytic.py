@@ -494,8 +494,15 @@ def _deepened_and_full(cfg, *, micro_batch, seq_len, compute_dtype, spec):
     def profile(c):
         with torch.device("meta"):
             model = GPT2(c) if isinstance(c, GPT2Config) else Llama(c)
-        return analytic_profile(model, name="m", blocks=block_paths(model), micro_batch=micro_batch,
-                                seq_len=seq_len, compute_dtype=compute_dtype, spec=spec), model_signature(model)
+        return analytic_profile(
+            model,
+            name="m",
+            blocks=block_paths(model),
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            compute_dtype=compute_dtype,
+            spec=spec,
+        ), model_signature(model)
 
     shallow = profile(dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS))
     full, signature = profile(cfg)
@@ -511,15 +518,39 @@ def _cases():
     gpu, cpu = rtx3090_like(), find_spec("cpu")
     return [  # (config, micro-batch, seq, dtype, spec): both families, GQA, dropout, fp32, a CPU spec
         pytest.param(gpt2_ladder()[0], 2, 128, "bfloat16", gpu, id="gpt2-124m"),
-        pytest.param(GPT2Config(n_layer=7, n_head=4, n_embd=256, dropout=0.1), 3, 64, "float32", gpu,
-                     id="gpt2-dropout-fp32"),
-        pytest.param(GPT2Config(n_layer=6, n_head=4, n_embd=256, dropout=0.1), 2, 64, "float32", cpu,
-                     id="gpt2-dropout-cpu"),
+        pytest.param(
+            GPT2Config(n_layer=7, n_head=4, n_embd=256, dropout=0.1),
+            3,
+            64,
+            "float32",
+            gpu,
+            id="gpt2-dropout-fp32",
+        ),
+        pytest.param(
+            GPT2Config(n_layer=6, n_head=4, n_embd=256, dropout=0.1),
+            2,
+            64,
+            "float32",
+            cpu,
+            id="gpt2-dropout-cpu",
+        ),
         pytest.param(llama_ladder()[0], 1, 256, "bfloat16", gpu, id="llama-1.1b"),
-        pytest.param(LlamaConfig(n_layer=9, n_head=8, n_kv_head=2, dim=512, ffn_dim=1408), 2, 128,
-                     "bfloat16", gpu, id="llama-gqa"),
-        pytest.param(LlamaConfig(n_layer=5, n_head=8, n_kv_head=8, dim=512, ffn_dim=1408), 1, 64,
-                     "float16", cpu, id="llama-cpu"),
+        pytest.param(
+            LlamaConfig(n_layer=9, n_head=8, n_kv_head=2, dim=512, ffn_dim=1408),
+            2,
+            128,
+            "bfloat16",
+            gpu,
+            id="llama-gqa",
+        ),
+        pytest.param(
+            LlamaConfig(n_layer=5, n_head=8, n_kv_head=8, dim=512, ffn_dim=1408),
+            1,
+            64,
+            "float16",
+            cpu,
+            id="llama-cpu",
+        ),
     ]
 
 
@@ -529,7 +560,8 @@ def test_deepen_equals_profiling_every_block(cfg, micro_batch, seq_len, dtype, s
     ``protrain fit`` profiles) is the deep model's own profile, field by field, segment by
     segment, parameter by parameter, with the deep model's parameter signature."""
     (deep, deep_sig), (full, full_sig), _ = _deepened_and_full(
-        cfg, micro_batch=micro_batch, seq_len=seq_len, compute_dtype=dtype, spec=spec)
+        cfg, micro_batch=micro_batch, seq_len=seq_len, compute_dtype=dtype, spec=spec
+    )
     assert deep_sig == full_sig
     assert deep.model == full.model
     assert len(deep.segments) == len(full.segments)
@@ -548,8 +580,9 @@ def test_deepen_equals_profiling_every_block_at_ladder_sizes(family, rung):
     from protrain.planner.commands.fit import ladder
 
     cfg = ladder(family, 1024)[rung]
-    (deep, _), (full, _), _ = _deepened_and_full(cfg, micro_batch=2, seq_len=1024, compute_dtype="bfloat16",
-                                                spec=find_spec("rtx3090"))
+    (deep, _), (full, _), _ = _deepened_and_full(
+        cfg, micro_batch=2, seq_len=1024, compute_dtype="bfloat16", spec=find_spec("rtx3090")
+    )
     assert [a for a, b in zip(deep.segments, full.segments) if a != b] == []
     assert dump_profile(deep) == dump_profile(full)
 
@@ -583,8 +616,9 @@ def test_deepen_declines_what_it_cannot_replicate():
     from protrain.planner.profiling.deepen import deepen
 
     cfg = GPT2Config(n_layer=6, n_head=4, n_embd=256)
-    _, _, (shallow, sig) = _deepened_and_full(cfg, micro_batch=1, seq_len=32, compute_dtype="float32",
-                                              spec=rtx3090_like())
+    _, _, (shallow, sig) = _deepened_and_full(
+        cfg, micro_batch=1, seq_len=32, compute_dtype="float32", spec=rtx3090_like()
+    )
     assert deepen(shallow, sig, 6) is not None
     segs = list(shallow.segments)
     segs[3] = msgspec.structs.replace(segs[3], fwd_us=segs[3].fwd_us + 1)

@@ -46,29 +46,57 @@ WIDTHS = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16, 17, 23, 31, 32, 36, 37, 
 @st.composite
 def specs(draw, *, frozen=None, unused=None, tie=None, kinds=None, accum=None):
     n_blocks = draw(st.integers(1, 4))
-    blocks = [{"h": draw(WIDTHS), "bias": draw(st.booleans()),
-               "dropout": draw(st.sampled_from([0.0, 0.0, 0.2])), "bn": draw(st.booleans()),
-               "spare": draw(st.sampled_from([0, 0, 3])) if unused is None else (3 if unused else 0),
-               "buffer": draw(st.booleans())} for _ in range(n_blocks)]
+    blocks = [
+        {
+            "h": draw(WIDTHS),
+            "bias": draw(st.booleans()),
+            "dropout": draw(st.sampled_from([0.0, 0.0, 0.2])),
+            "bn": draw(st.booleans()),
+            "spare": draw(st.sampled_from([0, 0, 3])) if unused is None else (3 if unused else 0),
+            "buffer": draw(st.booleans()),
+        }
+        for _ in range(n_blocks)
+    ]
     if tie is None:
         tie = draw(st.booleans()) and draw(st.booleans())
     if tie and n_blocks > 1:
         blocks[-1]["h"] = blocks[0]["h"]  # same shape, so fc1 weights can be tied
     kinds = kinds or ["persistent", "offloaded", "mixed", "homed", "search", "milp"]
-    plans = [{"kind": draw(st.sampled_from(kinds)),
-              "policies": draw(st.lists(st.sampled_from(["keep", "swap", "checkpoint"]),
-                                        min_size=n_blocks, max_size=n_blocks)),
-              "chunk_factor": draw(st.integers(1, 3)), "mask": draw(st.integers(0, 2**16 - 1)),
-              "extra_buffers": draw(st.integers(0, 1)), "front": draw(st.integers(0, 3))}
-             for _ in range(draw(st.integers(1, 3)))]
+    plans = [
+        {
+            "kind": draw(st.sampled_from(kinds)),
+            "policies": draw(
+                st.lists(
+                    st.sampled_from(["keep", "swap", "checkpoint"]),
+                    min_size=n_blocks,
+                    max_size=n_blocks,
+                )
+            ),
+            "chunk_factor": draw(st.integers(1, 3)),
+            "mask": draw(st.integers(0, 2**16 - 1)),
+            "extra_buffers": draw(st.integers(0, 1)),
+            "front": draw(st.integers(0, 3)),
+        }
+        for _ in range(draw(st.integers(1, 3)))
+    ]
     return {
-        "seed": draw(st.integers(0, 2**16)), "vocab": draw(st.integers(17, 64)), "d": draw(WIDTHS),
-        "pos": draw(st.booleans()), "blocks": blocks, "tie_head": draw(st.booleans()),
-        "tie_blocks": tie, "repeat": draw(st.integers(0, 15)) == 0,
-        "top_unused": (draw(st.sampled_from([0, 0, 5])) if unused is None else (5 if unused else 0)),
+        "seed": draw(st.integers(0, 2**16)),
+        "vocab": draw(st.integers(17, 64)),
+        "d": draw(WIDTHS),
+        "pos": draw(st.booleans()),
+        "blocks": blocks,
+        "tie_head": draw(st.booleans()),
+        "tie_blocks": tie,
+        "repeat": draw(st.integers(0, 15)) == 0,
+        "top_unused": (
+            draw(st.sampled_from([0, 0, 5])) if unused is None else (5 if unused else 0)
+        ),
         "frozen_frac": (draw(st.sampled_from([0.0, 0.0, 0.3])) if frozen is None else frozen),
-        "micro": draw(st.integers(1, 2)), "seq": draw(st.integers(4, 8)),
-        "accum": draw(st.integers(1, 3)) if accum is None else accum, "steps": 4, "plans": plans,
+        "micro": draw(st.integers(1, 2)),
+        "seq": draw(st.integers(4, 8)),
+        "accum": draw(st.integers(1, 3)) if accum is None else accum,
+        "steps": 4,
+        "plans": plans,
     }
 
 
@@ -80,15 +108,22 @@ class Worker:
 
     def run(self, spec: dict) -> list[dict]:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "anyworker.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "anyworker.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=HERE.parent,
+            )
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
             self.proc = None
-            raise AssertionError(f"the worker died (exit status {code}; negative = signal) on {spec}")
+            raise AssertionError(
+                f"the worker died (exit status {code}; negative = signal) on {spec}"
+            )
         return json.loads(line)
 
     def close(self):
@@ -107,12 +142,15 @@ def check(spec: dict) -> None:
             continue
         if res["status"] == "refused" and any(re.search(p, res["detail"]) for p in REFUSALS):
             continue
-        raise AssertionError(f"plan {res['plan']}: {res['status']}: {res.get('type', '')} "
-                             f"{res['detail']}\nspec: {json.dumps(spec)}")
+        raise AssertionError(
+            f"plan {res['plan']}: {res['status']}: {res.get('type', '')} "
+            f"{res['detail']}\nspec: {json.dumps(spec)}"
+        )
 
 
 def cases(n: int):
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck))
+
 
 # Found by this file (#15 item 1): with parameters at unaligned chunk offsets, a float32
 # parameter ended one ulp off AdamW(fused=True), because BLAS sums `g @ W` in another

@@ -36,7 +36,10 @@ def test_plan_for_another_model_lists_the_differences():
 def test_changed_shape_and_near_names():
     plan = P.load(EXAMPLE)
     wider = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=300, block_size=128))
-    with pytest.raises(FingerprintError, match=r"shape of transformer.wte.weight: plan \[256, 64\], model \[300, 64\]"):
+    with pytest.raises(
+        FingerprintError,
+        match=r"shape of transformer.wte.weight: plan \[256, 64\], model \[300, 64\]",
+    ):
         check(plan, wider)
 
     renamed = build("gpt2-tiny", device="meta")
@@ -49,7 +52,10 @@ def test_changed_shape_and_near_names():
 
 def test_dtype_and_untied_head_are_reported():
     plan = P.load(EXAMPLE)
-    with pytest.raises(FingerprintError, match="dtype of transformer.h.0.attn.c_attn.bias: plan float32, model bfloat16"):
+    with pytest.raises(
+        FingerprintError,
+        match="dtype of transformer.h.0.attn.c_attn.bias: plan float32, model bfloat16",
+    ):
         check(plan, build("gpt2-tiny", device="meta", dtype=torch.bfloat16))
     untied = build("gpt2-tiny", device="meta")
     untied.lm_head.weight = torch.nn.Parameter(torch.empty(256, 64, device="meta"))

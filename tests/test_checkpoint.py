@@ -50,8 +50,13 @@ def test_resume_gives_bit_identical_losses(tmp_path):
     assert resumed == full[3:]  # dropout on: RNG, moments, masters all restored exactly
 
 
-@pytest.mark.parametrize("other", [dict(persistent="all", n_buffer=0, policies="keep"),
-                                   dict(persistent=[], n_buffer=2, policies="checkpoint")])
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(persistent="all", n_buffer=0, policies="keep"),
+        dict(persistent=[], n_buffer=2, policies="checkpoint"),
+    ],
+)
 def test_resume_under_another_plan(tmp_path, other):
     full = _run(make_plan("gpt2-4", **MIXED), 5, save=tmp_path, save_at=2)
     resumed = _run(make_plan("gpt2-4", **other), 5, resume=tmp_path, seed=99)
@@ -72,7 +77,11 @@ def test_layout_and_pruning(tmp_path):
     assert names == [".lock", "latest", "step-00000004", "step-00000004.1"]
     assert (tmp_path / "latest").read_text() == "step-00000004.1\n"
     m = read_manifest(resolve(tmp_path))
-    assert m.step == 4 and set(m.files) == {"model.safetensors", "optim.safetensors", "rng-rank0.safetensors"}
+    assert m.step == 4 and set(m.files) == {
+        "model.safetensors",
+        "optim.safetensors",
+        "rng-rank0.safetensors",
+    }
     engine.close()
 
 
@@ -90,8 +99,19 @@ def _load_into_fresh(root):
         engine.close()
 
 
-@pytest.mark.parametrize("damage", ["flip_tensor_byte", "truncate", "drop_file", "extra_file_name",
-                                    "path_traversal", "garbage_manifest", "huge_manifest", "bad_latest"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "flip_tensor_byte",
+        "truncate",
+        "drop_file",
+        "extra_file_name",
+        "path_traversal",
+        "garbage_manifest",
+        "huge_manifest",
+        "bad_latest",
+    ],
+)
 def test_damaged_checkpoints_are_refused(tmp_path, damage):
     d = _saved(tmp_path)
     manifest = json.loads((d / "manifest.json").read_text())
@@ -132,7 +152,15 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 # Phases of a save (executor/checkpoint.py [Note: atomicity]) and which checkpoint
 # `latest` names after a SIGKILL right after each: the previous one until `latest` is replaced.
-KILL_PHASES = {"directory": 1, "rng": 1, "tensors": 1, "manifest": 1, "renamed": 1, "latest": 2, "pruned": 2}
+KILL_PHASES = {
+    "directory": 1,
+    "rng": 1,
+    "tensors": 1,
+    "manifest": 1,
+    "renamed": 1,
+    "latest": 2,
+    "pruned": 2,
+}
 
 
 @pytest.mark.slow
@@ -142,16 +170,25 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
     checkpoint — the previous one or the new one, never a broken one — and the next save
     clears what the killed one left."""
     env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, str(TESTS / "ckptworker.py"), str(tmp_path), ",".join(KILL_PHASES)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "ckptworker.py"), str(tmp_path), ",".join(KILL_PHASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:-1] == [f"killed {p} {int(signal.SIGKILL)}" for p in KILL_PHASES]
     for phase, expected in KILL_PHASES.items():
         m = read_manifest(resolve(tmp_path / phase))  # complete, checksums match
         assert m.data["micro_batches"] == expected, phase
-        leftovers = sorted(p.name for p in (tmp_path / phase).iterdir() if p.name.startswith(".tmp-"))
+        leftovers = sorted(
+            p.name for p in (tmp_path / phase).iterdir() if p.name.startswith(".tmp-")
+        )
         if phase in ("directory", "rng", "tensors", "manifest"):
-            assert leftovers == [".tmp-step-00000002"], phase  # the half-written one, until the next save
+            assert leftovers == [".tmp-step-00000002"], (
+                phase
+            )  # the half-written one, until the next save
     # The next save into a killed root clears the partial directory, and what it names loads.
     root = tmp_path / "tensors"
     _run(make_plan("gpt2-4", **MIXED), 1, save=root, save_at=1)
@@ -170,7 +207,12 @@ def test_pruning_keeps_the_checkpoint_latest_names(tmp_path):
     engine.steps_done = 2  # as a run resumed from an early step would be
     engine.save(tmp_path, keep=2)
     assert (tmp_path / "latest").read_text() == "step-00000002\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000002", "step-00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock",
+        "latest",
+        "step-00000002",
+        "step-00000005",
+    ]
     assert read_manifest(resolve(tmp_path)).step == 2
     engine.close()
 
@@ -195,7 +237,9 @@ def test_a_save_never_writes_a_nonfinite_tensor(tmp_path):
     engine.step(next(batches(load_tokens(), 4, 32, 0)))
     good = engine.save(tmp_path)
     engine.optim.exp_avg_sq[1][7] = float("nan")  # (not through a step: the guard stops those)
-    with pytest.raises(CheckpointError, match=f"(?s)holds NaN or infinite values; not written.*--resume {good}"):
+    with pytest.raises(
+        CheckpointError, match=f"(?s)holds NaN or infinite values; not written.*--resume {good}"
+    ):
         engine.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", good.name]
     engine.close()
@@ -213,10 +257,14 @@ def test_load_refuses_a_nonfinite_checkpoint(tmp_path):
     tensors["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("inf")
     save_file(tensors, d / "model.safetensors")
     manifest = json.loads((d / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = {"bytes": (d / "model.safetensors").stat().st_size,
-                                              "sha256": _sha256(d / "model.safetensors")}
+    manifest["files"]["model.safetensors"] = {
+        "bytes": (d / "model.safetensors").stat().st_size,
+        "sha256": _sha256(d / "model.safetensors"),
+    }
     (d / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="transformer.h.1.mlp.c_fc.weight holds NaN or infinite"):
+    with pytest.raises(
+        CheckpointError, match="transformer.h.1.mlp.c_fc.weight holds NaN or infinite"
+    ):
         _load_into_fresh(tmp_path)
 
 
@@ -224,7 +272,9 @@ def test_a_root_is_owned_by_one_run(tmp_path):
     from protrain.executor.checkpoint import lock_root
 
     lock = lock_root(tmp_path)
-    with pytest.raises(CheckpointError, match=f"in use by another protrain run \\(pid {os.getpid()} "):
+    with pytest.raises(
+        CheckpointError, match=f"in use by another protrain run \\(pid {os.getpid()} "
+    ):
         lock_root(tmp_path)
     engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", **MIXED), CONFIG, device="cpu")
     engine.save(tmp_path)  # this process holds it: saves go on
@@ -242,8 +292,13 @@ def test_a_save_sweeps_and_prunes_only_its_own_names(tmp_path):
         engine.step(next(batches(load_tokens(), 4, 32, 0)))
         engine.save(tmp_path, keep=1)
     engine.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-notes", "latest", "step-00000003",
-                                                          "step-notes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock",
+        ".tmp-notes",
+        "latest",
+        "step-00000003",
+        "step-notes",
+    ]
 
 
 def test_a_directory_of_other_files_is_not_a_checkpoint_root(tmp_path):
@@ -275,8 +330,11 @@ def test_a_full_disk_while_pointing_latest_says_where_the_checkpoint_is(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(checkpoint, "open", full, raising=False)
-    with pytest.raises(CheckpointError, match="(?s)step-00000001 is complete, but .*latest could not be pointed at "
-                                              "it: No space left on device.*--resume .*step-00000001"):
+    with pytest.raises(
+        CheckpointError,
+        match="(?s)step-00000001 is complete, but .*latest could not be pointed at "
+        "it: No space left on device.*--resume .*step-00000001",
+    ):
         engine.save(tmp_path)
     assert not (tmp_path / ".latest.tmp").exists()
     assert resolve(tmp_path) == first

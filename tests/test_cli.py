@@ -20,24 +20,103 @@ FROZEN_OPTIONS = {
     "diff": ["--help", "--json"],
     "explain": ["--help", "--plot", "--profile", "--trace"],
     "export": ["--blocks", "--help", "--hf-config", "--output", "--resume", "--tokenizer"],
-    "fit": ["--blocks", "--budget", "--hardware", "--help", "--hf-config", "--host-memory", "--lora", "--lora-alpha",
-            "--lora-dropout", "--lora-r", "--lora-targets", "--nvme", "--seq", "--world-size"],
+    "fit": [
+        "--blocks",
+        "--budget",
+        "--hardware",
+        "--help",
+        "--hf-config",
+        "--host-memory",
+        "--lora",
+        "--lora-alpha",
+        "--lora-dropout",
+        "--lora-r",
+        "--lora-targets",
+        "--nvme",
+        "--seq",
+        "--world-size",
+    ],
     "hardware": ["--help"],
     "hardware probe": ["--device", "--help", "--nvme", "--output", "--quick"],
     "models": ["--help"],
-    "plan": ["--batch", "--blocks", "--budget", "--device", "--dtype", "--grad-accum",
-             "--hardware", "--help", "--hf-config", "--host-memory", "--lora", "--lora-alpha", "--lora-dropout",
-             "--lora-r", "--lora-targets", "--max-grad-norm", "--model", "--nvme",
-             "--output", "--profile", "--reprobe", "--save-profile", "--seq", "--solver", "--world-size"],
-    "profile": ["--analytic", "--batch", "--blocks", "--device", "--dtype", "--hardware", "--help",
-               "--hf-config", "--iterations", "--model", "--output", "--reprobe", "--seq"],
+    "plan": [
+        "--batch",
+        "--blocks",
+        "--budget",
+        "--device",
+        "--dtype",
+        "--grad-accum",
+        "--hardware",
+        "--help",
+        "--hf-config",
+        "--host-memory",
+        "--lora",
+        "--lora-alpha",
+        "--lora-dropout",
+        "--lora-r",
+        "--lora-targets",
+        "--max-grad-norm",
+        "--model",
+        "--nvme",
+        "--output",
+        "--profile",
+        "--reprobe",
+        "--save-profile",
+        "--seq",
+        "--solver",
+        "--world-size",
+    ],
+    "profile": [
+        "--analytic",
+        "--batch",
+        "--blocks",
+        "--device",
+        "--dtype",
+        "--hardware",
+        "--help",
+        "--hf-config",
+        "--iterations",
+        "--model",
+        "--output",
+        "--reprobe",
+        "--seq",
+    ],
     "quickstart": ["--budget", "--data", "--help", "--model", "--out", "--seed", "--steps"],
     "show": ["--help"],
-    "train": ["--betas", "--blocks", "--data", "--eps", "--eval-every", "--export", "--export-merged", "--help",
-              "--hf-config", "--keep", "--log-every", "--lora", "--lora-alpha", "--lora-dropout", "--lora-r",
-              "--lora-targets", "--lr", "--max-grad-norm", "--metrics", "--model", "--nvme", "--plan", "--resume",
-              "--save-dir", "--save-every", "--seed", "--steps", "--text-field", "--timeout", "--tokenizer",
-              "--trace", "--weight-decay"],
+    "train": [
+        "--betas",
+        "--blocks",
+        "--data",
+        "--eps",
+        "--eval-every",
+        "--export",
+        "--export-merged",
+        "--help",
+        "--hf-config",
+        "--keep",
+        "--log-every",
+        "--lora",
+        "--lora-alpha",
+        "--lora-dropout",
+        "--lora-r",
+        "--lora-targets",
+        "--lr",
+        "--max-grad-norm",
+        "--metrics",
+        "--model",
+        "--nvme",
+        "--plan",
+        "--resume",
+        "--save-dir",
+        "--save-every",
+        "--seed",
+        "--steps",
+        "--text-field",
+        "--timeout",
+        "--tokenizer",
+        "--trace",
+        "--weight-decay",
+    ],
     "tokenize": ["--data", "--help", "--output", "--text-field", "--tokenizer"],
     "validate": ["--help", "--model"],
 }
@@ -122,13 +201,18 @@ def test_usage_error_exits_2():
 def test_quickstart_profiles_plans_and_trains(tmp_path):
     result = CliRunner().invoke(main, ["quickstart", "--steps", "20", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "gpt2-tiny.profile.json").exists() and (tmp_path / "gpt2-tiny.plan.json").exists()
+    assert (tmp_path / "gpt2-tiny.profile.json").exists() and (
+        tmp_path / "gpt2-tiny.plan.json"
+    ).exists()
     from protrain.executor import plan as P
 
     plan = P.load(tmp_path / "gpt2-tiny.plan.json")
     # The default budget (60% of the fastest plan's peak) forces a trade: offload, swap or recompute.
     assert plan.placement.offloaded or any(a.policy != "keep" for a in plan.activations)
-    assert "the predicted peak of the fastest plan" in result.output and "keeping everything" not in result.output
+    assert (
+        "the predicted peak of the fastest plan" in result.output
+        and "keeping everything" not in result.output
+    )
     first, last = result.output.split("trained 20 steps")[1].split("loss ")[1].split(" → ")
     assert float(last.strip()) < float(first)
     # The measured peak equals the prediction on CPU (the ledger model is exact there).
@@ -145,23 +229,47 @@ def test_quickstart_missing_data_file(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("p") / "gpt2-tiny.profile.json"
-    r = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32",
-                                  "--device", "cpu", "--hardware", "cpu", "--iterations", "1", "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--device",
+            "cpu",
+            "--hardware",
+            "cpu",
+            "--iterations",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     return out
 
 
 def test_plan_explain_and_train_from_a_profile(tiny_profile, tmp_path):
     plan = tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)])
+    r = CliRunner().invoke(
+        main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)]
+    )
     assert r.exit_code == 0, r.output
     assert "searched" in r.output
     again = tmp_path / "again.json"
-    CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(again)])
+    CliRunner().invoke(
+        main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(again)]
+    )
     assert plan.read_bytes() == again.read_bytes()  # planning is deterministic
     r = CliRunner().invoke(main, ["explain", str(plan)])
     assert r.exit_code == 0 and "runners-up" in r.output and "Pareto front" in r.output
-    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "3"])
+    r = CliRunner().invoke(
+        main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "3"]
+    )
     assert r.exit_code == 0, r.output
     assert "trained 3 steps" in r.output
 
@@ -174,7 +282,9 @@ def test_plan_with_clipping_runs_cpu_adam_after_backward(tiny_profile, tmp_path)
     assert CliRunner().invoke(main, [*args, "-o", str(base)]).exit_code == 0
     r = CliRunner().invoke(main, [*args, "--max-grad-norm", "1.0", "-o", str(clip)])
     assert r.exit_code == 0, r.output
-    assert "cpu adam      after backward (clipping to 1 requested)" in r.output  # the `show` it prints
+    assert (
+        "cpu adam      after backward (clipping to 1 requested)" in r.output
+    )  # the `show` it prints
     a, b = P.load(base), P.load(clip)
     assert a.schedule.cpu_adam == "during_backward" and a.request.max_grad_norm is None
     assert b.schedule.cpu_adam == "after_backward" and b.request.max_grad_norm == 1.0
@@ -182,45 +292,100 @@ def test_plan_with_clipping_runs_cpu_adam_after_backward(tiny_profile, tmp_path)
     r = CliRunner().invoke(main, ["explain", str(clip)])
     assert r.exit_code == 0 and "T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)" in r.output
     r = CliRunner().invoke(main, ["diff", str(base), str(clip)])
-    assert r.exit_code == 1 and "cpu_adam" in r.output and "during_backward → after_backward" in r.output
+    assert (
+        r.exit_code == 1
+        and "cpu_adam" in r.output
+        and "during_backward → after_backward" in r.output
+    )
 
 
-@pytest.mark.parametrize("value,code,words", [("0", 2, "x>0"), ("-1", 2, "x>0"), ("nan", 1, "positive number"),
-                                              ("inf", 1, "positive number")])
+@pytest.mark.parametrize(
+    "value,code,words",
+    [
+        ("0", 2, "x>0"),
+        ("-1", 2, "x>0"),
+        ("nan", 1, "positive number"),
+        ("inf", 1, "positive number"),
+    ],
+)
 def test_plan_refuses_a_bad_max_grad_norm(tiny_profile, tmp_path, value, code, words):
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--max-grad-norm", value,
-                                  "-o", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--profile",
+            str(tiny_profile),
+            "--max-grad-norm",
+            value,
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert r.exit_code == code and words in r.output, r.output
     assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("budget", ["lots", "-3GiB", "20 GiBs", "0"])
 def test_unparseable_budget_is_one_line(tiny_profile, tmp_path, budget):
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", budget,
-                                  "-o", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--profile",
+            str(tiny_profile),
+            "--budget",
+            budget,
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert r.exit_code == 1 and "cannot read the budget" in r.output and "HINT:" in r.output
 
 
 def test_no_feasible_plan_is_one_line(tiny_profile, tmp_path):
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "100KiB",
-                                  "-o", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--profile",
+            str(tiny_profile),
+            "--budget",
+            "100KiB",
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert r.exit_code == 1 and "fits" in r.output and "--budget" in r.output
     assert not (tmp_path / "x.json").exists()
 
 
 def test_profile_for_another_model_or_shape_is_refused(tiny_profile, tmp_path):
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--model", "llama-tiny",
-                                  "-o", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--profile",
+            str(tiny_profile),
+            "--model",
+            "llama-tiny",
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert r.exit_code == 1 and "is a profile of gpt2-tiny, not of llama-tiny" in r.output
-    r = CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--batch", "8",
-                                  "-o", str(tmp_path / "x.json")])
+    r = CliRunner().invoke(
+        main,
+        ["plan", "--profile", str(tiny_profile), "--batch", "8", "-o", str(tmp_path / "x.json")],
+    )
     assert r.exit_code == 1 and "profiled with --batch 2, not 8" in r.output
 
 
 def test_train_refuses_a_plan_for_another_model(tiny_profile, tmp_path):
     plan = tmp_path / "plan.json"
     CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "-o", str(plan)])
-    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "llama-tiny", "--steps", "1"])
+    r = CliRunner().invoke(
+        main, ["train", "--plan", str(plan), "--model", "llama-tiny", "--steps", "1"]
+    )
     assert r.exit_code == 1 and "made for another model" in r.output
 
 
@@ -247,15 +412,31 @@ def test_explain_trace_and_train_trace(tiny_profile, tmp_path):
     from protrain.planner.views.trace import validate_trace
 
     plan = tmp_path / "plan.json"
-    CliRunner().invoke(main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)])
+    CliRunner().invoke(
+        main, ["plan", "--profile", str(tiny_profile), "--budget", "2MiB", "-o", str(plan)]
+    )
     r = CliRunner().invoke(main, ["explain", str(plan), "--trace", str(tmp_path / "t.json")])
     assert r.exit_code == 1 and "--profile" in r.output
-    r = CliRunner().invoke(main, ["explain", str(plan), "--profile", str(tiny_profile),
-                                  "--trace", str(tmp_path / "t.json")])
+    r = CliRunner().invoke(
+        main,
+        ["explain", str(plan), "--profile", str(tiny_profile), "--trace", str(tmp_path / "t.json")],
+    )
     assert r.exit_code == 0, r.output
     validate_trace(json.loads((tmp_path / "t.json").read_text()))
-    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "2",
-                                  "--trace", str(tmp_path / "m.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(plan),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "2",
+            "--trace",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     validate_trace(json.loads((tmp_path / "m.json").read_text()))
 
@@ -266,11 +447,27 @@ CLIP_PLAN = Path(__file__).resolve().parent / "fixtures" / "plans" / "v2" / "gpt
 
 
 def test_train_eval_every_prints_held_out_losses():
-    r = CliRunner().invoke(main, ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--steps", "5",
-                                  "--eval-every", "2"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(EXAMPLE),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "5",
+            "--eval-every",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     lines = [x for x in r.output.splitlines() if "held-out loss" in x]
-    assert [x.split()[1] for x in lines] == ["0", "2", "4"]  # the start, then every K steps, not at the end
+    assert [x.split()[1] for x in lines] == [
+        "0",
+        "2",
+        "4",
+    ]  # the start, then every K steps, not at the end
     assert all(0 < float(x.split()[-1]) < 10 for x in lines)
     assert "trained 5 steps" in r.output
 
@@ -280,7 +477,10 @@ def test_train_help_states_the_held_out_split():
 
     r = CliRunner().invoke(main, ["train", "--help"])
     text = " ".join(r.output.split())
-    assert f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of the corpus" in text
+    assert (
+        f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of the corpus"
+        in text
+    )
     assert "never sees a held-out token" in text
 
 
@@ -313,12 +513,36 @@ def test_train_max_grad_norm_reaches_the_optimizer(monkeypatch):
         return real(model, plan, config, device=device, nvme_dir=nvme_dir)
 
     monkeypatch.setattr(T, "wrap", spy)
-    r = CliRunner().invoke(main, ["train", "--plan", str(CLIP_PLAN), "--model", "gpt2-tiny", "--steps", "2",
-                                  "--max-grad-norm", "0.5"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(CLIP_PLAN),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "2",
+            "--max-grad-norm",
+            "0.5",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert seen == [("after_backward", 0.5)]
-    r = CliRunner().invoke(main, ["train", "--plan", str(CLIP_PLAN), "--model", "gpt2-tiny", "--steps", "1",
-                                  "--max-grad-norm", "0"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(CLIP_PLAN),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "1",
+            "--max-grad-norm",
+            "0",
+        ],
+    )
     assert r.exit_code == 2 and "x>0" in r.output
 
 
@@ -327,14 +551,28 @@ def test_train_max_grad_norm_on_an_overlapping_plan_names_the_fix():
 
     if not hasattr(E, "_check_cpu_adam"):
         pytest.skip("the engine does not check schedule.cpu_adam against clipping yet")
-    r = CliRunner().invoke(main, ["train", "--plan", str(EXAMPLE), "--model", "gpt2-tiny", "--steps", "1",
-                                  "--max-grad-norm", "1.0"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(EXAMPLE),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "1",
+            "--max-grad-norm",
+            "1.0",
+        ],
+    )
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "protrain plan" in r.output and "--max-grad-norm" in r.output
 
 
 @pytest.mark.parametrize("interrupted,code", [(False, 0), (True, 130)])
-def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(monkeypatch, interrupted, code):
+def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(
+    monkeypatch, interrupted, code
+):
     """Under torchrun (WORLD_SIZE > 1) `train` leaves by os._exit once training returned: gloo's
     teardown at interpreter finalisation aborted ~7% of finished ranks (cli.py's comment)."""
     import protrain.planner.commands.cli as cli
@@ -354,9 +592,13 @@ def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(monkeypa
 
     monkeypatch.setattr(cli.os, "_exit", fake_exit)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    r = CliRunner().invoke(main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"])
+    r = CliRunner().invoke(
+        main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"]
+    )
     assert exits == [code] and r.exit_code == code
     monkeypatch.setenv("WORLD_SIZE", "1")
     exits.clear()
-    r = CliRunner().invoke(main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"])
+    r = CliRunner().invoke(
+        main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"]
+    )
     assert exits == [] and r.exit_code == code

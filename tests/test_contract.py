@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = sorted((ROOT / "planner").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
 
+
 def _is_self(node: ast.expr) -> bool:
     return isinstance(node, ast.Name) and node.id in ("self", "cls")
 
@@ -53,12 +54,19 @@ def executor_names(root: Path = ROOT / "executor") -> tuple[set[str], set[str], 
                 module_level |= {t.id for t in targets if isinstance(t, ast.Name)}
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                attrs |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                attrs |= {
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
                 if node.name == "Engine":
                     for sub in ast.walk(node):
                         if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Call):
-                            parts |= {t.attr for t in sub.targets
-                                      if isinstance(t, ast.Attribute) and _is_self(t.value)}
+                            parts |= {
+                                t.attr
+                                for t in sub.targets
+                                if isinstance(t, ast.Attribute) and _is_self(t.value)
+                            }
             elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for t in targets:
@@ -80,8 +88,10 @@ def violations(source: str, filename: str, names: tuple[set[str], set[str], set[
     def engine_part(node: ast.expr) -> bool:
         """``node`` is an engine or a part of one (see the module doc)."""
         return not _is_self(node) and any(
-            (isinstance(n, ast.Attribute) and n.attr in parts) or (isinstance(n, ast.Name) and n.id == "engine")
-            for n in ast.walk(node))
+            (isinstance(n, ast.Attribute) and n.attr in parts)
+            or (isinstance(n, ast.Name) and n.id == "engine")
+            for n in ast.walk(node)
+        )
 
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute):
@@ -89,22 +99,31 @@ def violations(source: str, filename: str, names: tuple[set[str], set[str], set[
                 flag(node, f"executor private `{ast.unparse(node)}`")
             elif node.attr == "__dict__" and engine_part(node.value):
                 flag(node, f"`{ast.unparse(node)}` (instance patching)")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private:
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private
+        ):
             flag(node, f"executor private named by string {node.value!r}")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("protrain.executor"):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "protrain.executor"
+        ):
             for alias in node.names:
                 if alias.name in private:
                     flag(node, f"imports executor private `{alias.name}`")
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
-            targets = list(node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
+            targets = list(
+                node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            )
             while targets:
                 t = targets.pop()
                 if isinstance(t, (ast.Tuple, ast.List)):
                     targets += t.elts
                 elif isinstance(t, ast.Attribute) and engine_part(t.value):
                     flag(t, f"sets engine member `{ast.unparse(t)}` (monkeypatching)")
-        elif isinstance(node, ast.Call) and any(engine_part(a) for a in node.args) and any(
-                isinstance(a, ast.Constant) and a.value in attrs for a in node.args):
+        elif (
+            isinstance(node, ast.Call)
+            and any(engine_part(a) for a in node.args)
+            and any(isinstance(a, ast.Constant) and a.value in attrs for a in node.args)
+        ):
             flag(node, f"names an engine member by string: `{ast.unparse(node)[:70]}`")
     return found
 
@@ -114,14 +133,15 @@ def test_planner_and_tools_use_only_the_engines_public_api():
     found = [v for path in SCANNED for v in violations(path.read_text(), path.name, names)]
     assert not found, (
         "planner/tools reach into executor internals; observe with Engine.on_event "
-        "(executor/events.py) or add a public method:\n  " + "\n  ".join(found))
+        "(executor/events.py) or add a public method:\n  " + "\n  ".join(found)
+    )
 
 
 def test_the_scan_finds_what_the_old_trace_did():
     """The patterns planner/views/trace.py and planner/profiling/profile.py used before issue #16."""
     names = executor_names()
     assert {"replayer", "acts", "optim", "copies", "store"} <= names[2]
-    old = '''
+    old = """
 def install(self, e, wrap):
     e.replayer.observer = self.observer
     e.acts.count = True
@@ -129,12 +149,15 @@ def install(self, e, wrap):
     self._patch(e.optim, "_cpu_step", wrap)
     e.copies.__dict__.pop("upload", None)
     return e.optim._cpu_step
-'''
+"""
     found = violations(old, "old.py", names)
     assert sorted({int(f.split(":")[1]) for f in found}) == [3, 4, 5, 6, 7, 8], found
     # ... and none of the engine's public API is flagged.
-    assert not violations("def f(e, cb):\n    off = e.on_event(cb)\n    e.step(b)\n    e.optim.wait_all()\n",
-                          "new.py", names)
+    assert not violations(
+        "def f(e, cb):\n    off = e.on_event(cb)\n    e.step(b)\n    e.optim.wait_all()\n",
+        "new.py",
+        names,
+    )
 
 
 def test_every_mutant_finds_its_line():
@@ -143,10 +166,16 @@ def test_every_mutant_finds_its_line():
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("protrain_tools_mutants", ROOT / "tools" / "mutants.py")
+    spec = importlib.util.spec_from_file_location(
+        "protrain_tools_mutants", ROOT / "tools" / "mutants.py"
+    )
     mutants = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mutants  # (its dataclasses look their module up)
     spec.loader.exec_module(mutants)
-    stale = [f"{m.name} ({m.package}/{m.file})" for m in mutants.MUTANTS
-             if not (ROOT / m.package / m.file).is_file() or (ROOT / m.package / m.file).read_text().count(m.old) != 1]
+    stale = [
+        f"{m.name} ({m.package}/{m.file})"
+        for m in mutants.MUTANTS
+        if not (ROOT / m.package / m.file).is_file()
+        or (ROOT / m.package / m.file).read_text().count(m.old) != 1
+    ]
     assert not stale, "mutants whose line is gone (or not unique): " + "; ".join(stale)

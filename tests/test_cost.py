@@ -29,8 +29,16 @@ from protrain.planner.search.exhaustive import policy_pairs, space
 
 
 def test_block_policies_layout():
-    assert block_policies(8, 2, 4) == ["swap", "checkpoint", "checkpoint", "swap", "checkpoint",
-                                       "checkpoint", "keep", "keep"]
+    assert block_policies(8, 2, 4) == [
+        "swap",
+        "checkpoint",
+        "checkpoint",
+        "swap",
+        "checkpoint",
+        "checkpoint",
+        "keep",
+        "keep",
+    ]
     assert block_policies(4, 0, 0) == ["keep"] * 4
     assert block_policies(3, 3, 0) == ["swap"] * 3
     assert block_policies(5, 1, 2) == ["swap", "checkpoint", "checkpoint", "keep", "keep"]
@@ -73,13 +81,24 @@ def test_transfer_counts_bound_the_schedule(facts, seed):
     prof = synthetic_profile(facts, gpu_spec(), block_us=100, act_bytes=1000, rng=rng)
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     t = make_terms(prof, size)
-    training = P.Training(micro_batch=1, seq_len=1024, compute_dtype="bfloat16", master_dtype="float32",
-                          world_size=1, grad_accum=1)
+    training = P.Training(
+        micro_batch=1,
+        seq_len=1024,
+        compute_dtype="bfloat16",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     for n_persist, n_buffer in rng.sample(space(t), min(6, len(space(t)))):
         sw, ck = rng.choice(policy_pairs(t))
-        plan = assemble(facts_from_profile(prof), training=training, chunk_numel=size,
-                        persistent=list(range(n_persist)), n_buffer=n_buffer,
-                        policies=block_policies(t.n_blocks, sw, ck))
+        plan = assemble(
+            facts_from_profile(prof),
+            training=training,
+            chunk_numel=size,
+            persistent=list(range(n_persist)),
+            n_buffer=n_buffer,
+            policies=block_policies(t.n_blocks, sw, ck),
+        )
         fwd, bwd = _uploads(plan)
         import numpy as np
 
@@ -90,33 +109,73 @@ def test_transfer_counts_bound_the_schedule(facts, seed):
         model_fwd = int((t.up_fwd @ off).sum())
         later = t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)
         model_bwd = int((t.up_bwd @ (off * (1 - cached))).sum() + (later @ (off * cached)).sum())
-        assert fwd <= model_fwd and bwd <= model_bwd, (n_persist, n_buffer, fwd, model_fwd, bwd, model_bwd)
+        assert fwd <= model_fwd and bwd <= model_bwd, (
+            n_persist,
+            n_buffer,
+            fwd,
+            model_fwd,
+            bwd,
+            model_bwd,
+        )
         assert n_buffer >= min_buffers(t, n_persist)
 
 
-CPU_SPEC = gpu_spec().__class__(**{**{f: getattr(gpu_spec(), f) for f in gpu_spec().__struct_fields__},
-                                   "kind": "cpu", "name": "cpu-test"})
+CPU_SPEC = gpu_spec().__class__(
+    **{
+        **{f: getattr(gpu_spec(), f) for f in gpu_spec().__struct_fields__},
+        "kind": "cpu",
+        "name": "cpu-test",
+    }
+)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_cpu_predicted_peak_is_the_ledger_peak(name, capsys):
     model = make_model(name)  # the same model (dropout on) the engine trains below
-    prof = measure(model, name=name, blocks=block_paths(model), micro_batch=4, seq_len=64,
-                   compute_dtype="float32", device="cpu", spec=CPU_SPEC, warmup=1, iterations=1)
+    prof = measure(
+        model,
+        name=name,
+        blocks=block_paths(model),
+        micro_batch=4,
+        seq_len=64,
+        compute_dtype="float32",
+        device="cpu",
+        spec=CPU_SPEC,
+        warmup=1,
+        iterations=1,
+    )
     facts = facts_from_profile(prof)
     size, _ = choose_chunk_numel(facts)
     t = make_terms(prof, size)
     from protrain.planner.search.cost import predict
 
     rows = []
-    configs = [(t.n_chunks, 0, 0, 0), (1, min_buffers(t, 1), 0, 0), (0, min_buffers(t, 0), 0, 0),
-               (0, min_buffers(t, 0) + 1, 1, 1), (0, min_buffers(t, 0), 0, t.n_blocks),
-               (0, min_buffers(t, 0), t.n_blocks, 0), (1, min_buffers(t, 1), 1, 0)]
-    training = P.Training(micro_batch=4, seq_len=64, compute_dtype="float32", master_dtype="float32",
-                          world_size=1, grad_accum=1)
+    configs = [
+        (t.n_chunks, 0, 0, 0),
+        (1, min_buffers(t, 1), 0, 0),
+        (0, min_buffers(t, 0), 0, 0),
+        (0, min_buffers(t, 0) + 1, 1, 1),
+        (0, min_buffers(t, 0), 0, t.n_blocks),
+        (0, min_buffers(t, 0), t.n_blocks, 0),
+        (1, min_buffers(t, 1), 1, 0),
+    ]
+    training = P.Training(
+        micro_batch=4,
+        seq_len=64,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     for cfg in configs:
-        plan = assemble(facts, training=training, chunk_numel=size, persistent=list(range(cfg[0])),
-                        n_buffer=cfg[1], policies=block_policies(t.n_blocks, cfg[2], cfg[3]))
+        plan = assemble(
+            facts,
+            training=training,
+            chunk_numel=size,
+            persistent=list(range(cfg[0])),
+            n_buffer=cfg[1],
+            policies=block_policies(t.n_blocks, cfg[2], cfg[3]),
+        )
         engine = wrap(make_model(name), plan, AdamWConfig(), device="cpu")
         data = batches(load_tokens(), 4, 64, 0)
         measured = max(engine.step(next(data)).peak_bytes for _ in range(2))
@@ -125,8 +184,10 @@ def test_cpu_predicted_peak_is_the_ledger_peak(name, capsys):
         assert abs(predicted - measured) <= 0.10 * measured, (cfg, predicted, measured)
         assert predicted >= measured, (cfg, predicted, measured)  # never under-predict
     with capsys.disabled():
-        print(f"\n{name} CPU ledger peak, predicted / measured:",
-              ", ".join(f"{c} {p / m:.3f}" for c, p, m in rows))
+        print(
+            f"\n{name} CPU ledger peak, predicted / measured:",
+            ", ".join(f"{c} {p / m:.3f}" for c, p, m in rows),
+        )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -139,14 +200,23 @@ def test_any_placement_evaluates_the_paper_space_bit_for_bit(facts, seed):
     from protrain.planner.search.cost import evaluate, policy_grid, strips_grid
 
     rng = random.Random(seed)
-    prof = synthetic_profile(facts, gpu_spec(), block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+    prof = synthetic_profile(
+        facts,
+        gpu_spec(),
+        block_us=rng.uniform(10, 5000),
+        act_bytes=rng.randint(10**3, 10**7),
+        rng=rng,
+    )
     t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0])
     pairs = policy_pairs(t)
     n_persist, n_buffer = rng.choice(space(t))
     by_count = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, pairs))
-    by_ids = evaluate(t, list(range(n_persist)), n_buffer,
-                      strips_grid([block_policies(t.n_blocks, s, c) for s, c in pairs]))
+    by_ids = evaluate(
+        t,
+        list(range(n_persist)),
+        n_buffer,
+        strips_grid([block_policies(t.n_blocks, s, c) for s, c in pairs]),
+    )
     assert np.array_equal(by_count[0], by_ids[0]) and np.array_equal(by_count[1], by_ids[1])
     assert all(np.array_equal(by_count[2][k], by_ids[2][k]) for k in by_count[2])
     # A swapped block's saved tensors are host bytes at the forward→backward turn; nothing else is.
@@ -171,8 +241,15 @@ def _fixed_facts(n_blocks: int = 4):
     params += [("norm.weight", (32,), "float32"), ("head.weight", (64, 32), "float32")]
     uses[P.POST] = ["norm.weight", "head.weight"]
     order = [n for s in [P.PRE, *blocks, P.POST] for n in uses[s]]
-    return ModelFacts(name="fixed", blocks=blocks, params=params, tied=[], segments=[P.PRE, *blocks, P.POST],
-                      order=order, uses=uses)
+    return ModelFacts(
+        name="fixed",
+        blocks=blocks,
+        params=params,
+        tied=[],
+        segments=[P.PRE, *blocks, P.POST],
+        order=order,
+        uses=uses,
+    )
 
 
 def test_both_directions_share_the_link(monkeypatch):
@@ -206,7 +283,9 @@ def test_after_backward_prediction_is_the_formula(cpu_adam_rate):
     # A link so fast that every offloaded chunk's gradients land before backward ends, so
     # the after-backward schedule is exactly T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim).
     facts = _fixed_facts()
-    prof = synthetic_profile(facts, gpu_spec(link_gbps=1e4, cpu_adam=cpu_adam_rate), block_us=100, act_bytes=10**6)
+    prof = synthetic_profile(
+        facts, gpu_spec(link_gbps=1e4, cpu_adam=cpu_adam_rate), block_us=100, act_bytes=10**6
+    )
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     during = make_terms(prof, size)
     after = make_terms(prof, size, cpu_adam="after_backward")
@@ -242,8 +321,9 @@ def test_after_backward_is_never_faster_than_during(facts, seed):
     spec = gpu_spec(link_gbps=rng.choice([0.5, 24.0]), cpu_adam=rng.choice([2e6, 1e9]))
     if rng.random() < 0.3:
         spec = msgspec.structs.replace(spec, kind="cpu")
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+    prof = synthetic_profile(
+        facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7), rng=rng
+    )
     size = choose_chunk_numel(facts_from_profile(prof))[0]
     during, after = make_terms(prof, size), make_terms(prof, size, cpu_adam="after_backward")
     grid = policy_grid(during.n_blocks, policy_pairs(during))
@@ -255,8 +335,13 @@ def test_after_backward_is_never_faster_than_during(facts, seed):
         start = parts_a["t_cpu_optim_done_us"] - parts_a["t_cpu_optim_us"]
         if parts_a["t_cpu_optim_us"][0] > 0:
             assert np.all(start >= parts_a["t_bwd_us"] - 1e-6)
-        assert np.allclose(ta, parts_a["t_fwd_us"] + np.maximum(parts_a["t_bwd_us"] + parts_a["t_gpu_optim_us"],
-                                                                parts_a["t_cpu_optim_done_us"]))
+        assert np.allclose(
+            ta,
+            parts_a["t_fwd_us"]
+            + np.maximum(
+                parts_a["t_bwd_us"] + parts_a["t_gpu_optim_us"], parts_a["t_cpu_optim_done_us"]
+            ),
+        )
 
 
 # ------------------------------------------------------------- swap-out in flight
@@ -270,9 +355,12 @@ def _peaky_profile(kind: str):
     if kind == "cpu":
         spec = msgspec.structs.replace(spec, kind="cpu")
     prof = synthetic_profile(facts, spec, block_us=100, act_bytes=10**6)
-    segs = [msgspec.structs.replace(s, bwd_peak_bytes=0,
-                                    fwd_peak_bytes=10**8 if s.segment == facts.blocks[1] else 0)
-            for s in prof.segments]
+    segs = [
+        msgspec.structs.replace(
+            s, bwd_peak_bytes=0, fwd_peak_bytes=10**8 if s.segment == facts.blocks[1] else 0
+        )
+        for s in prof.segments
+    ]
     return facts, msgspec.structs.replace(prof, segments=segs)
 
 
@@ -286,14 +374,18 @@ def test_swap_out_in_flight_is_charged_on_a_gpu():
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     t = make_terms(prof, size)
     policies = ["swap", "keep", "keep", "keep"]
-    pred = predict_plan(t, list(range(t.n_chunks)), 0, policies)  # all persistent: no buffers, no grads
+    pred = predict_plan(
+        t, list(range(t.n_chunks)), 0, policies
+    )  # all persistent: no buffers, no grads
     seg = {s.segment: s for s in prof.segments}
     states = t.n_chunks * t.chunk_numel * t.state_bytes_per_elem
-    expected = (states
-                + seg[P.PRE].saved_bytes  # kept
-                + seg["layers.0"].saved_bytes  # swapped, still on its way to the host
-                + seg["layers.1"].saved_bytes  # kept
-                + seg["layers.1"].fwd_peak_bytes) * ALPHA_GPU  # block 1's transient
+    expected = (
+        states
+        + seg[P.PRE].saved_bytes  # kept
+        + seg["layers.0"].saved_bytes  # swapped, still on its way to the host
+        + seg["layers.1"].saved_bytes  # kept
+        + seg["layers.1"].fwd_peak_bytes
+    ) * ALPHA_GPU  # block 1's transient
     assert pred.peak_bytes == pytest.approx(expected, rel=1e-12)
     # Keeping block 0 instead holds the same bytes at that step (and for longer).
     kept = predict_plan(t, list(range(t.n_chunks)), 0, ["keep"] * 4)
@@ -339,7 +431,9 @@ def test_persistent_reductions_hide_under_backward(shard):
         assert C >= 3 and t.allreduce_us_per_chunk > 0
         b = predict_plan(t, list(range(C)), 0, ["keep"] * 4).breakdown
         reduce_us = t.allreduce_us_per_chunk / (2 if shard else 1)
-        adam = int(t.chunk_params.sum()) * t.dev_adam_us_per_param + C * (t.allreduce_us_per_chunk - reduce_us)
+        adam = int(t.chunk_params.sum()) * t.dev_adam_us_per_param + C * (
+            t.allreduce_us_per_chunk - reduce_us
+        )
         tail = reduce_us if hidden else C * reduce_us
         assert b["t_gpu_optim_us"] == pytest.approx(adam + tail, rel=1e-9, abs=1e-3), (block_us, b)
 
@@ -371,24 +465,41 @@ def test_device_homes_fill_what_homeless_chunks_leave():
     grid = policy_grid(t.n_blocks, [(0, t.n_blocks)])
     nb = 2
     _, peak0, free = evaluate(t, 0, nb, grid)
-    all_homeless = float(free["host_bytes"][0]) - float(t.host_numel.sum()) * t.home_bytes_per_elem + t.slot_pool_bytes
+    all_homeless = (
+        float(free["host_bytes"][0])
+        - float(t.host_numel.sum()) * t.home_bytes_per_elem
+        + t.slot_pool_bytes
+    )
     cap = 0.6 * all_homeless
     time, peak, parts = evaluate(t, 0, nb, grid, host_cap=cap)
     kd = int(parts["n_device_homed"][0])
     assert 0 < kd < t.n_chunks and host_need(parts)[0] <= cap
     homed = list(range(kd))  # the first offloaded chunks (all chunks are offloaded here)
-    homeless = sorted(range(kd, t.n_chunks))[-int(parts["n_homeless"][0]):] if parts["n_homeless"][0] else []
+    homeless = (
+        sorted(range(kd, t.n_chunks))[-int(parts["n_homeless"][0]) :]
+        if parts["n_homeless"][0]
+        else []
+    )
     # device: 12 B per element of each homed chunk's shard and one fp32 scratch, times alpha
-    extra = sum(int(t.host_numel[c]) for c in homed) * memory_walk.HOMED_BYTES + t.homed_scratch_bytes
+    extra = (
+        sum(int(t.host_numel[c]) for c in homed) * memory_walk.HOMED_BYTES + t.homed_scratch_bytes
+    )
     assert peak[0] == pytest.approx(peak0[0] + extra * (memory_walk.ALPHA_GPU if t.gpu else 1.0))
     assert parts["homed_peak_bytes"][0] == pytest.approx(peak[0] - peak0[0])
     # no CPU step for them; their device steps inside backward
     n_homed = int(t.chunk_params[:kd].sum())
-    assert parts["t_cpu_optim_us"][0] == pytest.approx(free["t_cpu_optim_us"][0] - n_homed * t.cpu_adam_us_per_param)
+    assert parts["t_cpu_optim_us"][0] == pytest.approx(
+        free["t_cpu_optim_us"][0] - n_homed * t.cpu_adam_us_per_param
+    )
     on_host = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [])
-    assert parts["t_cpu_optim_done_us"][0] < on_host.breakdown["t_cpu_optim_done_us"]  # the tail went
-    assert parts["t_bwd_us"][0] == pytest.approx(on_host.breakdown["t_bwd_us"] + n_homed * t.homed_adam_us_per_param
-                                                 + kd * t.allreduce_us_per_chunk / 2)  # and each reduce-scatter
+    assert (
+        parts["t_cpu_optim_done_us"][0] < on_host.breakdown["t_cpu_optim_done_us"]
+    )  # the tail went
+    assert parts["t_bwd_us"][0] == pytest.approx(
+        on_host.breakdown["t_bwd_us"]
+        + n_homed * t.homed_adam_us_per_param
+        + kd * t.allreduce_us_per_chunk / 2
+    )  # and each reduce-scatter
     again = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, homed)
     assert (again.time_us, again.peak_bytes) == (float(time[0]), float(peak[0]))
     assert again.breakdown["host_bytes"] == float(parts["host_bytes"][0])

@@ -166,7 +166,9 @@ def test_split_heldout_is_a_fixed_tail_never_trained_on():
     src = _numbered(10_000)
     train, tail = split_heldout(src, seq_len=16)
     k = tail.tokens.numel()
-    assert k == 10_000 * HELDOUT_FRACTION and torch.equal(torch.cat([train.tokens, tail.tokens]), src.tokens)
+    assert k == 10_000 * HELDOUT_FRACTION and torch.equal(
+        torch.cat([train.tokens, tail.tokens]), src.tokens
+    )
     split = train.tokens.numel()
     for _, y in _take(batches(train, 8, 16, seed=0), 200):
         assert int(y.max()) < split  # every window (inputs and targets) ends before the tail
@@ -191,7 +193,9 @@ def test_heldout_batches_are_fixed_and_sliced_by_rank():
     assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in one)
     again = heldout_batches(tail, 4, 16, 3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(one, again))  # no randomness
-    assert int(one[0][0][0, 0]) == 0 and int(one[-1][1][-1, -1]) == 999  # spread over the whole tail
+    assert (
+        int(one[0][0][0, 0]) == 0 and int(one[-1][1][-1, -1]) == 999
+    )  # spread over the whole tail
     # Two ranks of micro-batch 2 see the single-rank batch of 4, split in halves.
     r0 = heldout_batches(tail, 2, 16, 3, rank=0, world_size=2)
     r1 = heldout_batches(tail, 2, 16, 3, rank=1, world_size=2)
@@ -247,7 +251,9 @@ def test_text_and_jsonl_files_are_not_read_whole(tmp_path):
     src = _traced_peak(lambda: load_tokens(str(text)))
     assert src < 1 << 20
     lines = tmp_path / "big.jsonl"
-    lines.write_text("".join(json.dumps({"text": f"document {i} " * 200}) + "\n" for i in range(2000)))  # ~5 MiB
+    lines.write_text(
+        "".join(json.dumps({"text": f"document {i} " * 200}) + "\n" for i in range(2000))
+    )  # ~5 MiB
     assert _traced_peak(lambda: load_tokens(str(lines))) < 1 << 20
     source = load_tokens(str(lines))
     first = b"document 0 " * 200 + b"\n" + b"document 1 " * 200
@@ -264,9 +270,14 @@ def _tiny_tokenizer(directory, vocab_size=300):
     directory.mkdir()
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the planner writes a plan", "chunks move between host and device"], trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        ["the planner writes a plan", "chunks move between host and device"], trainer
+    )
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return str(directory)
@@ -281,13 +292,19 @@ def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
     from protrain.planner.commands.cli import main
 
     pytest.importorskip("tokenizers")
-    sentences = ["the planner writes a plan", "chunks move between hést and device\r\nagain", "plan\u2028it"]
+    sentences = [
+        "the planner writes a plan",
+        "chunks move between hést and device\r\nagain",
+        "plan\u2028it",
+    ]
     if kind.startswith("txt"):
         data = tmp_path / "c.txt"
         data.write_text("\n".join(sentences * 40), encoding="utf-8")
     else:
         data = tmp_path / "c.jsonl"
-        data.write_text("".join(json.dumps({"body": s}) + "\n" for s in sentences * 40), encoding="utf-8")
+        data.write_text(
+            "".join(json.dumps({"body": s}) + "\n" for s in sentences * 40), encoding="utf-8"
+        )
     tok = _tiny_tokenizer(tmp_path / "tok") if kind.endswith("tokenizer") else None
     out = tmp_path / "c.tokens"
     args = ["tokenize", "--data", str(data), "--text-field", "body", "-o", str(out)]
@@ -297,10 +314,14 @@ def test_tokenize_gives_the_batches_of_the_text(tmp_path, kind):
     text, tokens = load_tokens(str(data), tokenizer=tok, text_field="body"), load_tokens(str(out))
     assert tokens.vocab_size == text.vocab_size and tokens.tokens.dtype == torch.uint16
     assert tokens.tokens.tolist() == text.tokens.tolist()
-    for (xa, ya), (xb, yb) in zip(_take(batches(text, 3, 16, 5), 3), _take(batches(tokens, 3, 16, 5), 3)):
+    for (xa, ya), (xb, yb) in zip(
+        _take(batches(text, 3, 16, 5), 3), _take(batches(tokens, 3, 16, 5), 3)
+    ):
         assert torch.equal(xa, xb) and torch.equal(ya, yb) and xb.dtype == torch.int64
     # A token file is not tokenised again, and the input is never the output.
-    r = CliRunner().invoke(main, ["tokenize", "--data", str(out), "-o", str(tmp_path / "again.tokens")])
+    r = CliRunner().invoke(
+        main, ["tokenize", "--data", str(out), "-o", str(tmp_path / "again.tokens")]
+    )
     assert r.exit_code == 1 and "already a token file" in r.output
     r = CliRunner().invoke(main, ["tokenize", "--data", str(data), "-o", str(data)])
     assert r.exit_code == 1 and "is the input file" in r.output and data.stat().st_size > 0
@@ -370,5 +391,6 @@ def test_train_on_a_token_file_is_train_on_its_text(tmp_path):
     tokenize(str(text), str(tmp_path / "c.tokens"))
     plan = str(Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json")
     quiet = dict(steps=2, echo=lambda _: None, progress=False, device="cpu", eval_every=1)
-    assert train(plan, "gpt2-tiny", data_path=str(tmp_path / "c.tokens"), **quiet) == \
-        train(plan, "gpt2-tiny", data_path=str(text), **quiet)
+    assert train(plan, "gpt2-tiny", data_path=str(tmp_path / "c.tokens"), **quiet) == train(
+        plan, "gpt2-tiny", data_path=str(text), **quiet
+    )

@@ -22,12 +22,27 @@ from protrain.executor import plan as P
 from protrain.planner.views.diff import diff_json, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ["equal", "differs", "schema_version", "model", "training", "request", "hardware", "chunks",
-        "placement", "activations", "schedule", "prediction", "informational"]
+KEYS = [
+    "equal",
+    "differs",
+    "schema_version",
+    "model",
+    "training",
+    "request",
+    "hardware",
+    "chunks",
+    "placement",
+    "activations",
+    "schedule",
+    "prediction",
+    "informational",
+]
 
 
 def gpt2_4(persistent=(0,), n_buffer=2, policies=("keep",) * 4) -> P.Plan:
-    return make_plan("gpt2-4", persistent=list(persistent), n_buffer=n_buffer, policies=list(policies))
+    return make_plan(
+        "gpt2-4", persistent=list(persistent), n_buffer=n_buffer, policies=list(policies)
+    )
 
 
 def strips(text: str) -> tuple[str, str, str]:
@@ -48,8 +63,11 @@ def xl_plans() -> dict[str, P.Plan]:
     facts = model_facts(model, "gpt2-xl", block_paths(model), 8)
     fast = synthetic_profile(facts, gpu_spec(), block_us=2000, act_bytes=300 << 20)
     slow = synthetic_profile(facts, gpu_spec(link_gbps=6), block_us=2000, act_bytes=300 << 20)
-    return {"24g": plan_from_profile(fast, 24 << 30)[0], "12g": plan_from_profile(fast, 12 << 30)[0],
-            "12g-slow-link": plan_from_profile(slow, 12 << 30)[0]}
+    return {
+        "24g": plan_from_profile(fast, 24 << 30)[0],
+        "12g": plan_from_profile(fast, 12 << 30)[0],
+        "12g-slow-link": plan_from_profile(slow, 12 << 30)[0],
+    }
 
 
 # ----------------------------------------------------------------------- equal
@@ -71,9 +89,13 @@ def test_generator_and_provenance_are_informational():
     # See [Note: when `protrain diff` calls two plans equal]: who wrote a plan and how
     # the search found it do not make two plans different, but they are reported.
     a = gpt2_4()
-    b = replace(a, generator=P.Generator(version="9.9.9"),
-                provenance=P.Provenance(profile_digest="sha256:" + "ab" * 32,
-                                        search=P.Search(solver="other", evaluated=7)))
+    b = replace(
+        a,
+        generator=P.Generator(version="9.9.9"),
+        provenance=P.Provenance(
+            profile_digest="sha256:" + "ab" * 32, search=P.Search(solver="other", evaluated=7)
+        ),
+    )
     text, equal = render_diff(a, b, "a", "b")
     assert equal
     assert "plans are equal" in text
@@ -106,8 +128,13 @@ def test_a_moved_parameter_is_named():
     assert not any(f"  {n}  " in text for n in others)
     d = diff_json(a, b)
     assert d["differs"] == ["chunks"]
-    assert d["chunks"]["moved"] == [{"name": p.name, "a": {"chunk": last.id, "offset": p.offset},
-                                     "b": {"chunk": last.id, "offset": new_offset}}]
+    assert d["chunks"]["moved"] == [
+        {
+            "name": p.name,
+            "a": {"chunk": last.id, "offset": p.offset},
+            "b": {"chunk": last.id, "offset": new_offset},
+        }
+    ]
 
 
 def test_many_moved_parameters_are_cut_at_ten():
@@ -139,8 +166,9 @@ def test_a_changed_policy_is_marked_under_its_block():
     assert marks.count("^") == 1
     assert marks.index("^") == row_b.index("C") == row_a.rindex("K") - 2
     d = diff_json(a, b)
-    assert d["activations"]["changed"] == [{"index": 2, "block": "transformer.h.2", "a": "keep",
-                                            "b": "checkpoint"}]
+    assert d["activations"]["changed"] == [
+        {"index": 2, "block": "transformer.h.2", "a": "keep", "b": "checkpoint"}
+    ]
     assert d["differs"] == ["activations"]  # checkpoint changes no schedule event
 
 
@@ -151,8 +179,15 @@ def test_a_swapped_block_changes_the_schedule_too():
     d = diff_json(a, b)
     assert d["differs"] == ["activations", "schedule"]
     change = [c for c in d["schedule"]["changes"] if c["field"] == "swap_in"]
-    assert change == [{"phase": "backward", "segment": change[0]["segment"], "field": "swap_in",
-                       "a": [], "b": ["transformer.h.0"]}]
+    assert change == [
+        {
+            "phase": "backward",
+            "segment": change[0]["segment"],
+            "field": "swap_in",
+            "a": [],
+            "b": ["transformer.h.0"],
+        }
+    ]
     assert f"of {d['schedule']['n_steps']['a']} steps differ" in text
     assert "swap_in  [] → ['transformer.h.0']" in text
 
@@ -182,19 +217,35 @@ def test_long_strips_wrap_at_forty_blocks(xl_plans):
 
 def test_hardware_and_request_changes_are_shown():
     base = gpt2_4()
-    a = replace(base, hardware=P.Hardware(name="rtx3090", device_memory_bytes=24 << 30,
-                                          budget_bytes=20 << 30, h2d_bytes_per_s=12 * 10**9),
-                request=P.Request(model="gpt2-4", hardware="rtx3090", budget_bytes=20 << 30))
-    b = replace(base, hardware=P.Hardware(name="a100-80g", device_memory_bytes=80 << 30,
-                                          budget_bytes=70 << 30, h2d_bytes_per_s=24 * 10**9),
-                request=P.Request(model="gpt2-4", hardware="a100-80g", budget_bytes=70 << 30))
+    a = replace(
+        base,
+        hardware=P.Hardware(
+            name="rtx3090",
+            device_memory_bytes=24 << 30,
+            budget_bytes=20 << 30,
+            h2d_bytes_per_s=12 * 10**9,
+        ),
+        request=P.Request(model="gpt2-4", hardware="rtx3090", budget_bytes=20 << 30),
+    )
+    b = replace(
+        base,
+        hardware=P.Hardware(
+            name="a100-80g",
+            device_memory_bytes=80 << 30,
+            budget_bytes=70 << 30,
+            h2d_bytes_per_s=24 * 10**9,
+        ),
+        request=P.Request(model="gpt2-4", hardware="a100-80g", budget_bytes=70 << 30),
+    )
     text, equal = render_diff(a, b, "a", "b")
     assert not equal
     lines = text.splitlines()
     i = lines.index("  hardware      name rtx3090 → a100-80g")  # one changed field per line
-    assert lines[i + 1:i + 4] == [" " * 16 + "device_memory_bytes 24.00 GiB → 80.00 GiB",
-                                  " " * 16 + "budget_bytes 20.00 GiB → 70.00 GiB",
-                                  " " * 16 + "h2d_bytes_per_s 12.0 GB/s → 24.0 GB/s"]
+    assert lines[i + 1 : i + 4] == [
+        " " * 16 + "device_memory_bytes 24.00 GiB → 80.00 GiB",
+        " " * 16 + "budget_bytes 20.00 GiB → 70.00 GiB",
+        " " * 16 + "h2d_bytes_per_s 12.0 GB/s → 24.0 GB/s",
+    ]
     assert "  request       hardware rtx3090 → a100-80g" in lines
     d = diff_json(a, b)
     assert d["differs"] == ["request", "hardware"]
@@ -214,16 +265,23 @@ def test_placement_change_names_n_persist_and_the_chunks_that_moved():
     back, _ = render_diff(b, a, "b", "a")
     assert "offloaded → persistent: chunks 1-2" in back
     d = diff_json(a, b)
-    assert d["placement"] == {"n_persist": {"a": 3, "b": 1}, "n_buffer": {"a": 2, "b": 3},
-                              "shard_persistent_states": {"a": False, "b": False},
-                              "to_offloaded": [1, 2], "to_persistent": []}
+    assert d["placement"] == {
+        "n_persist": {"a": 3, "b": 1},
+        "n_buffer": {"a": 2, "b": 3},
+        "shard_persistent_states": {"a": False, "b": False},
+        "to_offloaded": [1, 2],
+        "to_persistent": [],
+    }
     assert "placement" in d["differs"] and "schedule" in d["differs"]
 
 
 def test_sharding_persistent_states_is_a_placement_change():
     a = gpt2_4()
-    b = replace(a, training=replace(a.training, world_size=2),
-                placement=replace(a.placement, shard_persistent_states=True))
+    b = replace(
+        a,
+        training=replace(a.training, world_size=2),
+        placement=replace(a.placement, shard_persistent_states=True),
+    )
     text, _ = render_diff(a, b, "a", "b")
     assert "persistent optimizer states replicated → sharded" in text
     assert diff_json(a, b)["placement"]["shard_persistent_states"] == {"a": False, "b": True}
@@ -247,7 +305,10 @@ def test_different_models_are_said_so():
     # Steps are matched by segment: gpt2's and llama's blocks share no segment name.
     sched = d["schedule"]
     assert sched["n_matched"] == 2 * (2 + 4 + 4)
-    assert f"{sched['steps_differ']} of {sched['n_matched']} steps differ   (A has 12, B has 12" in text
+    assert (
+        f"{sched['steps_differ']} of {sched['n_matched']} steps differ   (A has 12, B has 12"
+        in text
+    )
     assert "parameters added (only in B)" in text and "parameters removed (only in A)" in text
 
 
@@ -255,13 +316,15 @@ def test_different_models_are_said_so():
 
 
 def test_prediction_ratios_and_speed(xl_plans):
-    a, b = xl_plans["12g"], xl_plans["24g"]   # more memory: B should be faster
+    a, b = xl_plans["12g"], xl_plans["24g"]  # more memory: B should be faster
     ta, tb = a.prediction.iter_time_us, b.prediction.iter_time_us
     assert 0 < tb < ta
     text, equal = render_diff(a, b, "12g.json", "24g.json")
     assert not equal
-    assert (f"iteration {ta / 1e6:.3f} s → {tb / 1e6:.3f} s "
-            f"(B/A = {tb / ta:.2f}×, B is {ta / tb:.2f}× faster)") in text
+    assert (
+        f"iteration {ta / 1e6:.3f} s → {tb / 1e6:.3f} s "
+        f"(B/A = {tb / ta:.2f}×, B is {ta / tb:.2f}× faster)"
+    ) in text
     pa, pb = a.prediction.peak_memory_bytes, b.prediction.peak_memory_bytes
     assert f"(B/A = {pb / pa:.2f}×)" in text
     tokens = 1 * 1024 * 1 * 1  # micro_batch × seq_len × grad_accum × world_size of the profile
@@ -293,8 +356,11 @@ def test_no_prediction_is_said_so():
 
 
 def test_diff_json_is_deterministic_and_serialisable(xl_plans):
-    pairs = [(gpt2_4(), gpt2_4()), (gpt2_4(), gpt2_4(persistent=(0, 1), n_buffer=3)),
-             (xl_plans["24g"], xl_plans["12g"])]
+    pairs = [
+        (gpt2_4(), gpt2_4()),
+        (gpt2_4(), gpt2_4(persistent=(0, 1), n_buffer=3)),
+        (xl_plans["24g"], xl_plans["12g"]),
+    ]
     shapes = []
     for a, b in pairs:
         d = diff_json(a, b)
@@ -305,8 +371,20 @@ def test_diff_json_is_deterministic_and_serialisable(xl_plans):
         assert d["equal"] == (d["differs"] == [])
         assert d["equal"] == render_diff(a, b, "a", "b")[1]
         # Every section has the same keys whatever differs (changed-field dicts aside).
-        shapes.append({k: list(d[k]) for k in ("model", "chunks", "placement", "activations",
-                                              "schedule", "prediction", "informational")})
+        shapes.append(
+            {
+                k: list(d[k])
+                for k in (
+                    "model",
+                    "chunks",
+                    "placement",
+                    "activations",
+                    "schedule",
+                    "prediction",
+                    "informational",
+                )
+            }
+        )
     assert shapes[0] == shapes[1] == shapes[2]
 
 
@@ -315,12 +393,14 @@ def test_diff_json_is_deterministic_and_serialisable(xl_plans):
 
 def test_diff_never_imports_torch():
     example = ROOT / "plans" / "gpt2-tiny" / "example.json"
-    code = ("import sys\n"
-            "from protrain.executor.plan import load\n"
-            "from protrain.planner.views.diff import diff_json, render_diff\n"
-            f"a = load({str(example)!r}); b = load({str(example)!r})\n"
-            "text, equal = render_diff(a, b, 'a', 'b'); assert equal, text\n"
-            "assert diff_json(a, b)['equal']\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n")
+    code = (
+        "import sys\n"
+        "from protrain.executor.plan import load\n"
+        "from protrain.planner.views.diff import diff_json, render_diff\n"
+        f"a = load({str(example)!r}); b = load({str(example)!r})\n"
+        "text, equal = render_diff(a, b, 'a', 'b'); assert equal, text\n"
+        "assert diff_json(a, b)['equal']\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -71,7 +71,9 @@ def _read(tmp_path, world):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3 ranks: 8 s each)
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # (3 ranks: 8 s each)
 @pytest.mark.parametrize("name", list(CASES))
 def test_zero3_matches_single_process(tmp_path, name, world):
     persistent, n_buffer, policies = CASES[name]
@@ -89,7 +91,9 @@ def test_zero3_matches_single_process(tmp_path, name, world):
 V3_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v3" / "gpt2-tiny-w2-sharded.json"
 
 
-def _run_plans(tmp_path, world: int, name: str, runs: list[tuple[str, P.Plan, float | None]], steps: int):
+def _run_plans(
+    tmp_path, world: int, name: str, runs: list[tuple[str, P.Plan, float | None]], steps: int
+):
     """Train each ``(label, plan, max_grad_norm)`` in one process group of ``world`` ranks;
     per label, every rank's results and rank 0's state dict."""
     args = []
@@ -97,13 +101,19 @@ def _run_plans(tmp_path, world: int, name: str, runs: list[tuple[str, P.Plan, fl
         (tmp_path / f"{label}.plan.json").write_bytes(P.dump(plan))
         args.append((label, name, str(tmp_path / f"{label}.plan.json"), steps, clip))
     spawn(run_plans, world, str(tmp_path), args)
-    return {label: ([json.loads((tmp_path / f"{label}-rank{r}.json").read_text()) for r in range(world)],
-                    torch.load(tmp_path / f"{label}.pt", weights_only=True)) for label, _, _ in runs}
+    return {
+        label: (
+            [json.loads((tmp_path / f"{label}-rank{r}.json").read_text()) for r in range(world)],
+            torch.load(tmp_path / f"{label}.pt", weights_only=True),
+        )
+        for label, _, _ in runs
+    }
 
 
 def _replicated(plan: P.Plan) -> P.Plan:
-    return msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement,
-                                                                           shard_persistent_states=False))
+    return msgspec.structs.replace(
+        plan, placement=msgspec.structs.replace(plan.placement, shard_persistent_states=False)
+    )
 
 
 def _assert_same_training(a, b, world: int) -> None:
@@ -111,18 +121,25 @@ def _assert_same_training(a, b, world: int) -> None:
     run ``a`` holds 1/world of the replicated run's optimizer bytes on the device."""
     _assert_same_run(a, b)
     (ranks_a, _), (ranks_b, _) = a, b
-    assert all(r["optim"] > 0 and r["optim"] * world == s["optim"] for r, s in zip(ranks_a, ranks_b))
+    assert all(
+        r["optim"] > 0 and r["optim"] * world == s["optim"] for r, s in zip(ranks_a, ranks_b)
+    )
 
 
 def _assert_same_run(a, b) -> None:
     """Bit for bit: losses on every rank, state dict (model and optimizer)."""
     (ranks_a, sd_a), (ranks_b, sd_b) = a, b
     assert [r["losses"] for r in ranks_a] == [r["losses"] for r in ranks_b]
-    assert sd_a["model"].keys() == sd_b["model"].keys() and sd_a["optim"].keys() == sd_b["optim"].keys()
+    assert (
+        sd_a["model"].keys() == sd_b["model"].keys()
+        and sd_a["optim"].keys() == sd_b["optim"].keys()
+    )
     for n, t in sd_b["model"].items():
         assert torch.equal(sd_a["model"][n], t), n
     for n, st in sd_b["optim"].items():
-        assert all(torch.equal(sd_a["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
+        assert all(
+            torch.equal(sd_a["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")
+        ), n
 
 
 def test_sharded_persistent_states_train_as_replicated(tmp_path):
@@ -143,9 +160,18 @@ def test_sharded_persistent_states_train_as_replicated(tmp_path):
     plan = P.load(V3_FIXTURE)
     assert plan.placement.shard_persistent_states and plan.training.world_size == 2
     clip = make_plan("gpt2-tiny", 2, [0], 2, ["swap", "checkpoint"], cpu_adam="after_backward")
-    out = _run_plans(tmp_path, 2, "gpt2-tiny", [("sharded", plan, None), ("replicated", _replicated(plan), None),
-                                                ("sharded-clip", clip, 0.5),
-                                                ("replicated-clip", _replicated(clip), 0.5)], 20)
+    out = _run_plans(
+        tmp_path,
+        2,
+        "gpt2-tiny",
+        [
+            ("sharded", plan, None),
+            ("replicated", _replicated(plan), None),
+            ("sharded-clip", clip, 0.5),
+            ("replicated-clip", _replicated(clip), 0.5),
+        ],
+        20,
+    )
     _assert_same_training(out["sharded"], out["replicated"], 2)
     for label, max_norm in (("sharded", None), ("sharded-clip", 0.5)):
         ranks, sd = out[label]
@@ -153,8 +179,13 @@ def test_sharded_persistent_states_train_as_replicated(tmp_path):
         for a, b in zip(ranks[0]["losses"], ref_losses):
             assert abs(a - b) <= 1e-5 * abs(b), label
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=f"{label} {n}")
-    norms, replicated_norms = out["sharded-clip"][0][0]["norms"], out["replicated-clip"][0][0]["norms"]
+            torch.testing.assert_close(
+                sd["model"][n], p.detach(), rtol=0, atol=1e-4, msg=f"{label} {n}"
+            )
+    norms, replicated_norms = (
+        out["sharded-clip"][0][0]["norms"],
+        out["replicated-clip"][0][0]["norms"],
+    )
     assert all(n > 0.5 for n in norms)  # every step clips
     assert abs(norms[0] - replicated_norms[0]) <= 2.4e-7 * replicated_norms[0]
     for a, b in zip(norms, replicated_norms):
@@ -171,7 +202,9 @@ def test_sharded_persistent_states_train_as_replicated_on_three_ranks(tmp_path):
     parameters after 20 steps); that is the plain-PyTorch tolerance, not a bug."""
     runs = []
     for dtype in ("float32", "bfloat16"):
-        plan = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664, dtype=dtype)
+        plan = make_plan(
+            "llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664, dtype=dtype
+        )
         runs += [(dtype, plan, None), (f"{dtype}-replicated", _replicated(plan), None)]
     out = _run_plans(tmp_path, 3, "llama-tiny", runs, 10)
     for dtype in ("float32", "bfloat16"):
@@ -189,20 +222,29 @@ def test_homeless_chunks_train_as_kept_homes_on_two_ranks(tmp_path):
 
     kept = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16")
     off = kept.placement.offloaded
-    homeless = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16", homeless=off)
+    homeless = make_plan(
+        "gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype="bfloat16", homeless=off
+    )
     assert homeless.placement.homeless == off and homeless.placement.n_host_slots >= 1
-    out = _run_plans(tmp_path, 2, "gpt2-tiny", [("kept", kept, None), ("homeless", homeless, None)], 10)
+    out = _run_plans(
+        tmp_path, 2, "gpt2-tiny", [("kept", kept, None), ("homeless", homeless, None)], 10
+    )
     (ranks_h, sd_h), (ranks_k, sd_k) = out["homeless"], out["kept"]
     assert [r["losses"] for r in ranks_h] == [r["losses"] for r in ranks_k]
     for n, t in sd_k["model"].items():
         assert torch.equal(sd_h["model"][n], t), n
     for n, st in sd_k["optim"].items():
-        assert all(torch.equal(sd_h["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), n
+        assert all(
+            torch.equal(sd_h["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")
+        ), n
     shard = kept.chunks.chunk_numel // 2
     assert all(r["host"] == memory_walk.walk(homeless).host_bytes for r in ranks_h)
     assert all(r["host"] == memory_walk.walk(kept).host_bytes for r in ranks_k)
     slots = homeless.placement.n_host_slots * shard * 2
-    assert memory_walk.walk(kept).host_bytes - memory_walk.walk(homeless).host_bytes == 2 * shard * len(off) - slots
+    assert (
+        memory_walk.walk(kept).host_bytes - memory_walk.walk(homeless).host_bytes
+        == 2 * shard * len(off) - slots
+    )
 
 
 @pytest.mark.slow
@@ -214,13 +256,30 @@ def test_nvme_chunks_train_as_host_states_on_two_ranks(tmp_path):
     for dtype in ("bfloat16", "float32"):
         host = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype)
         off = host.placement.offloaded
-        runs += [(f"{dtype}-host", host, None),
-                 (f"{dtype}-nvme", make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype, nvme=off,
-                                             **({"homeless": off[:1]} if dtype == "bfloat16" else {})), None)]
+        runs += [
+            (f"{dtype}-host", host, None),
+            (
+                f"{dtype}-nvme",
+                make_plan(
+                    "gpt2-tiny",
+                    2,
+                    [0],
+                    2,
+                    ["checkpoint", "keep"],
+                    dtype=dtype,
+                    nvme=off,
+                    **({"homeless": off[:1]} if dtype == "bfloat16" else {}),
+                ),
+                None,
+            ),
+        ]
     out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 8)
     for i, dtype in enumerate(("bfloat16", "float32")):
         _assert_same_run(out[f"{dtype}-nvme"], out[f"{dtype}-host"])
-        assert all(r["host"] == memory_walk.walk(runs[2 * i + 1][1]).host_bytes for r in out[f"{dtype}-nvme"][0])
+        assert all(
+            r["host"] == memory_walk.walk(runs[2 * i + 1][1]).host_bytes
+            for r in out[f"{dtype}-nvme"][0]
+        )
 
 
 def test_a_rank_whose_shard_is_padding_steps_nothing(tmp_path):
@@ -231,7 +290,15 @@ def test_a_rank_whose_shard_is_padding_steps_nothing(tmp_path):
     runs = []
     for dtype in ("float32", "bfloat16"):
         host = make_plan("gpt2-tiny", 2, [], 3, ["checkpoint", "keep"], dtype=dtype)
-        disk = make_plan("gpt2-tiny", 2, [], 3, ["checkpoint", "keep"], dtype=dtype, nvme=host.placement.offloaded)
+        disk = make_plan(
+            "gpt2-tiny",
+            2,
+            [],
+            3,
+            ["checkpoint", "keep"],
+            dtype=dtype,
+            nvme=host.placement.offloaded,
+        )
         runs += [(f"{dtype}-host", host, None), (f"{dtype}-disk", disk, None)]
     out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 4)
     for dtype in ("float32", "bfloat16"):
@@ -244,8 +311,15 @@ def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
     persistent chunk (65664-element chunks: shards on whole AdamW vectors, as in the
     sharded-persistent test). Bit for bit as host states."""
     host = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664)
-    disk = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664,
-                     nvme=host.placement.offloaded[::2])
+    disk = make_plan(
+        "llama-tiny",
+        3,
+        [1],
+        2,
+        ["checkpoint", "swap"],
+        chunk_numel=65664,
+        nvme=host.placement.offloaded[::2],
+    )
     out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("disk", disk, None)], 10)
     _assert_same_run(out["disk"], out["host"])
     assert all(r["host"] == memory_walk.walk(disk).host_bytes for r in out["disk"][0])
@@ -260,12 +334,26 @@ def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> Non
     for n, t in sd_h["model"].items():
         assert torch.equal(sd_d["model"][n], t), (label, n)
     for n, st in sd_h["optim"].items():
-        assert all(torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")), (label, n)
+        assert all(
+            torch.equal(sd_d["optim"][n][k], st[k]) for k in ("step", "exp_avg", "exp_avg_sq")
+        ), (label, n)
     walk = memory_walk.walk(plan)
     assert all(r["host"] == walk.host_bytes for r in ranks_d), label
-    homed = sum(e.nbytes for e in walk.events if e.phase == "wrap" and e.where == "device" and e.kind == "optim"
-                and e.chunk in plan.placement.device_homed)
-    assert homed == 12 * len(plan.placement.device_homed) * plan.chunks.chunk_numel // plan.training.world_size
+    homed = sum(
+        e.nbytes
+        for e in walk.events
+        if e.phase == "wrap"
+        and e.where == "device"
+        and e.kind == "optim"
+        and e.chunk in plan.placement.device_homed
+    )
+    assert (
+        homed
+        == 12
+        * len(plan.placement.device_homed)
+        * plan.chunks.chunk_numel
+        // plan.training.world_size
+    )
     assert all(r["optim"] >= homed for r in ranks_d), label
 
 
@@ -278,8 +366,15 @@ def test_device_homed_chunks_train_as_host_homes_on_two_ranks(tmp_path):
     runs = []
     for dtype in ("float32", "bfloat16"):
         host = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype)
-        homed = make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], dtype=dtype,
-                          device_homed=host.placement.offloaded)
+        homed = make_plan(
+            "gpt2-tiny",
+            2,
+            [0],
+            2,
+            ["checkpoint", "keep"],
+            dtype=dtype,
+            device_homed=host.placement.offloaded,
+        )
         runs += [(f"{dtype}-host", host, None), (f"{dtype}-homed", homed, None)]
     out = _run_plans(tmp_path, 2, "gpt2-tiny", runs, 10)
     for i, dtype in enumerate(("float32", "bfloat16")):
@@ -292,8 +387,15 @@ def test_device_homed_chunks_train_as_host_homes_on_three_ranks(tmp_path):
     """Three ranks, fp32, some chunks device-homed beside host homes and a sharded persistent
     chunk (whole-vector shards, as in the three-rank test above): bit for bit."""
     host = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664)
-    homed = make_plan("llama-tiny", 3, [1], 2, ["checkpoint", "swap"], chunk_numel=65664,
-                      device_homed=host.placement.offloaded[::2])
+    homed = make_plan(
+        "llama-tiny",
+        3,
+        [1],
+        2,
+        ["checkpoint", "swap"],
+        chunk_numel=65664,
+        device_homed=host.placement.offloaded[::2],
+    )
     out = _run_plans(tmp_path, 3, "llama-tiny", [("host", host, None), ("homed", homed, None)], 10)
     _assert_homed_as_host(out, "homed", "host", homed)
 
@@ -316,7 +418,9 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
             # copy worker when backward's reduce-scatter of another chunk is issued.
             monkeypatch.setenv("PROTRAIN_ASYNC_CPU", f"{seed},2,20")
         # 16384-element chunks: several per block, so backward fetches and prefetches (all-gathers).
-        spawn(train, 2, str(out), name, persistent, n_buffer, policies, 4, None, None, 0, MICRO, 16384)
+        spawn(
+            train, 2, str(out), name, persistent, n_buffer, policies, 4, None, None, 0, MICRO, 16384
+        )
         runs[seed] = (_read(out, 2), torch.load(out / "state.pt", weights_only=True))
     (sync_ranks, sync_sd) = runs.pop(None)
     for seed, (ranks, sd) in runs.items():
@@ -324,7 +428,10 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
         for n, t in sync_sd["model"].items():
             assert torch.equal(sd["model"][n], t), (seed, n)
         for n, st in sync_sd["optim"].items():
-            assert all(torch.equal(sd["optim"][n][k], st[k]) for k in ("exp_avg", "exp_avg_sq")), (seed, n)
+            assert all(torch.equal(sd["optim"][n][k], st[k]) for k in ("exp_avg", "exp_avg_sq")), (
+                seed,
+                n,
+            )
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
@@ -347,7 +454,9 @@ def test_persistent_reductions_start_inside_backward(tmp_path, shard):
         # after its block's backward, before the segment backward visits next
         after = blocks[blocks.index(block) - 1] if block != blocks[0] else "<pre>"
         assert at("segment", "end", block) < issued < at("segment", "begin", after), (cid, ev)
-        waited = ev.index(("collective", "begin", "", "", f"wait for the reduction of chunk {cid}'s gradients"))
+        waited = ev.index(
+            ("collective", "begin", "", "", f"wait for the reduction of chunk {cid}'s gradients")
+        )
         assert waited > backward_end
 
 
@@ -360,8 +469,18 @@ def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
 
     persistent, n_buffer, policies = CASES["gpt2-tiny"]
     model = build("gpt2-tiny", seed=1)
-    profile = measure(model, name="gpt2-tiny", blocks=block_paths(model), micro_batch=MICRO, seq_len=SEQ,
-                      compute_dtype="float32", device="cpu", spec=find_spec("cpu"), warmup=0, iterations=1)
+    profile = measure(
+        model,
+        name="gpt2-tiny",
+        blocks=block_paths(model),
+        micro_batch=MICRO,
+        seq_len=SEQ,
+        compute_dtype="float32",
+        device="cpu",
+        spec=find_spec("cpu"),
+        warmup=0,
+        iterations=1,
+    )
     host, peak, predicted = {}, {}, {}
     for world in (1, 2, 3):
         out = tmp_path / str(world)
@@ -376,7 +495,9 @@ def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
     # padded chunks' states. One rank keeps only up to each chunk's last parameter
     # (accounting.host_numel): the last chunk here is partly empty, so less than that.
     full = host[2] * 2
-    assert full == 2 * 65536 * 16  # two offloaded fp32 chunks: master (the home), moments, accumulator
+    assert (
+        full == 2 * 65536 * 16
+    )  # two offloaded fp32 chunks: master (the home), moments, accumulator
     assert 0 < host[1] < full
     assert host[3] * 3 >= full and host[3] * 3 - full < 3 * 64  # 65536 pads to 65538
 
@@ -386,21 +507,40 @@ def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
     persistent, n_buffer, policies = CASES["llama-tiny"]
     ckpt = str(tmp_path / "ckpt")  # Engine.save's directory (executor/checkpoint.py)
     (tmp_path / "a").mkdir()
-    spawn(train, 2, str(tmp_path / "a"), "llama-tiny", persistent, n_buffer, policies, 3, None, ckpt)
+    spawn(
+        train, 2, str(tmp_path / "a"), "llama-tiny", persistent, n_buffer, policies, 3, None, ckpt
+    )
     # The next step from the checkpoint on one global batch of 6 sequences: one rank
     # with micro-batch 6, or three ranks with micro-batch 2 (the same draws, data.py).
     nxt = {}
     for world, micro in ((1, 6), (3, 2)):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        spawn(train, world, str(out), "llama-tiny", persistent, n_buffer, policies, 1, ckpt, None, 0, micro)
+        spawn(
+            train,
+            world,
+            str(out),
+            "llama-tiny",
+            persistent,
+            n_buffer,
+            policies,
+            1,
+            ckpt,
+            None,
+            0,
+            micro,
+        )
         nxt[world] = _read(out, world)[0]["losses"][0]
     # Same weights, same tokens; only the order of the mean over sequences differs.
     assert abs(nxt[1] - nxt[3]) <= 1e-6 * abs(nxt[1]), nxt
     model = build("llama-tiny", seed=1)
     saved = resolve(ckpt)
-    assert sorted(read_manifest(saved).files) == ["model.safetensors", "optim.safetensors",
-                                                  "rng-rank0.safetensors", "rng-rank1.safetensors"]
+    assert sorted(read_manifest(saved).files) == [
+        "model.safetensors",
+        "optim.safetensors",
+        "rng-rank0.safetensors",
+        "rng-rank1.safetensors",
+    ]
     model.load_state_dict(load_file(saved / "model.safetensors"))
     x, y = next(batches(load_tokens(), 6, SEQ, 0))
     with torch.no_grad():
@@ -421,14 +561,28 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     text = (tmp_path / "rank0.txt").read_text()
     seconds, message = text.split("\n", 1)
     assert float(seconds) < 25.0
-    assert "rank 0 of 2" in message and "failed" in message and "another rank probably died" in message
+    assert (
+        "rank 0 of 2" in message and "failed" in message and "another rank probably died" in message
+    )
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"grad_accum": 2}, "$.training.grad_accum = 2 where rank 0 has 1"),  # deadlocked until --timeout
-    ({"policies": ["checkpoint", "keep"]}, "$.activations (the blocks' policies) differs"),  # deadlocked too
-    ({"micro": 3}, "$.training.micro_batch = 3 where rank 0 has 2"),  # trained silently on other batches
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (
+            {"grad_accum": 2},
+            "$.training.grad_accum = 2 where rank 0 has 1",
+        ),  # deadlocked until --timeout
+        (
+            {"policies": ["checkpoint", "keep"]},
+            "$.activations (the blocks' policies) differs",
+        ),  # deadlocked too
+        (
+            {"micro": 3},
+            "$.training.micro_batch = 3 where rank 0 has 2",
+        ),  # trained silently on other batches
+    ],
+)
 @pytest.mark.slow  # ~12 s each on 2 cores (two processes start)
 def test_ranks_with_different_plans_are_refused_at_wrap(tmp_path, change, field):
     # issue 31, point 6: refused on every rank at wrap, naming the rank and the field.
@@ -450,7 +604,9 @@ def test_agree_names_the_rank_and_the_field_in_process():
     from protrain.executor.errors import PlanError
 
     mine = agreement(make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"]), AdamWConfig())
-    other = agreement(make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], grad_accum=4), AdamWConfig())
+    other = agreement(
+        make_plan("gpt2-tiny", 2, [0], 2, ["checkpoint", "keep"], grad_accum=4), AdamWConfig()
+    )
     assert agreement(make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"]), AdamWConfig()) == mine
     comm = Comm.__new__(Comm)
     comm.world, comm.rank, comm.runner = 2, 0, lambda fn: fn()
@@ -459,13 +615,15 @@ def test_agree_names_the_rank_and_the_field_in_process():
 
     def gather(table, own):
         table[: own.numel()] = own
-        table[own.numel():] = torch.tensor([_agreement_value(v) for v in other.values()])
+        table[own.numel() :] = torch.tensor([_agreement_value(v) for v in other.values()])
 
     comm._all_gather = gather
     with pytest.raises(PlanError) as info:
         comm.agree(mine)
     text = str(info.value)
-    assert text.startswith("rank 0 of 2: the ranks disagree: rank 1 has $.training.grad_accum = 4 where rank 0 has 1")
+    assert text.startswith(
+        "rank 0 of 2: the ranks disagree: rank 1 has $.training.grad_accum = 4 where rank 0 has 1"
+    )
     assert "rank 1's $.activations (the blocks' policies) differs from rank 0's" in text
     comm._all_gather = lambda table, own: table.copy_(own.repeat(2))
     comm.agree(mine)  # the same on both ranks: nothing to refuse
@@ -491,16 +649,56 @@ def test_protrain_train_under_torchrun(tmp_path):
     from protrain.planner.commands.cli import main
 
     prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32",
-                                  "--device", "cpu", "--hardware", "cpu", "--iterations", "1", "-o", str(prof)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--device",
+            "cpu",
+            "--hardware",
+            "cpu",
+            "--iterations",
+            "1",
+            "-o",
+            str(prof),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["plan", "--profile", str(prof), "--world-size", "2", "--budget", "3MiB",
-                                  "-o", str(plan)])
+    r = CliRunner().invoke(
+        main,
+        ["plan", "--profile", str(prof), "--world-size", "2", "--budget", "3MiB", "-o", str(plan)],
+    )
     assert r.exit_code == 0, r.output
     torchrun = shutil.which("torchrun")
     assert torchrun, "torchrun comes with torch"
-    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_port()), "--no-python",
-                          "protrain", "train", "--plan", str(plan), "--model", "gpt2-tiny", "--steps", "5",
-                          "--timeout", "60"], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_port()),
+            "--no-python",
+            "protrain",
+            "train",
+            "--plan",
+            str(plan),
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "5",
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("trained 5 steps") == 1  # logged by rank 0 only

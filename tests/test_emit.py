@@ -15,15 +15,25 @@ from protrain.planner.search.emit import build_schedule, emit
 from protrain.planner.search.layout import assign
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINING = P.Training(micro_batch=2, seq_len=16, compute_dtype="float32", master_dtype="float32",
-                      world_size=1, grad_accum=1)
+TRAINING = P.Training(
+    micro_batch=2,
+    seq_len=16,
+    compute_dtype="float32",
+    master_dtype="float32",
+    world_size=1,
+    grad_accum=1,
+)
 
 
 def test_trace_sees_the_tied_head_after_the_blocks():
     model = build("gpt2-tiny", device="meta")
     g = trace(model, block_paths(model))
     assert g.uses[P.PRE] == ["transformer.wte.weight", "transformer.wpe.weight"]
-    assert g.uses[P.POST] == ["transformer.ln_f.weight", "transformer.ln_f.bias", "transformer.wte.weight"]
+    assert g.uses[P.POST] == [
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+        "transformer.wte.weight",
+    ]
     assert g.order[:2] == ["transformer.wte.weight", "transformer.wpe.weight"]
     assert g.order[-2:] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
     assert g.graph.has_edge(("segment", P.POST), ("param", "transformer.wte.weight"))
@@ -60,7 +70,12 @@ def test_layout_aligns_every_parameter():
     order = ["a", "b", "c", "d"]
     numel = {"a": 17, "b": 1, "c": 36, "d": 5}
     chunks = assign(order, numel, dict.fromkeys(order, "g"), chunk_numel=4 * A)
-    assert [(s.name, s.offset) for c in chunks for s in c] == [("a", 0), ("b", A), ("c", 2 * A), ("d", 0)]
+    assert [(s.name, s.offset) for c in chunks for s in c] == [
+        ("a", 0),
+        ("b", A),
+        ("c", 2 * A),
+        ("d", 0),
+    ]
     assert len(chunks) == 2  # d (at 4A) would not fit the first chunk's 4A elements
 
 
@@ -70,28 +85,46 @@ def test_schedule_rules_on_a_chain():
     s = build_schedule(segs, need, offloaded={0, 1, 2, 3}, n_buffer=2, swapped=["b0"])
     fwd = {st.segment: st for st in s.forward}
     bwd = {st.segment: st for st in s.backward}
-    assert fwd[P.PRE].fetch == [0] and fwd[P.PRE].prefetch == [1]     # one-segment lookahead
+    assert fwd[P.PRE].fetch == [0] and fwd[P.PRE].prefetch == [1]  # one-segment lookahead
     assert fwd["b0"].fetch == [1]
     assert sorted(fwd[P.POST].fetch) == [0, 3]
-    assert bwd["b0"].offload == [1] and bwd[P.PRE].offload == [0]      # at the last backward use
-    assert bwd["b1"].swap_in == ["b0"]                                 # one segment ahead
+    assert bwd["b0"].offload == [1] and bwd[P.PRE].offload == [0]  # at the last backward use
+    assert bwd["b1"].swap_in == ["b0"]  # one segment ahead
     assert s.backward[-1].release and not any(
-        c for st in s.backward for c in st.prefetch if c in st.fetch)
+        c for st in s.backward for c in st.prefetch if c in st.fetch
+    )
     with pytest.raises(BudgetError, match="n_buffer >= 2"):
         build_schedule(segs, need, offloaded={0, 1, 2, 3}, n_buffer=1, swapped=[])
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-@pytest.mark.parametrize("n_persist,n_buffer,policy", [(99, 0, "keep"), (0, 1, "checkpoint"),
-                                                       (0, 2, "swap"), (1, 2, "keep")])
+@pytest.mark.parametrize(
+    "n_persist,n_buffer,policy",
+    [(99, 0, "keep"), (0, 1, "checkpoint"), (0, 2, "swap"), (1, 2, "keep")],
+)
 def test_emit_matrix_is_valid_and_deterministic(name, n_persist, n_buffer, policy):
     model = build(name, device="meta")
     blocks = block_paths(model)
-    probe = emit(model, name=name, blocks=blocks, training=TRAINING, chunk_numel=65536,
-                 persistent=[], n_buffer=3, policies=["keep"] * len(blocks))
+    probe = emit(
+        model,
+        name=name,
+        blocks=blocks,
+        training=TRAINING,
+        chunk_numel=65536,
+        persistent=[],
+        n_buffer=3,
+        policies=["keep"] * len(blocks),
+    )
     persistent = list(range(min(n_persist, len(probe.chunks.items))))
-    kw = dict(name=name, blocks=blocks, training=TRAINING, chunk_numel=65536,
-              persistent=persistent, n_buffer=n_buffer, policies=[policy] * len(blocks))
+    kw = dict(
+        name=name,
+        blocks=blocks,
+        training=TRAINING,
+        chunk_numel=65536,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=[policy] * len(blocks),
+    )
     try:
         a = emit(model, **kw)
     except BudgetError:
@@ -106,8 +139,11 @@ def test_example_plan_is_up_to_date():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "make_example_plan.py"), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_example_plan.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -143,7 +179,9 @@ def test_round_trip_is_the_files_round_trip():
     assert len(plans) > 5
     for p in plans:
         for norm in (None, 1.0, 1 / 3, 2.5e-7):
-            q = msgspec.structs.replace(p, request=msgspec.structs.replace(p.request, max_grad_norm=norm))
+            q = msgspec.structs.replace(
+                p, request=msgspec.structs.replace(p.request, max_grad_norm=norm)
+            )
             assert round_trip(q) == P.load(P.dump(q))
 
 

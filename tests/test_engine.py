@@ -32,12 +32,16 @@ def test_plan_for_another_model_is_refused_before_anything_changes():
     with pytest.raises(FingerprintError, match="made for another model"):
         wrap(model, make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"))
     after = _snapshot(model)
-    assert all(before[n][0] == after[n][0] and torch.equal(before[n][1], after[n][1]) for n in before)
+    assert all(
+        before[n][0] == after[n][0] and torch.equal(before[n][1], after[n][1]) for n in before
+    )
 
 
 def test_schedule_exceeding_its_buffers_is_refused():
     plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep")
-    squeezed = msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, n_buffer=1))
+    squeezed = msgspec.structs.replace(
+        plan, placement=msgspec.structs.replace(plan.placement, n_buffer=1)
+    )
     model = make_model("gpt2-4")
     before = _snapshot(model)
     with pytest.raises(PlanError, match="n_buffer is 1"):
@@ -53,8 +57,10 @@ def test_wrong_batch_shape_is_refused_before_the_step():
     with pytest.raises(ConfigError, match=r"shape \(4, 16\).*\(4, 32\)"):
         engine.step((x[:, :16], y[:, :16]))
     with pytest.raises(ConfigError, match="1 micro-batches; the plan accumulates 2"):
-        wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep",
-                                             grad_accum=2)).step((x, y))
+        wrap(
+            make_model("gpt2-4"),
+            make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", grad_accum=2),
+        ).step((x, y))
     assert engine.steps_done == 0
     after = engine.state_dict()
     assert all(torch.equal(sd["model"][n], after["model"][n]) for n in sd["model"])
@@ -66,10 +72,14 @@ def test_half_precision_trains_close_to_fp32(dtype):
     # Reference: the fp32 lock-step run. Tolerance: the compute dtype's rounding
     # (bf16 has 8 mantissa bits, fp16 11) over 10 steps of a 4-block model; the
     # losses agree to about 1e-2 relative in practice, we allow 3e-2.
-    fp32 = lockstep("gpt2-4", make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="checkpoint"),
-                    steps=10)
-    half = lockstep("gpt2-4", make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="checkpoint",
-                                        compute_dtype=dtype), steps=10)
+    fp32 = lockstep(
+        "gpt2-4", make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="checkpoint"), steps=10
+    )
+    half = lockstep(
+        "gpt2-4",
+        make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="checkpoint", compute_dtype=dtype),
+        steps=10,
+    )
     assert all(math.isfinite(x) for x in half.losses)
     assert not any(r.skipped for r in half.results)
     for a, b in zip(half.losses, fp32.losses):
@@ -97,7 +107,9 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
 
 def test_state_dict_uses_plain_names_and_resumes_under_another_plan():
     plan_a = make_plan("llama-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep keep")
-    plan_b = make_plan("llama-4", persistent="all", n_buffer=0, policies="keep", chunk_numel=200_000)
+    plan_b = make_plan(
+        "llama-4", persistent="all", n_buffer=0, policies="keep", chunk_numel=200_000
+    )
     model = make_model("llama-4")
     ref = copy.deepcopy(model)
     a = wrap(model, plan_a, device="cpu")
@@ -123,18 +135,24 @@ def test_state_dict_uses_plain_names_and_resumes_under_another_plan():
 
 
 def test_gpt2_state_dict_has_the_tied_alias():
-    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"))
+    engine = wrap(
+        make_model("gpt2-4"), make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep")
+    )
     sd = engine.state_dict()["model"]
     assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])
 
 
 def test_close_removes_hooks_and_wrappers():
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", persistent="all", n_buffer=0,
-                                   policies="checkpoint swap keep keep"))
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", persistent="all", n_buffer=0, policies="checkpoint swap keep keep"),
+    )
     engine.close()
     assert "forward" not in vars(model.transformer.h[0])
-    assert not model.transformer.h[0]._forward_pre_hooks and not model.transformer.h[0]._forward_hooks
+    assert (
+        not model.transformer.h[0]._forward_pre_hooks and not model.transformer.h[0]._forward_hooks
+    )
     x, y = next(_data())
     model(x, y).backward()  # plain PyTorch again
 
@@ -178,8 +196,11 @@ def test_a_chunk_refuses_transitions_from_the_wrong_state():
     # Chunk.to_resident/to_released/grad_opened/grad_closed assert the state they start from:
     # a release of a released chunk, a fetch-state change of a persistent one, a second
     # opening of gradients are internal errors, not silent double frees.
-    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep"),
-                  device="cpu")
+    engine = wrap(
+        make_model("gpt2-4"),
+        make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep"),
+        device="cpu",
+    )
     try:
         persistent, offloaded = engine.store.chunks[0], engine.store.chunks[1]
         with pytest.raises(AssertionError, match="expected one of"):

@@ -59,14 +59,30 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, w: int = 36, n_block: int = 3, *, frozen_emb: bool = False, max_norm=None,
-                 frozen_block: int | None = None, spare: bool = False, experts: int = 0,
-                 unused_numel: int = 37):
+    def __init__(
+        self,
+        w: int = 36,
+        n_block: int = 3,
+        *,
+        frozen_emb: bool = False,
+        max_norm=None,
+        frozen_block: int | None = None,
+        spare: bool = False,
+        experts: int = 0,
+        unused_numel: int = 37,
+    ):
         super().__init__()
         self.emb = nn.Embedding(V, w, max_norm=max_norm)
         self.emb.weight.requires_grad_(not frozen_emb)
-        self.blocks = nn.ModuleList(Block(w, frozen=i == frozen_block, spare=spare and i == 1,
-                                          experts=experts if i == 1 else 0) for i in range(n_block))
+        self.blocks = nn.ModuleList(
+            Block(
+                w,
+                frozen=i == frozen_block,
+                spare=spare and i == 1,
+                experts=experts if i == 1 else 0,
+            )
+            for i in range(n_block)
+        )
         self.head = nn.Linear(w, V)
         # Top-level parameter no op uses.
         self.unused = nn.Parameter(torch.randn(unused_numel)) if spare else None
@@ -93,21 +109,40 @@ PLANS = {  # name: (persistent: "all" | list of chunk ids, n_buffer, policy per 
 }
 
 
-def plan_for(model: nn.Module, name: str, grad_accum: int = 1, chunk_numel: int | None = None,
-             n_buffer: int | None = None) -> P.Plan:
+def plan_for(
+    model: nn.Module,
+    name: str,
+    grad_accum: int = 1,
+    chunk_numel: int | None = None,
+    n_buffer: int | None = None,
+) -> P.Plan:
     persistent, nb, policies = PLANS[name]
     n_buffer = n_buffer or nb
     # About one block per chunk (block 1's experts triple it), so n_buffer 2 suffices.
     w = model.head.in_features
     chunk_numel = chunk_numel or (w * w + 8 * w) * (3 if len(model.blocks[1].experts) else 1)
     blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
-    training = P.Training(micro_batch=B, seq_len=T, compute_dtype="float32", master_dtype="float32",
-                          world_size=1, grad_accum=grad_accum)
+    training = P.Training(
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=grad_accum,
+    )
     m = copy.deepcopy(model)  # planning must not touch the model we train
 
     def make(persist, nb):
-        return emit(m, name="custom", blocks=blocks, training=training, chunk_numel=chunk_numel,
-                    persistent=persist, n_buffer=nb, policies=policies)
+        return emit(
+            m,
+            name="custom",
+            blocks=blocks,
+            training=training,
+            chunk_numel=chunk_numel,
+            persistent=persist,
+            n_buffer=nb,
+            policies=policies,
+        )
 
     if persistent == "all":
         persistent = list(range(len(make([], 64).chunks.items)))
@@ -116,25 +151,39 @@ def plan_for(model: nn.Module, name: str, grad_accum: int = 1, chunk_numel: int 
 
 def data(seed: int, n: int):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g))
+        for _ in range(n)
+    ]
 
 
-def lockstep(model: Model, plan: P.Plan, steps: int = 5, seed: int = 0, emulated: int | None = None,
-             batches=None):
+def lockstep(
+    model: Model,
+    plan: P.Plan,
+    steps: int = 5,
+    seed: int = 0,
+    emulated: int | None = None,
+    batches=None,
+):
     """Train ``model`` under ``plan`` and a deepcopy with plain AdamW(fused=True); compare
     losses every step and the final state. Returns the engine (closed)."""
     k = plan.training.grad_accum
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=CONFIG.lr, betas=CONFIG.betas, eps=CONFIG.eps,
-                            weight_decay=CONFIG.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=CONFIG.lr,
+        betas=CONFIG.betas,
+        eps=CONFIG.eps,
+        weight_decay=CONFIG.weight_decay,
+        fused=True,
+    )
     batches = batches or data(seed, steps * k)
     ctx = emulate(emulated) if emulated is not None else _null()
     with ctx:
         engine = wrap(model, plan, CONFIG, device="cpu")
         try:
             for s in range(steps):
-                micro = batches[s * k: (s + 1) * k]
+                micro = batches[s * k : (s + 1) * k]
                 res = engine.step(micro)
                 opt.zero_grad(set_to_none=True)
                 losses = []
@@ -168,8 +217,9 @@ def assert_same(sd: dict, ref: nn.Module, opt: torch.optim.Optimizer) -> None:
             assert name not in sd["optim"], f"{name}: state for a parameter that never stepped"
             continue
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(sd["optim"][name][key], st[key], rtol=0, atol=0,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                sd["optim"][name][key], st[key], rtol=0, atol=0, msg=f"{name} {key}"
+            )
         assert float(sd["optim"][name]["step"]) == float(st["step"]), name
 
 
@@ -249,8 +299,14 @@ def test_state_dict_round_trip_with_partial_state(tmp_path):
     model = build(spare=True, experts=2, frozen_block=0)
     batches = data(5, 6)
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=CONFIG.lr, betas=CONFIG.betas, eps=CONFIG.eps,
-                            weight_decay=CONFIG.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=CONFIG.lr,
+        betas=CONFIG.betas,
+        eps=CONFIG.eps,
+        weight_decay=CONFIG.weight_decay,
+        fused=True,
+    )
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
         ref(x, y).backward()
@@ -308,22 +364,47 @@ def test_max_norm_write_reaches_the_bf16_master(plan):
     ref = copy.deepcopy(model)
     persistent, n_buffer, policies = PLANS[plan]
     blocks = [f"blocks.{i}" for i in range(3)]
-    training = P.Training(micro_batch=B, seq_len=T, compute_dtype="bfloat16", master_dtype="float32",
-                          world_size=1, grad_accum=1)
-    n = len(emit(copy.deepcopy(model), name="c", blocks=blocks, training=training, chunk_numel=4608,
-                 persistent=[], n_buffer=64, policies=policies).chunks.items)
-    p = emit(copy.deepcopy(model), name="c", blocks=blocks, training=training, chunk_numel=4608,
-             persistent=list(range(n)) if persistent == "all" else persistent, n_buffer=n_buffer,
-             policies=policies)
+    training = P.Training(
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype="bfloat16",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
+    n = len(
+        emit(
+            copy.deepcopy(model),
+            name="c",
+            blocks=blocks,
+            training=training,
+            chunk_numel=4608,
+            persistent=[],
+            n_buffer=64,
+            policies=policies,
+        ).chunks.items
+    )
+    p = emit(
+        copy.deepcopy(model),
+        name="c",
+        blocks=blocks,
+        training=training,
+        chunk_numel=4608,
+        persistent=list(range(n)) if persistent == "all" else persistent,
+        n_buffer=n_buffer,
+        policies=policies,
+    )
     engine = wrap(model, p, AdamWConfig(lr=0.0, weight_decay=0.0), device="cpu")
-    (x, y), = data(3, 1)
+    ((x, y),) = data(3, 1)
     engine.step((x, y))
     got = engine.state_dict()["model"]["emb.weight"]
     engine.close()
     with torch.no_grad():
         ref.emb(x)  # the renormalisation plain PyTorch applies
     rows = x.unique()
-    assert not torch.equal(ref.emb.weight[rows], build(max_norm=0.5).emb.weight[rows])  # it did renorm
+    assert not torch.equal(
+        ref.emb.weight[rows], build(max_norm=0.5).emb.weight[rows]
+    )  # it did renorm
     torch.testing.assert_close(got[rows], ref.emb.weight[rows].detach(), rtol=0, atol=8e-3)
     assert got[rows].norm(dim=1).max() <= 0.5 + 8e-3
 
@@ -336,7 +417,9 @@ def test_requires_grad_changed_after_wrap_is_refused():
         (xy,) = data(0, 1)
         engine.step(xy)
         model.emb.weight.requires_grad_(True)
-        with pytest.raises(ConfigError, match="'emb.weight' was frozen at wrap and is trainable now"):
+        with pytest.raises(
+            ConfigError, match="'emb.weight' was frozen at wrap and is trainable now"
+        ):
             engine.step(xy)
     finally:
         engine.close()

@@ -21,18 +21,26 @@ PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 
 def _poison(model, block: int, when):
     """Make block ``block``'s output non-finite while ``when()`` is true."""
+
     def hook(module, args, output):
         if when():
             h = output[0] if isinstance(output, tuple) else output
-            return h * float("nan") if not isinstance(output, tuple) else (h * float("nan"), *output[1:])
+            return (
+                h * float("nan")
+                if not isinstance(output, tuple)
+                else (h * float("nan"), *output[1:])
+            )
         return output
+
     return model.transformer.h[block].register_forward_hook(hook)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_nan_loss_stops_before_the_update(dtype, tmp_path):
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, **PLAN), AdamWConfig(lr=1e-3), device="cpu")
+    engine = wrap(
+        model, make_plan("gpt2-4", compute_dtype=dtype, **PLAN), AdamWConfig(lr=1e-3), device="cpu"
+    )
     data = batches(load_tokens(), 4, 32, 0)
     for _ in range(2):
         engine.step(next(data))
@@ -53,8 +61,12 @@ def test_nan_loss_stops_before_the_update(dtype, tmp_path):
 
 def test_fp16_nan_loss_skips_the_step_and_goes_on():
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", compute_dtype="float16", **PLAN),
-                  AdamWConfig(lr=1e-3, loss_scale=2.0**10), device="cpu")
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", compute_dtype="float16", **PLAN),
+        AdamWConfig(lr=1e-3, loss_scale=2.0**10),
+        device="cpu",
+    )
     data = batches(load_tokens(), 4, 32, 0)
     poisoned = [False]
     _poison(model, 1, lambda: poisoned[0])
@@ -72,20 +84,29 @@ def test_fp16_nan_loss_skips_the_step_and_goes_on():
 OFFLOADED, PERSISTENT = "transformer.h.3.mlp.c_fc.weight", "transformer.wte.weight"
 
 
-@pytest.mark.parametrize(("dtype", "cpu_adam", "param"), [
-    ("float32", "during_backward", OFFLOADED),  # the CPU-Adam worker's check
-    ("bfloat16", "during_backward", OFFLOADED),  # 16-bit gradients landed in the home
-    ("float32", "during_backward", PERSISTENT),  # the persistent chunks' check
-    ("bfloat16", "after_backward", PERSISTENT),  # the global norm's
-])
+@pytest.mark.parametrize(
+    ("dtype", "cpu_adam", "param"),
+    [
+        ("float32", "during_backward", OFFLOADED),  # the CPU-Adam worker's check
+        ("bfloat16", "during_backward", OFFLOADED),  # 16-bit gradients landed in the home
+        ("float32", "during_backward", PERSISTENT),  # the persistent chunks' check
+        ("bfloat16", "after_backward", PERSISTENT),  # the global norm's
+    ],
+)
 def test_nonfinite_gradient_stops_before_its_chunk_steps(tmp_path, dtype, cpu_adam, param):
     """The loss stays finite; one parameter's gradient is inf (an offloaded chunk's, or the
     persistent chunk's). Its chunk never steps, nothing non-finite is saved, and the error names
     the last finite checkpoint (during backward it may come from the step or from the save)."""
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", compute_dtype=dtype, cpu_adam=cpu_adam, **PLAN),
-                  AdamWConfig(lr=1e-3), device="cpu")
-    cid = next(c.id for c in engine.store.chunks for p, _, _ in c.params if engine.names[id(p)] == param)
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", compute_dtype=dtype, cpu_adam=cpu_adam, **PLAN),
+        AdamWConfig(lr=1e-3),
+        device="cpu",
+    )
+    cid = next(
+        c.id for c in engine.store.chunks for p, _, _ in c.params if engine.names[id(p)] == param
+    )
     data = batches(load_tokens(), 4, 32, 0)
     for _ in range(2):
         engine.step(next(data))
@@ -95,33 +116,46 @@ def test_nonfinite_gradient_stops_before_its_chunk_steps(tmp_path, dtype, cpu_ad
     with pytest.raises(NonFiniteGradientError, match=f"at step 3: chunk {cid} ") as e:
         engine.step(next(data))
         engine.save(tmp_path)  # the periodic / end-of-run / Ctrl-C save of the train loop
-    assert f"the last finite checkpoint is {good}" in str(e.value) and f"--resume {good}" in str(e.value)
+    assert f"the last finite checkpoint is {good}" in str(e.value) and f"--resume {good}" in str(
+        e.value
+    )
     assert torch.equal(engine.optim.master[cid], masters[cid])  # the chunk never stepped
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", good.name]
     with pytest.raises(NonFiniteGradientError):  # and it never will, nor anything else
         engine.step(next(data))
     if cpu_adam == "after_backward":  # nothing stepped: the state is step 2's
         assert not e.value.partial
-        assert all(torch.equal(engine.optim.master[c.id], masters[c.id]) for c in engine.store.chunks)
+        assert all(
+            torch.equal(engine.optim.master[c.id], masters[c.id]) for c in engine.store.chunks
+        )
     with contextlib.suppress(NonFiniteGradientError):  # (a CPU step's error comes back once more)
         engine.close()
 
 
 def test_nonfinite_gradient_before_any_update_leaves_the_state_of_the_step_before():
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", cpu_adam="after_backward", **PLAN), AdamWConfig(lr=1e-3),
-                  device="cpu")
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", cpu_adam="after_backward", **PLAN),
+        AdamWConfig(lr=1e-3),
+        device="cpu",
+    )
     data = batches(load_tokens(), 4, 32, 0)
     engine.step(next(data))
     before = engine.state_dict()
     model.transformer.h[1].attn.c_attn.weight.register_hook(lambda g: g * float("nan"))
-    with pytest.raises(NonFiniteGradientError, match="no checkpoint was saved or loaded in this run"):
+    with pytest.raises(
+        NonFiniteGradientError, match="no checkpoint was saved or loaded in this run"
+    ):
         engine.step(next(data))
     after = engine.state_dict()  # saveable: no chunk stepped
     for part in ("model", "optim"):
         for n, t in before[part].items():
-            same = torch.equal(t, after[part][n]) if part == "model" else all(
-                torch.equal(v, after[part][n][k]) for k, v in t.items())
+            same = (
+                torch.equal(t, after[part][n])
+                if part == "model"
+                else all(torch.equal(v, after[part][n][k]) for k, v in t.items())
+            )
             assert same, (part, n)
     engine.close()
 
@@ -130,8 +164,12 @@ def test_finite_gradients_whose_norm_overflows_still_step():
     """The global norm is inf, every gradient finite: the guard looks chunk by chunk and lets the
     step run (clipped to zero), as plain PyTorch does."""
     model = make_model("gpt2-4")
-    engine = wrap(model, make_plan("gpt2-4", cpu_adam="after_backward", **PLAN),
-                  AdamWConfig(lr=1e-3, max_grad_norm=1.0), device="cpu")
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", cpu_adam="after_backward", **PLAN),
+        AdamWConfig(lr=1e-3, max_grad_norm=1.0),
+        device="cpu",
+    )
     model.transformer.h[1].attn.c_attn.weight.register_hook(lambda g: torch.full_like(g, 3e38))
     result = engine.step(next(batches(load_tokens(), 4, 32, 0)))
     assert result.grad_norm == float("inf") and engine.steps_done == 1

@@ -43,7 +43,10 @@ def test_ladders_grow_and_pass_through_the_zoo():
         assert ZOO[name] in gpt2, name
     for name in ("llama-7b", "llama-13b", "llama-70b"):
         assert ZOO[name] in llama_ladder(), name
-    assert dataclasses.replace(ZOO["llama-34b"], max_seq_len=4096, rope_theta=10000.0) in llama_ladder()
+    assert (
+        dataclasses.replace(ZOO["llama-34b"], max_seq_len=4096, rope_theta=10000.0)
+        in llama_ladder()
+    )
     assert {c.block_size for c in gpt2_ladder(2048)} == {2048}
 
 
@@ -57,8 +60,10 @@ def test_parameter_count_formula_is_the_models():
 
 @pytest.mark.slow
 def test_largest_gpt2_grows_with_the_budget():
-    results = [largest_fitting("gpt2", SMALL, budget_bytes=b, seq_len=SEQ, micro_batches=MICRO)
-               for b in (GiB // 2, GiB, 2 * GiB)]
+    results = [
+        largest_fitting("gpt2", SMALL, budget_bytes=b, seq_len=SEQ, micro_batches=MICRO)
+        for b in (GiB // 2, GiB, 2 * GiB)
+    ]
     sizes = [r.n_params for r in results]
     assert sizes == sorted(sizes), sizes  # a bigger budget never fits a smaller model
     assert sizes[0] < sizes[-1]
@@ -93,11 +98,23 @@ def test_fit_refines_between_rungs_by_depth(monkeypatch):
     ladder = gpt2_ladder(SEQ)
     rung, after = ladder[70], ladder[71]
     cap = (n_params(rung) + n_params(after)) // 2
-    plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json")
+    plan = P.load(
+        Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json"
+    )
     monkeypatch.setattr(F, "_host_floor_bytes", lambda *a, **k: 0)
-    monkeypatch.setattr(F, "_probe", lambda cfg, mb, **kw: F.Probe(
-        cfg, n_params(cfg), mb, n_params(cfg) <= cap, "fits" if n_params(cfg) <= cap else "device memory: no",
-        0.0, plan if n_params(cfg) <= cap else None))
+    monkeypatch.setattr(
+        F,
+        "_probe",
+        lambda cfg, mb, **kw: F.Probe(
+            cfg,
+            n_params(cfg),
+            mb,
+            n_params(cfg) <= cap,
+            "fits" if n_params(cfg) <= cap else "device memory: no",
+            0.0,
+            plan if n_params(cfg) <= cap else None,
+        ),
+    )
     r = largest_fitting("gpt2", SMALL, seq_len=SEQ, micro_batches=(1,))
     assert r.config.n_embd == rung.n_embd and r.config.n_layer > rung.n_layer
     assert n_params(r.config) <= cap < n_params(r.next_config) < n_params(after)
@@ -109,20 +126,32 @@ def test_run_fit_prints_one_row_per_family(tmp_path):
     path = tmp_path / "small.json"
     path.write_bytes(dump_spec(SMALL))
     lines: list[str] = []
-    (r,) = run_fit(str(path), budget="1GiB", seq_len=SEQ, families=("gpt2",), micro_batches=MICRO,
-                   echo=lines.append)
+    (r,) = run_fit(
+        str(path),
+        budget="1GiB",
+        seq_len=SEQ,
+        families=("gpt2",),
+        micro_batches=MICRO,
+        echo=lines.append,
+    )
     table = lines[-1].splitlines()
     # 8 GiB of host RAM, one rank: 8 x 0.9 - 2 = 5.2 GiB usable (planning.default_host_budget).
-    assert table[0].startswith("fit on small-2g: 1.00 GiB device budget per rank, 8.00 GiB host RAM "
-                               "(5.20 GiB per rank usable), seq 256")
+    assert table[0].startswith(
+        "fit on small-2g: 1.00 GiB device budget per rank, 8.00 GiB host RAM "
+        "(5.20 GiB per rank usable), seq 256"
+    )
     assert table[0].endswith("one device")
     assert table[1].split()[:4] == ["family", "params", "shape", "micro-batch"]
     assert table[3].startswith("gpt2") and f"{r.n_params / 1e9:.2f}B" in table[3]
     # What binds at the winner (with both shares), and what stopped the next size up.
-    assert table[-1].startswith(f"gpt2: binds {r.binds}; next size ({n_params(r.next_config) / 1e9:.2f}B) "
-                                f"stopped by {r.limit}")
-    assert r.binds.startswith(("device memory (", "host memory (")) and r.next_binds in ("device memory",
-                                                                                            "host memory")
+    assert table[-1].startswith(
+        f"gpt2: binds {r.binds}; next size ({n_params(r.next_config) / 1e9:.2f}B) "
+        f"stopped by {r.limit}"
+    )
+    assert r.binds.startswith(("device memory (", "host memory (")) and r.next_binds in (
+        "device memory",
+        "host memory",
+    )
 
 
 def test_host_budget_per_rank_is_the_share_less_the_reserve():
@@ -142,10 +171,18 @@ def test_more_ranks_shard_the_host():
     # shard over the ranks (ZeRO-3), so four ranks fit a larger model.
     from protrain.planner.commands.fit import _host_floor_bytes
 
-    one = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO,
-                          host_memory_bytes=8 * GiB)
-    four = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO,
-                           host_memory_bytes=32 * GiB, world_size=4)
+    one = largest_fitting(
+        "gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO, host_memory_bytes=8 * GiB
+    )
+    four = largest_fitting(
+        "gpt2",
+        SMALL,
+        budget_bytes=GiB,
+        seq_len=SEQ,
+        micro_batches=MICRO,
+        host_memory_bytes=32 * GiB,
+        world_size=4,
+    )
     assert one.host_budget_bytes == four.host_budget_bytes == int(8 * GiB * 0.9) - 2 * GiB
     assert four.n_params > one.n_params
     for r, world in ((one, 1), (four, 4)):
@@ -155,10 +192,13 @@ def test_more_ranks_shard_the_host():
         # The pre-profile floor never exceeds what a fitting plan needs (it only skips rungs).
         for p in r.probes:
             if p.fits:
-                assert _host_floor_bytes(p.n_params, GiB, "bfloat16", world) <= \
-                    host_need_bytes(p.plan), (world, p.n_params)
+                assert _host_floor_bytes(p.n_params, GiB, "bfloat16", world) <= host_need_bytes(
+                    p.plan
+                ), (world, p.n_params)
     # Without --host-memory, N ranks get N times the spec's host RAM (one rank's share each).
-    two = largest_fitting("gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO, world_size=2)
+    two = largest_fitting(
+        "gpt2", SMALL, budget_bytes=GiB, seq_len=SEQ, micro_batches=MICRO, world_size=2
+    )
     assert two.host_memory_bytes == 2 * SMALL.host_memory_bytes
     assert two.host_budget_bytes == one.host_budget_bytes
 
@@ -171,9 +211,16 @@ def test_fit_command_passes_host_memory_and_world_size(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(F, "run_fit", lambda hardware, **kw: seen.update(kw, hardware=hardware))
-    r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--host-memory", "384GiB", "--world-size", "4"])
+    r = CliRunner().invoke(
+        main, ["fit", "--hardware", "rtx3090", "--host-memory", "384GiB", "--world-size", "4"]
+    )
     assert r.exit_code == 0, r.output
-    assert (seen["hardware"], seen["host_memory"], seen["world_size"], seen["nvme"]) == ("rtx3090", "384GiB", 4, False)
+    assert (seen["hardware"], seen["host_memory"], seen["world_size"], seen["nvme"]) == (
+        "rtx3090",
+        "384GiB",
+        4,
+        False,
+    )
     r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--nvme"])
     assert r.exit_code == 0 and seen["nvme"] is True, r.output
 
@@ -194,15 +241,22 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
     from protrain.planner.commands.fit import render_fit
     from protrain.planner.search import memory_walk
 
-    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    disk = msgspec.structs.replace(
+        SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8
+    )
     kw = dict(budget_bytes=GiB // 2, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
     host = largest_fitting("gpt2", disk, **kw)
     nvme = largest_fitting("gpt2", disk, **kw, nvme=True)
-    assert host.next_binds == "host memory" and not host.plan.placement.nvme and host.disk_bytes == 0
+    assert (
+        host.next_binds == "host memory" and not host.plan.placement.nvme and host.disk_bytes == 0
+    )
     assert nvme.n_params > host.n_params and nvme.plan.placement.nvme
     assert nvme.next_binds == "device memory" and nvme.host_bytes <= nvme.host_budget_bytes
-    assert nvme.disk_bytes == memory_walk.walk(nvme.plan).disk_bytes >= 12 * sum(
-        accounting.host_numel(nvme.plan, c) for c in nvme.plan.placement.nvme)
+    assert (
+        nvme.disk_bytes
+        == memory_walk.walk(nvme.plan).disk_bytes
+        >= 12 * sum(accounting.host_numel(nvme.plan, c) for c in nvme.plan.placement.nvme)
+    )
     text = render_fit([nvme])
     assert "optimizer states may go to disk (--nvme)" in text and "disk" in text.splitlines()[1]
     with pytest.raises(ConfigError, match="hardware probe --nvme"):
@@ -218,7 +272,9 @@ def test_fit_with_nvme_climbs_past_the_host_floor():
     would have stopped the climb there. (~30 s: the rungs' analytic profiles.)"""
     from protrain.planner.commands.fit import _host_floor_bytes
 
-    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    disk = msgspec.structs.replace(
+        SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8
+    )
     kw = dict(budget_bytes=GiB, seq_len=SEQ, micro_batches=(1,), host_memory_bytes=4 * GiB)
     host = largest_fitting("gpt2", disk, **kw)
     nvme = largest_fitting("gpt2", disk, **kw, nvme=True)
@@ -234,15 +290,25 @@ def test_fit_a_model_with_nvme_names_the_disk():
     from protrain.planner.models.zoo import build
     from protrain.planner.search import memory_walk
 
-    disk = msgspec.structs.replace(SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8)
+    disk = msgspec.structs.replace(
+        SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8
+    )
     model = build("gpt2-medium", device="meta")
-    kw = dict(name="gpt2-medium", spec=disk, seq_len=SEQ, budget_bytes=GiB, host_budget_bytes=GiB,
-              micro_batches=(1,))
+    kw = dict(
+        name="gpt2-medium",
+        spec=disk,
+        seq_len=SEQ,
+        budget_bytes=GiB,
+        host_budget_bytes=GiB,
+        micro_batches=(1,),
+    )
     assert not fit_model(model, **kw).fits
     r = fit_model(model, **kw, nvme=True)
     plan = r.best.plan
     assert r.fits and plan.placement.nvme
-    assert f"keep their optimizer states on disk ({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)" \
+    assert (
+        f"keep their optimizer states on disk ({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)"
         in render_model_fit(r)
+    )
     with pytest.raises(ConfigError, match="hardware probe --nvme"):
         fit_model(model, **{**kw, "spec": SMALL}, nvme=True)

@@ -29,22 +29,55 @@ from protrain.planner.profiling.profile import MAX_PROFILE_BYTES, Profile, load_
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BYTES = (ROOT / "plans/gpt2-tiny/example.json").read_bytes()
 PROFILE_BYTES = sorted((ROOT / "plans/profiles/gpt2-xl").glob("*.json"))[0].read_bytes()
-MANIFEST_BYTES = json.dumps({
-    "format": "protrain-checkpoint", "version": 1, "step": 3, "model_fingerprint": "sha256:" + "a" * 64,
-    "world_size": 2, "compute_dtype": "bfloat16", "params": {"w": [4, 8], "b": [8]}, "tied": [],
-    "scaler": {"scale": 1.0, "good_steps": 0}, "data": {"draws": 3},
-    "files": {n: {"bytes": 10, "sha256": "b" * 64} for n in
-              ("model.safetensors", "optim.safetensors", "rng-rank0.safetensors", "rng-rank1.safetensors")},
-}).encode()
+MANIFEST_BYTES = json.dumps(
+    {
+        "format": "protrain-checkpoint",
+        "version": 1,
+        "step": 3,
+        "model_fingerprint": "sha256:" + "a" * 64,
+        "world_size": 2,
+        "compute_dtype": "bfloat16",
+        "params": {"w": [4, 8], "b": [8]},
+        "tied": [],
+        "scaler": {"scale": 1.0, "good_steps": 0},
+        "data": {"draws": 3},
+        "files": {
+            n: {"bytes": 10, "sha256": "b" * 64}
+            for n in (
+                "model.safetensors",
+                "optim.safetensors",
+                "rng-rank0.safetensors",
+                "rng-rank1.safetensors",
+            )
+        },
+    }
+).encode()
+
 
 def fuzz(n: int) -> settings:
-    return settings(max_examples=n, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                      st.floats(allow_nan=False), st.text(max_size=8))
-json_value = st.recursive(json_leaf, lambda kids: st.one_of(
-    st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=6), kids, max_size=3)), max_leaves=8)
+
+json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+)
+json_value = st.recursive(
+    json_leaf,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=6), kids, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -56,7 +89,7 @@ def byte_mutation(draw, base: bytes) -> bytes:
         return base[:i]
     if kind == "flip":
         i = min(i, n - 1)
-        return base[:i] + bytes([draw(st.integers(0, 255))]) + base[i + 1:]
+        return base[:i] + bytes([draw(st.integers(0, 255))]) + base[i + 1 :]
     if kind == "insert":
         return base[:i] + draw(st.binary(min_size=1, max_size=16)) + base[i:]
     j = draw(st.integers(i, min(n, i + 64)))
@@ -108,8 +141,9 @@ def deep_nesting(draw, base: bytes) -> bytes:
 
 
 def hostile(base: bytes):
-    return st.one_of(byte_mutation(base), type_confusion(base), deep_nesting(base),
-                     st.binary(max_size=64))
+    return st.one_of(
+        byte_mutation(base), type_confusion(base), deep_nesting(base), st.binary(max_size=64)
+    )
 
 
 def plan_loads_or_refuses(data: bytes) -> None:
@@ -196,7 +230,11 @@ def test_plan_loading_never_executes_code(tmp_path):
 
 # ------------------------------------------------------------------ issue 31: shapes validate accepts train can take
 
-SIZES = st.one_of(st.integers(1, 64), st.integers(1, 2**70), st.sampled_from([2**k for k in (16, 20, 24, 31, 32, 40, 62)]))
+SIZES = st.one_of(
+    st.integers(1, 64),
+    st.integers(1, 2**70),
+    st.sampled_from([2**k for k in (16, 20, 24, 31, 32, 40, 62)]),
+)
 
 
 @st.composite
@@ -205,8 +243,10 @@ def reshaped_plan(draw) -> P.Plan:
     import msgspec.structs as ms
 
     plan = P.load(PLAN_BYTES)
-    fields = {f: draw(SIZES) if draw(st.booleans()) else getattr(plan.training, f)
-              for f in ("micro_batch", "seq_len", "grad_accum", "world_size")}
+    fields = {
+        f: draw(SIZES) if draw(st.booleans()) else getattr(plan.training, f)
+        for f in ("micro_batch", "seq_len", "grad_accum", "world_size")
+    }
     plan = ms.replace(plan, training=ms.replace(plan.training, **fields))
     if draw(st.booleans()):
         plan = ms.replace(plan, chunks=ms.replace(plan.chunks, chunk_numel=draw(SIZES)))
@@ -259,7 +299,9 @@ def test_what_the_pre_checks_accept_trains_or_refuses_cleanly(plan, tmp_path_fac
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_bytes(P.dump(plan))
     try:
-        losses = train(str(path), "gpt2-tiny", steps=1, echo=lambda _: None, progress=False, device="cpu")
+        losses = train(
+            str(path), "gpt2-tiny", steps=1, echo=lambda _: None, progress=False, device="cpu"
+        )
     except ProtrainError as e:
         return event(f"refused by train: {type(e).__name__}")
     event("trained")

@@ -29,13 +29,16 @@ PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 
 # -- fp32 masters
 
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("persistent", [[0, 2], []])
 def test_masters_equal_the_users_fp32_parameters_after_wrap(dtype, persistent):
     """[Note: masters from the user's fp32 values]: not the 16-bit rounding of them."""
     model = make_model("llama-4")
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    plan = make_plan("llama-4", persistent=persistent, n_buffer=2, policies="keep", compute_dtype=dtype)
+    plan = make_plan(
+        "llama-4", persistent=persistent, n_buffer=2, policies="keep", compute_dtype=dtype
+    )
     engine = wrap(model, plan, AdamWConfig(), device="cpu")
     sd = engine.state_dict()["model"]
     rounded = 0
@@ -55,6 +58,7 @@ def test_masters_equal_the_users_fp32_parameters_after_wrap(dtype, persistent):
 
 # -- evaluate, and no other forward between steps
 
+
 def test_a_plain_forward_after_wrap_is_refused():
     model = make_model("gpt2-4")
     engine = wrap(model, make_plan("gpt2-4", **PLAN), device="cpu")
@@ -66,11 +70,14 @@ def test_a_plain_forward_after_wrap_is_refused():
     engine.close()
 
 
-@pytest.mark.parametrize("policies,grad_accum", [("keep", 1), ("swap checkpoint keep swap", 2),
-                                                 ("checkpoint", 1)])
+@pytest.mark.parametrize(
+    "policies,grad_accum", [("keep", 1), ("swap checkpoint keep swap", 2), ("checkpoint", 1)]
+)
 def test_evaluate_between_steps_changes_nothing(policies, grad_accum):
     """evaluate() = the model's eval-mode no-grad loss; the training run goes on bit for bit."""
-    plan = make_plan("llama-4", persistent=[1], n_buffer=2, policies=policies, grad_accum=grad_accum)
+    plan = make_plan(
+        "llama-4", persistent=[1], n_buffer=2, policies=policies, grad_accum=grad_accum
+    )
     data = batches(load_tokens(), 4, 32, 0)
     held_out = next(batches(load_tokens(), 4, 32, 77))
     steps = [[next(data) for _ in range(grad_accum)] for _ in range(4)]
@@ -104,11 +111,18 @@ def test_evaluate_between_steps_changes_nothing(policies, grad_accum):
 
 # -- nothing blocks the host on the device during backward or on the CPU worker
 
-@pytest.mark.parametrize("dtype,grad_accum,cpu_adam", [("float32", 1, None), ("bfloat16", 2, None),
-                                                       ("float32", 1, "after_backward")])
-def test_no_blocking_device_reads_in_backward_or_the_worker(monkeypatch, dtype, grad_accum, cpu_adam):
+
+@pytest.mark.parametrize(
+    "dtype,grad_accum,cpu_adam",
+    [("float32", 1, None), ("bfloat16", 2, None), ("float32", 1, "after_backward")],
+)
+def test_no_blocking_device_reads_in_backward_or_the_worker(
+    monkeypatch, dtype, grad_accum, cpu_adam
+):
     """Patch the blocking device reads to raise during backward and on the CPU worker."""
-    plan = make_plan("gpt2-4", compute_dtype=dtype, grad_accum=grad_accum, cpu_adam=cpu_adam, **PLAN)
+    plan = make_plan(
+        "gpt2-4", compute_dtype=dtype, grad_accum=grad_accum, cpu_adam=cpu_adam, **PLAN
+    )
     config = AdamWConfig(max_grad_norm=1.0 if cpu_adam else None)
     with emulate(4) as emu:
         engine = wrap(make_model("gpt2-4"), plan, config, device="cpu")
@@ -121,16 +135,22 @@ def test_no_blocking_device_reads_in_backward_or_the_worker(monkeypatch, dtype, 
                     calls.append(f"{name} on {'the worker' if worker else 'backward'}")
                     raise AssertionError(f"blocking {name}")
                 return original(*args, **kwargs)
+
             return f
 
         for name in ("item", "cpu", "tolist"):
             monkeypatch.setattr(torch.Tensor, name, forbidden(name, getattr(torch.Tensor, name)))
-        monkeypatch.setattr(torch.cuda, "synchronize", forbidden("synchronize", torch.cuda.synchronize))
+        monkeypatch.setattr(
+            torch.cuda, "synchronize", forbidden("synchronize", torch.cuda.synchronize)
+        )
         # A host wait on one copy is the worker's to make (after its download), never backward's.
         host_wait = T.CopyHandle.synchronize
 
         def copy_synchronize(self):
-            if engine.replayer.phase is Phase.BACKWARD and threading.current_thread() is threading.main_thread():
+            if (
+                engine.replayer.phase is Phase.BACKWARD
+                and threading.current_thread() is threading.main_thread()
+            ):
                 calls.append("CopyHandle.synchronize on backward")
                 raise AssertionError("backward waited for a copy on the host")
             return host_wait(self)
@@ -145,9 +165,13 @@ def test_no_blocking_device_reads_in_backward_or_the_worker(monkeypatch, dtype, 
 
 # -- out of memory anywhere in a step is a BudgetError
 
+
 def test_out_of_memory_in_the_first_fetch_is_a_budget_error(monkeypatch):
-    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"),
-                  device="cpu")
+    engine = wrap(
+        make_model("gpt2-4"),
+        make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"),
+        device="cpu",
+    )
 
     def oom(*_a, **_k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB")
@@ -167,10 +191,13 @@ def test_out_of_memory_in_a_collective_is_not_a_rank_failure():
     with pytest.raises(torch.OutOfMemoryError):
         comm._run("all-gather of chunk 3", lambda: oom())
     with pytest.raises(ProtrainError, match="another rank probably died"):
-        comm._run("all-gather of chunk 3", lambda: (_ for _ in ()).throw(RuntimeError("gloo: closed")))
+        comm._run(
+            "all-gather of chunk 3", lambda: (_ for _ in ()).throw(RuntimeError("gloo: closed"))
+        )
 
 
 # -- pinned memory: unpinned on close, on a failed wrap, and by a finaliser
+
 
 class _FakeCudart:
     def __init__(self):
@@ -233,9 +260,13 @@ def test_a_failed_wrap_leaves_nothing_pinned_and_no_hooks(cudart, monkeypatch):
 
 # -- the plan binds: n_buffer and cpu_adam
 
+
 def test_fetch_beyond_n_buffer_is_an_invariant_error():
-    engine = wrap(make_model("gpt2-4"), make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"),
-                  device="cpu")
+    engine = wrap(
+        make_model("gpt2-4"),
+        make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep"),
+        device="cpu",
+    )
     engine.store.fetch(1)
     engine.store.fetch(2)
     with pytest.raises(AssertionError, match="n_buffer=2"):

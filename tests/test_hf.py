@@ -39,23 +39,74 @@ def hf():
 
 # Plain config.json contents. bos/eos inside the byte vocabulary keeps transformers quiet.
 CONFIGS = {
-    "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=256, n_embd=64,
-                 n_layer=4, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0),
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
-                  intermediate_size=172, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, rms_norm_eps=1e-5),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=256,
-                    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64, sliding_window=32),
-    "opt": dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=256, hidden_size=64,
-                ffn_dim=128, num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=64,
-                word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=1),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64),
+    "gpt2": dict(
+        model_type="gpt2",
+        architectures=["GPT2LMHeadModel"],
+        vocab_size=256,
+        n_embd=64,
+        n_layer=4,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=32,
+    ),
+    "opt": dict(
+        model_type="opt",
+        architectures=["OPTForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ),
 }
-BLOCK_LISTS = {"gpt2": "transformer.h", "llama": "model.layers", "mistral": "model.layers",
-               "opt": "model.decoder.layers", "qwen2": "model.layers"}
+BLOCK_LISTS = {
+    "gpt2": "transformer.h",
+    "llama": "model.layers",
+    "mistral": "model.layers",
+    "opt": "model.decoder.layers",
+    "qwen2": "model.layers",
+}
 
 
 def write_config(directory, fields: dict):
@@ -78,15 +129,33 @@ def zoo_twin(arch: str):
     if arch == "gpt2":
         # gelu_pytorch_tanh is F.gelu(approximate="tanh"), the zoo's kernel (see the
         # gelu_new test below for GPT-2's own activation).
-        fields = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=256, n_embd=64,
-                      n_layer=2, n_head=2, n_positions=128, activation_function="gelu_pytorch_tanh",
-                      bos_token_id=0, eos_token_id=0)
+        fields = dict(
+            model_type="gpt2",
+            architectures=["GPT2LMHeadModel"],
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            n_positions=128,
+            activation_function="gelu_pytorch_tanh",
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         zoo = build("gpt2-tiny", seed=7)
     else:
-        fields = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256,
-                      hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                      rope_theta=10000.0)
+        fields = dict(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=172,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+        )
         zoo = build("llama-tiny", seed=7)
     return zoo, fields
 
@@ -168,7 +237,9 @@ def test_our_attention_matches_transformers_eager(hf, cfg_dirs, arch):
 
 # ---------------------------------------------------------------------------- executor parity
 
-MATRIX = PARITY_MATRIX  # (persistent, n_buffer, policies): tests/harness.py, shared with test_parity
+MATRIX = (
+    PARITY_MATRIX  # (persistent, n_buffer, policies): tests/harness.py, shared with test_parity
+)
 
 
 @pytest.mark.parametrize("case", list(MATRIX))
@@ -195,7 +266,9 @@ class KwBlock(nn.Module):
         self.fc = nn.Linear(d, d)
         self.drop = nn.Dropout(0.1)
 
-    def forward(self, hidden_states, *, scale, cache=None):  # (B, T, C), (T, C) -> ((B, T, C), None)
+    def forward(
+        self, hidden_states, *, scale, cache=None
+    ):  # (B, T, C), (T, C) -> ((B, T, C), None)
         return hidden_states + self.drop(torch.tanh(self.fc(self.ln(hidden_states)))) * scale, cache
 
 
@@ -209,13 +282,17 @@ class KwModel(nn.Module):
     def forward(self, idx, targets):
         x = self.embed(idx)
         # Computed once outside the blocks and without gradient, like RoPE's cos/sin.
-        scale = torch.linspace(0.5, 1.5, idx.size(1), device=idx.device)[:, None].expand(-1, x.size(-1))
+        scale = torch.linspace(0.5, 1.5, idx.size(1), device=idx.device)[:, None].expand(
+            -1, x.size(-1)
+        )
         for layer in self.layers:
             x = layer(hidden_states=x, scale=scale, cache=None)[0]
         return lm_loss(self.head(x), targets)
 
 
-@pytest.mark.parametrize("policies", ["checkpoint swap keep checkpoint", "swap swap checkpoint keep"])
+@pytest.mark.parametrize(
+    "policies", ["checkpoint swap keep checkpoint", "swap swap checkpoint keep"]
+)
 def test_keyword_blocks_train_exactly(policies):
     torch.manual_seed(0)
     model = KwModel()
@@ -223,18 +300,41 @@ def test_keyword_blocks_train_exactly(policies):
         meta = KwModel()
     blocks = block_paths(meta)
     assert blocks == [f"layers.{i}" for i in range(4)]
-    training = P.Training(micro_batch=2, seq_len=16, compute_dtype="float32", master_dtype="float32",
-                          world_size=1, grad_accum=1)
-    plan = emit(meta, name="kw", blocks=blocks, training=training, chunk_numel=16384, persistent=[0],
-                n_buffer=2, policies=policies.split())
+    training = P.Training(
+        micro_batch=2,
+        seq_len=16,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
+    plan = emit(
+        meta,
+        name="kw",
+        blocks=blocks,
+        training=training,
+        chunk_numel=16384,
+        persistent=[0],
+        n_buffer=2,
+        policies=policies.split(),
+    )
     ref = copy.deepcopy(model)
     config = AdamWConfig(lr=1e-2)
     engine = wrap(model, plan, config, device="cpu")
-    opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True,
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
-        x, y = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+        x, y = (
+            torch.randint(0, 256, (2, 16), generator=g),
+            torch.randint(0, 256, (2, 16), generator=g),
+        )
         rng = torch.get_rng_state()
         ours = engine.step((x, y)).loss
         torch.set_rng_state(rng)
@@ -289,15 +389,24 @@ def test_config_errors_name_the_file_and_the_fix(hf, tmp_path):
     assert str(bad / "config.json") in str(e.value)
     # A masked-LM checkpoint is not silently given a causal-LM head (the hint names this
     # model type's causal class, never another model type: tests/test_hf_families.py).
-    bert = write_config(tmp_path / "bert", dict(model_type="bert", architectures=["BertForMaskedLM"]))
-    with pytest.raises(ConfigError, match=r"'BertForMaskedLM', which is not a causal LM of model_type 'bert'") as e:
+    bert = write_config(
+        tmp_path / "bert", dict(model_type="bert", architectures=["BertForMaskedLM"])
+    )
+    with pytest.raises(
+        ConfigError, match=r"'BertForMaskedLM', which is not a causal LM of model_type 'bert'"
+    ) as e:
         build(f"hf:{bert}", device="meta")
     assert "from_model" in e.value.hint and '["BertLMHeadModel"]' in e.value.hint
-    odd = write_config(tmp_path / "odd",
-                       {**CONFIGS["llama"], "architectures": ["LlamaForSequenceClassification"]})
-    with pytest.raises(ConfigError, match="'LlamaForSequenceClassification', which is not a causal LM"):
+    odd = write_config(
+        tmp_path / "odd", {**CONFIGS["llama"], "architectures": ["LlamaForSequenceClassification"]}
+    )
+    with pytest.raises(
+        ConfigError, match="'LlamaForSequenceClassification', which is not a causal LM"
+    ):
         build(f"hf:{odd}", device="meta")
-    with pytest.raises(ConfigError, match="unknown model 'gpt2-tiyn'.*did you mean 'gpt2-tiny'") as e:
+    with pytest.raises(
+        ConfigError, match="unknown model 'gpt2-tiyn'.*did you mean 'gpt2-tiny'"
+    ) as e:
         models.check_name("gpt2-tiyn")
     assert "hf:PATH" in e.value.hint
 
@@ -308,7 +417,10 @@ def test_names_and_cli_option_pair(hf):
     assert hf.parse_hf_name("hf:cfg/config.json") == ("cfg/config.json", None)
     # Paths from the command line are made absolute: a plan names its model from any directory.
     assert hf.model_name_option(None, "cfg", None) == f"hf:{Path.cwd() / 'cfg'}"
-    assert hf.model_name_option("hf:cfg#model.layers", None, None) == f"hf:{Path.cwd() / 'cfg'}#model.layers"
+    assert (
+        hf.model_name_option("hf:cfg#model.layers", None, None)
+        == f"hf:{Path.cwd() / 'cfg'}#model.layers"
+    )
     assert hf.model_name_option("gpt2", None, None) == "gpt2"
     with pytest.raises(ConfigError, match="both name the model"):
         hf.model_name_option("gpt2", "cfg", None)
@@ -378,7 +490,9 @@ def test_safetensors_checkpoints_load(hf, cfg_dirs, tmp_path):
     source = build(f"hf:{cfg_dirs['gpt2']}", seed=11)
     ckpt = tmp_path / "ckpt"
     source.hf.save_pretrained(ckpt)  # config.json + model.safetensors (the tied head is not stored)
-    loaded = build(f"hf:{ckpt}", seed=0)  # a directory with a checkpoint: its weights, not the seed's
+    loaded = build(
+        f"hf:{ckpt}", seed=0
+    )  # a directory with a checkpoint: its weights, not the seed's
     for (n, p), q in zip(source.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), n
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
@@ -388,17 +502,24 @@ def test_safetensors_checkpoints_load(hf, cfg_dirs, tmp_path):
     same = build(f"hf:{ckpt / 'config.json'}", seed=0)
     assert torch.equal(same.transformer.wte.weight, source.transformer.wte.weight)
     assert same.weights_loaded_from == [ckpt / "model.safetensors"]
-    assert build(f"hf:{cfg_dirs['gpt2']}", seed=0).weights_loaded_from == []  # a config alone: the seed's init
+    assert (
+        build(f"hf:{cfg_dirs['gpt2']}", seed=0).weights_loaded_from == []
+    )  # a config alone: the seed's init
 
     # GPT-2's original checkpoints: no "transformer." prefix and causal-mask buffers.
-    tensors = {k.removeprefix("transformer."): v for k, v in load_file(ckpt / "model.safetensors").items()}
+    tensors = {
+        k.removeprefix("transformer."): v for k, v in load_file(ckpt / "model.safetensors").items()
+    }
     tensors["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
     # ... in two shards with an index, as large checkpoints come.
     shard = tmp_path / "sharded"
     shard.mkdir()
     (shard / "config.json").write_text((ckpt / "config.json").read_text())
     keys = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    halves = {
+        "model-00001-of-00002.safetensors": keys[::2],
+        "model-00002-of-00002.safetensors": keys[1::2],
+    }
     for file, names in halves.items():
         save_file({k: tensors[k] for k in names}, shard / file)
     index = {"weight_map": {k: f for f, names in halves.items() for k in names}}
@@ -413,7 +534,9 @@ def test_safetensors_checkpoints_load(hf, cfg_dirs, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text((ckpt / "config.json").read_text())
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(ConfigError, match=r"missing: transformer.wte.weight\n  unexpected: extra.weight"):
+    with pytest.raises(
+        ConfigError, match=r"missing: transformer.wte.weight\n  unexpected: extra.weight"
+    ):
         build(f"hf:{bad}")
     pickled = tmp_path / "pickled"
     pickled.mkdir()
@@ -433,9 +556,18 @@ def test_a_7b_config_plans_without_allocating(hf, tmp_path):
     from protrain.planner.hardware.spec import find_spec
     from protrain.planner.profiling.analytic import analytic_profile
 
-    fields = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096,
-                  intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                  num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+    fields = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    )
     name = f"hf:{write_config(tmp_path / 'llama-7b', fields)}"
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     model = build(name, device="meta")
@@ -443,8 +575,15 @@ def test_a_7b_config_plans_without_allocating(hf, tmp_path):
     assert models.count_params(model) == models.count_params(zoo) == 6_738_415_616
     # Same names, shapes and blocks as the zoo's LLaMA, so a plan for one fits the other.
     assert model_fingerprint(model, block_paths(model)) == model_fingerprint(zoo, block_paths(zoo))
-    profile = analytic_profile(model, name=name, blocks=block_paths(model), micro_batch=1, seq_len=256,
-                               compute_dtype="bfloat16", spec=find_spec("a100-80g"))
+    profile = analytic_profile(
+        model,
+        name=name,
+        blocks=block_paths(model),
+        micro_batch=1,
+        seq_len=256,
+        compute_dtype="bfloat16",
+        spec=find_spec("a100-80g"),
+    )
     assert len(profile.segments) == 34
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert grown < 2**30, f"peak RSS grew by {grown / 2**30:.1f} GiB; a 7B model in fp32 is 25 GiB"
@@ -458,17 +597,50 @@ def test_cli_profiles_plans_and_trains_an_hf_config(hf, cfg_dirs, tmp_path):
     name = f"hf:{cfg_dirs['llama']}"
     runner = CliRunner()
     prof, plan = tmp_path / "profile.json", tmp_path / "plan.json"
-    r = runner.invoke(main, ["profile", "--model", name, "--batch", "2", "--seq", "16", "--analytic",
-                             "--hardware", "cpu", "-o", str(prof)])
+    r = runner.invoke(
+        main,
+        [
+            "profile",
+            "--model",
+            name,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--analytic",
+            "--hardware",
+            "cpu",
+            "-o",
+            str(prof),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = runner.invoke(main, ["plan", "--profile", str(prof), "--model", name, "--budget", "400KiB",
-                             "-o", str(plan)])
+    r = runner.invoke(
+        main,
+        ["plan", "--profile", str(prof), "--model", name, "--budget", "400KiB", "-o", str(plan)],
+    )
     assert r.exit_code == 0, r.output
     p = P.load(plan)
     assert p.model.name == name and p.model.blocks == [f"model.layers.{i}" for i in range(4)]
-    assert "model.layers.0.self_attn.q_proj.weight" in {q.name for c in p.chunks.items for q in c.params}
-    r = runner.invoke(main, ["plan", "--model", f"{name}#model.layers", "--hardware", "cpu", "--batch", "2",
-                             "--seq", "16", "-o", str(tmp_path / "direct.json")])
+    assert "model.layers.0.self_attn.q_proj.weight" in {
+        q.name for c in p.chunks.items for q in c.params
+    }
+    r = runner.invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            f"{name}#model.layers",
+            "--hardware",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "-o",
+            str(tmp_path / "direct.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert P.load(tmp_path / "direct.json").model.fingerprint == p.model.fingerprint
     r = runner.invoke(main, ["train", "--plan", str(plan), "--model", name, "--steps", "3"])

@@ -46,8 +46,15 @@ def hf():
 
 V = 256  # the embedded corpus is byte-level
 _IDS = dict(vocab_size=V, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-_DENSE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, **_IDS)
+_DENSE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    **_IDS,
+)
 
 # family → (config.json fields, what it covers). The model_type is the key unless the
 # fields name one. SEQ is 16: windows of 8 are shorter than the sequence (the family's
@@ -56,103 +63,377 @@ FAMILIES: dict[str, tuple[dict, str]] = {
     "llama": (dict(_DENSE), "dense GQA, RoPE"),
     "qwen3": (dict(_DENSE, head_dim=16), "q/k norms"),
     "mistral": (dict(_DENSE, sliding_window=32), "sliding window >= seq: our causal attention"),
-    "mistral-window": (dict(_DENSE, model_type="mistral", sliding_window=8),
-                       "sliding window < seq: the family's SDPA with transformers' window mask"),
-    "gemma2": (dict(_DENSE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
-               "logit soft-capping and local/global layers: the family's eager attention"),
-    "gemma3_text": (dict(_DENSE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                         layer_types=["sliding_attention", "full_attention"]), "sliding + global layers"),
-    "cohere2": (dict(_DENSE, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-                "sliding + global layers, parallel attention/MLP"),
+    "mistral-window": (
+        dict(_DENSE, model_type="mistral", sliding_window=8),
+        "sliding window < seq: the family's SDPA with transformers' window mask",
+    ),
+    "gemma2": (
+        dict(_DENSE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
+        "logit soft-capping and local/global layers: the family's eager attention",
+    ),
+    "gemma3_text": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "sliding + global layers",
+    ),
+    "cohere2": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "sliding + global layers, parallel attention/MLP",
+    ),
     "phi3": (dict(_DENSE), "fused qkv and gate/up projections"),
-    "gpt_neox": (dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      max_position_embeddings=64, **_IDS), "fused qkv, parallel residual"),
-    "falcon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                    new_decoder_architecture=True, max_position_embeddings=64, ffn_hidden_size=96, **_IDS),
-               "fused qkv, parallel attention/MLP"),
-    "gptj": (dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8, **_IDS),
-             "parallel residual, partial rotary"),
+    "gpt_neox": (
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            **_IDS,
+        ),
+        "fused qkv, parallel residual",
+    ),
+    "falcon": (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            max_position_embeddings=64,
+            ffn_hidden_size=96,
+            **_IDS,
+        ),
+        "fused qkv, parallel attention/MLP",
+    ),
+    "gptj": (
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8, **_IDS),
+        "parallel residual, partial rotary",
+    ),
     "bloom": (dict(hidden_size=64, n_layer=2, n_head=4, **_IDS), "ALiBi, its own attention code"),
-    "mpt": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2, **_IDS),
-            "ALiBi, its own attention code"),
-    "gpt_bigcode": (dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **_IDS), "multi-query, fused qkv"),
+    "mpt": (
+        dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2, **_IDS),
+        "ALiBi, its own attention code",
+    ),
+    "gpt_bigcode": (
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **_IDS),
+        "multi-query, fused qkv",
+    ),
     "olmo2": (dict(_DENSE), "post-norm"),
-    "deepseek_v3": (dict(_DENSE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
-                         qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, n_shared_experts=1,
-                         num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
-                         first_k_dense_replace=1), "MLA (q/k 24, v 16) and a dense then an MoE layer"),
+    "deepseek_v3": (
+        dict(
+            _DENSE,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=8,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+        "MLA (q/k 24, v 16) and a dense then an MoE layer",
+    ),
     "mixtral": (dict(_DENSE, num_local_experts=4, num_experts_per_tok=2), "MoE, top-2 of 4"),
-    "qwen2_moe": (dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=48), "MoE with a gated shared expert"),
+    "qwen2_moe": (
+        dict(
+            _DENSE,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+        "MoE with a gated shared expert",
+    ),
     "olmoe": (dict(_DENSE, num_experts=4, num_experts_per_tok=2), "MoE, q/k norms"),
-    "granitemoe": (dict(_DENSE, num_local_experts=4, num_experts_per_tok=2), "MoE, scaled residuals"),
-    "gpt_oss": (dict(_DENSE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                     layer_types=["sliding_attention", "full_attention"]),
-                "MoE with attention sinks: the family's eager attention"),
-    "mamba": (dict(hidden_size=64, num_hidden_layers=2, state_size=8, time_step_rank=8, intermediate_size=128,
-                   **_IDS), "state space, no attention"),
-    "mamba2": (dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=1,
-                    chunk_size=8, time_step_rank=8, **_IDS), "state space (SSD), no attention"),
-    "jamba": (dict(_DENSE, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
-                   expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8,
-                   use_mamba_kernels=False), "hybrid Mamba + attention layers, MoE"),
-    "falcon_h1": (dict(_DENSE, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                       mamba_chunk_size=8), "hybrid: attention and Mamba2 in parallel in each layer"),
-    "lfm2": (dict(_DENSE, layer_types=["conv", "full_attention"], block_multiple_of=16,
-                  block_auto_adjust_ff_dim=False), "hybrid short convolutions + attention"),
+    "granitemoe": (
+        dict(_DENSE, num_local_experts=4, num_experts_per_tok=2),
+        "MoE, scaled residuals",
+    ),
+    "gpt_oss": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "MoE with attention sinks: the family's eager attention",
+    ),
+    "mamba": (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            state_size=8,
+            time_step_rank=8,
+            intermediate_size=128,
+            **_IDS,
+        ),
+        "state space, no attention",
+    ),
+    "mamba2": (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=16,
+            state_size=8,
+            n_groups=1,
+            chunk_size=8,
+            time_step_rank=8,
+            **_IDS,
+        ),
+        "state space (SSD), no attention",
+    ),
+    "jamba": (
+        dict(
+            _DENSE,
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+            use_mamba_kernels=False,
+        ),
+        "hybrid Mamba + attention layers, MoE",
+    ),
+    "falcon_h1": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+        ),
+        "hybrid: attention and Mamba2 in parallel in each layer",
+    ),
+    "lfm2": (
+        dict(
+            _DENSE,
+            layer_types=["conv", "full_attention"],
+            block_multiple_of=16,
+            block_auto_adjust_ff_dim=False,
+        ),
+        "hybrid short convolutions + attention",
+    ),
     # More of each kind: dense and windowed ...
-    "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **_IDS), "learned positions, Conv1D"),
-    "opt": (dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                 word_embed_proj_dim=64, **_IDS), "learned positions with an offset"),
+    "gpt2": (
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, **_IDS),
+        "learned positions, Conv1D",
+    ),
+    "opt": (
+        dict(
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+            **_IDS,
+        ),
+        "learned positions with an offset",
+    ),
     "gemma": (dict(_DENSE, head_dim=16), "scaled embeddings, (1 + w) norms"),
     "stablelm": (dict(_DENSE), "partial rotary, LayerNorm"),
     "granite": (dict(_DENSE), "scaled residuals and logits"),
     "smollm3": (dict(_DENSE), "layers without RoPE"),
     "glm4": (dict(_DENSE, head_dim=16), "fused gate/up, extra norms"),
     "starcoder2": (dict(_DENSE, sliding_window=8), "sliding window < seq on every layer"),
-    "olmo3": (dict(_DENSE, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-              "sliding + global layers"),
-    "exaone4": (dict(_DENSE, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-                "sliding + global layers, q/k norms"),
+    "olmo3": (
+        dict(_DENSE, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        "sliding + global layers",
+    ),
+    "exaone4": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "sliding + global layers, q/k norms",
+    ),
     # ... mixture of experts ...
-    "phimoe": (dict(_DENSE, num_local_experts=4, num_experts_per_tok=2), "MoE, sparse-mixer routing"),
-    "deepseek_v2": (dict(_DENSE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
-                         qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, n_shared_experts=1,
-                         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
-                    "MLA, shared experts"),
-    "glm4_moe": (dict(_DENSE, head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                      moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
-                 "MoE with grouped top-k routing"),
+    "phimoe": (
+        dict(_DENSE, num_local_experts=4, num_experts_per_tok=2),
+        "MoE, sparse-mixer routing",
+    ),
+    "deepseek_v2": (
+        dict(
+            _DENSE,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=8,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+        "MLA, shared experts",
+    ),
+    "glm4_moe": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "MoE with grouped top-k routing",
+    ),
     # ... and state space, recurrent and hybrid.
-    "falcon_mamba": (dict(hidden_size=64, num_hidden_layers=2, state_size=8, time_step_rank=8,
-                          intermediate_size=128, **_IDS), "state space with RMS-normed B, C, dt"),
-    "rwkv": (dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=128,
-                  context_length=64, **_IDS), "linear-attention recurrence, its own code"),
-    "recurrent_gemma": (dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, lru_width=64, attention_window_size=8, **_IDS),
-                        "RG-LRU recurrence + local attention (window 8 < seq)"),
-    "bamba": (dict(_DENSE, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8,
-                   mamba_chunk_size=8), "hybrid Mamba2 + attention"),
-    "zamba2": (dict(_DENSE, mamba_d_state=8, n_mamba_heads=2, mamba_headdim=64, chunk_size=8,
-                    layers_block_type=["mamba", "hybrid"]), "hybrid with a shared attention block"),
-    "granitemoehybrid": (dict(_DENSE, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
-                              layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32,
-                              mamba_d_state=8, mamba_chunk_size=8), "hybrid Mamba2 + attention, MoE"),
-    "nemotron_h": (dict(hidden_size=64, layers_block_type=["mamba", "attention", "moe"], num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4,
-                        mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=8, n_routed_experts=4,
-                        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
-                        max_position_embeddings=64, **_IDS), "hybrid: Mamba2, attention and MoE layers"),
-    "qwen3_next": (dict(_DENSE, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                        layer_types=["linear_attention", "full_attention"]),
-                   "hybrid gated DeltaNet + gated attention, MoE"),
+    "falcon_mamba": (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            state_size=8,
+            time_step_rank=8,
+            intermediate_size=128,
+            **_IDS,
+        ),
+        "state space with RMS-normed B, C, dt",
+    ),
+    "rwkv": (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            attention_hidden_size=64,
+            intermediate_size=128,
+            context_length=64,
+            **_IDS,
+        ),
+        "linear-attention recurrence, its own code",
+    ),
+    "recurrent_gemma": (
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            lru_width=64,
+            attention_window_size=8,
+            **_IDS,
+        ),
+        "RG-LRU recurrence + local attention (window 8 < seq)",
+    ),
+    "bamba": (
+        dict(
+            _DENSE,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+        ),
+        "hybrid Mamba2 + attention",
+    ),
+    "zamba2": (
+        dict(
+            _DENSE,
+            mamba_d_state=8,
+            n_mamba_heads=2,
+            mamba_headdim=64,
+            chunk_size=8,
+            layers_block_type=["mamba", "hybrid"],
+        ),
+        "hybrid with a shared attention block",
+    ),
+    "granitemoehybrid": (
+        dict(
+            _DENSE,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+        ),
+        "hybrid Mamba2 + attention, MoE",
+    ),
+    "nemotron_h": (
+        dict(
+            hidden_size=64,
+            layers_block_type=["mamba", "attention", "moe"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+            max_position_embeddings=64,
+            **_IDS,
+        ),
+        "hybrid: Mamba2, attention and MoE layers",
+    ),
+    "qwen3_next": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        "hybrid gated DeltaNet + gated attention, MoE",
+    ),
     # Families that trained through from_model before they did from their config.json (#32):
     "biogpt": (dict(_DENSE), "learned positions, its head named output_projection"),
     "diffllama": (dict(_DENSE), "differential attention, lambdas drawn off the meta device"),
-    "llama4_text": (dict(_DENSE, head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96),
-                    "experts as one bmm over every expert (dense compute), a shared expert"),
+    "llama4_text": (
+        dict(
+            _DENSE,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=96,
+        ),
+        "experts as one bmm over every expert (dense compute), a shared expert",
+    ),
 }
 
 FAST = ["gemma2", "mixtral", "mamba", "bloom"]
@@ -211,18 +492,32 @@ def make_plan(name: str, kind: str) -> P.Plan:
     persistent, policy, accum = PLANS[kind]
     meta = build(name, device="meta")
     blocks = block_paths(meta)
-    policies = (policy.split() * len(blocks))[:len(blocks)]
-    training = P.Training(micro_batch=MICRO, seq_len=SEQ, compute_dtype="float32", master_dtype="float32",
-                          world_size=1, grad_accum=accum)
+    policies = (policy.split() * len(blocks))[: len(blocks)]
+    training = P.Training(
+        micro_batch=MICRO,
+        seq_len=SEQ,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=accum,
+    )
     facts = model_facts(meta, name, blocks, SEQ)
     chunk = max(65536, *(n for _, shape, _ in facts.params for n in [_numel(shape)]))
-    probe = assemble(facts, training=training, chunk_numel=chunk, persistent=[], n_buffer=64, policies=policies)
+    probe = assemble(
+        facts, training=training, chunk_numel=chunk, persistent=[], n_buffer=64, policies=policies
+    )
     n_chunks = len(probe.chunks.items)
     where = {p.name: c.id for c in probe.chunks.items for p in c.params}
     need = max(len({where[n] for n in used}) for used in facts.uses.values() if used)
     chosen = {"all": list(range(n_chunks)), "none": [], "first": [0]}[persistent]
-    return assemble(facts, training=training, chunk_numel=chunk, persistent=chosen,
-                    n_buffer=need, policies=policies)
+    return assemble(
+        facts,
+        training=training,
+        chunk_numel=chunk,
+        persistent=chosen,
+        n_buffer=need,
+        policies=policies,
+    )
 
 
 def _numel(shape) -> int:
@@ -263,8 +558,10 @@ def test_forward_equals_the_familys_own_implementation(hf, names, family):
     import transformers
 
     model = build(names[family], seed=3)
-    config, cls = hf.load_config(names[family][len("hf:"):])
-    ref = getattr(transformers, cls)(config).eval()  # the family's default attention (sdpa or eager)
+    config, cls = hf.load_config(names[family][len("hf:") :])
+    ref = getattr(transformers, cls)(
+        config
+    ).eval()  # the family's default attention (sdpa or eager)
     ref.load_state_dict(model.hf.state_dict())
     model.eval()
     x = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -289,7 +586,14 @@ def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, 
     monkeypatch.setattr(hf_attention, "_own_attention", spy)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     # mixtral: 0 (its layers pass output_router_logits, bookkeeping we may ignore)
-    expected = {"llama": 0, "mistral": 0, "mixtral": 0, "mistral-window": 2, "gemma2": 2, "gpt_oss": 2}
+    expected = {
+        "llama": 0,
+        "mistral": 0,
+        "mixtral": 0,
+        "mistral-window": 2,
+        "gemma2": 2,
+        "gpt_oss": 2,
+    }
     for family, n in expected.items():
         calls.clear()
         build(names[family], device="meta")(x)
@@ -299,7 +603,9 @@ def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, 
     assert calls == []
     calls.clear()
     build(names["gemma2"], device="meta")(x)
-    assert any("softcap" in c for c in calls) and any("sliding window of 8" in c for c in calls), calls
+    assert any("softcap" in c for c in calls) and any("sliding window of 8" in c for c in calls), (
+        calls
+    )
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mamba", "gpt_oss"])
@@ -307,13 +613,15 @@ def test_from_model_adapts_families_without_sdpa(hf, names, family):
     """These classes do not support SDPA; transformers took our old name, protrain_sdpa, for SDPA and refused it."""
     import transformers
 
-    config, cls = hf.load_config(names[family][len("hf:"):])
+    config, cls = hf.load_config(names[family][len("hf:") :])
     assert getattr(transformers, cls)._supports_sdpa is False
     with torch.device("meta"):
         user = getattr(transformers, cls)(config)
     model = hf.from_model(user)
     assert "sdpa" not in hf.ATTENTION and len(model.blocks) == 2
-    assert {getattr(m, hf.OWN) for m in user.modules()} == {"eager"}  # their own default, for the fallback
+    assert {getattr(m, hf.OWN) for m in user.modules()} == {
+        "eager"
+    }  # their own default, for the fallback
 
 
 # ---------------------------------------------------------------------------- planning
@@ -337,13 +645,26 @@ def plan_cli(directory: str, out, *extra: str):
 
     from protrain.planner.commands.cli import main
 
-    return CliRunner().invoke(main, ["plan", "--hf-config", directory, "--batch", str(MICRO), "--seq", str(SEQ),
-                                     "-o", str(out), *extra])
+    return CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--hf-config",
+            directory,
+            "--batch",
+            str(MICRO),
+            "--seq",
+            str(SEQ),
+            "-o",
+            str(out),
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("family", cli_params(["llama", "mixtral", "mamba", "gpt_oss"]))
 def test_cli_plans_every_family_from_its_directory(hf, names, family, tmp_path):
-    directory = names[family][len("hf:"):]
+    directory = names[family][len("hf:") :]
     out = tmp_path / "plan.json"
     r = plan_cli(directory, out, "--hardware", "cpu")  # analytic: a forward and backward on meta
     assert r.exit_code == 0, r.output
@@ -355,7 +676,7 @@ def test_cli_plans_every_family_from_its_directory(hf, names, family, tmp_path):
 
 @pytest.mark.parametrize("family", MLA)
 def test_cli_plans_from_a_measured_profile_too(hf, names, family, tmp_path):
-    r = plan_cli(names[family][len("hf:"):], tmp_path / "plan.json", "--device", "cpu")
+    r = plan_cli(names[family][len("hf:") :], tmp_path / "plan.json", "--device", "cpu")
     assert r.exit_code == 0, r.output
 
 
@@ -367,22 +688,51 @@ def test_moe_plans_on_meta_in_fp32_and_bf16(hf, names, family):
 
     for dtype in ("float32", "bfloat16"):
         model = build(names[family], device="meta", dtype=getattr(torch, dtype))
-        profile = analytic_profile(model, name=names[family], blocks=block_paths(model), micro_batch=1,
-                                   seq_len=SEQ, compute_dtype=dtype, spec=find_spec("cpu"))
+        profile = analytic_profile(
+            model,
+            name=names[family],
+            blocks=block_paths(model),
+            micro_batch=1,
+            seq_len=SEQ,
+            compute_dtype=dtype,
+            spec=find_spec("cpu"),
+        )
         assert len(profile.segments) == len(block_paths(model)) + 2
 
 
 # ---------------------------------------------------------------------------- refusals
 
 REFUSED_CONFIGS = {
-    "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8,
-                    attention_types=[[["global", "local"], 1]], **_IDS),
-    "jetmoe": dict(hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, intermediate_size=96,
-                   max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-                   **_IDS),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
-                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2), **_IDS),
+    "gpt_neo": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=64,
+        window_size=8,
+        attention_types=[[["global", "local"], 1]],
+        **_IDS,
+    ),
+    "jetmoe": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=16,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        **_IDS,
+    ),
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2),
+        **_IDS,
+    ),
 }
 
 
@@ -394,7 +744,9 @@ def test_every_refused_family_is_tested():
 
 @pytest.mark.parametrize("family", sorted(REFUSED_CONFIGS))
 def test_refused_families_are_refused_up_front_with_the_reason(hf, family, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **REFUSED_CONFIGS[family]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": family, **REFUSED_CONFIGS[family]})
+    )
     with pytest.raises(ConfigError) as e:
         build(f"hf:{tmp_path}", device="meta")
     assert f"model_type {family!r} is refused: {hf.REFUSED[family]}" in str(e.value)
@@ -403,7 +755,9 @@ def test_refused_families_are_refused_up_front_with_the_reason(hf, family, tmp_p
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED_CONFIGS))
-def test_a_family_that_reads_values_is_refused_when_planned_even_if_unlisted(hf, family, tmp_path, monkeypatch):
+def test_a_family_that_reads_values_is_refused_when_planned_even_if_unlisted(
+    hf, family, tmp_path, monkeypatch
+):
     """Why each is in REFUSED, and the net for families no one listed yet: planning runs on meta,
     where reading a value fails; that failure becomes a ConfigError naming the family."""
     from click.testing import CliRunner
@@ -411,13 +765,31 @@ def test_a_family_that_reads_values_is_refused_when_planned_even_if_unlisted(hf,
     from protrain.planner.commands.cli import main
 
     monkeypatch.delitem(hf.REFUSED, family)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **REFUSED_CONFIGS[family]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": family, **REFUSED_CONFIGS[family]})
+    )
     model = build(f"hf:{tmp_path}", device="meta")
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    with pytest.raises(ConfigError, match=f"model_type {family!r}: its forward reads tensor values back"):
+    with pytest.raises(
+        ConfigError, match=f"model_type {family!r}: its forward reads tensor values back"
+    ):
         model(x, x)
-    r = CliRunner().invoke(main, ["plan", "--hf-config", str(tmp_path), "--hardware", "cpu", "--batch", "1",
-                                  "--seq", str(SEQ), "-o", str(tmp_path / "plan.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--hf-config",
+            str(tmp_path),
+            "--hardware",
+            "cpu",
+            "--batch",
+            "1",
+            "--seq",
+            str(SEQ),
+            "-o",
+            str(tmp_path / "plan.json"),
+        ],
+    )
     # One paragraph, no traceback (the analytic profile may refuse first: MoE detection in
     # planner/models/moe.py refuses expert lists it cannot charge).
     assert r.exit_code == 1 and "error:" in r.output and "Traceback" not in r.output, r.output
@@ -431,28 +803,44 @@ def _suggested_types(err: ConfigError, allowed: set[str]) -> set[str]:
     return (quoted & set(CONFIG_MAPPING.keys())) - allowed
 
 
-@pytest.mark.parametrize(("fields", "pattern"), [
-    (dict(model_type="qwen9"), r"model_type 'qwen9' is unknown to transformers"),
-    (dict(model_type="llama3"), r"model_type 'llama3' is unknown to transformers"),
-    (dict(model_type="mixtrall"), r"model_type 'mixtrall' is unknown to transformers"),
-    (dict(model_type="Qwen3"), r"model_type 'Qwen3' is unknown to transformers"),
-    (dict(model_type="t5"), r"model_type 't5' has no causal-LM class"),
-    (dict(model_type="vit"), r"model_type 'vit' has no causal-LM class"),
-    (dict(hidden_size=64), r"no model_type"),
-    (dict(model_type="qwen3", architectures=["Qwen2ForCausalLM"], **_DENSE),
-     r"'Qwen2ForCausalLM', which is not a causal LM of model_type 'qwen3'"),
-    (dict(model_type="mixtral", architectures=["MistralForCausalLM"], **_DENSE),
-     r"'MistralForCausalLM', which is not a causal LM of model_type 'mixtral'"),
-    (dict(model_type="llama", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}, **_DENSE),
-     r"auto_map names code from the model's own repository .*never runs downloaded code"),
-])
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        (dict(model_type="qwen9"), r"model_type 'qwen9' is unknown to transformers"),
+        (dict(model_type="llama3"), r"model_type 'llama3' is unknown to transformers"),
+        (dict(model_type="mixtrall"), r"model_type 'mixtrall' is unknown to transformers"),
+        (dict(model_type="Qwen3"), r"model_type 'Qwen3' is unknown to transformers"),
+        (dict(model_type="t5"), r"model_type 't5' has no causal-LM class"),
+        (dict(model_type="vit"), r"model_type 'vit' has no causal-LM class"),
+        (dict(hidden_size=64), r"no model_type"),
+        (
+            dict(model_type="qwen3", architectures=["Qwen2ForCausalLM"], **_DENSE),
+            r"'Qwen2ForCausalLM', which is not a causal LM of model_type 'qwen3'",
+        ),
+        (
+            dict(model_type="mixtral", architectures=["MistralForCausalLM"], **_DENSE),
+            r"'MistralForCausalLM', which is not a causal LM of model_type 'mixtral'",
+        ),
+        (
+            dict(
+                model_type="llama",
+                auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+                **_DENSE,
+            ),
+            r"auto_map names code from the model's own repository .*never runs downloaded code",
+        ),
+    ],
+)
 def test_refusals_never_suggest_another_model_type(hf, tmp_path, fields, pattern):
     """Building a near name would silently train another architecture: no hint proposes one."""
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(ConfigError, match=pattern) as e:
         build(f"hf:{tmp_path}", device="meta")
     assert "did you mean" not in f"{e.value}\n{e.value.hint}"
-    assert _suggested_types(e.value, {fields.get("model_type")}) == set(), (str(e.value), e.value.hint)
+    assert _suggested_types(e.value, {fields.get("model_type")}) == set(), (
+        str(e.value),
+        e.value.hint,
+    )
     if "unknown" in pattern:
         assert "pip install -U transformers" in e.value.hint
 
@@ -470,23 +858,43 @@ ONCE_FROM_MODEL_ONLY = {
 """Families that trained through ``hf.from_model`` but not from their own config.json (#32), and why."""
 
 
-@pytest.mark.parametrize("family", [f if f == "mamba2" else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in ONCE_FROM_MODEL_ONLY])
+@pytest.mark.parametrize(
+    "family",
+    [f if f == "mamba2" else pytest.param(f, marks=pytest.mark.slow) for f in ONCE_FROM_MODEL_ONLY],
+)
 def test_plan_and_train_from_the_config_json_save_pretrained_writes(hf, names, family, tmp_path):
     """The issue's reproduction, through the CLI: plan analytically, then train two steps."""
     from click.testing import CliRunner
 
     from protrain.planner.commands.cli import main
 
-    directory = names[family][len("hf:"):]
+    directory = names[family][len("hf:") :]
     if family == "mamba2":
         from pathlib import Path
 
         assert '"__float__": "Infinity"' in (Path(directory) / "config.json").read_text()
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["plan", "--hf-config", directory, "--hardware", "cpu", "--batch", "2",
-                                  "--seq", str(SEQ), "--dtype", "float32", "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--hf-config",
+            directory,
+            "--hardware",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            str(SEQ),
+            "--dtype",
+            "float32",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["train", "--plan", str(out), "--hf-config", directory, "--steps", "2"])
+    r = CliRunner().invoke(
+        main, ["train", "--plan", str(out), "--hf-config", directory, "--steps", "2"]
+    )
     assert r.exit_code == 0, r.output
     assert "trained 2 steps" in r.output

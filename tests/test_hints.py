@@ -23,7 +23,9 @@ FOREIGN = {"--index-url", "--nproc-per-node", "--nnodes"}
 
 def _strings(node: ast.AST) -> str:
     """The literal text of a hint expression (f-string holes become spaces)."""
-    return " ".join(n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return " ".join(
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    )
 
 
 def hints() -> list[tuple[str, int, str]]:
@@ -32,7 +34,9 @@ def hints() -> list[tuple[str, int, str]]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue
-            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            name = (
+                node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            )
             if not name.endswith("Error"):
                 continue
             hint = next((k.value for k in node.keywords if k.arg == "hint"), None)
@@ -48,7 +52,9 @@ def _options() -> dict[str, set[str]]:
     for name, cmd in main.commands.items():
         opts[name] = {o for p in cmd.get_params(click.Context(cmd)) for o in p.opts}
         for sub, subcmd in getattr(cmd, "commands", {}).items():
-            opts[f"{name} {sub}"] = {o for p in subcmd.get_params(click.Context(subcmd)) for o in p.opts}
+            opts[f"{name} {sub}"] = {
+                o for p in subcmd.get_params(click.Context(subcmd)) for o in p.opts
+            }
     return opts
 
 
@@ -63,7 +69,9 @@ def test_every_hint_names_existing_flags():
         for flag in sorted(flags):
             ok = any(flag in opts[c] for c in commands) if commands else flag in everywhere
             if not ok:
-                bad.append(f"{where}:{line}: {flag} ({'on ' + ', '.join(commands) if commands else 'on no command'})"
-                           f": {text!r}")
+                bad.append(
+                    f"{where}:{line}: {flag} ({'on ' + ', '.join(commands) if commands else 'on no command'})"
+                    f": {text!r}"
+                )
     assert found > 20  # the walk finds the hints (it would pass vacuously otherwise)
     assert not bad, "\n".join(bad)

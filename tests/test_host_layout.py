@@ -39,17 +39,31 @@ def test_gradients_in_home_step_like_a_persistent_chunk(clip, asynchronous, monk
     monkeypatch.setattr(optim, "STEP_PIECE", 192)
     config = AdamWConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
     cpu_adam = "after_backward" if clip else None
-    offloaded = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16",
-                          cpu_adam=cpu_adam)
-    persistent = make_plan("gpt2-4", persistent="all", n_buffer=0, policies="keep", compute_dtype="bfloat16",
-                           cpu_adam=cpu_adam)
+    offloaded = make_plan(
+        "gpt2-4",
+        persistent=[],
+        n_buffer=2,
+        policies="keep",
+        compute_dtype="bfloat16",
+        cpu_adam=cpu_adam,
+    )
+    persistent = make_plan(
+        "gpt2-4",
+        persistent="all",
+        n_buffer=0,
+        policies="keep",
+        compute_dtype="bfloat16",
+        cpu_adam=cpu_adam,
+    )
     want = _train(make_model("gpt2-4"), persistent, config=config)
     with emulate(7) if asynchronous else _nothing():
         got = _train(make_model("gpt2-4"), offloaded, config=config)
     _same(got, want)
     # 14 host bytes per element of every offloaded chunk and the fp32 scratch of one step
     # piece, as accounting.py says and the ledger counted
-    held = sum(accounting.host_numel(offloaded, c) for c in offloaded.placement.offloaded)  # no padding
+    held = sum(
+        accounting.host_numel(offloaded, c) for c in offloaded.placement.offloaded
+    )  # no padding
     assert held < len(offloaded.placement.offloaded) * offloaded.chunks.chunk_numel
     assert got[2] == memory_walk.walk(offloaded).host_bytes == 14 * held + 4 * 192
 
@@ -91,12 +105,26 @@ def test_a_chunk_with_nothing_to_step_gets_its_home_back():
 
     torch.manual_seed(0)
     model = _Tiny()
-    training = P.Training(micro_batch=2, seq_len=8, compute_dtype="bfloat16", master_dtype="float32",
-                          world_size=1, grad_accum=1)
+    training = P.Training(
+        micro_batch=2,
+        seq_len=8,
+        compute_dtype="bfloat16",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
 
     def plan(persistent):
-        return emit(model, name="tiny", blocks=["h.0", "h.1"], training=training, chunk_numel=2048,
-                    persistent=persistent, n_buffer=2, policies=["keep", "keep"])
+        return emit(
+            model,
+            name="tiny",
+            blocks=["h.0", "h.1"],
+            training=training,
+            chunk_numel=2048,
+            persistent=persistent,
+            n_buffer=2,
+            policies=["keep", "keep"],
+        )
 
     off = plan([])
     assert any([p.name for p in c.params] == ["h.1.gate"] for c in off.chunks.items)
@@ -118,7 +146,9 @@ class _nothing:
 
 
 def _slots(plan, n):
-    return msgspec.structs.replace(plan, placement=msgspec.structs.replace(plan.placement, n_host_slots=n))
+    return msgspec.structs.replace(
+        plan, placement=msgspec.structs.replace(plan.placement, n_host_slots=n)
+    )
 
 
 @pytest.mark.parametrize("policies", ["keep", "checkpoint"])
@@ -131,30 +161,54 @@ def test_homeless_chunks_train_bit_for_bit_as_kept_homes(policies, asynchronous,
     # parameters are stepped in many pieces.
     monkeypatch.setattr(homes, "STEP_PIECE", 192)  # the scratch the accounting reads
     monkeypatch.setattr(optim, "STEP_PIECE", 192)
-    kept = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16")
+    kept = make_plan(
+        "gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16"
+    )
     want = _train(make_model("gpt2-4"), kept)
     off = kept.placement.offloaded
     for homeless, slots in (("all", 2), ("all", 1), (off[::2], 3)):
-        plan = _slots(make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies,
-                                compute_dtype="bfloat16", homeless=homeless), slots)
+        plan = _slots(
+            make_plan(
+                "gpt2-4",
+                persistent=[0],
+                n_buffer=2,
+                policies=policies,
+                compute_dtype="bfloat16",
+                homeless=homeless,
+            ),
+            slots,
+        )
         with emulate(11) if asynchronous else _nothing():
             got = _train(make_model("gpt2-4"), plan)
         _same(got, want)
         walk = memory_walk.walk(plan)
         assert got[2] == walk.host_bytes
     shard = kept.chunks.chunk_numel
-    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16",
-                     homeless="all")
+    plan = make_plan(
+        "gpt2-4",
+        persistent=[0],
+        n_buffer=2,
+        policies=policies,
+        compute_dtype="bfloat16",
+        homeless="all",
+    )
     held = sum(accounting.host_numel(kept, c) for c in off)  # up to each chunk's last parameter
-    assert memory_walk.walk(plan).host_bytes == 12 * held + 2 * shard * plan.placement.n_host_slots + 4 * 192
+    assert (
+        memory_walk.walk(plan).host_bytes
+        == 12 * held + 2 * shard * plan.placement.n_host_slots + 4 * 192
+    )
     assert memory_walk.walk(kept).host_bytes == 14 * held + 4 * 192
 
 
 def test_homeless_plans_are_refused_where_a_gradient_must_wait():
     from protrain.executor.errors import PlanError
 
-    for kw in (dict(compute_dtype="float32"), dict(compute_dtype="bfloat16", grad_accum=2),
-               dict(compute_dtype="bfloat16", cpu_adam="after_backward"), dict(compute_dtype="float16")):
+    for kw in (
+        dict(compute_dtype="float32"),
+        dict(compute_dtype="bfloat16", grad_accum=2),
+        dict(compute_dtype="bfloat16", cpu_adam="after_backward"),
+        dict(compute_dtype="float16"),
+    ):
         with pytest.raises(PlanError, match="homeless"):
             make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", homeless="all", **kw)
 
@@ -166,11 +220,20 @@ def test_the_v4_fixture_trains_as_with_its_homes_kept():
     from protrain.planner.models.zoo import build
 
     plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json")
-    kept = msgspec.structs.replace(plan, placement=msgspec.structs.replace(
-        plan.placement, homes=["host" if h == "homeless" else h for h in plan.placement.homes], n_host_slots=0))
+    kept = msgspec.structs.replace(
+        plan,
+        placement=msgspec.structs.replace(
+            plan.placement,
+            homes=["host" if h == "homeless" else h for h in plan.placement.homes],
+            n_host_slots=0,
+        ),
+    )
     data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]
     torch.manual_seed(0)
     model = build("gpt2-tiny", device="cpu")
     import copy
 
-    _same(_train(copy.deepcopy(model), plan, data=iter(data)), _train(copy.deepcopy(model), kept, data=iter(data)))
+    _same(
+        _train(copy.deepcopy(model), plan, data=iter(data)),
+        _train(copy.deepcopy(model), kept, data=iter(data)),
+    )

@@ -30,7 +30,8 @@ def _modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -47,8 +48,13 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else node.module
+            mod = (
+                ".".join(
+                    base[: len(base) - node.level + 1] + ([node.module] if node.module else [])
+                )
+                if node.level
+                else node.module
+            )
             for a in node.names:  # `from pkg import module` is an edge to the module, else to pkg
                 out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
         todo.extend(ast.iter_child_nodes(node))
@@ -84,5 +90,7 @@ def test_the_graph_sees_function_level_imports(tmp_path):
     (tmp_path / "b.py").write_text("import os\n")
     deps = _imports("p.a", tmp_path / "a.py", {"p.a", "p.b"})
     assert deps == {"p.b"}
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x\n"
+    )
     assert _imports("p.c", tmp_path / "c.py", {"p.c", "p.b"}) == set()

@@ -32,18 +32,31 @@ print("IMPORTED:" + json.dumps(sorted(seen | set(sys.modules))))
 
 
 def imported(body: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", TRACKER.format(body=body)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", TRACKER.format(body=body)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     line = [x for x in out.splitlines() if x.startswith("IMPORTED:")][-1]
-    return {m.split(".")[0] if not m.startswith("protrain.") else m
-            for m in json.loads(line.removeprefix("IMPORTED:"))}
+    return {
+        m.split(".")[0] if not m.startswith("protrain.") else m
+        for m in json.loads(line.removeprefix("IMPORTED:"))
+    }
 
 
 HEAVY = {"torch", "numpy", "scipy", "networkx", "pynvml", "click", "rich"}
 
 
-@pytest.mark.parametrize("module", ["protrain.executor.plan", "protrain.executor.errors",
-                                    "protrain.executor.migrate", "protrain.executor"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "protrain.executor.plan",
+        "protrain.executor.errors",
+        "protrain.executor.migrate",
+        "protrain.executor",
+    ],
+)
 def test_schema_modules_import_only_stdlib_and_msgspec(module):
     mods = imported(f"import {module}")
     assert not mods & HEAVY, sorted(mods & HEAVY)
@@ -52,8 +65,12 @@ def test_schema_modules_import_only_stdlib_and_msgspec(module):
 
 def direct_imports(body: str) -> dict[str, set[str]]:
     """protrain module → the names it imports itself (not what its imports pull in)."""
-    out = subprocess.run([sys.executable, "-c", TRACKER.format(body=body)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", TRACKER.format(body=body)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     line = [x for x in out.splitlines() if x.startswith("DIRECT:")][-1]
     return {k: set(v) for k, v in json.loads(line.removeprefix("DIRECT:")).items()}
 
@@ -74,9 +91,11 @@ def test_executor_runtime_never_imports_the_planner():
 
 @pytest.mark.parametrize("argv", [["--help"], ["show", "plans/gpt2-tiny/example.json"]])
 def test_cli_paths_without_torch(argv):
-    mods = imported(f"import sys; sys.argv = ['protrain', *{argv!r}]\n"
-                    "from protrain.planner.commands.cli import main\n"
-                    "try:\n    main()\nexcept SystemExit:\n    pass")
+    mods = imported(
+        f"import sys; sys.argv = ['protrain', *{argv!r}]\n"
+        "from protrain.planner.commands.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass"
+    )
     assert "torch" not in mods and "numpy" not in mods
 
 
@@ -92,6 +111,7 @@ def test_planner_face_is_lazy_and_complete():
     import importlib
 
     import protrain.planner as face
+
     for name in face.__all__:
         where = importlib.import_module(f"protrain.planner.{face._EXPORTS[name]}")
         assert getattr(face, name) is getattr(where, name), name

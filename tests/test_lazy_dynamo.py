@@ -44,7 +44,16 @@ def test_meta_kernels_run_without_dynamo_and_compute_the_same():
 
 
 def test_a_process_with_dynamo_imported_is_left_alone():
-    out = subprocess.run([sys.executable, "-c", "import torch._dynamo\n"
-                          "from protrain.planner.profiling.lazy_dynamo import defer_dynamo\n"
-                          "print(defer_dynamo())"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch._dynamo\n"
+            "from protrain.planner.profiling.lazy_dynamo import defer_dynamo\n"
+            "print(defer_dynamo())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "0"

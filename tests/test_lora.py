@@ -25,8 +25,12 @@ from protrain.planner.models.lora import LoraSpec, attention_projections  # noqa
 from protrain.planner.search import memory_walk  # noqa: E402
 
 SPEC = LoraSpec(r=4, alpha=8)
-CASES = {**{k: PARITY_MATRIX[k] for k in ("all-persistent", "offloaded-buf2", "all-swap", "all-checkpoint",
-                                          "interleaved")}}
+CASES = {
+    **{
+        k: PARITY_MATRIX[k]
+        for k in ("all-persistent", "offloaded-buf2", "all-swap", "all-checkpoint", "interleaved")
+    }
+}
 
 
 def _frozen_chunks(plan: P.Plan) -> list[int]:
@@ -36,15 +40,23 @@ def _frozen_chunks(plan: P.Plan) -> list[int]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_zoo_lora_trains_exactly_under_every_plan(case):
     persistent, n_buffer, policies = CASES[case]
-    plan = make_plan("llama-4", persistent=persistent, n_buffer=n_buffer, policies=policies, lora=SPEC)
+    plan = make_plan(
+        "llama-4", persistent=persistent, n_buffer=n_buffer, policies=policies, lora=SPEC
+    )
     run = lockstep("llama-4", plan, steps=3, lora=SPEC)
     assert run.losses == run.ref_losses
     assert_same_state(run)
 
 
 def test_lora_grad_accum_2_is_exact():
-    plan = make_plan("llama-4", persistent=[], n_buffer=2, policies="swap checkpoint keep swap", grad_accum=2,
-                     lora=SPEC)
+    plan = make_plan(
+        "llama-4",
+        persistent=[],
+        n_buffer=2,
+        policies="swap checkpoint keep swap",
+        grad_accum=2,
+        lora=SPEC,
+    )
     run = lockstep("llama-4", plan, steps=3, lora=SPEC)
     assert run.losses == run.ref_losses
     assert_same_state(run)
@@ -67,13 +79,19 @@ def test_adapters_share_their_own_chunks_and_frozen_chunks_keep_values_only():
     assert walk.host_bytes == sum(4 * A.host_numel(plan, c) for c in plan.placement.offloaded)
     full = memory_walk.walk(plan, trainable=[True] * len(plan.chunks.items))
     assert full.host_bytes > 3 * walk.host_bytes and full.states_bytes == walk.states_bytes
-    assert walk.states_bytes == 16 * numel  # the persistent adapter chunk: values, grads, moments (fp32)
+    assert (
+        walk.states_bytes == 16 * numel
+    )  # the persistent adapter chunk: values, grads, moments (fp32)
 
 
 def test_the_plan_records_frozen_parameters_and_reads_as_schema_7_without_them():
     lora = make_plan("llama-4", persistent=[0], n_buffer=2, policies="keep", lora=SPEC)
     text = P.dump(lora).decode()
-    assert text.count('"frozen": true') == sum(p.frozen for c in lora.chunks.items for p in c.params) > 0
+    assert (
+        text.count('"frozen": true')
+        == sum(p.frozen for c in lora.chunks.items for p in c.params)
+        > 0
+    )
     assert '"frozen": false' not in text
     full = make_plan("llama-4", persistent=[0], n_buffer=2, policies="keep")
     assert '"frozen"' not in P.dump(full).decode()
@@ -91,10 +109,21 @@ def test_a_plan_refuses_a_model_training_what_it_froze():
 
 
 def test_a_frozen_chunk_cannot_be_homeless():
-    plan = make_plan("llama-4", persistent=[0], n_buffer=2, policies="keep", lora=SPEC,
-                     compute_dtype="bfloat16", cpu_adam="during_backward")
+    plan = make_plan(
+        "llama-4",
+        persistent=[0],
+        n_buffer=2,
+        policies="keep",
+        lora=SPEC,
+        compute_dtype="bfloat16",
+        cpu_adam="during_backward",
+    )
     frozen = _frozen_chunks(plan)
-    doc = P.dump(plan).decode().replace('"homes": ["persistent", "host"', '"homes": ["persistent", "homeless"', 1)
+    doc = (
+        P.dump(plan)
+        .decode()
+        .replace('"homes": ["persistent", "host"', '"homes": ["persistent", "homeless"', 1)
+    )
     doc = doc.replace('"n_host_slots": 0', '"n_host_slots": 1')
     assert frozen[0] == 1
     with pytest.raises(PlanError, match="frozen"):
@@ -113,13 +142,22 @@ def test_the_v8_fixture_trains_exactly():
 
 
 def test_attention_projections_are_the_familys():
-    assert attention_projections(make_model("llama-4", device="meta")) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert attention_projections(make_model("llama-4", device="meta")) == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    )
     # GPT-2's MLP has a c_proj too: the attention's is named by its parent, as peft matches paths' ends
     from protrain.planner.models.lora import inject, injected
 
     gpt2 = make_model("gpt2-4", device="meta")
     assert attention_projections(gpt2) == ("c_attn", "attn.c_proj")
-    adapted = {n.rsplit(".lora_", 1)[0] for n, p in inject(gpt2, SPEC).named_parameters() if p.requires_grad}
+    adapted = {
+        n.rsplit(".lora_", 1)[0]
+        for n, p in inject(gpt2, SPEC).named_parameters()
+        if p.requires_grad
+    }
     assert adapted and all(".attn." in n for n in adapted)
     assert injected(gpt2) == ("c_attn", "attn.c_proj")
 
@@ -137,8 +175,15 @@ def _planned(name: str, budget_frac: float, grad_accum: int = 1, model=None):
     from protrain.planner.search.planning import make_plan as plan_from_profile
 
     meta = model if model is not None else make_model(name, device="meta", lora=SPEC)
-    prof = analytic_profile(meta, name=name, blocks=block_paths(meta), micro_batch=4, seq_len=32,
-                            compute_dtype="float32", spec=gpu_spec())
+    prof = analytic_profile(
+        meta,
+        name=name,
+        blocks=block_paths(meta),
+        micro_batch=4,
+        seq_len=32,
+        compute_dtype="float32",
+        spec=gpu_spec(),
+    )
     roomy, _ = plan_from_profile(prof, 2**40, grad_accum=grad_accum, host_budget_bytes=2**40)
     budget = int(roomy.prediction.peak_memory_bytes * budget_frac)
     plan, _ = plan_from_profile(prof, budget, grad_accum=grad_accum, host_budget_bytes=2**40)
@@ -152,7 +197,9 @@ def test_the_planners_lora_plans_train_exactly_and_predict_the_accounting(frac):
     prof, plan = _planned("llama-4", frac)
     assert any(p.frozen for c in plan.chunks.items for p in c.params)
     walk = memory_walk.walk(plan, segment_bytes(prof))
-    assert abs(walk.peak_bytes - plan.prediction.peak_memory_bytes) < 1  # (the file holds an integer)
+    assert (
+        abs(walk.peak_bytes - plan.prediction.peak_memory_bytes) < 1
+    )  # (the file holds an integer)
     assert walk.host_bytes == plan.prediction.breakdown["host_bytes"]
     run = lockstep("llama-4", plan, steps=3, lora=SPEC)
     assert run.losses == run.ref_losses
@@ -174,8 +221,10 @@ def test_lora_plans_charge_frozen_parameters_their_values_only():
     frozen_host = sum(4 * A.host_numel(plan, c) for c in off if not train[c])
     full = memory_walk.walk(plan, trainable=[True] * len(train))
     assert walk.host_bytes - frozen_host == sum(
-        16 * A.host_numel(plan, c) for c in off if train[c]) + (full.host_bytes - sum(
-            16 * A.host_numel(plan, c) for c in off)) * any(train[c] for c in off)
+        16 * A.host_numel(plan, c) for c in off if train[c]
+    ) + (full.host_bytes - sum(16 * A.host_numel(plan, c) for c in off)) * any(
+        train[c] for c in off
+    )
     assert full.host_bytes >= 4 * frozen_host
 
 
@@ -196,15 +245,19 @@ def hf_names(tmp_path_factory):
     return {f: write_family(root / f, f, hf) for f in FAMILIES}
 
 
-@pytest.mark.parametrize("family", [f if f in ("llama", "mixtral") else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
+@pytest.mark.parametrize(
+    "family",
+    [f if f in ("llama", "mixtral") else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+)
 @pytest.mark.parametrize("kind", ["persistent", "offloaded-swap-accum2"])
 def test_hf_family_lora_trains_exactly(hf_names, family, kind):
     name = hf_names[family]
     if kind == "persistent":
         plan = make_plan(name, persistent="all", n_buffer=0, policies="keep", lora=SPEC)
     else:
-        plan = make_plan(name, persistent=[], n_buffer=8, policies="swap checkpoint", grad_accum=2, lora=SPEC)
+        plan = make_plan(
+            name, persistent=[], n_buffer=8, policies="swap checkpoint", grad_accum=2, lora=SPEC
+        )
     assert _frozen_chunks(plan)
     run = lockstep(name, plan, steps=3, lora=SPEC)
     assert run.losses == run.ref_losses, family
@@ -218,7 +271,9 @@ def test_from_model_accepts_a_peft_model(hf_names):
     from protrain.planner.models.zoo import build
 
     inner = build(hf_names["llama"], seed=1).hf
-    pm = peft.get_peft_model(inner, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    pm = peft.get_peft_model(
+        inner, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     wrapped = hf.from_model(pm)
     names = [n for n, p in wrapped.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -242,8 +297,22 @@ def test_lora_zero3_on_two_ranks_matches_single_process(tmp_path):
     from protrain.planner.models.lora import build_model
 
     spec, world, steps = LoraSpec(r=4, alpha=8), 2, 10
-    spawn(train, world, str(tmp_path), "llama-tiny", [0], 2, ["checkpoint", "swap"], steps, None, None, 0,
-          MICRO, 65536, spec)
+    spawn(
+        train,
+        world,
+        str(tmp_path),
+        "llama-tiny",
+        [0],
+        2,
+        ["checkpoint", "swap"],
+        steps,
+        None,
+        None,
+        0,
+        MICRO,
+        65536,
+        spec,
+    )
     ranks = _read(tmp_path, world)
     ref = build_model("llama-tiny", spec, seed=1)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)
@@ -279,7 +348,9 @@ def test_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
     from protrain.executor.errors import CheckpointError
     from protrain.planner.models.data import batches, load_tokens
 
-    plan = make_plan("llama-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep swap", lora=SPEC)
+    plan = make_plan(
+        "llama-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep swap", lora=SPEC
+    )
     config = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
     def run(model, steps, save=None, load=None, skip=0):
@@ -353,9 +424,18 @@ def test_bench_host_lora_section_reads_its_rows():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import bench_host as bh
 
-    row = {"model": "gpt2-large", "params": 778e6, "frozen": 774e6, "dtype": "bfloat16", "predicted_per_param": 2.085,
-           "wrapped_per_param": 2.1, "measured_per_param": 4.05, "train_peak_per_param": 1.98,
-           "train_peak_mmap_per_param": 1.9, "full_predicted_per_param": 14.01}
+    row = {
+        "model": "gpt2-large",
+        "params": 778e6,
+        "frozen": 774e6,
+        "dtype": "bfloat16",
+        "predicted_per_param": 2.085,
+        "wrapped_per_param": 2.1,
+        "measured_per_param": 4.05,
+        "train_peak_per_param": 1.98,
+        "train_peak_mmap_per_param": 1.9,
+        "full_predicted_per_param": 14.01,
+    }
     text = bh.render_lora([row], "python tools/bench_host.py --lora --write")
     assert text.startswith("## Host bytes per frozen parameter, LoRA")
     assert "| gpt2-large | 778M | 4.00M | bfloat16 | 2.085 |" in text and "14.01" in text

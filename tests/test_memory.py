@@ -47,12 +47,18 @@ def run_step(plan, model="gpt2-4"):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("persistent,n_buffer,policies", [
-    ("all", 0, "keep"), ([0, 2], 2, "swap checkpoint keep keep"), ([], 2, "checkpoint"),
-])
+@pytest.mark.parametrize(
+    "persistent,n_buffer,policies",
+    [
+        ("all", 0, "keep"),
+        ([0, 2], 2, "swap checkpoint keep keep"),
+        ([], 2, "checkpoint"),
+    ],
+)
 def test_after_wrap_and_after_step(dtype, persistent, n_buffer, policies):
-    plan = make_plan("gpt2-4", persistent=persistent, n_buffer=n_buffer, policies=policies,
-                     compute_dtype=dtype)
+    plan = make_plan(
+        "gpt2-4", persistent=persistent, n_buffer=n_buffer, policies=policies, compute_dtype=dtype
+    )
     engine, after_wrap, fwd_end, res = run_step(plan)
     assert after_wrap == states_after_wrap(plan)
     # After the step: every offloaded chunk released, every activation freed.
@@ -89,8 +95,10 @@ def test_peak_falls_as_plans_offload_more(capsys):
         plan = make_plan("gpt2-4", persistent=persistent, n_buffer=n_buffer, policies=policies)
         peaks[label] = run_step(plan)[3].peak_bytes
     with capsys.disabled():
-        print("\nCPU ledger peak per plan (gpt2-4, B=4, T=32, fp32):",
-              ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in peaks.items()))
+        print(
+            "\nCPU ledger peak per plan (gpt2-4, B=4, T=32, fp32):",
+            ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in peaks.items()),
+        )
     values = list(peaks.values())
     assert values == sorted(values, reverse=True) and len(set(values)) == len(values)
     # The all-persistent plan holds every chunk with gradients and moments; the offloaded
@@ -100,7 +108,9 @@ def test_peak_falls_as_plans_offload_more(capsys):
     assert peaks["all-persistent keep"] - peaks["all-offloaded keep"] >= moved
 
 
-@pytest.mark.parametrize("dtype,grad_accum", [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)])
+@pytest.mark.parametrize(
+    "dtype,grad_accum", [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+)
 def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype, grad_accum):
     """[Note: pinned arena]: every offloaded chunk's home and, unless its gradients land in
     the home (bf16 without accumulation), its fp32 gradient accumulator (the download's
@@ -108,8 +118,14 @@ def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype, grad_accum):
     wrap, exactly as large as the plan's chunks need."""
     from protrain.executor.transfer import HostArena
 
-    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep", compute_dtype=dtype,
-                     grad_accum=grad_accum)
+    plan = make_plan(
+        "gpt2-4",
+        persistent=[0],
+        n_buffer=2,
+        policies="keep",
+        compute_dtype=dtype,
+        grad_accum=grad_accum,
+    )
     engine = wrap(make_model("gpt2-4"), plan, device="cpu")
     store, arena = engine.store, engine.store.arena
     off = [c for c in store.chunks if not c.persistent]
@@ -117,12 +133,24 @@ def test_pinned_host_memory_is_one_arena_sized_by_the_plan(dtype, grad_accum):
     in_home = dtype == "bfloat16" and grad_accum == 1
 
     def per_chunk(n: int) -> int:  # n: the chunk's host elements (accounting.host_numel)
-        return HostArena.span(n, torch_dtype) + (0 if in_home else (
-            HostArena.span(n, torch.float32) + HostArena.span(n, torch_dtype) * (grad_accum > 1)))
+        return HostArena.span(n, torch_dtype) + (
+            0
+            if in_home
+            else (
+                HostArena.span(n, torch.float32) + HostArena.span(n, torch_dtype) * (grad_accum > 1)
+            )
+        )
 
-    assert len(off) >= 2 and arena.buffer.numel() == sum(per_chunk(c.home.numel()) for c in off) == arena.offset
+    assert (
+        len(off) >= 2
+        and arena.buffer.numel() == sum(per_chunk(c.home.numel()) for c in off) == arena.offset
+    )
     base = arena.buffer.untyped_storage().data_ptr()
-    buffers = [c.home for c in off] + list(engine.optim.staging.values()) + list(engine.optim.cpu_grad.values())
+    buffers = (
+        [c.home for c in off]
+        + list(engine.optim.staging.values())
+        + list(engine.optim.cpu_grad.values())
+    )
     assert len(buffers) == len(off) * (1 if in_home else 2 + (grad_accum > 1))
     assert all(b.untyped_storage().data_ptr() == base for b in buffers)
     data = batches(load_tokens(), 4, 32, 0)

@@ -39,14 +39,21 @@ POLICIES = ("keep", "swap", "checkpoint")
 CPU_ADAM = ("during_backward", "after_backward")  # Schedule.cpu_adam: the program models both
 
 
-def _terms(facts, seed: int, gpu: bool, world_size: int = 1, cpu_adam: str = "during_backward",
-           shard: bool | None = None):
+def _terms(
+    facts,
+    seed: int,
+    gpu: bool,
+    world_size: int = 1,
+    cpu_adam: str = "during_backward",
+    shard: bool | None = None,
+):
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]), cpu_adam=rng.choice([2e8, 1e9]))
     if not gpu:
         spec = msgspec.structs.replace(spec, kind="cpu")
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+    prof = synthetic_profile(
+        facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7), rng=rng
+    )
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     return make_terms(prof, size, world_size, cpu_adam, shard_persistent=shard), rng
 
@@ -61,9 +68,17 @@ def _fix(m: M.Program, idx, value: float) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.booleans(), st.sampled_from([1, 2]), st.sampled_from(CPU_ADAM),
-       st.booleans())
-def test_program_is_the_cost_model_on_any_configuration(facts, seed, gpu, world_size, cpu_adam, shard):
+@given(
+    random_facts(),
+    st.integers(0, 2**31),
+    st.booleans(),
+    st.sampled_from([1, 2]),
+    st.sampled_from(CPU_ADAM),
+    st.booleans(),
+)
+def test_program_is_the_cost_model_on_any_configuration(
+    facts, seed, gpu, world_size, cpu_adam, shard
+):
     # Fix every decision of the program to a random configuration (any persistent set,
     # any strip, any workable buffer count): its optimum is then the cost model's time,
     # and it is feasible exactly when the cost model says the configuration fits. At two
@@ -89,13 +104,22 @@ def test_program_is_the_cost_model_on_any_configuration(facts, seed, gpu, world_
         if slack > 1:
             assert res.status == 0, res.message
             got_us = (res.fun + h.objective.const) / M.MS
-            assert math.isclose(got_us, float(time[0]), rel_tol=1e-7, abs_tol=1e-3), (got_us, float(time[0]))
+            assert math.isclose(got_us, float(time[0]), rel_tol=1e-7, abs_tol=1e-3), (
+                got_us,
+                float(time[0]),
+            )
         else:
             assert res.status == 2, (res.status, res.message)  # infeasible: over the budget
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(), st.sampled_from(CPU_ADAM))
+@given(
+    random_facts(),
+    st.integers(0, 2**31),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+    st.sampled_from(CPU_ADAM),
+)
 def test_paper_space_program_finds_the_exhaustive_optimum(facts, seed, where, gpu, cpu_adam):
     t, _ = _terms(facts, seed, gpu, cpu_adam=cpu_adam)
     budget = _budget(t, where)
@@ -112,8 +136,14 @@ def test_paper_space_program_finds_the_exhaustive_optimum(facts, seed, where, gp
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(), st.floats(0.3, 1.5),
-       st.sampled_from(CPU_ADAM))
+@given(
+    random_facts(),
+    st.integers(0, 2**31),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+    st.floats(0.3, 1.5),
+    st.sampled_from(CPU_ADAM),
+)
 def test_free_program_is_never_worse(facts, seed, where, gpu, host_share, cpu_adam):
     t, _ = _terms(facts, seed, gpu, cpu_adam=cpu_adam)
     budget = _budget(t, where)
@@ -126,8 +156,14 @@ def test_free_program_is_never_worse(facts, seed, where, gpu, host_share, cpu_ad
         return
     got = result.best
     assert got.key() <= base.best.key()
-    again = predict_plan(t, got.persistent_ids(), got.n_buffer, got.strip(t.n_blocks),
-                         got.homeless_ids(t.n_chunks), got.homed_ids(t.n_chunks))
+    again = predict_plan(
+        t,
+        got.persistent_ids(),
+        got.n_buffer,
+        got.strip(t.n_blocks),
+        got.homeless_ids(t.n_chunks),
+        got.homed_ids(t.n_chunks),
+    )
     assert again.time_us == got.time_us and again.peak_bytes <= budget
     assert again.breakdown["host_bytes"] + again.breakdown["host_swap_bytes"] <= host_budget
     assert result.baseline == base.best
@@ -172,10 +208,12 @@ def test_win_rate_on_the_committed_grid(capsys):
             assert gain >= 0 and r.best.peak_bytes <= budget and r.best.host_bytes <= host
     wins = [g for _, _, g, _, _ in rows if g > 1e-4]
     with capsys.disabled():
-        print(f"\nMILP vs exhaustive on {len(rows)} fitting cells of the grid: wins {len(wins)} "
-              f"(> 0.01%), median win {100 * statistics.median(wins or [0]):.2f}%, "
-              f"largest {100 * max(wins or [0]):.2f}%; statuses "
-              f"{ {s: sum(r[3] == s for r in rows) for s in {r[3] for r in rows}} }")
+        print(
+            f"\nMILP vs exhaustive on {len(rows)} fitting cells of the grid: wins {len(wins)} "
+            f"(> 0.01%), median win {100 * statistics.median(wins or [0]):.2f}%, "
+            f"largest {100 * max(wins or [0]):.2f}%; statuses "
+            f"{ {s: sum(r[3] == s for r in rows) for s in {r[3] for r in rows}} }"
+        )
     assert rows
 
 
@@ -225,13 +263,19 @@ def test_milp_plan_leaves_the_paper_space_and_records_the_four_count_plan(depart
     assert s.solver.startswith("milp (HiGHS optimal") and not is_four_count(plan)
     base = s.runners_up[0]
     assert (base.n_persist, base.n_buffer, base.n_swap, base.n_checkpoint) == (
-        result.baseline.n_persist, result.baseline.n_buffer, result.baseline.n_swap, result.baseline.n_checkpoint)
+        result.baseline.n_persist,
+        result.baseline.n_buffer,
+        result.baseline.n_swap,
+        result.baseline.n_checkpoint,
+    )
     assert plan.prediction.iter_time_us < base.iter_time_us
     assert plan.prediction.peak_memory_bytes <= plan.hardware.budget_bytes
     # The plan says what it is: its placement and strip are the MILP's choice.
     assert plan.placement.persistent == result.best.persistent_ids()
     assert [a.policy for a in plan.activations] == result.best.strip(len(plan.model.blocks))
-    assert P.dump(plan) == P.dump(make_plan(prof, prof.hardware.usable_memory_bytes, solver="milp")[0])
+    assert P.dump(plan) == P.dump(
+        make_plan(prof, prof.hardware.usable_memory_bytes, solver="milp")[0]
+    )
 
 
 def test_explain_prices_each_departure(departing):
@@ -247,7 +291,9 @@ def test_explain_prices_each_departure(departing):
     strip = [a.policy for a in plan.activations]
     for d in deps:
         if d.kind == "blocks":
-            strip[d.first:d.last + 1] = block_policies(len(strip), base.n_swap, base.n_checkpoint)[d.first:d.last + 1]
+            strip[d.first : d.last + 1] = block_policies(
+                len(strip), base.n_swap, base.n_checkpoint
+            )[d.first : d.last + 1]
     assert strip == block_policies(len(strip), base.n_swap, base.n_checkpoint)
     assert all(d.buys_us is not None for d in deps)
 
@@ -294,7 +340,10 @@ def test_swapped_activations_are_a_host_term():
     expected = sum(s.saved_tensor_bytes for s in prof.segments if s.segment in swapped)
     assert p.breakdown["host_swap_bytes"] == pytest.approx(expected)
     assert p.breakdown["host_bytes"] == M.host_bytes_per_chunk(t).sum() + t.host_scratch_bytes
-    assert np.isclose(predict_plan(t, [], min_buffers(t, 0), ["keep"] * t.n_blocks).breakdown["host_swap_bytes"], 0)
+    assert np.isclose(
+        predict_plan(t, [], min_buffers(t, 0), ["keep"] * t.n_blocks).breakdown["host_swap_bytes"],
+        0,
+    )
 
 
 def test_repair_steps_past_the_solvers_tolerance():
@@ -305,16 +354,28 @@ def test_repair_steps_past_the_solvers_tolerance():
 
     layers = [f"layers.{i}" for i in range(3)]
     facts = ModelFacts(
-        name="synthetic", blocks=layers,
-        params=[("embed.weight", (4, 8), "float32"), *((f"{b}.p0", (1,), "float32") for b in layers),
-                ("norm.weight", (8,), "float32"), ("head.weight", (4, 8), "float32")],
-        tied=[], segments=["<pre>", *layers, "<post>"],
+        name="synthetic",
+        blocks=layers,
+        params=[
+            ("embed.weight", (4, 8), "float32"),
+            *((f"{b}.p0", (1,), "float32") for b in layers),
+            ("norm.weight", (8,), "float32"),
+            ("head.weight", (4, 8), "float32"),
+        ],
+        tied=[],
+        segments=["<pre>", *layers, "<post>"],
         order=["embed.weight", *(f"{b}.p0" for b in layers), "norm.weight", "head.weight"],
-        uses={"<pre>": ["embed.weight"], **{b: [f"{b}.p0"] for b in layers},
-              "<post>": ["norm.weight", "head.weight"]})
+        uses={
+            "<pre>": ["embed.weight"],
+            **{b: [f"{b}.p0"] for b in layers},
+            "<post>": ["norm.weight", "head.weight"],
+        },
+    )
     t, _ = _terms(facts, 1, False)
     budget = _budget(t, 0.9999999999999999)
     best = exhaustive(t, budget).best
     solved = M.solve_program(t, budget, paper_space=True, rel_gap=0.0)
     assert solved.choice is not None and solved.repairs >= 1, solved
-    assert round(solved.choice.time_us) == round(best.time_us) and solved.choice.peak_bytes <= budget
+    assert (
+        round(solved.choice.time_us) == round(best.time_us) and solved.choice.peak_bytes <= budget
+    )

@@ -41,38 +41,88 @@ transformers = pytest.importorskip("transformers")
 MiB = 2**20
 
 H, FFN, E = 64, 128, 8  # hidden, expert width, experts: the tiny Mixtral
-ATTN = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=256)
+ATTN = dict(
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=256
+)
 
 
 def tiny(family: str, **changes):
     """A transformers config of ``family`` with a few 64-wide layers."""
     if family == "mixtral":
-        cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=FFN, num_hidden_layers=2,
-                                         num_local_experts=E, num_experts_per_tok=2, **ATTN)
+        cfg = transformers.MixtralConfig(
+            hidden_size=H,
+            intermediate_size=FFN,
+            num_hidden_layers=2,
+            num_local_experts=E,
+            num_experts_per_tok=2,
+            **ATTN,
+        )
     elif family == "mistral":  # Mixtral's dense twin: one MLP as wide as top_k experts
-        cfg = transformers.MistralConfig(hidden_size=H, intermediate_size=2 * FFN, num_hidden_layers=2, **ATTN)
+        cfg = transformers.MistralConfig(
+            hidden_size=H, intermediate_size=2 * FFN, num_hidden_layers=2, **ATTN
+        )
     elif family == "qwen3_moe":  # block 0 dense (mlp_only_layers)
-        cfg = transformers.Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=32,
-                                          num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
-                                          head_dim=16, mlp_only_layers=[0], **ATTN)
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=H,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_experts=16,
+            num_experts_per_tok=4,
+            head_dim=16,
+            mlp_only_layers=[0],
+            **ATTN,
+        )
     elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_experts=8,
-                                       num_experts_per_tok=2, **{**ATTN, "num_key_value_heads": 4})
+        cfg = transformers.OlmoeConfig(
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            **{**ATTN, "num_key_value_heads": 4},
+        )
     elif family == "qwen2_moe":  # one shared expert beside the routed ones
-        cfg = transformers.Qwen2MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=64, num_hidden_layers=2,
-                                          num_experts=8, num_experts_per_tok=2, **ATTN)
+        cfg = transformers.Qwen2MoeConfig(
+            hidden_size=H,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            **ATTN,
+        )
     elif family == "deepseek_v3":  # first block dense, one shared expert, grouped routing
-        cfg = transformers.DeepseekV3Config(hidden_size=H, intermediate_size=128, moe_intermediate_size=32,
-                                            num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
-                                            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                                            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                                            qk_nope_head_dim=8, v_head_dim=16,
-                                            **{**ATTN, "num_key_value_heads": 4})
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=H,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            **{**ATTN, "num_key_value_heads": 4},
+        )
     elif family == "gpt_oss":  # transposed banks with biases, its own gate (clamped SwiGLU)
-        cfg = transformers.GptOssConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2,
-                                        num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                                        sliding_window=256, **ATTN)
+        cfg = transformers.GptOssConfig(
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=256,
+            **ATTN,
+        )
     else:
         raise AssertionError(family)
     for k, v in changes.items():
@@ -96,31 +146,48 @@ def build(cfg, device="meta"):
 def routed(cfg) -> int:
     """Routed-expert parameters of one MoE block, by hand: gate+up (2 x FFN x H) and down (H x FFN)."""
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    n = getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_experts
+    n = (
+        getattr(cfg, "num_local_experts", None)
+        or getattr(cfg, "n_routed_experts", None)
+        or cfg.num_experts
+    )
     return n * 3 * cfg.hidden_size * width
 
 
-@pytest.mark.parametrize("family,n_experts,top_k,shared,blocks", [
-    ("mixtral", 8, 2, 0, [0, 1]),
-    ("qwen3_moe", 16, 4, 0, [1, 2]),
-    ("olmoe", 8, 2, 0, [0, 1]),
-    ("qwen2_moe", 8, 2, 1, [0, 1]),
-    ("deepseek_v3", 8, 2, 1, [1, 2]),
-    ("gpt_oss", 8, 2, 0, [0, 1]),
-])
+@pytest.mark.parametrize(
+    "family,n_experts,top_k,shared,blocks",
+    [
+        ("mixtral", 8, 2, 0, [0, 1]),
+        ("qwen3_moe", 16, 4, 0, [1, 2]),
+        ("olmoe", 8, 2, 0, [0, 1]),
+        ("qwen2_moe", 8, 2, 1, [0, 1]),
+        ("deepseek_v3", 8, 2, 1, [1, 2]),
+        ("gpt_oss", 8, 2, 0, [0, 1]),
+    ],
+)
 def test_detects_the_experts_of_each_family(family, n_experts, top_k, shared, blocks):
     cfg = tiny(family)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)  # raw transformers: detect needs no adapter
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg
+        )  # raw transformers: detect needs no adapter
     layout = detect(model)
-    assert (layout.n_experts, layout.top_k, layout.n_shared_experts, layout.fused) == (n_experts, top_k, shared, True)
+    assert (layout.n_experts, layout.top_k, layout.n_shared_experts, layout.fused) == (
+        n_experts,
+        top_k,
+        shared,
+        True,
+    )
     paths = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
     assert moe_blocks(layout, paths) == [paths[i] for i in blocks]  # the dense blocks are left out
     assert layout.total_params == count_params(model)
     # gpt-oss's banks carry biases, (E, 2I) and (E, H), on top of the weights
     bias = len(blocks) * n_experts * (2 * cfg.intermediate_size + H) if family == "gpt_oss" else 0
     assert layout.routed_params == len(blocks) * routed(cfg) + bias
-    assert layout.active_params == layout.total_params - layout.routed_params * (n_experts - top_k) // n_experts
+    assert (
+        layout.active_params
+        == layout.total_params - layout.routed_params * (n_experts - top_k) // n_experts
+    )
 
 
 def test_dense_models_have_no_layout_and_undeclared_experts_are_refused():
@@ -169,8 +236,14 @@ def test_module_list_experts_are_counted_but_not_profiled_on_meta():
 
 def block_counts(cfg, *, B=2, T=32, dtype="float32", spec=None):
     model = build(cfg)
-    counts = count_segments(model, blocks=block_paths(model), micro_batch=B, seq_len=T, compute_dtype=dtype,
-                            spec=spec or find_spec("cpu"))
+    counts = count_segments(
+        model,
+        blocks=block_paths(model),
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype=dtype,
+        spec=spec or find_spec("cpu"),
+    )
     return {c.segment: c for c in counts}
 
 
@@ -183,7 +256,9 @@ def test_a_top2_of_8_block_charges_2_of_8_experts():
     N = B * T
     per_expert_fwd = 2 * N * 3 * H * FFN  # one expert's FLOPs if every token visited it
     blk = "model.layers.0"
-    flops = {k: block_counts(tiny("mixtral", num_experts_per_tok=k), B=B, T=T)[blk] for k in (1, 2, 8)}
+    flops = {
+        k: block_counts(tiny("mixtral", num_experts_per_tok=k), B=B, T=T)[blk] for k in (1, 2, 8)
+    }
     for phase, factor in (("fwd", 1), ("bwd", 2)):
         f = {k: getattr(c, phase).flops for k, c in flops.items()}
         assert f[2] - f[1] == factor * per_expert_fwd
@@ -193,7 +268,9 @@ def test_a_top2_of_8_block_charges_2_of_8_experts():
         # ... and the rest of the block equals the dense twin's attention + the router (2·N·H·E)
         dense = getattr(block_counts(tiny("mistral"), B=B, T=T)[blk], phase).flops
         mlp = factor * 2 * N * 3 * H * (2 * FFN)  # the twin's MLP: as wide as two experts
-        router = factor * 2 * N * H * E  # router logits (forward); input + weight gradient (backward)
+        router = (
+            factor * 2 * N * H * E
+        )  # router logits (forward); input + weight gradient (backward)
         assert f[2] - expert_top2 == dense - mlp + router
     # Time follows: the experts' share at top-2 is about a quarter of the all-experts one.
     t = {k: c.fwd.time_s for k, c in flops.items()}
@@ -204,8 +281,15 @@ def test_memory_is_charged_for_every_expert():
     # The profile lists every expert parameter (the planner lays all of them out in
     # chunks), while its compute is the top-k one above.
     model = build(tiny("mixtral"))
-    p = analytic_profile(model, name="mixtral-tiny", blocks=block_paths(model), micro_batch=2, seq_len=32,
-                         compute_dtype="bfloat16", spec=find_spec("h200"))
+    p = analytic_profile(
+        model,
+        name="mixtral-tiny",
+        blocks=block_paths(model),
+        micro_batch=2,
+        seq_len=32,
+        compute_dtype="bfloat16",
+        spec=find_spec("h200"),
+    )
     assert p.model.n_params == count_params(model) == detect(model).total_params
     banks = [q for q in p.params if ".mlp.experts." in q.name]
     assert {tuple(q.shape) for q in banks} == {(E, 2 * FFN, H), (E, H, FFN)}
@@ -214,11 +298,20 @@ def test_memory_is_charged_for_every_expert():
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+)
 def test_every_family_profiles_on_meta(family):
     model = build(tiny(family))
-    p = analytic_profile(model, name=family, blocks=block_paths(model), micro_batch=2, seq_len=32,
-                         compute_dtype="bfloat16", spec=find_spec("h200"))
+    p = analytic_profile(
+        model,
+        name=family,
+        blocks=block_paths(model),
+        micro_batch=2,
+        seq_len=32,
+        compute_dtype="bfloat16",
+        spec=find_spec("h200"),
+    )
     assert [s.segment for s in p.segments] == [PRE, *block_paths(model), POST]
     assert all(s.fwd_us > 0 and s.bwd_us > 0 and s.saved_bytes > 0 for s in p.segments[1:-1])
 
@@ -256,12 +349,16 @@ class _Kernels(TorchDispatchMode):
         self.ops = {"fwd": Counter(), "bwd": Counter()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func._overloadpacket.__name__ in ("_unsafe_view", "detach", "alias")):
+        if not (
+            func.is_view or func._overloadpacket.__name__ in ("_unsafe_view", "detach", "alias")
+        ):
             self.ops[self.phase][func._overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+)
 def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
     # The analytic profile charges a MoE block for the ops it sees on meta, so the balanced
     # stand-in must launch what transformers' grouped path launches on a real device: the
@@ -278,8 +375,12 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
     routing = torch.stack([torch.randperm(layout.n_experts)[:k] for _ in range(n_tok)])  # (N, k)
 
     def kernels(forward) -> dict[str, Counter]:
-        for p in bank.parameters():  # preset, as the analytic profile and the executor's chunks have them:
-            p.grad = torch.zeros_like(p)  # gradients accumulate in place (an add_ per weight in both paths)
+        for p in (
+            bank.parameters()
+        ):  # preset, as the analytic profile and the executor's chunks have them:
+            p.grad = torch.zeros_like(
+                p
+            )  # gradients accumulate in place (an add_ per weight in both paths)
         x = torch.randn(n_tok, H, requires_grad=True)  # (N, H)
         weights = torch.rand(n_tok, k, requires_grad=True)  # (N, k)
         rec = _Kernels()
@@ -295,7 +396,11 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
     for phase in ("fwd", "bwd"):
         expected = grouped[phase].copy()
         expected["bmm"] = expected.pop("_grouped_mm")
-        assert balanced[phase] == expected, (phase, balanced[phase] - expected, expected - balanced[phase])
+        assert balanced[phase] == expected, (
+            phase,
+            balanced[phase] - expected,
+            expected - balanced[phase],
+        )
 
 
 # ---------------------------------------------------------------------------- against a measured profile
@@ -317,8 +422,18 @@ def measured_block_us(model, *, B, T, spec) -> tuple[float, float]:
     """One measured profile's least block (fwd_us, bwd_us)."""
     from protrain.planner.profiling.profile import measure
 
-    p = measure(model, name="m", blocks=block_paths(model), micro_batch=B, seq_len=T, compute_dtype="float32",
-                device="cpu", spec=spec, iterations=5, warmup=1)
+    p = measure(
+        model,
+        name="m",
+        blocks=block_paths(model),
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype="float32",
+        device="cpu",
+        spec=spec,
+        iterations=5,
+        warmup=1,
+    )
     seg = p.segments[1:-1]
     return min(s.fwd_us for s in seg), min(s.bwd_us for s in seg)
 
@@ -337,9 +452,11 @@ def host_view_ns(calls: int = 2000) -> float:
 def _calibrated(host_ns: float) -> None:
     """Skip an absolute check when this host's per-op speed is unlike the calibration box's."""
     if host_ns > SLOW_HOST * CAL_HOST_NS:
-        pytest.skip(f"a bare Tensor.view took {host_ns:.0f} ns (median) while measuring, {host_ns / CAL_HOST_NS:.1f}x "
-                    f"the {CAL_HOST_NS} ns of the box analytic.py's CPU host costs were measured on, which they "
-                    "do not scale by: an absolute time is not comparable here (the MoE-over-dense checks still ran)")
+        pytest.skip(
+            f"a bare Tensor.view took {host_ns:.0f} ns (median) while measuring, {host_ns / CAL_HOST_NS:.1f}x "
+            f"the {CAL_HOST_NS} ns of the box analytic.py's CPU host costs were measured on, which they "
+            "do not scale by: an absolute time is not comparable here (the MoE-over-dense checks still ran)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -404,43 +521,77 @@ def probed_block_us():
             # The CPU path a user runs: not the suite's emulated asynchronous device (its copy
             # threads share this core; tests/emulation.py), which the host costs never described.
             mp.setattr(transfer, "EMULATION", None)
-            cfgs = {"dense": tiny("mistral"), "moe": tiny("mixtral"),
-                    "qwen3_moe": tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)}
+            cfgs = {
+                "dense": tiny("mistral"),
+                "moe": tiny("mixtral"),
+                "qwen3_moe": tiny("qwen3_moe", mlp_only_layers=[], num_hidden_layers=2),
+            }
             models = {}
             for name, cfg in cfgs.items():
                 torch.manual_seed(0)
                 models[name] = build(cfg, device="cpu")
             spec, rounds, host = None, [], []
             while True:
-                for r in range(len(rounds), len(rounds) + PROFILE_ROUNDS):  # interleaved: a busy moment hits all
+                for r in range(
+                    len(rounds), len(rounds) + PROFILE_ROUNDS
+                ):  # interleaved: a busy moment hits all
                     host.append(host_view_ns())
                     if r % PROBE_EVERY == 0:
                         s = probe("cpu", quick=True)
-                        spec = s if spec is None else msgspec.structs.replace(
-                            spec, matmul_fp32_flops_per_s=max(spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s),
-                            mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s))
-                    rounds.append({name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, spec=spec)
-                                   for name, model in models.items()})
+                        spec = (
+                            s
+                            if spec is None
+                            else msgspec.structs.replace(
+                                spec,
+                                matmul_fp32_flops_per_s=max(
+                                    spec.matmul_fp32_flops_per_s, s.matmul_fp32_flops_per_s
+                                ),
+                                mem_bytes_per_s=max(spec.mem_bytes_per_s, s.mem_bytes_per_s),
+                            )
+                        )
+                    rounds.append(
+                        {
+                            name: measured_block_us(model, B=PROFILE_B, T=PROFILE_T, spec=spec)
+                            for name, model in models.items()
+                        }
+                    )
                 analytic = {}
                 for name, cfg in cfgs.items():
                     meta = build(cfg)
-                    c = count_segments(meta, blocks=block_paths(meta), micro_batch=PROFILE_B, seq_len=PROFILE_T,
-                                       compute_dtype="float32", spec=spec)
+                    c = count_segments(
+                        meta,
+                        blocks=block_paths(meta),
+                        micro_batch=PROFILE_B,
+                        seq_len=PROFILE_T,
+                        compute_dtype="float32",
+                        spec=spec,
+                    )
                     analytic[name] = (c[1].fwd.time_s * 1e6, c[1].bwd.time_s * 1e6)
-                measured = {name: tuple(min(r[name][i] for r in rounds) for i in (0, 1)) for name in cfgs}
-                near = any(abs(analytic[n][i] / measured[n][i] - 1) > NEAR for n in cfgs for i in (0, 1))
+                measured = {
+                    name: tuple(min(r[name][i] for r in rounds) for i in (0, 1)) for name in cfgs
+                }
+                near = any(
+                    abs(analytic[n][i] / measured[n][i] - 1) > NEAR for n in cfgs for i in (0, 1)
+                )
                 if not near or len(rounds) >= MAX_ROUNDS:
                     break  # (near the bound: PROFILE_ROUNDS more, later; the least over all of them)
     finally:
         torch.set_num_threads(threads)
     paired = tuple(statistics.median(r["moe"][i] / r["dense"][i] for r in rounds) for i in (0, 1))
-    return spec, {name: (analytic[name], measured[name]) for name in cfgs}, statistics.median(host), paired
+    return (
+        spec,
+        {name: (analytic[name], measured[name]) for name in cfgs},
+        statistics.median(host),
+        paired,
+    )
 
 
 def _report(spec, times, host_ns) -> list[str]:
-    lines = [f"probed spec: fp32 matmul {spec.matmul_fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
-             f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock); "
-             f"host: a bare Tensor.view in {host_ns:.0f} ns, median (calibration box {CAL_HOST_NS})"]
+    lines = [
+        f"probed spec: fp32 matmul {spec.matmul_fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
+        f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock); "
+        f"host: a bare Tensor.view in {host_ns:.0f} ns, median (calibration box {CAL_HOST_NS})"
+    ]
     for i, phase in enumerate(("fwd", "bwd")):
         row = []
         for name in times:
@@ -448,7 +599,9 @@ def _report(spec, times, host_ns) -> list[str]:
             row.append(f"{name} analytic {a:.0f} us, measured {m:.0f} us ({a / m:.2f}x)")
         ratio_a = times["moe"][0][i] / times["dense"][0][i]
         ratio_m = times["moe"][1][i] / times["dense"][1][i]
-        lines.append(f"{phase}: {'; '.join(row)}; moe/dense analytic {ratio_a:.2f}, measured {ratio_m:.2f}")
+        lines.append(
+            f"{phase}: {'; '.join(row)}; moe/dense analytic {ratio_a:.2f}, measured {ratio_m:.2f}"
+        )
     return lines
 
 
@@ -569,20 +722,36 @@ def test_fit_a_moe_model_reports_active_and_total_and_what_binds():
     assert big.binds.startswith("nothing up to micro-batch 16")
     text = render_model_fit(big)
     assert "0.5M total, 0.2M active per token (mixture of experts: top-2 of 8 in 2 blocks)" in text
-    assert "verdict: fits at micro-batch 16 x seq 128" in text and "routing: charged at balanced load" in text
+    assert (
+        "verdict: fits at micro-batch 16 x seq 128" in text
+        and "routing: charged at balanced load" in text
+    )
 
     # 6 MiB: micro-batches 1-4 fit (offloading and checkpointing more as they grow), 8 needs
     # 7.62 MiB at least, so device memory binds.
     budget = 6 * MiB
     mid = fit_model(model, name="mixtral-tiny", spec=SPEC, seq_len=128, budget_bytes=budget)
-    assert [(p.micro_batch, p.fits) for p in mid.probes] == [(1, True), (2, True), (4, True), (8, False)]
-    assert mid.binds.startswith("device memory: needs 7.62 MiB at least, 6.00 MiB budget"), mid.binds
+    assert [(p.micro_batch, p.fits) for p in mid.probes] == [
+        (1, True),
+        (2, True),
+        (4, True),
+        (8, False),
+    ]
+    assert mid.binds.startswith("device memory: needs 7.62 MiB at least, 6.00 MiB budget"), (
+        mid.binds
+    )
     best = mid.best
     assert best.plan.prediction.peak_memory_bytes <= budget and best.micro_batch == 4
     assert best.tokens_per_s == max(p.tokens_per_s for p in mid.probes)
     # Host memory: with a small device budget the states must go to the host, which is too small.
-    host = fit_model(model, name="mixtral-tiny", spec=SPEC, seq_len=128, budget_bytes=budget,
-                     host_budget_bytes=MiB)
+    host = fit_model(
+        model,
+        name="mixtral-tiny",
+        spec=SPEC,
+        seq_len=128,
+        budget_bytes=budget,
+        host_budget_bytes=MiB,
+    )
     assert not host.fits and host.binds.startswith("host memory: needs")
     assert "verdict: does not fit, even at micro-batch 1: host memory" in render_model_fit(host)
     assert host_need_bytes(best.plan) > MiB
@@ -599,9 +768,18 @@ def _llama_dir(tmp_path):
     """A local directory holding a tiny Llama's config.json (nothing downloaded)."""
     d = tmp_path / "llama"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=172,
-        num_hidden_layers=2, **ATTN)))
+    (d / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                architectures=["LlamaForCausalLM"],
+                hidden_size=64,
+                intermediate_size=172,
+                num_hidden_layers=2,
+                **ATTN,
+            )
+        )
+    )
     return d
 
 
@@ -616,9 +794,14 @@ def test_fit_cli_with_an_hf_config(tmp_path):
     r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64"])
     assert r.exit_code == 0, r.output
     assert time.perf_counter() - t0 < 20
-    assert "parameters: 0.1M (dense: all active)" in r.output and "verdict: fits at micro-batch 16" in r.output
-    r = runner.invoke(main, ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64",
-                             "--budget", "64KiB"])
+    assert (
+        "parameters: 0.1M (dense: all active)" in r.output
+        and "verdict: fits at micro-batch 16" in r.output
+    )
+    r = runner.invoke(
+        main,
+        ["fit", "--hf-config", str(d), "--hardware", "rtx3090", "--seq", "64", "--budget", "64KiB"],
+    )
     assert r.exit_code == 1 and "does not fit" in r.output and "HINT: a larger --budget" in r.output
     r = runner.invoke(main, ["fit", "--hardware", "rtx3090", "--blocks", "model.layers"])
     assert r.exit_code == 2 and "goes with --hf-config" in r.output
@@ -628,7 +811,9 @@ def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
     d = _llama_dir(tmp_path)
     lines: list[str] = []
     with pytest.raises(BudgetError, match="host memory") as e:
-        run_model_fit(f"hf:{d}", "rtx3090", budget="1MiB", host_memory="1KiB", seq_len=64, echo=lines.append)
+        run_model_fit(
+            f"hf:{d}", "rtx3090", budget="1MiB", host_memory="1KiB", seq_len=64, echo=lines.append
+        )
     assert "--host-memory" in str(e.value)
     assert "verdict: does not fit" in lines[-1]
 
@@ -638,13 +823,16 @@ def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
 CONFIGS = Path(__file__).resolve().parent.parent / "plans" / "configs"
 
 
-@pytest.mark.parametrize("name,total_b,active_b", [
-    ("mixtral-8x7b", 46.70, 12.88),  # Mistral AI: 46.7B total, 12.9B active
-    ("qwen3-30b-a3b", 30.53, 3.35),  # Qwen: 30.5B total, 3.3B activated
-    # OpenAI: 20.9B total, 3.6B active, which leaves out the input embedding (a lookup,
-    # no FLOPs; 201088 x 2880 = 0.58B); we count every parameter a token touches.
-    ("gpt-oss-20b", 20.91, 4.19),
-])
+@pytest.mark.parametrize(
+    "name,total_b,active_b",
+    [
+        ("mixtral-8x7b", 46.70, 12.88),  # Mistral AI: 46.7B total, 12.9B active
+        ("qwen3-30b-a3b", 30.53, 3.35),  # Qwen: 30.5B total, 3.3B activated
+        # OpenAI: 20.9B total, 3.6B active, which leaves out the input embedding (a lookup,
+        # no FLOPs; 201088 x 2880 = 0.58B); we count every parameter a token touches.
+        ("gpt-oss-20b", 20.91, 4.19),
+    ],
+)
 def test_committed_moe_configs_total_and_active(name, total_b, active_b):
     if not (CONFIGS / name / "config.json").is_file():
         pytest.skip(f"plans/configs/{name} is not there")
@@ -665,14 +853,27 @@ def test_fit_mixtral_8x7b_on_an_h200(capsys):
 
     from protrain.planner.commands.cli import main
 
-    base = ["fit", "--hf-config", str(CONFIGS / "mixtral-8x7b"), "--hardware", "h200", "--seq", "4096"]
+    base = [
+        "fit",
+        "--hf-config",
+        str(CONFIGS / "mixtral-8x7b"),
+        "--hardware",
+        "h200",
+        "--seq",
+        "4096",
+    ]
     runner = CliRunner()
     t0 = time.perf_counter()
     r = runner.invoke(main, base)
-    assert r.exit_code == 1 and "verdict: does not fit, even at micro-batch 1: host memory" in r.output
+    assert (
+        r.exit_code == 1 and "verdict: does not fit, even at micro-batch 1: host memory" in r.output
+    )
     r = runner.invoke(main, [*base, "--host-memory", "1.5TiB"])
     assert r.exit_code == 0, r.output
-    assert "46.70B total, 12.88B active per token (mixture of experts: top-2 of 8 in 32 blocks)" in r.output
+    assert (
+        "46.70B total, 12.88B active per token (mixture of experts: top-2 of 8 in 32 blocks)"
+        in r.output
+    )
     assert "verdict: fits at micro-batch" in r.output
     seconds = time.perf_counter() - t0
     assert seconds < 120

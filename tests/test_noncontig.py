@@ -64,12 +64,22 @@ def _milp_plan(model: str, budget_share: float) -> P.Plan:
     makes it keep the fullest chunks persistent rather than the first ones."""
     meta = make_model(model, device="meta")
     facts = model_facts(meta, model, block_paths(meta), SEQ_LEN)
-    prof = synthetic_profile(facts, gpu_spec(cpu_adam=2e6), block_us=300, act_bytes=2**20,
-                             micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, dtype="float32", rng=random.Random(3))
+    prof = synthetic_profile(
+        facts,
+        gpu_spec(cpu_adam=2e6),
+        block_us=300,
+        act_bytes=2**20,
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        dtype="float32",
+        rng=random.Random(3),
+    )
     t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0])
     everything = predict_plan(t, list(range(t.n_chunks)), 0, ["keep"] * t.n_blocks).peak_bytes
     least = predict_plan(t, [], min_buffers(t, []), ["checkpoint"] * t.n_blocks).peak_bytes
-    plan, _ = plan_from_profile(prof, int(least + budget_share * (everything - least)), solver="milp")
+    plan, _ = plan_from_profile(
+        prof, int(least + budget_share * (everything - least)), solver="milp"
+    )
     return plan
 
 
@@ -89,23 +99,47 @@ def test_milp_plans_replay_exactly(model):
 @pytest.mark.parametrize("model", ["gpt2-4", "llama-4"])
 def test_cpu_predicted_peak_is_the_ledger_peak_off_the_paper_space(model, capsys):
     net = make_model(model)
-    prof = measure(net, name=model, blocks=block_paths(net), micro_batch=4, seq_len=64,
-                   compute_dtype="float32", device="cpu", spec=CPU_SPEC, warmup=1, iterations=1)
+    prof = measure(
+        net,
+        name=model,
+        blocks=block_paths(net),
+        micro_batch=4,
+        seq_len=64,
+        compute_dtype="float32",
+        device="cpu",
+        spec=CPU_SPEC,
+        warmup=1,
+        iterations=1,
+    )
     facts = facts_from_profile(prof)
     size, _ = choose_chunk_numel(facts)
     t = make_terms(prof, size)
-    training = P.Training(micro_batch=4, seq_len=64, compute_dtype="float32", master_dtype="float32",
-                          world_size=1, grad_accum=1)
+    training = P.Training(
+        micro_batch=4,
+        seq_len=64,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     rows = []
-    for persistent, extra, strip in [([1, 3], 0, "checkpoint keep checkpoint swap"),
-                                     ([t.n_chunks - 1], 1, "keep swap checkpoint keep"),
-                                     ([1], 0, "swap swap keep checkpoint"),
-                                     ([0, 2], 0, "keep checkpoint swap checkpoint")]:
+    for persistent, extra, strip in [
+        ([1, 3], 0, "checkpoint keep checkpoint swap"),
+        ([t.n_chunks - 1], 1, "keep swap checkpoint keep"),
+        ([1], 0, "swap swap keep checkpoint"),
+        ([0, 2], 0, "keep checkpoint swap checkpoint"),
+    ]:
         persistent = [c for c in persistent if c < t.n_chunks]
         n_buffer = min(min_buffers(t, persistent) + extra, t.n_chunks - len(persistent))
         policies = strip.split()
-        plan = assemble(facts, training=training, chunk_numel=size, persistent=persistent,
-                        n_buffer=n_buffer, policies=policies)
+        plan = assemble(
+            facts,
+            training=training,
+            chunk_numel=size,
+            persistent=persistent,
+            n_buffer=n_buffer,
+            policies=policies,
+        )
         engine = wrap(make_model(model), plan, AdamWConfig(), device="cpu")
         data = batches(load_tokens(), 4, 64, 0)
         measured = max(engine.step(next(data)).peak_bytes for _ in range(2))
@@ -114,8 +148,10 @@ def test_cpu_predicted_peak_is_the_ledger_peak_off_the_paper_space(model, capsys
         # On CPU the model walks the ledger's own terms, so it predicts the peak to the byte.
         assert round(predicted) == measured, (persistent, strip, predicted, measured)
     with capsys.disabled():
-        print(f"\n{model} CPU ledger peak off the paper space, predicted / measured:",
-              ", ".join(f"{p} {s!r} {r:.3f}" for p, s, r in rows))
+        print(
+            f"\n{model} CPU ledger peak off the paper space, predicted / measured:",
+            ", ".join(f"{p} {s!r} {r:.3f}" for p, s, r in rows),
+        )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -126,20 +162,37 @@ def test_transfer_counts_bound_the_schedule_for_any_placement(facts, seed):
     prof = synthetic_profile(facts, gpu_spec(), block_us=100, act_bytes=1000, rng=rng)
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     t = make_terms(prof, size)
-    training = P.Training(micro_batch=1, seq_len=1024, compute_dtype="bfloat16", master_dtype="float32",
-                          world_size=1, grad_accum=1)
+    training = P.Training(
+        micro_batch=1,
+        seq_len=1024,
+        compute_dtype="bfloat16",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     for _ in range(6):
         persistent = sorted(rng.sample(range(t.n_chunks), rng.randint(0, t.n_chunks)))
         off = offload_mask(t, persistent)
         n_off = int(off.sum())
         n_buffer = rng.randint(min_buffers(t, persistent), n_off) if n_off else 0
         strip = [rng.choice(["keep", "swap", "checkpoint"]) for _ in range(t.n_blocks)]
-        plan = assemble(facts_from_profile(prof), training=training, chunk_numel=size,
-                        persistent=persistent, n_buffer=n_buffer, policies=strip)
+        plan = assemble(
+            facts_from_profile(prof),
+            training=training,
+            chunk_numel=size,
+            persistent=persistent,
+            n_buffer=n_buffer,
+            policies=strip,
+        )
         fwd, bwd = _uploads(plan)
         order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
         cached = np.zeros(t.n_chunks, dtype=int)
         cached[order[:n_buffer]] = 1
         later = t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)
         model_bwd = int((t.up_bwd @ (off * (1 - cached))).sum() + (later @ (off * cached)).sum())
-        assert fwd <= int((t.up_fwd @ off).sum()) and bwd <= model_bwd, (persistent, n_buffer, fwd, bwd)
+        assert fwd <= int((t.up_fwd @ off).sum()) and bwd <= model_bwd, (
+            persistent,
+            n_buffer,
+            fwd,
+            bwd,
+        )

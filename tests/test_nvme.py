@@ -53,14 +53,22 @@ def _train(model, plan, steps=None, data=None, nvme_dir=None, config=CONFIG):
     return train_engine(model, plan, steps or STEPS, data, nvme_dir, config)
 
 
-@pytest.mark.parametrize("model,persistent,policies,which,asynchronous", [
-    ("gpt2-4", [0], "keep swap checkpoint keep", "all", False),
-    pytest.param("gpt2-4", [0], "keep swap checkpoint keep", "all", True, marks=pytest.mark.slow),  # (22 s)
-    ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], False),
-    pytest.param("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], True, marks=pytest.mark.slow),  # (17 s)
-])
-def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, policies, which, asynchronous,
-                                                         tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "model,persistent,policies,which,asynchronous",
+    [
+        ("gpt2-4", [0], "keep swap checkpoint keep", "all", False),
+        pytest.param(
+            "gpt2-4", [0], "keep swap checkpoint keep", "all", True, marks=pytest.mark.slow
+        ),  # (22 s)
+        ("llama-4", [], "swap checkpoint keep swap", [0, 2, 3], False),
+        pytest.param(
+            "llama-4", [], "swap checkpoint keep swap", [0, 2, 3], True, marks=pytest.mark.slow
+        ),  # (17 s)
+    ],
+)
+def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(
+    model, persistent, policies, which, asynchronous, tmp_path, monkeypatch
+):
     _pieces(monkeypatch)
     plan = make_plan(model, persistent=persistent, n_buffer=2, policies=policies, nvme=which)
     with emulate(5) if asynchronous else contextlib.nullcontext():
@@ -71,9 +79,13 @@ def test_fp32_nvme_chunks_train_exactly_as_plain_pytorch(model, persistent, poli
     kept = make_plan(model, persistent=persistent, n_buffer=2, policies=policies)
     moved = sum(accounting.host_numel(plan, c) for c in plan.placement.nvme)
     assert run.engine.ledger.host_bytes == memory_walk.walk(plan).host_bytes
-    assert memory_walk.walk(kept).host_bytes - memory_walk.walk(plan).host_bytes == 12 * moved - accounting.NVME_WINDOW
-    assert memory_walk.walk(plan).disk_bytes == 3 * sum(accounting.nvme_span(accounting.host_numel(plan, c))
-                                                       for c in plan.placement.nvme)
+    assert (
+        memory_walk.walk(kept).host_bytes - memory_walk.walk(plan).host_bytes
+        == 12 * moved - accounting.NVME_WINDOW
+    )
+    assert memory_walk.walk(plan).disk_bytes == 3 * sum(
+        accounting.nvme_span(accounting.host_numel(plan, c)) for c in plan.placement.nvme
+    )
     assert list(tmp_path.iterdir()) == []  # the file is unlinked from the start
 
 
@@ -84,16 +96,26 @@ def test_bf16_nvme_chunks_train_bit_for_bit_as_host_states(policies, tmp_path, m
     _pieces(monkeypatch)
     kw = dict(persistent=[0], n_buffer=2, policies=policies, compute_dtype="bfloat16")
     want = _train(make_model("gpt2-4"), make_plan("gpt2-4", **kw))
-    for extra in (dict(nvme="all"), dict(homeless="all", nvme="all"), dict(homeless=[1, 2], nvme=[2, 3])):
+    for extra in (
+        dict(nvme="all"),
+        dict(homeless="all", nvme="all"),
+        dict(homeless=[1, 2], nvme=[2, 3]),
+    ):
         plan = make_plan("gpt2-4", **kw, **extra)
         with emulate(3):
             got = _train(make_model("gpt2-4"), plan, nvme_dir=tmp_path)
         assert_same_training(got, want)
         assert got[2] == memory_walk.walk(plan).host_bytes
     accum = dict(kw, grad_accum=2)
-    want = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum), data=batches(load_tokens(), 4, 32, 0))
-    got = _train(make_model("gpt2-4"), make_plan("gpt2-4", **accum, nvme=[1, 3]), nvme_dir=tmp_path,
-                 data=batches(load_tokens(), 4, 32, 0))
+    want = _train(
+        make_model("gpt2-4"), make_plan("gpt2-4", **accum), data=batches(load_tokens(), 4, 32, 0)
+    )
+    got = _train(
+        make_model("gpt2-4"),
+        make_plan("gpt2-4", **accum, nvme=[1, 3]),
+        nvme_dir=tmp_path,
+        data=batches(load_tokens(), 4, 32, 0),
+    )
     assert_same_training(got, want)
 
 
@@ -101,7 +123,9 @@ def _mapped_bytes(engine) -> int:
     """Resident bytes of the engine's NVMe file in this process (/proc/self/smaps)."""
     disk = engine.store.disk
     if not hasattr(disk, "inode"):
-        disk.inode = os.fstat(disk.file.fileno()).st_ino  # (kept: the descriptor closes before the mapping)
+        disk.inode = os.fstat(
+            disk.file.fileno()
+        ).st_ino  # (kept: the descriptor closes before the mapping)
     inode = disk.inode
     total, mine = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -113,24 +137,40 @@ def _mapped_bytes(engine) -> int:
     return total
 
 
-@pytest.mark.parametrize("dtype,homeless", [("bfloat16", ()), pytest.param("bfloat16", "all", marks=pytest.mark.slow),
-                                             ("float32", ())])
+@pytest.mark.parametrize(
+    "dtype,homeless",
+    [("bfloat16", ()), pytest.param("bfloat16", "all", marks=pytest.mark.slow), ("float32", ())],
+)
 def test_the_file_stays_on_disk_beyond_the_window(dtype, homeless, tmp_path, monkeypatch):
     """What keeps the states off the host is ``drop`` after each piece: at every event of a
     step (fetch, offload, CPU step) and just before every drop in a step, the file's pages mapped in
     this process stay within ``NVME_WINDOW``, though the states (and each chunk's shard, 8M
     elements) are many times larger. fp32: the fetch uploads the home from the file."""
-    monkeypatch.setitem(CONFIGS, "gpt2-wide", GPT2Config(n_layer=3, n_head=4, n_embd=384, vocab_size=256,
-                                                         block_size=64))
-    plan = make_plan("gpt2-wide", persistent=[], n_buffer=2, policies="checkpoint", compute_dtype=dtype,
-                     chunk_numel=1 << 23, nvme="all", homeless=homeless)
+    monkeypatch.setitem(
+        CONFIGS,
+        "gpt2-wide",
+        GPT2Config(n_layer=3, n_head=4, n_embd=384, vocab_size=256, block_size=64),
+    )
+    plan = make_plan(
+        "gpt2-wide",
+        persistent=[],
+        n_buffer=2,
+        policies="checkpoint",
+        compute_dtype=dtype,
+        chunk_numel=1 << 23,
+        nvme="all",
+        homeless=homeless,
+    )
     assert memory_walk.walk(plan).disk_bytes > 3 * accounting.NVME_WINDOW
     engine = wrap(make_model("gpt2-wide"), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
     seen = [_mapped_bytes(engine)]
     engine.on_event(lambda ev: seen.append(_mapped_bytes(engine)))
     drop = nvme.DiskStates.drop
-    monkeypatch.setattr(nvme.DiskStates, "drop", lambda self, *ts: (seen.append(_mapped_bytes(engine)),
-                                                                    drop(self, *ts)))
+    monkeypatch.setattr(
+        nvme.DiskStates,
+        "drop",
+        lambda self, *ts: (seen.append(_mapped_bytes(engine)), drop(self, *ts)),
+    )
     data = batches(load_tokens(), 4, 32, 0)
     for _ in range(2):
         engine.step(next(data))
@@ -157,7 +197,9 @@ def test_no_space_for_the_file_is_an_error_at_wrap(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_moves_between_disk_and_host_states(tmp_path):
-    nv = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", nvme="all")
+    nv = make_plan(
+        "gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap", nvme="all"
+    )
     host = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep checkpoint keep swap")
     straight = _train(make_model("gpt2-4"), host)
     for first, second in ((nv, host), (host, nv)):
@@ -198,8 +240,9 @@ def test_a_frozen_nvme_chunk_keeps_its_values_home_on_the_host(tmp_path):
     assert "transformer.wte.weight" not in b[1]["optim"]
     engine = wrap(frozen(), plan, CONFIG, device="cpu", nvme_dir=tmp_path)
     c0, c1 = engine.store.chunks[:2]
-    assert not c0.trainable and c0.home.data_ptr() not in range(engine.store.disk.base,
-                                                                engine.store.disk.base + engine.store.disk.nbytes)
+    assert not c0.trainable and c0.home.data_ptr() not in range(
+        engine.store.disk.base, engine.store.disk.base + engine.store.disk.nbytes
+    )
     assert c1.trainable and c1.home is engine.optim.master[1]  # fp32: on the disk
     engine.close()
 
@@ -210,8 +253,12 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
     plan = P.load(V6_FIXTURE)
     assert plan.placement.nvme and json.loads(V6_FIXTURE.read_bytes())["schema_version"] == 6
     off_disk = {"nvme": "host", "nvme_homeless": "homeless"}
-    host = msgspec.structs.replace(plan, placement=msgspec.structs.replace(
-        plan.placement, homes=[off_disk.get(h, h) for h in plan.placement.homes]))
+    host = msgspec.structs.replace(
+        plan,
+        placement=msgspec.structs.replace(
+            plan.placement, homes=[off_disk.get(h, h) for h in plan.placement.homes]
+        ),
+    )
     from protrain.planner.models.zoo import build
 
     data = [next(batches(load_tokens(), 4, 64, 0)) for _ in range(3)]
@@ -219,8 +266,10 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
     model = build("gpt2-tiny", device="cpu")
     import copy
 
-    assert_same_training(_train(copy.deepcopy(model), plan, 3, iter(data), tmp_path),
-                         _train(copy.deepcopy(model), host, 3, iter(data)))
+    assert_same_training(
+        _train(copy.deepcopy(model), plan, 3, iter(data), tmp_path),
+        _train(copy.deepcopy(model), host, 3, iter(data)),
+    )
     v5 = P.load(Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json")
     assert v5.placement.nvme == []
 
@@ -235,8 +284,11 @@ def _profile(disk_gbps: float | None = 3.0):
     prof = load_profile(root / "plans/profiles/gpt2-xl/gpt2-xl-rtx3090-b8-s1024.json")
     if disk_gbps is None:
         return prof
-    spec = msgspec.structs.replace(prof.hardware, disk_read_bytes_per_s=int(disk_gbps * 1e9),
-                                   disk_write_bytes_per_s=int(disk_gbps * 1e9 / 2))
+    spec = msgspec.structs.replace(
+        prof.hardware,
+        disk_read_bytes_per_s=int(disk_gbps * 1e9),
+        disk_write_bytes_per_s=int(disk_gbps * 1e9 / 2),
+    )
     return msgspec.structs.replace(prof, hardware=spec)
 
 
@@ -274,7 +326,11 @@ def test_the_disk_takes_what_homeless_chunks_leave():
     grid = policy_grid(t.n_blocks, [(0, t.n_blocks)])
     nb = 2
     _, peak0, free = evaluate(t, 0, nb, grid)
-    all_homeless = float(free["host_bytes"][0]) - float(t.host_numel.sum()) * t.home_bytes_per_elem + t.slot_pool_bytes
+    all_homeless = (
+        float(free["host_bytes"][0])
+        - float(t.host_numel.sum()) * t.home_bytes_per_elem
+        + t.slot_pool_bytes
+    )
     cap = 0.6 * all_homeless
     time, peak, parts = evaluate(t, 0, nb, grid, host_cap=cap)
     kn, k = int(parts["n_nvme"][0]), int(parts["n_homeless"][0])
@@ -285,8 +341,9 @@ def test_the_disk_takes_what_homeless_chunks_leave():
     assert parts["host_bytes"][0] == pytest.approx(all_homeless - 12 * moved + A.NVME_WINDOW)
     homeless = list(range(t.n_chunks))
     host_only = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [])
-    assert parts["t_cpu_optim_us"][0] == pytest.approx(host_only.breakdown["t_cpu_optim_us"]
-                                                       + moved * t.disk_step_us_per_elem)
+    assert parts["t_cpu_optim_us"][0] == pytest.approx(
+        host_only.breakdown["t_cpu_optim_us"] + moved * t.disk_step_us_per_elem
+    )
     assert parts["t_fwd_us"][0] > host_only.breakdown["t_fwd_us"]  # their fetches read the disk
     again = predict_plan(t, [], nb, ["checkpoint"] * t.n_blocks, homeless, [], on_disk)
     assert (again.time_us, again.peak_bytes) == (float(time[0]), float(peak[0]))
@@ -333,8 +390,11 @@ def test_the_search_weighs_the_disk_against_device_homes():
 
     prof, cap = _profile(), _half_host()
     for gbps, tier, other in ((3, "device_homed", "nvme"), (300, "nvme", "device_homed")):
-        spec = msgspec.structs.replace(prof.hardware, disk_read_bytes_per_s=int(gbps * 1e9),
-                                       disk_write_bytes_per_s=int(gbps * 1e9))
+        spec = msgspec.structs.replace(
+            prof.hardware,
+            disk_read_bytes_per_s=int(gbps * 1e9),
+            disk_write_bytes_per_s=int(gbps * 1e9),
+        )
         fast = msgspec.structs.replace(prof, hardware=spec)
         plan, _ = make_plan(fast, 22 * 2**30, host_budget_bytes=cap, nvme=True)
         assert getattr(plan.placement, tier) and not getattr(plan.placement, other), gbps
@@ -346,7 +406,11 @@ def test_the_search_weighs_the_disk_against_device_homes():
         alternative = predict(theirs, c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint, cap)
         assert round(chosen.time_us) == plan.prediction.iter_time_us
         host = alternative.breakdown["host_bytes"] + alternative.breakdown["host_swap_bytes"]
-        assert alternative.time_us > chosen.time_us or alternative.peak_bytes > 22 * 2**30 or host > cap, gbps
+        assert (
+            alternative.time_us > chosen.time_us
+            or alternative.peak_bytes > 22 * 2**30
+            or host > cap
+        ), gbps
         assert alternative.breakdown["n_device_homed" if tier == "nvme" else "n_nvme"] > 0
     without, _ = make_plan(prof, 22 * 2**30, host_budget_bytes=cap)  # (the spec's disk unused)
     assert plan.prediction.iter_time_us < without.prediction.iter_time_us  # (the 300 GB/s one)
@@ -373,8 +437,11 @@ def test_the_faster_tier_that_fits_per_strip():
     t = make_terms(prof, size, world_size=1, nvme=True)
     grid = policy_grid(t.n_blocks, [(0, t.n_blocks), (0, 0)])
     _, _, free = evaluate(t, 0, 2, grid)
-    cap = 0.6 * (float(free["host_bytes"][0]) - float(t.host_numel.sum()) * t.home_bytes_per_elem
-                 + t.slot_pool_bytes)
+    cap = 0.6 * (
+        float(free["host_bytes"][0])
+        - float(t.host_numel.sum()) * t.home_bytes_per_elem
+        + t.slot_pool_bytes
+    )
     picked = set()
     for slow, budget in ((1, math.inf), (1000, math.inf), (1, "below")):
         tt = dataclasses.replace(t, homed_adam_us_per_param=t.homed_adam_us_per_param * slow)
@@ -386,7 +453,11 @@ def test_the_faster_tier_that_fits_per_strip():
         time, peak, parts = _evaluate(tt, 0, 2, grid, cap, budget)
         for j in range(len(time)):
             use = homes if homes[1][j] <= budget and homes[0][j] < disk[0][j] else disk
-            assert (time[j], peak[j], parts["n_nvme"][j]) == (use[0][j], use[1][j], use[2]["n_nvme"][j])
+            assert (time[j], peak[j], parts["n_nvme"][j]) == (
+                use[0][j],
+                use[1][j],
+                use[2]["n_nvme"][j],
+            )
             picked.add("homes" if use is homes else "disk")
     assert picked == {"homes", "disk"}
 
@@ -401,7 +472,9 @@ def test_predicted_trace_charges_the_disk():
     from protrain.planner.views.trace import predicted_trace
 
     prof = _profile()
-    plan, _ = make_plan(prof, 16 * 2**30, host_budget_bytes=_half_host(), nvme=True)  # (16 GiB: no room for device homes)
+    plan, _ = make_plan(
+        prof, 16 * 2**30, host_budget_bytes=_half_host(), nvme=True
+    )  # (16 GiB: no room for device homes)
     on_disk, homeless = plan.placement.nvme, plan.placement.homeless
     assert on_disk and set(on_disk) <= set(homeless)
     doc = predicted_trace(prof, plan)
@@ -412,10 +485,20 @@ def test_predicted_trace_charges_the_disk():
         adam = per_param * sum(p.numel for p in plan.chunks.items[c].params)
         disk = accounting.host_numel(plan, c) * (12 / 3e9 + 12 / 1.5e9) * 1e6
         assert steps[c] == pytest.approx(adam + disk, rel=1e-3)
-    rounds = [e["args"]["chunk"] for e in x_events(doc, TRACKS["compute"]) if e["name"].startswith("round ")]
-    uploads = [e["args"]["chunk"] for e in x_events(doc, TRACKS["H2D"]) if e["name"].startswith(("fetch ", "prefetch "))]
+    rounds = [
+        e["args"]["chunk"]
+        for e in x_events(doc, TRACKS["compute"])
+        if e["name"].startswith("round ")
+    ]
+    uploads = [
+        e["args"]["chunk"]
+        for e in x_events(doc, TRACKS["H2D"])
+        if e["name"].startswith(("fetch ", "prefetch "))
+    ]
     assert sorted(rounds) == sorted(c for c in uploads if c in homeless)
-    converted = sum(e["dur"] for e in x_events(doc, TRACKS["compute"]) if e["name"].startswith("round "))
+    converted = sum(
+        e["dur"] for e in x_events(doc, TRACKS["compute"]) if e["name"].startswith("round ")
+    )
     assert converted == pytest.approx(plan.prediction.breakdown["t_convert_us"], rel=1e-3)
     low, high = TOLERANCE["gpu"]
     assert low <= doc["metadata"]["trace_iter_time_us"] / plan.prediction.iter_time_us <= high
@@ -430,15 +513,48 @@ def test_cli_plans_for_a_disk_and_trains_with_it(tmp_path):
     from protrain.planner.hardware.spec import load_spec
 
     run = CliRunner().invoke
-    r = run(main, ["plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "4", "--seq", "64", "--nvme",
-                   "-o", str(tmp_path / "p.json")])
+    r = run(
+        main,
+        [
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "cpu",
+            "--batch",
+            "4",
+            "--seq",
+            "64",
+            "--nvme",
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+    )
     assert r.exit_code == 1 and "hardware probe --nvme" in r.output
-    spec = msgspec.structs.replace(load_spec(Path(__file__).resolve().parent.parent / "plans/hardware/cpu.json"),
-                                   disk_read_bytes_per_s=2 * 10**9, disk_write_bytes_per_s=10**9)
+    spec = msgspec.structs.replace(
+        load_spec(Path(__file__).resolve().parent.parent / "plans/hardware/cpu.json"),
+        disk_read_bytes_per_s=2 * 10**9,
+        disk_write_bytes_per_s=10**9,
+    )
     (tmp_path / "disk.json").write_bytes(msgspec.json.encode(spec))
     # gpt2 (124M), bf16: with the host at 1.2 GB, its chunks' states go partly to the disk
-    plan_args = ["plan", "--model", "gpt2", "--hardware", str(tmp_path / "disk.json"), "--batch", "1",
-                 "--seq", "256", "--dtype", "bfloat16", "--budget", "600MiB", "--host-memory", "1200MiB"]
+    plan_args = [
+        "plan",
+        "--model",
+        "gpt2",
+        "--hardware",
+        str(tmp_path / "disk.json"),
+        "--batch",
+        "1",
+        "--seq",
+        "256",
+        "--dtype",
+        "bfloat16",
+        "--budget",
+        "600MiB",
+        "--host-memory",
+        "1200MiB",
+    ]
     r = run(main, [*plan_args, "-o", str(tmp_path / "p.json")])
     assert r.exit_code == 1 and "host memory" in r.output  # (no disk: no plan)
     r = run(main, [*plan_args, "--nvme", "-o", str(tmp_path / "p.json")])

@@ -41,12 +41,16 @@ def test_config_builds_on_meta_with_its_stated_size(name):
     model_type, stated = table()[name]
     info = models.describe(f"hf:{CONFIGS / name}")  # builds on meta: nothing allocated
     assert info.family == model_type
-    assert abs(info.n_params - stated) <= 0.02 * stated, f"{name}: {info.n_params:,} vs stated {stated:,.0f}"
+    assert abs(info.n_params - stated) <= 0.02 * stated, (
+        f"{name}: {info.n_params:,} vs stated {stated:,.0f}"
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "hardware"), [("llama-3.1-8b", ["h100"]),
-                                                ("qwen3-30b-a3b", ["h200", "--world-size", "4"])])
+@pytest.mark.parametrize(
+    ("name", "hardware"),
+    [("llama-3.1-8b", ["h100"]), ("qwen3-30b-a3b", ["h200", "--world-size", "4"])],
+)
 def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware, tmp_path):
     """The README's ``protrain plan --hf-config plans/configs/NAME --hardware H ... --batch 1 --seq 4096``."""
     pytest.importorskip("transformers")
@@ -56,7 +60,21 @@ def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware,
     from protrain.planner.commands.cli import main
 
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["plan", "--hf-config", str(CONFIGS / name), "--hardware", *hardware,
-                                  "--batch", "1", "--seq", "4096", "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--hf-config",
+            str(CONFIGS / name),
+            "--hardware",
+            *hardware,
+            "--batch",
+            "1",
+            "--seq",
+            "4096",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert P.load(out).model.name == f"hf:{CONFIGS / name}"

@@ -73,8 +73,10 @@ def test_canonical_layout():
 
 def test_dump_is_deterministic_and_has_no_float_noise():
     plan = P.load(EXAMPLE)
-    noisy = P.Plan(**{f: getattr(plan, f) for f in P.Plan.__struct_fields__ if f != "prediction"},
-                   prediction=P.Prediction(iter_time_us=12, breakdown={"b_bytes": 3, "a_us": 1}))
+    noisy = P.Plan(
+        **{f: getattr(plan, f) for f in P.Plan.__struct_fields__ if f != "prediction"},
+        prediction=P.Prediction(iter_time_us=12, breakdown={"b_bytes": 3, "a_us": 1}),
+    )
     assert P.dump(noisy) == P.dump(noisy)
     text = P.dump(noisy).decode()
     assert text.index('"a_us"') < text.index('"b_bytes"')  # dict keys sorted
@@ -151,7 +153,10 @@ def test_unknown_home_in_placement():
 
 def test_parameter_in_two_chunks():
     doc = _doc()
-    dup = dict(doc["chunks"]["list"][0]["params"][1], offset=doc["chunks"]["list"][2]["params"][-1]["offset"] + 100)
+    dup = dict(
+        doc["chunks"]["list"][0]["params"][1],
+        offset=doc["chunks"]["list"][2]["params"][-1]["offset"] + 100,
+    )
     doc["chunks"]["list"][2]["params"].append(dup)
     assert "also in chunk 0" in _load_err(doc)
 
@@ -199,7 +204,9 @@ def test_edited_parameter_list_breaks_the_fingerprint():
     assert "$.model.fingerprint" in _load_err(doc)
 
 
-@pytest.mark.parametrize("version,word", [(P.SCHEMA_VERSION + 1, "newer"), (0, "older"), (-3, "older")])
+@pytest.mark.parametrize(
+    "version,word", [(P.SCHEMA_VERSION + 1, "newer"), (0, "older"), (-3, "older")]
+)
 def test_version_window(version, word):
     doc = _doc()
     doc["schema_version"] = version
@@ -229,7 +236,9 @@ def test_random_corruptions_never_escape_as_raw_errors(plan, data):
     node = doc
     # Walk to a random leaf and replace it with a value of a random other kind.
     while isinstance(node, (dict, list)) and node:
-        key = data.draw(st.sampled_from(list(node.keys()) if isinstance(node, dict) else range(len(node))))
+        key = data.draw(
+            st.sampled_from(list(node.keys()) if isinstance(node, dict) else range(len(node)))
+        )
         path.append(key)
         if not isinstance(node[key], (dict, list)) or not node[key]:
             break
@@ -314,7 +323,9 @@ V2 = ROOT / "tests" / "fixtures" / "plans" / "v2" / "gpt2-tiny-clip.json"
 def test_v2_fixture_migrates_to_replicated_persistent_states():
     # The v2 executor replicated persistent chunks' masters and moments on every rank.
     plan = P.load(V2)
-    assert plan.schema_version == P.SCHEMA_VERSION and plan.placement.shard_persistent_states is False
+    assert (
+        plan.schema_version == P.SCHEMA_VERSION and plan.placement.shard_persistent_states is False
+    )
     assert P.load(V1).placement.shard_persistent_states is False  # v1 → v2 → v3
 
 
@@ -325,7 +336,9 @@ def test_v2_to_v3_is_pure_and_keeps_the_rest():
     out = M.v2_to_v3(doc)
     assert json.dumps(doc) == before  # the input is not touched
     assert out["placement"] == {**doc["placement"], "shard_persistent_states": False}
-    assert {k: v for k, v in out.items() if k != "placement"} == {k: v for k, v in doc.items() if k != "placement"}
+    assert {k: v for k, v in out.items() if k != "placement"} == {
+        k: v for k, v in doc.items() if k != "placement"
+    }
 
 
 def test_v2_file_with_a_v3_field_is_refused():
@@ -339,7 +352,9 @@ def test_v2_file_with_a_v3_field_is_refused():
 
 def test_sharded_persistent_states_need_several_ranks():
     doc = _doc()
-    assert doc["training"]["world_size"] == 1 and doc["placement"]["shard_persistent_states"] is False
+    assert (
+        doc["training"]["world_size"] == 1 and doc["placement"]["shard_persistent_states"] is False
+    )
     doc["placement"]["shard_persistent_states"] = True
     msg = _load_err(doc)
     assert "$.placement.shard_persistent_states" in msg and "one rank" in msg
@@ -389,7 +404,10 @@ def test_prefetch_fetched_later_across_forward_and_backward_is_fine():
     # A prefetch in forward's last step, fetched two steps into backward, is fine.
     doc = _doc()
     fwd, bwd = doc["schedule"]["forward"], doc["schedule"]["backward"]
-    fwd[2]["release"], fwd[3]["prefetch"] = [1], [1]  # drop chunk 1 after h.1, bring it back at <post>
+    fwd[2]["release"], fwd[3]["prefetch"] = (
+        [1],
+        [1],
+    )  # drop chunk 1 after h.1, bring it back at <post>
     assert bwd[2]["segment"] == "transformer.h.0" and bwd[2]["fetch"] == [1]
     plan = P.load(json.dumps(doc).encode())
     assert plan.schedule.forward[3].prefetch == [1]
@@ -418,8 +436,11 @@ def test_homeless_chunks_are_validated():
     plan = P.load(V4)
     assert plan.placement.homeless == [1, 2] and plan.placement.n_host_slots == 2
     doc = json.loads(V4.read_bytes())
-    for key, value, words in (("homeless", [2, 1], "ascending"), ("homeless", [0], "offloaded"),
-                              ("n_host_slots", 0, "at least 1")):
+    for key, value, words in (
+        ("homeless", [2, 1], "ascending"),
+        ("homeless", [0], "offloaded"),
+        ("n_host_slots", 0, "at least 1"),
+    ):
         bad = json.loads(json.dumps(doc))
         bad["placement"][key] = value
         msg = _load_err(bad)
@@ -439,28 +460,41 @@ def test_v6_to_v7_names_one_home_per_chunk():
     before = json.dumps(doc)
     out = M.v6_to_v7(doc)
     assert json.dumps(doc) == before  # pure
-    assert out["placement"] == {"n_persist": 1, "n_buffer": 3,
-                                "homes": ["persistent", "host", "nvme", "nvme", "nvme", "nvme_homeless"],
-                                "shard_persistent_states": False, "n_host_slots": 1}
-    assert {k: v for k, v in out.items() if k != "placement"} == {k: v for k, v in doc.items() if k != "placement"}
+    assert out["placement"] == {
+        "n_persist": 1,
+        "n_buffer": 3,
+        "homes": ["persistent", "host", "nvme", "nvme", "nvme", "nvme_homeless"],
+        "shard_persistent_states": False,
+        "n_host_slots": 1,
+    }
+    assert {k: v for k, v in out.items() if k != "placement"} == {
+        k: v for k, v in doc.items() if k != "placement"
+    }
     plan = P.load(V6)  # and the lists read back from the homes
     assert (plan.placement.persistent, plan.placement.offloaded) == ([0], [1, 2, 3, 4, 5])
-    assert (plan.placement.homeless, plan.placement.nvme, plan.placement.device_homed) == ([5], [2, 3, 4, 5], [])
+    assert (plan.placement.homeless, plan.placement.nvme, plan.placement.device_homed) == (
+        [5],
+        [2, 3, 4, 5],
+        [],
+    )
     for old in (V1, V2, V3):  # older files: every offloaded chunk at home on the host
         homes = P.load(old).placement.homes
         assert set(homes) <= {"persistent", "host"} and "host" in homes
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("offloaded", [1, 2, 3, 4], "neither persistent nor offloaded"),
-    ("offloaded", [0, 1, 2, 3, 4, 5], "both persistent and offloaded"),
-    ("persistent", [9], "chunk ids (0..5)"),
-    ("nvme", [3, 2], "ascending"),
-    ("homeless", [0], "not offloaded"),
-    ("device_homed", [5], "also in `homeless`"),
-    ("device_homed", [2], "also in `nvme`"),
-    ("nvme", "all", "must list chunk ids"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("offloaded", [1, 2, 3, 4], "neither persistent nor offloaded"),
+        ("offloaded", [0, 1, 2, 3, 4, 5], "both persistent and offloaded"),
+        ("persistent", [9], "chunk ids (0..5)"),
+        ("nvme", [3, 2], "ascending"),
+        ("homeless", [0], "not offloaded"),
+        ("device_homed", [5], "also in `homeless`"),
+        ("device_homed", [2], "also in `nvme`"),
+        ("nvme", "all", "must list chunk ids"),
+    ],
+)
 def test_v6_lists_that_name_no_home_are_refused(key, value, words):
     doc = json.loads(V6.read_bytes())
     doc["placement"][key] = value
@@ -475,10 +509,13 @@ def test_v6_file_with_homes_is_refused():
     assert "$.placement.homes" in msg and "schema 6" in msg
 
 
-@pytest.mark.parametrize("home,dtype,words", [
-    ("homeless", "float32", "16-bit compute"),
-    ("nvme_homeless", "float32", "16-bit compute"),
-])
+@pytest.mark.parametrize(
+    "home,dtype,words",
+    [
+        ("homeless", "float32", "16-bit compute"),
+        ("nvme_homeless", "float32", "16-bit compute"),
+    ],
+)
 def test_homes_preconditions_come_from_the_table(home, dtype, words):
     # validate() asks executor/homes.py whether each chunk's home allows the plan's setup.
     doc = json.loads(P.dump(P.load(V6)))

@@ -20,26 +20,61 @@ CPU = find_spec("cpu")
 
 def _measure(name="gpt2-tiny", b=4, t=64, **kw):
     model = build(name)
-    return measure(model, name=name, blocks=block_paths(model), micro_batch=b, seq_len=t,
-                   compute_dtype="float32", device="cpu", spec=CPU, **kw)
+    return measure(
+        model,
+        name=name,
+        blocks=block_paths(model),
+        micro_batch=b,
+        seq_len=t,
+        compute_dtype="float32",
+        device="cpu",
+        spec=CPU,
+        **kw,
+    )
 
 
 def test_cli_profile_writes_a_complete_profile(tmp_path):
     out = tmp_path / "p.json"
-    result = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "4", "--seq", "128",
-                                       "--device", "cpu", "--hardware", "cpu", "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "4",
+            "--seq",
+            "128",
+            "--device",
+            "cpu",
+            "--hardware",
+            "cpu",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = out.read_bytes()
     prof = load_profile(data)
     assert dump_profile(prof) == data
-    assert [s.segment for s in prof.segments] == ["<pre>", "transformer.h.0", "transformer.h.1", "<post>"]
+    assert [s.segment for s in prof.segments] == [
+        "<pre>",
+        "transformer.h.0",
+        "transformer.h.1",
+        "<post>",
+    ]
     for s in prof.segments[1:-1]:
         assert s.fwd_us > 0 and s.bwd_us > 0 and s.saved_bytes > 0 and s.input_bytes > 0
         assert s.saved_tensor_bytes >= s.saved_bytes
     assert prof.source == "measured" and prof.device == "cpu" and not prof.bootstrap
     assert prof.attention and prof.iterations == 5
-    assert {p.name for p in prof.params} == {n for n, _ in build("gpt2-tiny", device="meta").named_parameters()}
-    assert next(p for p in prof.params if p.name == "transformer.wte.weight").uses == ["<pre>", "<post>"]
+    assert {p.name for p in prof.params} == {
+        n for n, _ in build("gpt2-tiny", device="meta").named_parameters()
+    }
+    assert next(p for p in prof.params if p.name == "transformer.wte.weight").uses == [
+        "<pre>",
+        "<post>",
+    ]
 
 
 def independent_saved_bytes(name: str, b: int, t: int) -> dict[str, int]:
@@ -52,8 +87,13 @@ def independent_saved_bytes(name: str, b: int, t: int) -> dict[str, int]:
     sizes: dict[str, int] = {}
     blocks = block_paths(model)
     mods = dict(model.named_modules())
-    hooks = [mods[bp].register_forward_pre_hook(lambda m, a, bp=bp: current.update(seg=bp)) for bp in blocks]
-    hooks.append(mods[blocks[-1]].register_forward_hook(lambda m, a, o: current.update(seg="<post>")))
+    hooks = [
+        mods[bp].register_forward_pre_hook(lambda m, a, bp=bp: current.update(seg=bp))
+        for bp in blocks
+    ]
+    hooks.append(
+        mods[blocks[-1]].register_forward_hook(lambda m, a, o: current.update(seg="<post>"))
+    )
 
     def pack(x):
         s = x.untyped_storage()
@@ -110,8 +150,10 @@ def test_repeated_profiles_are_stable(capsys):
             sa, sb = fa / totals[0], fb / totals[1]
             share_ratios.append(max(sa, sb) / min(sa, sb))
     with capsys.disabled():
-        print(f"\nper-block median ratio between two profiles: max {max(ratios):.3f}, "
-              f"median {statistics.median(ratios):.3f}; of shares: max {max(share_ratios):.3f}")
+        print(
+            f"\nper-block median ratio between two profiles: max {max(ratios):.3f}, "
+            f"median {statistics.median(ratios):.3f}; of shares: max {max(share_ratios):.3f}"
+        )
     assert max(share_ratios) <= 1.25
     # Absolute medians drift with whatever else the machine runs (seen 1.53 mid-suite);
     # only a gross instability fails here.
@@ -129,6 +171,24 @@ def test_bootstrap_plan_gives_the_same_activations():
 def test_unavailable_cuda_is_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    result = CliRunner().invoke(main, ["profile", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8",
-                                       "--device", "cuda", "-o", str(tmp_path / "x.json")])
-    assert result.exit_code == 1 and "no CUDA device" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--device",
+            "cuda",
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
+    assert (
+        result.exit_code == 1
+        and "no CUDA device" in result.output
+        and "Traceback" not in result.output
+    )

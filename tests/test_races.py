@@ -32,8 +32,9 @@ from protrain.planner.models.data import batches, load_tokens
 SEEDS = (1, 2, 3)
 
 
-def train(model: str, plan, steps: int, seed: int | None, config: AdamWConfig | None = None,
-          on_event=None):
+def train(
+    model: str, plan, steps: int, seed: int | None, config: AdamWConfig | None = None, on_event=None
+):
     """(losses, state_dict) of the engine alone; emulated asynchronous when ``seed`` is set."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
     k = plan.training.grad_accum
@@ -62,11 +63,13 @@ def assert_same_sd(a: dict, b: dict) -> None:
         torch.testing.assert_close(a["model"][name], b["model"][name], rtol=0, atol=0, msg=name)
     for name in b["optim"]:
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(a["optim"][name][key], b["optim"][name][key], rtol=0, atol=0,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                a["optim"][name][key], b["optim"][name][key], rtol=0, atol=0, msg=f"{name} {key}"
+            )
 
 
 # -- the asynchronous parity matrix
+
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", list(MATRIX))
@@ -82,8 +85,9 @@ def test_async_matrix_fp32_is_exact(case, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("dtype,grad_accum", [("bfloat16", 1), ("bfloat16", 2), ("float32", 3),
-                                              ("float16", 2)])
+@pytest.mark.parametrize(
+    "dtype,grad_accum", [("bfloat16", 1), ("bfloat16", 2), ("float32", 3), ("float16", 2)]
+)
 @pytest.mark.parametrize("case", ["mixed", "interleaved", "interleaved-2"])
 def test_async_matrix_equals_sync(case, dtype, grad_accum, seed):
     """16-bit compute and gradient accumulation: the asynchronous run equals the synchronous one."""
@@ -101,9 +105,13 @@ def test_async_clipping_is_exact(seed, land_delay_s):
     grad_accum 2; with a slow worker in the last case) before the norm is taken."""
     config = AdamWConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=0.05)
     with emulate(seed) as emu:
-        run = lockstep("llama-4", _plan("llama-4", "interleaved", cpu_adam="after_backward", grad_accum=2),
-                       steps=4 if not land_delay_s else 2, config=config,
-                       on_event=sleeper(before_grad_land=land_delay_s))
+        run = lockstep(
+            "llama-4",
+            _plan("llama-4", "interleaved", cpu_adam="after_backward", grad_accum=2),
+            steps=4 if not land_delay_s else 2,
+            config=config,
+            on_event=sleeper(before_grad_land=land_delay_s),
+        )
         run.engine.close()
     assert not emu.errors, emu.errors
     assert run.losses == run.ref_losses
@@ -135,6 +143,7 @@ def test_staging_is_reused_only_after_the_worker_landed_it():
 
 # -- guards that only a specific situation reaches
 
+
 def test_a_forgotten_wait_reads_poison():
     """The emulation's premise: a consumer that does not wait on a copy reads NaN."""
     from protrain.executor.transfer import CopyEngine
@@ -155,8 +164,9 @@ def test_a_forgotten_wait_reads_poison():
 def test_cpu_step_writes_home_only_after_the_last_upload_read_it():
     """A prefetch still reading home when the chunk's CPU step runs must see the old weights."""
     # grad_accum 2: the accumulator layout, whose gradients the test can set by hand
-    plan = make_plan("gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16",
-                     grad_accum=2)
+    plan = make_plan(
+        "gpt2-4", persistent=[], n_buffer=2, policies="keep", compute_dtype="bfloat16", grad_accum=2
+    )
     with emulate(3, min_delay_s=0.05, max_delay_s=0.05, tail_p=0.0):
         engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(lr=0.1), device="cpu")
         store, optim = engine.store, engine.optim
@@ -219,9 +229,12 @@ class _HostScalar(torch.autograd.Function):
         return grad * 2
 
 
-@pytest.mark.parametrize("policies", ["swap", "swap checkpoint keep swap", "checkpoint swap swap keep"])
+@pytest.mark.parametrize(
+    "policies", ["swap", "swap checkpoint keep swap", "checkpoint swap swap keep"]
+)
 def test_a_block_saving_a_host_scalar_trains_under_swap(policies):
     """Swap leaves host-side and 0-dim saved tensors alone (D2H of a host tensor: no stream)."""
+
     def patch(model):
         for block in model.transformer.h:
             block.mlp.register_forward_hook(lambda _m, _a, out: _HostScalar.apply(out))

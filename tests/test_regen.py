@@ -35,8 +35,9 @@ PLANS = sorted(p for m in regen.SHAPES for p in (ROOT / "plans" / m).glob("*.jso
 
 
 def _check(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), "--check", "--root", str(root)],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(TOOL), "--check", "--root", str(root)], capture_output=True, text=True
+    )
 
 
 @pytest.mark.slow
@@ -125,5 +126,7 @@ def test_a_measured_profile_takes_precedence(tmp_path):
     chosen, problems = regen.choose_profiles(tmp_path)
     assert chosen[entry].source == "measured" and chosen[entry].data == measured
     assert all(c.source == "analytic" for e, c in chosen.items() if e != entry)
-    assert problems == ["plans/profiles/gpt2-xl/stray.json: misnamed; this analytic profile belongs "
-                        f"at {entry.profile_rel()}"]
+    assert problems == [
+        "plans/profiles/gpt2-xl/stray.json: misnamed; this analytic profile belongs "
+        f"at {entry.profile_rel()}"
+    ]

@@ -24,7 +24,12 @@ def test_resume_continues_the_same_losses(tmp_path):
     full = train(PLAN, "gpt2-tiny", steps=6, **QUIET)
     first = train(PLAN, "gpt2-tiny", steps=4, save_every=2, save_dir=str(tmp_path), **QUIET)
     assert first == full[:4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock",
+        "latest",
+        "step-00000002",
+        "step-00000004",
+    ]
     rest = train(PLAN, "gpt2-tiny", steps=6, resume=str(tmp_path), **QUIET)
     assert rest == full[4:]
 
@@ -37,10 +42,27 @@ def test_save_every_needs_a_directory():
 def test_ctrl_c_checkpoints_then_stops(tmp_path):
     out = tmp_path / "ck"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "protrain.planner", "train", "--plan", PLAN, "--model", "gpt2-tiny",
-         "--steps", "100000", "--save-every", "3", "--save-dir", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "protrain.planner",
+            "train",
+            "--plan",
+            PLAN,
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "100000",
+            "--save-every",
+            "3",
+            "--save-dir",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.monotonic() + 120
     while not (out / "latest").exists():  # the loop is running once the first checkpoint is
         assert time.monotonic() < deadline and proc.poll() is None

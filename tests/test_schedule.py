@@ -10,12 +10,15 @@ from protrain.executor import validation as V
 from protrain.planner.models.data import batches, load_tokens
 
 
-@pytest.mark.parametrize("model,persistent,n_buffer,policies", [
-    ("gpt2-4", [], 2, "keep"),
-    ("gpt2-4", [0], 3, "swap checkpoint keep swap"),
-    ("llama-4", [], 1, "checkpoint"),
-    ("llama-4", [1, 3], 2, "keep swap keep checkpoint"),
-])
+@pytest.mark.parametrize(
+    "model,persistent,n_buffer,policies",
+    [
+        ("gpt2-4", [], 2, "keep"),
+        ("gpt2-4", [0], 3, "swap checkpoint keep swap"),
+        ("llama-4", [], 1, "checkpoint"),
+        ("llama-4", [1, 3], 2, "keep swap keep checkpoint"),
+    ],
+)
 def test_residency_at_each_segment_begin_matches_the_plan(model, persistent, n_buffer, policies):
     plan = make_plan(model, persistent=persistent, n_buffer=n_buffer, policies=policies)
     engine = wrap(make_model(model), plan, AdamWConfig(), device="cpu")
@@ -27,8 +30,18 @@ def test_residency_at_each_segment_begin_matches_the_plan(model, persistent, n_b
     def probe(ev):
         if ev.kind == "segment" and ev.edge == "begin":
             store = engine.store
-            got.append((ev.phase, ev.segment, store.resident_offloaded(),
-                        sum(store.chunks[c.id].dev.untyped_storage().nbytes() for c in store.chunks if not c.persistent)))
+            got.append(
+                (
+                    ev.phase,
+                    ev.segment,
+                    store.resident_offloaded(),
+                    sum(
+                        store.chunks[c.id].dev.untyped_storage().nbytes()
+                        for c in store.chunks
+                        if not c.persistent
+                    ),
+                )
+            )
 
     engine.on_event(probe)
     for _ in range(2):  # the second step starts from what the first left behind
@@ -51,7 +64,9 @@ def test_offloads_happen_once_per_chunk_per_micro_batch():
     seen = []
     original = engine.optim.offload_grad
     engine.optim.offload_grad = lambda cid, first_micro_batch, **kw: (
-        seen.append((cid, first_micro_batch)), original(cid, first_micro_batch, **kw))
+        seen.append((cid, first_micro_batch)),
+        original(cid, first_micro_batch, **kw),
+    )
     data = batches(load_tokens(), 4, 32, 0)
     engine.step([next(data), next(data)])
     off = plan.placement.offloaded

@@ -42,12 +42,16 @@ def brute_force(t, budget, host_budget=math.inf, top=1):
         for sw, ck in policy_pairs(t):
             fits = []
             for tt in tiers:
-                p = predict(tt, n_persist, n_buffer, sw, ck, host_budget)  # homeless where the host asks
+                p = predict(
+                    tt, n_persist, n_buffer, sw, ck, host_budget
+                )  # homeless where the host asks
                 host = p.breakdown["host_bytes"] + p.breakdown["host_swap_bytes"]
                 if p.peak_bytes <= budget and host <= host_budget:
                     fits.append((p.time_us, p.peak_bytes))
             if fits:
-                tm, pk = min(fits, key=lambda f: f[0])  # (a tie in time keeps the disk's, as the search)
+                tm, pk = min(
+                    fits, key=lambda f: f[0]
+                )  # (a tie in time keeps the disk's, as the search)
                 rows.append((round(tm), pk, ck, n_persist, n_buffer, sw, ck))
     if top > 1:
         return sorted(rows)[:top]
@@ -55,25 +59,41 @@ def brute_force(t, budget, host_budget=math.inf, top=1):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_facts(), st.integers(0, 2**31), st.floats(0.0, 1.0), st.booleans(),
-       st.one_of(st.none(), st.floats(0.0, 1.2)), st.booleans())
+@given(
+    random_facts(),
+    st.integers(0, 2**31),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+    st.one_of(st.none(), st.floats(0.0, 1.2)),
+    st.booleans(),
+)
 def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
     rng = random.Random(seed)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
     if not gpu:
-        spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "kind": "cpu"})
-    if nvme:  # a disk of 0.5 to 200 GB/s (plan --nvme; the fast ones beat device homes on a cpu device)
+        spec = spec.__class__(
+            **{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "kind": "cpu"}
+        )
+    if (
+        nvme
+    ):  # a disk of 0.5 to 200 GB/s (plan --nvme; the fast ones beat device homes on a cpu device)
         import msgspec
 
         disk = int(10 ** rng.uniform(8.7, 11.3))
-        spec = msgspec.structs.replace(spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2)
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+        spec = msgspec.structs.replace(
+            spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2
+        )
+    prof = synthetic_profile(
+        facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7), rng=rng
+    )
     size, _ = choose_chunk_numel(facts_from_profile(prof))
     t = make_terms(prof, size, nvme=nvme)
     # A host budget (sometimes): a share of what the most host-hungry configuration needs.
-    hosts = [sum(predict(t, a, b, s, c).breakdown[k] for k in ("host_bytes", "host_swap_bytes"))
-             for a, b in space(t) for s, c in policy_pairs(t)]
+    hosts = [
+        sum(predict(t, a, b, s, c).breakdown[k] for k in ("host_bytes", "host_swap_bytes"))
+        for a, b in space(t)
+        for s, c in policy_pairs(t)
+    ]
     host_budget = None if host_share is None else host_share * max(hosts)
     # (min_peak_bytes: without device homes, which only a host budget asks for; cost.py [Device homes])
     peaks = [predict(t, a, b, s, c).peak_bytes for a, b in space(t) for s, c in policy_pairs(t)]
@@ -83,11 +103,20 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
     got = [result.best, *result.runners_up] if result.best is not None else []
     # The winner and the runners-up are the brute force's best six, in order, although
     # buffers past the dense range are searched only where they can enter them.
-    assert [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in got] == [r[3:] for r in expected]
-    assert [round(c.time_us) for c in got] == [r[0] for r in expected]  # (each one's tier: its time and peak)
+    assert [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in got] == [
+        r[3:] for r in expected
+    ]
+    assert [round(c.time_us) for c in got] == [
+        r[0] for r in expected
+    ]  # (each one's tier: its time and peak)
     assert [c.peak_bytes for c in got] == pytest.approx([r[1] for r in expected], rel=1e-12)
     assert math.isclose(result.min_peak_bytes, min(peaks))
-    if host_budget is not None and got is None and expected is None and result.min_host_bytes < math.inf:
+    if (
+        host_budget is not None
+        and got is None
+        and expected is None
+        and result.min_host_bytes < math.inf
+    ):
         assert result.min_host_bytes > host_budget  # refused for the host, and says by how much
 
 
@@ -102,22 +131,44 @@ def test_buffers_past_the_dense_range_weigh_both_host_tiers():
 
     from protrain.planner.search.emit import ModelFacts
 
-    params = [("embed.weight", (4, 8), "float32"), ("layers.0.p0", (1,), "float32"),
-              ("layers.0.p1", (1,), "float32"), ("norm.weight", (8,), "float32"), ("head.weight", (4, 8), "float32")]
-    uses = {P.PRE: ["embed.weight"], "layers.0": ["layers.0.p0", "layers.0.p1"], P.POST: ["norm.weight", "head.weight"]}
-    facts = ModelFacts(name="synthetic", blocks=["layers.0"], params=params, tied=[],
-                       segments=[P.PRE, "layers.0", P.POST], order=[n for n, _, _ in params], uses=uses)
+    params = [
+        ("embed.weight", (4, 8), "float32"),
+        ("layers.0.p0", (1,), "float32"),
+        ("layers.0.p1", (1,), "float32"),
+        ("norm.weight", (8,), "float32"),
+        ("head.weight", (4, 8), "float32"),
+    ]
+    uses = {
+        P.PRE: ["embed.weight"],
+        "layers.0": ["layers.0.p0", "layers.0.p1"],
+        P.POST: ["norm.weight", "head.weight"],
+    }
+    facts = ModelFacts(
+        name="synthetic",
+        blocks=["layers.0"],
+        params=params,
+        tied=[],
+        segments=[P.PRE, "layers.0", P.POST],
+        order=[n for n, _, _ in params],
+        uses=uses,
+    )
     rng = random.Random(0)  # (the draws of the property test's search that found it, in its order)
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))  # 24
     disk = int(10 ** rng.uniform(8.0, 9.5))  # 1.37 GB/s
-    spec = msgspec.structs.replace(spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2)
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+    spec = msgspec.structs.replace(
+        spec, disk_read_bytes_per_s=disk, disk_write_bytes_per_s=disk // 2
+    )
+    prof = synthetic_profile(
+        facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7), rng=rng
+    )
     t = make_terms(prof, 32, nvme=True)  # (the embedding's 32 elements: a chunk a parameter or so)
     assert t.n_chunks == 5 and t.nvme_ok and t.homed_ok
     budget = max(predict(t, a, b, s, c).peak_bytes for a, b in space(t) for s, c in policy_pairs(t))
     result = exhaustive(t, budget, 0)
-    got = [(c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint) for c in [result.best, *result.runners_up]]
+    got = [
+        (c.n_persist, c.n_buffer, c.n_swap, c.n_checkpoint)
+        for c in [result.best, *result.runners_up]
+    ]
     expected = brute_force(t, budget, 0, top=6)
     assert got == [r[3:] for r in expected]
     assert (0, 5, 0, 0) in got and any(c.n_homed for c in [result.best, *result.runners_up])
@@ -136,8 +187,9 @@ def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
     spec = gpu_spec(link_gbps=rng.choice([2.0, 24.0]))
     if not gpu:
         spec = msgspec.structs.replace(spec, kind="cpu")
-    prof = synthetic_profile(facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7),
-                             rng=rng)
+    prof = synthetic_profile(
+        facts, spec, block_us=rng.uniform(10, 5000), act_bytes=rng.randint(10**3, 10**7), rng=rng
+    )
     t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0])
     grid = policy_grid(t.n_blocks, policy_pairs(t))
     for n_persist in range(t.n_chunks):
@@ -146,7 +198,10 @@ def test_more_buffers_never_slower_never_smaller(facts, seed, gpu):
         for n_buffer in range(min_buffers(t, n_persist), n_off + 1):
             time, peak, _ = evaluate(t, n_persist, n_buffer, grid)
             if prev is not None:
-                assert (peak >= prev[1]).all() and (time <= prev[0] + 1e-9).all(), (n_persist, n_buffer)
+                assert (peak >= prev[1]).all() and (time <= prev[0] + 1e-9).all(), (
+                    n_persist,
+                    n_buffer,
+                )
             prev = (time, peak)
 
 
@@ -174,12 +229,20 @@ def test_make_plan_keeps_the_best_chunk_size(facts, seed, where):
     from protrain.planner.search.cost import chunk_candidates
 
     rng = random.Random(seed)
-    prof = synthetic_profile(facts, gpu_spec(link_gbps=rng.choice([2.0, 24.0])), block_us=rng.uniform(10, 5000),
-                             act_bytes=rng.randint(10**3, 10**7), rng=rng)
+    prof = synthetic_profile(
+        facts,
+        gpu_spec(link_gbps=rng.choice([2.0, 24.0])),
+        block_us=rng.uniform(10, 5000),
+        act_bytes=rng.randint(10**3, 10**7),
+        rng=rng,
+    )
     sizes, _ = chunk_candidates(facts_from_profile(prof))
     results = {s: exhaustive(t, math.inf) for s in sizes for t in [make_terms(prof, s)]}
     peaks = [r.min_peak_bytes for r in results.values()]
-    budget = int(min(peaks) + where * (max(r.best.peak_bytes for r in results.values()) - min(peaks))) + 1
+    budget = (
+        int(min(peaks) + where * (max(r.best.peak_bytes for r in results.values()) - min(peaks)))
+        + 1
+    )
     results = {s: exhaustive(make_terms(prof, s), budget) for s in sizes}
     fitting = {s: r.best.key() for s, r in results.items() if r.best is not None}
     try:
@@ -215,14 +278,17 @@ def test_llama70b_search_under_a_second(llama70b, capsys):
     # what is timed is the search over the device budget.
     plan, result = make_plan(prof, 76 * 2**30, host_budget_bytes=2**41)
     with capsys.disabled():
-        print(f"\nllama-70b search: {result.evaluated} of {result.space_size} configurations, "
-              f"{result.seconds:.3f} s")
+        print(
+            f"\nllama-70b search: {result.evaluated} of {result.space_size} configurations, "
+            f"{result.seconds:.3f} s"
+        )
     assert result.seconds < 1.0
     # Planning twice gives byte-identical plans.
     assert P.dump(plan) == P.dump(make_plan(prof, 76 * 2**30, host_budget_bytes=2**41)[0])
 
 
 # -- the paper's Table 4 directions, on analytic profiles of gpt2-xl for an RTX 3090
+
 
 @pytest.fixture(scope="module")
 def xl_profiles():
@@ -234,8 +300,15 @@ def xl_profiles():
     out = {}
     for b in (2, 8, 16):
         m = build("gpt2-xl", device="meta")
-        out[b] = analytic_profile(m, name="gpt2-xl", blocks=block_paths(m), micro_batch=b, seq_len=1024,
-                                  compute_dtype="bfloat16", spec=spec)
+        out[b] = analytic_profile(
+            m,
+            name="gpt2-xl",
+            blocks=block_paths(m),
+            micro_batch=b,
+            seq_len=1024,
+            compute_dtype="bfloat16",
+            spec=spec,
+        )
     return out
 
 
@@ -269,8 +342,10 @@ def _with_link(profile, gbps):
     import msgspec
 
     spec = profile.hardware
-    link = [msgspec.structs.replace(p, h2d_bytes_per_s=int(gbps * 1e9), d2h_bytes_per_s=int(gbps * 1e9))
-            for p in spec.link]
+    link = [
+        msgspec.structs.replace(p, h2d_bytes_per_s=int(gbps * 1e9), d2h_bytes_per_s=int(gbps * 1e9))
+        for p in spec.link
+    ]
     return msgspec.structs.replace(profile, hardware=msgspec.structs.replace(spec, link=link))
 
 
@@ -308,20 +383,27 @@ def test_a_tight_host_makes_the_fewest_chunks_homeless(gpt2xl):
             _, peak, parts = evaluate(t, a, b, grid)
             fits = peak <= budget
             if fits.any():
-                need = min(need, float((parts["host_bytes"] + parts["host_swap_bytes"])[fits].min()))
+                need = min(
+                    need, float((parts["host_bytes"] + parts["host_swap_bytes"])[fits].min())
+                )
     need -= 1
     plan, result = make_plan(prof, budget, host_budget_bytes=int(need))
     homeless = plan.placement.homeless
     assert homeless and plan.placement.n_host_slots == HOST_SLOTS
-    assert homeless == sorted(plan.placement.offloaded)[-len(homeless):]  # last in execution order
+    assert homeless == sorted(plan.placement.offloaded)[-len(homeless) :]  # last in execution order
     b = plan.prediction.breakdown
     assert b["host_bytes"] + b["host_swap_bytes"] <= need and b["n_homeless"] == len(homeless)
     assert b["t_convert_us"] > 0 and plan.prediction.iter_time_us >= roomy.prediction.iter_time_us
     walk = memory_walk.walk(plan)
     assert walk.host_bytes == b["host_bytes"]
     t = make_terms(prof, plan.chunks.chunk_numel)
-    fewer = predict_plan(t, plan.placement.persistent, plan.placement.n_buffer,
-                         [a.policy for a in plan.activations], homeless[1:])
+    fewer = predict_plan(
+        t,
+        plan.placement.persistent,
+        plan.placement.n_buffer,
+        [a.policy for a in plan.activations],
+        homeless[1:],
+    )
     assert fewer.breakdown["host_bytes"] + fewer.breakdown["host_swap_bytes"] > need
     # no homeless chunk where a gradient must wait for its step (clipping)
     try:

@@ -38,10 +38,17 @@ def _held_across(run, n: int) -> None:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    starts = [e.start_ns() for e in events if e.name().startswith("autograd::engine::evaluate_function")]
-    emb_bwd = next(e.start_ns() for e in events if e.name().endswith("evaluate_function: EmbeddingBackward0"))
-    mem = [e.nbytes() for e in events if e.name() == "[memory]" and abs(e.nbytes()) == n
-           and starts[0] < e.start_ns() < emb_bwd]
+    starts = [
+        e.start_ns() for e in events if e.name().startswith("autograd::engine::evaluate_function")
+    ]
+    emb_bwd = next(
+        e.start_ns() for e in events if e.name().endswith("evaluate_function: EmbeddingBackward0")
+    )
+    mem = [
+        e.nbytes()
+        for e in events
+        if e.name() == "[memory]" and abs(e.nbytes()) == n and starts[0] < e.start_ns() < emb_bwd
+    ]
     live = list(accumulate(b // n for b in mem))
     assert mem and mem[0] == n and min(live) >= 1, mem
 
@@ -73,8 +80,13 @@ def test_the_executor_leaves_the_hold_as_autograd_makes_it():
     n = meta.transformer.wte.weight.numel() * 4
     idx = torch.randint(0, 100, (1, 9))
     seen = []  # the CPU ledger's count of it at each backward segment's begin and end
-    engine.on_event(lambda e: seen.append((e.segment, e.edge, engine.ledger.bytes["shared_grads"]))
-                    if e.kind == "segment" and e.phase == "backward" else None)
+    engine.on_event(
+        lambda e: (
+            seen.append((e.segment, e.edge, engine.ledger.bytes["shared_grads"]))
+            if e.kind == "segment" and e.phase == "backward"
+            else None
+        )
+    )
     _held_across(lambda: engine.step((idx[:, :-1], idx[:, 1:])), n)
     assert engine.ledger.bytes["shared_grads"] == 0  # closed when <pre>'s backward ended
     engine.close()
@@ -91,10 +103,24 @@ def _plan(dtype: str = "bfloat16"):
 
     meta = build("gpt2-tiny", device="meta")
     blocks = block_paths(meta)
-    t = P.Training(micro_batch=1, seq_len=8, compute_dtype=dtype, master_dtype="float32",
-                   world_size=1, grad_accum=1)
-    return meta, emit(meta, name="gpt2-tiny", blocks=blocks, training=t, chunk_numel=50_176,
-                      persistent=[], n_buffer=3, policies=["keep"] * len(blocks))
+    t = P.Training(
+        micro_batch=1,
+        seq_len=8,
+        compute_dtype=dtype,
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
+    return meta, emit(
+        meta,
+        name="gpt2-tiny",
+        blocks=blocks,
+        training=t,
+        chunk_numel=50_176,
+        persistent=[],
+        n_buffer=3,
+        policies=["keep"] * len(blocks),
+    )
 
 
 def test_shared_grads_rule_on_a_tied_plan():
@@ -102,19 +128,31 @@ def test_shared_grads_rule_on_a_tied_plan():
     wte = meta.transformer.wte.weight
     n = wte.numel() * 2
     assert accounting.shared_grads(plan) == {(plan.model.blocks[-1], 1): n, ("<pre>", -1): n}
-    owner = next(c.id for c in plan.chunks.items for p in c.params if p.name == "transformer.wte.weight")
+    owner = next(
+        c.id for c in plan.chunks.items for p in c.params if p.name == "transformer.wte.weight"
+    )
     trainable = [c.id != owner for c in plan.chunks.items]  # the tied weight's chunk frozen
     assert not accounting.shared_grads(plan, trainable)
     # in the stream: opened at the backward step after <post>, closed at the end of <pre>'s
-    held = [(e.phase, e.segment, e.nbytes) for e in memory_walk.events(plan) if e.kind == "shared_grads"]
-    assert held == [("backward", plan.model.blocks[-1], wte.numel() * 2), ("backward", "<pre>", -wte.numel() * 2)]
+    held = [
+        (e.phase, e.segment, e.nbytes) for e in memory_walk.events(plan) if e.kind == "shared_grads"
+    ]
+    assert held == [
+        ("backward", plan.model.blocks[-1], wte.numel() * 2),
+        ("backward", "<pre>", -wte.numel() * 2),
+    ]
 
 
 def _ledger_trace(engine, run):
     """The CPU ledger's shared-gradient count at each backward segment's begin, while ``run()``."""
     seen = []
-    engine.on_event(lambda e: seen.append(engine.ledger.bytes["shared_grads"])
-                    if e.kind == "segment" and e.phase == "backward" and e.edge == "begin" else None)
+    engine.on_event(
+        lambda e: (
+            seen.append(engine.ledger.bytes["shared_grads"])
+            if e.kind == "segment" and e.phase == "backward" and e.edge == "begin"
+            else None
+        )
+    )
     run()
     return seen
 
@@ -130,7 +168,9 @@ def test_a_frozen_tied_weight_holds_nothing():
     model = build("gpt2-tiny", device="cpu")
     model.transformer.wte.weight.requires_grad_(False)
     engine = wrap(model, plan, device="cpu")
-    owner = next(c for c in plan.chunks.items if any(p.name == "transformer.wte.weight" for p in c.params))
+    owner = next(
+        c for c in plan.chunks.items if any(p.name == "transformer.wte.weight" for p in c.params)
+    )
     assert engine.store.chunks[owner.id].trainable
     idx = torch.randint(0, 100, (1, 9))
     step = lambda: engine.step((idx[:, :-1], idx[:, 1:]))  # noqa: E731
@@ -155,13 +195,15 @@ def test_transformers_tied_families_hold_it_as_counted(family, tmp_path):
 
     name = write_family(tmp_path / family, family, hf)
     plan = make_plan(name, "offloaded-checkpoint-accum2")
-    (tied, _), = plan.model.tied
+    ((tied, _),) = plan.model.tied
     n = next(p.numel for c in plan.chunks.items for p in c.params if p.name == tied) * 4
     engine = wrap(build(name, seed=1), plan, device="cpu")
     data = batches(load_tokens(), MICRO, SEQ, 0)
     step = lambda: engine.step([next(data), next(data)])  # noqa: E731
     blocks = len(plan.model.blocks)
-    assert _ledger_trace(engine, step) == ([0] + [n] * (blocks + 1)) * 2  # <post>, blocks, <pre>; twice
+    assert (
+        _ledger_trace(engine, step) == ([0] + [n] * (blocks + 1)) * 2
+    )  # <post>, blocks, <pre>; twice
     _held_across(step, n)
     assert engine.ledger.bytes["shared_grads"] == 0
     engine.close()

@@ -144,8 +144,14 @@ def _model() -> nn.Module:
     return Net()
 
 
-TRAINING = P.Training(micro_batch=B, seq_len=T, compute_dtype="float32", master_dtype="float32",
-                      world_size=1, grad_accum=1)
+TRAINING = P.Training(
+    micro_batch=B,
+    seq_len=T,
+    compute_dtype="float32",
+    master_dtype="float32",
+    world_size=1,
+    grad_accum=1,
+)
 
 
 def _plan(model: nn.Module, persistent: str, policies: list[str], chunk_numel: int = 8192):
@@ -153,9 +159,16 @@ def _plan(model: nn.Module, persistent: str, policies: list[str], chunk_numel: i
     buffers as a segment needs."""
 
     def plan(persistent: list[int], n_buffer: int) -> P.Plan:
-        return emit(model, name="swap-layout", blocks=model.protrain_blocks(), training=TRAINING,
-                    chunk_numel=chunk_numel, persistent=persistent, n_buffer=n_buffer,
-                    policies=policies)
+        return emit(
+            model,
+            name="swap-layout",
+            blocks=model.protrain_blocks(),
+            training=TRAINING,
+            chunk_numel=chunk_numel,
+            persistent=persistent,
+            n_buffer=n_buffer,
+            policies=policies,
+        )
 
     probe = plan([], 64)
     ids = {"all": list(range(len(probe.chunks.items))), "none": [], "first": [0]}[persistent]
@@ -165,19 +178,32 @@ def _plan(model: nn.Module, persistent: str, policies: list[str], chunk_numel: i
 
 def _batches(steps: int, vocab: int):
     g = torch.Generator().manual_seed(1)
-    return [tuple(torch.randint(0, vocab, (B, T), generator=g) for _ in range(2))
-            for _ in range(steps)]
+    return [
+        tuple(torch.randint(0, vocab, (B, T), generator=g) for _ in range(2)) for _ in range(steps)
+    ]
 
 
-def _lockstep(model: nn.Module, plan: P.Plan, steps: int = 5, seed: int | None = None,
-              setup=None, vocab: int = VOCAB):
+def _lockstep(
+    model: nn.Module,
+    plan: P.Plan,
+    steps: int = 5,
+    seed: int | None = None,
+    setup=None,
+    vocab: int = VOCAB,
+):
     """Train the engine (emulated asynchronous when ``seed`` is set) and plain PyTorch
     AdamW(fused=True) side by side: equal losses at every step, equal parameters and
     moments at the end. ``setup(engine)`` runs once the engine is wrapped."""
     ref = copy.deepcopy(model)
     config = AdamWConfig(lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True,
+    )
     with emulate(seed) if seed is not None else contextlib.nullcontext() as emu:
         engine = wrap(model, plan, config, device="cpu")
         if setup is not None:
@@ -198,15 +224,19 @@ def _lockstep(model: nn.Module, plan: P.Plan, steps: int = 5, seed: int | None =
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sd["model"][name], p.detach(), rtol=0, atol=0, msg=name)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(sd["optim"][name][key], opt.state[p][key], rtol=0, atol=0,
-                                       msg=f"{name} {key}")
+            torch.testing.assert_close(
+                sd["optim"][name][key], opt.state[p][key], rtol=0, atol=0, msg=f"{name} {key}"
+            )
     return engine
 
 
 # "fused": only the Fused blocks swap, so no probe is involved: the losses alone catch
 # the drift (before the fix: 4.279650688 vs 4.279651165 at step 3).
-STRIPS = {"all-swap": "swap swap swap swap", "mixed": "swap keep swap checkpoint",
-          "fused": "swap keep swap keep"}
+STRIPS = {
+    "all-swap": "swap swap swap swap",
+    "mixed": "swap keep swap checkpoint",
+    "fused": "swap keep swap keep",
+}
 
 
 @pytest.mark.parametrize("seed", [None, 1, 2])
@@ -295,8 +325,12 @@ def test_a_swap_moves_one_copy_per_storage(capsys):
     for b, (storages, n_tensors, tensor_bytes) in saved.items():
         assert len(storages) < n_tensors and sum(storages.values()) < tensor_bytes, b
     with capsys.disabled():
-        print("\nswap per block, storages / tensors (bytes):", ", ".join(
-            f"{b} {len(st)}/{n} ({sum(st.values())}/{nb})" for b, (st, n, nb) in saved.items()))
+        print(
+            "\nswap per block, storages / tensors (bytes):",
+            ", ".join(
+                f"{b} {len(st)}/{n} ({sum(st.values())}/{nb})" for b, (st, n, nb) in saved.items()
+            ),
+        )
 
 
 def test_keep_counts_what_a_swap_would_move():
@@ -320,10 +354,17 @@ def test_phi3_trains_exactly_under_swap(intermediate):
     transformers = pytest.importorskip("transformers")
     from protrain.planner.models import hf
 
-    config = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=intermediate, vocab_size=128,
-                                     max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
-                                     eos_token_id=0)
+    config = transformers.Phi3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=intermediate,
+        vocab_size=128,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     model = hf.from_model(transformers.Phi3ForCausalLM(config))
     assert model.protrain_blocks() == ["model.layers.0", "model.layers.1"]

@@ -44,12 +44,21 @@ def profiles():
     out = {}
     for hw, dtype in (("rtx3090", "bfloat16"), ("cpu", "float32")):
         model = build("gpt2", device="meta")
-        out[hw] = analytic_profile(model, name="gpt2", blocks=block_paths(model), micro_batch=8,
-                                   seq_len=1024, compute_dtype=dtype, spec=find_spec(hw))
+        out[hw] = analytic_profile(
+            model,
+            name="gpt2",
+            blocks=block_paths(model),
+            micro_batch=8,
+            seq_len=1024,
+            compute_dtype=dtype,
+            spec=find_spec(hw),
+        )
     return out
 
 
-def plans_between(profile, world_size: int, fractions=(0.0, 0.1, 0.3, 0.6, 0.9), max_grad_norm=None):
+def plans_between(
+    profile, world_size: int, fractions=(0.0, 0.1, 0.3, 0.6, 0.9), max_grad_norm=None
+):
     """Plans for budgets spread between the smallest and the all-persistent peak, so the
     set covers everything-offloaded-and-checkpointed through mostly-persistent plans
     (with ``max_grad_norm``: plans whose CPU Adam steps run after backward)."""
@@ -57,8 +66,12 @@ def plans_between(profile, world_size: int, fractions=(0.0, 0.1, 0.3, 0.6, 0.9),
     t = make_terms(profile, size, world_size)
     lo = predict(t, 0, max(1, min_buffers(t, 0)), 0, t.n_blocks).peak_bytes
     hi = predict(t, t.n_chunks, 0, 0, 0).peak_bytes
-    return [make_plan(profile, int(lo + f * (hi - lo)) + 1, world_size=world_size, max_grad_norm=max_grad_norm)[0]
-            for f in fractions]
+    return [
+        make_plan(
+            profile, int(lo + f * (hi - lo)) + 1, world_size=world_size, max_grad_norm=max_grad_norm
+        )[0]
+        for f in fractions
+    ]
 
 
 def x_events(doc, tid=None):
@@ -69,10 +82,21 @@ def x_events(doc, tid=None):
 
 
 def test_validate_trace_names_the_bad_field():
-    good = {"traceEvents": [
-        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "compute"}},
-        {"name": "forward <pre>", "cat": "compute", "ph": "X", "ts": 0.0, "dur": 5, "pid": 1, "tid": 1},
-    ], "displayTimeUnit": "ms"}
+    good = {
+        "traceEvents": [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "compute"}},
+            {
+                "name": "forward <pre>",
+                "cat": "compute",
+                "ph": "X",
+                "ts": 0.0,
+                "dur": 5,
+                "pid": 1,
+                "tid": 1,
+            },
+        ],
+        "displayTimeUnit": "ms",
+    }
     validate_trace(good)
     cases = [  # (mutation of the X event, words the message must contain)
         (lambda e: e.pop("ts"), "lacks `ts`"),
@@ -107,8 +131,16 @@ def test_validate_trace_names_the_bad_field():
 TOLERANCE = {"gpu": (0.90, 1.005), "cpu": (0.98, 1.005)}
 
 
-@pytest.mark.parametrize("hw,world_size,clip", [("rtx3090", 1, None), ("rtx3090", 2, None), ("cpu", 1, None),
-                                                 ("rtx3090", 1, 1.0), ("cpu", 1, 1.0)])
+@pytest.mark.parametrize(
+    "hw,world_size,clip",
+    [
+        ("rtx3090", 1, None),
+        ("rtx3090", 2, None),
+        ("cpu", 1, None),
+        ("rtx3090", 1, 1.0),
+        ("cpu", 1, 1.0),
+    ],
+)
 def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size, clip):
     profile = profiles[hw]
     low, high = TOLERANCE[profile.hardware.kind]
@@ -118,13 +150,17 @@ def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size, clip):
             # Clipping needs every gradient first: no CPU step starts before backward ends.
             doc = predicted_trace(profile, plan)
             bwd = next(e for e in x_events(doc, TRACKS["iteration"]) if e["name"] == "backward")
-            assert min(e["ts"] for e in x_events(doc, TRACKS["CPU Adam"])) >= bwd["ts"] + bwd["dur"] - 1e-2  # µs rounding
+            assert (
+                min(e["ts"] for e in x_events(doc, TRACKS["CPU Adam"]))
+                >= bwd["ts"] + bwd["dur"] - 1e-2
+            )  # µs rounding
         doc = predicted_trace(profile, plan)
         validate_trace(doc)
         # Tracks: named by metadata, collectives only with several ranks.
         names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
         assert names == {"iteration", "compute", "H2D", "D2H", "CPU Adam"} | (
-            {"collectives"} if world_size > 1 else set())
+            {"collectives"} if world_size > 1 else set()
+        )
         # Every segment computes forward and backward once; checkpointed blocks recompute.
         compute = [e["name"] for e in x_events(doc, TRACKS["compute"])]
         for seg in P.segments(plan):
@@ -139,7 +175,9 @@ def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size, clip):
         n_off = len(plan.placement.offloaded)
         assert sum(n.startswith("offload ") for n in d2h) == n_off
         assert len(x_events(doc, TRACKS["CPU Adam"])) == n_off
-        n_up = sum(len(s.fetch) + len(s.prefetch) for s in plan.schedule.forward + plan.schedule.backward)
+        n_up = sum(
+            len(s.fetch) + len(s.prefetch) for s in plan.schedule.forward + plan.schedule.backward
+        )
         assert sum(n.startswith(("fetch ", "prefetch ")) for n in h2d) <= n_up
         if world_size > 1 and n_off:
             assert x_events(doc, TRACKS["collectives"])
@@ -148,14 +186,23 @@ def test_predicted_trace_follows_the_cost_model(profiles, hw, world_size, clip):
         assert low <= ratio <= high, (plan.placement, policies, ratio)
         phases = x_events(doc, TRACKS["iteration"])
         assert [e["name"] for e in phases] == ["forward", "backward", "optimizer"]
-        assert phases[-1]["ts"] + phases[-1]["dur"] == pytest.approx(doc["metadata"]["trace_iter_time_us"])
+        assert phases[-1]["ts"] + phases[-1]["dur"] == pytest.approx(
+            doc["metadata"]["trace_iter_time_us"]
+        )
 
 
 def test_predicted_trace_refuses_a_profile_of_another_model(profiles):
     plan = plans_between(profiles["rtx3090"], 1, (0.5,))[0]
     meta = build("gpt2-tiny", device="meta")
-    other = analytic_profile(meta, name="gpt2-tiny", blocks=block_paths(meta), micro_batch=1,
-                             seq_len=16, compute_dtype="bfloat16", spec=find_spec("rtx3090"))
+    other = analytic_profile(
+        meta,
+        name="gpt2-tiny",
+        blocks=block_paths(meta),
+        micro_batch=1,
+        seq_len=16,
+        compute_dtype="bfloat16",
+        spec=find_spec("rtx3090"),
+    )
     with pytest.raises(ConfigError, match="fingerprints differ"):
         predicted_trace(other, plan)
 
@@ -169,9 +216,12 @@ def test_memory_timeline_peak_is_the_predicted_peak(profiles, hw):
     for plan in plans_between(profile, 1):
         steps = memory_timeline(profile, plan)
         segs = P.segments(plan)
-        assert [label for label, _ in steps] == ([f"forward {s}" for s in segs]
-                                                 + [f"backward {s}" for s in reversed(segs)])
-        assert max(b for _, b in steps) == plan.prediction.peak_memory_bytes  # the same walk, to the byte
+        assert [label for label, _ in steps] == (
+            [f"forward {s}" for s in segs] + [f"backward {s}" for s in reversed(segs)]
+        )
+        assert (
+            max(b for _, b in steps) == plan.prediction.peak_memory_bytes
+        )  # the same walk, to the byte
         assert all(b > 0 for _, b in steps)
 
 
@@ -254,8 +304,15 @@ def test_measured_trace_of_a_cpu_run(tmp_path):
 
     # Side by side with the prediction for the same plan, in one file.
     meta = build("gpt2-tiny", device="meta")
-    profile = analytic_profile(meta, name="gpt2-tiny", blocks=block_paths(meta), micro_batch=MICRO_BATCH,
-                               seq_len=SEQ_LEN, compute_dtype="float32", spec=find_spec("cpu"))
+    profile = analytic_profile(
+        meta,
+        name="gpt2-tiny",
+        blocks=block_paths(meta),
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        compute_dtype="float32",
+        spec=find_spec("cpu"),
+    )
     both = merge_traces(predicted_trace(profile, plan), doc)
     write_trace(both, tmp_path / "both.json")
     assert {e["pid"] for e in both["traceEvents"]} == {1, 2}

@@ -19,14 +19,22 @@ from clihelpers import EXAMPLE, PROTRAIN, TRAIN, no_traceback, run
 from protrain.planner.commands.cli import main
 
 
-@pytest.mark.parametrize("args", [["models"],
-                                  ["plan", "--model", "gpt2", "--hardware", "rtx3090", "--batch", "1", "--seq", "128"],
-                                  ["fit", "--hardware", "rtx3090", "--seq", "512"]], ids=["models", "plan", "fit"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["models"],
+        ["plan", "--model", "gpt2", "--hardware", "rtx3090", "--batch", "1", "--seq", "128"],
+        ["fit", "--hardware", "rtx3090", "--seq", "512"],
+    ],
+    ids=["models", "plan", "fit"],
+)
 def test_a_closed_pipe_exits_quietly(tmp_path, args):
     """`protrain models | head -1`: the reader is gone before the first write; exit 0 or 141, stderr empty."""
     if args[0] == "plan":
         args = [*args, "-o", str(tmp_path / "plan.json")]
-    p = subprocess.Popen([*PROTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    p = subprocess.Popen(
+        [*PROTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path
+    )
     p.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) in (0, 141) and err == "", (p.returncode, err)
@@ -40,8 +48,9 @@ def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
 
     main_fd, tty = pty.openpty()
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
-    p = subprocess.Popen([*PROTRAIN, *args], stdin=tty, stdout=tty, stderr=tty, cwd=cwd, env=env,
-                         close_fds=True)
+    p = subprocess.Popen(
+        [*PROTRAIN, *args], stdin=tty, stdout=tty, stderr=tty, cwd=cwd, env=env, close_fds=True
+    )
     os.close(tty)
     out, end = b"", time.monotonic() + timeout
     try:
@@ -68,8 +77,13 @@ def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe
     shown = _under_a_terminal([*TRAIN, "--steps", "3"], tmp_path)
     assert "━" in shown and "3/3" in shown, shown  # rich's bar and its M/N column
     assert "step     1  loss" not in shown  # the bar, not the log lines
-    piped = subprocess.run([*PROTRAIN, *TRAIN, "--steps", "3"], capture_output=True, text=True, cwd=tmp_path,
-                           timeout=300)
+    piped = subprocess.run(
+        [*PROTRAIN, *TRAIN, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert piped.returncode == 0, piped.stderr
     assert "━" not in piped.stdout and "\x1b" not in piped.stdout
     assert [x.split()[1] for x in piped.stdout.splitlines() if x.startswith("step ")] == ["1", "3"]
@@ -77,13 +91,29 @@ def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe
 
 def test_a_plan_for_another_machine_says_so_once_at_the_start(tmp_path):
     plan = tmp_path / "plan.json"
-    assert run("plan", "--model", "gpt2-tiny", "--hardware", "rtx4090", "--batch", "2", "--seq", "32",
-               "-o", plan).exit_code == 0
+    assert (
+        run(
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "rtx4090",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "-o",
+            plan,
+        ).exit_code
+        == 0
+    )
     r = run("train", "--plan", plan, "--model", "gpt2-tiny", "--steps", "2", "--log-every", "1")
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     notes = [x for x in lines if "was made for rtx4090" in x]
-    assert len(notes) == 1 and lines.index(notes[0]) < min(i for i, x in enumerate(lines) if x.startswith("step"))
+    assert len(notes) == 1 and lines.index(notes[0]) < min(
+        i for i, x in enumerate(lines) if x.startswith("step")
+    )
     assert "predicted times and peak are rtx4090's, not this machine's" in notes[0]
     # A plan that recorded no machine (the example, made by hand) says nothing.
     assert "was made for" not in run(*TRAIN, "--steps", "1").output
@@ -100,13 +130,21 @@ def test_a_plan_for_this_machine_says_nothing(monkeypatch):
     plan = P.load(EXAMPLE)
     total = 24 << 30
     monkeypatch.setattr(hardware, "_host_memory", lambda: (total, total))
-    here = msgspec.structs.replace(plan, hardware=P.Hardware(name="cpu", device_memory_bytes=total - (1 << 30)))
+    here = msgspec.structs.replace(
+        plan, hardware=P.Hardware(name="cpu", device_memory_bytes=total - (1 << 30))
+    )
     assert other_machine(here, "cpu") is None
-    small = msgspec.structs.replace(plan, hardware=P.Hardware(name="cpu", device_memory_bytes=8 << 30))
+    small = msgspec.structs.replace(
+        plan, hardware=P.Hardware(name="cpu", device_memory_bytes=8 << 30)
+    )
     assert "was made for cpu" in other_machine(small, "cpu")
     if not torch.cuda.is_available():
         assert "was made for h100" in other_machine(
-            msgspec.structs.replace(plan, hardware=P.Hardware(name="h100", device_memory_bytes=total)), "cpu")
+            msgspec.structs.replace(
+                plan, hardware=P.Hardware(name="h100", device_memory_bytes=total)
+            ),
+            "cpu",
+        )
 
 
 def test_adamw_settings_are_options_reach_the_optimizer_and_head_the_run(monkeypatch):
@@ -122,9 +160,15 @@ def test_adamw_settings_are_options_reach_the_optimizer_and_head_the_run(monkeyp
     monkeypatch.setattr(T, "wrap", spy)
     r = run(*TRAIN, "--steps", "1")
     assert r.exit_code == 0, r.output
-    assert (seen[-1].weight_decay, seen[-1].betas, seen[-1].eps) == (0.01, (0.9, 0.999), 1e-8)  # as before
+    assert (seen[-1].weight_decay, seen[-1].betas, seen[-1].eps) == (
+        0.01,
+        (0.9, 0.999),
+        1e-8,
+    )  # as before
     assert "optim    AdamW lr 0.003, betas (0.9, 0.999), eps 1e-08, weight decay 0.01" in r.output
-    r = run(*TRAIN, "--steps", "1", "--weight-decay", "0", "--betas", "0.8", "0.95", "--eps", "1e-6")
+    r = run(
+        *TRAIN, "--steps", "1", "--weight-decay", "0", "--betas", "0.8", "0.95", "--eps", "1e-6"
+    )
     assert r.exit_code == 0, r.output
     assert (seen[-1].weight_decay, seen[-1].betas, seen[-1].eps) == (0.0, (0.8, 0.95), 1e-6)
     assert "optim    AdamW lr 0.003, betas (0.8, 0.95), eps 1e-06, weight decay 0" in r.output
@@ -141,8 +185,22 @@ def test_one_step_saved_after_its_line_and_units_named_right(tmp_path):
     saved = next(i for i, x in enumerate(lines) if x.startswith("saved "))
     assert step < saved, r.output
     plan = tmp_path / "plan.json"
-    assert run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32",
-               "-o", plan).exit_code == 0
+    assert (
+        run(
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "-o",
+            plan,
+        ).exit_code
+        == 0
+    )
     shown = run("show", plan).output
     assert " t_bwd " in shown and "_us" not in shown, shown
 
@@ -151,18 +209,50 @@ def test_a_model_directory_without_a_tokenizer_says_what_byte_level_means(tmp_pa
     pytest.importorskip("transformers")
     import transformers
 
-    transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
-                                      max_position_embeddings=64).save_pretrained(tmp_path / "m")
+    transformers.AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "m")
     plan = tmp_path / "plan.json"
-    r = run("plan", "--hf-config", tmp_path / "m", "--hardware", "cpu", "--batch", "1", "--seq", "16",
-            "--dtype", "float32", "-o", plan)
+    r = run(
+        "plan",
+        "--hf-config",
+        tmp_path / "m",
+        "--hardware",
+        "cpu",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--dtype",
+        "float32",
+        "-o",
+        plan,
+    )
     assert r.exit_code == 0, r.output
     r = run("train", "--plan", plan, "--hf-config", tmp_path / "m", "--steps", "1")
     assert r.exit_code == 0, r.output
-    assert "holds no tokenizer" in r.output and "each byte of the UTF-8 text is one token" in r.output
+    assert (
+        "holds no tokenizer" in r.output and "each byte of the UTF-8 text is one token" in r.output
+    )
     assert "--tokenizer DIR" in r.output
-    quiet = run("train", "--plan", plan, "--hf-config", tmp_path / "m", "--steps", "1", "--tokenizer", "bytes")
+    quiet = run(
+        "train",
+        "--plan",
+        plan,
+        "--hf-config",
+        tmp_path / "m",
+        "--steps",
+        "1",
+        "--tokenizer",
+        "bytes",
+    )
     assert "holds no tokenizer" not in quiet.output
 
 
@@ -172,38 +262,114 @@ def test_plan_saves_the_profile_explain_needs_for_a_trace_and_a_plot(tmp_path):
     plan, profile = tmp_path / "plan.json", tmp_path / "profile.json"
     r = run("explain", EXAMPLE, "--trace", tmp_path / "t.json")
     assert "--save-profile" in r.output  # the hint names the way to get one
-    r = run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32", "-o", plan,
-            "--save-profile", profile)
+    r = run(
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--hardware",
+        "cpu",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "-o",
+        plan,
+        "--save-profile",
+        profile,
+    )
     assert r.exit_code == 0, r.output
     r = run("explain", plan, "--profile", profile, "--trace", tmp_path / "t.json")
     assert r.exit_code == 0, r.output
     validate_trace(json.loads((tmp_path / "t.json").read_text()))
-    r = run("plan", "--profile", profile, "-o", tmp_path / "again.json", "--save-profile", tmp_path / "p2.json")
+    r = run(
+        "plan",
+        "--profile",
+        profile,
+        "-o",
+        tmp_path / "again.json",
+        "--save-profile",
+        tmp_path / "p2.json",
+    )
     no_traceback(r)
     assert "the profile is" in r.output and not (tmp_path / "p2.json").exists()
 
 
 def test_explain_plot_without_matplotlib_fails_before_printing_or_writing(tmp_path, monkeypatch):
     plan, profile = tmp_path / "plan.json", tmp_path / "profile.json"
-    assert run("plan", "--model", "gpt2-tiny", "--hardware", "cpu", "--batch", "2", "--seq", "32", "-o", plan,
-               "--save-profile", profile).exit_code == 0
+    assert (
+        run(
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "-o",
+            plan,
+            "--save-profile",
+            profile,
+        ).exit_code
+        == 0
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    r = run("explain", plan, "--profile", profile, "--trace", tmp_path / "t.json", "--plot", tmp_path / "m.png")
+    r = run(
+        "explain",
+        plan,
+        "--profile",
+        profile,
+        "--trace",
+        tmp_path / "t.json",
+        "--plot",
+        tmp_path / "m.png",
+    )
     no_traceback(r)
     assert r.output.startswith("error: plotting needs matplotlib"), r.output  # no report first
     assert not (tmp_path / "t.json").exists() and not (tmp_path / "m.png").exists()
 
 
 def test_plan_announces_its_slow_phases_on_a_terminal(tmp_path):
-    shown = _under_a_terminal(["plan", "--model", "gpt2-tiny", "--hardware", "a100-80g", "--batch", "2",
-                               "--seq", "32", "-o", str(tmp_path / "plan.json")], tmp_path)
+    shown = _under_a_terminal(
+        [
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "a100-80g",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "-o",
+            str(tmp_path / "plan.json"),
+        ],
+        tmp_path,
+    )
     lines = shown.splitlines()
-    first = next(i for i, x in enumerate(lines) if "profile  gpt2-tiny: loading torch and the model" in x)
+    first = next(
+        i for i, x in enumerate(lines) if "profile  gpt2-tiny: loading torch and the model" in x
+    )
     search = next(i for i, x in enumerate(lines) if "searching for the fastest plan under a" in x)
     assert first < search < next(i for i, x in enumerate(lines) if "searched" in x)
     # Not a terminal (a log, a pipe, a test's capture): stdout and stderr carry no progress lines.
-    r = CliRunner().invoke(main, ["plan", "--model", "gpt2-tiny", "--hardware", "a100-80g", "--batch", "2",
-                                  "--seq", "32", "-o", str(tmp_path / "plan.json")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--hardware",
+            "a100-80g",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "-o",
+            str(tmp_path / "plan.json"),
+        ],
+    )
     assert r.exit_code == 0 and "loading torch" not in r.output, r.output
 
 
@@ -211,11 +377,15 @@ def test_readme_pins_torch_as_ci_does():
     import re
 
     root = Path(__file__).resolve().parent.parent
-    pinned = re.search(r"pip install -q (torch==[\w.]+)", (root / ".ci" / "run").read_text()).group(1)
+    pinned = re.search(r"pip install -q (torch==[\w.]+)", (root / ".ci" / "run").read_text()).group(
+        1
+    )
     readme = (root / "README.md").read_text()
     lines = [x for x in readme.splitlines() if x.startswith("pip install torch")]
     assert lines and all(x.startswith(f"pip install {pinned}") for x in lines), lines
-    assert f"`pip install {pinned}`" in readme  # the route without PyTorch's index, as CI installs it
+    assert (
+        f"`pip install {pinned}`" in readme
+    )  # the route without PyTorch's index, as CI installs it
 
 
 def test_hf_config_names_a_shipped_config_when_no_such_path_exists(tmp_path, monkeypatch):

@@ -50,13 +50,27 @@ class Net(nn.Module):
 
 
 def _training() -> P.Training:
-    return P.Training(micro_batch=2, seq_len=4, compute_dtype="float32", master_dtype="float32",
-                      world_size=1, grad_accum=1)
+    return P.Training(
+        micro_batch=2,
+        seq_len=4,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
 
 
 def _offloaded(model: nn.Module) -> P.Plan:
-    return emit(model, name="net", blocks=["blocks.0", "blocks.1"], training=_training(),
-                chunk_numel=128, persistent=[], n_buffer=8, policies=["keep", "checkpoint"])
+    return emit(
+        model,
+        name="net",
+        blocks=["blocks.0", "blocks.1"],
+        training=_training(),
+        chunk_numel=128,
+        persistent=[],
+        n_buffer=8,
+        policies=["keep", "checkpoint"],
+    )
 
 
 def test_unused_parameters_are_planned_with_their_block_or_post():
@@ -82,8 +96,18 @@ def test_the_profiler_refuses_a_block_called_twice_cleanly():
     from protrain.planner.profiling.profile import measure
 
     with pytest.raises(ConfigError, match="called 2 times"):
-        measure(Net(repeat=2), name="net", blocks=["blocks.0", "blocks.1"], micro_batch=1, seq_len=4,
-                compute_dtype="float32", device="cpu", spec=find_spec("cpu"), warmup=0, iterations=1)
+        measure(
+            Net(repeat=2),
+            name="net",
+            blocks=["blocks.0", "blocks.1"],
+            micro_batch=1,
+            seq_len=4,
+            compute_dtype="float32",
+            device="cpu",
+            spec=find_spec("cpu"),
+            warmup=0,
+            iterations=1,
+        )
 
 
 def test_blocks_listed_out_of_order_are_refused():
@@ -122,15 +146,42 @@ def test_batchnorm_under_checkpoint_updates_twice_as_plain_checkpoint_does():
     (non-reentrant) does on the plain model; protrain matches that, bit for bit."""
     import anyworker as W
 
-    spec = {"seed": 5, "vocab": 17, "d": 7, "pos": False, "tie_head": True, "tie_blocks": False,
-            "repeat": False, "top_unused": 0, "frozen_frac": 0.0, "micro": 2, "seq": 4, "accum": 2,
-            "steps": 4,
-            "blocks": [{"h": 5, "bias": True, "dropout": 0.2, "bn": True, "spare": 0, "buffer": False}] * 2,
-            "plans": []}
+    spec = {
+        "seed": 5,
+        "vocab": 17,
+        "d": 7,
+        "pos": False,
+        "tie_head": True,
+        "tie_blocks": False,
+        "repeat": False,
+        "top_unused": 0,
+        "frozen_frac": 0.0,
+        "micro": 2,
+        "seq": 4,
+        "accum": 2,
+        "steps": 4,
+        "blocks": [{"h": 5, "bias": True, "dropout": 0.2, "bn": True, "spare": 0, "buffer": False}]
+        * 2,
+        "plans": [],
+    }
     model = W.build(spec)
-    plan = emit(model, name="any", blocks=["blocks.0", "blocks.1"], training=P.Training(
-        micro_batch=2, seq_len=4, compute_dtype="float32", master_dtype="float32", world_size=1,
-        grad_accum=2), chunk_numel=512, persistent=[0], n_buffer=2, policies=["checkpoint", "keep"])
+    plan = emit(
+        model,
+        name="any",
+        blocks=["blocks.0", "blocks.1"],
+        training=P.Training(
+            micro_batch=2,
+            seq_len=4,
+            compute_dtype="float32",
+            master_dtype="float32",
+            world_size=1,
+            grad_accum=2,
+        ),
+        chunk_numel=512,
+        persistent=[0],
+        n_buffer=2,
+        policies=["checkpoint", "keep"],
+    )
     assert W.train(spec, plan) == {"status": "ok"}  # losses, parameters and buffers equal
 
     # What plain PyTorch does, which the line above matched: two updates per micro-batch.

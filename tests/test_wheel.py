@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert p.returncode == 0, f"{' '.join(map(str, cmd))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    )
     return p
 
 
@@ -34,6 +36,7 @@ def offline_backend() -> bool:
     later (``bdist_wheel`` built in), or an older one beside the ``wheel`` package."""
     try:
         from importlib.metadata import version
+
         major, minor = (int(x) for x in version("setuptools").split(".")[:2])
     except Exception:  # not installed, or a version string we do not read
         return False
@@ -49,33 +52,81 @@ def venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     # Offline when this environment has the build backend; else pip fetches it, as any install does.
     isolation = ["--no-build-isolation"] if offline_backend() else []
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, str(ROOT),
-         "-w", str(tmp / "dist")], cwd=tmp)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            *isolation,
+            str(ROOT),
+            "-w",
+            str(tmp / "dist"),
+        ],
+        cwd=tmp,
+    )
     wheel = next((tmp / "dist").glob("protrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "protrain/plans/hardware/rtx3090.json" in names, "the wheel ships no hardware specs"
     assert "protrain/plans/configs/gemma-3-1b/config.json" in names, "the wheel ships no configs"
     env = tmp / "venv"
     run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], cwd=tmp)
-    run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=tmp)
-    where = run([str(env / "bin" / "python"), "-c",
-                 "import protrain.planner as p, protrain.planner.hardware.spec as s; "
-                 "print(p.__file__); print(s.HARDWARE_DIR)"], cwd=tmp).stdout.split()
+    run(
+        [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+        cwd=tmp,
+    )
+    where = run(
+        [
+            str(env / "bin" / "python"),
+            "-c",
+            "import protrain.planner as p, protrain.planner.hardware.spec as s; "
+            "print(p.__file__); print(s.HARDWARE_DIR)",
+        ],
+        cwd=tmp,
+    ).stdout.split()
     assert all(w.startswith(str(env)) for w in where), f"the venv imports {where}, not the wheel"
     return env
 
 
 def test_plan_for_a_shipped_card(venv, tmp_path):
     out = tmp_path / "p.json"
-    run([str(venv / "bin" / "protrain"), "plan", "--model", "gpt2", "--hardware", "rtx3090",
-         "--batch", "2", "--seq", "256", "-o", str(out)], cwd=tmp_path)
+    run(
+        [
+            str(venv / "bin" / "protrain"),
+            "plan",
+            "--model",
+            "gpt2",
+            "--hardware",
+            "rtx3090",
+            "--batch",
+            "2",
+            "--seq",
+            "256",
+            "-o",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     plan = json.loads(out.read_text())
     assert plan["hardware"]["name"] == "rtx3090"
 
 
 def test_fit_a_shipped_config_by_name(venv, tmp_path):
-    p = run([str(venv / "bin" / "protrain"), "fit", "--hf-config", "gemma-3-1b", "--hardware", "rtx4090",
-             "--seq", "512"], cwd=tmp_path)
+    p = run(
+        [
+            str(venv / "bin" / "protrain"),
+            "fit",
+            "--hf-config",
+            "gemma-3-1b",
+            "--hardware",
+            "rtx4090",
+            "--seq",
+            "512",
+        ],
+        cwd=tmp_path,
+    )
     assert "gemma-3-1b" in p.stdout + p.stderr
     assert "verdict" in p.stdout
 

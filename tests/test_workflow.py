@@ -32,11 +32,30 @@ SENTENCES = [
 VOCAB = 320  # the models' vocabulary: more than the tokenizer's, as real checkpoints pad it
 
 CONFIGS = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=32,
-                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=VOCAB, n_embd=32, n_layer=2,
-                 n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0),
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        architectures=["GPT2LMHeadModel"],
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
 }
 
 
@@ -45,8 +64,11 @@ def _tokenizer(directory):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(SENTENCES, trainer)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
@@ -77,16 +99,53 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
     model_dir = tmp_path / arch
     tok = _checkpoint(model_dir, CONFIGS[arch])
     data = tmp_path / "corpus.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "body": SENTENCES[i % 4]}) + "\n" for i in range(200)))
+    data.write_text(
+        "".join(json.dumps({"id": i, "body": SENTENCES[i % 4]}) + "\n" for i in range(200))
+    )
 
     plan = tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["plan", "--hf-config", str(model_dir), "--hardware", "cpu", "--batch", "2",
-                                  "--seq", "16", "--budget", "1MiB", "-o", str(plan)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--hf-config",
+            str(model_dir),
+            "--hardware",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--budget",
+            "1MiB",
+            "-o",
+            str(plan),
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = tmp_path / "export"
-    r = CliRunner().invoke(main, ["train", "--plan", str(plan), "--hf-config", str(model_dir), "--data", str(data),
-                                  "--text-field", "body", "--steps", "4", "--eval-every", "2", "--lr", "1e-2",
-                                  "--export", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            str(plan),
+            "--hf-config",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--text-field",
+            "body",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--lr",
+            "1e-2",
+            "--export",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "Traceback" not in r.output
     # It said what it loaded: the checkpoint's weights, and the model's own tokenizer.
@@ -103,8 +162,13 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
 
     # transformers loads the export (its own attention, not protrain's) ...
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                      "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     # ... with protrain's logits on the same tokens,
     ours = hf.build(out, seed=123).eval()  # seed unused: the export's weights are loaded
     idx = source.tokens[:32].view(2, 16)
@@ -115,8 +179,10 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
     _, tail = split_heldout(source, 16)
     batches = heldout_batches(tail, 2, 16)
     with torch.no_grad():
-        loss = sum(torch.nn.functional.cross_entropy(loaded(input_ids=x).logits.flatten(0, 1), y.flatten())
-                   for x, y in batches) / len(batches)
+        loss = sum(
+            torch.nn.functional.cross_entropy(loaded(input_ids=x).logits.flatten(0, 1), y.flatten())
+            for x, y in batches
+        ) / len(batches)
     # Tolerance: the engine's forward and a plain one differ by ~4e-5 on these models even
     # before any step (measured; fp32 reduction order), and by ~2e-4 after four steps.
     assert abs(float(loss) - evals[-1]) < 5e-4, (float(loss), evals[-1])
@@ -127,8 +193,20 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
 
 def test_zoo_models_stay_byte_level_and_refuse_export(tmp_path):
     ex = "plans/gpt2-tiny/example.json"
-    r = CliRunner().invoke(main, ["train", "--plan", ex, "--model", "gpt2-tiny", "--steps", "1",
-                                  "--export", str(tmp_path / "out")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--plan",
+            ex,
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "1",
+            "--export",
+            str(tmp_path / "out"),
+        ],
+    )
     assert r.exit_code == 1 and "zoo model" in r.output and "--hf-config" in r.output
     r = CliRunner().invoke(main, ["train", "--plan", ex, "--model", "gpt2-tiny", "--steps", "1"])
     assert r.exit_code == 0 and "byte-level" in r.output and "random init (seed 0)" in r.output

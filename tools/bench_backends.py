@@ -38,9 +38,11 @@ def setup_protrain(args, cfg, label, dev, rec):
         profile = load_profile(args.profile)
         t = profile.training
         if (t.micro_batch, t.seq_len, t.compute_dtype) != (args.micro_batch, args.seq, args.dtype):
-            raise ValueError(f"{args.profile} was profiled at micro-batch {t.micro_batch} × seq "
-                             f"{t.seq_len}, {t.compute_dtype}; this run asks for {args.micro_batch} × "
-                             f"{args.seq}, {args.dtype}: profile again, or match the options")
+            raise ValueError(
+                f"{args.profile} was profiled at micro-batch {t.micro_batch} × seq "
+                f"{t.seq_len}, {t.compute_dtype}; this run asks for {args.micro_batch} × "
+                f"{args.seq}, {args.dtype}: profile again, or match the options"
+            )
         rec["profile_source"] = args.profile
     else:
         if args.hardware:
@@ -54,9 +56,17 @@ def setup_protrain(args, cfg, label, dev, rec):
                 (art / f"spec-{dev.type}.json").write_bytes(dump_spec(spec))
         log(f"  profiling {label} on {dev} ({args.dtype})")
         pmodel = build_model(cfg, args.seed)
-        profile = measure(pmodel, name=label, blocks=block_paths(pmodel), micro_batch=args.micro_batch,
-                          seq_len=args.seq, compute_dtype=args.dtype, device=str(dev), spec=spec,
-                          iterations=args.profile_iters)
+        profile = measure(
+            pmodel,
+            name=label,
+            blocks=block_paths(pmodel),
+            micro_batch=args.micro_batch,
+            seq_len=args.seq,
+            compute_dtype=args.dtype,
+            device=str(dev),
+            spec=spec,
+            iterations=args.profile_iters,
+        )
         del pmodel
         gc.collect()
         if dev.type == "cuda":
@@ -72,15 +82,24 @@ def setup_protrain(args, cfg, label, dev, rec):
         raise DoesNotFit(f"planner: {e}") from None
     rec["plan_s"] = round(time.perf_counter() - t0, 3)
     if art:
-        (art / f"{stem}-{human(rec['budget_bytes']).replace(' ', '')}.plan.json").write_bytes(P.dump(plan))
+        (art / f"{stem}-{human(rec['budget_bytes']).replace(' ', '')}.plan.json").write_bytes(
+            P.dump(plan)
+        )
     pol = [a.policy for a in plan.activations]
-    rec["plan"] = {"n_chunks": len(plan.chunks.items), "n_persist": plan.placement.n_persist,
-                   "n_buffer": plan.placement.n_buffer, "n_swap": pol.count("swap"),
-                   "n_checkpoint": pol.count("checkpoint"), "chunk_numel": plan.chunks.chunk_numel}
+    rec["plan"] = {
+        "n_chunks": len(plan.chunks.items),
+        "n_persist": plan.placement.n_persist,
+        "n_buffer": plan.placement.n_buffer,
+        "n_swap": pol.count("swap"),
+        "n_checkpoint": pol.count("checkpoint"),
+        "chunk_numel": plan.chunks.chunk_numel,
+    }
     rec["predicted_iter_s"] = plan.prediction.iter_time_us / 1e6
     rec["predicted_peak_bytes"] = plan.prediction.peak_memory_bytes
-    log(f"  plan: {rec['plan']}, predicted {rec['predicted_iter_s'] * 1e3:.1f} ms/iter, "
-        f"peak {human(rec['predicted_peak_bytes'])}")
+    log(
+        f"  plan: {rec['plan']}, predicted {rec['predicted_iter_s'] * 1e3:.1f} ms/iter, "
+        f"peak {human(rec['predicted_peak_bytes'])}"
+    )
 
     enforce_budget(args, dev, rec)
     model = build_model(cfg, args.seed)
@@ -99,16 +118,18 @@ def setup_protrain(args, cfg, label, dev, rec):
     def finish(measured: Measured):
         engine.close()
         # StepResult.peak_bytes: the allocator's peak on CUDA, the ledger's count on CPU.
-        measured_peak = max(peaks[args.warmup:])
+        measured_peak = max(peaks[args.warmup :])
         measured_iter = statistics.median(measured.step_s)
         rec["measured_peak_bytes"] = measured_peak
         rec["measured_peak_source"] = "allocator" if dev.type == "cuda" else "ledger"
         rec["measured_iter_s"] = measured_iter
         rec["peak_ratio"] = measured_peak / rec["predicted_peak_bytes"]
-        rec["iter_ratio"] = measured_iter / rec["predicted_iter_s"] if rec["predicted_iter_s"] else None
+        rec["iter_ratio"] = (
+            measured_iter / rec["predicted_iter_s"] if rec["predicted_iter_s"] else None
+        )
         # The engine's own view of the allocator over the measured steps (None before the
         # executor reported it; 0 on CPU). The max of a running count is its last value.
-        r, n = reserved[args.warmup:], retries[args.warmup:]
+        r, n = reserved[args.warmup :], retries[args.warmup :]
         rec["engine_reserved_peak_bytes"] = None if None in r else max(r)
         rec["engine_alloc_retries"] = None if None in n else max(n)
 
@@ -131,8 +152,9 @@ def setup_fsdp2(args, cfg, label, dev, rec, every: int):
     model = build_model(cfg, args.seed)
     paths = block_paths(model)
     ckpt = {id(model.get_submodule(p)) for i, p in enumerate(paths) if i % every == 0}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                   check_fn=lambda m: id(m) in ckpt)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in ckpt
+    )
     pin = dev.type == "cuda"  # pinning needs an accelerator: torch refuses it on a CPU-only build
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=pin)
@@ -193,14 +215,18 @@ def setup_deepspeed(args, cfg, label, dev, rec):
         "gradient_accumulation_steps": args.grad_accum,
         "bf16": {"enabled": args.dtype == "bfloat16"},
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 0.01}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     rec["ds_zero"] = zero
     rec["ds_version"] = deepspeed.__version__
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
 
     def step(micro):
         total = 0.0
@@ -222,6 +248,7 @@ def setup_deepspeed(args, cfg, label, dev, rec):
 def _checkpointed(forward, checkpoint):
     def run(x):
         return checkpoint(forward, x, use_reentrant=False)
+
     return run
 
 
@@ -234,12 +261,18 @@ def setup_plain(args, cfg, label, dev, rec):
     model = build_model(cfg, args.seed).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     autocast = args.dtype != "float32"
-    rec["mixed_precision"] = f"torch.autocast({dev.type}, {args.dtype}) over fp32 parameters" \
-        if autocast else "none (fp32)"
+    rec["mixed_precision"] = (
+        f"torch.autocast({dev.type}, {args.dtype}) over fp32 parameters"
+        if autocast
+        else "none (fp32)"
+    )
 
     def step(micro):
-        ctx = ((lambda: torch.autocast(dev.type, dtype=getattr(torch, args.dtype))) if autocast
-               else contextlib.nullcontext)
+        ctx = (
+            (lambda: torch.autocast(dev.type, dtype=getattr(torch, args.dtype)))
+            if autocast
+            else contextlib.nullcontext
+        )
         return accumulate_step(model, opt, dev, micro, ctx)
 
     return step, lambda _m: None
@@ -283,11 +316,22 @@ def init_process_group(dev) -> None:
 
     if dist.is_initialized():  # a probe before this one (bench_fit, in-process) ended early
         dist.destroy_process_group()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
     kw = {"device_id": dev} if dev.type == "cuda" else {}
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
-                            timeout=dt.timedelta(seconds=300), **kw)
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo",
+        rank=0,
+        world_size=1,
+        timeout=dt.timedelta(seconds=300),
+        **kw,
+    )
 
 
 def enforce_budget(args, dev, rec) -> None:

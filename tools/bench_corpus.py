@@ -27,9 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "plans" / "gpt2-tiny" / "example.json"
-WORDS = ("the planner writes a plan and executor replays it on every rank chunks of parameters move "
-         "between host device as says activations are kept swapped to or recomputed in backward small "
-         "model learns these sentences quickly when sees them again").split()
+WORDS = (
+    "the planner writes a plan and executor replays it on every rank chunks of parameters move "
+    "between host device as says activations are kept swapped to or recomputed in backward small "
+    "model learns these sentences quickly when sees them again"
+).split()
 
 
 def parse_size(text: str) -> int:
@@ -43,7 +45,9 @@ def parse_size(text: str) -> int:
 def generate(path: Path, size: int, seed: int = 0) -> None:
     """``size`` bytes of text: the same lines for the same seed, cut at ``size``."""
     rng = random.Random(seed)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 25))) + "\n" for _ in range(4096)]
+    lines = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 25))) + "\n" for _ in range(4096)
+    ]
     block = "".join(lines).encode()
     with open(path, "wb") as f:
         written = 0
@@ -71,8 +75,21 @@ def measure(directory: Path, size: int, steps: int = 3) -> dict[str, float]:
     text, tokens = directory / f"corpus-{size}.txt", directory / f"corpus-{size}.tokens"
     generate(text, size)
     row: dict[str, float] = {"bytes": size}
-    row["tokenize_rss"], row["tokenize_s"], _ = peak_rss([*protrain, "tokenize", "--data", str(text), "-o", str(tokens)])
-    train = [*protrain, "train", "--plan", str(PLAN), "--model", "gpt2-tiny", "--steps", str(steps), "--log-every", "1"]
+    row["tokenize_rss"], row["tokenize_s"], _ = peak_rss(
+        [*protrain, "tokenize", "--data", str(text), "-o", str(tokens)]
+    )
+    train = [
+        *protrain,
+        "train",
+        "--plan",
+        str(PLAN),
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        str(steps),
+        "--log-every",
+        "1",
+    ]
     row["train_tokens_rss"], row["train_tokens_s"], _ = peak_rss([*train, "--data", str(tokens)])
     row["train_text_rss"], row["train_text_s"], _ = peak_rss([*train, "--data", str(text)])
     text.unlink()
@@ -81,9 +98,15 @@ def measure(directory: Path, size: int, steps: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", nargs="+", default=["20MB", "2GB"])
-    ap.add_argument("--dir", default=None, help="where the corpora are generated [default: a temporary directory]")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the corpora are generated [default: a temporary directory]",
+    )
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     import tempfile
@@ -96,9 +119,12 @@ def main() -> None:
         for size in map(parse_size, args.sizes):
             r = measure(directory, size, args.steps)
             mib = 1 << 20
-            print(f"| {size / 1e6:,.0f} MB | {r['tokenize_rss'] / mib:.0f} MiB ({r['tokenize_s']:.1f} s) "
-                  f"| {r['train_tokens_rss'] / mib:.0f} MiB ({r['train_tokens_s']:.1f} s) "
-                  f"| {r['train_text_rss'] / mib:.0f} MiB ({r['train_text_s']:.1f} s) |", flush=True)
+            print(
+                f"| {size / 1e6:,.0f} MB | {r['tokenize_rss'] / mib:.0f} MiB ({r['tokenize_s']:.1f} s) "
+                f"| {r['train_tokens_rss'] / mib:.0f} MiB ({r['train_tokens_s']:.1f} s) "
+                f"| {r['train_text_rss'] / mib:.0f} MiB ({r['train_text_s']:.1f} s) |",
+                flush=True,
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)

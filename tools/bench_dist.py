@@ -58,7 +58,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool: models, machine, writing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # the sibling tool: models, machine, writing
 from bench_executor import BENCHMARKS_MD, ROOT, build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
@@ -89,15 +91,18 @@ def free_port() -> int:
 
 def init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
 
 
 # ---------------------------------------------------------------------------
 # Part 1: micro-benchmark (rank bodies)
 
 
-def micro_rank(rank: int, world: int, port: int, out: str, sizes: list[int], warmup: int,
-               repeats: int) -> None:
+def micro_rank(
+    rank: int, world: int, port: int, out: str, sizes: list[int], warmup: int, repeats: int
+) -> None:
     torch.set_num_threads(1)
     init(rank, world, port)
     try:
@@ -109,7 +114,9 @@ def micro_rank(rank: int, world: int, port: int, out: str, sizes: list[int], war
             mine = torch.empty(shard)
             ops = {
                 "all-gather": lambda full=full: comm.all_gather(full, "bench"),
-                "reduce-scatter": lambda full=full, mine=mine: comm.reduce_scatter(mine, full, "bench"),
+                "reduce-scatter": lambda full=full, mine=mine: comm.reduce_scatter(
+                    mine, full, "bench"
+                ),
                 "all-reduce": lambda full=full: comm.all_reduce(full, "bench"),
             }
             row = res[str(size)] = {}
@@ -144,18 +151,51 @@ def micro_rank(rank: int, world: int, port: int, out: str, sizes: list[int], war
 # Part 2: end to end (rank bodies)
 
 
-def make_plan(name: str, world: int, micro: int, seq: int, chunk_numel: int, persistent: list[int],
-              n_buffer: int) -> P.Plan:
+def make_plan(
+    name: str,
+    world: int,
+    micro: int,
+    seq: int,
+    chunk_numel: int,
+    persistent: list[int],
+    n_buffer: int,
+) -> P.Plan:
     meta = build_model(name, "meta", 0)
     blocks = block_paths(meta)
-    tr = P.Training(micro_batch=micro, seq_len=seq, compute_dtype="float32", master_dtype="float32",
-                    world_size=world, grad_accum=1)
-    return emit(meta, name=name, blocks=blocks, training=tr, chunk_numel=chunk_numel,
-                persistent=persistent, n_buffer=n_buffer, policies=["keep"] * len(blocks))
+    tr = P.Training(
+        micro_batch=micro,
+        seq_len=seq,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=world,
+        grad_accum=1,
+    )
+    return emit(
+        meta,
+        name=name,
+        blocks=blocks,
+        training=tr,
+        chunk_numel=chunk_numel,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=["keep"] * len(blocks),
+    )
 
 
-def train_rank(rank: int, world: int, port: int, out: str, name: str, micro: int, seq: int,
-               chunk_numel: int, persistent: list[int], n_buffer: int, warmup: int, steps: int) -> None:
+def train_rank(
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    name: str,
+    micro: int,
+    seq: int,
+    chunk_numel: int,
+    persistent: list[int],
+    n_buffer: int,
+    warmup: int,
+    steps: int,
+) -> None:
     torch.set_num_threads(1)
     if world > 1:
         init(rank, world, port)
@@ -186,7 +226,8 @@ def train_rank(rank: int, world: int, port: int, out: str, name: str, micro: int
                 per_step.append(calls[n0:])
         engine.close()
         Path(out, f"{name}.w{world}.rank{rank}.json").write_text(
-            json.dumps({"step_s": step_s, "calls": per_step, "losses": losses}))
+            json.dumps({"step_s": step_s, "calls": per_step, "losses": losses})
+        )
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -211,10 +252,15 @@ def model_counts(t: Terms, n_persist: int, n_buffer: int) -> dict[str, int]:
     order = sorted(np.nonzero(off)[0], key=lambda c: (-t.last_fwd_use[c], -c))
     cached = np.zeros(C, dtype=np.int64)
     cached[order[:n_buffer]] = 1
-    again = (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # a cached chunk's later backward uses
-    refetch = int((t.up_bwd @ (off * (1 - cached))).sum() + ((t.up_bwd * again) @ (off * cached)).sum())
-    return {"all-gather": int((t.up_fwd @ off).sum()) + refetch,
-            "reduce-scatter": int((t.offload_at @ off).sum()), "all-reduce": n_persist}
+    again = np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1  # a cached chunk's later backward uses
+    refetch = int(
+        (t.up_bwd @ (off * (1 - cached))).sum() + ((t.up_bwd * again) @ (off * cached)).sum()
+    )
+    return {
+        "all-gather": int((t.up_fwd @ off).sum()) + refetch,
+        "reduce-scatter": int((t.offload_at @ off).sum()),
+        "all-reduce": n_persist,
+    }
 
 
 def gather_us(t: Terms) -> float:
@@ -269,9 +315,11 @@ def tms(s: float) -> str:
 
 def analyse_micro(spec, sizes: list[int], micro: dict[int, list[dict]]) -> tuple[list[str], dict]:
     """The micro-benchmark table, and per (W, size, op) the figures the reading uses."""
-    rows = ["| W | bytes (padded) | collective | median ms | bus GB/s | memcpy ms (GB/s) | model bw GB/s "
-            "| predicted ms | predicted / measured | × memcpy time |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| W | bytes (padded) | collective | median ms | bus GB/s | memcpy ms (GB/s) | model bw GB/s "
+        "| predicted ms | predicted / measured | × memcpy time |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     res = {}
     for world in sorted(micro):
         for size in sizes:
@@ -282,12 +330,20 @@ def analyse_micro(spec, sizes: list[int], micro: dict[int, list[dict]]) -> tuple
                 # Per repeat the fastest rank's time: the last to leave the barrier waits for no one.
                 t = med(min(s) for s in zip(*(r[str(size)][op] for r in micro[world])))
                 pred = (2 if op == "all-reduce" else 1) * (world - 1) / world * nbytes / bw
-                res[(world, size, op)] = dict(t=t, bus=busbw(op, world, nbytes, t), pred=pred, memcpy=mc,
-                                              memcpy_bw=nbytes / mc, model_bw=bw)
+                res[(world, size, op)] = dict(
+                    t=t,
+                    bus=busbw(op, world, nbytes, t),
+                    pred=pred,
+                    memcpy=mc,
+                    memcpy_bw=nbytes / mc,
+                    model_bw=bw,
+                )
                 r = res[(world, size, op)]
-                rows.append(f"| {world} | {fmt_bytes(size)} ({nbytes:,}) | {op} | {tms(t)} | {gbs(r['bus'])} | "
-                            f"{tms(mc)} ({gbs(r['memcpy_bw'])}) | {gbs(bw)} | {tms(pred)} | {pred / t:.3f} | "
-                            f"{t / mc:,.0f} |")
+                rows.append(
+                    f"| {world} | {fmt_bytes(size)} ({nbytes:,}) | {op} | {tms(t)} | {gbs(r['bus'])} | "
+                    f"{tms(mc)} ({gbs(r['memcpy_bw'])}) | {gbs(bw)} | {tms(pred)} | {pred / t:.3f} | "
+                    f"{t / mc:,.0f} |"
+                )
     return rows, res
 
 
@@ -295,11 +351,19 @@ def net_time(rr: list[dict], keep) -> float:
     """Per collective the fastest rank's time (the last to arrive waits for no one), summed over
     the collectives of a step that ``keep`` names; median over steps."""
     calls = [r["calls"] for r in rr]
-    return med(sum(min(c[s][k][1] for c in calls) for k in range(len(calls[0][s])) if keep(calls[0][s][k][0]))
-               for s in range(len(calls[0])))
+    return med(
+        sum(
+            min(c[s][k][1] for c in calls)
+            for k in range(len(calls[0][s]))
+            if keep(calls[0][s][k][0])
+        )
+        for s in range(len(calls[0]))
+    )
 
 
-def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tuple[list[str], list[dict]]:
+def run_e2e(
+    spec, name: str, chunk_numel: int, args, out: str, mres: dict
+) -> tuple[list[str], list[dict]]:
     """Train ``name`` on W = 1, 2, 3 ranks; the section's table for it and the figures for the reading."""
     t_model = time.perf_counter()
     probe_plan = make_plan(name, 1, args.batch, args.seq, chunk_numel, [], 10**6)
@@ -309,23 +373,47 @@ def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tu
     n_buffer = max(2, max(len(ids - set(persistent)) for ids in need.values()))
     model = build_model(name, "cpu", 1)
     n_params = sum(p.numel() for p in model.parameters())
-    prof = measure(model, name=name, blocks=block_paths(model), micro_batch=args.batch, seq_len=args.seq,
-                   compute_dtype="float32", device="cpu", spec=spec, warmup=2, iterations=5)
+    prof = measure(
+        model,
+        name=name,
+        blocks=block_paths(model),
+        micro_batch=args.batch,
+        seq_len=args.seq,
+        compute_dtype="float32",
+        device="cpu",
+        spec=spec,
+        warmup=2,
+        iterations=5,
+    )
     del model
     runs: dict[int, list[dict]] = {}
     for world in (1, 2, 3):
         print(f"{name} W={world}", file=sys.stderr)
-        spawn(train_rank, world, out, name, args.batch, args.seq, chunk_numel, persistent, n_buffer,
-              args.warmup, args.steps)
-        runs[world] = [json.loads(Path(out, f"{name}.w{world}.rank{r}.json").read_text())
-                       for r in range(world)]
+        spawn(
+            train_rank,
+            world,
+            out,
+            name,
+            args.batch,
+            args.seq,
+            chunk_numel,
+            persistent,
+            n_buffer,
+            args.warmup,
+            args.steps,
+        )
+        runs[world] = [
+            json.loads(Path(out, f"{name}.w{world}.rank{r}.json").read_text()) for r in range(world)
+        ]
     base = med(runs[1][0]["step_s"])
-    rows = ["| W | step ms, per rank | × W=1 | in collectives ms, per rank | net of waiting ms "
-            "| outside collectives ms (× W=1 step) | collectives / step: measured (model) "
-            "| net ms per call, AG / RS / AR (micro-benchmark) | predicted comm ms, fallback | ÷ net "
-            "| predicted comm ms, measured bus bw | ÷ net "
-            "| predicted step ms: fallback → measured bus bw |",
-            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| W | step ms, per rank | × W=1 | in collectives ms, per rank | net of waiting ms "
+        "| outside collectives ms (× W=1 step) | collectives / step: measured (model) "
+        "| net ms per call, AG / RS / AR (micro-benchmark) | predicted comm ms, fallback | ÷ net "
+        "| predicted comm ms, measured bus bw | ÷ net "
+        "| predicted step ms: fallback → measured bus bw |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     figures = []
     for world in (1, 2, 3):
         rr = runs[world]
@@ -336,8 +424,10 @@ def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tu
         t = make_terms(prof, chunk_numel, world)
         pred_step = predict(t, len(persistent), n_buffer, 0, 0).time_us / 1e6
         if world == 1:
-            rows.append(f"| 1 | {tms(steps[0])} | 1.00 | — | — | {tms(steps[0])} (1.00) | — (no process group) "
-                        f"| — | 0 | — | 0 | — | {tms(pred_step)} |")
+            rows.append(
+                f"| 1 | {tms(steps[0])} | 1.00 | — | — | {tms(steps[0])} (1.00) | — (no process group) "
+                f"| — | 0 | — | 0 | — | {tms(pred_step)} |"
+            )
             base_pred = pred_step
             continue
         counts = model_counts(t, len(persistent), n_buffer)
@@ -349,10 +439,16 @@ def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tu
 
         net_all = net_time(rr, lambda w: True)
         net_chunks = net_time(rr, lambda w: kind(w) != "scalar all-reduce")
-        per_call = {op: net_time(rr, lambda w, op=op: kind(w) == op) / seen[op] for op in OPS if seen[op]}
+        per_call = {
+            op: net_time(rr, lambda w, op=op: kind(w) == op) / seen[op] for op in OPS if seen[op]
+        }
         bench = {op: mres[(world, chunk_numel * 4, op)]["t"] for op in OPS}
-        calls_txt = (" / ".join(tms(per_call[op]) if op in per_call else "—" for op in OPS)
-                     + " (" + " / ".join(tms(bench[op]) for op in OPS) + ")")
+        calls_txt = (
+            " / ".join(tms(per_call[op]) if op in per_call else "—" for op in OPS)
+            + " ("
+            + " / ".join(tms(bench[op]) for op in OPS)
+            + ")"
+        )
         units = sum(counts[op] * (2 if op == "all-reduce" else 1) for op in OPS)  # all-gather-times
         pred = units * gather_us(t) / 1e6
         bw2 = mres[(world, chunk_numel * 4, "all-gather")]["bus"]
@@ -361,45 +457,88 @@ def run_e2e(spec, name: str, chunk_numel: int, args, out: str, mres: dict) -> tu
         t2 = make_terms(prof2, chunk_numel, world)
         pred2 = units * gather_us(t2) / 1e6
         pred2_step = predict(t2, len(persistent), n_buffer, 0, 0).time_us / 1e6
-        counts_txt = (f"AG {seen['all-gather']} ({counts['all-gather']}), RS {seen['reduce-scatter']} "
-                      f"({counts['reduce-scatter']}), AR {seen['all-reduce']} ({counts['all-reduce']}); "
-                      f"+ {seen['scalar all-reduce']} scalar AR (not modelled)")
-        rows.append(f"| {world} | {' / '.join(tms(s) for s in steps)} | {max(steps) / base:.2f} | "
-                    f"{' / '.join(tms(c) for c in in_coll)} | {tms(net_all)} | {tms(outside)} "
-                    f"({outside / base:.2f}) | {counts_txt} | {calls_txt} | {tms(pred)} | {pred / net_chunks:.3f} | "
-                    f"{tms(pred2)} | {pred2 / net_chunks:.2f} | {tms(pred_step)} → {tms(pred2_step)} |")
-        figures.append(dict(name=name, world=world, step=max(steps), base=base,
-                            in_coll=statistics.mean(in_coll),
-                            net=net_all, net_chunks=net_chunks, outside=outside, pred=pred, pred2=pred2,
-                            pred_step=pred_step, pred2_step=pred2_step, bw2=bw2, per_call=per_call,
-                            bench=bench, base_pred=base_pred, units=units, gather2=gather_us(t2) / 1e6,
-                            counts_match=all(seen[op] == counts[op] for op in OPS)))
-    text = [f"#### {name}: {n_params / 1e6:.2f}M params, {n_chunks} chunks of {chunk_numel:,} elements "
-            f"({fmt_bytes(chunk_numel * 4)} fp32); chunk 0 persistent, {n_chunks - 1} offloaded, n_buffer "
-            f"{n_buffer}, every block kept", "",
-            *rows, "",
-            f"Profile for the predictions: `measure(...)` in one process, 2 warmup + 5 iterations, the probed "
-            f"spec; {time.perf_counter() - t_model:.0f} s for this model in all.", ""]
+        counts_txt = (
+            f"AG {seen['all-gather']} ({counts['all-gather']}), RS {seen['reduce-scatter']} "
+            f"({counts['reduce-scatter']}), AR {seen['all-reduce']} ({counts['all-reduce']}); "
+            f"+ {seen['scalar all-reduce']} scalar AR (not modelled)"
+        )
+        rows.append(
+            f"| {world} | {' / '.join(tms(s) for s in steps)} | {max(steps) / base:.2f} | "
+            f"{' / '.join(tms(c) for c in in_coll)} | {tms(net_all)} | {tms(outside)} "
+            f"({outside / base:.2f}) | {counts_txt} | {calls_txt} | {tms(pred)} | {pred / net_chunks:.3f} | "
+            f"{tms(pred2)} | {pred2 / net_chunks:.2f} | {tms(pred_step)} → {tms(pred2_step)} |"
+        )
+        figures.append(
+            dict(
+                name=name,
+                world=world,
+                step=max(steps),
+                base=base,
+                in_coll=statistics.mean(in_coll),
+                net=net_all,
+                net_chunks=net_chunks,
+                outside=outside,
+                pred=pred,
+                pred2=pred2,
+                pred_step=pred_step,
+                pred2_step=pred2_step,
+                bw2=bw2,
+                per_call=per_call,
+                bench=bench,
+                base_pred=base_pred,
+                units=units,
+                gather2=gather_us(t2) / 1e6,
+                counts_match=all(seen[op] == counts[op] for op in OPS),
+            )
+        )
+    text = [
+        f"#### {name}: {n_params / 1e6:.2f}M params, {n_chunks} chunks of {chunk_numel:,} elements "
+        f"({fmt_bytes(chunk_numel * 4)} fp32); chunk 0 persistent, {n_chunks - 1} offloaded, n_buffer "
+        f"{n_buffer}, every block kept",
+        "",
+        *rows,
+        "",
+        f"Profile for the predictions: `measure(...)` in one process, 2 warmup + 5 iterations, the probed "
+        f"spec; {time.perf_counter() - t_model:.0f} s for this model in all.",
+        "",
+    ]
     return text, figures
 
 
 def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
     big, small = sizes[-1], sizes[0]
     ratio = [r["pred"] / r["t"] for r in mres.values()]
-    per_op = "; ".join(f"{op} {min(r['pred'] / r['t'] for k, r in mres.items() if k[2] == op):.3f}–"
-                       f"{max(r['pred'] / r['t'] for k, r in mres.items() if k[2] == op):.3f}" for op in OPS)
+    per_op = "; ".join(
+        f"{op} {min(r['pred'] / r['t'] for k, r in mres.items() if k[2] == op):.3f}–"
+        f"{max(r['pred'] / r['t'] for k, r in mres.items() if k[2] == op):.3f}"
+        for op in OPS
+    )
     xmem = [r["t"] / r["memcpy"] for r in mres.values()]
     link_fit = [r["memcpy_bw"] / r["model_bw"] for r in mres.values()]
     worlds = sorted({k[0] for k in mres})
-    ag_curve = "; ".join(f"W={w} " + " → ".join(gbs(mres[(w, s, "all-gather")]["bus"]) for s in sizes)
-                         for w in worlds)
+    ag_curve = "; ".join(
+        f"W={w} " + " → ".join(gbs(mres[(w, s, "all-gather")]["bus"]) for s in sizes)
+        for w in worlds
+    )
     lat = [mres[(w, small, op)]["t"] for w in worlds for op in OPS]
     # Share of a smallest-size collective that its bytes explain at the best bus bandwidth seen.
     best = {op: max(r["bus"] for k, r in mres.items() if k[2] == op) for op in OPS}
-    moving = [(2 if op == "all-reduce" else 1) * (w - 1) / w * small / best[op] / mres[(w, small, op)]["t"]
-              for w in worlds for op in OPS]
-    rs_ar = [mres[(w, s, "reduce-scatter")]["t"] / mres[(w, s, "all-reduce")]["t"]
-             for w in worlds for s in sizes if s > small]
+    moving = [
+        (2 if op == "all-reduce" else 1)
+        * (w - 1)
+        / w
+        * small
+        / best[op]
+        / mres[(w, small, op)]["t"]
+        for w in worlds
+        for op in OPS
+    ]
+    rs_ar = [
+        mres[(w, s, "reduce-scatter")]["t"] / mres[(w, s, "all-reduce")]["t"]
+        for w in worlds
+        for s in sizes
+        if s > small
+    ]
     parts = []
     for r in e2e:
         parts.append(
@@ -408,7 +547,8 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
             f"{tms(r['pred'])} ms of chunk collectives against {tms(r['net_chunks'])} ms net "
             f"(under by {r['net_chunks'] / r['pred']:.0f}×); with the measured bus bandwidth "
             f"{r['pred2'] / r['net_chunks']:.2f}×; predicted step {r['pred_step'] / r['step']:.2f}× → "
-            f"{r['pred2_step'] / r['step']:.2f}× the measured one")
+            f"{r['pred2_step'] / r['step']:.2f}× the measured one"
+        )
     counts_ok = all(r["counts_match"] for r in e2e)
     outside = "; ".join(f"{r['name']} W={r['world']} {r['outside'] / r['base']:.2f}×" for r in e2e)
     fixed = [r["pred2"] / r["net_chunks"] for r in e2e]
@@ -419,61 +559,67 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
     w1 = sorted({(r["name"], r["base_pred"] / r["base"]) for r in e2e})
     w1_txt = ", ".join(f"{n} {x:.2f}×" for n, x in w1)
     rng = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}×"  # noqa: E731
-    return "\n\n".join([
-        "**Reading.** "
-        f"*Micro-benchmark.* The cpu spec has no collective bandwidth, so the model charges a collective "
-        f"at memcpy speed; gloo over loopback is nowhere near that. Predicted / measured is "
-        f"{min(ratio):.3f}–{max(ratio):.3f} ({per_op}): the fallback under-predicts a collective "
-        f"{1 / max(ratio):.0f}–{1 / min(ratio):.0f}×. The memcpy measured in the same run is "
-        f"{rng(link_fit)} the probed link at the same size (the same operation, but single calls here and "
-        f"looped ones in the probe, on a machine whose load changed between the two), and the collectives "
-        f"take {min(xmem):,.0f}–{max(xmem):,.0f}× a memcpy of the same bytes. At {fmt_bytes(small)} a "
-        f"collective costs {tms(min(lat))}–{tms(max(lat))} ms, of which moving the bytes at the best bus "
-        f"bandwidth measured for that collective would take at most {max(moving):.0%}: the rest is latency "
-        f"(socket round trips, ring steps, waking the other processes), which a bandwidth alone cannot "
-        f"express; the all-gather's "
-        f"bus bandwidth over {' → '.join(fmt_bytes(s) for s in sizes)} is {ag_curve} GB/s, at best "
-        f"{gbs(max(mres[(w, s, 'all-gather')]['bus'] for w in worlds for s in sizes))} GB/s against the "
-        f"{gbs(collective_bandwidth(spec, big))} GB/s memcpy link at {fmt_bytes(big)}. Reduce-scatter takes "
-        f"{min(rs_ar):.1f}–{max(rs_ar):.1f}× an all-reduce of the same buffer (at {fmt_bytes(sizes[1])} and "
-        f"up), where the model charges it half an all-reduce: gloo has no reduce-scatter of its own — "
-        f"`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the input, all-reduces the whole buffer "
-        f"and copies out the own slice — so on gloo the collective in `t_down` is an all-reduce plus a copy, "
-        f"whatever bandwidth the spec gives.",
-        "*End to end.* "
-        + ("The executor issued exactly the chunk collectives the model counts (all-gathers, "
-           "reduce-scatters, all-reduces per step, in every run), so the gap is the time per collective, "
-           "not the accounting. " if counts_ok else
-           "The executor's collective counts differ from the model's in some run (see the tables). ")
-        + "; ".join(parts) + ". "
-        f"Set from the micro-benchmark, `allgather_bytes_per_s` takes the communication term from "
-        f"{min(under):.0f}–{max(under):.0f}× under to {rng(fixed)} the measured net time: a bus bandwidth taken "
-        f"at the chunk's own size folds its latency in. What is left: in training a chunk all-gather costs "
-        f"{rng(ag_train)} its micro-benchmark time (there the ranks had the cores to themselves; here the "
-        f"other ranks' compute and CPU-Adam threads share them), a reduce-scatter costs {rng(rs_ag)} an "
-        f"all-gather where the model charges the same, and the persistent chunk's all-reduce {rng(ar_ag)} an "
-        f"all-gather where the model charges 2×. The rest of the step grows as well, and no communication "
-        f"term explains it: time outside collectives is {outside} the W=1 step, because W ranks, each with "
-        f"its CPU-Adam worker thread, share {os.cpu_count()} cores (W=3 oversubscribes them), and the waits "
-        f"in \"in collectives\" beyond the net time are ranks arriving late for the same reason. The model "
-        f"assumes each rank has its device and cores to itself, as on a GPU node; for scale, at W=1 it "
-        f"predicts {w1_txt} the measured step (a 5-iteration profile on a shared box).",
-        "*How far to trust this.* This is gloo over loopback TCP on a 2-core VM: bus bandwidths of at "
-        f"most {gbs(max(r['bus'] for r in mres.values()))} GB/s, where NCCL reaches tens of GB/s over "
-        "PCIe and hundreds over NVLink, and W ranks compete for the same cores; the numbers calibrate "
-        "nothing about GPUs. They say that on a cpu spec the memcpy fallback under-predicts "
-        "communication by orders of magnitude, so a W > 1 plan made from a probed cpu spec believes ZeRO-3 "
-        "is nearly free. *What the probe should measure:* with a world size given, spawn W local ranks on the "
-        "backend the executor will use (gloo for cpu, nccl for cuda) and time `all_gather_into_tensor` "
-        "and `reduce_scatter_tensor` themselves (not one inferred from the other: gloo's reduce-scatter "
-        "is an all-reduce) over the link curve's sizes; store a curve or a latency + size / bandwidth fit "
-        "per collective (`allgather_bytes_per_s` and `reduce_scatter_bytes_per_s` exist; a latency does "
-        "not), have `make_terms` use the reduce-scatter figure in `t_down` and measure all-reduce for the "
-        "persistent chunks; until then, a cpu spec with `allgather_bytes_per_s` = 0 should warn when "
-        "planning for W > 1. "
-        f"Load average {load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores: one sample "
-        "of a shared machine.",
-    ])
+    return "\n\n".join(
+        [
+            "**Reading.** "
+            f"*Micro-benchmark.* The cpu spec has no collective bandwidth, so the model charges a collective "
+            f"at memcpy speed; gloo over loopback is nowhere near that. Predicted / measured is "
+            f"{min(ratio):.3f}–{max(ratio):.3f} ({per_op}): the fallback under-predicts a collective "
+            f"{1 / max(ratio):.0f}–{1 / min(ratio):.0f}×. The memcpy measured in the same run is "
+            f"{rng(link_fit)} the probed link at the same size (the same operation, but single calls here and "
+            f"looped ones in the probe, on a machine whose load changed between the two), and the collectives "
+            f"take {min(xmem):,.0f}–{max(xmem):,.0f}× a memcpy of the same bytes. At {fmt_bytes(small)} a "
+            f"collective costs {tms(min(lat))}–{tms(max(lat))} ms, of which moving the bytes at the best bus "
+            f"bandwidth measured for that collective would take at most {max(moving):.0%}: the rest is latency "
+            f"(socket round trips, ring steps, waking the other processes), which a bandwidth alone cannot "
+            f"express; the all-gather's "
+            f"bus bandwidth over {' → '.join(fmt_bytes(s) for s in sizes)} is {ag_curve} GB/s, at best "
+            f"{gbs(max(mres[(w, s, 'all-gather')]['bus'] for w in worlds for s in sizes))} GB/s against the "
+            f"{gbs(collective_bandwidth(spec, big))} GB/s memcpy link at {fmt_bytes(big)}. Reduce-scatter takes "
+            f"{min(rs_ar):.1f}–{max(rs_ar):.1f}× an all-reduce of the same buffer (at {fmt_bytes(sizes[1])} and "
+            f"up), where the model charges it half an all-reduce: gloo has no reduce-scatter of its own — "
+            f"`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the input, all-reduces the whole buffer "
+            f"and copies out the own slice — so on gloo the collective in `t_down` is an all-reduce plus a copy, "
+            f"whatever bandwidth the spec gives.",
+            "*End to end.* "
+            + (
+                "The executor issued exactly the chunk collectives the model counts (all-gathers, "
+                "reduce-scatters, all-reduces per step, in every run), so the gap is the time per collective, "
+                "not the accounting. "
+                if counts_ok
+                else "The executor's collective counts differ from the model's in some run (see the tables). "
+            )
+            + "; ".join(parts)
+            + ". "
+            f"Set from the micro-benchmark, `allgather_bytes_per_s` takes the communication term from "
+            f"{min(under):.0f}–{max(under):.0f}× under to {rng(fixed)} the measured net time: a bus bandwidth taken "
+            f"at the chunk's own size folds its latency in. What is left: in training a chunk all-gather costs "
+            f"{rng(ag_train)} its micro-benchmark time (there the ranks had the cores to themselves; here the "
+            f"other ranks' compute and CPU-Adam threads share them), a reduce-scatter costs {rng(rs_ag)} an "
+            f"all-gather where the model charges the same, and the persistent chunk's all-reduce {rng(ar_ag)} an "
+            f"all-gather where the model charges 2×. The rest of the step grows as well, and no communication "
+            f"term explains it: time outside collectives is {outside} the W=1 step, because W ranks, each with "
+            f"its CPU-Adam worker thread, share {os.cpu_count()} cores (W=3 oversubscribes them), and the waits "
+            f'in "in collectives" beyond the net time are ranks arriving late for the same reason. The model '
+            f"assumes each rank has its device and cores to itself, as on a GPU node; for scale, at W=1 it "
+            f"predicts {w1_txt} the measured step (a 5-iteration profile on a shared box).",
+            "*How far to trust this.* This is gloo over loopback TCP on a 2-core VM: bus bandwidths of at "
+            f"most {gbs(max(r['bus'] for r in mres.values()))} GB/s, where NCCL reaches tens of GB/s over "
+            "PCIe and hundreds over NVLink, and W ranks compete for the same cores; the numbers calibrate "
+            "nothing about GPUs. They say that on a cpu spec the memcpy fallback under-predicts "
+            "communication by orders of magnitude, so a W > 1 plan made from a probed cpu spec believes ZeRO-3 "
+            "is nearly free. *What the probe should measure:* with a world size given, spawn W local ranks on the "
+            "backend the executor will use (gloo for cpu, nccl for cuda) and time `all_gather_into_tensor` "
+            "and `reduce_scatter_tensor` themselves (not one inferred from the other: gloo's reduce-scatter "
+            "is an all-reduce) over the link curve's sizes; store a curve or a latency + size / bandwidth fit "
+            "per collective (`allgather_bytes_per_s` and `reduce_scatter_bytes_per_s` exist; a latency does "
+            "not), have `make_terms` use the reduce-scatter figure in `t_down` and measure all-reduce for the "
+            "persistent chunks; until then, a cpu spec with `allgather_bytes_per_s` = 0 should warn when "
+            "planning for W > 1. "
+            f"Load average {load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores: one sample "
+            "of a shared machine.",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -481,11 +627,18 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="256KiB,4MiB,32MiB",
-                    help="micro-benchmark buffer sizes (fp32), comma-separated, KiB/MiB")
+    ap.add_argument(
+        "--sizes",
+        default="256KiB,4MiB,32MiB",
+        help="micro-benchmark buffer sizes (fp32), comma-separated, KiB/MiB",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="untimed samples / steps (default 3)")
-    ap.add_argument("--repeats", type=int, default=10, help="timed samples per collective (default 10)")
-    ap.add_argument("--steps", type=int, default=6, help="measured training steps per run (default 6)")
+    ap.add_argument(
+        "--repeats", type=int, default=10, help="timed samples per collective (default 10)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=6, help="measured training steps per run (default 6)"
+    )
     ap.add_argument("--batch", type=int, default=4, help="micro-batch per rank (default 4)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
@@ -493,9 +646,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted(int(s[:-3]) * (MiB if s.endswith("MiB") else KiB) for s in args.sizes.split(","))
     missing = [fmt_bytes(c * 4) for _, c in E2E if c * 4 not in sizes]
     if missing or len(sizes) < 2:
-        ap.error(f"--sizes needs at least two sizes, including the end-to-end chunk sizes "
-                 f"{', '.join(fmt_bytes(c * 4) for _, c in E2E)}")
-    command = shlex.join(["python", "tools/bench_dist.py", *(argv if argv is not None else sys.argv[1:])])
+        ap.error(
+            f"--sizes needs at least two sizes, including the end-to-end chunk sizes "
+            f"{', '.join(fmt_bytes(c * 4) for _, c in E2E)}"
+        )
+    command = shlex.join(
+        ["python", "tools/bench_dist.py", *(argv if argv is not None else sys.argv[1:])]
+    )
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
@@ -508,8 +665,10 @@ def main(argv: list[str] | None = None) -> int:
         for world in (2, 3):
             print(f"micro-benchmark W={world}", file=sys.stderr)
             spawn(micro_rank, world, out, sizes, args.warmup, args.repeats)
-            micro[world] = [json.loads(Path(out, f"micro{world}.rank{r}.json").read_text())
-                            for r in range(world)]
+            micro[world] = [
+                json.loads(Path(out, f"micro{world}.rank{r}.json").read_text())
+                for r in range(world)
+            ]
         micro_s = time.perf_counter() - t_start - probe_s
         rows1, mres = analyse_micro(spec, sizes, micro)
         e2e_text, figures = [], []
@@ -520,50 +679,61 @@ def main(argv: list[str] | None = None) -> int:
     elapsed_s = time.perf_counter() - t_start
     load = (load_before, os.getloadavg()[0])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = "\n".join([
-        SECTION, "",
-        f"Command: `{command}`", "",
-        f"Machine: {machine()}.", "",
-        f"Date: {date}. Spec: `probe(\"cpu\", quick=True)` in {probe_s:.1f} s (memcpy link "
-        f"{gbs(link_bandwidth(spec, sizes[-1], 'h2d'))} GB/s at {fmt_bytes(sizes[-1])}; "
-        f"`allgather_bytes_per_s` = {spec.allgather_bytes_per_s}, so `collective_bandwidth` falls back to "
-        f"the memcpy link at the buffer's size). Ranks: `torch.multiprocessing.spawn`, gloo over 127.0.0.1, "
-        f"`torch.set_num_threads(1)` in every rank and in the parent (probe, profiles). {elapsed_s:.0f} s in "
-        f"all ({micro_s:.0f} s of it the micro-benchmark); load average {load[0]:.2f} before, "
-        f"{load[1]:.2f} after, on {os.cpu_count()} cores.", "",
-        "### Collectives at chunk sizes", "",
-        f"fp32 buffers through `executor.dist.Comm`, as the executor calls it: all-gather in place into the "
-        f"padded buffer from the own shard, reduce-scatter of the full buffer into a shard, all-reduce of "
-        f"the full buffer. {args.warmup} warmup + {args.repeats} timed samples each, a `dist.barrier()` "
-        "before every sample; a sample is the fastest rank's time (the last to leave the barrier waits for "
-        "no one: that rank times the transfer itself); median. Bus GB/s: (W-1)/W × bytes / time, × 2 for "
-        "all-reduce (nccl-tests' busbw). memcpy: `Tensor.copy_` of the same bytes on rank 0 in the same "
-        "run, the others waiting (what the cpu spec's link measures). Model bw: `collective_bandwidth(spec, "
-        "bytes)`; predicted: (W-1)/W × bytes / model bw, × 2 for all-reduce, as `make_terms` charges a "
-        "chunk. × memcpy time: the collective's median over the memcpy's.", "",
-        *rows1, "",
-        "### End to end: training with ZeRO-3", "",
-        f"Each model trained by `wrap` with a plan from `emit` for W ranks (`Training(world_size=W)`), "
-        f"micro-batch {args.batch} × {args.seq} tokens per rank from `batches(..., rank=r, world_size=W)`, "
-        f"{args.warmup} warmup + {args.steps} measured steps. Every rank times `engine.step` and every "
-        "collective (its begin and end events from `Engine.on_event`, whose name says which chunk and why). "
-        "Step: median per rank; × W=1: the slowest rank's over the single process's. In collectives: per "
-        "rank, median over steps of the summed collective time, waiting for slower ranks included. Net of "
-        "waiting: per collective the fastest rank's time, summed over a step, median over steps. Outside "
-        "collectives: step minus in collectives, mean over ranks. Collectives per step: counted from the "
-        "recorded calls; in parentheses the cost model's count (`model_counts`, the lines of "
-        "`cost.evaluate`: an all-gather per forward upload and backward re-fetch of an offloaded chunk, a "
-        "reduce-scatter per gradient offload, an all-reduce per persistent chunk). Predicted comm: (AG + "
-        "RS + 2 × AR) × (W-1)/W × padded chunk bytes / `collective_bandwidth(spec, chunk bytes)` — the "
-        "collective part of `t_up`, `t_down` and `allreduce_us_per_chunk`, without the own-shard copies; "
-        "÷ net is against the net time of those chunk collectives (the scalar loss all-reduce left out, "
-        "as the model leaves it out). Measured bus bw: the same with `allgather_bytes_per_s` set to the "
-        "micro-benchmark's all-gather bus bandwidth at the chunk's size and W (the model uses that one "
-        "figure for all three collectives). Predicted step: `cost.predict` for the plan's configuration.",
-        "",
-        *e2e_text,
-        reading(spec, sizes, mres, figures, load), "",
-    ])
+    section = "\n".join(
+        [
+            SECTION,
+            "",
+            f"Command: `{command}`",
+            "",
+            f"Machine: {machine()}.",
+            "",
+            f'Date: {date}. Spec: `probe("cpu", quick=True)` in {probe_s:.1f} s (memcpy link '
+            f"{gbs(link_bandwidth(spec, sizes[-1], 'h2d'))} GB/s at {fmt_bytes(sizes[-1])}; "
+            f"`allgather_bytes_per_s` = {spec.allgather_bytes_per_s}, so `collective_bandwidth` falls back to "
+            f"the memcpy link at the buffer's size). Ranks: `torch.multiprocessing.spawn`, gloo over 127.0.0.1, "
+            f"`torch.set_num_threads(1)` in every rank and in the parent (probe, profiles). {elapsed_s:.0f} s in "
+            f"all ({micro_s:.0f} s of it the micro-benchmark); load average {load[0]:.2f} before, "
+            f"{load[1]:.2f} after, on {os.cpu_count()} cores.",
+            "",
+            "### Collectives at chunk sizes",
+            "",
+            f"fp32 buffers through `executor.dist.Comm`, as the executor calls it: all-gather in place into the "
+            f"padded buffer from the own shard, reduce-scatter of the full buffer into a shard, all-reduce of "
+            f"the full buffer. {args.warmup} warmup + {args.repeats} timed samples each, a `dist.barrier()` "
+            "before every sample; a sample is the fastest rank's time (the last to leave the barrier waits for "
+            "no one: that rank times the transfer itself); median. Bus GB/s: (W-1)/W × bytes / time, × 2 for "
+            "all-reduce (nccl-tests' busbw). memcpy: `Tensor.copy_` of the same bytes on rank 0 in the same "
+            "run, the others waiting (what the cpu spec's link measures). Model bw: `collective_bandwidth(spec, "
+            "bytes)`; predicted: (W-1)/W × bytes / model bw, × 2 for all-reduce, as `make_terms` charges a "
+            "chunk. × memcpy time: the collective's median over the memcpy's.",
+            "",
+            *rows1,
+            "",
+            "### End to end: training with ZeRO-3",
+            "",
+            f"Each model trained by `wrap` with a plan from `emit` for W ranks (`Training(world_size=W)`), "
+            f"micro-batch {args.batch} × {args.seq} tokens per rank from `batches(..., rank=r, world_size=W)`, "
+            f"{args.warmup} warmup + {args.steps} measured steps. Every rank times `engine.step` and every "
+            "collective (its begin and end events from `Engine.on_event`, whose name says which chunk and why). "
+            "Step: median per rank; × W=1: the slowest rank's over the single process's. In collectives: per "
+            "rank, median over steps of the summed collective time, waiting for slower ranks included. Net of "
+            "waiting: per collective the fastest rank's time, summed over a step, median over steps. Outside "
+            "collectives: step minus in collectives, mean over ranks. Collectives per step: counted from the "
+            "recorded calls; in parentheses the cost model's count (`model_counts`, the lines of "
+            "`cost.evaluate`: an all-gather per forward upload and backward re-fetch of an offloaded chunk, a "
+            "reduce-scatter per gradient offload, an all-reduce per persistent chunk). Predicted comm: (AG + "
+            "RS + 2 × AR) × (W-1)/W × padded chunk bytes / `collective_bandwidth(spec, chunk bytes)` — the "
+            "collective part of `t_up`, `t_down` and `allreduce_us_per_chunk`, without the own-shard copies; "
+            "÷ net is against the net time of those chunk collectives (the scalar loss all-reduce left out, "
+            "as the model leaves it out). Measured bus bw: the same with `allgather_bytes_per_s` set to the "
+            "micro-benchmark's all-gather bus bandwidth at the chunk's size and W (the model uses that one "
+            "figure for all three collectives). Predicted step: `cost.predict` for the plan's configuration.",
+            "",
+            *e2e_text,
+            reading(spec, sizes, mres, figures, load),
+            "",
+        ]
+    )
     print(section)
     if args.write:
         write_section(section, SECTION)

@@ -99,8 +99,16 @@ def make_variants(name: str, tr: P.Training, chunk_numel: int, n_buffer: int) ->
     nb = len(blocks)
 
     def plan(persistent: list[int], n_buf: int, policies: list[str]) -> P.Plan:
-        return emit(meta, name=name, blocks=blocks, training=tr, chunk_numel=chunk_numel,
-                    persistent=persistent, n_buffer=n_buf, policies=policies)
+        return emit(
+            meta,
+            name=name,
+            blocks=blocks,
+            training=tr,
+            chunk_numel=chunk_numel,
+            persistent=persistent,
+            n_buffer=n_buf,
+            policies=policies,
+        )
 
     # A probe plan tells us the layout: how many chunks and which ones each segment uses.
     probe = plan([], 10**6, ["keep"] * nb)
@@ -118,16 +126,31 @@ def make_variants(name: str, tr: P.Training, chunk_numel: int, n_buffer: int) ->
     nbuf_off, nbuf_mixed = buffers_for([]), buffers_for([0])
     return [
         Variant("plain PyTorch", None, "AdamW(fused=True), no hooks"),
-        Variant("persist + keep", plan(everything, 0, ["keep"] * nb),
-                f"{n_chunks}/{n_chunks} persistent, keep"),
-        Variant("offload + keep", plan([], nbuf_off, ["keep"] * nb),
-                f"0/{n_chunks} persistent, n_buffer {nbuf_off}, keep"),
-        Variant("persist + checkpoint", plan(everything, 0, ["checkpoint"] * nb),
-                f"{n_chunks}/{n_chunks} persistent, checkpoint"),
-        Variant("persist + swap", plan(everything, 0, ["swap"] * nb),
-                f"{n_chunks}/{n_chunks} persistent, swap"),
-        Variant("mixed", plan([0], nbuf_mixed, mixed_policies),
-                f"1/{n_chunks} persistent, n_buffer {nbuf_mixed}, ckpt/swap/keep"),
+        Variant(
+            "persist + keep",
+            plan(everything, 0, ["keep"] * nb),
+            f"{n_chunks}/{n_chunks} persistent, keep",
+        ),
+        Variant(
+            "offload + keep",
+            plan([], nbuf_off, ["keep"] * nb),
+            f"0/{n_chunks} persistent, n_buffer {nbuf_off}, keep",
+        ),
+        Variant(
+            "persist + checkpoint",
+            plan(everything, 0, ["checkpoint"] * nb),
+            f"{n_chunks}/{n_chunks} persistent, checkpoint",
+        ),
+        Variant(
+            "persist + swap",
+            plan(everything, 0, ["swap"] * nb),
+            f"{n_chunks}/{n_chunks} persistent, swap",
+        ),
+        Variant(
+            "mixed",
+            plan([0], nbuf_mixed, mixed_policies),
+            f"1/{n_chunks} persistent, n_buffer {nbuf_mixed}, ckpt/swap/keep",
+        ),
     ]
 
 
@@ -195,14 +218,18 @@ def table(variants: list[Variant], runs: dict[str, list[Run]]) -> tuple[str, dic
     med = {v.name: statistics.median(t for r in runs[v.name] for t in r.step_s) for v in variants}
     base, keep = med["plain PyTorch"], med["persist + keep"]
     plain_losses = [r.losses for r in runs["plain PyTorch"]]
-    rows = ["| variant | plan | median step ms | per-repeat medians, min–max ms | × plain "
-            "| × persist+keep | fwd / bwd / optim ms | ledger peak MiB | max abs Δloss vs plain |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| variant | plan | median step ms | per-repeat medians, min–max ms | × plain "
+        "| × persist+keep | fwd / bwd / optim ms | ledger peak MiB | max abs Δloss vs plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for v in variants:
         rs = runs[v.name]
         per_repeat = [statistics.median(r.step_s) for r in rs]
-        phases = " / ".join(ms(statistics.median(t for r in rs for t in r.phase_s[k]))
-                            for k in ("forward", "backward", "optim"))
+        phases = " / ".join(
+            ms(statistics.median(t for r in rs for t in r.phase_s[k]))
+            for k in ("forward", "backward", "optim")
+        )
         if v.plan is None:
             peak, dloss, vs_keep = "n/a (no ledger)", "—", "—"
         else:
@@ -210,9 +237,11 @@ def table(variants: list[Variant], runs: dict[str, list[Run]]) -> tuple[str, dic
             d = max(abs(a - b) for r, ref in zip(rs, plain_losses) for a, b in zip(r.losses, ref))
             dloss = f"{d:.1e}" if d else "0"
             vs_keep = f"{med[v.name] / keep:.2f}"
-        rows.append(f"| {v.name} | {v.describe} | {ms(med[v.name])} | {ms(min(per_repeat))}–"
-                    f"{ms(max(per_repeat))} | {med[v.name] / base:.2f} | {vs_keep} | {phases} "
-                    f"| {peak} | {dloss} |")
+        rows.append(
+            f"| {v.name} | {v.describe} | {ms(med[v.name])} | {ms(min(per_repeat))}–"
+            f"{ms(max(per_repeat))} | {med[v.name] / base:.2f} | {vs_keep} | {phases} "
+            f"| {peak} | {dloss} |"
+        )
     return "\n".join(rows), med
 
 
@@ -226,18 +255,20 @@ def reading(med: dict[str, float], runs: dict[str, list[Run]], load: tuple[float
     q1, _, q3 = statistics.quantiles([t for r in plain for t in r.step_s], n=4)
     noise = max(max(per_repeat) - min(per_repeat), q3 - q1) / base
     overhead = keep / base
-    verdict = ("meets" if overhead <= 1.10 else "misses")
-    costs = sorted(((med[k] / keep, k) for k in med if k not in ("plain PyTorch", "persist + keep")),
-                   reverse=True)
+    verdict = "meets" if overhead <= 1.10 else "misses"
+    costs = sorted(
+        ((med[k] / keep, k) for k in med if k not in ("plain PyTorch", "persist + keep")),
+        reverse=True,
+    )
     dearest = ", ".join(f"{k} {r:.2f}×" for r, k in costs)
-    within = ("is within" if abs(overhead - 1) <= noise else "exceeds")
+    within = "is within" if abs(overhead - 1) <= noise else "exceeds"
     return (
         f"The all-persistent keep plan runs at {overhead:.2f}× plain PyTorch, which {verdict} the "
         f"1.10× target; the difference {within} the baseline's own noise ({noise:.0%} of its "
         "median: the wider of its per-repeat spread and its step-time IQR), so read ratios "
         "closer to each other than that as equal. "
         f"Against that plan, the policies cost (slowest first): {dearest}. On CPU the "
-        "\"device\" is host memory, so offloading and swapping copy within RAM and checkpointing "
+        '"device" is host memory, so offloading and swapping copy within RAM and checkpointing '
         "pays a recompute of the block's forward; the ratios are the executor's bookkeeping and "
         "recompute cost, not the PCIe transfer cost these policies trade for on a GPU. "
         f"The machine may be shared with test runs (load average {load[0]:.2f} before, "
@@ -257,7 +288,7 @@ def write_section(text: str, title: str = SECTION) -> None:
         doc = doc.rstrip("\n") + "\n\n" + text
     else:
         end = doc.find("\n## ", start + len(title))  # the next section, if any
-        rest = "" if end < 0 else "\n" + doc[end + 1:]  # keep later sections as they were
+        rest = "" if end < 0 else "\n" + doc[end + 1 :]  # keep later sections as they were
         doc = doc[:start] + text + rest
     BENCHMARKS_MD.write_text(doc.rstrip("\n") + "\n")
 
@@ -271,9 +302,11 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{platform.system()} {platform.release()} {platform.machine()}, {cpu}, "
-            f"os.cpu_count()={os.cpu_count()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, torch.set_num_threads({torch.get_num_threads()})")
+    return (
+        f"{platform.system()} {platform.release()} {platform.machine()}, {cpu}, "
+        f"os.cpu_count()={os.cpu_count()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, torch.set_num_threads({torch.get_num_threads()})"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -281,18 +314,29 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt2-6l-256",
-                    help=f"bench model ({', '.join(BENCH_MODELS)}) or a zoo name")
+    ap.add_argument(
+        "--model",
+        default="gpt2-6l-256",
+        help=f"bench model ({', '.join(BENCH_MODELS)}) or a zoo name",
+    )
     ap.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length in tokens (default 128)")
     ap.add_argument("--steps", type=int, default=30, help="measured steps per run (default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per run (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every variant (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    ap.add_argument("--chunk-numel", type=int, default=1 << 20,
-                    help="chunk size in elements (default 2**20: one block per chunk)")
-    ap.add_argument("--n-buffer", type=int, default=2,
-                    help="device buffers for offloaded plans; raised to the least that works")
+    ap.add_argument(
+        "--chunk-numel",
+        type=int,
+        default=1 << 20,
+        help="chunk size in elements (default 2**20: one block per chunk)",
+    )
+    ap.add_argument(
+        "--n-buffer",
+        type=int,
+        default=2,
+        help="device buffers for offloaded plans; raised to the least that works",
+    )
     ap.add_argument("--seed", type=int, default=1, help="model init and data seed")
     ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
@@ -300,10 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model {args.model!r}; choose from {', '.join([*BENCH_MODELS, *ZOO])}")
 
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "tools/bench_executor.py", *(argv if argv is not None
-                                                                else sys.argv[1:])])
-    tr = P.Training(micro_batch=args.batch, seq_len=args.seq, compute_dtype="float32",
-                    master_dtype="float32", world_size=1, grad_accum=1)
+    command = shlex.join(
+        ["python", "tools/bench_executor.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    tr = P.Training(
+        micro_batch=args.batch,
+        seq_len=args.seq,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     variants = make_variants(args.model, tr, args.chunk_numel, args.n_buffer)
     it = batches(load_tokens(), args.batch, args.seq, seed=args.seed)
     data = [next(it) for _ in range(args.warmup + args.steps)]  # the same batches for every run
@@ -313,36 +364,50 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[Run]] = {v.name: [] for v in variants}
     for rep in range(args.repeats):
         # Rotate the order each repeat, so no variant always runs first (cold) or last.
-        order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+        order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for v in order:
             gc.collect()
             model = build_model(args.model, "cpu", args.seed)
-            run = (run_plain(model, data, args.warmup) if v.plan is None
-                   else run_protrain(model, v.plan, data, args.warmup))
+            run = (
+                run_plain(model, data, args.warmup)
+                if v.plan is None
+                else run_protrain(model, v.plan, data, args.warmup)
+            )
             runs[v.name].append(run)
-            print(f"repeat {rep + 1}/{args.repeats} {v.name:22s} "
-                  f"median {ms(statistics.median(run.step_s))} ms", file=sys.stderr)
+            print(
+                f"repeat {rep + 1}/{args.repeats} {v.name:22s} "
+                f"median {ms(statistics.median(run.step_s))} ms",
+                file=sys.stderr,
+            )
     elapsed_s = time.perf_counter() - t_start
     load = (load_before, os.getloadavg()[0])
 
     tbl, med = table(variants, runs)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     n_params = sum(p.numel() for p in build_model(args.model, "meta", 0).parameters())
-    section = "\n".join([
-        SECTION, "",
-        f"Command: `{command}`", "",
-        f"Machine: {machine()}.", "",
-        f"Date: {date}. Model {args.model} ({n_params / 1e6:.2f}M params, fp32), micro-batch "
-        f"{args.batch} × {args.seq} tokens; {args.repeats} repeats × ({args.warmup} warmup + "
-        f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in all. "
-        "Median over all measured steps; the spread is the min–max of the per-repeat medians; "
-        "fwd / bwd / optim are the medians of each phase (protrain: `StepResult.timings_s`, whose "
-        "optim excludes CPU-Adam work that overlaps backward). Ledger peak is "
-        "`StepResult.peak_bytes`, the executor's counted device-side bytes "
-        "(chunks + grads + optimizer state + saved activations).", "",
-        tbl, "",
-        reading(med, runs, load), "",
-    ])
+    section = "\n".join(
+        [
+            SECTION,
+            "",
+            f"Command: `{command}`",
+            "",
+            f"Machine: {machine()}.",
+            "",
+            f"Date: {date}. Model {args.model} ({n_params / 1e6:.2f}M params, fp32), micro-batch "
+            f"{args.batch} × {args.seq} tokens; {args.repeats} repeats × ({args.warmup} warmup + "
+            f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in all. "
+            "Median over all measured steps; the spread is the min–max of the per-repeat medians; "
+            "fwd / bwd / optim are the medians of each phase (protrain: `StepResult.timings_s`, whose "
+            "optim excludes CPU-Adam work that overlaps backward). Ledger peak is "
+            "`StepResult.peak_bytes`, the executor's counted device-side bytes "
+            "(chunks + grads + optimizer state + saved activations).",
+            "",
+            tbl,
+            "",
+            reading(med, runs, load),
+            "",
+        ]
+    )
     print(section)
     if args.write:
         write_section(section)

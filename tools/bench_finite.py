@@ -43,17 +43,34 @@ MODEL, MICRO_BATCH, SEQ_LEN, CHUNK = "gpt2-6l-256", 4, 128, 1 << 20
 def plans() -> list[tuple[str, P.Plan]]:
     meta = build_model(MODEL, "meta", 0)
     blocks = block_paths(meta)
-    tr = P.Training(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, compute_dtype="float32", master_dtype="float32",
-                    world_size=1, grad_accum=1)
+    tr = P.Training(
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
 
     def plan(persistent, n_buffer, cpu_adam=None):
-        return emit(meta, name=MODEL, blocks=blocks, training=tr, chunk_numel=CHUNK, persistent=persistent,
-                    n_buffer=n_buffer, policies=["keep"] * len(blocks), cpu_adam=cpu_adam)
+        return emit(
+            meta,
+            name=MODEL,
+            blocks=blocks,
+            training=tr,
+            chunk_numel=CHUNK,
+            persistent=persistent,
+            n_buffer=n_buffer,
+            policies=["keep"] * len(blocks),
+            cpu_adam=cpu_adam,
+        )
 
     n = len(plan([], 10**6).chunks.items)
-    return [("persistent (device steps)", plan(list(range(n)), 0)),
-            ("offloaded, during_backward (worker)", plan([], 2, "during_backward")),
-            ("offloaded, after_backward (the norm)", plan([], 2, "after_backward"))]
+    return [
+        ("persistent (device steps)", plan(list(range(n)), 0)),
+        ("offloaded, during_backward (worker)", plan([], 2, "during_backward")),
+        ("offloaded, after_backward (the norm)", plan([], 2, "after_backward")),
+    ]
 
 
 def _engine(plan: P.Plan, guarded: bool):
@@ -69,7 +86,9 @@ def _engine(plan: P.Plan, guarded: bool):
         os.environ.pop("PROTRAIN_NO_FINITE_CHECK", None)
 
 
-def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> tuple[dict[bool, list[float]], float]:
+def measure(
+    plan: P.Plan, warmup: int, repeats: int, block: int
+) -> tuple[dict[bool, list[float]], float]:
     """Seconds per step with the guard on (True) and off (False), blocks of ``block`` steps on two
     engines (same model, seed and batches), alternating which runs first, and the seconds a guarded
     step spends inside the guard's checks (mean; the optimizer's public ``guard_seconds``)."""
@@ -83,7 +102,7 @@ def measure(plan: P.Plan, warmup: int, repeats: int, block: int) -> tuple[dict[b
             engine.optim.wait_all()
         inside = engines[True].optim.guard_seconds
         for r in range(repeats):
-            for guarded in ((True, False) if r % 2 == 0 else (False, True)):
+            for guarded in (True, False) if r % 2 == 0 else (False, True):
                 for _ in range(block):
                     t0 = time.perf_counter()
                     engines[guarded].step(next(streams[guarded]))
@@ -104,7 +123,10 @@ def check_alone(plan: P.Plan, runs: int = 30) -> tuple[float, int]:
 
     engine = wrap(build_model(MODEL, "cpu", 0), plan, AdamWConfig(lr=1e-3), device="cpu")
     o = engine.optim
-    views = [o.read_by_step(c.id, list(range(len(c.params))), o.master[c.id]) for c in engine.store.chunks]
+    views = [
+        o.read_by_step(c.id, list(range(len(c.params))), o.master[c.id])
+        for c in engine.store.chunks
+    ]
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -121,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=6, help="blocks per setting (alternating order)")
     ap.add_argument("--block", type=int, default=8, help="steps per block")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    ap.add_argument(
+        "--write", action="store_true", help="replace this tool's section of BENCHMARKS.md"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
@@ -129,17 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, plan in plans():
         times, inside = measure(plan, args.warmup, args.repeats, args.block)
         on, off = (statistics.median(times[g]) for g in (True, False))
-        rows.append(f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
-                    f"({inside / off:.1%}) |")
+        rows.append(
+            f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
+            f"({inside / off:.1%}) |"
+        )
         ratios.append(on / off)
         shares.append(inside / off)
         print(rows[-1], flush=True)
     alone, elements = check_alone(plan)
-    rows.append(f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient elements "
-                f"| — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |")
+    rows.append(
+        f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient elements "
+        f"| — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |"
+    )
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
-    text = f"""{SECTION}
+    text = (
+        f"""{SECTION}
 
 Command: `python tools/bench_finite.py {argv_text}`
 
@@ -153,7 +182,9 @@ with other work: read differences under a few % as noise).
 
 | plan | median step ms, guard off | median step ms, guard on | on / off | ms inside the guard per step (of a step) |
 |---|---:|---:|---:|---:|
-""" + "\n".join(rows) + f"""
+"""
+        + "\n".join(rows)
+        + f"""
 
 Reading: the guard's cost is the last column, timed inside its checks during the guarded steps
 ({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only reads the global norm
@@ -161,6 +192,7 @@ the step computes anyway). The on / off ratios of whole steps ({min(ratios):.3f}
 medians on a 2-core machine shared with other work, so they carry its drift, which here is larger than the
 guard's cost; the check alone, over spans the size of this model's gradients, takes {alone * 1e3:.1f} ms.
 """
+    )
     print(text)
     if args.write:
         write_section(text, SECTION)

@@ -80,11 +80,30 @@ class Prober:
         if key in self.seen:
             return self.seen[key]
         a = self.args
-        argv = ["--model", model, "--micro-batch", str(micro_batch), "--seq", str(a.seq),
-                "--steps", str(a.steps), "--warmup", str(a.steps - 1), "--profile-iters", "1",
-                "--device", a.device, "--timeout", str(a.timeout)]
-        for flag, value in (("--budget", a.budget), ("--dtype", a.dtype), ("--hardware", a.hardware),
-                            ("--threads", a.threads)):
+        argv = [
+            "--model",
+            model,
+            "--micro-batch",
+            str(micro_batch),
+            "--seq",
+            str(a.seq),
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.steps - 1),
+            "--profile-iters",
+            "1",
+            "--device",
+            a.device,
+            "--timeout",
+            str(a.timeout),
+        ]
+        for flag, value in (
+            ("--budget", a.budget),
+            ("--dtype", a.dtype),
+            ("--hardware", a.hardware),
+            ("--threads", a.threads),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         t0 = time.perf_counter()
@@ -95,16 +114,30 @@ class Prober:
             try:
                 rec = bench_train.worker(wargs)
             except Exception as e:  # the probe's answer is "did not run", with why
-                rec = {"backend": backend, "model": model, "fits": None,
-                       "error": bench_train.first_line(e)}
-        rec = {"kind": "probe", "backend": backend, "model": rec.get("model", model),
-               "n_params": rec.get("n_params"), "micro_batch": micro_batch, "fits": rec.get("fits"),
-               "why": rec.get("reason") or rec.get("skipped") or rec.get("error"),
-               "tokens_per_s": rec.get("tokens_per_s"), "peak_dev_bytes": rec.get("peak_dev_bytes"),
-               "budget_enforced": rec.get("budget_enforced"), "seconds": round(time.perf_counter() - t0, 2)}
-        log(f"{backend:24s} {rec['model']:18s} mb {micro_batch:<3d} "
+                rec = {
+                    "backend": backend,
+                    "model": model,
+                    "fits": None,
+                    "error": bench_train.first_line(e),
+                }
+        rec = {
+            "kind": "probe",
+            "backend": backend,
+            "model": rec.get("model", model),
+            "n_params": rec.get("n_params"),
+            "micro_batch": micro_batch,
+            "fits": rec.get("fits"),
+            "why": rec.get("reason") or rec.get("skipped") or rec.get("error"),
+            "tokens_per_s": rec.get("tokens_per_s"),
+            "peak_dev_bytes": rec.get("peak_dev_bytes"),
+            "budget_enforced": rec.get("budget_enforced"),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        log(
+            f"{backend:24s} {rec['model']:18s} mb {micro_batch:<3d} "
             f"{ {True: 'fits', False: 'no', None: 'did not run'}[rec['fits']] }"
-            + (f"  ({rec['why']})" if rec["why"] else ""))
+            + (f"  ({rec['why']})" if rec["why"] else "")
+        )
         self.emit(rec)
         self.seen[key] = rec
         return rec
@@ -132,24 +165,38 @@ def bisect(n: int, fits) -> tuple[int, dict | None, dict | None]:
 def fit_one(prober: Prober, backend: str, family: str, args) -> dict:
     n = ladder_size(family, args.tiny, args.seq)
     t0 = time.perf_counter()
-    i, best, stop = bisect(n, lambda k: prober(backend, rung_name(family, args.tiny, k), args.micro_batch))
-    result = {"kind": "result", "backend": backend, "family": family, "device": args.device,
-              "budget": args.budget, "seq": args.seq, "micro_batch": args.micro_batch,
-              "ladder": "tiny" if args.tiny else "planner/commands/fit.py", "ladder_rungs": n,
-              "largest": best["model"] if best else None,
-              "largest_n_params": best["n_params"] if best else None,
-              "largest_index": i if best else None,
-              "limit": (stop["why"] or "does not fit") if stop else "end of the ladder",
-              "budget_enforced": (best or stop or {}).get("budget_enforced")}
+    i, best, stop = bisect(
+        n, lambda k: prober(backend, rung_name(family, args.tiny, k), args.micro_batch)
+    )
+    result = {
+        "kind": "result",
+        "backend": backend,
+        "family": family,
+        "device": args.device,
+        "budget": args.budget,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "ladder": "tiny" if args.tiny else "planner/commands/fit.py",
+        "ladder_rungs": n,
+        "largest": best["model"] if best else None,
+        "largest_n_params": best["n_params"] if best else None,
+        "largest_index": i if best else None,
+        "limit": (stop["why"] or "does not fit") if stop else "end of the ladder",
+        "budget_enforced": (best or stop or {}).get("budget_enforced"),
+    }
     if stop is not None and stop["fits"] is None:
         result["limit"] = f"probe did not run: {stop['why']}"
     mb_model = args.mb_model or (best["model"] if best else None)
     if mb_model:
         mbs = sorted(set(args.micro_batches))
         j, mb_best, mb_stop = bisect(len(mbs), lambda k: prober(backend, mb_model, mbs[k]))
-        result.update(mb_model=mb_model, largest_micro_batch=mbs[j] if mb_best else None,
-                      micro_batch_limit=(mb_stop["why"] or "does not fit") if mb_stop else
-                      f"largest candidate ({mbs[-1]})")
+        result.update(
+            mb_model=mb_model,
+            largest_micro_batch=mbs[j] if mb_best else None,
+            micro_batch_limit=(mb_stop["why"] or "does not fit")
+            if mb_stop
+            else f"largest candidate ({mbs[-1]})",
+        )
     result["seconds"] = round(time.perf_counter() - t0, 1)
     prober.emit(result)
     return result
@@ -157,27 +204,52 @@ def fit_one(prober: Prober, backend: str, family: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", action="append", choices=bench_train.BACKENDS,
-                    help="back-end (repeatable; default protrain and torch-plain)")
-    ap.add_argument("--family", action="append", choices=("gpt2", "llama"),
-                    help="model family (repeatable; default both)")
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=bench_train.BACKENDS,
+        help="back-end (repeatable; default protrain and torch-plain)",
+    )
+    ap.add_argument(
+        "--family",
+        action="append",
+        choices=("gpt2", "llama"),
+        help="model family (repeatable; default both)",
+    )
     ap.add_argument("--tiny", action="store_true", help="the tiny ladders (CPU rehearsal)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="compute dtype (bench_train's default)")
     ap.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 32 with --tiny)")
+    ap.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default 1024; 32 with --tiny)"
+    )
     ap.add_argument("--micro-batch", type=int, default=1, help="micro-batch of the size search")
-    ap.add_argument("--micro-batches", type=int, nargs="+", default=list(MICRO_BATCHES),
-                    help="candidates of the micro-batch search")
-    ap.add_argument("--mb-model", default=None,
-                    help="model of the micro-batch search (default: the largest fitting rung)")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="+",
+        default=list(MICRO_BATCHES),
+        help="candidates of the micro-batch search",
+    )
+    ap.add_argument(
+        "--mb-model",
+        default=None,
+        help="model of the micro-batch search (default: the largest fitting rung)",
+    )
     ap.add_argument("--steps", type=int, default=2, help="steps per probe (the last one timed)")
-    ap.add_argument("--hardware", default=None,
-                    help="protrain spec name or file (default: probe; --tiny defaults to cpu)")
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="protrain spec name or file (default: probe; --tiny defaults to cpu)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads per probe")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per probe (subprocess only)")
-    ap.add_argument("--subprocess", action=argparse.BooleanOptionalAction, default=None,
-                    help="one subprocess per probe (default: on CUDA yes, on CPU no)")
+    ap.add_argument(
+        "--subprocess",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one subprocess per probe (default: on CUDA yes, on CPU no)",
+    )
     ap.add_argument("--jsonl", default=None, help="also append every line to this file")
     args = ap.parse_args(argv)
 
@@ -197,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     prober = Prober(args)
     results = [fit_one(prober, b, f, args) for f in families for b in backends]
     for r in results:
-        log(f"{r['backend']:24s} {r['family']:6s} largest {r['largest']} "
+        log(
+            f"{r['backend']:24s} {r['family']:6s} largest {r['largest']} "
             f"({bench_report.human_count(r['largest_n_params'])} params), next stopped by: {r['limit']}; "
-            f"largest micro-batch of {r.get('mb_model')}: {r.get('largest_micro_batch')}")
+            f"largest micro-batch of {r.get('mb_model')}: {r.get('largest_micro_batch')}"
+        )
     return 0
 
 

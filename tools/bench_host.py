@@ -57,7 +57,10 @@ CASES = [  # (zoo model, compute dtype, grad_accum, homeless: every offloaded ch
 ]
 
 
-LORA_CASES = [("gpt2-medium", "bfloat16", 1, False, False), ("gpt2-large", "bfloat16", 1, False, False)]
+LORA_CASES = [
+    ("gpt2-medium", "bfloat16", 1, False, False),
+    ("gpt2-large", "bfloat16", 1, False, False),
+]
 """``--lora``'s rows: the model with peft's LoRA (r=16, alpha 32, the attention projections)
 and its base frozen; every chunk offloaded, so the frozen base's chunks keep their home
 (compute dtype) and nothing else (executor/homes.py), the adapters' chunk its states."""
@@ -78,8 +81,9 @@ def _warm_up(torch, dtype: str) -> None:
     dt = getattr(torch, dtype)
     emb = torch.nn.Embedding(1024, 256, dtype=dt)
     x = emb(torch.randint(0, 1024, (1, 64)))
-    torch.nn.functional.cross_entropy((x @ emb.weight.t()).flatten(0, 1).float(),
-                                      torch.randint(0, 1024, (64,))).backward()
+    torch.nn.functional.cross_entropy(
+        (x @ emb.weight.t()).flatten(0, 1).float(), torch.randint(0, 1024, (64,))
+    ).backward()
 
 
 def _warm_up_model(torch, model_name: str, dtype: str, device: str, seq_len: int) -> None:
@@ -109,8 +113,16 @@ def host_share(device_peak: int, device: str) -> int:
     return device_peak if device == "cpu" else 0
 
 
-def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int, nvme: str | None = None,
-             device: str = "cpu", lora: bool = False) -> dict:
+def run_case(
+    model_name: str,
+    dtype: str,
+    accum: int,
+    homeless: bool,
+    steps: int,
+    nvme: str | None = None,
+    device: str = "cpu",
+    lora: bool = False,
+) -> dict:
     import torch
 
     from protrain.executor import plan as P
@@ -133,22 +145,56 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     meta = build(model_name, device="meta")
     blocks = block_paths(meta)
     size, _ = choose_chunk_numel(model_facts(meta, model_name, blocks))
-    training = P.Training(micro_batch=1, seq_len=64, compute_dtype=dtype, master_dtype="float32",
-                          world_size=1, grad_accum=accum)
-    plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
-                n_buffer=3, policies=["checkpoint"] * len(blocks))
+    training = P.Training(
+        micro_batch=1,
+        seq_len=64,
+        compute_dtype=dtype,
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=accum,
+    )
+    plan = emit(
+        meta,
+        name=model_name,
+        blocks=blocks,
+        training=training,
+        chunk_numel=size,
+        persistent=[],
+        n_buffer=3,
+        policies=["checkpoint"] * len(blocks),
+    )
     if homeless:  # placement.homeless: every offloaded chunk, with the planner's HOST_SLOTS slots
-        plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
-                    n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.offloaded)
+        plan = emit(
+            meta,
+            name=model_name,
+            blocks=blocks,
+            training=training,
+            chunk_numel=size,
+            persistent=[],
+            n_buffer=3,
+            policies=["checkpoint"] * len(blocks),
+            homeless=plan.placement.offloaded,
+        )
     if nvme:  # placement.nvme: every offloaded chunk's master and moments in a file under ``nvme``
-        plan = emit(meta, name=model_name, blocks=blocks, training=training, chunk_numel=size, persistent=[],
-                    n_buffer=3, policies=["checkpoint"] * len(blocks), homeless=plan.placement.homeless,
-                    nvme=plan.placement.offloaded)
+        plan = emit(
+            meta,
+            name=model_name,
+            blocks=blocks,
+            training=training,
+            chunk_numel=size,
+            persistent=[],
+            n_buffer=3,
+            policies=["checkpoint"] * len(blocks),
+            homeless=plan.placement.homeless,
+            nvme=plan.placement.offloaded,
+        )
     del meta
     _warm_up(torch, dtype)
     if device != "cpu":  # the CUDA context and the model's kernels
         _warm_up_model(torch, model_name, dtype, device, training.seq_len)
-    tokens = load_tokens()  # the corpus (a few MB) is no host state of the plan: read before the baseline
+    tokens = (
+        load_tokens()
+    )  # the corpus (a few MB) is no host state of the plan: read before the baseline
     baseline = _kib("VmRSS")
     file_base = _kib("RssFile")
     model = build(model_name, device="cpu")
@@ -164,7 +210,9 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     data = batches(tokens, plan.training.micro_batch, plan.training.seq_len, 0)
     t0 = time.perf_counter()
     device_peak = 0
-    first = 0  # the high-water after the first step (glibc's heap grows over the next ones: MMAP_ENV)
+    first = (
+        0  # the high-water after the first step (glibc's heap grows over the next ones: MMAP_ENV)
+    )
     for i in range(steps):
         device_peak = max(device_peak, engine.step([next(data) for _ in range(accum)]).peak_bytes)
         if i == 0:
@@ -180,26 +228,45 @@ def run_case(model_name: str, dtype: str, accum: int, homeless: bool, steps: int
     peak = max(wrap_peak, train_peak)
     on_host = host_share(device_peak, device)
     walk = memory_walk.walk(plan)
-    offloaded = sum(p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded)
-    if lora:  # per frozen parameter (every chunk is offloaded); full training's prediction beside it
+    offloaded = sum(
+        p.numel for c in plan.chunks.items for p in c.params if c.id in plan.placement.offloaded
+    )
+    if (
+        lora
+    ):  # per frozen parameter (every chunk is offloaded); full training's prediction beside it
         full = memory_walk.walk(plan, trainable=[True] * len(plan.chunks.items))
         frozen = sum(p.numel for c in plan.chunks.items for p in c.params if p.frozen)
-        extra = {"lora": True, "frozen": frozen, "full_predicted_per_param": (full.host_bytes + full.host_swap_bytes) / n}
+        extra = {
+            "lora": True,
+            "frozen": frozen,
+            "full_predicted_per_param": (full.host_bytes + full.host_swap_bytes) / n,
+        }
         offloaded = frozen
     else:
         extra = {}
-    return {**extra, "model": model_name, "dtype": dtype, "grad_accum": accum, "homeless": homeless, "nvme": bool(nvme),
-            "device": device,
-            "disk_per_param": walk.disk_bytes / offloaded,
-            "slots": plan.placement.n_host_slots, "params": n, "offloaded": offloaded,
-            "wrapped_per_param": (wrapped - baseline) / offloaded,
-            "measured_per_param": (peak - baseline - on_host) / offloaded,
-            "train_peak_per_param": (train_peak - baseline - on_host) / offloaded,
-            "first_step_per_param": (max(wrap_peak - on_host, first) - baseline) / offloaded, "steps": steps,
-            "device_peak_per_param": device_peak / offloaded,
-            "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
-            "file_growth_per_param": file_growth / offloaded,
-            "chunk_numel": plan.chunks.chunk_numel, "step_s": seconds / steps}
+    return {
+        **extra,
+        "model": model_name,
+        "dtype": dtype,
+        "grad_accum": accum,
+        "homeless": homeless,
+        "nvme": bool(nvme),
+        "device": device,
+        "disk_per_param": walk.disk_bytes / offloaded,
+        "slots": plan.placement.n_host_slots,
+        "params": n,
+        "offloaded": offloaded,
+        "wrapped_per_param": (wrapped - baseline) / offloaded,
+        "measured_per_param": (peak - baseline - on_host) / offloaded,
+        "train_peak_per_param": (train_peak - baseline - on_host) / offloaded,
+        "first_step_per_param": (max(wrap_peak - on_host, first) - baseline) / offloaded,
+        "steps": steps,
+        "device_peak_per_param": device_peak / offloaded,
+        "predicted_per_param": (walk.host_bytes + walk.host_swap_bytes) / offloaded,
+        "file_growth_per_param": file_growth / offloaded,
+        "chunk_numel": plan.chunks.chunk_numel,
+        "step_s": seconds / steps,
+    }
 
 
 def render(rows: list[dict], cmd: str) -> str:
@@ -220,7 +287,7 @@ def render(rows: list[dict], cmd: str) -> str:
         "*After wrap*: RSS once wrap has moved the weights into chunks, minus the RSS before the "
         "model was built (torch imported, the corpus read, one small forward and backward run), per "
         "offloaded parameter. *Peak*: the process's peak RSS (`VmHWM`) minus that baseline and minus "
-        "the step's device peak as the CPU ledger counts it (on a CPU run the \"device\" is host "
+        'the step\'s device peak as the CPU ledger counts it (on a CPU run the "device" is host '
         "memory too; the ledger counts the chunk buffers, gradients, saved activations and the "
         "gradient autograd holds for the tied embedding between the head's backward and the "
         "embedding's, `accounting.shared_grads`), per offloaded parameter: what the host "
@@ -244,13 +311,15 @@ def render(rows: list[dict], cmd: str) -> str:
     for r in rows:
         homes = f"none (homeless, {r['slots']} slot)" if r["homeless"] else "kept"
         homes += "; master and moments on disk" if r.get("nvme") else ""
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | {homes} | "
-                     f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
-                     f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
-                     f"{r['measured_per_param'] / r['predicted_per_param']:.3f} | "
-                     f"{r['measured_mmap_per_param']:.2f} | "
-                     f"{r['measured_mmap_per_param'] / r['predicted_per_param']:.3f} | "
-                     f"{r.get('train_peak_per_param', float('nan')):.2f} |")
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | {homes} | "
+            f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
+            f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
+            f"{r['measured_per_param'] / r['predicted_per_param']:.3f} | "
+            f"{r['measured_mmap_per_param']:.2f} | "
+            f"{r['measured_mmap_per_param'] / r['predicted_per_param']:.3f} | "
+            f"{r.get('train_peak_per_param', float('nan')):.2f} |"
+        )
     lines += ["", reading(rows)]
     return "\n".join(lines) + "\n"
 
@@ -262,57 +331,99 @@ def reading(rows: list[dict]) -> str:
         return ""
     worst = max(h, key=lambda r: r["measured_per_param"])
     # (the NVMe rows: an absolute excess, _disk; their prediction is a fraction of a byte)
-    ratios = [r[k] / r["predicted_per_param"] for r in rows if not r.get("nvme")
-              for k in ("measured_per_param", "measured_mmap_per_param")]
-    fp32 = [r for r in rows if r["dtype"] == "float32" and not r.get("nvme")
-            and r["measured_per_param"] < r["predicted_per_param"]]
-    creep = ", ".join(f"{r['model']} {r['first_step_per_param']:.2f}" for r in h if "first_step_per_param" in r)
-    slot = ", ".join(f"{r['slots'] * r['chunk_numel'] * 2 / r['offloaded']:.2f} B at {r['model']}" for r in h)
-    return ("Reading. Homeless (12 B layout), peak host bytes per offloaded parameter: "
-            + ", ".join(f"{r['model']} {r['measured_per_param']:.2f} (mmap threshold fixed "
-                        f"{r['measured_mmap_per_param']:.2f}; predicted {r['predicted_per_param']:.2f})" for r in h)
-            + f". Peak over predicted, rows in host memory: {min(ratios):.3f} to {max(ratios):.3f}. "
-            + (f"After the first step alone, under glibc's default: {creep}; the heap's free blocks "
-               f"grow over the next two steps (the LM head's backward temporaries, device memory on a "
-               f"GPU, fragment it) and then hold (gpt2-medium over 8 steps: the section 'Host bytes over eight steps'), while with the threshold fixed RSS "
-               f"is flat from the first step. " if creep and rows[0]["steps"] > 1 else "")
-            + _marginal(h) +
-            f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
-            f"12 B of states: the slots of one chunk shard each (a chunk holds at least the largest "
-            f"parameter, GPT-2's tied embedding: {slot} per parameter), the step's scratch, and allocator "
-            "slack. The device count subtracted includes the gradient autograd holds for the tied "
-            "embedding between the head's backward and the embedding's (`accounting.shared_grads`, "
-            "51.5M x 2 B = 0.29 B per parameter at 355M), which is device memory on a GPU. "
-            + ("The fp32 row reads below its prediction because its host "
-               "high-water comes at the end of backward (the fp32 accumulators are first written as "
-               "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
-               "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
-               "resident from allocation. " if fp32 else "") + _disk(rows)).rstrip()
+    ratios = [
+        r[k] / r["predicted_per_param"]
+        for r in rows
+        if not r.get("nvme")
+        for k in ("measured_per_param", "measured_mmap_per_param")
+    ]
+    fp32 = [
+        r
+        for r in rows
+        if r["dtype"] == "float32"
+        and not r.get("nvme")
+        and r["measured_per_param"] < r["predicted_per_param"]
+    ]
+    creep = ", ".join(
+        f"{r['model']} {r['first_step_per_param']:.2f}" for r in h if "first_step_per_param" in r
+    )
+    slot = ", ".join(
+        f"{r['slots'] * r['chunk_numel'] * 2 / r['offloaded']:.2f} B at {r['model']}" for r in h
+    )
+    return (
+        "Reading. Homeless (12 B layout), peak host bytes per offloaded parameter: "
+        + ", ".join(
+            f"{r['model']} {r['measured_per_param']:.2f} (mmap threshold fixed "
+            f"{r['measured_mmap_per_param']:.2f}; predicted {r['predicted_per_param']:.2f})"
+            for r in h
+        )
+        + f". Peak over predicted, rows in host memory: {min(ratios):.3f} to {max(ratios):.3f}. "
+        + (
+            f"After the first step alone, under glibc's default: {creep}; the heap's free blocks "
+            f"grow over the next two steps (the LM head's backward temporaries, device memory on a "
+            f"GPU, fragment it) and then hold (gpt2-medium over 8 steps: the section 'Host bytes over eight steps'), while with the threshold fixed RSS "
+            f"is flat from the first step. "
+            if creep and rows[0]["steps"] > 1
+            else ""
+        )
+        + _marginal(h)
+        + f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
+        f"12 B of states: the slots of one chunk shard each (a chunk holds at least the largest "
+        f"parameter, GPT-2's tied embedding: {slot} per parameter), the step's scratch, and allocator "
+        "slack. The device count subtracted includes the gradient autograd holds for the tied "
+        "embedding between the head's backward and the embedding's (`accounting.shared_grads`, "
+        "51.5M x 2 B = 0.29 B per parameter at 355M), which is device memory on a GPU. "
+        + (
+            "The fp32 row reads below its prediction because its host "
+            "high-water comes at the end of backward (the fp32 accumulators are first written as "
+            "each chunk's gradients land, and on a CPU an allocated page costs nothing until "
+            "written) while the subtracted device peak comes earlier; pinned memory on a GPU is "
+            "resident from allocation. "
+            if fp32
+            else ""
+        )
+        + _disk(rows)
+    ).rstrip()
 
 
 def _disk(rows: list[dict]) -> str:
     """What the NVMe rows moved off the host: each against the same layout in RAM."""
     out = []
     for d in (r for r in rows if r.get("nvme")):
-        same = next((r for r in rows if not r.get("nvme") and all(r[k] == d[k] for k in
-                                                                  ("model", "dtype", "grad_accum", "homeless"))), None)
+        same = next(
+            (
+                r
+                for r in rows
+                if not r.get("nvme")
+                and all(r[k] == d[k] for k in ("model", "dtype", "grad_accum", "homeless"))
+            ),
+            None,
+        )
         if same is None:
             continue
         tp = "train_peak_per_param" if "train_peak_per_param" in d else "measured_per_param"
-        fixed = (f", {d['train_peak_mmap_per_param']:.2f} with the threshold fixed"
-                 if "train_peak_mmap_per_param" in d else "")
-        out.append(f"{d['model']} {d['dtype']} ({'homeless' if d['homeless'] else 'homes kept'}): peak "
-                   f"{'in training ' if tp != 'measured_per_param' else ''}{d[tp]:.2f} B per parameter "
-                   f"(predicted {d['predicted_per_param']:.2f}{fixed}) with "
-                   f"master and moments on disk against {same[tp]:.2f} in host memory, a drop of "
-                   f"{same[tp] - d[tp]:.2f} B (whole-process peaks {d['measured_per_param']:.2f} and "
-                   f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
-                   f"with the threshold fixed) where the plan moved 12 B per element to the disk "
-                   f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
-                   f"({d['step_s'] / same['step_s']:.2f}x; mean of {d['steps']} step(s) each, CPU \"device\", so the disk's share "
-                   "is diluted by the CPU forward and backward)")
-    return ("NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): "
-            + "; ".join(out) + ".") if out else ""
+        fixed = (
+            f", {d['train_peak_mmap_per_param']:.2f} with the threshold fixed"
+            if "train_peak_mmap_per_param" in d
+            else ""
+        )
+        out.append(
+            f"{d['model']} {d['dtype']} ({'homeless' if d['homeless'] else 'homes kept'}): peak "
+            f"{'in training ' if tp != 'measured_per_param' else ''}{d[tp]:.2f} B per parameter "
+            f"(predicted {d['predicted_per_param']:.2f}{fixed}) with "
+            f"master and moments on disk against {same[tp]:.2f} in host memory, a drop of "
+            f"{same[tp] - d[tp]:.2f} B (whole-process peaks {d['measured_per_param']:.2f} and "
+            f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
+            f"with the threshold fixed) where the plan moved 12 B per element to the disk "
+            f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
+            f'({d["step_s"] / same["step_s"]:.2f}x; mean of {d["steps"]} step(s) each, CPU "device", so the disk\'s share '
+            "is diluted by the CPU forward and backward)"
+        )
+    return (
+        ("NVMe tier (executor/nvme.py; the state file under `--nvme-dir`): " + "; ".join(out) + ".")
+        if out
+        else ""
+    )
 
 
 def _marginal(h: list[dict]) -> str:
@@ -321,11 +432,15 @@ def _marginal(h: list[dict]) -> str:
     if len(h) < 2:
         return ""
     a, b = min(h, key=lambda r: r["offloaded"]), max(h, key=lambda r: r["offloaded"])
-    slope = {k: (b[k] * b["offloaded"] - a[k] * a["offloaded"]) / (b["offloaded"] - a["offloaded"])
-             for k in ("measured_per_param", "measured_mmap_per_param", "predicted_per_param")}
-    return (f"From {a['model']} to {b['model']} each added parameter cost {slope['measured_per_param']:.2f} B "
-            f"({slope['measured_mmap_per_param']:.2f} with the threshold fixed; predicted "
-            f"{slope['predicted_per_param']:.2f}). ")
+    slope = {
+        k: (b[k] * b["offloaded"] - a[k] * a["offloaded"]) / (b["offloaded"] - a["offloaded"])
+        for k in ("measured_per_param", "measured_mmap_per_param", "predicted_per_param")
+    }
+    return (
+        f"From {a['model']} to {b['model']} each added parameter cost {slope['measured_per_param']:.2f} B "
+        f"({slope['measured_mmap_per_param']:.2f} with the threshold fixed; predicted "
+        f"{slope['predicted_per_param']:.2f}). "
+    )
 
 
 def write_section(text: str) -> None:
@@ -335,7 +450,7 @@ def write_section(text: str) -> None:
     if head in doc:
         start = doc.index(head)
         nxt = doc.find("\n## ", start + 1)
-        doc = doc[:start] + text + ("\n" + doc[nxt + 1:] if nxt != -1 else "")
+        doc = doc[:start] + text + ("\n" + doc[nxt + 1 :] if nxt != -1 else "")
     else:
         doc = doc.rstrip("\n") + "\n\n" + text
     path.write_text(doc)
@@ -344,17 +459,24 @@ def write_section(text: str) -> None:
 def render_rows(rows: list[dict], cmd: str) -> str:
     """Rows of a ``--row`` or ``--device cuda`` run (tools/gpu_check.sh): one table, the
     device named, nothing subtracted on a GPU (the module's docstring)."""
-    lines = [f"## Host bytes per offloaded parameter, {', '.join(sorted({r['device'] for r in rows}))} "
-             "(tools/bench_host.py)", "", f"Command: `{cmd}`", "",
-             "Peak host RSS (`VmHWM`) minus the baseline (torch, the device context and the corpus "
-             "loaded), per offloaded parameter; on a CPU run minus the ledger's device peak too. "
-             "*Training*: the high-water reset once wrap is done (without the user's fp32 model "
-             "built on the host).", "",
-             "*File pages*: growth of `RssFile` over the run (libraries' code and kernels first "
-             "touched by the steps; on CUDA, lazily loaded modules), part of every peak here.", "",
-             "| device | model | params | compute | homes | predicted B/param | peak | training | "
-             "training / predicted | training, mmap threshold 1 MiB | after step 1 | file pages | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Host bytes per offloaded parameter, {', '.join(sorted({r['device'] for r in rows}))} "
+        "(tools/bench_host.py)",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        "Peak host RSS (`VmHWM`) minus the baseline (torch, the device context and the corpus "
+        "loaded), per offloaded parameter; on a CPU run minus the ledger's device peak too. "
+        "*Training*: the high-water reset once wrap is done (without the user's fp32 model "
+        "built on the host).",
+        "",
+        "*File pages*: growth of `RssFile` over the run (libraries' code and kernels first "
+        "touched by the steps; on CUDA, lazily loaded modules), part of every peak here.",
+        "",
+        "| device | model | params | compute | homes | predicted B/param | peak | training | "
+        "training / predicted | training, mmap threshold 1 MiB | after step 1 | file pages | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mmap = r.get("train_peak_mmap_per_param")
         lines.append(
@@ -363,12 +485,19 @@ def render_rows(rows: list[dict], cmd: str) -> str:
             f"{r['predicted_per_param']:.2f} | {r['measured_per_param']:.2f} | {r['train_peak_per_param']:.2f} | "
             f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
             f"{'-' if mmap is None else f'{mmap:.2f}'} | {r['first_step_per_param']:.2f} | "
-            f"{r.get('file_growth_per_param', float('nan')):.2f} | {r['step_s']:.2f} |")
+            f"{r.get('file_growth_per_param', float('nan')):.2f} | {r['step_s']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: str | None = None,
-            lora: bool = False) -> list[dict]:
+def measure(
+    cases: list[tuple],
+    steps: int,
+    nvme_dir: str,
+    device: str,
+    jsonl: str | None = None,
+    lora: bool = False,
+) -> list[dict]:
     """Each case in two fresh processes, glibc's default allocator and ``MMAP_ENV``; each row
     appended to ``jsonl`` as soon as it is measured (a time-boxed GPU run keeps what it did).
     A case whose process fails is reported with its error and skipped (its stderr reaches
@@ -378,18 +507,41 @@ def measure(cases: list[tuple], steps: int, nvme_dir: str, device: str, jsonl: s
         case = f"{name},{dtype},{accum},{int(homeless)},{int(nvme)}"
         runs = []
         for env in ({}, MMAP_ENV):
-            p = subprocess.run([sys.executable, __file__, "--case", case, "--steps", str(steps),
-                                "--nvme-dir", nvme_dir, "--device", device, *(["--lora"] if lora else [])],
-                               stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--case",
+                    case,
+                    "--steps",
+                    str(steps),
+                    "--nvme-dir",
+                    nvme_dir,
+                    "--device",
+                    device,
+                    *(["--lora"] if lora else []),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **env},
+            )
             if p.returncode != 0:
-                print(f"bench_host: {case} on {device}{' with ' + str(env) if env else ''} failed "
-                      f"(exit {p.returncode}; its error is above); skipped", file=sys.stderr)
+                print(
+                    f"bench_host: {case} on {device}{' with ' + str(env) if env else ''} failed "
+                    f"(exit {p.returncode}; its error is above); skipped",
+                    file=sys.stderr,
+                )
                 break
             runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
         if len(runs) < 2:
             continue
-        rows.append({**runs[0], "measured_mmap_per_param": runs[1]["measured_per_param"],
-                     "train_peak_mmap_per_param": runs[1]["train_peak_per_param"]})
+        rows.append(
+            {
+                **runs[0],
+                "measured_mmap_per_param": runs[1]["measured_per_param"],
+                "train_peak_mmap_per_param": runs[1]["train_peak_per_param"],
+            }
+        )
         print(rows[-1], file=sys.stderr)
         if jsonl:
             with open(jsonl, "a") as f:
@@ -418,16 +570,25 @@ def render_lora(rows: list[dict], cmd: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f}M | {(r['params'] - r['frozen']) / 1e6:.2f}M | "
-                     f"{r['dtype']} | {r['predicted_per_param']:.3f} | {r['wrapped_per_param']:.2f} | "
-                     f"{r['measured_per_param']:.2f} | {r['train_peak_per_param']:.3f} | "
-                     f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
-                     f"{r['train_peak_mmap_per_param']:.3f} | {r['full_predicted_per_param']:.2f} |")
-    lines += ["", "Reading. *Peak* includes the user's fp32 model built on the host before wrap (4 B per "
-              "parameter), which is the whole-process peak here; *peak in training* is the plan's: "
-              + ", ".join(f"{r['model']} {r['train_peak_per_param']:.2f} B per frozen parameter "
-                          f"(predicted {r['predicted_per_param']:.2f}; full training predicted "
-                          f"{r['full_predicted_per_param']:.2f})" for r in rows) + "."]
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {(r['params'] - r['frozen']) / 1e6:.2f}M | "
+            f"{r['dtype']} | {r['predicted_per_param']:.3f} | {r['wrapped_per_param']:.2f} | "
+            f"{r['measured_per_param']:.2f} | {r['train_peak_per_param']:.3f} | "
+            f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
+            f"{r['train_peak_mmap_per_param']:.3f} | {r['full_predicted_per_param']:.2f} |"
+        )
+    lines += [
+        "",
+        "Reading. *Peak* includes the user's fp32 model built on the host before wrap (4 B per "
+        "parameter), which is the whole-process peak here; *peak in training* is the plan's: "
+        + ", ".join(
+            f"{r['model']} {r['train_peak_per_param']:.2f} B per frozen parameter "
+            f"(predicted {r['predicted_per_param']:.2f}; full training predicted "
+            f"{r['full_predicted_per_param']:.2f})"
+            for r in rows
+        )
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -436,31 +597,69 @@ def _parse_case(text: str) -> tuple:
         name, dtype, accum, homeless, nvme = text.split(",")
         return name, dtype, int(accum), homeless == "1", nvme == "1"
     except ValueError:
-        raise SystemExit(f"bench_host: --row {text!r}: expected MODEL,DTYPE,GRAD_ACCUM,HOMELESS(0|1),NVME(0|1), "
-                         "e.g. gpt2-medium,bfloat16,1,1,0") from None
+        raise SystemExit(
+            f"bench_host: --row {text!r}: expected MODEL,DTYPE,GRAD_ACCUM,HOMELESS(0|1),NVME(0|1), "
+            "e.g. gpt2-medium,bfloat16,1,1,0"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3, help="training steps per row (the peak is over all)")
-    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
-    ap.add_argument("--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)")
-    ap.add_argument("--device", default="cpu", help="cpu (the default table) or cuda (nothing subtracted)")
-    ap.add_argument("--row", action="append", default=[],
-                    help="MODEL,DTYPE,GRAD_ACCUM,HOMELESS,NVME: measure these rows instead of the table's")
-    ap.add_argument("--jsonl", help="append the measured rows to this file (one JSON object a line)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--steps", type=int, default=3, help="training steps per row (the peak is over all)"
+    )
+    ap.add_argument(
+        "--write", action="store_true", help="replace this tool's section of BENCHMARKS.md"
+    )
+    ap.add_argument(
+        "--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)"
+    )
+    ap.add_argument(
+        "--device", default="cpu", help="cpu (the default table) or cuda (nothing subtracted)"
+    )
+    ap.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        help="MODEL,DTYPE,GRAD_ACCUM,HOMELESS,NVME: measure these rows instead of the table's",
+    )
+    ap.add_argument(
+        "--jsonl", help="append the measured rows to this file (one JSON object a line)"
+    )
     ap.add_argument("--report", help="print the table of the rows in this --jsonl file and exit")
-    ap.add_argument("--lora", action="store_true", help="LoRA rows (peft): host bytes per frozen parameter")
+    ap.add_argument(
+        "--lora", action="store_true", help="LoRA rows (peft): host bytes per frozen parameter"
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
     args = ap.parse_args(argv)
     if args.report:
-        rows = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
-        print(render_rows(rows, f"python tools/bench_host.py --report {args.report}") if rows else "(no rows)")
+        rows = [
+            json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()
+        ]
+        print(
+            render_rows(rows, f"python tools/bench_host.py --report {args.report}")
+            if rows
+            else "(no rows)"
+        )
         return 0
     if args.case:
         name, dtype, accum, homeless, nvme = _parse_case(args.case)
-        print(json.dumps(run_case(name, dtype, accum, homeless, args.steps,
-                                  args.nvme_dir if nvme else None, args.device, lora=args.lora)))
+        print(
+            json.dumps(
+                run_case(
+                    name,
+                    dtype,
+                    accum,
+                    homeless,
+                    args.steps,
+                    args.nvme_dir if nvme else None,
+                    args.device,
+                    lora=args.lora,
+                )
+            )
+        )
         return 0
     if args.lora:
         rows = measure(LORA_CASES, args.steps, args.nvme_dir, args.device, args.jsonl, lora=True)
@@ -472,8 +671,10 @@ def main(argv: list[str] | None = None) -> int:
             write_section(text)
         return 0
     if args.write and (args.row or args.device != "cpu"):
-        raise SystemExit("bench_host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "
-                         "or use --jsonl and --report for these rows")
+        raise SystemExit(
+            "bench_host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "
+            "or use --jsonl and --report for these rows"
+        )
     cases = [_parse_case(r) for r in args.row] or CASES
     rows = measure(cases, args.steps, args.nvme_dir, args.device, args.jsonl)
     failed = len(cases) - len(rows)
@@ -481,7 +682,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_host: {failed} of {len(cases)} rows failed", file=sys.stderr)
     if args.row or args.device != "cpu":
         if rows:
-            print(render_rows(rows, "python tools/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv)))
+            print(
+                render_rows(
+                    rows,
+                    "python tools/bench_host.py "
+                    + " ".join(sys.argv[1:] if argv is None else argv),
+                )
+            )
         return 1 if failed else 0
     if failed:
         return 1  # (the CPU table is written whole or not at all)

@@ -41,19 +41,32 @@ def resolve_config(name: str, layers: int | None, seq_len: int):
         else:
             if family not in TINY_LADDERS:
                 raise ValueError(f"unknown tiny ladder {family!r}; choose gpt2 or llama")
-            rungs = [GPT2Config(n_layer=n, n_head=h, n_embd=w, vocab_size=256, block_size=max(128, seq_len))
-                     if family == "gpt2" else
-                     LlamaConfig(n_layer=n, n_head=h, n_kv_head=h, dim=w, ffn_dim=int(2.75 * w) // 4 * 4,
-                                 vocab_size=256, max_seq_len=max(128, seq_len))
-                     for n, h, w in TINY_LADDERS[family]]
+            rungs = [
+                GPT2Config(
+                    n_layer=n, n_head=h, n_embd=w, vocab_size=256, block_size=max(128, seq_len)
+                )
+                if family == "gpt2"
+                else LlamaConfig(
+                    n_layer=n,
+                    n_head=h,
+                    n_kv_head=h,
+                    dim=w,
+                    ffn_dim=int(2.75 * w) // 4 * 4,
+                    vocab_size=256,
+                    max_seq_len=max(128, seq_len),
+                )
+                for n, h, w in TINY_LADDERS[family]
+            ]
         cfg = rungs[int(index)]
     elif name in ZOO:
         cfg = ZOO[name]
     else:
         from protrain.executor.errors import did_you_mean
 
-        raise ValueError(f"unknown model {name!r}{did_you_mean(name, ZOO)}; zoo: {', '.join(ZOO)}, "
-                         "or ladder:gpt2:I, ladder:llama:I, tiny:gpt2:I, tiny:llama:I")
+        raise ValueError(
+            f"unknown model {name!r}{did_you_mean(name, ZOO)}; zoo: {', '.join(ZOO)}, "
+            "or ladder:gpt2:I, ladder:llama:I, tiny:gpt2:I, tiny:llama:I"
+        )
     label = name
     if layers is not None:
         cfg = dataclasses.replace(cfg, n_layer=layers)
@@ -106,9 +119,18 @@ def run_steps(step: Callable[[list], float], data, args, sync: Callable[[], None
 
 def spread(values: list[float]) -> dict:
     # inclusive: quartiles stay within [min, max] however few the steps
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else [values[0]] * 3
-    return {"min": min(values), "q1": q[0], "median": statistics.median(values), "q3": q[2],
-            "max": max(values)}
+    q = (
+        statistics.quantiles(values, n=4, method="inclusive")
+        if len(values) >= 2
+        else [values[0]] * 3
+    )
+    return {
+        "min": min(values),
+        "q1": q[0],
+        "median": statistics.median(values),
+        "q3": q[2],
+        "max": max(values),
+    }
 
 
 def accumulate_step(model, opt, dev, micro: list, ctx: Callable = contextlib.nullcontext) -> float:

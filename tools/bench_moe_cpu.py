@@ -42,16 +42,26 @@ CONFIGS = [  # (hidden, expert width, experts, top_k, micro-batch, seq len)
     (64, 32, 32, 4, 2, 64),
     (96, 96, 12, 3, 8, 64),
 ]
-ATTN = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=256)
+ATTN = dict(
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=256
+)
 
 
 def _pair(H: int, W: int, E: int, k: int):
     """A 2-layer Mixtral config (expert width W) and its dense twin (Mistral, MLP width k x W)."""
     import transformers
 
-    moe = transformers.MixtralConfig(hidden_size=H, intermediate_size=W, num_hidden_layers=2,
-                                     num_local_experts=E, num_experts_per_tok=k, **ATTN)
-    dense = transformers.MistralConfig(hidden_size=H, intermediate_size=k * W, num_hidden_layers=2, **ATTN)
+    moe = transformers.MixtralConfig(
+        hidden_size=H,
+        intermediate_size=W,
+        num_hidden_layers=2,
+        num_local_experts=E,
+        num_experts_per_tok=k,
+        **ATTN,
+    )
+    dense = transformers.MistralConfig(
+        hidden_size=H, intermediate_size=k * W, num_hidden_layers=2, **ATTN
+    )
     for c in (moe, dense):
         c.use_cache = False
     return moe, dense
@@ -84,30 +94,50 @@ def main() -> None:
     time.perf_counter = time.thread_time  # measure() and the probe read it: the thread's CPU clock
     spec = probe("cpu", quick=True)
     analytic.CPU_MOE_EXPERT_US = analytic.CPU_MOE_ROW_US = 0.0  # measure what they must add
-    print(f"probed: fp32 matmul {spec.matmul_fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
-          f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock)")
+    print(
+        f"probed: fp32 matmul {spec.matmul_fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
+        f"memory {spec.mem_bytes_per_s / 1e9:.1f} GB/s (1 thread, CPU clock)"
+    )
     rows, extra = [], []
     for H, W, E, k, B, T in CONFIGS:
         res = {}
         models = {}
         for name, cfg in zip(("moe", "dense"), _pair(H, W, E, k)):
             meta = _build(cfg, "meta")
-            c = analytic.count_segments(meta, blocks=block_paths(meta), micro_batch=B, seq_len=T,
-                                        compute_dtype="float32", spec=spec)
+            c = analytic.count_segments(
+                meta,
+                blocks=block_paths(meta),
+                micro_batch=B,
+                seq_len=T,
+                compute_dtype="float32",
+                spec=spec,
+            )
             torch.manual_seed(0)
             models[name] = _build(cfg, "cpu")
             res[name] = [c[1].fwd.time_s * 1e6, float("inf")]
         for _ in range(args.rounds):  # interleaved, so that a busy moment hits both
             for name, model in models.items():
-                p = measure(model, name=name, blocks=block_paths(model), micro_batch=B, seq_len=T,
-                            compute_dtype="float32", device="cpu", spec=spec, iterations=5, warmup=1)
+                p = measure(
+                    model,
+                    name=name,
+                    blocks=block_paths(model),
+                    micro_batch=B,
+                    seq_len=T,
+                    compute_dtype="float32",
+                    device="cpu",
+                    spec=spec,
+                    iterations=5,
+                    warmup=1,
+                )
                 res[name][1] = min(res[name][1], *(s.fwd_us for s in p.segments[1:-1]))
         (am, mm), (ad, md) = res["moe"], res["dense"]
         S = B * T * k
         rows.append((min(E, S), S))
         extra.append((mm - am) - (md - ad))
-        print(f"H={H:3d} W={W:3d} E={E:2d} top-{k} B={B} T={T:3d}: MoE {am:5.0f} / {mm:5.0f} us "
-              f"({am / mm:.2f}x), dense {ad:5.0f} / {md:5.0f} us ({ad / md:.2f}x), extra {extra[-1]:+5.0f} us")
+        print(
+            f"H={H:3d} W={W:3d} E={E:2d} top-{k} B={B} T={T:3d}: MoE {am:5.0f} / {mm:5.0f} us "
+            f"({am / mm:.2f}x), dense {ad:5.0f} / {md:5.0f} us ({ad / md:.2f}x), extra {extra[-1]:+5.0f} us"
+        )
     coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(extra), rcond=None)
     print(f"CPU_MOE_EXPERT_US = {coef[0]:.1f}, CPU_MOE_ROW_US = {coef[1]:.3f}")
 

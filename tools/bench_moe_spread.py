@@ -45,34 +45,54 @@ def span(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=6)
-    ap.add_argument("--write", action="store_true", help="replace this tool's section of BENCHMARKS.md")
+    ap.add_argument(
+        "--write", action="store_true", help="replace this tool's section of BENCHMARKS.md"
+    )
     args = ap.parse_args(argv)
     runs = []
     for i in range(args.runs):
-        out = subprocess.run([sys.executable, "-c", ONE_RUN, str(ROOT / "tests")], capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ONE_RUN, str(ROOT / "tests")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append(r)
-        print(f"run {i + 1}: {r['gflops']:.0f} GFLOP/s, host {r['host_ns']:.0f} ns "
-              f"({'absolute checks skip' if r['skip'] else 'absolute checks run'}); "
-              + "; ".join(f"{n} {f:.2f}x / {b:.2f}x" for n, (f, b) in r["ratios"].items())
-              + f"; MoE/dense paired {r['paired'][0]:.2f}x / {r['paired'][1]:.2f}x", flush=True)
+        print(
+            f"run {i + 1}: {r['gflops']:.0f} GFLOP/s, host {r['host_ns']:.0f} ns "
+            f"({'absolute checks skip' if r['skip'] else 'absolute checks run'}); "
+            + "; ".join(f"{n} {f:.2f}x / {b:.2f}x" for n, (f, b) in r["ratios"].items())
+            + f"; MoE/dense paired {r['paired'][0]:.2f}x / {r['paired'][1]:.2f}x",
+            flush=True,
+        )
     ran = [r for r in runs if not r["skip"]]
-    rows = [(f"{n} {phase}, absolute", span([r["ratios"][n][i] for r in ran]))
-            for n in runs[0]["ratios"] for i, phase in enumerate(("forward", "backward"))]
-    rows += [(f"MoE/dense {phase}, paired", span([r["paired"][i] for r in runs]))
-             for i, phase in enumerate(("forward", "backward"))]
-    lines = [SECTION, "",
-             f"Command: `python tools/bench_moe_spread.py --runs {args.runs}{' --write' if args.write else ''}`; "
-             f"machine: {os.cpu_count()}-core CPU box ({sys.platform}), "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {len(runs)} runs, "
-             f"{len(runs) - len(ran)} with the absolute checks skipped (host median over "
-             "1.2x the calibration box's 1,100 ns); probes "
-             f"{min(r['gflops'] for r in runs):.0f}-{max(r['gflops'] for r in runs):.0f} GFLOP/s, host medians "
-             f"{min(r['host_ns'] for r in runs):.0f}-{max(r['host_ns'] for r in runs):.0f} ns. "
-             "Analytic over measured, min-max over the runs (the absolute ones over the runs that "
-             "ran them); the checks' bound is 0.75-1.25x.", "",
-             "| check | range |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)]
+    rows = [
+        (f"{n} {phase}, absolute", span([r["ratios"][n][i] for r in ran]))
+        for n in runs[0]["ratios"]
+        for i, phase in enumerate(("forward", "backward"))
+    ]
+    rows += [
+        (f"MoE/dense {phase}, paired", span([r["paired"][i] for r in runs]))
+        for i, phase in enumerate(("forward", "backward"))
+    ]
+    lines = [
+        SECTION,
+        "",
+        f"Command: `python tools/bench_moe_spread.py --runs {args.runs}{' --write' if args.write else ''}`; "
+        f"machine: {os.cpu_count()}-core CPU box ({sys.platform}), "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {len(runs)} runs, "
+        f"{len(runs) - len(ran)} with the absolute checks skipped (host median over "
+        "1.2x the calibration box's 1,100 ns); probes "
+        f"{min(r['gflops'] for r in runs):.0f}-{max(r['gflops'] for r in runs):.0f} GFLOP/s, host medians "
+        f"{min(r['host_ns'] for r in runs):.0f}-{max(r['host_ns'] for r in runs):.0f} ns. "
+        "Analytic over measured, min-max over the runs (the absolute ones over the runs that "
+        "ran them); the checks' bound is 0.75-1.25x.",
+        "",
+        "| check | range |",
+        "|---|---|",
+        *(f"| {a} | {b} |" for a, b in rows),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
@@ -81,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if SECTION in md:
             a = md.index(SECTION)
             b = md.find("\n## ", a + len(SECTION))
-            md = md[:a] + text + ("\n" + md[b + 1:] if b >= 0 else "")
+            md = md[:a] + text + ("\n" + md[b + 1 :] if b >= 0 else "")
         else:
             md = md.rstrip() + "\n\n" + text
         md_path.write_text(md)

@@ -107,15 +107,24 @@ def export_tree(rev: str, into: Path) -> Path:
     """``rev``'s tree under ``into``/tree, installed into ``into``/venv; the venv's python."""
     tree = into / "tree"
     tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     venv = into / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)], check=True,
-                   capture_output=True)
-    where = subprocess.run([str(py), "-c", "import protrain.planner as p; print(p.__file__)"],
-                           check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)],
+        check=True,
+        capture_output=True,
+    )
+    where = subprocess.run(
+        [str(py), "-c", "import protrain.planner as p; print(p.__file__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert where.startswith(str(tree)), f"the baseline venv imports {where}, not {tree}"
     return py
 
@@ -123,8 +132,12 @@ def export_tree(rev: str, into: Path) -> Path:
 def time_plan(py: Path, root: Path, path: str, repeats: int) -> list[list[float]]:
     """``[make_plan seconds per call, seconds of those in the exhaustive search]``, wall clock,
     then the same in CPU seconds of the process (``time.process_time``)."""
-    out = subprocess.run([str(py), "-c", WORKER, str(root), path, str(repeats), str(HOST_BUDGET)],
-                         capture_output=True, text=True, cwd=root)
+    out = subprocess.run(
+        [str(py), "-c", WORKER, str(root), path, str(repeats), str(HOST_BUDGET)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     if out.returncode:
         raise RuntimeError(f"{py} on {path}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.split("TIMES ", 1)[1])
@@ -135,8 +148,12 @@ def time_fit(py: Path, root: Path) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     cli = "protrain.planner.cli" if (root / "planner" / "cli.py").exists() else "protrain.planner"
-    out = subprocess.run([str(py), "-m", cli, "fit", "--hardware", "rtx3090"],
-                         capture_output=True, text=True, cwd=root)
+    out = subprocess.run(
+        [str(py), "-m", cli, "fit", "--hardware", "rtx3090"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     if out.returncode:
         raise RuntimeError(f"fit with {py}: {out.stderr[-2000:]}")
     wall = time.perf_counter() - start
@@ -164,22 +181,40 @@ def spread(xs: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", action="append",
-                    help="commit to compare against (default 754c22f); repeat for several, all in one table")
-    ap.add_argument("--repeats", type=int, default=3, help="timed make_plan calls per process (default 3)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved processes per tree (default 3)")
-    ap.add_argument("--fit-rounds", type=int, default=3, help="interleaved fit runs per tree (default 3)")
+    ap.add_argument(
+        "--baseline",
+        action="append",
+        help="commit to compare against (default 754c22f); repeat for several, all in one table",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed make_plan calls per process (default 3)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved processes per tree (default 3)"
+    )
+    ap.add_argument(
+        "--fit-rounds", type=int, default=3, help="interleaved fit runs per tree (default 3)"
+    )
     ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
 
     def short(rev: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", rev],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
     revs = [short(r) for r in (args.baseline or ["754c22f"])]
     head = short("HEAD")
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
+    dirty = bool(
+        subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     current = f"{head}{'+' if dirty else ''}"
     names = [*revs, current]
     load_before = os.getloadavg()
@@ -198,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                     busy.append(others_running())
                     for mine, times in zip(got[name], time_plan(py, root, path, args.repeats)):
                         mine.extend(times)
-            for i, what in enumerate(("make_plan", "its searches", "make_plan, CPU time", "its searches, CPU time")):
+            for i, what in enumerate(
+                ("make_plan", "its searches", "make_plan, CPU time", "its searches, CPU time")
+            ):
                 label = f"{what}, {model} / {hw}"
                 rows.append((label, [got[n][i] for n in names]))
-                print(f"{label}: " + ", ".join(f"{n} {spread(got[n][i])}" for n in names), flush=True)
+                print(
+                    f"{label}: " + ", ".join(f"{n} {spread(got[n][i])}" for n in names), flush=True
+                )
         got = {name: ([], []) for name in names}
         for _ in range(args.fit_rounds):
             for name, py, root in trees:
@@ -210,26 +249,42 @@ def main(argv: list[str] | None = None) -> int:
                     mine.append(t)
         rows.append(("`protrain fit --hardware rtx3090`", [got[n][0] for n in names]))
         rows.append(("`protrain fit --hardware rtx3090`, CPU time", [got[n][1] for n in names]))
-        print("fit: " + ", ".join(f"{n} {spread(got[n][0])} (CPU {spread(got[n][1])})" for n in names), flush=True)
+        print(
+            "fit: "
+            + ", ".join(f"{n} {spread(got[n][0])} (CPU {spread(got[n][1])})" for n in names),
+            flush=True,
+        )
     load_after = os.getloadavg()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = "python tools/bench_plan_speed.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    cmd = "python tools/bench_plan_speed.py " + " ".join(
+        shlex.quote(a) for a in (argv or sys.argv[1:])
+    )
     section = SECTION.format(rev=" and ".join(revs))
-    lines = [section, "", f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
-             f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-             f"(1 min; the box is shared: other processes running at {len(busy)} samples, median "
-             f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
-             f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
-             "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
-             f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
-             "(the process's user + system seconds: what the work costs when other jobs share the cores). "
-             "Ratio: baseline / this (above 1: faster now).", "",
-             "| what | " + " | ".join(names) + " | " + " | ".join(f"ratio {r}" for r in revs) + " |",
-             "|---|" + "---|" * (len(names) + len(revs))]
+    lines = [
+        section,
+        "",
+        f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
+        f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
+        f"(1 min; the box is shared: other processes running at {len(busy)} samples, median "
+        f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
+        f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
+        "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
+        f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
+        "(the process's user + system seconds: what the work costs when other jobs share the cores). "
+        "Ratio: baseline / this (above 1: faster now).",
+        "",
+        "| what | " + " | ".join(names) + " | " + " | ".join(f"ratio {r}" for r in revs) + " |",
+        "|---|" + "---|" * (len(names) + len(revs)),
+    ]
     for label, per in rows:
         this = statistics.median(per[-1])
-        lines.append(f"| {label} | " + " | ".join(spread(xs) for xs in per) + " | "
-                     + " | ".join(f"{statistics.median(xs) / this:.2f}x" for xs in per[:-1]) + " |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(spread(xs) for xs in per)
+            + " | "
+            + " | ".join(f"{statistics.median(xs) / this:.2f}x" for xs in per[:-1])
+            + " |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
@@ -237,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         if section in md:
             a = md.index(section)
             b = md.find("\n## ", a + len(section))
-            md = md[:a] + text + ("\n" + md[b + 1:] if b >= 0 else "")  # (a blank line before the next section)
+            md = (
+                md[:a] + text + ("\n" + md[b + 1 :] if b >= 0 else "")
+            )  # (a blank line before the next section)
         else:
             md = md.rstrip() + "\n\n" + text
         BENCHMARKS_MD.write_text(md)

@@ -68,7 +68,9 @@ from protrain.planner.search.planning import make_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-FIDELITY = "## Planner on CPU: peak-memory consistency, time against wall clock (tools/bench_planner.py)"
+FIDELITY = (
+    "## Planner on CPU: peak-memory consistency, time against wall clock (tools/bench_planner.py)"
+)
 SEARCH = "## Search time (tools/bench_planner.py)"
 
 FIDELITY_MODELS = ("gpt2-tiny", "llama-tiny", "gpt2-6l-256")
@@ -92,7 +94,9 @@ def describe(cfg: tuple[int, int, int, int], t: Terms) -> str:
     """A configuration in words: ``offload + 2 swap, 2 ckpt, 2 keep``, ``persist + keep``."""
     n_persist, n_buffer, n_swap, n_ckpt = cfg
     C, N = t.n_chunks, t.n_blocks
-    place = "persist" if n_persist == C else "offload" if n_persist == 0 else f"{n_persist}/{C} persist"
+    place = (
+        "persist" if n_persist == C else "offload" if n_persist == 0 else f"{n_persist}/{C} persist"
+    )
     counts = [(n_swap, "swap"), (n_ckpt, "checkpoint"), (N - n_swap - n_ckpt, "keep")]
     whole = [w for n, w in counts if n == N]
     policies = whole[0] if whole else ", ".join(f"{n} {w}" for n, w in counts if n)
@@ -140,13 +144,27 @@ def make_configs(prof: Profile, facts: ModelFacts, t: Terms, tr: P.Training) -> 
             continue
         seen.add(cfg)
         n_persist, n_buffer, n_swap, n_ckpt = cfg
-        plan = assemble(facts, training=tr, chunk_numel=t.chunk_numel,
-                        persistent=list(range(n_persist)), n_buffer=n_buffer,
-                        policies=block_policies(N, n_swap, n_ckpt))
+        plan = assemble(
+            facts,
+            training=tr,
+            chunk_numel=t.chunk_numel,
+            persistent=list(range(n_persist)),
+            n_buffer=n_buffer,
+            policies=block_policies(N, n_swap, n_ckpt),
+        )
         p = predict(t, *cfg)
-        out.append(Config(describe(cfg, t), cfg, plan, p.peak_bytes, p.time_us, p.breakdown["t_fwd_us"],
-                          p.breakdown["t_bwd_us"],
-                          (n_persist, n_buffer) in outer and (n_swap, n_ckpt) in pairs))
+        out.append(
+            Config(
+                describe(cfg, t),
+                cfg,
+                plan,
+                p.peak_bytes,
+                p.time_us,
+                p.breakdown["t_fwd_us"],
+                p.breakdown["t_bwd_us"],
+                (n_persist, n_buffer) in outer and (n_swap, n_ckpt) in pairs,
+            )
+        )
     # The planner end to end: make_plan picks for a budget between the extremes.
     budget = int(out[0].pred_peak_bytes * 0.5)
     plan, _ = make_plan(prof, budget)
@@ -154,9 +172,18 @@ def make_configs(prof: Profile, facts: ModelFacts, t: Terms, tr: P.Training) -> 
     cfg = (ch.n_persist, ch.n_buffer, ch.n_swap, ch.n_checkpoint)
     p = predict(t, *cfg)
     assert plan.chunks.chunk_numel == t.chunk_numel, (plan.chunks.chunk_numel, t.chunk_numel)
-    out.append(Config(f"make_plan @ {budget / MiB:.1f} MiB", cfg, plan,
-                      plan.prediction.peak_memory_bytes, plan.prediction.iter_time_us,
-                      p.breakdown["t_fwd_us"], p.breakdown["t_bwd_us"], True))
+    out.append(
+        Config(
+            f"make_plan @ {budget / MiB:.1f} MiB",
+            cfg,
+            plan,
+            plan.prediction.peak_memory_bytes,
+            plan.prediction.iter_time_us,
+            p.breakdown["t_fwd_us"],
+            p.breakdown["t_bwd_us"],
+            True,
+        )
+    )
     return out
 
 
@@ -166,7 +193,9 @@ def make_configs(prof: Profile, facts: ModelFacts, t: Terms, tr: P.Training) -> 
 
 @dataclass
 class Run:
-    total_s: list[float] = field(default_factory=list)  # StepResult.timings_s["total"], measured steps
+    total_s: list[float] = field(
+        default_factory=list
+    )  # StepResult.timings_s["total"], measured steps
     fwd_s: list[float] = field(default_factory=list)
     bwd_s: list[float] = field(default_factory=list)
     peak_bytes: int = 0  # max StepResult.peak_bytes over measured steps
@@ -208,28 +237,47 @@ def bench_model(name: str, spec, args) -> ModelResult:
     model = build_model(name, "cpu", args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    prof = measure(model, name=name, blocks=block_paths(model), micro_batch=B, seq_len=T,
-                   compute_dtype="float32", device="cpu", spec=spec, warmup=args.warmup,
-                   iterations=args.profile_iterations, seed=args.seed)
+    prof = measure(
+        model,
+        name=name,
+        blocks=block_paths(model),
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype="float32",
+        device="cpu",
+        spec=spec,
+        warmup=args.warmup,
+        iterations=args.profile_iterations,
+        seed=args.seed,
+    )
     profile_s = time.perf_counter() - t0
     del model
     facts = facts_from_profile(prof)
     chunk_numel, _ = choose_chunk_numel(facts)
     t = make_terms(prof, chunk_numel)
-    tr = P.Training(micro_batch=B, seq_len=T, compute_dtype="float32", master_dtype="float32",
-                    world_size=1, grad_accum=1)
+    tr = P.Training(
+        micro_batch=B,
+        seq_len=T,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
     configs = make_configs(prof, facts, t, tr)
     it = batches(load_tokens(), B, T, seed=args.seed)
     data = [next(it) for _ in range(args.warmup + args.steps)]  # the same batches for every run
     runs: dict[str, list[Run]] = {c.label: [] for c in configs}
     for rep in range(args.repeats):
-        order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for c in order:
             gc.collect()
             run = run_config(name, c.plan, data, args.warmup, args.seed)
             runs[c.label].append(run)
-            print(f"{name} repeat {rep + 1}/{args.repeats} {c.label:28s} "
-                  f"median {statistics.median(run.total_s) * 1e3:.1f} ms", file=sys.stderr)
+            print(
+                f"{name} repeat {rep + 1}/{args.repeats} {c.label:28s} "
+                f"median {statistics.median(run.total_s) * 1e3:.1f} ms",
+                file=sys.stderr,
+            )
     return ModelResult(name, n_params, t, profile_s, configs, runs)
 
 
@@ -259,8 +307,13 @@ def reduce(runs: list[Run]) -> Measured:
 
     per_repeat = [statistics.median(x.total_s) * 1e3 for x in runs]
     total = med("total_s")
-    return Measured(total, med("fwd_s"), med("bwd_s"), max(x.peak_bytes for x in runs),
-                    (max(per_repeat) - min(per_repeat)) / total)
+    return Measured(
+        total,
+        med("fwd_s"),
+        med("bwd_s"),
+        max(x.peak_bytes for x in runs),
+        (max(per_repeat) - min(per_repeat)) / total,
+    )
 
 
 @dataclass
@@ -281,10 +334,12 @@ class Summary:
 def model_section(r: ModelResult) -> tuple[str, Summary]:
     from scipy.stats import spearmanr
 
-    rows = ["| configuration | n_persist, n_buffer, n_swap, n_checkpoint | predicted peak MiB "
-            "| ledger peak MiB | peak ratio (consistency) | predicted ms | measured ms | time ratio "
-            "| fwd / bwd ms, predicted → measured |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| configuration | n_persist, n_buffer, n_swap, n_checkpoint | predicted peak MiB "
+        "| ledger peak MiB | peak ratio (consistency) | predicted ms | measured ms | time ratio "
+        "| fwd / bwd ms, predicted → measured |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     meas = {c.label: reduce(r.runs[c.label]) for c in r.configs}
     ratios = []
     for c in r.configs:
@@ -292,84 +347,117 @@ def model_section(r: ModelResult) -> tuple[str, Summary]:
         p_ms = c.pred_time_us / 1e3
         ratios.append(p_ms / m.total_ms)
         label = c.label + ("" if c.in_space else " †")
-        rows.append(f"| {label} | {cfg_text(c.cfg, r.t)} | {c.pred_peak_bytes / MiB:.3f} "
-                    f"| {m.peak_bytes / MiB:.3f} | {c.pred_peak_bytes / m.peak_bytes:.4f} "
-                    f"| {p_ms:.1f} | {m.total_ms:.1f} | {p_ms / m.total_ms:.2f} "
-                    f"| {c.pred_fwd_us / 1e3:.1f} / {c.pred_bwd_us / 1e3:.1f} → "
-                    f"{m.fwd_ms:.1f} / {m.bwd_ms:.1f} |")
-    rho, p_value = spearmanr([c.pred_time_us for c in r.configs],
-                             [meas[c.label].total_ms for c in r.configs])
+        rows.append(
+            f"| {label} | {cfg_text(c.cfg, r.t)} | {c.pred_peak_bytes / MiB:.3f} "
+            f"| {m.peak_bytes / MiB:.3f} | {c.pred_peak_bytes / m.peak_bytes:.4f} "
+            f"| {p_ms:.1f} | {m.total_ms:.1f} | {p_ms / m.total_ms:.2f} "
+            f"| {c.pred_fwd_us / 1e3:.1f} / {c.pred_bwd_us / 1e3:.1f} → "
+            f"{m.fwd_ms:.1f} / {m.bwd_ms:.1f} |"
+        )
+    rho, p_value = spearmanr(
+        [c.pred_time_us for c in r.configs], [meas[c.label].total_ms for c in r.configs]
+    )
     # Recompute: all-checkpoint against all-keep, both all-persistent (no copies differ).
     C, N = r.t.n_chunks, r.t.n_blocks
     by_cfg = {c.cfg: c for c in r.configs}
     keep, ckpt = by_cfg.get((C, 0, 0, 0)), by_cfg.get((C, 0, 0, N))
     share = None
     if keep and ckpt and ckpt.pred_bwd_us > keep.pred_bwd_us:
-        share = ((meas[ckpt.label].bwd_ms - meas[keep.label].bwd_ms)
-                 / ((ckpt.pred_bwd_us - keep.pred_bwd_us) / 1e3))
+        share = (meas[ckpt.label].bwd_ms - meas[keep.label].bwd_ms) / (
+            (ckpt.pred_bwd_us - keep.pred_bwd_us) / 1e3
+        )
     base = r.configs[0]
     totals = [m.total_ms for m in meas.values()]
     s = Summary(
         name=r.name,
-        max_peak_err_bytes=max(abs(round(c.pred_peak_bytes) - meas[c.label].peak_bytes)
-                               for c in r.configs),
-        rho=float(rho), p_value=float(p_value), n=len(r.configs),
+        max_peak_err_bytes=max(
+            abs(round(c.pred_peak_bytes) - meas[c.label].peak_bytes) for c in r.configs
+        ),
+        rho=float(rho),
+        p_value=float(p_value),
+        n=len(r.configs),
         mean_abs_time_err=statistics.fmean(abs(x - 1) for x in ratios),
-        base_ratio=ratios[0], other_ratio=statistics.median(ratios[1:]),
-        recompute_share=share, spread=max(m.spread for m in meas.values()),
+        base_ratio=ratios[0],
+        other_ratio=statistics.median(ratios[1:]),
+        recompute_share=share,
+        spread=max(m.spread for m in meas.values()),
         span=(min(totals), max(totals)),
     )
     ref = r.runs[base.label][0].losses
-    max_dloss = max(abs(a - b) for c in r.configs for x in r.runs[c.label]
-                    for a, b in zip(x.losses, ref))
+    max_dloss = max(
+        abs(a - b) for c in r.configs for x in r.runs[c.label] for a, b in zip(x.losses, ref)
+    )
     worst = max(range(len(ratios)), key=lambda i: abs(ratios[i] - 1))
     t = r.t
-    lines = [f"### {r.name} ({r.n_params / 1e6:.2f}M params; {t.n_blocks} blocks; "
-             f"{t.n_chunks} chunks of {t.chunk_numel:,} elements)", "", "\n".join(rows), ""]
+    lines = [
+        f"### {r.name} ({r.n_params / 1e6:.2f}M params; {t.n_blocks} blocks; "
+        f"{t.n_chunks} chunks of {t.chunk_numel:,} elements)",
+        "",
+        "\n".join(rows),
+        "",
+    ]
     if any(not c.in_space for c in r.configs):
-        lines += ["† outside the search's space (more swaps than its swap interval allows, or "
-                  "more buffers than it tries); predicted by the same model all the same.", ""]
+        lines += [
+            "† outside the search's space (more swaps than its swap interval allows, or "
+            "more buffers than it tries); predicted by the same model all the same.",
+            "",
+        ]
     lines.append(
         f"Peak consistency: predicted and ledger differ by at most {s.max_peak_err_bytes:,} bytes. Spearman rank correlation of predicted "
         f"and measured step time: ρ = {s.rho:.2f} (p = {s.p_value:.2g}, n = {s.n}). "
         f"Mean |time ratio − 1| = {s.mean_abs_time_err:.1%}; farthest: "
         f"{r.configs[worst].label} at {ratios[worst]:.2f}×. Repeats of one configuration "
         f"differ by up to {s.spread:.0%}. Profile measured in {r.profile_s:.1f} s. "
-        f"Losses across configurations: max |Δloss| = {max_dloss:.1e} against {base.label}."
-        .replace("= 0.0e+00", "= 0"))
+        f"Losses across configurations: max |Δloss| = {max_dloss:.1e} against {base.label}.".replace(
+            "= 0.0e+00", "= 0"
+        )
+    )
     return "\n".join(lines), s
 
 
 def fidelity_reading(sums: list[Summary]) -> str:
     exact = all(s.max_peak_err_bytes == 0 for s in sums)
-    peak = ("**Peaks (consistency, not fidelity):** predicted equals the ledger's count to the byte "
-            "for every configuration of every model, as the CPU memory model is written to (it walks "
-            "the ledger's own terms): this shows the planner and the executor count alike, not that "
-            "either matches what an allocator would hold, so peak-memory fidelity waits for a real "
-            "allocator (a GPU run)." if exact else
-            "**Peaks: NOT exact** — " + ", ".join(
-                f"{s.name} off by up to {s.max_peak_err_bytes:,} bytes"
-                for s in sums if s.max_peak_err_bytes)
-            + "; on CPU they should match to the byte, so this is a cost-model or ledger bug.")
+    peak = (
+        "**Peaks (consistency, not fidelity):** predicted equals the ledger's count to the byte "
+        "for every configuration of every model, as the CPU memory model is written to (it walks "
+        "the ledger's own terms): this shows the planner and the executor count alike, not that "
+        "either matches what an allocator would hold, so peak-memory fidelity waits for a real "
+        "allocator (a GPU run)."
+        if exact
+        else "**Peaks: NOT exact** — "
+        + ", ".join(
+            f"{s.name} off by up to {s.max_peak_err_bytes:,} bytes"
+            for s in sums
+            if s.max_peak_err_bytes
+        )
+        + "; on CPU they should match to the byte, so this is a cost-model or ledger bug."
+    )
     per_model = []
     for s in sums:
-        rc = ("" if s.recompute_share is None else
-              f"; checkpoint's recompute measured at {s.recompute_share:.0%} of the predicted "
-              "one (a block's profiled forward)")
+        rc = (
+            ""
+            if s.recompute_share is None
+            else f"; checkpoint's recompute measured at {s.recompute_share:.0%} of the predicted "
+            "one (a block's profiled forward)"
+        )
         per_model.append(
             f"{s.name}: ρ = {s.rho:.2f}, steps {s.span[0]:.1f}–{s.span[1]:.1f} ms, the profiled "
             f"configuration (persist + keep) at {s.base_ratio:.2f}× and the others at a median "
-            f"{s.other_ratio:.2f}×{rc}")
+            f"{s.other_ratio:.2f}×{rc}"
+        )
     # Judge recompute on the model with the longest steps: on the tiny ones a block's
     # forward is ~1 ms and the share is mostly noise.
     big = max(sums, key=lambda s: s.span[0])
-    early = ("" if big.recompute_share is None or big.recompute_share >= 0.9 else
-             f" On {big.name}, whose steps are long enough to tell, the recompute of a "
-             f"checkpointed block costs {big.recompute_share:.0%} of the predicted full "
-             "forward; the likely reason is "
-             "`torch.utils.checkpoint`'s early stop (non-reentrant, on by default), which "
-             "ends the recompute at the last tensor backward needs and so skips the block's "
-             "trailing ops, such as the MLP's output projection.")
+    early = (
+        ""
+        if big.recompute_share is None or big.recompute_share >= 0.9
+        else f" On {big.name}, whose steps are long enough to tell, the recompute of a "
+        f"checkpointed block costs {big.recompute_share:.0%} of the predicted full "
+        "forward; the likely reason is "
+        "`torch.utils.checkpoint`'s early stop (non-reentrant, on by default), which "
+        "ends the recompute at the last tensor backward needs and so skips the block's "
+        "trailing ops, such as the MLP's output projection."
+    )
     return (
         f"{peak}\n\n**Time:** {'; '.join(per_model)}.{early} "
         "The CPU time model is coarse on purpose: it sums the profiled per-segment compute, "
@@ -388,7 +476,7 @@ def fidelity_reading(sums: list[Summary]) -> str:
         "free) < swap (a copy of the saved tensors) < checkpoint (a recomputed forward); "
         "within a class the measured differences are the executor's bookkeeping and "
         "run-to-run noise, which it does not try to resolve, so ρ below 1 is expected. Read "
-        "ρ as \"ranks configurations that differ by more than the noise\", not as a "
+        'ρ as "ranks configurations that differ by more than the noise", not as a '
         "calibration of the GPU time model, which overlaps copies and compute and is "
         "untested here."
     )
@@ -429,8 +517,15 @@ def bench_search(args) -> tuple[list[SearchRow], list[tuple[str, str, float, flo
             t0 = time.perf_counter()
             meta = build(model_name, device="meta")
             t1 = time.perf_counter()
-            prof = analytic_profile(meta, name=model_name, blocks=block_paths(meta), micro_batch=B,
-                                    seq_len=T, compute_dtype="bfloat16", spec=spec)
+            prof = analytic_profile(
+                meta,
+                name=model_name,
+                blocks=block_paths(meta),
+                micro_batch=B,
+                seq_len=T,
+                compute_dtype="bfloat16",
+                spec=spec,
+            )
             t2 = time.perf_counter()
             prof_times.append((model_name, spec_name, t1 - t0, t2 - t1))
             usable = spec.usable_memory_bytes
@@ -453,53 +548,85 @@ def bench_search(args) -> tuple[list[SearchRow], list[tuple[str, str, float, flo
                     # which every search evaluates before pruning, so any budget reports it.
                     assert res is not None, f"{model_name} on {spec_name} fits no budget: {err}"
                     tight = int(res.min_peak_bytes * TIGHT)
-                row = SearchRow(model_name, spec_name, f"{B}×{T}",
-                                "usable" if label == "usable" else f"tight ({TIGHT:.2f}× min peak)",
-                                budget, calls, searches, 0, 0, "—", 0.0, 0.0, 0, err)
+                row = SearchRow(
+                    model_name,
+                    spec_name,
+                    f"{B}×{T}",
+                    "usable" if label == "usable" else f"tight ({TIGHT:.2f}× min peak)",
+                    budget,
+                    calls,
+                    searches,
+                    0,
+                    0,
+                    "—",
+                    0.0,
+                    0.0,
+                    0,
+                    err,
+                )
                 if plan is not None and res is not None:
                     ch = plan.provenance.search.chosen
                     row.evaluated, row.space_size = res.evaluated, res.space_size
                     row.n_chunks = len(plan.chunks.items)
-                    row.chosen = (f"{ch.n_persist}/{row.n_chunks}, {ch.n_buffer}, {ch.n_swap}, "
-                                  f"{ch.n_checkpoint}")
+                    row.chosen = (
+                        f"{ch.n_persist}/{row.n_chunks}, {ch.n_buffer}, {ch.n_swap}, "
+                        f"{ch.n_checkpoint}"
+                    )
                     row.pred_time_s = plan.prediction.iter_time_us / 1e6
                     row.pred_peak_bytes = plan.prediction.peak_memory_bytes
                 rows.append(row)
-                print(f"{model_name} {spec_name} {label}: make_plan median "
-                      f"{statistics.median(calls) * 1e3:.0f} ms", file=sys.stderr)
+                print(
+                    f"{model_name} {spec_name} {label}: make_plan median "
+                    f"{statistics.median(calls) * 1e3:.0f} ms",
+                    file=sys.stderr,
+                )
     return rows, prof_times
 
 
 def search_section(rows: list[SearchRow], prof_times) -> tuple[str, str]:
     """(tables, reading)."""
     analytic = {(m, s): a for m, s, _, a in prof_times}
-    t1 = ["| model | spec | B×T | budget | budget GiB | make_plan ms, median (min–max) "
-          "| search alone ms, median | evaluated / space | chosen n_persist, n_buffer, n_swap, "
-          "n_checkpoint | predicted iter s | predicted peak GiB | × analytic profile |",
-          "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    t1 = [
+        "| model | spec | B×T | budget | budget GiB | make_plan ms, median (min–max) "
+        "| search alone ms, median | evaluated / space | chosen n_persist, n_buffer, n_swap, "
+        "n_checkpoint | predicted iter s | predicted peak GiB | × analytic profile |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
         med = statistics.median(r.calls_s)
         search = f"{statistics.median(r.search_s) * 1e3:.0f}" if r.search_s else "—"
-        ev = (f"{r.evaluated:,} / {r.space_size:,} ({r.evaluated / r.space_size:.0%})"
-              if r.space_size else "—")
+        ev = (
+            f"{r.evaluated:,} / {r.space_size:,} ({r.evaluated / r.space_size:.0%})"
+            if r.space_size
+            else "—"
+        )
         chosen = r.chosen if not r.error else f"no fit: {r.error}"
-        t1.append(f"| {r.model} | {r.spec} | {r.shape} | {r.budget_label} | "
-                  f"{r.budget_bytes / GiB:.2f} | {med * 1e3:.0f} ({min(r.calls_s) * 1e3:.0f}–"
-                  f"{max(r.calls_s) * 1e3:.0f}) | {search} | {ev} | {chosen} | "
-                  f"{r.pred_time_s:.2f} | {r.pred_peak_bytes / GiB:.2f} | "
-                  f"{med / analytic[(r.model, r.spec)]:.2f} |")
+        t1.append(
+            f"| {r.model} | {r.spec} | {r.shape} | {r.budget_label} | "
+            f"{r.budget_bytes / GiB:.2f} | {med * 1e3:.0f} ({min(r.calls_s) * 1e3:.0f}–"
+            f"{max(r.calls_s) * 1e3:.0f}) | {search} | {ev} | {chosen} | "
+            f"{r.pred_time_s:.2f} | {r.pred_peak_bytes / GiB:.2f} | "
+            f"{med / analytic[(r.model, r.spec)]:.2f} |"
+        )
     t2 = ["| model | spec | build on meta s | analytic_profile s |", "|---|---|---:|---:|"]
     for m, s, b, a in prof_times:
         t2.append(f"| {m} | {s} | {b:.2f} | {a:.2f} |")
     llama = [r for r in rows if r.model == "llama-70b"]
     worst = max(max(r.calls_s) for r in llama) if llama else math.nan
     worst_med = max(statistics.median(r.calls_s) for r in llama) if llama else math.nan
-    verdict = "meets" if worst < 1.0 else ("meets at the median but not on every call"
-                                           if worst_med < 1.0 else "misses")
-    share = [statistics.median(r.search_s) / statistics.median(r.calls_s)
-             for r in rows if r.search_s]
-    skipped = {(r.model, r.spec, r.budget_label): 1 - r.evaluated / r.space_size
-               for r in rows if r.space_size}
+    verdict = (
+        "meets"
+        if worst < 1.0
+        else ("meets at the median but not on every call" if worst_med < 1.0 else "misses")
+    )
+    share = [
+        statistics.median(r.search_s) / statistics.median(r.calls_s) for r in rows if r.search_s
+    ]
+    skipped = {
+        (r.model, r.spec, r.budget_label): 1 - r.evaluated / r.space_size
+        for r in rows
+        if r.space_size
+    }
     most = max(skipped, key=skipped.get)
     full = [f"{m} on {s}" for (m, s, b), x in skipped.items() if x == 0]
     spaces = {(r.model, r.spec): r.space_size for r in rows if r.space_size}
@@ -512,8 +639,11 @@ def search_section(rows: list[SearchRow], prof_times) -> tuple[str, str]:
         "Pruning stops the outer loop after the first n_persist at which nothing fits, so "
         f"it skips the most when few chunks can persist (up to {skipped[most]:.0%}, "
         f"{most[0]} on {most[1]} at the {most[2].split(' ')[0]} budget)"
-        + (f" and nothing when everything fits ({', '.join(full)} at the usable budget)"
-           if full else "")
+        + (
+            f" and nothing when everything fits ({', '.join(full)} at the usable budget)"
+            if full
+            else ""
+        )
         + f". The space itself depends on the card (llama-70b: {llama_spaces} configurations) "
         "because the search tries only as many swaps as the swap interval allows: on a card "
         "that computes a block's forward faster than it can swap the block's activations out, "
@@ -521,7 +651,9 @@ def search_section(rows: list[SearchRow], prof_times) -> tuple[str, str]:
         "that precedes it (the × analytic profile column), which runs the model's training "
         "step under a counting dispatch mode on meta tensors: profile once, plan many budgets."
     )
-    return "\n".join(t1) + "\n\nAnalytic profiling, timed once per spec:\n\n" + "\n".join(t2), reading
+    return "\n".join(t1) + "\n\nAnalytic profiling, timed once per spec:\n\n" + "\n".join(
+        t2
+    ), reading
 
 
 # ---------------------------------------------------------------------------
@@ -538,26 +670,40 @@ def now_utc() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("fidelity", "search"), help="run one section only")
-    ap.add_argument("--models", default=",".join(FIDELITY_MODELS),
-                    help=f"fidelity models, comma-separated (default {','.join(FIDELITY_MODELS)}; "
-                    f"bench models: {', '.join(BENCH_MODELS)})")
+    ap.add_argument(
+        "--models",
+        default=",".join(FIDELITY_MODELS),
+        help=f"fidelity models, comma-separated (default {','.join(FIDELITY_MODELS)}; "
+        f"bench models: {', '.join(BENCH_MODELS)})",
+    )
     ap.add_argument("--batch", type=int, default=4, help="fidelity micro-batch (default 4)")
     ap.add_argument("--seq", type=int, default=128, help="fidelity sequence length (default 128)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of every configuration (default 3)")
-    ap.add_argument("--profile-iterations", type=int, default=10,
-                    help="measured iterations of the profile (default 10)")
-    ap.add_argument("--search-repeats", type=int, default=5,
-                    help="make_plan calls per (model, spec, budget) (default 5)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="runs of every configuration (default 3)"
+    )
+    ap.add_argument(
+        "--profile-iterations",
+        type=int,
+        default=10,
+        help="measured iterations of the profile (default 10)",
+    )
+    ap.add_argument(
+        "--search-repeats",
+        type=int,
+        default=5,
+        help="make_plan calls per (model, spec, budget) (default 5)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--seed", type=int, default=1, help="model init and data seed")
     ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "tools/bench_planner.py",
-                          *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(
+        ["python", "tools/bench_planner.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     sections: list[tuple[str, str]] = []
 
     if args.only in (None, "fidelity"):
@@ -571,32 +717,39 @@ def main(argv: list[str] | None = None) -> int:
         elapsed_s = time.perf_counter() - t_start
         load = (load_before, os.getloadavg()[0])
         parts, sums = zip(*(model_section(r) for r in results))
-        text = "\n".join([
-            FIDELITY, "",
-            f"Command: `{command}`", "",
-            f"Machine: {machine()}.", "",
-            f"Date: {now_utc()}. Spec: `probe(\"cpu\", quick=True)` in {probe_s:.1f} s (memcpy "
-            f"link {spec.link[-1].h2d_bytes_per_s / 1e9:.1f} GB/s at "
-            f"{spec.link[-1].size_bytes // MiB} MiB, CPU fused AdamW "
-            f"{spec.cpu_adam_params_per_s / 1e9:.2f} G params/s). Each model: a profile from "
-            f"`measure(...)` ({args.warmup} warmup + {args.profile_iterations} measured "
-            f"iterations, fp32, micro-batch {args.batch} × {args.seq} tokens, dropout off), "
-            "the chunk size `choose_chunk_numel` picks, then every configuration emitted with "
-            f"`assemble` and trained with `wrap` for {args.repeats} repeats × ({args.warmup} "
-            f"warmup + {args.steps} measured) steps, configurations interleaved; "
-            f"{elapsed_s:.0f} s in all. Predicted: `cost.predict` (for the make_plan row, the "
-            "plan's own `prediction`). Measured peak: max `StepResult.peak_bytes` (the ledger); "
-            "measured time: median of `StepResult.timings_s[\"total\"]` over all measured steps. "
-            "Ratios are predicted / measured. Load average "
-            f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores. The peak "
-            "columns are a consistency check, not fidelity: the CPU memory model walks the "
-            "ledger's own terms, so predicted and ledger peaks agree by construction (a "
-            "difference would be a bug in one of the two); fidelity waits for a real allocator's "
-            "peak, on a GPU. The time columns are a real measurement: the prediction against "
-            "measured wall time.", "",
-            *[p + "\n" for p in parts],
-            fidelity_reading(list(sums)), "",
-        ])
+        text = "\n".join(
+            [
+                FIDELITY,
+                "",
+                f"Command: `{command}`",
+                "",
+                f"Machine: {machine()}.",
+                "",
+                f'Date: {now_utc()}. Spec: `probe("cpu", quick=True)` in {probe_s:.1f} s (memcpy '
+                f"link {spec.link[-1].h2d_bytes_per_s / 1e9:.1f} GB/s at "
+                f"{spec.link[-1].size_bytes // MiB} MiB, CPU fused AdamW "
+                f"{spec.cpu_adam_params_per_s / 1e9:.2f} G params/s). Each model: a profile from "
+                f"`measure(...)` ({args.warmup} warmup + {args.profile_iterations} measured "
+                f"iterations, fp32, micro-batch {args.batch} × {args.seq} tokens, dropout off), "
+                "the chunk size `choose_chunk_numel` picks, then every configuration emitted with "
+                f"`assemble` and trained with `wrap` for {args.repeats} repeats × ({args.warmup} "
+                f"warmup + {args.steps} measured) steps, configurations interleaved; "
+                f"{elapsed_s:.0f} s in all. Predicted: `cost.predict` (for the make_plan row, the "
+                "plan's own `prediction`). Measured peak: max `StepResult.peak_bytes` (the ledger); "
+                'measured time: median of `StepResult.timings_s["total"]` over all measured steps. '
+                "Ratios are predicted / measured. Load average "
+                f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores. The peak "
+                "columns are a consistency check, not fidelity: the CPU memory model walks the "
+                "ledger's own terms, so predicted and ledger peaks agree by construction (a "
+                "difference would be a bug in one of the two); fidelity waits for a real allocator's "
+                "peak, on a GPU. The time columns are a real measurement: the prediction against "
+                "measured wall time.",
+                "",
+                *[p + "\n" for p in parts],
+                fidelity_reading(list(sums)),
+                "",
+            ]
+        )
         sections.append((FIDELITY, text))
 
     if args.only in (None, "search"):
@@ -607,24 +760,32 @@ def main(argv: list[str] | None = None) -> int:
         load = (load_before, os.getloadavg()[0])
         tables, reading = search_section(rows, prof_times)
         shapes = "; ".join(f"{m} B={b}, T={t}" for m, b, t in SEARCH_MODELS)
-        text = "\n".join([
-            SEARCH, "",
-            f"Command: `{command}`", "",
-            f"Machine: {machine()}.", "",
-            f"Date: {now_utc()}. Analytic profiles (`analytic_profile(build(name, "
-            f"device=\"meta\"), ...)`, bf16; {shapes}) for the datasheet specs "
-            f"{', '.join(SEARCH_SPECS)} (`find_spec`); `make_plan(profile, budget, "
-            "host_budget_bytes=64 TiB)` (host RAM unlimited: this times the search, not what fits "
-            f"the host) called {args.search_repeats} times per row at the spec's `usable_memory_bytes` and at a "
-            f"tight budget, {TIGHT:.2f}× the smallest predicted peak of any configuration "
-            "(`SearchResult.min_peak_bytes`). make_plan ms is the whole call (chunk size, terms, "
-            "search, emit); search alone is `SearchResult.seconds`. evaluated / space from the "
-            "returned SearchResult. The baseline of the ratio is the analytic profiling of the "
-            f"same (model, spec), timed in the same run. {elapsed_s:.0f} s in all; load average "
-            f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores.", "",
-            tables, "",
-            reading, "",
-        ])
+        text = "\n".join(
+            [
+                SEARCH,
+                "",
+                f"Command: `{command}`",
+                "",
+                f"Machine: {machine()}.",
+                "",
+                f"Date: {now_utc()}. Analytic profiles (`analytic_profile(build(name, "
+                f'device="meta"), ...)`, bf16; {shapes}) for the datasheet specs '
+                f"{', '.join(SEARCH_SPECS)} (`find_spec`); `make_plan(profile, budget, "
+                "host_budget_bytes=64 TiB)` (host RAM unlimited: this times the search, not what fits "
+                f"the host) called {args.search_repeats} times per row at the spec's `usable_memory_bytes` and at a "
+                f"tight budget, {TIGHT:.2f}× the smallest predicted peak of any configuration "
+                "(`SearchResult.min_peak_bytes`). make_plan ms is the whole call (chunk size, terms, "
+                "search, emit); search alone is `SearchResult.seconds`. evaluated / space from the "
+                "returned SearchResult. The baseline of the ratio is the analytic profiling of the "
+                f"same (model, spec), timed in the same run. {elapsed_s:.0f} s in all; load average "
+                f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores.",
+                "",
+                tables,
+                "",
+                reading,
+                "",
+            ]
+        )
         sections.append((SEARCH, text))
 
     for title, text in sections:

@@ -104,8 +104,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if os.environ.get("PROTRAIN_ASYNC_CPU"):  # gpu_check.sh's CPU rehearsal: asynchronous CPU copies
     sys.path.insert(0, str(ROOT / "tests"))
     import emulation  # noqa: E402, F401  (installs itself as executor/transfer.py EMULATION)
-BACKENDS = ("protrain", "fsdp2-offload", "fsdp2-offload-sac", "deepspeed-zero3-offload",
-            "torch-plain")
+BACKENDS = (
+    "protrain",
+    "fsdp2-offload",
+    "fsdp2-offload-sac",
+    "deepspeed-zero3-offload",
+    "torch-plain",
+)
 SECTION = "## Training throughput against FSDP2 and DeepSpeed offload (tools/bench_train.py)"
 DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -138,19 +143,31 @@ def worker(args) -> dict:
     from protrain.planner.commands.fit import n_params
 
     rec = {
-        "backend": args.worker, "model": label, "n_params": n_params(cfg), "device": dev.type,
+        "backend": args.worker,
+        "model": label,
+        "n_params": n_params(cfg),
+        "device": dev.type,
         "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()),
-        "dtype": args.dtype, "micro_batch": args.micro_batch, "seq": args.seq,
-        "grad_accum": args.grad_accum, "world_size": 1,
+        "dtype": args.dtype,
+        "micro_batch": args.micro_batch,
+        "seq": args.seq,
+        "grad_accum": args.grad_accum,
+        "world_size": 1,
         "global_batch": args.micro_batch * args.grad_accum,
-        "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads(),
-        "budget_bytes": resolve_budget(args, dev), "torch": torch.__version__,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "budget_bytes": resolve_budget(args, dev),
+        "torch": torch.__version__,
     }
     t_setup = time.perf_counter()
-    setups = {"protrain": setup_protrain, "torch-plain": setup_plain,
-              "fsdp2-offload": lambda *a: setup_fsdp2(*a, every=1),
-              "fsdp2-offload-sac": lambda *a: setup_fsdp2(*a, every=2),
-              "deepspeed-zero3-offload": setup_deepspeed}
+    setups = {
+        "protrain": setup_protrain,
+        "torch-plain": setup_plain,
+        "fsdp2-offload": lambda *a: setup_fsdp2(*a, every=1),
+        "fsdp2-offload-sac": lambda *a: setup_fsdp2(*a, every=2),
+        "deepspeed-zero3-offload": setup_deepspeed,
+    }
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
@@ -161,7 +178,9 @@ def worker(args) -> dict:
         rec["setup_s"] = round(time.perf_counter() - t_setup, 2)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-            torch.cuda.reset_accumulated_memory_stats(dev)  # num_alloc_retries counts the steps only
+            torch.cuda.reset_accumulated_memory_stats(
+                dev
+            )  # num_alloc_retries counts the steps only
         reset_ok = reset_host_peak()
         log(f"{args.worker}: {args.steps} steps of {rec['global_batch']} x {args.seq} tokens")
         measured = run_steps(step, data, args, sync)
@@ -169,7 +188,9 @@ def worker(args) -> dict:
             rec["peak_dev_bytes"] = torch.cuda.max_memory_allocated(dev)
             rec.update(allocator_stats(dev))
         else:
-            rec["peak_dev_bytes"] = None  # no device apart from host memory: see peak_host_rss_bytes
+            rec["peak_dev_bytes"] = (
+                None  # no device apart from host memory: see peak_host_rss_bytes
+            )
         rec["peak_host_rss_train_bytes"] = host_peak() if reset_ok else None
         finish(measured)
     except Skipped as e:
@@ -183,9 +204,14 @@ def worker(args) -> dict:
         return finalize(rec)
     tokens = rec["global_batch"] * args.seq
     tps = [tokens / s for s in measured.step_s]
-    rec.update(fits=True, loss_first=measured.losses[0], loss_last=measured.losses[-1],
-               step_s_median=statistics.median(measured.step_s),
-               tokens_per_s=statistics.median(tps), tokens_per_s_spread=spread(tps))
+    rec.update(
+        fits=True,
+        loss_first=measured.losses[0],
+        loss_last=measured.losses[-1],
+        step_s_median=statistics.median(measured.step_s),
+        tokens_per_s=statistics.median(tps),
+        tokens_per_s_spread=spread(tps),
+    )
     return finalize(rec)
 
 
@@ -229,8 +255,10 @@ def allocator_stats(dev=None) -> dict:
         if not torch.cuda.is_initialized():
             return {"max_memory_reserved_bytes": None, "num_alloc_retries": None}
         dev = torch.device("cuda", torch.cuda.current_device())
-    return {"max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev),
-            "num_alloc_retries": int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0))}
+    return {
+        "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+        "num_alloc_retries": int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)),
+    }
 
 
 def finalize(rec: dict) -> dict:
@@ -270,21 +298,32 @@ def git_commit() -> str:
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def run_all(args, argv: list[str]) -> list[dict]:
     command = shlex.join(["python", "tools/bench_train.py", *argv])
-    meta = {"command": command, "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    meta = {
+        "command": command,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     backends = list(dict.fromkeys(args.backend or ["protrain", "torch-plain"]))
     records = []
     for rep in range(args.repeats):
         # Rotate the order each repeat, so no back-end always runs first (cold) or last.
-        order = backends[rep % len(backends):] + backends[: rep % len(backends)]
+        order = backends[rep % len(backends) :] + backends[: rep % len(backends)]
         for b in order:
             log(f"repeat {rep + 1}/{args.repeats}: {b} on {args.model} ({args.device})")
             rec = spawn(args, argv, b)
@@ -305,10 +344,19 @@ def run_all(args, argv: list[str]) -> list[dict]:
 def spawn(args, argv: list[str], backend: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", backend]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    base = {"backend": backend, "model": args.model, "device": args.device, "dtype": args.dtype,
-            "micro_batch": args.micro_batch, "seq": args.seq, "grad_accum": args.grad_accum,
-            "global_batch": args.micro_batch * args.grad_accum, "fits": None,
-            "max_memory_reserved_bytes": None, "num_alloc_retries": None}  # the worker died: unknown
+    base = {
+        "backend": backend,
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "micro_batch": args.micro_batch,
+        "seq": args.seq,
+        "grad_accum": args.grad_accum,
+        "global_batch": args.micro_batch * args.grad_accum,
+        "fits": None,
+        "max_memory_reserved_bytes": None,
+        "num_alloc_retries": None,
+    }  # the worker died: unknown
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
@@ -322,8 +370,11 @@ def spawn(args, argv: list[str], backend: str) -> dict:
         rec = json.loads(lines[-1])
         rec["wall_s"] = round(time.perf_counter() - t0, 1)
         return rec
-    return {**base, "error": f"worker exited with status {proc.returncode} "
-                             f"({'no record' if not lines else 'see stderr'}); its stderr is above"}
+    return {
+        **base,
+        "error": f"worker exited with status {proc.returncode} "
+        f"({'no record' if not lines else 'see stderr'}); its stderr is above",
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -331,48 +382,105 @@ def spawn(args, argv: list[str], backend: str) -> dict:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", action="append", choices=BACKENDS,
-                    help="back-end to run (repeatable; default protrain and torch-plain)")
-    ap.add_argument("--model", default="gpt2-tiny",
-                    help="zoo name, or ladder:FAMILY:I / tiny:FAMILY:I (default gpt2-tiny)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="replace the model's depth (a reduced-depth model of the same width)")
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        help="back-end to run (repeatable; default protrain and torch-plain)",
+    )
+    ap.add_argument(
+        "--model",
+        default="gpt2-tiny",
+        help="zoo name, or ladder:FAMILY:I / tiny:FAMILY:I (default gpt2-tiny)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="replace the model's depth (a reduced-depth model of the same width)",
+    )
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                    help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
-    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="compute dtype (default bfloat16 on CUDA, float32 on CPU)",
+    )
+    ap.add_argument(
+        "--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)"
+    )
     ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    ap.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included (default 8)")
+    ap.add_argument(
+        "--steps", type=int, default=8, help="steps per run, warm-up included (default 8)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every back-end (default 1)")
-    ap.add_argument("--budget", default=None,
-                    help="device memory budget, e.g. 24GiB (default: the whole device; on CPU "
-                         "the cpu spec's usable memory)")
-    ap.add_argument("--hardware", default=None,
-                    help="protrain: hardware spec name or file instead of probing this machine")
-    ap.add_argument("--profile", default=None,
-                    help="protrain: a saved profile to plan from instead of profiling")
-    ap.add_argument("--profile-iters", type=int, default=3, help="protrain: measured profile iterations")
-    ap.add_argument("--artifacts", default=None,
-                    help="protrain: directory to write the spec, profile and plan into")
+    ap.add_argument(
+        "--budget",
+        default=None,
+        help="device memory budget, e.g. 24GiB (default: the whole device; on CPU "
+        "the cpu spec's usable memory)",
+    )
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="protrain: hardware spec name or file instead of probing this machine",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="protrain: a saved profile to plan from instead of profiling",
+    )
+    ap.add_argument(
+        "--profile-iters", type=int, default=3, help="protrain: measured profile iterations"
+    )
+    ap.add_argument(
+        "--artifacts",
+        default=None,
+        help="protrain: directory to write the spec, profile and plan into",
+    )
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch.set_num_threads in each worker (default: torch's; 1 is steadier "
-                         "on a shared CPU box)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads in each worker (default: torch's; 1 is steadier "
+        "on a shared CPU box)",
+    )
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is killed")
     ap.add_argument("--jsonl", default=None, help="also append every record to this file")
-    ap.add_argument("--ds-prefetch-bucket", type=int, default=None,
-                    help="deepspeed stage3_prefetch_bucket_size (default 0.9 h^2)")
-    ap.add_argument("--ds-max-live", type=int, default=None,
-                    help="deepspeed stage3_max_live_parameters (default 1e9)")
-    ap.add_argument("--ds-persistence-threshold", type=int, default=None,
-                    help="deepspeed stage3_param_persistence_threshold (default 10 h)")
-    ap.add_argument("--report", nargs="+", default=None, metavar="JSONL",
-                    help="print the markdown table of saved records instead of running")
-    ap.add_argument("--write", action="store_true",
-                    help="with --report: replace this tool's section of BENCHMARKS.md")
+    ap.add_argument(
+        "--ds-prefetch-bucket",
+        type=int,
+        default=None,
+        help="deepspeed stage3_prefetch_bucket_size (default 0.9 h^2)",
+    )
+    ap.add_argument(
+        "--ds-max-live",
+        type=int,
+        default=None,
+        help="deepspeed stage3_max_live_parameters (default 1e9)",
+    )
+    ap.add_argument(
+        "--ds-persistence-threshold",
+        type=int,
+        default=None,
+        help="deepspeed stage3_param_persistence_threshold (default 10 h)",
+    )
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        metavar="JSONL",
+        help="print the markdown table of saved records instead of running",
+    )
+    ap.add_argument(
+        "--write",
+        action="store_true",
+        help="with --report: replace this tool's section of BENCHMARKS.md",
+    )
     ap.add_argument("--worker", choices=BACKENDS, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.report is None:
@@ -408,10 +516,18 @@ def main(argv: list[str] | None = None) -> int:
             rec = worker(args)
         except Exception as e:  # a record that says what broke beats a lost run
             traceback.print_exc()
-            rec = {"backend": args.worker, "model": args.model, "device": args.device,
-                   "dtype": args.dtype, "micro_batch": args.micro_batch, "seq": args.seq,
-                   "grad_accum": args.grad_accum, "global_batch": args.micro_batch * args.grad_accum,
-                   "fits": None, "error": first_line(e)}
+            rec = {
+                "backend": args.worker,
+                "model": args.model,
+                "device": args.device,
+                "dtype": args.dtype,
+                "micro_batch": args.micro_batch,
+                "seq": args.seq,
+                "grad_accum": args.grad_accum,
+                "global_batch": args.micro_batch * args.grad_accum,
+                "fits": None,
+                "error": first_line(e),
+            }
             rec = finalize(rec)
         print(json.dumps(rec), flush=True)
         return 0

@@ -25,7 +25,11 @@ with atheris.instrument_imports(include=["protrain"]):
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {
     "plan": (P.load, PlanError, [ROOT / "plans/gpt2-tiny/example.json"]),
-    "profile": (load_profile, ProfileError, sorted((ROOT / "plans/profiles/gpt2-xl").glob("*.json"))[:1]),
+    "profile": (
+        load_profile,
+        ProfileError,
+        sorted((ROOT / "plans/profiles/gpt2-xl").glob("*.json"))[:1],
+    ),
     "manifest": (decode_manifest, CheckpointError, []),
 }
 

@@ -62,10 +62,14 @@ def describe(t, roles: dict[int, str]) -> dict:
     except Exception:  # a tensor without storage (sparse, wrapper): no role
         ptr = None
     return {
-        "device": str(t.device), "dtype": str(t.dtype).replace("torch.", ""),
-        "shape": list(t.shape), "stride": _stride(t),
-        "numel": t.numel(), "nbytes": t.numel() * t.element_size(),
-        "requires_grad": t.requires_grad, "role": roles.get(ptr, "other"),
+        "device": str(t.device),
+        "dtype": str(t.dtype).replace("torch.", ""),
+        "shape": list(t.shape),
+        "stride": _stride(t),
+        "numel": t.numel(),
+        "nbytes": t.numel() * t.element_size(),
+        "requires_grad": t.requires_grad,
+        "role": roles.get(ptr, "other"),
     }
 
 
@@ -88,17 +92,21 @@ def sdpa_once(torch, F, dev, dtype, shape, p, backend, pack=None, unpack=None):
     q, k, v = (torch.randn(shape, dtype=dtype, device=dev, requires_grad=True) for _ in range(3))
     saved: list = []
     if pack is None:
+
         def pack(t):
             saved.append(t)
             return t
 
         def unpack(t):
             return t
+
     ctx = _kernel_ctx(torch, backend)
     torch.manual_seed(1)
     with ctx, saved_tensors_hooks(pack, unpack):
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-    roles = {x.untyped_storage().data_ptr(): n for n, x in (("q", q), ("k", k), ("v", v), ("out", out))}
+    roles = {
+        x.untyped_storage().data_ptr(): n for n, x in (("q", q), ("k", k), ("v", v), ("out", out))
+    }
     described = [describe(t, roles) for t in saved]
     out.float().square().sum().backward()
     return type(out.grad_fn).__name__, described, (q.grad, k.grad, v.grad)
@@ -154,8 +162,14 @@ def census(torch, dev, budget_s: float, t_start: float) -> dict:
             dtype = getattr(torch, dtype_name)
             for p in DROPOUTS:
                 for si, shape in enumerate(SHAPES):
-                    e = {"backend": backend, "dtype": dtype_name, "dropout_p": p, "shape": list(shape),
-                         "causal": True, "input_device": str(dev)}
+                    e = {
+                        "backend": backend,
+                        "dtype": dtype_name,
+                        "dropout_p": p,
+                        "shape": list(shape),
+                        "causal": True,
+                        "input_device": str(dev),
+                    }
                     entries.append(e)
                     if time.perf_counter() - t_start > budget_s:
                         e["status"] = "skipped: time budget"
@@ -163,23 +177,33 @@ def census(torch, dev, budget_s: float, t_start: float) -> dict:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         try:
-                            grad_fn, saved, grads = sdpa_once(torch, F, dev, dtype, shape, p, backend)
-                            e.update(status="ok", grad_fn=grad_fn, saved=saved,
-                                     saved_off_device=sum(s["device"] != str(dev) for s in saved),
-                                     saved_bytes=sum(s["nbytes"] for s in saved))
+                            grad_fn, saved, grads = sdpa_once(
+                                torch, F, dev, dtype, shape, p, backend
+                            )
+                            e.update(
+                                status="ok",
+                                grad_fn=grad_fn,
+                                saved=saved,
+                                saved_off_device=sum(s["device"] != str(dev) for s in saved),
+                                saved_bytes=sum(s["nbytes"] for s in saved),
+                            )
                         except Exception as err:
                             e.update(status="error", error=first_line(err))
                             grads = None
                     # Why a back-end refused: torch says it in warnings ("Flash attention
                     # does not support ..."), kept short and de-duplicated.
-                    msgs = list(dict.fromkeys(
-                        str(w.message).split(" (Triggered internally")[0].splitlines()[0][:200]
-                        for w in caught))
+                    msgs = list(
+                        dict.fromkeys(
+                            str(w.message).split(" (Triggered internally")[0].splitlines()[0][:200]
+                            for w in caught
+                        )
+                    )
                     if msgs:
                         e["warnings"] = msgs[:4]
                     if grads is not None and si == 0:
-                        e["swap_on_device"] = swap_probe(torch, F, dev, dtype, shape, p, backend,
-                                                         grads, move_all=False)
+                        e["swap_on_device"] = swap_probe(
+                            torch, F, dev, dtype, shape, p, backend, grads, move_all=False
+                        )
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return {"shapes": [list(s) for s in SHAPES], "entries": entries}
@@ -196,8 +220,9 @@ def census_summary(entries: list[dict]) -> dict:
     out = {}
     for e in entries:
         key = f"{e['backend']} {e['dtype']} p={e['dropout_p']}"
-        s = out.setdefault(key, {"ok": 0, "errors": [], "warnings": [], "grad_fn": None,
-                                 "odd_saved": []})
+        s = out.setdefault(
+            key, {"ok": 0, "errors": [], "warnings": [], "grad_fn": None, "odd_saved": []}
+        )
         if e.get("status") != "ok":
             why = e.get("error") or e.get("status")
             if why and why not in s["errors"]:
@@ -225,7 +250,9 @@ def isolated_swap_all(args, entries: list[dict], deadline: float, all_entries: b
     host-side read of a device pointer, a sticky CUDA error) marks the probe it was in
     and a fresh child goes on with the rest while time is left.
     """
-    todo = [e for e in entries if "swap_on_device" in e and (all_entries or e.get("saved_off_device"))]
+    todo = [
+        e for e in entries if "swap_on_device" in e and (all_entries or e.get("saved_off_device"))
+    ]
     for e in entries:
         if "swap_on_device" in e and e not in todo:
             e["swap_all"] = {"status": "same as swap_on_device (nothing saved off the device)"}
@@ -236,8 +263,14 @@ def isolated_swap_all(args, entries: list[dict], deadline: float, all_entries: b
                 e["swap_all"] = {"status": "skipped: time budget"}
             return
         spec = [[e["backend"], e["dtype"], e["dropout_p"], e["shape"]] for e in todo]
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
-               "--child-swap-all", json.dumps(spec)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--device",
+            args.device,
+            "--child-swap-all",
+            json.dumps(spec),
+        ]
         current = None
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
@@ -258,9 +291,15 @@ def isolated_swap_all(args, entries: list[dict], deadline: float, all_entries: b
                 current = None
         if current is not None:  # the child died inside this probe
             todo[current]["swap_all"] = {
-                "status": "crashed", "child_exit": rc if rc != "timeout" else None,
-                "error": (f"child killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else
-                          f"child ended ({rc}) inside this probe") + (f": {tail[0][:200]}" if tail else "")}
+                "status": "crashed",
+                "child_exit": rc if rc != "timeout" else None,
+                "error": (
+                    f"child killed by signal {-rc}"
+                    if isinstance(rc, int) and rc < 0
+                    else f"child ended ({rc}) inside this probe"
+                )
+                + (f": {tail[0][:200]}" if tail else ""),
+            }
             done.add(current)
         elif rc != 0 and not done:  # died before any probe: do not loop on it
             for e in todo:
@@ -310,8 +349,13 @@ def timed_copies(torch, dst, src, stream, reps: int) -> list[dict]:
         host_held_s = time.perf_counter() - t0  # the call's own time: ~µs when truly async
         end.synchronize()
         ms = start.elapsed_time(end)
-        runs.append({"ms": round(ms, 3), "gb_per_s": round(src.numel() / ms / 1e6, 2),
-                     "host_held_ms": round(host_held_s * 1e3, 3)})
+        runs.append(
+            {
+                "ms": round(ms, 3),
+                "gb_per_s": round(src.numel() / ms / 1e6, 2),
+                "host_held_ms": round(host_held_s * 1e3, 3),
+            }
+        )
     return runs
 
 
@@ -359,8 +403,11 @@ def pinned_upload(torch, dev, nbytes: int, reps: int) -> dict:
         res["pageable_error"] = first_line(e)
     del dev_buf
     torch.cuda.empty_cache()
-    best = {k: max(r["gb_per_s"] for r in res[k]) for k in ("upload", "download", "pageable_upload")
-            if res.get(k)}
+    best = {
+        k: max(r["gb_per_s"] for r in res[k])
+        for k in ("upload", "download", "pageable_upload")
+        if res.get(k)
+    }
     res["best_gb_per_s"] = best
     res["status"] = "ok" if registered and "error" not in res else "error"
     return res
@@ -370,16 +417,30 @@ def pinned_upload(torch, dev, nbytes: int, reps: int) -> dict:
 
 
 def environment(torch, dev) -> dict:
-    env = {"python": sys.version.split()[0], "torch": torch.__version__,
-           "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-           "machine": platform.machine(), "device": str(dev)}
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "machine": platform.machine(),
+        "device": str(dev),
+    }
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_bytes=p.total_memory,
-                   cudnn=torch.backends.cudnn.version())
+        env.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            gpu_memory_bytes=p.total_memory,
+            cudnn=torch.backends.cudnn.version(),
+        )
         b = torch.backends.cuda
-        for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled",
-                     "cudnn_sdp_enabled", "is_flash_attention_available"):
+        for name in (
+            "flash_sdp_enabled",
+            "mem_efficient_sdp_enabled",
+            "math_sdp_enabled",
+            "cudnn_sdp_enabled",
+            "is_flash_attention_available",
+        ):
             fn = getattr(b, name, None)
             env[name] = bool(fn()) if fn else None
     return env
@@ -388,9 +449,12 @@ def environment(torch, dev) -> dict:
 def run(args, save) -> dict:
     """The whole pre-flight; ``save(rec)`` after each part, so a kill keeps what was done."""
     t_start = time.perf_counter()
-    rec: dict = {"tool": "gpu_preflight", "date": datetime.datetime.now(datetime.timezone.utc)
-                 .strftime("%Y-%m-%d %H:%M:%S UTC"), "requested_device": args.device,
-                 "budget_s": args.budget_s}
+    rec: dict = {
+        "tool": "gpu_preflight",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "requested_device": args.device,
+        "budget_s": args.budget_s,
+    }
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -425,15 +489,19 @@ def run(args, save) -> dict:
         try:
             rec["host_register"] = pinned_upload(torch, dev, int(args.host_gib * 2**30), args.reps)
         except Exception as e:
-            rec["host_register"] = {"status": "error", "error": first_line(e),
-                                    "traceback": traceback.format_exc()[-2000:]}
+            rec["host_register"] = {
+                "status": "error",
+                "error": first_line(e),
+                "traceback": traceback.format_exc()[-2000:],
+            }
     rec["host_register_s"] = round(time.perf_counter() - t0, 2)
     save(rec)
 
     if "entries" in rec["sdpa"]:
         t0 = time.perf_counter()
-        isolated_swap_all(args, rec["sdpa"]["entries"], t_start + args.budget_s + 5,
-                          all_entries=args.isolate_all)
+        isolated_swap_all(
+            args, rec["sdpa"]["entries"], t_start + args.budget_s + 5, all_entries=args.isolate_all
+        )
         rec["swap_all_s"] = round(time.perf_counter() - t0, 2)
         rec["sdpa"]["summary"] = census_summary(rec["sdpa"]["entries"])
     rec["seconds"] = round(time.perf_counter() - t_start, 2)
@@ -444,25 +512,43 @@ def report(rec: dict) -> str:
     """A few markdown lines for summary.md and the log."""
     lines = ["## Pre-flight (tools/gpu_preflight.py)", ""]
     env = rec.get("env", {})
-    lines.append(f"{rec.get('requested_device')}: torch {env.get('torch')} (CUDA {env.get('cuda_build')}), "
-                 f"python {env.get('python')}" + (f", {env['gpu']} sm {env['capability']}, cuDNN "
-                                                  f"{env.get('cudnn')}" if env.get("gpu") else "")
-                 + f"; {rec.get('seconds')} s.")
+    lines.append(
+        f"{rec.get('requested_device')}: torch {env.get('torch')} (CUDA {env.get('cuda_build')}), "
+        f"python {env.get('python')}"
+        + (
+            f", {env['gpu']} sm {env['capability']}, cuDNN {env.get('cudnn')}"
+            if env.get("gpu")
+            else ""
+        )
+        + f"; {rec.get('seconds')} s."
+    )
     if rec.get("error"):
         lines += ["", f"**error:** {rec['error']}"]
     lines.append("")
     sd = rec.get("sdpa", {})
     if "summary" in sd:
-        lines += ["| SDPA back-end, dtype, dropout | ran | grad_fn | saved off-device or ≤ 1 element "
-                  "| swap on-device only | swap all |", "|---|---:|---|---|---|---|"]
+        lines += [
+            "| SDPA back-end, dtype, dropout | ran | grad_fn | saved off-device or ≤ 1 element "
+            "| swap on-device only | swap all |",
+            "|---|---:|---|---|---|---|",
+        ]
         for key, s in sd["summary"].items():
-            odd = "; ".join(f"{o['role']} {o['dtype']} {o['shape']} on {o['device']}"
-                            for o in s["odd_saved"]) or "none"
+            odd = (
+                "; ".join(
+                    f"{o['role']} {o['dtype']} {o['shape']} on {o['device']}"
+                    for o in s["odd_saved"]
+                )
+                or "none"
+            )
             if not s["ok"]:
-                odd = ("refused: " + "; ".join(s["warnings"] or s["errors"]))[:200].replace("|", "/")
+                odd = ("refused: " + "; ".join(s["warnings"] or s["errors"]))[:200].replace(
+                    "|", "/"
+                )
             probes = [_probe(s.get(p)) for p in ("swap_on_device", "swap_all")]
-            lines.append(f"| {key} | {s['ok']}/{len(SHAPES)} | {s['grad_fn'] or '—'} | {odd} | "
-                         f"{probes[0]} | {probes[1]} |")
+            lines.append(
+                f"| {key} | {s['ok']}/{len(SHAPES)} | {s['grad_fn'] or '—'} | {odd} | "
+                f"{probes[0]} | {probes[1]} |"
+            )
     elif sd:
         lines.append(f"SDPA census failed: {sd.get('error')}")
     lines.append("")
@@ -470,14 +556,18 @@ def report(rec: dict) -> str:
     if hr.get("best_gb_per_s"):
         b = hr["best_gb_per_s"]
         held = max((r["host_held_ms"] for r in hr.get("upload", [])), default=None)
-        lines.append(f"cudaHostRegister of {hr['bytes'] / 2**30:.2f} GiB: {hr.get('register_s')} s "
-                     f"(error {hr.get('register_error')}), is_pinned {hr.get('is_pinned_after_register')}; "
-                     f"upload {b.get('upload')} GB/s (host held ≤ {held} ms), download "
-                     f"{b.get('download')} GB/s, pageable upload {b.get('pageable_upload')} GB/s; "
-                     f"unregister error {hr.get('unregister_error')}.")
+        lines.append(
+            f"cudaHostRegister of {hr['bytes'] / 2**30:.2f} GiB: {hr.get('register_s')} s "
+            f"(error {hr.get('register_error')}), is_pinned {hr.get('is_pinned_after_register')}; "
+            f"upload {b.get('upload')} GB/s (host held ≤ {held} ms), download "
+            f"{b.get('download')} GB/s, pageable upload {b.get('pageable_upload')} GB/s; "
+            f"unregister error {hr.get('unregister_error')}."
+        )
     else:
-        lines.append(f"cudaHostRegister: {hr.get('status')}"
-                     + (f" ({hr['error']})" if hr.get("error") else ""))
+        lines.append(
+            f"cudaHostRegister: {hr.get('status')}"
+            + (f" ({hr['error']})" if hr.get("error") else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -495,17 +585,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
-    ap.add_argument("--host-gib", type=float, default=1.0, help="host buffer to register (default 1 GiB)")
+    ap.add_argument(
+        "--host-gib", type=float, default=1.0, help="host buffer to register (default 1 GiB)"
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed copies of each kind (default 3)")
-    ap.add_argument("--budget-s", type=float, default=45.0,
-                    help="soft time budget: no census entry starts past half of it, and the "
-                         "isolated swap probes stop 5 s past it (default 45 s, inside "
-                         "gpu_check.sh's 60 s step)")
-    ap.add_argument("--isolate-all", action="store_true",
-                    help="run the move-everything swap probe in a child for every back-end that "
-                         "ran, not only those that saved something off the device (to rehearse "
-                         "that path on CPU)")
-    ap.add_argument("--report", default=None, metavar="JSON", help="print the markdown summary of a record")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=45.0,
+        help="soft time budget: no census entry starts past half of it, and the "
+        "isolated swap probes stop 5 s past it (default 45 s, inside "
+        "gpu_check.sh's 60 s step)",
+    )
+    ap.add_argument(
+        "--isolate-all",
+        action="store_true",
+        help="run the move-everything swap probe in a child for every back-end that "
+        "ran, not only those that saved something off the device (to rehearse "
+        "that path on CPU)",
+    )
+    ap.add_argument(
+        "--report", default=None, metavar="JSON", help="print the markdown summary of a record"
+    )
     ap.add_argument("--child-swap-all", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.report:

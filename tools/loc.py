@@ -24,20 +24,32 @@ def count(path: Path) -> tuple[int, int]:
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 doc_lines.update(range(body[0].lineno, body[0].end_lineno + 1))
         # Attribute docstrings (a string statement after a field), as plan.py uses.
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
-                and isinstance(node.value.value, str):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             doc_lines.update(range(node.lineno, node.end_lineno + 1))
     comment_lines: set[int] = set()
     code_lines: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             comment_lines.add(tok.start[0])
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                              tokenize.ENDMARKER):
+        elif tok.type not in (
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
             code_lines.update(range(tok.start[0], tok.end[0] + 1))
     code = code_lines - doc_lines
     return len(code), len(comment_lines | (doc_lines - code))
@@ -46,11 +58,15 @@ def count(path: Path) -> tuple[int, int]:
 def main() -> int:
     total = {}
     for pkg in ("executor", "planner"):
-        rows = [(str(p.relative_to(ROOT / pkg)), *count(p)) for p in sorted((ROOT / pkg).rglob("*.py"))]
+        rows = [
+            (str(p.relative_to(ROOT / pkg)), *count(p)) for p in sorted((ROOT / pkg).rglob("*.py"))
+        ]
         code = sum(r[1] for r in rows)
         notes = sum(r[2] for r in rows)
         total[pkg] = code
-        print(f"{pkg}/  {code} code lines, {notes} comment+doc lines ({notes / max(code, 1):.2f} per code line)")
+        print(
+            f"{pkg}/  {code} code lines, {notes} comment+doc lines ({notes / max(code, 1):.2f} per code line)"
+        )
         for name, c, n in rows:
             print(f"  {name:<26} {c:5d} {n:5d}")
     print(f"executor budget: {total['executor']} / 2500 code lines")

@@ -29,13 +29,34 @@ ROOT = Path(__file__).resolve().parent.parent
 def example_plan() -> bytes:
     model = build("gpt2-tiny", device="meta")
     blocks = block_paths(model)
-    training = P.Training(micro_batch=4, seq_len=64, compute_dtype="float32",
-                          master_dtype="float32", world_size=1, grad_accum=1)
-    plan = emit(model, name="gpt2-tiny", blocks=blocks, training=training, chunk_numel=65536,
-                persistent=[0], n_buffer=2, policies=["checkpoint", "keep"],
-                request=P.Request(model="gpt2-tiny", hardware="cpu", micro_batch=4, seq_len=64,
-                                  compute_dtype="float32", world_size=1, grad_accum=1),
-                hardware=P.Hardware(name="cpu"))
+    training = P.Training(
+        micro_batch=4,
+        seq_len=64,
+        compute_dtype="float32",
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
+    plan = emit(
+        model,
+        name="gpt2-tiny",
+        blocks=blocks,
+        training=training,
+        chunk_numel=65536,
+        persistent=[0],
+        n_buffer=2,
+        policies=["checkpoint", "keep"],
+        request=P.Request(
+            model="gpt2-tiny",
+            hardware="cpu",
+            micro_batch=4,
+            seq_len=64,
+            compute_dtype="float32",
+            world_size=1,
+            grad_accum=1,
+        ),
+        hardware=P.Hardware(name="cpu"),
+    )
     return P.dump(plan)
 
 
@@ -65,7 +86,10 @@ def main() -> int:
             path.write_bytes(data)
             print(f"wrote {rel}")
     if stale:
-        print("stale (run python tools/make_example_plan.py):\n  " + "\n  ".join(stale), file=sys.stderr)
+        print(
+            "stale (run python tools/make_example_plan.py):\n  " + "\n  ".join(stale),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

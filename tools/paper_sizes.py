@@ -55,18 +55,35 @@ def fit_row(hardware: str, host: str, world: int, paper_b: float) -> dict:
 
     (r,) = run_fit(hardware, host_memory=host, world_size=world, families=("gpt2",), echo=echo)
     # The same search with the host out of the way: what the device alone allows.
-    (free,) = run_fit(hardware, host_memory=UNLIMITED, world_size=world, families=("gpt2",),
-                      micro_batches=(1,), echo=echo)
+    (free,) = run_fit(
+        hardware,
+        host_memory=UNLIMITED,
+        world_size=world,
+        families=("gpt2",),
+        micro_batches=(1,),
+        echo=echo,
+    )
     nxt = f"{n_params(r.next_config) / 1e9:.2f}B: {r.limit}" if r.next_config else r.limit
     pl = r.plan.placement
-    return dict(command=f"protrain fit --hardware {hardware} --host-memory {host} --world-size {world}",
-                server=f"{world} x {hardware}, {host} host RAM", params_b=r.n_params / 1e9,
-                shape=describe(r.config), paper_b=paper_b, micro_batch=r.micro_batch,
-                iter_s=r.iter_time_us / 1e6, binds=r.binds, next=nxt,
-                host_budget=r.host_budget_bytes, device_bound_b=free.n_params / 1e9,
-                device_next=free.limit, seconds=time.perf_counter() - t0,
-                placement=(f"{len(pl.persistent)} / {len(pl.homeless)} / {len(pl.device_homed)} of "
-                           f"{len(r.plan.chunks.items)}"))
+    return dict(
+        command=f"protrain fit --hardware {hardware} --host-memory {host} --world-size {world}",
+        server=f"{world} x {hardware}, {host} host RAM",
+        params_b=r.n_params / 1e9,
+        shape=describe(r.config),
+        paper_b=paper_b,
+        micro_batch=r.micro_batch,
+        iter_s=r.iter_time_us / 1e6,
+        binds=r.binds,
+        next=nxt,
+        host_budget=r.host_budget_bytes,
+        device_bound_b=free.n_params / 1e9,
+        device_next=free.limit,
+        seconds=time.perf_counter() - t0,
+        placement=(
+            f"{len(pl.persistent)} / {len(pl.homeless)} / {len(pl.device_homed)} of "
+            f"{len(r.plan.chunks.items)}"
+        ),
+    )
 
 
 def llama70b_row() -> str:
@@ -82,22 +99,33 @@ def llama70b_row() -> str:
     spec = find_spec("a100-80g")
     host = host_budget_per_rank(2**40, 1)
     model = build("llama-70b", device="meta")
-    profile = analytic_profile(model, name="llama-70b", blocks=block_paths(model), micro_batch=1, seq_len=4096,
-                               compute_dtype="bfloat16", spec=spec)
-    cmd = (f"`protrain plan --model llama-70b --hardware a100-80g --batch 1 --seq 4096 "
-           f"--host-memory {host / GiB:.2f}GiB -o llama-70b.json` (the per-rank budget `fit --host-memory 1TiB` "
-           "gives one rank)")
+    profile = analytic_profile(
+        model,
+        name="llama-70b",
+        blocks=block_paths(model),
+        micro_batch=1,
+        seq_len=4096,
+        compute_dtype="bfloat16",
+        spec=spec,
+    )
+    cmd = (
+        f"`protrain plan --model llama-70b --hardware a100-80g --batch 1 --seq 4096 "
+        f"--host-memory {host / GiB:.2f}GiB -o llama-70b.json` (the per-rank budget `fit --host-memory 1TiB` "
+        "gives one rank)"
+    )
     try:
         plan, _ = make_plan(profile, spec.usable_memory_bytes, host_budget_bytes=host)
     except ProtrainError as e:
         return f"llama-70b on one A100-80G with 1 TiB: **does not plan**: {e.message} ({cmd})."
     need = host_need_bytes(plan)
     p = plan.placement
-    return (f"llama-70b on one A100-80G with 1 TiB: **plans**, {plan.prediction.iter_time_us / 1e6:.1f} s per "
-            f"iteration predicted (1 x 4096 tokens), device {human_bytes(plan.prediction.peak_memory_bytes)} "
-            f"of {human_bytes(spec.usable_memory_bytes)}, host {human_bytes(need)} of {human_bytes(host)} "
-            f"({need / host:.0%}); {len(p.persistent)} of {len(plan.chunks.items)} chunks persistent, "
-            f"n_buffer {p.n_buffer} ({cmd}).")
+    return (
+        f"llama-70b on one A100-80G with 1 TiB: **plans**, {plan.prediction.iter_time_us / 1e6:.1f} s per "
+        f"iteration predicted (1 x 4096 tokens), device {human_bytes(plan.prediction.peak_memory_bytes)} "
+        f"of {human_bytes(spec.usable_memory_bytes)}, host {human_bytes(need)} of {human_bytes(host)} "
+        f"({need / host:.0%}); {len(p.persistent)} of {len(plan.chunks.items)} chunks persistent, "
+        f"n_buffer {p.n_buffer} ({cmd})."
+    )
 
 
 def layout_note() -> str:
@@ -106,42 +134,59 @@ def layout_note() -> str:
     from protrain.planner.search.rules import HOST_SLOTS
 
     eb = memory_walk.element_bytes("bfloat16")
-    return (f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "
-            f"parameter, {eb.host - eb.compute} B for the chunks a plan makes homeless when the host "
-            f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
-            "of device memory per persistent one (`memory_walk.element_bytes`); at one rank an offloaded "
-            "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
-            f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the chunks a "
-            "plan homes on the device when even every chunk homeless misses the host (their shard's "
-            f"fp32 master and moments on the card, {memory_walk.HOMED_BYTES} B per element: "
-            "executor/chunks.py [Note: device homes])")
+    return (
+        f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "
+        f"parameter, {eb.host - eb.compute} B for the chunks a plan makes homeless when the host "
+        f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
+        "of device memory per persistent one (`memory_walk.element_bytes`); at one rank an offloaded "
+        "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
+        f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the chunks a "
+        "plan homes on the device when even every chunk homeless misses the host (their shard's "
+        f"fp32 master and moments on the card, {memory_walk.HOMED_BYTES} B per element: "
+        "executor/chunks.py [Note: device homes])"
+    )
 
 
 def section(rows: list[dict], llama: str, seconds: float) -> str:
     import platform
 
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "planner", "executor"],
-                           capture_output=True, text=True).stdout.strip()
+    head = (
+        subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "planner", "executor"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [SECTION, "",
-           "Command: `python tools/paper_sizes.py --write` (each row is the gpt2 row of the `protrain fit` "
-           "command it names; seq 1024, bf16, device budget = the spec's usable memory per rank, host "
-           "budget per rank = SIZE / N less 10% and 2 GiB).", "",
-           f"Machine: {platform.system()} {platform.release()}, os.cpu_count()={os.cpu_count()}, Python "
-           f"{platform.python_version()} (analytic profiles and the planner only: nothing runs on a GPU). "
-           f"Date: {date}. Commit: {head}{' + uncommitted planner/executor changes' if dirty else ''}. "
-           f"{seconds:.0f} s in all.", "",
-           f"Host layout: {layout_note()}.", "",
-           "| server (paper's) | largest GPT-2 planned | shape | paper Table 2 | ratio | micro-batch, "
-           "predicted s/iter | binds at that size | next size up stopped by | host unlimited "
-           f"(`--host-memory {UNLIMITED}`, micro-batch 1) | command |",
-           "|---|---:|---|---:|---:|---|---|---|---:|---|"]
+    out = [
+        SECTION,
+        "",
+        "Command: `python tools/paper_sizes.py --write` (each row is the gpt2 row of the `protrain fit` "
+        "command it names; seq 1024, bf16, device budget = the spec's usable memory per rank, host "
+        "budget per rank = SIZE / N less 10% and 2 GiB).",
+        "",
+        f"Machine: {platform.system()} {platform.release()}, os.cpu_count()={os.cpu_count()}, Python "
+        f"{platform.python_version()} (analytic profiles and the planner only: nothing runs on a GPU). "
+        f"Date: {date}. Commit: {head}{' + uncommitted planner/executor changes' if dirty else ''}. "
+        f"{seconds:.0f} s in all.",
+        "",
+        f"Host layout: {layout_note()}.",
+        "",
+        "| server (paper's) | largest GPT-2 planned | shape | paper Table 2 | ratio | micro-batch, "
+        "predicted s/iter | binds at that size | next size up stopped by | host unlimited "
+        f"(`--host-memory {UNLIMITED}`, micro-batch 1) | command |",
+        "|---|---:|---|---:|---:|---|---|---|---:|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['server']} | {r['params_b']:.2f}B | {r['shape']} | {r['paper_b']}B | "
-                   f"{r['params_b'] / r['paper_b']:.2f} | {r['micro_batch']}, {r['iter_s']:.1f} | {r['binds']} | "
-                   f"{r['next']} | {_bound(r)} | `{r['command']}` |")
+        out.append(
+            f"| {r['server']} | {r['params_b']:.2f}B | {r['shape']} | {r['paper_b']}B | "
+            f"{r['params_b'] / r['paper_b']:.2f} | {r['micro_batch']}, {r['iter_s']:.1f} | {r['binds']} | "
+            f"{r['next']} | {_bound(r)} | `{r['command']}` |"
+        )
     out += ["", llama, "", reading(rows)]
     return "\n".join(out) + "\n"
 
@@ -156,33 +201,47 @@ def _bound(r: dict) -> str:
 def reading(rows: list[dict]) -> str:
     host_bound = [r for r in rows if r["next"].split(": ", 1)[-1].startswith("host memory")]
     ratios = ", ".join(f"{r['params_b'] / r['paper_b']:.2f}" for r in rows)
-    text = (f"Reading. Ratios to the paper: {ratios}. The next size up is stopped by host memory in "
-            f"{len(host_bound)} of {len(rows)} servers")
+    text = (
+        f"Reading. Ratios to the paper: {ratios}. The next size up is stopped by host memory in "
+        f"{len(host_bound)} of {len(rows)} servers"
+    )
     if host_bound:
-        text += (": the host bytes per offloaded parameter (the header's figures: 12 B where the "
-                 "plan drops homes, none where it homes chunks on the device), not the device, bound these sizes; with the host out of the "
-                 "way the device alone would allow "
-                 + ", ".join(_bound(r) for r in rows)
-                 + ". Rerun this tool after a host-layout change to refresh the table.")
+        text += (
+            ": the host bytes per offloaded parameter (the header's figures: 12 B where the "
+            "plan drops homes, none where it homes chunks on the device), not the device, bound these sizes; with the host out of the "
+            "way the device alone would allow "
+            + ", ".join(_bound(r) for r in rows)
+            + ". Rerun this tool after a host-layout change to refresh the table."
+        )
     else:
         text += "."
     if all("placement" in r for r in rows):
-        text += (" The winning plans' chunks, persistent / homeless / device-homed of all: "
-                 + ", ".join(r["placement"] for r in rows) + ".")
+        text += (
+            " The winning plans' chunks, persistent / homeless / device-homed of all: "
+            + ", ".join(r["placement"] for r in rows)
+            + "."
+        )
     for r1 in rows:
         for r4 in rows:
-            if not (r1["command"].endswith("--world-size 1") and r4["command"].endswith("--world-size 4")
-                    and r4["command"].split("--world-size")[0] == r1["command"].split("--world-size")[0]
-                    and r4["params_b"] <= r1["params_b"] and _needs(r1["next"]) and _needs(r4["next"])):
+            if not (
+                r1["command"].endswith("--world-size 1")
+                and r4["command"].endswith("--world-size 4")
+                and r4["command"].split("--world-size")[0] == r1["command"].split("--world-size")[0]
+                and r4["params_b"] <= r1["params_b"]
+                and _needs(r1["next"])
+                and _needs(r4["next"])
+            ):
                 continue
             need1, use1 = _needs(r1["next"])
             need4, use4 = _needs(r4["next"])
-            text += (f" {r4['server'].split(',')[0]} fits no larger a model than one card: at the next size "
-                     f"the four ranks need {4 * need4:.1f} GiB of host RAM in all against one rank's "
-                     f"{need1:.1f} (the persistent chunks' optimizer states are sharded over the cards, "
-                     f"so more of the model stays on the devices), but have {4 * use4:.1f} GiB usable "
-                     f"against {use1:.1f} (each rank's budget is its share less 10% and 2 GiB), and the "
-                     "ladder's next rung is too far up for the difference to reach it.")
+            text += (
+                f" {r4['server'].split(',')[0]} fits no larger a model than one card: at the next size "
+                f"the four ranks need {4 * need4:.1f} GiB of host RAM in all against one rank's "
+                f"{need1:.1f} (the persistent chunks' optimizer states are sharded over the cards, "
+                f"so more of the model stays on the devices), but have {4 * use4:.1f} GiB usable "
+                f"against {use1:.1f} (each rank's budget is its share less 10% and 2 GiB), and the "
+                "ladder's next rung is too far up for the difference to reach it."
+            )
     return text
 
 
@@ -194,7 +253,9 @@ def _needs(limit: str) -> tuple[float, float] | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--write", action="store_true", help="Replace the section in BENCHMARKS.md.")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -57,7 +57,10 @@ SHAPES: dict[str, tuple[int, int]] = {
 }
 # Library models that are Hugging Face config.json files under plans/configs/ (no weights):
 # one dense, one mixture of experts. Their profiles and plans carry the library name.
-HF_CONFIGS = {"llama-3.1-8b": "plans/configs/llama-3.1-8b", "mixtral-8x7b": "plans/configs/mixtral-8x7b"}
+HF_CONFIGS = {
+    "llama-3.1-8b": "plans/configs/llama-3.1-8b",
+    "mixtral-8x7b": "plans/configs/mixtral-8x7b",
+}
 # LoRA fine-tuning (peft; planner/models/lora.py): a library model with `protrain plan --lora`'s
 # defaults (r 16, alpha 32, the attention projections), its base frozen (Param.frozen).
 LORA = {"llama-3.1-8b-lora": "llama-3.1-8b", "llama-70b-lora": "llama-70b"}
@@ -118,28 +121,48 @@ def analytic_profile_bytes(entry: Entry, spec_path: str) -> bytes:
     from protrain.planner.profiling.profile import dump_profile
 
     base = LORA.get(entry.model, entry.model)
-    if base in HF_CONFIGS or entry.model in LORA:  # named by its library name, not by a machine's path
+    if (
+        base in HF_CONFIGS or entry.model in LORA
+    ):  # named by its library name, not by a machine's path
         from protrain.planner.hardware.spec import find_spec
         from protrain.planner.models.lora import LoraSpec, build_model
         from protrain.planner.models.zoo import block_paths
         from protrain.planner.profiling.analytic import analytic_profile
 
         root = Path(spec_path).resolve().parents[2]
-        model = build_model(f"hf:{root / HF_CONFIGS[base]}" if base in HF_CONFIGS else base,
-                            LoraSpec() if entry.model in LORA else None, device="meta")
-        profile = analytic_profile(model, name=entry.model, blocks=block_paths(model),
-                                   micro_batch=entry.micro_batch, seq_len=entry.seq_len,
-                                   compute_dtype=COMPUTE_DTYPE, spec=find_spec(spec_path))
+        model = build_model(
+            f"hf:{root / HF_CONFIGS[base]}" if base in HF_CONFIGS else base,
+            LoraSpec() if entry.model in LORA else None,
+            device="meta",
+        )
+        profile = analytic_profile(
+            model,
+            name=entry.model,
+            blocks=block_paths(model),
+            micro_batch=entry.micro_batch,
+            seq_len=entry.seq_len,
+            compute_dtype=COMPUTE_DTYPE,
+            spec=find_spec(spec_path),
+        )
         return dump_profile(profile)
-    profile = build_profile(model_name=entry.model, batch=entry.micro_batch, seq=entry.seq_len,
-                            dtype=COMPUTE_DTYPE, device=None, analytic=True, hardware=spec_path,
-                            echo=lambda _line: None)
+    profile = build_profile(
+        model_name=entry.model,
+        batch=entry.micro_batch,
+        seq=entry.seq_len,
+        dtype=COMPUTE_DTYPE,
+        device=None,
+        analytic=True,
+        hardware=spec_path,
+        echo=lambda _line: None,
+    )
     return dump_profile(profile)
 
 
 def expected_profiles(root: Path, n_workers: int) -> dict[str, bytes]:
     jobs = [(e, str(root / "plans" / "hardware" / f"{e.hardware}.json")) for e in ENTRIES]
-    return dict(zip([e.profile_rel() for e in ENTRIES], _pool_map(analytic_profile_bytes, jobs, n_workers)))
+    return dict(
+        zip([e.profile_rel() for e in ENTRIES], _pool_map(analytic_profile_bytes, jobs, n_workers))
+    )
 
 
 @dataclass
@@ -179,25 +202,35 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
         key = (profile.model.name, profile.hardware.name, t.micro_batch, t.seq_len)
         entry = by_key.get(key)
         if entry is None or t.compute_dtype != COMPUTE_DTYPE:
-            problems.append(f"{rel}: extra (a profile of {key}, {t.compute_dtype}: not in the "
-                            "library table SHAPES × HARDWARE of tools/regen_plans.py)")
+            problems.append(
+                f"{rel}: extra (a profile of {key}, {t.compute_dtype}: not in the "
+                "library table SHAPES × HARDWARE of tools/regen_plans.py)"
+            )
             continue
         measured = profile.source == "measured"
         if rel != entry.profile_rel(measured):
-            problems.append(f"{rel}: misnamed; this {profile.source} profile belongs at "
-                            f"{entry.profile_rel(measured)}")
+            problems.append(
+                f"{rel}: misnamed; this {profile.source} profile belongs at "
+                f"{entry.profile_rel(measured)}"
+            )
             continue
         if not measured:
             if entry.hardware not in specs:
-                specs[entry.hardware] = load_spec(root / "plans" / "hardware" / f"{entry.hardware}.json")
+                specs[entry.hardware] = load_spec(
+                    root / "plans" / "hardware" / f"{entry.hardware}.json"
+                )
             if profile.hardware != specs[entry.hardware]:
-                problems.append(f"{rel}: stale (made for an older plans/hardware/{entry.hardware}.json; "
-                                "run python tools/regen_plans.py --profiles)")
+                problems.append(
+                    f"{rel}: stale (made for an older plans/hardware/{entry.hardware}.json; "
+                    "run python tools/regen_plans.py --profiles)"
+                )
         if entry not in chosen or measured:
             chosen[entry] = Chosen(rel, profile.source, data)
     for e in ENTRIES:
         if e not in chosen:
-            problems.append(f"{e.profile_rel()}: missing (run python tools/regen_plans.py --profiles)")
+            problems.append(
+                f"{e.profile_rel()}: missing (run python tools/regen_plans.py --profiles)"
+            )
     return chosen, problems
 
 
@@ -260,7 +293,9 @@ def _example_tool():
     """tools/make_example_plan.py, which owns the schema file's bytes (one writer, two tools)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_example_plan", ROOT / "tools" / "make_example_plan.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_example_plan", ROOT / "tools" / "make_example_plan.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -293,15 +328,15 @@ def abbreviate(strip: str, max_period: int = 12) -> str:
     while i < len(letters):
         best_p, best_k = 1, 1
         for p in range(1, max_period + 1):
-            unit = letters[i:i + p]
+            unit = letters[i : i + p]
             if len(unit) < p:
                 break
             k = 1
-            while letters[i + k * p:i + (k + 1) * p] == unit:
+            while letters[i + k * p : i + (k + 1) * p] == unit:
                 k += 1
             if (p == 1 or k > 1) and p * k > best_p * best_k:
                 best_p, best_k = p, k
-        unit = letters[i:i + best_p]
+        unit = letters[i : i + best_p]
         if best_p == 1:
             out.append(f"{unit[0]}×{best_k}")
         else:
@@ -312,7 +347,13 @@ def abbreviate(strip: str, max_period: int = 12) -> str:
 
 def tokens_per_s(plan) -> float:
     t = plan.training
-    return t.micro_batch * t.seq_len * t.grad_accum * t.world_size / (plan.prediction.iter_time_us / 1e6)
+    return (
+        t.micro_batch
+        * t.seq_len
+        * t.grad_accum
+        * t.world_size
+        / (plan.prediction.iter_time_us / 1e6)
+    )
 
 
 def render_index(rows: list[Row]) -> str:
@@ -372,12 +413,21 @@ def render_index(rows: list[Row]) -> str:
     for hw in HARDWARE:
         cells = []
         for w in WORLD_SIZES:
-            fits = [r for r in rows if r.entry.hardware == hw and r.world_size == w and r.plan
-                    and r.entry.model not in LORA]
+            fits = [
+                r
+                for r in rows
+                if r.entry.hardware == hw
+                and r.world_size == w
+                and r.plan
+                and r.entry.model not in LORA
+            ]
             best = max(fits, key=lambda r: n_params[r.entry.model], default=None)
-            cells.append("none" if best is None else
-                         f"{best.entry.model} ({human_count(n_params[best.entry.model])} parameters, "
-                         f"{tokens_per_s(best.plan):,.0f} tokens/s)")
+            cells.append(
+                "none"
+                if best is None
+                else f"{best.entry.model} ({human_count(n_params[best.entry.model])} parameters, "
+                f"{tokens_per_s(best.plan):,.0f} tokens/s)"
+            )
         lines.append(f"| {hw} | {' | '.join(cells)} |")
     lines += [
         "",
@@ -393,8 +443,15 @@ def render_index(rows: list[Row]) -> str:
         "| plan | model | hardware | W | B × S | tokens/s | peak / budget | activations | chunks | profile |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = sorted(rows, key=lambda r: (n_params.get(r.entry.model, 0), r.entry.model,
-                                         HARDWARE.index(r.entry.hardware), r.world_size))
+    order = sorted(
+        rows,
+        key=lambda r: (
+            n_params.get(r.entry.model, 0),
+            r.entry.model,
+            HARDWARE.index(r.entry.hardware),
+            r.world_size,
+        ),
+    )
     not_fitting = []
     for r in order:
         e = r.entry
@@ -412,11 +469,17 @@ def render_index(rows: list[Row]) -> str:
             f"| [{name}]({name}) {head} {tokens_per_s(p):,.0f} | "
             f"{human_bytes(peak)} / {human_bytes(budget)} ({100 * peak / budget:.0f}%) | "
             f"{abbreviate(policy_strip(p))} | {pl.n_persist}/{len(p.chunks.items)}, "
-            f"{pl.n_buffer} buf | {profile} |")
+            f"{pl.n_buffer} buf | {profile} |"
+        )
     if not_fitting:
-        lines += ["", "## Does not fit", "",
-                  "No configuration fits the card's usable memory or, where it says `host memory`, the",
-                  "host budget (the planner's BudgetError / HostMemoryError):", ""]
+        lines += [
+            "",
+            "## Does not fit",
+            "",
+            "No configuration fits the card's usable memory or, where it says `host memory`, the",
+            "host budget (the planner's BudgetError / HostMemoryError):",
+            "",
+        ]
         lines += not_fitting
     return "\n".join(lines) + "\n"
 
@@ -467,16 +530,33 @@ def write_files(root: Path, expected: dict[str, bytes], present: set[str]) -> in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="regenerate plans and the index in memory; exit 1 if any committed file differs")
-    mode.add_argument("--check-profiles", action="store_true",
-                      help="re-estimate the analytic profiles in memory; exit 1 if any differs (slow)")
-    mode.add_argument("--profiles", action="store_true",
-                      help="re-estimate and rewrite the analytic profiles before the plans (slow)")
-    ap.add_argument("--root", type=Path, default=ROOT,
-                    help="checkout whose plans/ is read and written [default: this one]")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="worker processes [default: all cores]")
+    mode.add_argument(
+        "--check",
+        action="store_true",
+        help="regenerate plans and the index in memory; exit 1 if any committed file differs",
+    )
+    mode.add_argument(
+        "--check-profiles",
+        action="store_true",
+        help="re-estimate the analytic profiles in memory; exit 1 if any differs (slow)",
+    )
+    mode.add_argument(
+        "--profiles",
+        action="store_true",
+        help="re-estimate and rewrite the analytic profiles before the plans (slow)",
+    )
+    ap.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="checkout whose plans/ is read and written [default: this one]",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="worker processes [default: all cores]",
+    )
     args = ap.parse_args(argv)
     root: Path = args.root.resolve()
     t0 = time.perf_counter()
@@ -484,8 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_profiles or args.profiles:
         profiles = expected_profiles(root, args.jobs)
         # Analytic files only: a measured profile is never rewritten or removed here.
-        present = {p.relative_to(root).as_posix() for p in (root / "plans" / "profiles").rglob("*.json")
-                   if b'"source": "measured"' not in p.read_bytes()}
+        present = {
+            p.relative_to(root).as_posix()
+            for p in (root / "plans" / "profiles").rglob("*.json")
+            if b'"source": "measured"' not in p.read_bytes()
+        }
         if args.check_profiles:
             return _report(stale_files(root, profiles, present), t0, "--profiles")
         write_files(root, profiles, present)
@@ -497,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     n = write_files(root, files, present)
     for p in problems:
         print(f"warning: {p}", file=sys.stderr)
-    print(f"{len(files) - 2} plans, the index and the schema up to date ({n} written) in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"{len(files) - 2} plans, the index and the schema up to date ({n} written) in {time.perf_counter() - t0:.1f} s"
+    )
     return 1 if problems else 0
 
 

@@ -17,14 +17,21 @@ from protrain.executor.errors import CheckpointError, ConfigError
 
 def check_flags(**values: int | None) -> None:
     """Refuse command-line training values (``micro_batch=``, ``seq_len=``, …) over their limits."""
-    for field, value, limit, what in training_excess({k: v for k, v in values.items() if v is not None}):
+    for field, value, limit, what in training_excess(
+        {k: v for k, v in values.items() if v is not None}
+    ):
         if field == "tokens":
-            raise ConfigError(f"--batch {values['micro_batch']} --seq {values['seq_len']}: {value:,} {what} is "
-                              f"more than protrain can allocate or iterate (at most {limit:,})",
-                              f"give a --batch and --seq whose product is at most {limit}")
+            raise ConfigError(
+                f"--batch {values['micro_batch']} --seq {values['seq_len']}: {value:,} {what} is "
+                f"more than protrain can allocate or iterate (at most {limit:,})",
+                f"give a --batch and --seq whose product is at most {limit}",
+            )
         flag = TRAINING_LIMITS[field][1]
-        raise ConfigError(f"{flag} {value}: {value:,} {what} is more than protrain can allocate or "
-                          f"iterate (at most {limit:,})", f"give {flag} {limit} or less")
+        raise ConfigError(
+            f"{flag} {value}: {value:,} {what} is more than protrain can allocate or "
+            f"iterate (at most {limit:,})",
+            f"give {flag} {limit} or less",
+        )
 
 
 def check_root(root: str | Path, flag: str = "--save-dir") -> None:
@@ -40,4 +47,5 @@ def check_root(root: str | Path, flag: str = "--save-dir") -> None:
             raise CheckpointError(
                 f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} and no "
                 "checkpoint: a checkpoint root is protrain's alone (old checkpoints are deleted there)",
-                f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}")
+                f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}",
+            )

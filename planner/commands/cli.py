@@ -44,8 +44,11 @@ class _Group(click.Group):
             if ctx.meta.get("protrain.debug"):
                 raise
             where = f"{e.filename}: " if e.filename else ""
-            click.echo(f"error: {where}{e.strerror or e}\nHINT: check the path exists, is writable and "
-                       "the disk has space (--debug shows where it happened)", err=True)
+            click.echo(
+                f"error: {where}{e.strerror or e}\nHINT: check the path exists, is writable and "
+                "the disk has space (--debug shows where it happened)",
+                err=True,
+            )
             sys.exit(1)
         except KeyboardInterrupt:
             if ctx.meta.get("protrain.debug"):
@@ -95,10 +98,14 @@ def models() -> None:
     from ..models.zoo_table import rows_for
 
     rows = rows_for(ZOO)
-    click.echo(f"{'name':<14}{'family':<8}{'params':>10}{'blocks':>8}{'hidden':>8}{'heads':>7}{'vocab':>8}")
+    click.echo(
+        f"{'name':<14}{'family':<8}{'params':>10}{'blocks':>8}{'hidden':>8}{'heads':>7}{'vocab':>8}"
+    )
     for r in rows:
-        click.echo(f"{r.name:<14}{r.family:<8}{_count(r.n_params):>10}{r.n_blocks:>8}"
-                   f"{r.hidden:>8}{r.n_head:>7}{r.vocab_size:>8}")
+        click.echo(
+            f"{r.name:<14}{r.family:<8}{_count(r.n_params):>10}{r.n_blocks:>8}"
+            f"{r.hidden:>8}{r.n_head:>7}{r.vocab_size:>8}"
+        )
 
 
 def _count(n: int) -> str:
@@ -120,8 +127,13 @@ def show(plan_path: str) -> None:
 
 @main.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-@click.option("--model", "model_name", metavar="NAME", default=None,
-              help="Zoo model to check the plan against (default: the plan's model, if it is a zoo name).")
+@click.option(
+    "--model",
+    "model_name",
+    metavar="NAME",
+    default=None,
+    help="Zoo model to check the plan against (default: the plan's model, if it is a zoo name).",
+)
 def validate(plan_path: str, model_name: str | None) -> None:
     """Check a plan's structure and, against a zoo model, its fingerprint.
 
@@ -131,14 +143,20 @@ def validate(plan_path: str, model_name: str | None) -> None:
     from protrain.executor.plan import load
 
     plan = load(plan_path)
-    click.echo(f"{plan_path}: structure ok (schema v{plan.schema_version}, "
-               f"{len(plan.chunks.items)} chunks, {len(plan.model.blocks)} blocks)")
+    click.echo(
+        f"{plan_path}: structure ok (schema v{plan.schema_version}, "
+        f"{len(plan.chunks.items)} chunks, {len(plan.model.blocks)} blocks)"
+    )
     from ..models.zoo import ZOO, is_hf_name
 
-    name = model_name or (plan.model.name if plan.model.name in ZOO or is_hf_name(plan.model.name) else None)
+    name = model_name or (
+        plan.model.name if plan.model.name in ZOO or is_hf_name(plan.model.name) else None
+    )
     if name is None:
-        click.echo(f"{plan_path}: model {plan.model.name!r} is not in the zoo; "
-                   "fingerprint not checked (pass --model NAME)")
+        click.echo(
+            f"{plan_path}: model {plan.model.name!r} is not in the zoo; "
+            "fingerprint not checked (pass --model NAME)"
+        )
         return
     from protrain.executor.check import check
 
@@ -174,17 +192,28 @@ BETA = click.FloatRange(min=0, max=1, max_open=True)
 
 def hf_options(f):
     """``--hf-config PATH`` and ``--blocks PATH``: a Hugging Face model instead of ``--model``."""
-    f = click.option("--blocks", metavar="PATH", default=None,
-                     help="Module path of the HF block list, e.g. model.layers [default: found automatically].")(f)
-    return click.option("--hf-config", "hf_config", metavar="PATH", default=None,
-                        help="Hugging Face config.json or its directory (weights: model.safetensors "
-                             "there), instead of --model; read locally, never downloaded. A name "
-                             "such as mixtral-8x7b that is no path is a config shipped with protrain "
-                             "(plans/configs).")(f)
+    f = click.option(
+        "--blocks",
+        metavar="PATH",
+        default=None,
+        help="Module path of the HF block list, e.g. model.layers [default: found automatically].",
+    )(f)
+    return click.option(
+        "--hf-config",
+        "hf_config",
+        metavar="PATH",
+        default=None,
+        help="Hugging Face config.json or its directory (weights: model.safetensors "
+        "there), instead of --model; read locally, never downloaded. A name "
+        "such as mixtral-8x7b that is no path is a config shipped with protrain "
+        "(plans/configs).",
+    )(f)
 
 
-REPROBE_HELP = ("Measure this machine again instead of reading its cached probe "
-                "(~/.cache/protrain; without --hardware, a measured profile uses it).")
+REPROBE_HELP = (
+    "Measure this machine again instead of reading its cached probe "
+    "(~/.cache/protrain; without --hardware, a measured profile uses it)."
+)
 
 
 def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None:
@@ -197,84 +226,217 @@ def model_option(model_name, hf_config, blocks, *, required: bool) -> str | None
 
 
 @main.command()
-@click.option("--model", "model_name", metavar="NAME", default=None,
-              help="Zoo model (or hf:PATH) to profile.")
+@click.option(
+    "--model", "model_name", metavar="NAME", default=None, help="Zoo model (or hf:PATH) to profile."
+)
 @hf_options
-@click.option("--batch", type=click.IntRange(1), required=True, help="Micro-batch (sequences per step).")
+@click.option(
+    "--batch", type=click.IntRange(1), required=True, help="Micro-batch (sequences per step)."
+)
 @click.option("--seq", type=click.IntRange(1), required=True, help="Sequence length in tokens.")
-@click.option("--dtype", type=DTYPES, default=None,
-              help="Compute dtype [default: bfloat16 on CUDA, float32 on CPU].")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
-              help="Device to measure on [default: cuda if present].")
+@click.option(
+    "--dtype",
+    type=DTYPES,
+    default=None,
+    help="Compute dtype [default: bfloat16 on CUDA, float32 on CPU].",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default=None,
+    help="Device to measure on [default: cuda if present].",
+)
 @click.option("--analytic", is_flag=True, help="Estimate from --hardware instead of measuring.")
-@click.option("--hardware", "hardware", metavar="SPEC", default=None,
-              help="Hardware spec (name in plans/hardware/ or a file); required with --analytic.")
-@click.option("--iterations", type=click.IntRange(1), default=5, show_default=True,
-              help="Measured iterations (medians).")
+@click.option(
+    "--hardware",
+    "hardware",
+    metavar="SPEC",
+    default=None,
+    help="Hardware spec (name in plans/hardware/ or a file); required with --analytic.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="Measured iterations (medians).",
+)
 @click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-def profile(model_name, hf_config, blocks, batch, seq, dtype, device, analytic, hardware, iterations, reprobe,
-            output):
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Profile file to write."
+)
+def profile(
+    model_name,
+    hf_config,
+    blocks,
+    batch,
+    seq,
+    dtype,
+    device,
+    analytic,
+    hardware,
+    iterations,
+    reprobe,
+    output,
+):
     """Profile a model once (per block time, activations, link and Adam rates) for planning."""
     from .checks import check_flags
     from .profile_plan import run_profile
 
     check_flags(micro_batch=batch, seq_len=seq)
     model_name = model_option(model_name, hf_config, blocks, required=True)
-    run_profile(model_name=model_name, batch=batch, seq=seq, dtype=dtype, device=device,
-                analytic=analytic, hardware=hardware, iterations=iterations, output=output,
-                echo=click.echo, reprobe=reprobe)
+    run_profile(
+        model_name=model_name,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        device=device,
+        analytic=analytic,
+        hardware=hardware,
+        iterations=iterations,
+        output=output,
+        echo=click.echo,
+        reprobe=reprobe,
+    )
 
 
 @main.command()
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
-              help="Profile to plan from (from `protrain profile`).")
-@click.option("--model", "model_name", metavar="NAME", default=None,
-              help="Zoo model (or hf:PATH): profile on the way (analytic with --hardware, else measured).")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Profile to plan from (from `protrain profile`).",
+)
+@click.option(
+    "--model",
+    "model_name",
+    metavar="NAME",
+    default=None,
+    help="Zoo model (or hf:PATH): profile on the way (analytic with --hardware, else measured).",
+)
 @hf_options
-@click.option("--hardware", metavar="SPEC", default=None,
-              help="Hardware spec for an analytic profile (with --model; a --profile carries its own).")
+@click.option(
+    "--hardware",
+    metavar="SPEC",
+    default=None,
+    help="Hardware spec for an analytic profile (with --model; a --profile carries its own).",
+)
 @click.option("--batch", type=click.IntRange(1), default=None, help="Micro-batch (with --model).")
 @click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length (with --model).")
 @click.option("--dtype", type=DTYPES, default=None, help="Compute dtype (with --model).")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
-              help="Measure on this device instead of estimating (with --model).")
-@click.option("--budget", default=None, metavar="SIZE",
-              help="Device memory budget, e.g. 20GiB [default: the hardware's usable memory].")
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default=None,
+    help="Measure on this device instead of estimating (with --model).",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SIZE",
+    help="Device memory budget, e.g. 20GiB [default: the hardware's usable memory].",
+)
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Ranks.")
-@click.option("--grad-accum", type=click.IntRange(1), default=1, show_default=True,
-              help="Micro-batches per optimizer step.")
-@click.option("--solver", type=click.Choice(["exhaustive", "milp"]), default=None,
-              help="Search: the paper's four counts (exhaustive) or per-chunk/per-block MILP (HiGHS; "
-                   "never worse, falls back to exhaustive) [default: exhaustive].")
-@click.option("--host-memory", default=None, metavar="SIZE",
-              help="Host memory per rank a plan may use [default: the spec's RAM less 10% and 2 GiB].")
-@click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
-              help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
-                   "after backward (clipping needs every gradient first) and is predicted that way.")
-@click.option("--nvme", is_flag=True,
-              help="Where host memory binds, the plan may keep offloaded chunks' optimizer states on a disk "
-                   "(train with --nvme DIR); the spec must carry the disk's bandwidth "
-                   "(`protrain hardware probe --nvme DIR`).")
+@click.option(
+    "--grad-accum",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Micro-batches per optimizer step.",
+)
+@click.option(
+    "--solver",
+    type=click.Choice(["exhaustive", "milp"]),
+    default=None,
+    help="Search: the paper's four counts (exhaustive) or per-chunk/per-block MILP (HiGHS; "
+    "never worse, falls back to exhaustive) [default: exhaustive].",
+)
+@click.option(
+    "--host-memory",
+    default=None,
+    metavar="SIZE",
+    help="Host memory per rank a plan may use [default: the spec's RAM less 10% and 2 GiB].",
+)
+@click.option(
+    "--max-grad-norm",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="X",
+    help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
+    "after backward (clipping needs every gradient first) and is predicted that way.",
+)
+@click.option(
+    "--nvme",
+    is_flag=True,
+    help="Where host memory binds, the plan may keep offloaded chunks' optimizer states on a disk "
+    "(train with --nvme DIR); the spec must carry the disk's bandwidth "
+    "(`protrain hardware probe --nvme DIR`).",
+)
 @click.option("--reprobe", is_flag=True, help=REPROBE_HELP)
-@click.option("--save-profile", "save_profile", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="With --model/--hf-config: also write the profile made on the way, which "
-                   "`protrain explain PLAN --profile FILE --trace/--plot` needs.")
+@click.option(
+    "--save-profile",
+    "save_profile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="With --model/--hf-config: also write the profile made on the way, which "
+    "`protrain explain PLAN --profile FILE --trace/--plot` needs.",
+)
 @lora_options
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write.")
-def plan(profile_path, model_name, hf_config, blocks, hardware, batch, seq, dtype, device, budget, world_size,
-         grad_accum, solver, host_memory, max_grad_norm, nvme, reprobe, save_profile, output, **lora):
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Plan file to write."
+)
+def plan(
+    profile_path,
+    model_name,
+    hf_config,
+    blocks,
+    hardware,
+    batch,
+    seq,
+    dtype,
+    device,
+    budget,
+    world_size,
+    grad_accum,
+    solver,
+    host_memory,
+    max_grad_norm,
+    nvme,
+    reprobe,
+    save_profile,
+    output,
+    **lora,
+):
     """Search the fastest plan that fits the budget and write it."""
     from .checks import check_flags
     from .profile_plan import run_plan
 
     check_flags(micro_batch=batch, seq_len=seq, world_size=world_size, grad_accum=grad_accum)
     model_name = model_option(model_name, hf_config, blocks, required=False)
-    run_plan(profile_path=profile_path, model_name=model_name, hardware=hardware, batch=batch,
-             seq=seq, dtype=dtype, device=device, budget=budget, world_size=world_size,
-             grad_accum=grad_accum, output=output, echo=click.echo, solver=solver, host_memory=host_memory,
-             max_grad_norm=max_grad_norm, reprobe=reprobe, nvme=nvme, save_profile=save_profile,
-             status=_status, lora=lora_spec(**lora))
+    run_plan(
+        profile_path=profile_path,
+        model_name=model_name,
+        hardware=hardware,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        device=device,
+        budget=budget,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        output=output,
+        echo=click.echo,
+        solver=solver,
+        host_memory=host_memory,
+        max_grad_norm=max_grad_norm,
+        reprobe=reprobe,
+        nvme=nvme,
+        save_profile=save_profile,
+        status=_status,
+        lora=lora_spec(**lora),
+    )
 
 
 @main.command()
@@ -305,13 +467,30 @@ def diff(a_path: str, b_path: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
-              help="The profile the plan was made from (needed for --trace and --plot).")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the predicted iteration as a Chrome/Perfetto trace.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Draw the predicted memory walk with the budget line (PNG; the plot extra).")
-def explain(plan_path: str, profile_path: str | None, trace_path: str | None, plot_path: str | None) -> None:
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The profile the plan was made from (needed for --trace and --plot).",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the predicted iteration as a Chrome/Perfetto trace.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw the predicted memory walk with the budget line (PNG; the plot extra).",
+)
+def explain(
+    plan_path: str, profile_path: str | None, trace_path: str | None, plot_path: str | None
+) -> None:
     """Why this plan: runners-up, the Pareto front, what bounds each phase."""
     from protrain.executor.plan import load
 
@@ -319,10 +498,12 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
     from .preflight import output_file
 
     if (trace_path or plot_path) and profile_path is None:  # before the report, not after it
-        raise ProtrainError("--trace and --plot need the profile the plan was made from",
-                            "add --profile PROFILE.json: the file given to `protrain plan --profile`, or the "
-                            "one `protrain plan --model/--hf-config … --save-profile PROFILE.json` wrote "
-                            "(a plan made without it: plan again with --save-profile)")
+        raise ProtrainError(
+            "--trace and --plot need the profile the plan was made from",
+            "add --profile PROFILE.json: the file given to `protrain plan --profile`, or the "
+            "one `protrain plan --model/--hf-config … --save-profile PROFILE.json` wrote "
+            "(a plan made without it: plan again with --save-profile)",
+        )
     if plot_path:
         from ..views.memory_plot import require_matplotlib
 
@@ -354,72 +535,220 @@ def explain(plan_path: str, profile_path: str | None, trace_path: str | None, pl
 
 
 @main.command()
-@click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False), help="Plan file.")
-@click.option("--model", "model_name", metavar="NAME", default=None,
-              help="Zoo model (or hf:PATH) the plan is for.")
+@click.option(
+    "--plan", "plan_path", required=True, type=click.Path(dir_okay=False), help="Plan file."
+)
+@click.option(
+    "--model",
+    "model_name",
+    metavar="NAME",
+    default=None,
+    help="Zoo model (or hf:PATH) the plan is for.",
+)
 @hf_options
-@click.option("--data", "data_path", default=None, metavar="FILE",
-              help="Text file, JSON lines (.jsonl, see --text-field) or a token file (`protrain tokenize`); "
-                   "default: the embedded Python docs. Tokens: the model's own tokenizer.json with "
-                   "--hf-config DIR, else bytes.")
-@click.option("--text-field", default="text", show_default=True, metavar="NAME",
-              help="Field of each .jsonl line that holds the text.")
-@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR|bytes",
-              help="Tokenizer directory (tokenizer.json) or `bytes` for byte-level tokens "
-                   "[default: the --hf-config directory's tokenizer if it has one, else bytes].")
-@click.option("--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=LEARNING_RATE, default=3e-3, show_default=True,
-              help="AdamW learning rate (positive and finite).")
-@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.01, show_default=True, metavar="X",
-              help="AdamW's decoupled weight decay, applied to every parameter (one group).")
-@click.option("--betas", type=(BETA, BETA), default=(0.9, 0.999), show_default=True, metavar="B1 B2",
-              help="AdamW's moment decay rates, each in [0, 1).")
-@click.option("--eps", type=click.FloatRange(min=0, min_open=True), default=1e-8, show_default=True,
-              metavar="X", help="AdamW's epsilon (added to the root of the second moment).")
-@click.option("--seed", type=SEED, default=0, show_default=True,
-              help="Seed of the model init and the data order (a 64-bit signed integer).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
-              help="Seconds any collective may wait before the run fails (multi-rank runs).")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the measured steps as a Chrome/Perfetto trace (rank 0).")
-@click.option("--save-every", type=click.IntRange(1), default=None, metavar="K",
-              help="Checkpoint every K steps too (needs --save-dir).")
-@click.option("--save-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Checkpoint root (atomic step-N directories and a `latest` pointer): saved at the end "
-                   "and on Ctrl-C, and every --save-every K steps.")
-@click.option("--keep", type=click.IntRange(1), default=2, show_default=True, metavar="N",
-              help="Checkpoints kept in --save-dir (the newest N; older ones are deleted after each save).")
-@click.option("--resume", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
-              help="Continue from a checkpoint (any plan of this model); --steps counts the total.")
-@click.option("--eval-every", type=click.IntRange(1), default=None, metavar="K",
-              help="Every K steps print a held-out loss (eval mode, no grad), averaged over 4 fixed "
-                   "micro-batches from the last 5% of the corpus; with this option training draws only "
-                   "from the other 95%, so it never sees a held-out token.")
-@click.option("--max-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
-              help="Clip gradients to this global L2 norm; needs a plan made with "
-                   "`protrain plan --max-grad-norm X` (CPU AdamW after backward).")
-@click.option("--log-every", type=click.IntRange(1), default=None, metavar="K",
-              help="Print a plain `step N  loss …` line every K steps (the default when stdout is not a "
-                   "terminal, K=10); on a terminal this replaces the progress bar.")
-@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="Append one JSON object per step (step, loss, tokens/s, peak bytes; held-out loss "
-                   "when evaluated) to FILE (rank 0).")
-@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
-                   "the tokenizer) that transformers' from_pretrained loads; needs --hf-config. With --lora: "
-                   "the adapter in peft's format (adapter_config.json, adapter_model.safetensors, the "
-                   "tokenizer), for PeftModel.from_pretrained.")
-@click.option("--export-merged", "export_merged", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="With --lora and --hf-config: after training, write the base with the adapter merged in "
-                   "as a Hugging Face model directory (AutoModelForCausalLM.from_pretrained loads it).")
+@click.option(
+    "--data",
+    "data_path",
+    default=None,
+    metavar="FILE",
+    help="Text file, JSON lines (.jsonl, see --text-field) or a token file (`protrain tokenize`); "
+    "default: the embedded Python docs. Tokens: the model's own tokenizer.json with "
+    "--hf-config DIR, else bytes.",
+)
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    metavar="NAME",
+    help="Field of each .jsonl line that holds the text.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    default=None,
+    metavar="DIR|bytes",
+    help="Tokenizer directory (tokenizer.json) or `bytes` for byte-level tokens "
+    "[default: the --hf-config directory's tokenizer if it has one, else bytes].",
+)
+@click.option(
+    "--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps."
+)
+@click.option(
+    "--lr",
+    type=LEARNING_RATE,
+    default=3e-3,
+    show_default=True,
+    help="AdamW learning rate (positive and finite).",
+)
+@click.option(
+    "--weight-decay",
+    type=click.FloatRange(min=0),
+    default=0.01,
+    show_default=True,
+    metavar="X",
+    help="AdamW's decoupled weight decay, applied to every parameter (one group).",
+)
+@click.option(
+    "--betas",
+    type=(BETA, BETA),
+    default=(0.9, 0.999),
+    show_default=True,
+    metavar="B1 B2",
+    help="AdamW's moment decay rates, each in [0, 1).",
+)
+@click.option(
+    "--eps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1e-8,
+    show_default=True,
+    metavar="X",
+    help="AdamW's epsilon (added to the root of the second moment).",
+)
+@click.option(
+    "--seed",
+    type=SEED,
+    default=0,
+    show_default=True,
+    help="Seed of the model init and the data order (a 64-bit signed integer).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Seconds any collective may wait before the run fails (multi-rank runs).",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the measured steps as a Chrome/Perfetto trace (rank 0).",
+)
+@click.option(
+    "--save-every",
+    type=click.IntRange(1),
+    default=None,
+    metavar="K",
+    help="Checkpoint every K steps too (needs --save-dir).",
+)
+@click.option(
+    "--save-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Checkpoint root (atomic step-N directories and a `latest` pointer): saved at the end "
+    "and on Ctrl-C, and every --save-every K steps.",
+)
+@click.option(
+    "--keep",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    metavar="N",
+    help="Checkpoints kept in --save-dir (the newest N; older ones are deleted after each save).",
+)
+@click.option(
+    "--resume",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Continue from a checkpoint (any plan of this model); --steps counts the total.",
+)
+@click.option(
+    "--eval-every",
+    type=click.IntRange(1),
+    default=None,
+    metavar="K",
+    help="Every K steps print a held-out loss (eval mode, no grad), averaged over 4 fixed "
+    "micro-batches from the last 5% of the corpus; with this option training draws only "
+    "from the other 95%, so it never sees a held-out token.",
+)
+@click.option(
+    "--max-grad-norm",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="X",
+    help="Clip gradients to this global L2 norm; needs a plan made with "
+    "`protrain plan --max-grad-norm X` (CPU AdamW after backward).",
+)
+@click.option(
+    "--log-every",
+    type=click.IntRange(1),
+    default=None,
+    metavar="K",
+    help="Print a plain `step N  loss …` line every K steps (the default when stdout is not a "
+    "terminal, K=10); on a terminal this replaces the progress bar.",
+)
+@click.option(
+    "--metrics",
+    "metrics_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Append one JSON object per step (step, loss, tokens/s, peak bytes; held-out loss "
+    "when evaluated) to FILE (rank 0).",
+)
+@click.option(
+    "--export",
+    "export_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="After training, write a Hugging Face model directory (config.json, model.safetensors, "
+    "the tokenizer) that transformers' from_pretrained loads; needs --hf-config. With --lora: "
+    "the adapter in peft's format (adapter_config.json, adapter_model.safetensors, the "
+    "tokenizer), for PeftModel.from_pretrained.",
+)
+@click.option(
+    "--export-merged",
+    "export_merged",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="With --lora and --hf-config: after training, write the base with the adapter merged in "
+    "as a Hugging Face model directory (AutoModelForCausalLM.from_pretrained loads it).",
+)
 @lora_options
-@click.option("--nvme", "nvme_dir", default=None, metavar="DIR", type=click.Path(file_okay=False),
-              help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
-                   "(placement.nvme); an unlinked file there, gone when training ends.")
-def train(plan_path, model_name, hf_config, blocks, data_path, text_field, tokenizer, steps, lr, weight_decay,
-          betas, eps, seed, timeout_s,
-          trace_path, save_every, save_dir, keep, resume, eval_every, max_grad_norm, log_every, metrics_path,
-          export_dir, nvme_dir, export_merged, **lora):
+@click.option(
+    "--nvme",
+    "nvme_dir",
+    default=None,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Directory on a fast local disk for the optimizer states the plan keeps on disk "
+    "(placement.nvme); an unlinked file there, gone when training ends.",
+)
+def train(
+    plan_path,
+    model_name,
+    hf_config,
+    blocks,
+    data_path,
+    text_field,
+    tokenizer,
+    steps,
+    lr,
+    weight_decay,
+    betas,
+    eps,
+    seed,
+    timeout_s,
+    trace_path,
+    save_every,
+    save_dir,
+    keep,
+    resume,
+    eval_every,
+    max_grad_norm,
+    log_every,
+    metrics_path,
+    export_dir,
+    nvme_dir,
+    export_merged,
+    **lora,
+):
     """Train a zoo or Hugging Face model by replaying a plan (under torchrun for several ranks).
 
     Ctrl-C stops after the current step (checkpointing first with --save-dir) and
@@ -428,12 +757,35 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
     from .train import train as run
 
     model_name = model_option(model_name, hf_config, blocks, required=True)
-    losses = run(plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr, timeout_s=timeout_s,
-                 weight_decay=weight_decay, betas=tuple(betas), eps=eps,
-                 trace_path=trace_path, echo=click.echo, save_every=save_every, save_dir=save_dir, resume=resume,
-                 eval_every=eval_every, max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer,
-                 text_field=text_field, log_every=log_every, metrics_path=metrics_path, export_dir=export_dir,
-                 progress=None, nvme_dir=nvme_dir, lora=lora_spec(**lora), export_merged=export_merged)
+    losses = run(
+        plan_path,
+        model_name,
+        steps=steps,
+        data_path=data_path,
+        seed=seed,
+        lr=lr,
+        timeout_s=timeout_s,
+        weight_decay=weight_decay,
+        betas=tuple(betas),
+        eps=eps,
+        trace_path=trace_path,
+        echo=click.echo,
+        save_every=save_every,
+        save_dir=save_dir,
+        resume=resume,
+        eval_every=eval_every,
+        max_grad_norm=max_grad_norm,
+        keep=keep,
+        tokenizer=tokenizer,
+        text_field=text_field,
+        log_every=log_every,
+        metrics_path=metrics_path,
+        export_dir=export_dir,
+        progress=None,
+        nvme_dir=nvme_dir,
+        lora=lora_spec(**lora),
+        export_merged=export_merged,
+    )
     code = EXIT_INTERRUPTED if getattr(losses, "interrupted", False) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A rank of a finished multi-rank run (its process group destroyed, its files closed)
@@ -449,13 +801,30 @@ def train(plan_path, model_name, hf_config, blocks, data_path, text_field, token
 
 
 @main.command()
-@click.option("--data", "data_path", required=True, metavar="FILE",
-              help="Text file, or JSON lines (.jsonl, see --text-field), read a piece at a time.")
-@click.option("--text-field", default="text", show_default=True, metavar="NAME",
-              help="Field of each .jsonl line that holds the text.")
-@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
-              help="Tokenizer directory (tokenizer.json) [default: byte-level tokens].")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Token file to write.")
+@click.option(
+    "--data",
+    "data_path",
+    required=True,
+    metavar="FILE",
+    help="Text file, or JSON lines (.jsonl, see --text-field), read a piece at a time.",
+)
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    metavar="NAME",
+    help="Field of each .jsonl line that holds the text.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    default=None,
+    metavar="DIR",
+    help="Tokenizer directory (tokenizer.json) [default: byte-level tokens].",
+)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Token file to write."
+)
 def tokenize(data_path, text_field, tokenizer, output):
     """Tokenise a corpus of any size once, into a token file `train --data` memory-maps.
 
@@ -469,19 +838,36 @@ def tokenize(data_path, text_field, tokenizer, output):
     output_file(output, "--output")
     source = run(data_path, output, tokenizer=tokenizer, text_field=text_field)
     width = "uint16" if source.tokens.dtype.itemsize == 2 else "uint32"
-    click.echo(f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary {source.vocab_size}) "
-               f"from {data_path}; train on it with `protrain train --data {output} …`")
+    click.echo(
+        f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary {source.vocab_size}) "
+        f"from {data_path}; train on it with `protrain train --data {output} …`"
+    )
 
 
 @main.command()
-@click.option("--resume", "checkpoint", required=True, metavar="CKPT",
-              type=click.Path(exists=True, file_okay=False),
-              help="Checkpoint to export: a --save-dir root (its `latest`) or one step directory.")
+@click.option(
+    "--resume",
+    "checkpoint",
+    required=True,
+    metavar="CKPT",
+    type=click.Path(exists=True, file_okay=False),
+    help="Checkpoint to export: a --save-dir root (its `latest`) or one step directory.",
+)
 @hf_options
-@click.option("--tokenizer", "tokenizer", default=None, metavar="DIR",
-              help="Tokenizer directory whose files to copy [default: the --hf-config directory's, if any].")
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
-              help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.")
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    default=None,
+    metavar="DIR",
+    help="Tokenizer directory whose files to copy [default: the --hf-config directory's, if any].",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.",
+)
 def export(checkpoint, hf_config, blocks, tokenizer, output):
     """Export a training checkpoint as a Hugging Face model directory (from_pretrained loads it).
 
@@ -492,26 +878,46 @@ def export(checkpoint, hf_config, blocks, tokenizer, output):
     from .train import _tokenizer_dir
 
     if hf_config is None:
-        raise click.UsageError("give --hf-config PATH: the config the checkpoint's model was trained from")
+        raise click.UsageError(
+            "give --hf-config PATH: the config the checkpoint's model was trained from"
+        )
     output_dir(output, "--output", create=False, must_be_empty=True)
     model_name = model_option(None, hf_config, blocks, required=True)
-    out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer))
+    out = export_checkpoint(
+        checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer)
+    )
     click.echo(f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
 
 @main.command()
 @click.option("--hardware", required=True, metavar="SPEC", help="Hardware spec (name or file).")
-@click.option("--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory].")
-@click.option("--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length.")
+@click.option(
+    "--budget", default=None, metavar="SIZE", help="Device memory budget [default: usable memory]."
+)
+@click.option(
+    "--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length."
+)
 @hf_options
-@click.option("--host-memory", default=None, metavar="SIZE",
-              help="Host RAM of the machine, shared by the --world-size ranks: each rank may use "
-                   "SIZE/N less 10% and 2 GiB [default: N times the spec's RAM, which is one rank's share].")
-@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True,
-              help="Ranks (ZeRO-3), one device each, sharing --host-memory.")
-@click.option("--nvme", is_flag=True,
-              help="Let plans keep optimizer states on disk where host memory binds (train with "
-                   "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).")
+@click.option(
+    "--host-memory",
+    default=None,
+    metavar="SIZE",
+    help="Host RAM of the machine, shared by the --world-size ranks: each rank may use "
+    "SIZE/N less 10% and 2 GiB [default: N times the spec's RAM, which is one rank's share].",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Ranks (ZeRO-3), one device each, sharing --host-memory.",
+)
+@click.option(
+    "--nvme",
+    is_flag=True,
+    help="Let plans keep optimizer states on disk where host memory binds (train with "
+    "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).",
+)
 @lora_options
 def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme, **lora):
     """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
@@ -530,14 +936,31 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme,
             raise click.UsageError("--blocks goes with --hf-config (a model to fit)")
         from .fit import run_fit
 
-        run_fit(hardware, budget=budget, seq_len=seq, echo=click.echo, host_memory=host_memory,
-                world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
+        run_fit(
+            hardware,
+            budget=budget,
+            seq_len=seq,
+            echo=click.echo,
+            host_memory=host_memory,
+            world_size=world_size,
+            nvme=nvme,
+            lora=lora_spec(**lora),
+        )
         return
     from .fit_config import run_model_fit
 
     model_name = model_option(None, hf_config, blocks, required=True)
-    run_model_fit(model_name, hardware, budget=budget, host_memory=host_memory, seq_len=seq, echo=click.echo,
-                  world_size=world_size, nvme=nvme, lora=lora_spec(**lora))
+    run_model_fit(
+        model_name,
+        hardware,
+        budget=budget,
+        host_memory=host_memory,
+        seq_len=seq,
+        echo=click.echo,
+        world_size=world_size,
+        nvme=nvme,
+        lora=lora_spec(**lora),
+    )
 
 
 @main.group()
@@ -546,13 +969,25 @@ def hardware() -> None:
 
 
 @hardware.command()
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Spec file to write.")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-              help="Device to probe.")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="Spec file to write."
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="Device to probe.",
+)
 @click.option("--quick", is_flag=True, help="Smaller, faster measurements.")
-@click.option("--nvme", default=None, metavar="DIR", type=click.Path(file_okay=False),
-              help="Also measure the read and write bandwidth of the disk under DIR, for plans that keep "
-                   "optimizer states there (`protrain plan --nvme`).")
+@click.option(
+    "--nvme",
+    default=None,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Also measure the read and write bandwidth of the disk under DIR, for plans that keep "
+    "optimizer states there (`protrain plan --nvme`).",
+)
 def probe(output, device, quick, nvme):
     """Measure this machine (GPU via NVML, copy bandwidth, Adam rates) into a spec file."""
     from ..hardware.probe import probe_to_file
@@ -563,27 +998,65 @@ def probe(output, device, quick, nvme):
 
 
 @main.command()
-@click.option("--model", "model_name", default="gpt2-tiny", show_default=True, metavar="NAME",
-              help="Zoo model to train (small ones only: it trains on this machine's device).")
-@click.option("--steps", default=30, show_default=True, type=click.IntRange(1),
-              help="Optimizer steps to train.")
-@click.option("--data", "data_path", default=None, metavar="FILE",
-              help="Text file to train on (byte-level tokens); default: the embedded Python docs.")
-@click.option("--out", "out_dir", default="quickstart", show_default=True, metavar="DIR",
-              help="Directory for the profile and the plan.")
-@click.option("--budget", default=None, metavar="SIZE",
-              help="Memory budget [default: 60% of the predicted peak of the fastest plan with all of "
-                   "the device's usable memory, so the plan must trade memory for time].")
-@click.option("--seed", type=SEED, default=0, show_default=True,
-              help="Seed of the model init and the data order (a 64-bit signed integer).")
+@click.option(
+    "--model",
+    "model_name",
+    default="gpt2-tiny",
+    show_default=True,
+    metavar="NAME",
+    help="Zoo model to train (small ones only: it trains on this machine's device).",
+)
+@click.option(
+    "--steps",
+    default=30,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Optimizer steps to train.",
+)
+@click.option(
+    "--data",
+    "data_path",
+    default=None,
+    metavar="FILE",
+    help="Text file to train on (byte-level tokens); default: the embedded Python docs.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="quickstart",
+    show_default=True,
+    metavar="DIR",
+    help="Directory for the profile and the plan.",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SIZE",
+    help="Memory budget [default: 60% of the predicted peak of the fastest plan with all of "
+    "the device's usable memory, so the plan must trade memory for time].",
+)
+@click.option(
+    "--seed",
+    type=SEED,
+    default=0,
+    show_default=True,
+    help="Seed of the model init and the data order (a 64-bit signed integer).",
+)
 def quickstart(model_name, steps, data_path, out_dir, budget, seed):
     """Profile → plan → train a small model end to end on whatever device is present."""
     from .preflight import output_dir
     from .quickstart import run
 
     output_dir(out_dir, "--out")
-    run(model_name=model_name, steps=steps, data_path=data_path, out_dir=out_dir, budget=budget,
-        seed=seed, echo=click.echo)
+    run(
+        model_name=model_name,
+        steps=steps,
+        data_path=data_path,
+        out_dir=out_dir,
+        budget=budget,
+        seed=seed,
+        echo=click.echo,
+    )
 
 
 if __name__ == "__main__":

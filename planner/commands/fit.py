@@ -104,7 +104,6 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 """Micro-batch candidates tried at the largest fitting size."""
 
 
-
 # ---------------------------------------------------------------------------- ladders
 
 
@@ -126,8 +125,9 @@ def gpt2_ladder(seq_len: int = 1024) -> list[GPT2Config]:
     for w in widths:
         n_layer = round(_lerp(depth, w)) if w <= 4096 else 2 * round(48 * w / 4096 / 2)
         head = 64 if w < 2048 else 128
-        out.append(GPT2Config(n_layer=n_layer, n_head=w // head, n_embd=w,
-                              block_size=max(1024, seq_len)))
+        out.append(
+            GPT2Config(n_layer=n_layer, n_head=w // head, n_embd=w, block_size=max(1024, seq_len))
+        )
     return out
 
 
@@ -155,11 +155,27 @@ def llama_ladder(seq_len: int = 4096) -> list[LlamaConfig]:
             ffn = 256 * math.ceil((f0 + t * (f1 - f0)) / 256)
             n_head = dim // 128
             n_kv = n_head if dim <= 5120 else math.gcd(n_head, 8)
-            out.append(LlamaConfig(n_layer=round(l0 + t * (l1 - l0)), n_head=n_head, n_kv_head=n_kv,
-                                   dim=dim, ffn_dim=ffn, max_seq_len=max(4096, seq_len)))
+            out.append(
+                LlamaConfig(
+                    n_layer=round(l0 + t * (l1 - l0)),
+                    n_head=n_head,
+                    n_kv_head=n_kv,
+                    dim=dim,
+                    ffn_dim=ffn,
+                    max_seq_len=max(4096, seq_len),
+                )
+            )
     l1, d1, f1 = LLAMA_ANCHORS[-1]
-    out.append(LlamaConfig(n_layer=l1, n_head=d1 // 128, n_kv_head=8, dim=d1, ffn_dim=f1,
-                           max_seq_len=max(4096, seq_len)))
+    out.append(
+        LlamaConfig(
+            n_layer=l1,
+            n_head=d1 // 128,
+            n_kv_head=8,
+            dim=d1,
+            ffn_dim=f1,
+            max_seq_len=max(4096, seq_len),
+        )
+    )
     return out
 
 
@@ -168,8 +184,11 @@ def ladder(family: str, seq_len: int) -> list[GPT2Config] | list[LlamaConfig]:
         return gpt2_ladder(seq_len)
     if family == "llama":
         return llama_ladder(seq_len)
-    raise ConfigError(f"unknown model family {family!r}{did_you_mean(family, FAMILIES)}; "
-                      f"choose one of {', '.join(FAMILIES)}", "pass family='gpt2' or 'llama'")
+    raise ConfigError(
+        f"unknown model family {family!r}{did_you_mean(family, FAMILIES)}; "
+        f"choose one of {', '.join(FAMILIES)}",
+        "pass family='gpt2' or 'llama'",
+    )
 
 
 def n_params(cfg: GPT2Config | LlamaConfig) -> int:
@@ -278,8 +297,9 @@ _SHALLOW: dict[tuple, tuple[Profile, list]] = {}
 (``_profile``): the depths of one width (fit.py [Between rungs]) share it."""
 
 
-def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
-             lora=None) -> Profile:
+def _profile(
+    cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, digest: str, lora=None
+) -> Profile:
     """The analytic profile of ``cfg`` (with ``lora``'s adapters, its base frozen). A deep
     model's blocks are all alike, so its profile is a shallow model's (``REPLICA_BLOCKS``
     blocks) with the interior block repeated (``deepen.deepen``, equal field by field to
@@ -295,10 +315,16 @@ def _profile(cfg, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec
             shallow = dataclasses.replace(cfg, n_layer=REPLICA_BLOCKS)
             skey = (shallow, micro_batch, seq_len, dtype, digest, lora)
             if skey not in _SHALLOW:
-                _keep(_SHALLOW, skey, _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec, lora))
+                _keep(
+                    _SHALLOW,
+                    skey,
+                    _analytic(shallow, "shallow", micro_batch, seq_len, dtype, spec, lora),
+                )
             deep = deepen(*_SHALLOW[skey], cfg.n_layer)
             if deep is not None:
-                profile = msgspec.structs.replace(deep[0], model=msgspec.structs.replace(deep[0].model, name=name))
+                profile = msgspec.structs.replace(
+                    deep[0], model=msgspec.structs.replace(deep[0].model, name=name)
+                )
         if profile is None:
             profile = _analytic(cfg, name, micro_batch, seq_len, dtype, spec, lora)[0]
         _keep(_PROFILES, key, profile)
@@ -310,8 +336,9 @@ _MODELS: dict[tuple, tuple] = {}
 width's micro-batches share them (analytic_profile changes neither)."""
 
 
-def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec,
-              lora=None) -> tuple[Profile, list]:
+def _analytic(
+    cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: HardwareSpec, lora=None
+) -> tuple[Profile, list]:
     """``analytic.analytic_profile`` of ``cfg`` built on meta (with ``lora``'s adapters), and
     its parameter signature."""
     import torch
@@ -334,8 +361,16 @@ def _analytic(cfg, name: str, micro_batch: int, seq_len: int, dtype: str, spec: 
         blocks = block_paths(model)
         _keep(_MODELS, key, (model, blocks, parameter_trace(model, blocks, seq_len)))
     model, blocks, graph = _MODELS[key]
-    return analytic_profile(model, name=name, blocks=blocks, micro_batch=micro_batch, seq_len=seq_len,
-                            compute_dtype=dtype, spec=spec, graph=graph), model_signature(model)
+    return analytic_profile(
+        model,
+        name=name,
+        blocks=blocks,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        compute_dtype=dtype,
+        spec=spec,
+        graph=graph,
+    ), model_signature(model)
 
 
 def host_need_bytes(plan: P.Plan) -> int:
@@ -344,8 +379,14 @@ def host_need_bytes(plan: P.Plan) -> int:
     return int(b.get("host_bytes", 0)) + int(b.get("host_swap_bytes", 0))
 
 
-def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1, nvme: bool = False,
-                      lora: bool = False) -> int:
+def _host_floor_bytes(
+    n: int,
+    budget_bytes: int,
+    dtype: str,
+    world_size: int = 1,
+    nvme: bool = False,
+    lora: bool = False,
+) -> int:
     """A lower bound of the host need per rank of any plan for ``n`` parameters: what is
     left to offload, sharded over ``world_size`` ranks, when the whole device budget holds
     persistent parameters at their compute dtype alone, or device-homed ones at their shard of
@@ -359,13 +400,26 @@ def _host_floor_bytes(n: int, budget_bytes: int, dtype: str, world_size: int = 1
     if lora:
         return max(0, n - budget_bytes // eb.compute) * eb.compute // world_size
     host = eb.host - (eb.compute if dtype != "float32" else 0)  # 16-bit: homeless chunks (12 B)
-    on_device = max(budget_bytes // eb.compute, budget_bytes * world_size // memory_walk.HOMED_BYTES)
+    on_device = max(
+        budget_bytes // eb.compute, budget_bytes * world_size // memory_walk.HOMED_BYTES
+    )
     return max(0, n - on_device) * host // world_size
 
 
-def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpec, digest: str,
-           budget_bytes: int, host_budget_bytes: int, world_size: int = 1, nvme: bool = False,
-           lora=None) -> Probe:
+def _probe(
+    cfg,
+    micro_batch: int,
+    *,
+    seq_len: int,
+    dtype: str,
+    spec: HardwareSpec,
+    digest: str,
+    budget_bytes: int,
+    host_budget_bytes: int,
+    world_size: int = 1,
+    nvme: bool = False,
+    lora=None,
+) -> Probe:
     from ..search.planning import make_plan
     from ..views.show import human_bytes
 
@@ -374,33 +428,65 @@ def _probe(cfg, micro_batch: int, *, seq_len: int, dtype: str, spec: HardwareSpe
     host_budget = host_budget_bytes
     floor = _host_floor_bytes(n, budget_bytes, dtype, world_size, nvme, lora is not None)
     if floor > host_budget:
-        return Probe(cfg, n, micro_batch, False,
-                     f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
-                     time.perf_counter() - t0)
+        return Probe(
+            cfg,
+            n,
+            micro_batch,
+            False,
+            f"host memory: needs at least {human_bytes(floor)}, {human_bytes(host_budget)} usable",
+            time.perf_counter() - t0,
+        )
     profile = _profile(cfg, micro_batch, seq_len, dtype, spec, digest, lora)
     try:
-        plan, _ = make_plan(profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size,
-                            nvme=nvme)
+        plan, _ = make_plan(
+            profile, budget_bytes, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme
+        )
     except HostMemoryError as e:
-        return Probe(cfg, n, micro_batch, False,
-                     f"host memory: needs {human_bytes(e.need)}, {human_bytes(e.available)} usable",
-                     time.perf_counter() - t0)
+        return Probe(
+            cfg,
+            n,
+            micro_batch,
+            False,
+            f"host memory: needs {human_bytes(e.need)}, {human_bytes(e.available)} usable",
+            time.perf_counter() - t0,
+        )
     except BudgetError:
-        return Probe(cfg, n, micro_batch, False, "device memory: no configuration fits the budget",
-                     time.perf_counter() - t0)
-    return Probe(cfg, n, micro_batch, True, f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iter",
-                 time.perf_counter() - t0, plan)
+        return Probe(
+            cfg,
+            n,
+            micro_batch,
+            False,
+            "device memory: no configuration fits the budget",
+            time.perf_counter() - t0,
+        )
+    return Probe(
+        cfg,
+        n,
+        micro_batch,
+        True,
+        f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iter",
+        time.perf_counter() - t0,
+        plan,
+    )
 
 
 # ---------------------------------------------------------------------------- search
 
 
-def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None = None,
-                    seq_len: int = 1024, micro_batches: Sequence[int] = MICRO_BATCHES,
-                    compute_dtype: str = "bfloat16",
-                    progress: Callable[[Probe], None] | None = None,
-                    host_memory_bytes: int | None = None, world_size: int = 1, nvme: bool = False,
-                    lora=None) -> FitResult:
+def largest_fitting(
+    family: str,
+    spec: HardwareSpec,
+    *,
+    budget_bytes: int | None = None,
+    seq_len: int = 1024,
+    micro_batches: Sequence[int] = MICRO_BATCHES,
+    compute_dtype: str = "bfloat16",
+    progress: Callable[[Probe], None] | None = None,
+    host_memory_bytes: int | None = None,
+    world_size: int = 1,
+    nvme: bool = False,
+    lora=None,
+) -> FitResult:
     """The largest rung of ``family``'s ladder that trains on ``world_size`` ``spec``
     devices (ZeRO-3), and the largest of ``micro_batches`` at that size (see the module
     docstring).
@@ -418,10 +504,14 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     configs = ladder(family, seq_len)
     budget = spec.usable_memory_bytes if budget_bytes is None else budget_bytes
     # A spec's host RAM is one rank's share (``HardwareSpec``), so N ranks' machine has N of them.
-    host_memory = spec.host_memory_bytes * world_size if host_memory_bytes is None else host_memory_bytes
+    host_memory = (
+        spec.host_memory_bytes * world_size if host_memory_bytes is None else host_memory_bytes
+    )
     host_budget = host_budget_per_rank(host_memory, world_size)
     if not micro_batches or min(micro_batches) < 1:
-        raise ConfigError(f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16")
+        raise ConfigError(
+            f"micro-batches must be positive, got {list(micro_batches)}", "e.g. 1 2 4 8 16"
+        )
     mbs = sorted(set(micro_batches))
     if nvme:
         require_disk(spec)
@@ -429,24 +519,51 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     probes: list[Probe] = []
 
     def probe(cfg: GPT2Config | LlamaConfig, mb: int) -> Probe:
-        p = _probe(cfg, mb, seq_len=seq_len, dtype=compute_dtype, spec=spec, digest=digest,
-                   budget_bytes=budget, host_budget_bytes=host_budget, world_size=world_size, nvme=nvme,
-                   lora=lora)
+        p = _probe(
+            cfg,
+            mb,
+            seq_len=seq_len,
+            dtype=compute_dtype,
+            spec=spec,
+            digest=digest,
+            budget_bytes=budget,
+            host_budget_bytes=host_budget,
+            world_size=world_size,
+            nvme=nvme,
+            lora=lora,
+        )
         probes.append(p)
         if progress is not None:
             progress(p)
         return p
 
     # Rungs whose host floor already exceeds the host cost nothing to rule out.
-    hi = next((i for i, c in enumerate(configs)
-               if _host_floor_bytes(n_params(c), budget, compute_dtype, world_size, nvme, lora is not None)
-               > host_budget),
-              len(configs))
+    hi = next(
+        (
+            i
+            for i, c in enumerate(configs)
+            if _host_floor_bytes(
+                n_params(c), budget, compute_dtype, world_size, nvme, lora is not None
+            )
+            > host_budget
+        ),
+        len(configs),
+    )
     lo, best, limit = -1, None, "end of the ladder"
     if hi < len(configs):
-        limit = _probe(configs[hi], mbs[0], seq_len=seq_len, dtype=compute_dtype, spec=spec,
-                       digest=digest, budget_bytes=budget, host_budget_bytes=host_budget,
-                       world_size=world_size, nvme=nvme, lora=lora).reason
+        limit = _probe(
+            configs[hi],
+            mbs[0],
+            seq_len=seq_len,
+            dtype=compute_dtype,
+            spec=spec,
+            digest=digest,
+            budget_bytes=budget,
+            host_budget_bytes=host_budget,
+            world_size=world_size,
+            nvme=nvme,
+            lora=lora,
+        ).reason
     # Invariant: rung lo fits (or lo = -1), rung hi does not (or hi = len).
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -470,7 +587,10 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     config = configs[lo]
     next_config = configs[lo + 1] if lo + 1 < len(configs) else None
     if next_config is not None:
-        deeper = [dataclasses.replace(config, n_layer=d) for d in range(config.n_layer + 1, 2 * config.n_layer)]
+        deeper = [
+            dataclasses.replace(config, n_layer=d)
+            for d in range(config.n_layer + 1, 2 * config.n_layer)
+        ]
         deeper = [c for c in deeper if n_params(c) < n_params(next_config)]
         d_lo, d_hi = -1, len(deeper)
         while d_hi - d_lo > 1:
@@ -495,14 +615,28 @@ def largest_fitting(family: str, spec: HardwareSpec, *, budget_bytes: int | None
     assert plan is not None, f"{best=}"
     iter_us = plan.prediction.iter_time_us
     return FitResult(
-        family=family, hardware=spec.name, budget_bytes=budget, host_memory_bytes=host_memory,
-        seq_len=seq_len, compute_dtype=compute_dtype, config=config, n_params=best.n_params,
-        micro_batch=best.micro_batch, iter_time_us=iter_us,
+        family=family,
+        hardware=spec.name,
+        budget_bytes=budget,
+        host_memory_bytes=host_memory,
+        seq_len=seq_len,
+        compute_dtype=compute_dtype,
+        config=config,
+        n_params=best.n_params,
+        micro_batch=best.micro_batch,
+        iter_time_us=iter_us,
         tokens_per_s=world_size * best.micro_batch * seq_len / (iter_us / 1e6) if iter_us else 0.0,
-        peak_bytes=plan.prediction.peak_memory_bytes, host_bytes=host_need_bytes(plan),
-        plan=plan, limit=limit, probes=probes, seconds=time.perf_counter() - t0,
-        world_size=world_size, host_budget_bytes=host_budget,
-        next_config=next_config, nvme=nvme, disk_bytes=memory_walk.walk(plan).disk_bytes,
+        peak_bytes=plan.prediction.peak_memory_bytes,
+        host_bytes=host_need_bytes(plan),
+        plan=plan,
+        limit=limit,
+        probes=probes,
+        seconds=time.perf_counter() - t0,
+        world_size=world_size,
+        host_budget_bytes=host_budget,
+        next_config=next_config,
+        nvme=nvme,
+        disk_bytes=memory_walk.walk(plan).disk_bytes,
     )
 
 
@@ -517,36 +651,65 @@ def render_fit(results: Sequence[FitResult]) -> str:
         return "no results"
     r0 = results[0]
     ranks = "one device" if r0.world_size == 1 else f"{r0.world_size} ranks (ZeRO-3)"
-    lines = [f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
-             f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} per rank usable), "
-             f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"
-             + (", optimizer states may go to disk (--nvme)" if r0.nvme else "")]
+    lines = [
+        f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
+        f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} per rank usable), "
+        f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"
+        + (", optimizer states may go to disk (--nvme)" if r0.nvme else "")
+    ]
     head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host") + (
-        ("disk",) if r0.nvme else ())
+        ("disk",) if r0.nvme else ()
+    )
     rows = [head]
     for r in results:
-        rows.append((r.family, f"{r.n_params / 1e9:.2f}B", describe(r.config), str(r.micro_batch),
-                     f"{r.iter_time_us / 1e6:.2f} s", f"{r.tokens_per_s:,.0f}",
-                     human_bytes(r.peak_bytes), human_bytes(r.host_bytes))
-                    + ((human_bytes(r.disk_bytes),) if r0.nvme else ()))
+        rows.append(
+            (
+                r.family,
+                f"{r.n_params / 1e9:.2f}B",
+                describe(r.config),
+                str(r.micro_batch),
+                f"{r.iter_time_us / 1e6:.2f} s",
+                f"{r.tokens_per_s:,.0f}",
+                human_bytes(r.peak_bytes),
+                human_bytes(r.host_bytes),
+            )
+            + ((human_bytes(r.disk_bytes),) if r0.nvme else ())
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for k, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     .rstrip())
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     for r in results:
-        nxt = (f"next size ({n_params(r.next_config) / 1e9:.2f}B) stopped by {r.limit}" if r.next_config
-               else f"next size: {r.limit}")
-        lines.append(f"{r.family}: binds {r.binds}; {nxt} ({len(r.probes)} probes, {r.seconds:.0f} s)")
+        nxt = (
+            f"next size ({n_params(r.next_config) / 1e9:.2f}B) stopped by {r.limit}"
+            if r.next_config
+            else f"next size: {r.limit}"
+        )
+        lines.append(
+            f"{r.family}: binds {r.binds}; {nxt} ({len(r.probes)} probes, {r.seconds:.0f} s)"
+        )
     return "\n".join(lines)
 
 
-def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
-            families: Sequence[str] = FAMILIES, micro_batches: Sequence[int] = MICRO_BATCHES,
-            compute_dtype: str = "bfloat16", echo: Callable[[str], None] = print,
-            host_memory: str | None = None, world_size: int = 1, nvme: bool = False,
-            lora=None) -> list[FitResult]:
+def run_fit(
+    hardware: str,
+    *,
+    budget: str | None = None,
+    seq_len: int = 1024,
+    families: Sequence[str] = FAMILIES,
+    micro_batches: Sequence[int] = MICRO_BATCHES,
+    compute_dtype: str = "bfloat16",
+    echo: Callable[[str], None] = print,
+    host_memory: str | None = None,
+    world_size: int = 1,
+    nvme: bool = False,
+    lora=None,
+) -> list[FitResult]:
     """``protrain fit --hardware X [--budget SIZE] [--host-memory SIZE] [--world-size N] [--nvme]``:
     search every family, print the table."""
     from ..hardware.spec import find_spec
@@ -558,15 +721,30 @@ def run_fit(hardware: str, *, budget: str | None = None, seq_len: int = 1024,
     results = []
     for family in families:
         on = spec.name if world_size == 1 else f"{world_size} x {spec.name}"
-        echo(f"fit      {family}{f' ({lora.describe()})' if lora else ''}: bisecting the ladder on {on} …")
+        echo(
+            f"fit      {family}{f' ({lora.describe()})' if lora else ''}: bisecting the ladder on {on} …"
+        )
 
         def progress(p: Probe) -> None:
-            echo(f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
-                 f"{p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)")
+            echo(
+                f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
+                f"{p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)"
+            )
 
-        results.append(largest_fitting(family, spec, budget_bytes=budget_bytes, seq_len=seq_len,
-                                       micro_batches=micro_batches, compute_dtype=compute_dtype,
-                                       progress=progress, host_memory_bytes=host_bytes,
-                                       world_size=world_size, nvme=nvme, lora=lora))
+        results.append(
+            largest_fitting(
+                family,
+                spec,
+                budget_bytes=budget_bytes,
+                seq_len=seq_len,
+                micro_batches=micro_batches,
+                compute_dtype=compute_dtype,
+                progress=progress,
+                host_memory_bytes=host_bytes,
+                world_size=world_size,
+                nvme=nvme,
+                lora=lora,
+            )
+        )
     echo(render_fit(results))
     return results

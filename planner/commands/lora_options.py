@@ -20,7 +20,9 @@ class LoraSpec:
 
     def describe(self) -> str:
         targets = self.targets or ("the attention projections",)
-        return f"LoRA r={self.r} alpha={self.alpha:g} dropout={self.dropout:g} on {', '.join(targets)}"
+        return (
+            f"LoRA r={self.r} alpha={self.alpha:g} dropout={self.dropout:g} on {', '.join(targets)}"
+        )
 
 
 def click_options(f):
@@ -28,30 +30,68 @@ def click_options(f):
     (passed to the command as keyword arguments; ``spec_from`` reads them)."""
     import click
 
-    for opt in reversed([
-        click.option("--lora", "lora", is_flag=True,
-                     help="LoRA fine-tuning through peft: adapters train, the base is frozen (values only)."),
-        click.option("--lora-r", "lora_r", type=click.IntRange(1), default=16, show_default=True,
-                     help="LoRA rank (with --lora)."),
-        click.option("--lora-alpha", "lora_alpha", type=click.FloatRange(min=0, min_open=True), default=32.0,
-                     show_default=True, help="LoRA alpha (scale alpha/r; with --lora)."),
-        click.option("--lora-dropout", "lora_dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0,
-                     show_default=True, help="Dropout on the adapters' input (with --lora)."),
-        click.option("--lora-targets", "lora_targets", default=None, metavar="NAMES",
-                     help="Comma-separated module names to adapt [default: the family's attention projections]."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--lora",
+                "lora",
+                is_flag=True,
+                help="LoRA fine-tuning through peft: adapters train, the base is frozen (values only).",
+            ),
+            click.option(
+                "--lora-r",
+                "lora_r",
+                type=click.IntRange(1),
+                default=16,
+                show_default=True,
+                help="LoRA rank (with --lora).",
+            ),
+            click.option(
+                "--lora-alpha",
+                "lora_alpha",
+                type=click.FloatRange(min=0, min_open=True),
+                default=32.0,
+                show_default=True,
+                help="LoRA alpha (scale alpha/r; with --lora).",
+            ),
+            click.option(
+                "--lora-dropout",
+                "lora_dropout",
+                type=click.FloatRange(0, 1, max_open=True),
+                default=0.0,
+                show_default=True,
+                help="Dropout on the adapters' input (with --lora).",
+            ),
+            click.option(
+                "--lora-targets",
+                "lora_targets",
+                default=None,
+                metavar="NAMES",
+                help="Comma-separated module names to adapt [default: the family's attention projections].",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
 
-def spec_from(lora: bool = False, lora_r: int = 16, lora_alpha: float = 32.0, lora_dropout: float = 0.0,
-              lora_targets: str | None = None) -> LoraSpec | None:
+def spec_from(
+    lora: bool = False,
+    lora_r: int = 16,
+    lora_alpha: float = 32.0,
+    lora_dropout: float = 0.0,
+    lora_targets: str | None = None,
+) -> LoraSpec | None:
     """The ``LoraSpec`` of ``click_options``' values, or None without ``--lora`` (whose
     companions are then refused, not ignored)."""
     if not lora:
         if lora_r != 16 or lora_alpha != 32.0 or lora_dropout != 0.0 or lora_targets is not None:
-            raise ConfigError("--lora-r, --lora-alpha, --lora-dropout and --lora-targets go with --lora",
-                              "add --lora")
+            raise ConfigError(
+                "--lora-r, --lora-alpha, --lora-dropout and --lora-targets go with --lora",
+                "add --lora",
+            )
         return None
-    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+    targets = (
+        tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+    )
     return LoraSpec(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, targets=targets)

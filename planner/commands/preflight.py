@@ -23,36 +23,51 @@ def output_file(path: str | os.PathLike | None, flag: str) -> None:
         return
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"{flag} {p}: is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}")
+        raise ConfigError(
+            f"{flag} {p}: is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}"
+        )
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise ConfigError(f"{flag} {p}: directory {parent} does not exist",
-                          f"create it first (mkdir -p {parent}) or give {flag} another path")
+        raise ConfigError(
+            f"{flag} {p}: directory {parent} does not exist",
+            f"create it first (mkdir -p {parent}) or give {flag} another path",
+        )
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+        raise ConfigError(
+            f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write"
+        )
 
 
-def output_dir(path: str | os.PathLike | None, flag: str, *, create: bool = True,
-               must_be_empty: bool = False) -> None:
+def output_dir(
+    path: str | os.PathLike | None, flag: str, *, create: bool = True, must_be_empty: bool = False
+) -> None:
     """Refuse a directory ``flag`` will write into that cannot be written; create it if asked."""
     if path is None:
         return
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"{flag} {p}: is a file, not a directory", f"give {flag} a directory path")
+        raise ConfigError(
+            f"{flag} {p}: is a file, not a directory", f"give {flag} a directory path"
+        )
     if must_be_empty and p.is_dir() and any(p.iterdir()):
-        raise ConfigError(f"{flag} {p}: the directory is not empty", f"give {flag} a new or empty directory")
+        raise ConfigError(
+            f"{flag} {p}: the directory is not empty", f"give {flag} a new or empty directory"
+        )
     if create:
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"{flag} {p}: cannot create the directory ({e.strerror})",
-                              f"give {flag} a path you can write") from None
+            raise ConfigError(
+                f"{flag} {p}: cannot create the directory ({e.strerror})",
+                f"give {flag} a path you can write",
+            ) from None
         where = p
     else:
         where = next((q for q in [p, *p.parents] if q.exists()), Path("."))
     if not os.access(where, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write")
+        raise ConfigError(
+            f"{flag} {p}: not writable (permission denied)", f"give {flag} a path you can write"
+        )
 
 
 def available_host_memory() -> int:
@@ -62,7 +77,9 @@ def available_host_memory() -> int:
     return _host_memory()[1]
 
 
-def host_memory_for_build(model_name: str, *, bytes_per_param: int = 4, what: str = "build") -> None:
+def host_memory_for_build(
+    model_name: str, *, bytes_per_param: int = 4, what: str = "build"
+) -> None:
     """Refuse to build ``model_name`` on the CPU when its fp32 parameters alone exceed free RAM.
 
     Counted on the meta device (nothing allocated). ``bytes_per_param``: 4 for the
@@ -78,7 +95,9 @@ def host_memory_for_build(model_name: str, *, bytes_per_param: int = 4, what: st
             f"host memory, and {human_bytes(available)} is available here",
             "use a smaller model (`protrain models` lists their sizes), or a machine with more RAM; "
             "`protrain plan --hardware SPEC --model NAME` plans a big model without building it",
-            need=need, available=available)
+            need=need,
+            available=available,
+        )
 
 
 def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
@@ -88,7 +107,8 @@ def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
             f"budget {human_bytes(budget_bytes)} exceeds the {human_bytes(spec.device_memory_bytes)} of device "
             f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
             f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or less (its usable "
-            "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)")
+            "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)",
+        )
 
 
 def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan") -> int:
@@ -109,12 +129,17 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
     info = describe(model_name)
     t = plan.training
     if info.max_seq_len and t.seq_len > info.max_seq_len:
-        raise ConfigError(f"{where}: seq_len {t.seq_len} is longer than {model_name}'s {info.max_seq_len} "
-                          "positions - at `$.training.seq_len`",
-                          f"make a plan with `protrain plan --seq {info.max_seq_len}` or less")
+        raise ConfigError(
+            f"{where}: seq_len {t.seq_len} is longer than {model_name}'s {info.max_seq_len} "
+            "positions - at `$.training.seq_len`",
+            f"make a plan with `protrain plan --seq {info.max_seq_len}` or less",
+        )
     w = memory_walk.walk(plan)
-    parts = {"fp32 parameters": info.n_params * 4, "offloaded states": w.host_bytes,
-             "swapped activations": w.host_swap_bytes}
+    parts = {
+        "fp32 parameters": info.n_params * 4,
+        "offloaded states": w.host_bytes,
+        "swapped activations": w.host_swap_bytes,
+    }
     if device == "cpu":
         tokens = t.micro_batch * t.seq_len
         parts["device side on the CPU"] = int(w.peak_bytes)
@@ -128,7 +153,10 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
             f"{where}: training {model_name} needs about {human_bytes(need)} of host memory ({detail}{per}), "
             f"and {human_bytes(available)} is available here",
             "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
-            "(or a smaller --batch), or use a machine with more RAM", need=need, available=available)
+            "(or a smaller --batch), or use a machine with more RAM",
+            need=need,
+            available=available,
+        )
     return need
 
 
@@ -155,7 +183,9 @@ def other_machine(plan, device: str) -> str | None:
     kind = torch.device(device).type
     if kind == "cuda":
         index = torch.device(device).index
-        props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+        props = torch.cuda.get_device_properties(
+            torch.cuda.current_device() if index is None else index
+        )
         here, memory = props.name, props.total_memory
     else:
         from ..hardware.probe import _host_memory
@@ -165,7 +195,9 @@ def other_machine(plan, device: str) -> str | None:
     same_kind = plan_cpu == (kind == "cpu")
     if same_kind and memory and abs(h.device_memory_bytes - memory) <= MACHINE_TOLERANCE * memory:
         return None
-    return (f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device memory), "
-            f"not for this machine ({here}, {human_bytes(memory)}): its predicted times and peak are "
-            f"{h.name}'s, not this machine's; for this one's, plan here (`protrain plan --model NAME "
-            f"--device {kind} …`, or --hardware SPEC naming this machine)")
+    return (
+        f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device memory), "
+        f"not for this machine ({here}, {human_bytes(memory)}): its predicted times and peak are "
+        f"{h.name}'s, not this machine's; for this one's, plan here (`protrain plan --model NAME "
+        f"--device {kind} …`, or --hardware SPEC naming this machine)"
+    )

@@ -26,15 +26,32 @@ from .train import train
 MICRO_BATCH, SEQ_LEN = 4, 64
 
 
-def run(*, model_name: str, steps: int, data_path: str | None, out_dir: str, budget: str | None,
-        seed: int, echo: Callable[[str], None] = print) -> list[float]:
+def run(
+    *,
+    model_name: str,
+    steps: int,
+    data_path: str | None,
+    out_dir: str,
+    budget: str | None,
+    seed: int,
+    echo: Callable[[str], None] = print,
+) -> list[float]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     echo(f"[1/3] profile {model_name} on {device}")
-    profile = build_profile(model_name=model_name, batch=MICRO_BATCH, seq=SEQ_LEN, dtype=None,
-                            device=device, analytic=False, hardware=None, iterations=3, echo=echo)
+    profile = build_profile(
+        model_name=model_name,
+        batch=MICRO_BATCH,
+        seq=SEQ_LEN,
+        dtype=None,
+        device=device,
+        analytic=False,
+        hardware=None,
+        iterations=3,
+        echo=echo,
+    )
     profile_path = out / f"{model_name}.profile.json"
     profile_path.write_bytes(dump_profile(profile))
     echo(f"        wrote {profile_path}")
@@ -42,9 +59,11 @@ def run(*, model_name: str, steps: int, data_path: str | None, out_dir: str, bud
     if budget is None:
         roomy, _ = make_plan(profile, profile.hardware.usable_memory_bytes)
         budget_bytes = int(0.6 * roomy.prediction.peak_memory_bytes)
-        echo(f"[2/3] plan    budget {human_bytes(budget_bytes)} (60% of "
-             f"{human_bytes(roomy.prediction.peak_memory_bytes)}, the predicted peak of the fastest plan "
-             "with all of the device's usable memory: it moves with this machine's measured times)")
+        echo(
+            f"[2/3] plan    budget {human_bytes(budget_bytes)} (60% of "
+            f"{human_bytes(roomy.prediction.peak_memory_bytes)}, the predicted peak of the fastest plan "
+            "with all of the device's usable memory: it moves with this machine's measured times)"
+        )
     else:
         budget_bytes = parse_budget(budget)
         echo(f"[2/3] plan    budget {human_bytes(budget_bytes)}")
@@ -56,5 +75,13 @@ def run(*, model_name: str, steps: int, data_path: str | None, out_dir: str, bud
     echo(render_explain(plan, str(plan_path)))
 
     echo(f"[3/3] train   {steps} steps with the executor replaying the plan")
-    return train(str(plan_path), model_name, steps=steps, data_path=data_path, seed=seed,
-                 device=device, echo=echo, progress=False)
+    return train(
+        str(plan_path),
+        model_name,
+        steps=steps,
+        data_path=data_path,
+        seed=seed,
+        device=device,
+        echo=echo,
+        progress=False,
+    )

@@ -67,20 +67,43 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return dist.get_rank(), world, device
 
 
-def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None = None,
-          seed: int = 0, lr: float = 3e-3, device: str | None = None, timeout_s: float = 300.0,
-          trace_path: str | None = None, echo: Callable[[str], None] = print,
-          progress: bool | None = True, save_every: int | None = None, save_dir: str | None = None,
-          resume: str | None = None, eval_every: int | None = None,
-          max_grad_norm: float | None = None, keep: int = 2, tokenizer: str | None = None,
-          text_field: str = "text", log_every: int | None = None, metrics_path: str | None = None,
-          export_dir: str | None = None, nvme_dir: str | None = None, lora=None,
-          export_merged: str | None = None,
-          weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Losses:
+def train(
+    plan_path: str,
+    model_name: str,
+    *,
+    steps: int,
+    data_path: str | None = None,
+    seed: int = 0,
+    lr: float = 3e-3,
+    device: str | None = None,
+    timeout_s: float = 300.0,
+    trace_path: str | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool | None = True,
+    save_every: int | None = None,
+    save_dir: str | None = None,
+    resume: str | None = None,
+    eval_every: int | None = None,
+    max_grad_norm: float | None = None,
+    keep: int = 2,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+    log_every: int | None = None,
+    metrics_path: str | None = None,
+    export_dir: str | None = None,
+    nvme_dir: str | None = None,
+    lora=None,
+    export_merged: str | None = None,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
     ``eval_every`` K: hold the corpus's tail out of training and print its loss every
@@ -117,16 +140,20 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
 
         check_root(save_dir)  # a directory of other files is not a checkpoint root
     if export_merged is not None and (lora is None or not is_hf_name(model_name)):
-        raise ConfigError("--export-merged writes a Hugging Face model with its LoRA adapter merged in",
-                          "train with --lora and --hf-config DIR, or drop --export-merged")
+        raise ConfigError(
+            "--export-merged writes a Hugging Face model with its LoRA adapter merged in",
+            "train with --lora and --hf-config DIR, or drop --export-merged",
+        )
     if export_merged is not None:
         output_dir(export_merged, "--export-merged", create=False, must_be_empty=True)
     if export_dir is not None and lora is not None:
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
     elif export_dir is not None:
         if not is_hf_name(model_name):
-            raise ConfigError(f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
-                              "train a Hugging Face model (--hf-config DIR) to export it, or drop --export")
+            raise ConfigError(
+                f"--export writes a Hugging Face model directory, and {model_name} is a zoo model",
+                "train a Hugging Face model (--hf-config DIR) to export it, or drop --export",
+            )
         output_dir(export_dir, "--export", create=False, must_be_empty=True)
         if save_dir is None:
             from .checks import check_root
@@ -134,28 +161,59 @@ def train(plan_path: str, model_name: str, *, steps: int, data_path: str | None 
             check_root(export_keeper(export_dir), "the checkpoint kept until the export")
     plan = P.load(plan_path)
     if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
-        raise ConfigError(f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
-                          "(placement.nvme)", "pass --nvme DIR: a directory on a fast local disk")
+        raise ConfigError(
+            f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
+            "(placement.nvme)",
+            "pass --nvme DIR: a directory on a fast local disk",
+        )
     if nvme_dir is not None:
         output_dir(nvme_dir, "--nvme")
     rank, world, rank_device = _init_distributed(timeout_s)
     lock = None
     try:
-        if save_dir is not None and rank == 0:  # one run per root (checkpoint.py [Note: one run per root])
+        if (
+            save_dir is not None and rank == 0
+        ):  # one run per root (checkpoint.py [Note: one run per root])
             from protrain.executor.checkpoint import lock_root
 
             lock = lock_root(save_dir)
         bar = progress is not False and log_every is None and sys.stdout.isatty()
-        return _train(plan, plan_path, model_name, steps=steps, data_path=data_path, seed=seed, lr=lr,
-                      device=device or rank_device, rank=rank, world=world,
-                      trace_path=trace_path if rank == 0 else None,
-                      echo=echo if rank == 0 else (lambda _: None), progress=bar and rank == 0,
-                      save_every=save_every, save_dir=save_dir, resume=resume, eval_every=eval_every,
-                      max_grad_norm=max_grad_norm, keep=keep, tokenizer=tokenizer, text_field=text_field,
-                      log_every=log_every or LOG_EVERY, metrics_path=metrics_path if rank == 0 else None,
-                      export_dir=export_dir, nvme_dir=nvme_dir, lora=lora, export_merged=export_merged,
-                      adamw=AdamWConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
-                                        max_grad_norm=max_grad_norm))
+        return _train(
+            plan,
+            plan_path,
+            model_name,
+            steps=steps,
+            data_path=data_path,
+            seed=seed,
+            lr=lr,
+            device=device or rank_device,
+            rank=rank,
+            world=world,
+            trace_path=trace_path if rank == 0 else None,
+            echo=echo if rank == 0 else (lambda _: None),
+            progress=bar and rank == 0,
+            save_every=save_every,
+            save_dir=save_dir,
+            resume=resume,
+            eval_every=eval_every,
+            max_grad_norm=max_grad_norm,
+            keep=keep,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            log_every=log_every or LOG_EVERY,
+            metrics_path=metrics_path if rank == 0 else None,
+            export_dir=export_dir,
+            nvme_dir=nvme_dir,
+            lora=lora,
+            export_merged=export_merged,
+            adamw=AdamWConfig(
+                lr=lr,
+                weight_decay=weight_decay,
+                betas=tuple(betas),
+                eps=eps,
+                max_grad_norm=max_grad_norm,
+            ),
+        )
     finally:
         if lock is not None:
             lock.release()
@@ -174,7 +232,9 @@ def _tokenizer_dir(model_name: str, tokenizer: str | None) -> str | None:
         return tokenizer
     if is_hf_name(model_name):
         directory = _model_dir(model_name)
-        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        if (directory / "tokenizer.json").is_file() or (
+            directory / "tokenizer_config.json"
+        ).is_file():
             return str(directory)
     return None
 
@@ -187,11 +247,37 @@ def _model_dir(model_name: str) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, rank, world, echo,
-           progress, trace_path=None, save_every=None, save_dir=None, resume=None, eval_every=None,
-           max_grad_norm=None, keep=2, tokenizer=None, text_field="text", log_every=LOG_EVERY,
-           metrics_path=None, export_dir=None, nvme_dir=None, lora=None, export_merged=None,
-           adamw: AdamWConfig | None = None) -> Losses:
+def _train(
+    plan,
+    plan_path,
+    model_name,
+    *,
+    steps,
+    data_path,
+    seed,
+    lr,
+    device,
+    rank,
+    world,
+    echo,
+    progress,
+    trace_path=None,
+    save_every=None,
+    save_dir=None,
+    resume=None,
+    eval_every=None,
+    max_grad_norm=None,
+    keep=2,
+    tokenizer=None,
+    text_field="text",
+    log_every=LOG_EVERY,
+    metrics_path=None,
+    export_dir=None,
+    nvme_dir=None,
+    lora=None,
+    export_merged=None,
+    adamw: AdamWConfig | None = None,
+) -> Losses:
     check_name(model_name)
     adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,26 +288,44 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     if note is not None:
         echo(note)
     tok_dir = _tokenizer_dir(model_name, tokenizer)
-    source = load_tokens(data_path, tokenizer=tok_dir, text_field=text_field)  # a bad file fails before the build
-    echo(f"data     {source.name}: {source.tokens.numel():,} tokens, "
-         + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level"))
+    source = load_tokens(
+        data_path, tokenizer=tok_dir, text_field=text_field
+    )  # a bad file fails before the build
+    echo(
+        f"data     {source.name}: {source.tokens.numel():,} tokens, "
+        + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level")
+    )
     if tok_dir is None and tokenizer is None and is_hf_name(model_name):
-        echo(f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or tokenizer_config.json), "
-             "so this run trains byte-level: each byte of the UTF-8 text is one token, ids 0-255 of the "
-             "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
-             "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
-             "--tokenizer bytes to choose bytes (and silence this note)")
+        echo(
+            f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or tokenizer_config.json), "
+            "so this run trains byte-level: each byte of the UTF-8 text is one token, ids 0-255 of the "
+            "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
+            "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
+            "--tokenizer bytes to choose bytes (and silence this note)"
+        )
     from ..models.lora import build_model, check_plan
 
     check_plan(plan, lora, plan_path)
     model = build_model(model_name, lora, device="cpu", seed=seed)
     loaded = getattr(model, "weights_loaded_from", None)
-    echo(f"model    {model_name}: " + (f"weights from {', '.join(map(str, loaded))}" if loaded
-                                       else f"random init (seed {seed})")
-         + (f"; then the checkpoint's ({resume})" if resume else ""))
-    echo(f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps {adamw.eps:g}, "
-         f"weight decay {adamw.weight_decay:g} on every parameter"
-         + (f", gradients clipped to norm {adamw.max_grad_norm:g}" if adamw.max_grad_norm is not None else ""))
+    echo(
+        f"model    {model_name}: "
+        + (
+            f"weights from {', '.join(map(str, loaded))}"
+            if loaded
+            else f"random init (seed {seed})"
+        )
+        + (f"; then the checkpoint's ({resume})" if resume else "")
+    )
+    echo(
+        f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps {adamw.eps:g}, "
+        f"weight decay {adamw.weight_decay:g} on every parameter"
+        + (
+            f", gradients clipped to norm {adamw.max_grad_norm:g}"
+            if adamw.max_grad_norm is not None
+            else ""
+        )
+    )
     check(plan, model, where=plan_path, name=model_name)
     vocab_check(source, output_vocab(model))
     t = plan.training
@@ -232,18 +336,44 @@ def _train(plan, plan_path, model_name, *, steps, data_path, seed, lr, device, r
     engine = wrap(model, plan, adamw, device=dev, nvme_dir=nvme_dir)
     try:
         # wrap checked the plans agree; the data order and the loop's collectives depend on these too
-        engine.comm.agree({"--seed (the data order)": seed, "--steps": steps, "--eval-every": eval_every,
-                           "--save-every": save_every, "the corpus's token count": source.tokens.numel()},
-                          engine.device)
-        losses = _loop(engine, plan, t, source, seed=seed, steps=steps, rank=rank, world=world, echo=echo,
-                       progress=progress, trace_path=trace_path, save_every=save_every, save_dir=save_dir,
-                       resume=resume, eval_every=eval_every, heldout=heldout, keep=keep, log_every=log_every,
-                       metrics_path=metrics_path)
+        engine.comm.agree(
+            {
+                "--seed (the data order)": seed,
+                "--steps": steps,
+                "--eval-every": eval_every,
+                "--save-every": save_every,
+                "the corpus's token count": source.tokens.numel(),
+            },
+            engine.device,
+        )
+        losses = _loop(
+            engine,
+            plan,
+            t,
+            source,
+            seed=seed,
+            steps=steps,
+            rank=rank,
+            world=world,
+            echo=echo,
+            progress=progress,
+            trace_path=trace_path,
+            save_every=save_every,
+            save_dir=save_dir,
+            resume=resume,
+            eval_every=eval_every,
+            heldout=heldout,
+            keep=keep,
+            log_every=log_every,
+            metrics_path=metrics_path,
+        )
         if lora is not None and (export_dir or export_merged):
             if losses.interrupted:
                 echo("not exported: the run was interrupted")
             else:
-                _export_lora(engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo)
+                _export_lora(
+                    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo
+                )
         elif export_dir is not None:
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
@@ -305,9 +435,10 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
     try:
         export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
     except ProtrainError as e:
-        raise type(e)(f"{e.message}; the trained model is safe in the checkpoint {kept}",
-                      f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`"
-                      ) from None
+        raise type(e)(
+            f"{e.message}; the trained model is safe in the checkpoint {kept}",
+            f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`",
+        ) from None
     echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     if keeper is not None:
         import shutil
@@ -315,7 +446,9 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
         shutil.rmtree(keeper, ignore_errors=True)
 
 
-def _export_lora(engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo) -> None:
+def _export_lora(
+    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo
+) -> None:
     """``--export`` of a LoRA run: the adapter in peft's format; ``--export-merged``: the base
     with it merged in, as a Hugging Face directory (planner/models/lora.py)."""
     from ..models import lora as L
@@ -336,9 +469,16 @@ def _export_lora(engine, model, model_name, lora, export_dir, export_merged, tok
         from ..models.hf import export, parse_hf_name
 
         config = parse_hf_name(model_name)[0]
-        export(build(model_name, device="meta"), L.merged_state_dict(model, state), export_merged,
-               config_path=config, tokenizer_dir=tok_dir)
-        echo(f"exported {export_merged} (the adapter merged in; AutoModelForCausalLM.from_pretrained loads it)")
+        export(
+            build(model_name, device="meta"),
+            L.merged_state_dict(model, state),
+            export_merged,
+            config_path=config,
+            tokenizer_dir=tok_dir,
+        )
+        echo(
+            f"exported {export_merged} (the adapter merged in; AutoModelForCausalLM.from_pretrained loads it)"
+        )
 
 
 def heldout_loss(engine, heldout: list) -> float:
@@ -346,9 +486,28 @@ def heldout_loss(engine, heldout: list) -> float:
     return sum(engine.evaluate(b) for b in heldout) / len(heldout)
 
 
-def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, trace_path, save_every,
-          save_dir, resume, eval_every=None, heldout=None, keep=2, log_every=LOG_EVERY,
-          metrics_path=None) -> Losses:
+def _loop(
+    engine,
+    plan,
+    t,
+    source,
+    *,
+    seed,
+    steps,
+    rank,
+    world,
+    echo,
+    progress,
+    trace_path,
+    save_every,
+    save_dir,
+    resume,
+    eval_every=None,
+    heldout=None,
+    keep=2,
+    log_every=LOG_EVERY,
+    metrics_path=None,
+) -> Losses:
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
@@ -361,12 +520,16 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
         max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
         drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
-            echo("note: the checkpoint was trained with another held-out split (--eval-every on one run "
-                 "and not the other): from here the training windows differ from the first run's")
+            echo(
+                "note: the checkpoint was trained with another held-out split (--eval-every on one run "
+                "and not the other): from here the training windows differ from the first run's"
+            )
         echo(f"resumed from {resume} at step {engine.steps_done}")
         if engine.steps_done >= steps:
-            echo(f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps {steps} counts "
-                 f"the total; give --steps {engine.steps_done + steps} to train {steps} more")
+            echo(
+                f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps {steps} counts "
+                f"the total; give --steps {engine.steps_done + steps} to train {steps} more"
+            )
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses = Losses()
@@ -381,8 +544,14 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
             TimeRemainingColumn,
         )
 
-        bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
         task = bar.add_task("train", total=steps, completed=engine.steps_done, status="")
         bar.start()
     t0 = time.perf_counter()
@@ -395,9 +564,16 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
     stop = _StopFlag()
 
     def checkpoint() -> None:
-        path = engine.save(save_dir, data={"draws": drawn, "global_micro_batch": t.micro_batch * world,
-                                           "heldout_split": heldout_split, "max_grad_accum": max_grad_accum},
-                           keep=keep)
+        path = engine.save(
+            save_dir,
+            data={
+                "draws": drawn,
+                "global_micro_batch": t.micro_batch * world,
+                "heldout_split": heldout_split,
+                "max_grad_accum": max_grad_accum,
+            },
+            keep=keep,
+        )
         echo(f"saved {path}")
 
     first = engine.steps_done
@@ -412,26 +588,36 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
                 losses.append(result.loss)
                 stopping = _agree(stop.requested, engine)  # every rank stops after the same step
                 done = engine.steps_done
-                save = save_dir is not None and ((save_every is not None and done % save_every == 0)
-                                                 or done == steps or stopping)
+                save = save_dir is not None and (
+                    (save_every is not None and done % save_every == 0) or done == steps or stopping
+                )
                 if stopping:
                     if save:
                         checkpoint()
                     losses.interrupted = True
-                    echo(f"interrupted after step {done}"
-                         + (f"; resume with --resume {save_dir}" if save_dir is not None else ""))
+                    echo(
+                        f"interrupted after step {done}"
+                        + (f"; resume with --resume {save_dir}" if save_dir is not None else "")
+                    )
                     break
                 tps = tokens_per_step / max(result.timings_s["total"], 1e-9)
-                record = {"step": done, "loss": result.loss, "tokens_per_s": round(tps, 1),
-                          "peak_bytes": result.peak_bytes, "time_s": round(time.perf_counter() - t0, 3)}
+                record = {
+                    "step": done,
+                    "loss": result.loss,
+                    "tokens_per_s": round(tps, 1),
+                    "peak_bytes": result.peak_bytes,
+                    "time_s": round(time.perf_counter() - t0, 3),
+                }
                 if eval_every is not None and done % eval_every == 0:
                     record["heldout_loss"] = heldout_loss(engine, heldout)
                     echo(f"step {done:5d}  held-out loss {record['heldout_loss']:.4f}")
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
-                status = (f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
-                          + (f" / predicted {human_bytes(predicted)}" if predicted else ""))
+                status = (
+                    f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
+                    + (f" / predicted {human_bytes(predicted)}" if predicted else "")
+                )
                 if bar is not None:
                     bar.update(task, advance=1, status=status)
                 elif done % log_every == 0 or done == steps or step == first:
@@ -448,8 +634,10 @@ def _loop(engine, plan, t, source, *, seed, steps, rank, world, echo, progress, 
             rec.save(trace_path)
             echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
     if losses:
-        echo(f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in {time.perf_counter() - t0:.1f} s: "
-             f"loss {losses[0]:.3f} → {losses[-1]:.3f}")
+        echo(
+            f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in {time.perf_counter() - t0:.1f} s: "
+            f"loss {losses[0]:.3f} → {losses[-1]:.3f}"
+        )
     return losses
 
 
@@ -458,8 +646,16 @@ MAX_GLOBAL_MICRO_BATCH = 1 << 24
 any real run)."""
 
 
-def _skip_to(data, position: dict[str, int], t, world: int, echo, *, steps_done: int = 0,
-             where: str = "the checkpoint") -> int:
+def _skip_to(
+    data,
+    position: dict[str, int],
+    t,
+    world: int,
+    echo,
+    *,
+    steps_done: int = 0,
+    where: str = "the checkpoint",
+) -> int:
     """Advance the data stream to where the checkpoint left it; returns the draws skipped.
 
     A draw is one global micro-batch (``micro_batch × world`` sequences). Under a plan
@@ -470,11 +666,15 @@ def _skip_to(data, position: dict[str, int], t, world: int, echo, *, steps_done:
     """
     draws = position.get("draws", 0)
     saved_global = position.get("global_micro_batch", t.micro_batch * world)
-    _check_position(draws, saved_global, steps_done * position.get("max_grad_accum", t.grad_accum), where)
+    _check_position(
+        draws, saved_global, steps_done * position.get("max_grad_accum", t.grad_accum), where
+    )
     if saved_global != t.micro_batch * world:
         draws = draws * saved_global // (t.micro_batch * world)
-        echo(f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
-             f"{t.micro_batch * world}: resuming at the same number of sequences, not the same batches")
+        echo(
+            f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
+            f"{t.micro_batch * world}: resuming at the same number of sequences, not the same batches"
+        )
     for _ in range(draws):
         next(data)
     return draws
@@ -488,7 +688,8 @@ def _check_position(draws: int, saved_global: int, most: int, where: str) -> Non
             f"one this checkpoint's steps could reach (at most {most} draws; 1 to {MAX_GLOBAL_MICRO_BATCH} "
             "sequences a draw): the manifest was edited or damaged",
             "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or restore its "
-            "manifest.json")
+            "manifest.json",
+        )
 
 
 def _agree(requested: bool, engine) -> bool:

@@ -95,21 +95,30 @@ def load_spec(source: str | Path | bytes) -> HardwareSpec:
     try:
         data = source if isinstance(source, bytes) else Path(source).read_bytes()
     except OSError as e:
-        raise ConfigError(f"{where}: cannot read the hardware spec ({e.strerror or e})",
-                          "pass a file from plans/hardware/, or make one with `protrain hardware probe`") from None
+        raise ConfigError(
+            f"{where}: cannot read the hardware spec ({e.strerror or e})",
+            "pass a file from plans/hardware/, or make one with `protrain hardware probe`",
+        ) from None
     try:
         spec = msgspec.json.decode(data, type=HardwareSpec)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ConfigError(f"{where}: not a valid hardware spec: {e}",
-                          "compare with the files in plans/hardware/") from None
+        raise ConfigError(
+            f"{where}: not a valid hardware spec: {e}", "compare with the files in plans/hardware/"
+        ) from None
     if spec.spec_version != SPEC_VERSION:
-        raise ConfigError(f"{where}: hardware spec version {spec.spec_version}; this protrain reads {SPEC_VERSION}",
-                          "regenerate it with `protrain hardware probe`")
+        raise ConfigError(
+            f"{where}: hardware spec version {spec.spec_version}; this protrain reads {SPEC_VERSION}",
+            "regenerate it with `protrain hardware probe`",
+        )
     sizes = [p.size_bytes for p in spec.link]
     if not sizes or sizes != sorted(set(sizes)):
-        raise ConfigError(f"{where}: `link` needs at least one point, sizes ascending and unique - at `$.link`")
+        raise ConfigError(
+            f"{where}: `link` needs at least one point, sizes ascending and unique - at `$.link`"
+        )
     if spec.usable_memory_bytes > spec.device_memory_bytes:
-        raise ConfigError(f"{where}: usable memory exceeds device memory - at `$.usable_memory_bytes`")
+        raise ConfigError(
+            f"{where}: usable memory exceeds device memory - at `$.usable_memory_bytes`"
+        )
     return spec
 
 
@@ -130,7 +139,9 @@ def link_bandwidth(spec: HardwareSpec, size_bytes: int, direction: Literal["h2d"
         return float(getattr(pts[-1], key))
     i = bisect.bisect_right(sizes, size_bytes)
     a, b = pts[i - 1], pts[i]
-    t = (math.log(size_bytes) - math.log(a.size_bytes)) / (math.log(b.size_bytes) - math.log(a.size_bytes))
+    t = (math.log(size_bytes) - math.log(a.size_bytes)) / (
+        math.log(b.size_bytes) - math.log(a.size_bytes)
+    )
     return getattr(a, key) + t * (getattr(b, key) - getattr(a, key))
 
 
@@ -149,9 +160,11 @@ def find_spec(name_or_path: str) -> HardwareSpec:
     if candidate.exists():
         return load_spec(candidate)
     names = sorted(x.stem for x in HARDWARE_DIR.glob("*.json"))
-    raise ConfigError(f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, names)}; "
-                      f"known: {', '.join(names)}",
-                      "pass a spec file path, or one of the names in plans/hardware/")
+    raise ConfigError(
+        f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, names)}; "
+        f"known: {', '.join(names)}",
+        "pass a spec file path, or one of the names in plans/hardware/",
+    )
 
 
 HOST_RESERVE_BYTES = 2 * 2**30

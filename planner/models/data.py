@@ -71,12 +71,15 @@ def embedded_corpus() -> bytes:
 @dataclass(frozen=True)
 class TokenSource:
     name: str  # where the tokens came from, e.g. "embedded:pydoc-topics" or a file path
-    tokens: torch.Tensor  # (N,) CPU; int64, or a file's uint8/uint16/uint32 mapped (read with ``gather``)
+    tokens: (
+        torch.Tensor
+    )  # (N,) CPU; int64, or a file's uint8/uint16/uint32 mapped (read with ``gather``)
     vocab_size: int  # every id in `tokens` is < vocab_size
 
 
-def load_tokens(path: str | None = None, tokenizer: str | None = None,
-                text_field: str = "text") -> TokenSource:
+def load_tokens(
+    path: str | None = None, tokenizer: str | None = None, text_field: str = "text"
+) -> TokenSource:
     """Load a corpus: the embedded one (``path=None``), a text, JSON-lines or token file.
 
     Without `tokenizer` the text is tokenised byte-level (vocab 256). With
@@ -95,7 +98,9 @@ def load_tokens(path: str | None = None, tokenizer: str | None = None,
     if path is None:
         name = "embedded:pydoc-topics"
         if tokenizer is None:
-            ids = torch.frombuffer(bytearray(embedded_corpus()), dtype=torch.uint8).to(torch.int64)  # (N,)
+            ids = torch.frombuffer(bytearray(embedded_corpus()), dtype=torch.uint8).to(
+                torch.int64
+            )  # (N,)
             return TokenSource(name=name, tokens=ids, vocab_size=BYTE_VOCAB_SIZE)
         encode, vocab_size, eos = _hf_tokenizer(tokenizer)
         stream = TokenStream(_encoded([embedded_corpus().decode("utf-8")], encode, eos), vocab_size)
@@ -104,21 +109,31 @@ def load_tokens(path: str | None = None, tokenizer: str | None = None,
         if _probe(file) == "tokens":
             return _map_token_file(file)
         if tokenizer is None and not _is_jsonl(file):  # the file's bytes are its tokens
-            return TokenSource(name=name, tokens=_map(file, np.uint8, 0, file.stat().st_size),
-                               vocab_size=BYTE_VOCAB_SIZE)
+            return TokenSource(
+                name=name,
+                tokens=_map(file, np.uint8, 0, file.stat().st_size),
+                vocab_size=BYTE_VOCAB_SIZE,
+            )
         stream = token_stream(file, tokenizer, text_field)
     dtype = np.uint8 if tokenizer is None else np.int64
     import tempfile
 
-    with tempfile.TemporaryFile(prefix="protrain-tokens-") as tmp:  # unlinked: gone with the process
+    with tempfile.TemporaryFile(
+        prefix="protrain-tokens-"
+    ) as tmp:  # unlinked: gone with the process
         n = _write_pieces(tmp, stream.pieces, dtype)
         if n == 0 and tokenizer is not None:
-            raise ConfigError(f"{name}: the tokenizer in {tokenizer} gives no tokens for this text",
-                              hint="check the file holds text, or use another --data file")
+            raise ConfigError(
+                f"{name}: the tokenizer in {tokenizer} gives no tokens for this text",
+                hint="check the file holds text, or use another --data file",
+            )
         tmp.flush()
         # (an empty byte-level corpus, blank documents only, is refused by ``batches``)
-        tokens = (torch.from_numpy(np.memmap(tmp, dtype=dtype, mode="c", shape=(n,))) if n
-                  else torch.zeros(0, dtype=torch.int64))
+        tokens = (
+            torch.from_numpy(np.memmap(tmp, dtype=dtype, mode="c", shape=(n,)))
+            if n
+            else torch.zeros(0, dtype=torch.int64)
+        )
     label = name if tokenizer is None else f"{name}@{tokenizer}"
     return TokenSource(name=label, tokens=tokens, vocab_size=stream.vocab_size)
 
@@ -235,18 +250,24 @@ def _jsonl_documents(path: Path, name: str, field: str) -> Iterator[str]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"{name}, line {i}: not JSON ({e.msg})",
-                                      hint="a .jsonl file holds one JSON object per line; rename a plain "
-                                      "text file to .txt") from None
+                    raise ConfigError(
+                        f"{name}, line {i}: not JSON ({e.msg})",
+                        hint="a .jsonl file holds one JSON object per line; rename a plain "
+                        "text file to .txt",
+                    ) from None
                 text = obj.get(field) if isinstance(obj, dict) else None
                 if not isinstance(text, str):
                     keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
-                    raise ConfigError(f"{name}, line {i}: no string field {field!r} (found: {keys})",
-                                      hint="name the field that holds the text with --text-field")
+                    raise ConfigError(
+                        f"{name}, line {i}: no string field {field!r} (found: {keys})",
+                        hint="name the field that holds the text with --text-field",
+                    )
                 any_doc = True
                 yield text
     if not any_doc:
-        raise ConfigError(f"{name}: no JSON lines", hint="pass a .jsonl file with one object per line")
+        raise ConfigError(
+            f"{name}: no JSON lines", hint="pass a .jsonl file with one object per line"
+        )
 
 
 def looks_binary(data: bytes) -> str | None:
@@ -264,7 +285,9 @@ def looks_binary(data: bytes) -> str | None:
 PROBE_BYTES = 1 << 16
 """A data file's first bytes that must look like text (``looks_binary``)."""
 
-_PROBE_STEP = 4 << 10  # read 4 KiB at a time: a NUL byte (any binary file, /dev/zero) stops it there
+_PROBE_STEP = (
+    4 << 10
+)  # read 4 KiB at a time: a NUL byte (any binary file, /dev/zero) stops it there
 
 
 def _probe(path: Path) -> str:
@@ -309,8 +332,10 @@ def _probe(path: Path) -> str:
             "`protrain tokenize` (protrain does not read other pre-tokenised or compressed files)",
         )
     if not regular:
-        raise ConfigError(f"data file {str(path)!r} is not a regular file (a pipe or a device)",
-                          hint="save the text to a file and pass that with --data")
+        raise ConfigError(
+            f"data file {str(path)!r} is not a regular file (a pipe or a device)",
+            hint="save the text to a file and pass that with --data",
+        )
     return "text"
 
 
@@ -346,7 +371,9 @@ def write_token_file(stream: TokenStream, output: Path) -> int:
             f.flush()
             os.fsync(f.fileno())
         if n == 0:
-            raise ConfigError(f"{output}: the input gives no tokens", hint="check the file holds text")
+            raise ConfigError(
+                f"{output}: the input gives no tokens", hint="check the file holds text"
+            )
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
@@ -360,18 +387,31 @@ def _map_token_file(path: Path) -> TokenSource:
     size = path.stat().st_size
     fix = f"write it again: `protrain tokenize --data TEXT -o {path}`"
     if len(header) < _HEADER.size:
-        raise ConfigError(f"token file {str(path)!r} is truncated: {size} bytes, shorter than its header", fix)
+        raise ConfigError(
+            f"token file {str(path)!r} is truncated: {size} bytes, shorter than its header", fix
+        )
     magic, version, width, count, vocab = _HEADER.unpack(header)
     if version != TOKENS_VERSION:
-        raise ConfigError(f"token file {str(path)!r} has format version {version}; this protrain reads "
-                          f"version {TOKENS_VERSION}", fix)
+        raise ConfigError(
+            f"token file {str(path)!r} has format version {version}; this protrain reads "
+            f"version {TOKENS_VERSION}",
+            fix,
+        )
     if width not in _WIDTHS or vocab < 1 or token_width(vocab) > width:
-        raise ConfigError(f"token file {str(path)!r}: header says {width} bytes per token for a vocabulary "
-                          f"of {vocab}; expected 2 or 4, wide enough for the vocabulary", fix)
+        raise ConfigError(
+            f"token file {str(path)!r}: header says {width} bytes per token for a vocabulary "
+            f"of {vocab}; expected 2 or 4, wide enough for the vocabulary",
+            fix,
+        )
     if count < 1 or size != _HEADER.size + count * width:
-        raise ConfigError(f"token file {str(path)!r}: header says {count} tokens of {width} bytes, so "
-                          f"{_HEADER.size + count * width} bytes in all, but the file has {size}", fix)
-    return TokenSource(name=str(path), tokens=_map(path, _WIDTHS[width], _HEADER.size, count), vocab_size=vocab)
+        raise ConfigError(
+            f"token file {str(path)!r}: header says {count} tokens of {width} bytes, so "
+            f"{_HEADER.size + count * width} bytes in all, but the file has {size}",
+            fix,
+        )
+    return TokenSource(
+        name=str(path), tokens=_map(path, _WIDTHS[width], _HEADER.size, count), vocab_size=vocab
+    )
 
 
 def _hf_tokenizer(directory: str):
@@ -386,19 +426,28 @@ def _hf_tokenizer(directory: str):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ConfigError("reading tokenizer.json needs the tokenizers package, which is not installed",
-                              hint='pip install -e ".[hf]"') from None
+            raise ConfigError(
+                "reading tokenizer.json needs the tokenizers package, which is not installed",
+                hint='pip install -e ".[hf]"',
+            ) from None
         try:
             tok = Tokenizer.from_file(str(f))
         except Exception as e:  # the Rust side raises a bare Exception for a malformed file
-            raise ConfigError(f"cannot read {f}: {e}",
-                              hint="write it again with tokenizer.save_pretrained(DIR)") from None
+            raise ConfigError(
+                f"cannot read {f}: {e}", hint="write it again with tokenizer.save_pretrained(DIR)"
+            ) from None
         eos = _eos_id(Path(directory), tok.token_to_id)
-        return ((lambda text: tok.encode(text, add_special_tokens=False).ids),
-                tok.get_vocab_size(with_added_tokens=True), eos)
+        return (
+            (lambda text: tok.encode(text, add_special_tokens=False).ids),
+            tok.get_vocab_size(with_added_tokens=True),
+            eos,
+        )
     tok = _transformers_tokenizer(directory)
-    return ((lambda text: tok.encode(text, add_special_tokens=False, verbose=False)), len(tok),
-            tok.eos_token_id)
+    return (
+        (lambda text: tok.encode(text, add_special_tokens=False, verbose=False)),
+        len(tok),
+        tok.eos_token_id,
+    )
 
 
 def _eos_id(directory: Path, token_to_id) -> int | None:
@@ -532,8 +581,9 @@ HELDOUT_BATCHES = 4
 """Micro-batches of held-out windows one evaluation averages over."""
 
 
-def split_heldout(source: TokenSource, seq_len: int,
-                  fraction: float = HELDOUT_FRACTION) -> tuple[TokenSource, TokenSource]:
+def split_heldout(
+    source: TokenSource, seq_len: int, fraction: float = HELDOUT_FRACTION
+) -> tuple[TokenSource, TokenSource]:
     """``(train, heldout)``: the corpus without its tail, and the tail.
 
     The tail is ``fraction`` of the tokens, and at least one window (``seq_len + 1``
@@ -549,13 +599,24 @@ def split_heldout(source: TokenSource, seq_len: int,
             f"train on windows of seq_len + 1 = {seq_len + 1}",
             hint="use a longer corpus (--data FILE), or drop --eval-every",
         )
-    train = TokenSource(name=f"{source.name}[:-{k}]", tokens=source.tokens[: n - k], vocab_size=source.vocab_size)
-    heldout = TokenSource(name=f"{source.name}[-{k}:]", tokens=source.tokens[n - k:], vocab_size=source.vocab_size)
+    train = TokenSource(
+        name=f"{source.name}[:-{k}]", tokens=source.tokens[: n - k], vocab_size=source.vocab_size
+    )
+    heldout = TokenSource(
+        name=f"{source.name}[-{k}:]", tokens=source.tokens[n - k :], vocab_size=source.vocab_size
+    )
     return train, heldout
 
 
-def heldout_batches(source: TokenSource, micro_batch: int, seq_len: int, n_batches: int = HELDOUT_BATCHES,
-                    *, rank: int = 0, world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def heldout_batches(
+    source: TokenSource,
+    micro_batch: int,
+    seq_len: int,
+    n_batches: int = HELDOUT_BATCHES,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n_batches`` fixed (x, y) micro-batches of ``source``, each (micro_batch, seq_len) int64.
 
     Window starts are evenly spaced over the source (no randomness: every evaluation
@@ -566,21 +627,26 @@ def heldout_batches(source: TokenSource, micro_batch: int, seq_len: int, n_batch
     tokens = source.tokens
     high = tokens.numel() - seq_len - 1  # the last valid start
     if high < 0:
-        raise ConfigError(f"held-out corpus {source.name!r} has {tokens.numel()} tokens, too few for one "
-                          f"window of seq_len + 1 = {seq_len + 1}", hint="use a longer corpus (--data FILE)")
+        raise ConfigError(
+            f"held-out corpus {source.name!r} has {tokens.numel()} tokens, too few for one "
+            f"window of seq_len + 1 = {seq_len + 1}",
+            hint="use a longer corpus (--data FILE)",
+        )
     total = n_batches * world_size * micro_batch
     starts = torch.linspace(0, high, total).round().to(torch.int64)  # (n*W*B,)
     offsets = torch.arange(seq_len + 1)  # (T+1,)
     out = []
     for i in range(n_batches):
-        glob = starts[i * world_size * micro_batch: (i + 1) * world_size * micro_batch]  # (W*B,)
-        mine = glob[rank * micro_batch: (rank + 1) * micro_batch]  # (B,)
+        glob = starts[i * world_size * micro_batch : (i + 1) * world_size * micro_batch]  # (W*B,)
+        mine = glob[rank * micro_batch : (rank + 1) * micro_batch]  # (B,)
         window = gather(tokens, mine[:, None] + offsets)  # (B, T+1)
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))  # (B, T), (B, T)
     return out
 
 
-def tokenize(data_path: str, output: str, tokenizer: str | None = None, text_field: str = "text") -> TokenSource:
+def tokenize(
+    data_path: str, output: str, tokenizer: str | None = None, text_field: str = "text"
+) -> TokenSource:
     """``protrain tokenize``: stream a text or JSON-lines file into a token file; returns it, mapped.
 
     The tokens are exactly those ``load_tokens(data_path, tokenizer, text_field)`` gives,
@@ -588,10 +654,15 @@ def tokenize(data_path: str, output: str, tokenizer: str | None = None, text_fie
     """
     path = Path(data_path)
     if Path(output).resolve() == path.resolve():
-        raise ConfigError(f"-o {output} is the input file: writing it would destroy the text",
-                          hint=f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o {path.stem}.tokens`")
+        raise ConfigError(
+            f"-o {output} is the input file: writing it would destroy the text",
+            hint=f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o {path.stem}.tokens`",
+        )
     if _probe(path) == "tokens":
-        raise ConfigError(f"{data_path} is already a token file", hint=f"train on it: `protrain train --data {data_path} …`")
+        raise ConfigError(
+            f"{data_path} is already a token file",
+            hint=f"train on it: `protrain train --data {data_path} …`",
+        )
     n = write_token_file(token_stream(path, tokenizer, text_field), Path(output))
     source = _map_token_file(Path(output))
     assert source.tokens.numel() == n

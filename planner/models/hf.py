@@ -114,21 +114,40 @@ from .hf_experts import EXPERTS, grouped_experts
 
 __all__ = [
     # re-exported: callers import the whole Hugging Face adapter as protrain.planner.models.hf
-    "ATTENTION", "EXPERTS", "OWN", "TOKENIZER_FILES", "WEIGHTS_FILE", "WEIGHTS_INDEX",
-    "causal_attention", "config_file", "export", "grouped_experts", "load_weights", "weight_files",
+    "ATTENTION",
+    "EXPERTS",
+    "OWN",
+    "TOKENIZER_FILES",
+    "WEIGHTS_FILE",
+    "WEIGHTS_INDEX",
+    "causal_attention",
+    "config_file",
+    "export",
+    "grouped_experts",
+    "load_weights",
+    "weight_files",
     # this module's own
-    "REFUSED", "HFCausalLM", "build", "causal_lm_classes", "describe", "find_blocks", "from_model",
-    "hf_model_name", "load_config", "model_name_option", "parse_hf_name",
+    "REFUSED",
+    "HFCausalLM",
+    "build",
+    "causal_lm_classes",
+    "describe",
+    "find_blocks",
+    "from_model",
+    "hf_model_name",
+    "load_config",
+    "model_name_option",
+    "parse_hf_name",
 ]
 
 REFUSED = {
     "gpt_neo": "its own attention code (it cannot use protrain's) builds the mask with transformers' "
-               "packed-sequence check, which reads position values back to the host: a device sync in "
-               "every forward, and no forward on meta for planning",
+    "packed-sequence check, which reads position values back to the host: a device sync in "
+    "every forward, and no forward on meta for planning",
     "jetmoe": "its mixture-of-experts router reads the tokens-per-expert counts back to the host "
-              "(expert_size.tolist()): a device sync in every forward that depends on the data",
+    "(expert_size.tolist()): a device sync in every forward that depends on the data",
     "dbrx": "its experts loop over the experts the router hit (nonzero on the routing), reading the "
-            "routing back to the host: a device sync in every MoE layer that depends on the data",
+    "routing back to the host: a device sync in every MoE layer that depends on the data",
 }
 """model_type → why protrain refuses it. Everything else ``AutoModelForCausalLM`` builds
 from a local config.json is accepted; tests/test_hf_families.py trains a family matrix."""
@@ -147,8 +166,10 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ConfigError(f"Hugging Face models need the transformers package ({e})",
-                          "pip install 'protrain[hf]'  (or: pip install transformers safetensors)") from e
+        raise ConfigError(
+            f"Hugging Face models need the transformers package ({e})",
+            "pip install 'protrain[hf]'  (or: pip install transformers safetensors)",
+        ) from e
     transformers.AttentionInterface.register(ATTENTION, causal_attention)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -167,19 +188,25 @@ def hf_model_name(config_path: str, blocks: str | None = None) -> str:
     when automatic discovery should be overridden.
     """
     if "#" in str(config_path):
-        raise ConfigError(f"{config_path}: a Hugging Face config path cannot contain '#'",
-                          "rename or move the directory")
+        raise ConfigError(
+            f"{config_path}: a Hugging Face config path cannot contain '#'",
+            "rename or move the directory",
+        )
     return f"{HF_PREFIX}{config_path}" + (f"#{blocks}" if blocks else "")
 
 
 def parse_hf_name(name: str) -> tuple[str, str | None]:
     """``hf:PATH[#BLOCKS]`` → (PATH, BLOCKS or None)."""
     if not is_hf_name(name):
-        raise ConfigError(f"{name!r} is not a Hugging Face model name", "write it as hf:PATH[#BLOCKS]")
-    path, _, blocks = name[len(HF_PREFIX):].partition("#")
+        raise ConfigError(
+            f"{name!r} is not a Hugging Face model name", "write it as hf:PATH[#BLOCKS]"
+        )
+    path, _, blocks = name[len(HF_PREFIX) :].partition("#")
     if not path:
-        raise ConfigError(f"{name!r} names no config file",
-                          "write hf:PATH, PATH a config.json or the directory holding it")
+        raise ConfigError(
+            f"{name!r} names no config file",
+            "write hf:PATH, PATH a config.json or the directory holding it",
+        )
     return path, (blocks or None)
 
 
@@ -199,11 +226,15 @@ def model_name_option(model: str | None, hf_config: str | None, blocks: str | No
     Returns None when neither is given (the command decides whether that is an error).
     """
     if model is not None and hf_config is not None:
-        raise ConfigError("--model and --hf-config both name the model",
-                          "give one: --model NAME (a zoo name or hf:PATH), or --hf-config PATH")
+        raise ConfigError(
+            "--model and --hf-config both name the model",
+            "give one: --model NAME (a zoo name or hf:PATH), or --hf-config PATH",
+        )
     if blocks is not None and hf_config is None:
-        raise ConfigError("--blocks names the block list of a Hugging Face model and needs --hf-config",
-                          "add --hf-config PATH, or drop --blocks (zoo models name their own blocks)")
+        raise ConfigError(
+            "--blocks names the block list of a Hugging Face model and needs --hf-config",
+            "add --hf-config PATH, or drop --blocks (zoo models name their own blocks)",
+        )
     if hf_config is not None:
         return hf_model_name(str(config_path(hf_config)), blocks)
     if model is not None and is_hf_name(model):
@@ -223,8 +254,10 @@ def causal_lm_classes() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-_LIST_TYPES = ("python -c 'from transformers.models.auto.modeling_auto import "
-               "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as m; print(*sorted(m))'")
+_LIST_TYPES = (
+    "python -c 'from transformers.models.auto.modeling_auto import "
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as m; print(*sorted(m))'"
+)
 
 
 def load_config(path: str | Path):
@@ -242,20 +275,27 @@ def load_config(path: str | Path):
     try:
         raw = json.loads(f.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{f}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})",
-                          f"fix {f}, or write it again with `config.save_pretrained(DIR)`") from e
+        raise ConfigError(
+            f"{f}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})",
+            f"fix {f}, or write it again with `config.save_pretrained(DIR)`",
+        ) from e
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{f}: not a UTF-8 text file ({e.reason})", "point hf:PATH at a config.json") from e
+        raise ConfigError(
+            f"{f}: not a UTF-8 text file ({e.reason})", "point hf:PATH at a config.json"
+        ) from e
     if not isinstance(raw, dict):
-        raise ConfigError(f"{f}: expected a JSON object, found {type(raw).__name__}",
-                          "a Hugging Face config.json is one object with model_type and the sizes")
+        raise ConfigError(
+            f"{f}: expected a JSON object, found {type(raw).__name__}",
+            "a Hugging Face config.json is one object with model_type and the sizes",
+        )
     yourself = "or build the model yourself and pass it to protrain.planner.models.hf.from_model"
     if raw.get("auto_map"):
         raise ConfigError(
             f"{f}: auto_map names code from the model's own repository ({', '.join(sorted(raw['auto_map']))}); "
             "protrain builds only what transformers implements itself and never runs downloaded code "
             "(trust_remote_code)",
-            f"use a config.json whose model_type transformers implements, {yourself}")
+            f"use a config.json whose model_type transformers implements, {yourself}",
+        )
     model_type = raw.get("model_type")
     transformers = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -266,34 +306,47 @@ def load_config(path: str | Path):
     # building it would silently train a different model.
     listing = f"the model types it builds as causal LMs: {_LIST_TYPES}"
     if not isinstance(model_type, str) or not model_type:
-        raise ConfigError(f"{f}: no model_type; it names the architecture transformers builds",
-                          "use the config.json that came with the model (config.save_pretrained(DIR) writes one)")
+        raise ConfigError(
+            f"{f}: no model_type; it names the architecture transformers builds",
+            "use the config.json that came with the model (config.save_pretrained(DIR) writes one)",
+        )
     if model_type not in CONFIG_MAPPING:
-        raise ConfigError(f"{f}: model_type {model_type!r} is unknown to {version}",
-                          f"a newer transformers may implement it (pip install -U transformers); {listing}")
+        raise ConfigError(
+            f"{f}: model_type {model_type!r} is unknown to {version}",
+            f"a newer transformers may implement it (pip install -U transformers); {listing}",
+        )
     if model_type not in classes:
-        raise ConfigError(f"{f}: model_type {model_type!r} has no causal-LM class in {version} "
-                          "(it is not a decoder language model), and protrain trains causal LMs",
-                          f"{yourself}; {listing}")
+        raise ConfigError(
+            f"{f}: model_type {model_type!r} has no causal-LM class in {version} "
+            "(it is not a decoder language model), and protrain trains causal LMs",
+            f"{yourself}; {listing}",
+        )
     if model_type in REFUSED:
-        raise ConfigError(f"{f}: model_type {model_type!r} is refused: {REFUSED[model_type]}",
-                          f"{yourself} (the same limits apply), or train another family")
+        raise ConfigError(
+            f"{f}: model_type {model_type!r} is refused: {REFUSED[model_type]}",
+            f"{yourself} (the same limits apply), or train another family",
+        )
     cls = classes[model_type]
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     try:
         # As transformers reads it (special floats such as time_step_limit's Infinity decoded),
         # from this file only: nothing downloaded, no remote code (auto_map was refused above).
-        config = transformers.AutoConfig.from_pretrained(str(f), local_files_only=True, trust_remote_code=False)
+        config = transformers.AutoConfig.from_pretrained(
+            str(f), local_files_only=True, trust_remote_code=False
+        )
     except (TypeError, ValueError, *_strict_errors()) as e:
-        raise ConfigError(f"{f}: {version} rejects this {model_type} config: {e}", f"fix {f}") from e
+        raise ConfigError(
+            f"{f}: {version} rejects this {model_type} config: {e}", f"fix {f}"
+        ) from e
     if arch is not None and arch != cls:
         other = getattr(transformers, arch, None) if arch in classes.values() else None
         if other is None or getattr(other, "config_class", None) is not type(config):
             raise ConfigError(
                 f"{f}: architectures names {arch!r}, which is not a causal LM of model_type {model_type!r} "
                 f"(for it {version} builds {cls})",
-                f"set \"architectures\": [\"{cls}\"] to train it as a causal LM, {yourself}")
+                f'set "architectures": ["{cls}"] to train it as a causal LM, {yourself}',
+            )
         cls = arch
     return config, cls
 
@@ -326,7 +379,11 @@ def _training_config(config, dropout: float) -> None:
         for name, value in c.to_dict().items():
             if name in fixed:
                 continue
-            if _DROPOUT_FIELD.search(name) and isinstance(value, float | int) and not isinstance(value, bool):
+            if (
+                _DROPOUT_FIELD.search(name)
+                and isinstance(value, float | int)
+                and not isinstance(value, bool)
+            ):
                 setattr(c, name, float(dropout))
         if getattr(c, "layerdrop", 0.0):
             c.layerdrop = 0.0
@@ -351,7 +408,9 @@ class HFCausalLM(nn.Module):
         self._modules = model._modules
         self.config = model.config
         self.blocks = list(blocks)  # module paths of the transformer blocks, in order
-        self.max_seq_len = int(getattr(_text_config(model.config), "max_position_embeddings", 0) or 0)
+        self.max_seq_len = int(
+            getattr(_text_config(model.config), "max_position_embeddings", 0) or 0
+        )
         self.train(model.training)
 
     def protrain_blocks(self) -> list[str]:
@@ -390,8 +449,11 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.size(1)
         if self.max_seq_len and T > self.max_seq_len:
-            raise ConfigError(f"sequence length {T} exceeds the model's max_position_embeddings="
-                              f"{self.max_seq_len}", f"use --seq {self.max_seq_len} or less")
+            raise ConfigError(
+                f"sequence length {T} exceeds the model's max_position_embeddings="
+                f"{self.max_seq_len}",
+                f"use --seq {self.max_seq_len} or less",
+            )
         if idx.device.type == "meta":
             out = self._meta_forward(idx)
         else:
@@ -400,7 +462,6 @@ class HFCausalLM(nn.Module):
         # Targets are the next tokens already (the data loader shifts them), so the
         # zoo's loss, not transformers' (which shifts labels itself).
         return logits if targets is None else lm_loss(logits, targets)
-
 
     def _meta_forward(self, idx: torch.Tensor):
         """The forward on ``meta`` (planning), with a family whose forward reads values refused by name.
@@ -419,12 +480,15 @@ class HFCausalLM(nn.Module):
             raise ConfigError(
                 f"model_type {family!r}: its forward reads tensor values back to the host ({str(e).splitlines()[0]}): "
                 "a device sync every step that depends on the data, which protrain cannot plan around",
-                "train another family (planner/models/hf.py lists the refused ones in REFUSED)") from e
+                "train another family (planner/models/hf.py lists the refused ones in REFUSED)",
+            ) from e
 
 
 # torch's messages when a meta tensor's values are asked for.
-_READS_VALUES = re.compile(r"cannot be called on meta tensors|Cannot copy out of meta tensor|"
-                           r"data-independent implementation does not exist|data-dependent")
+_READS_VALUES = re.compile(
+    r"cannot be called on meta tensors|Cannot copy out of meta tensor|"
+    r"data-independent implementation does not exist|data-dependent"
+)
 
 
 def _skip_padding_check(input_ids, attention_mask) -> None:
@@ -439,20 +503,29 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> list[str]:
     longest ``nn.ModuleList`` of modules of one class."""
     if blocks is None:
         n_layers = getattr(_text_config(model.config), "num_hidden_layers", None)
-        stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+        stacks = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) == n_layers
+        ]
         path = stacks[0] if stacks else find_block_list(model)
         if path is None:
-            raise ConfigError(f"cannot find the transformer blocks of {type(model).__name__}: it has no "
-                              "nn.ModuleList of modules of one class",
-                              "name the block list: hf:PATH#model.layers, or from_model(model, blocks=...)")
+            raise ConfigError(
+                f"cannot find the transformer blocks of {type(model).__name__}: it has no "
+                "nn.ModuleList of modules of one class",
+                "name the block list: hf:PATH#model.layers, or from_model(model, blocks=...)",
+            )
     else:
         path = blocks.removesuffix(".*")
     modules = dict(model.named_modules())
     lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList | nn.Sequential)]
     hint = f"name a module whose children are the blocks; module lists here: {', '.join(lists)}"
     if path not in modules:
-        raise ConfigError(f"block list {path!r} is not a module of {type(model).__name__}"
-                          f"{did_you_mean(path, lists)}", hint)
+        raise ConfigError(
+            f"block list {path!r} is not a module of {type(model).__name__}"
+            f"{did_you_mean(path, lists)}",
+            hint,
+        )
     children = [n for n, _ in modules[path].named_children()]
     if not children:
         raise ConfigError(f"{path!r} has no child modules, so it is not a list of blocks", hint)
@@ -475,19 +548,29 @@ def from_model(model: nn.Module, *, blocks: str | None = None) -> HFCausalLM:
         model = model.base_model.model  # PeftModel → LoraModel → the injected transformers model
     PreTrainedModel = _transformers().PreTrainedModel
     if not isinstance(model, PreTrainedModel):
-        raise ConfigError(f"from_model needs a transformers PreTrainedModel, got {type(model).__name__}",
-                          "for a plain nn.Module, give it forward(idx, targets) and protrain_blocks()")
-    own = [n for n, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
+        raise ConfigError(
+            f"from_model needs a transformers PreTrainedModel, got {type(model).__name__}",
+            "for a plain nn.Module, give it forward(idx, targets) and protrain_blocks()",
+        )
+    own = [
+        n for n, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]
+    ]
     if own:
-        raise ConfigError(f"{type(model).__name__} holds tensors at its root ({', '.join(own)}); "
-                          "protrain's adapter shares the model's children and would miss them",
-                          "move them into a submodule")
-    layerdrop = max([getattr(model.config, "layerdrop", 0.0) or 0.0]
-                    + [getattr(m, "layerdrop", 0.0) or 0.0 for m in model.modules()])
+        raise ConfigError(
+            f"{type(model).__name__} holds tensors at its root ({', '.join(own)}); "
+            "protrain's adapter shares the model's children and would miss them",
+            "move them into a submodule",
+        )
+    layerdrop = max(
+        [getattr(model.config, "layerdrop", 0.0) or 0.0]
+        + [getattr(m, "layerdrop", 0.0) or 0.0 for m in model.modules()]
+    )
     if layerdrop:
-        raise ConfigError(f"{type(model).__name__} has layerdrop={layerdrop}: LayerDrop skips "
-                          "blocks at random, and a plan's schedule needs every block to run",
-                          "set model.config.layerdrop = 0.0 and the decoder's .layerdrop = 0.0 first")
+        raise ConfigError(
+            f"{type(model).__name__} has layerdrop={layerdrop}: LayerDrop skips "
+            "blocks at random, and a plan's schedule needs every block to run",
+            "set model.config.layerdrop = 0.0 and the decoder's .layerdrop = 0.0 first",
+        )
     model.config.use_cache = False
     own = own_default(model)
     # Families that compute attention in their own code (no attention interface:
@@ -526,9 +609,16 @@ def _onto_meta(model: nn.Module) -> None:
         model.to("meta")
 
 
-def build(source: str | Path, *, blocks: str | None = None, device: str | torch.device = "cpu",
-          dtype: torch.dtype = torch.float32, dropout: float | None = None, seed: int = 0,
-          weights: str | Path | list[str | Path] | None = None) -> HFCausalLM:
+def build(
+    source: str | Path,
+    *,
+    blocks: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    dropout: float | None = None,
+    seed: int = 0,
+    weights: str | Path | list[str | Path] | None = None,
+) -> HFCausalLM:
     """Build the causal LM a local config.json describes (``source``: the file or its directory).
 
     On ``device="meta"`` nothing is allocated. Otherwise the model is materialised
@@ -550,8 +640,11 @@ def build(source: str | Path, *, blocks: str | None = None, device: str | torch.
     materialize(wrapped, device=device, seed=seed)
     # The checkpoint beside config.json, whichever of the two the caller named.
     directory = config_file(source).parent
-    files = weight_files(weights) if weights is not None else (
-        weight_files(directory) if has_checkpoint(directory) else [])
+    files = (
+        weight_files(weights)
+        if weights is not None
+        else (weight_files(directory) if has_checkpoint(directory) else [])
+    )
     if not files and weights is None:
         refuse_pickles(directory)
     if files:
@@ -568,14 +661,25 @@ def describe(name: str) -> ModelInfo:
     c = _text_config(model.config)
     # State-space families have no attention heads (0 in the table).
     n_head = getattr(c, "num_attention_heads", None) or 0
-    return ModelInfo(name=name, family=model.config.model_type, n_params=count_params(model),
-                     n_blocks=len(model.blocks), hidden=getattr(c, "hidden_size", 0) or 0, n_head=n_head,
-                     n_kv_head=getattr(c, "num_key_value_heads", None) or n_head,
-                     vocab_size=c.vocab_size, max_seq_len=model.max_seq_len)
+    return ModelInfo(
+        name=name,
+        family=model.config.model_type,
+        n_params=count_params(model),
+        n_blocks=len(model.blocks),
+        hidden=getattr(c, "hidden_size", 0) or 0,
+        n_head=n_head,
+        n_kv_head=getattr(c, "num_key_value_heads", None) or n_head,
+        vocab_size=c.vocab_size,
+        max_seq_len=model.max_seq_len,
+    )
 
 
-def export_checkpoint(checkpoint: str | Path, model_name: str, out_dir: str | Path,
-                      tokenizer_dir: str | Path | None = None) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    model_name: str,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
     """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
     as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
     checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values)."""
@@ -583,7 +687,13 @@ def export_checkpoint(checkpoint: str | Path, model_name: str, out_dir: str | Pa
 
     path, blocks = parse_hf_name(model_name)
     model = build(path, blocks=blocks, device="meta")
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    shapes = {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if n not in aliases}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
+        n for n, _ in model.named_parameters()
+    }
+    shapes = {
+        n: list(p.shape)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if n not in aliases
+    }
     state = load_model_state(checkpoint, shapes)
     return export(model, state, out_dir, config_path=path, tokenizer_dir=tokenizer_dir)

@@ -47,9 +47,17 @@ ATTENTION = "protrain_causal"
 It must not contain "sdpa" (or "flash", "flex"): transformers takes any name holding
 "sdpa" for its own SDPA and refuses it for families whose classes do not support SDPA."""
 
-def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def causal_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal SDPA with the zoo's kernel choices, in transformers' attention-function signature.
 
     query (B, nh, T, hs), key/value (B, nkv, T, hs) → output (B, T, nh, hs), no weights.
@@ -59,7 +67,9 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     T = query.size(-2)
     reason = _needs_own(module, T, attention_mask, kwargs)
     if reason is not None:
-        return _own_attention(module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs)
+        return _own_attention(
+            module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs
+        )
     groups = query.size(1) // key.size(1)
     if groups > 1:
         # Repeat k/v per query group (HF's repeat_kv, the zoo's choice) rather than
@@ -70,8 +80,9 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     # The kernel's own default scale when it is the usual 1/sqrt(hs), so the
     # arithmetic is the zoo's exactly; otherwise (GPT-2's per-layer scaling) the given one.
     default = scaling is None or scaling in (hs**-0.5, 1.0 / math.sqrt(hs))
-    y = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                       scale=None if default else scaling)  # (B, nh, T, hs)
+    y = F.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, is_causal=True, scale=None if default else scaling
+    )  # (B, nh, T, hs)
     return y.transpose(1, 2).contiguous(), None
 
 
@@ -79,12 +90,27 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 # may ignore: bookkeeping for caches, kernels we do not use and the model's outputs
 # (MoE layers pass output_router_logits down). Any other keyword with a value
 # (softcap, s_aux, position_bias, ...) sends the call to the family's own code.
-_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "layer_idx",
-                             "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                             "output_router_logits", "output_hidden_states", "return_dict"})
+_IGNORED_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "use_cache",
+        "layer_idx",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_router_logits",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
 
 
-def _needs_own(module: nn.Module, T: int, attention_mask: torch.Tensor | None, kwargs: dict) -> str | None:
+def _needs_own(
+    module: nn.Module, T: int, attention_mask: torch.Tensor | None, kwargs: dict
+) -> str | None:
     """Why this call needs the family's own attention, or None when causal SDPA computes it exactly."""
     if attention_mask is not None:
         # transformers makes no mask for our implementation (it is not in the mask
@@ -96,8 +122,11 @@ def _needs_own(module: nn.Module, T: int, attention_mask: torch.Tensor | None, k
         return f"a sliding window of {window} < sequence length {T}"
     if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
         return "non-causal attention"
-    extra = sorted(k for k, v in kwargs.items()
-                   if v is not None and k not in _IGNORED_KWARGS and k not in ("sliding_window", "is_causal"))
+    extra = sorted(
+        k
+        for k, v in kwargs.items()
+        if v is not None and k not in _IGNORED_KWARGS and k not in ("sliding_window", "is_causal")
+    )
     return f"{', '.join(extra)}" if extra else None
 
 
@@ -109,8 +138,9 @@ OWN = "_protrain_own_attention"
 (``"sdpa"`` or ``"eager"``) that ``causal_attention`` hands a call to when it must."""
 
 
-def _own_attention(module: nn.Module, query, key, value, attention_mask, dropout, scaling, reason: str,
-                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _own_attention(
+    module: nn.Module, query, key, value, attention_mask, dropout, scaling, reason: str, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The call as the family's own default implementation makes it, with the mask transformers would build.
 
     See [Note: which attention]. The mask (causal, or causal within the sliding
@@ -128,20 +158,36 @@ def _own_attention(module: nn.Module, query, key, value, attention_mask, dropout
     else:
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is None:
-            raise ConfigError(f"{type(module).__name__}: this attention needs {reason}, which protrain's "
-                              "causal attention does not compute, and its module has no eager_attention_forward "
-                              "to hand it to: no exact path",
-                              "train another family (planner/models/hf_attention.py, [Note: which attention], says which work)")
-    causal = kwargs.get("is_causal", True) is not False and getattr(module, "is_causal", True) is not False
+            raise ConfigError(
+                f"{type(module).__name__}: this attention needs {reason}, which protrain's "
+                "causal attention does not compute, and its module has no eager_attention_forward "
+                "to hand it to: no exact path",
+                "train another family (planner/models/hf_attention.py, [Note: which attention], says which work)",
+            )
+    causal = (
+        kwargs.get("is_causal", True) is not False
+        and getattr(module, "is_causal", True) is not False
+    )
     if attention_mask is None and causal:
         T = query.size(-2)
         window = kwargs.get("sliding_window")
-        mask_fn = (masking_utils.sliding_window_causal_mask_function(window) if window is not None
-                   else masking_utils.causal_mask_function)
+        mask_fn = (
+            masking_utils.sliding_window_causal_mask_function(window)
+            if window is not None
+            else masking_utils.causal_mask_function
+        )
         make = masking_utils.sdpa_mask if own == "sdpa" else masking_utils.eager_mask
-        attention_mask = make(batch_size=query.size(0), q_length=T, kv_length=T, mask_function=mask_fn,
-                              local_size=window, dtype=query.dtype, device=query.device)  # (B, 1, T, T) or None
+        attention_mask = make(
+            batch_size=query.size(0),
+            q_length=T,
+            kv_length=T,
+            mask_function=mask_fn,
+            local_size=window,
+            dtype=query.dtype,
+            device=query.device,
+        )  # (B, 1, T, T) or None
     return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
 
 def own_default(model) -> str:
     """The attention implementation transformers picks for this class by default: "sdpa" or "eager"."""

@@ -40,8 +40,10 @@ def config_file(path: str | Path) -> Path:
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
         where = f"{p} holds no config.json" if p.is_dir() else f"{p}: no such file"
-        raise ConfigError(f"Hugging Face model: {where}",
-                          "point hf:PATH at a config.json, or at the directory that holds it")
+        raise ConfigError(
+            f"Hugging Face model: {where}",
+            "point hf:PATH at a config.json, or at the directory that holds it",
+        )
     return f
 
 
@@ -73,20 +75,28 @@ def weight_files(weights: str | Path | list[str | Path]) -> list[Path]:
         elif (w / WEIGHTS_FILE).is_file():
             return [w / WEIGHTS_FILE]
         else:
-            raise ConfigError(f"{w} holds neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}",
-                              "point at the directory of a safetensors checkpoint")
+            raise ConfigError(
+                f"{w} holds neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}",
+                "point at the directory of a safetensors checkpoint",
+            )
     if not w.is_file():
-        raise ConfigError(f"weights file {w}: no such file", "give a .safetensors file or its directory")
+        raise ConfigError(
+            f"weights file {w}: no such file", "give a .safetensors file or its directory"
+        )
     if w.name.endswith(".json"):
         try:
             shards = sorted(set(json.loads(w.read_text(encoding="utf-8"))["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{w}: not a safetensors index (a JSON object with a weight_map)",
-                              "write the checkpoint again with save_pretrained") from e
+            raise ConfigError(
+                f"{w}: not a safetensors index (a JSON object with a weight_map)",
+                "write the checkpoint again with save_pretrained",
+            ) from e
         return [_shard(w, s) for s in shards]
     if w.suffix != ".safetensors":
-        raise ConfigError(f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
-                          "convert the checkpoint with model.save_pretrained(DIR) in transformers")
+        raise ConfigError(
+            f"{w}: protrain loads .safetensors files only (torch pickles can run code)",
+            "convert the checkpoint with model.save_pretrained(DIR) in transformers",
+        )
     return [w]
 
 
@@ -97,8 +107,10 @@ def _shard(index: Path, name: object) -> Path:
 
     rel = os.path.normpath(name) if isinstance(name, str) and name else ""
     if not rel or os.path.isabs(rel) or rel == ".." or rel.startswith(".." + os.sep) or "\0" in rel:
-        raise ConfigError(f"{index}: weight_map names shard {name!r}, which is not a file in {index.parent}",
-                          "point at a checkpoint whose index lists its own shards (save_pretrained writes one)")
+        raise ConfigError(
+            f"{index}: weight_map names shard {name!r}, which is not a file in {index.parent}",
+            "point at a checkpoint whose index lists its own shards (save_pretrained writes one)",
+        )
     return index.parent / rel
 
 
@@ -118,7 +130,10 @@ def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
     buffers = {n for n, _ in model.named_buffers()}
     prefix = getattr(model.hf, "base_model_prefix", "")
     # Old LLaMA-family checkpoints store a RoPE inv_freq per layer; transformers skips those too.
-    patterns = [*(getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq$"]
+    patterns = [
+        *(getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or []),
+        r"rotary_emb\.inv_freq$",
+    ]
     ignore = [re.compile(pat) for pat in patterns]
     loaded: set[int] = set()
     unexpected, mismatched = [], []
@@ -126,7 +141,9 @@ def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
         try:
             tensors = load_file(str(f), device="cpu")
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"{f}: cannot read as safetensors ({e})", "check the file is complete") from e
+            raise ConfigError(
+                f"{f}: cannot read as safetensors ({e})", "check the file is complete"
+            ) from e
         for key, t in tensors.items():
             name = key if key in params or not prefix else f"{prefix}.{key}"
             if name not in params:
@@ -142,22 +159,39 @@ def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
     missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
 
     def listed(what: str, names: list[str]) -> list[str]:
-        return [f"{what}: {', '.join(names[:5])}" + (" …" if len(names) > 5 else "")] if names else []
+        return (
+            [f"{what}: {', '.join(names[:5])}" + (" …" if len(names) > 5 else "")] if names else []
+        )
 
     problems = listed("missing", missing) + listed("unexpected", unexpected) + mismatched[:5]
     if problems:
         where = str(files[0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
-        raise ConfigError(f"weights in {where} do not fit "
-                          f"{type(model.hf).__name__}:\n  " + "\n  ".join(problems),
-                          "use the checkpoint saved with this config.json (same directory)")
+        raise ConfigError(
+            f"weights in {where} do not fit {type(model.hf).__name__}:\n  " + "\n  ".join(problems),
+            "use the checkpoint saved with this config.json (same directory)",
+        )
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 """Files copied from the tokenizer directory into an export, when present."""
 
 
-def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Path, *,
-           config_path: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
+def export(
+    model: HFCausalLM,
+    state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    config_path: str | Path | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
     """Write ``model`` with weights ``state`` as a Hugging Face directory; returns it.
 
     ``state``: parameter name → tensor in the model's own names (``Engine.state_dict()
@@ -188,13 +222,21 @@ def export(model: HFCausalLM, state: dict[str, torch.Tensor], out_dir: str | Pat
         fsync_path(out.parent)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
-                          "left there", "check the directory is writable and the disk has space") from None
+        raise ConfigError(
+            f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
+            "left there",
+            "check the directory is writable and the disk has space",
+        ) from None
     return out
 
 
-def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
-                  config_path: str | Path | None, tokenizer_dir: str | Path | None) -> None:
+def _write_export(
+    model: HFCausalLM,
+    state: dict[str, torch.Tensor],
+    tmp: Path,
+    config_path: str | Path | None,
+    tokenizer_dir: str | Path | None,
+) -> None:
     """``export``'s files into ``tmp``, each fsynced, then ``tmp`` itself."""
     import shutil
 
@@ -210,7 +252,9 @@ def _write_export(model: HFCausalLM, state: dict[str, torch.Tensor], tmp: Path,
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tied = {id(p): n for n, p in model.named_parameters()}  # first name of each tensor
     params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = {n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n}
+    tensors = {
+        n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n
+    }
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
@@ -229,10 +273,16 @@ def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str
     directory = resolve(root)
     m = read_manifest(directory)
     if m.params != shapes:
-        wrong = sorted(set(m.params) ^ set(shapes)) or [k for k in shapes if m.params.get(k) != shapes[k]]
-        raise CheckpointError(f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
-                              "export with the --hf-config the checkpoint was trained from")
-    check_header(directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()})
+        wrong = sorted(set(m.params) ^ set(shapes)) or [
+            k for k in shapes if m.params.get(k) != shapes[k]
+        ]
+        raise CheckpointError(
+            f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
+            "export with the --hf-config the checkpoint was trained from",
+        )
+    check_header(
+        directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()}
+    )
     model = load_file(directory / "model.safetensors")
     refuse_to_load_nonfinite(directory, model, {})
     for name, alias in m.tied:

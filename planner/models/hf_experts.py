@@ -18,8 +18,12 @@ EXPERTS = "protrain_grouped_mm"
 """Our mixture-of-experts implementation's name in transformers' experts registry."""
 
 
-def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts, runnable on ``meta`` in any dtype.
 
     hidden_states (N, C), top_k_index/top_k_weights (N, k) → (N, C). On a real device

@@ -31,8 +31,10 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise ConfigError("--lora needs peft, which is not installed",
-                          'install the extra: pip install -e ".[peft]"') from None
+        raise ConfigError(
+            "--lora needs peft, which is not installed",
+            'install the extra: pip install -e ".[peft]"',
+        ) from None
     return peft
 
 
@@ -60,8 +62,10 @@ def attention_projections(model: nn.Module) -> tuple[str, ...]:
         if name not in names:
             names.append(name)
     if not names:
-        raise ConfigError(f"found no attention projections to adapt in {type(model).__name__}",
-                          "name the modules: --lora-targets q_proj,v_proj")
+        raise ConfigError(
+            f"found no attention projections to adapt in {type(model).__name__}",
+            "name the modules: --lora-targets q_proj,v_proj",
+        )
     return tuple(names)
 
 
@@ -69,8 +73,13 @@ def config(spec: LoraSpec, model: nn.Module):
     """peft's ``LoraConfig`` for ``spec`` on ``model``."""
     peft = _peft()
     targets = list(spec.targets or attention_projections(model))
-    return peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
-                           bias="none")
+    return peft.LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=targets,
+        bias="none",
+    )
 
 
 def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
@@ -87,7 +96,9 @@ def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
             torch.manual_seed(seed)
             peft.inject_adapter_in_model(cfg, target, adapter_name=ADAPTER)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise ConfigError(f"LoRA: {e}", "choose --lora-targets among the model's linear layers") from None
+        raise ConfigError(
+            f"LoRA: {e}", "choose --lora-targets among the model's linear layers"
+        ) from None
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     return model
@@ -96,10 +107,17 @@ def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
 def injected(model: nn.Module) -> tuple[str, ...]:
     """The targets that carry an adapter, in model order, named as ``attention_projections``
     names them (a leaf name another, unadapted linear layer also has is qualified by its parent)."""
-    adapted = [path for path, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-    others = {path.rpartition(".")[2] for path, m in model.named_modules()
-              if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
-              and not any(path == a or path.startswith(a + ".") for a in adapted)}
+    adapted = [
+        path
+        for path, m in model.named_modules()
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+    ]
+    others = {
+        path.rpartition(".")[2]
+        for path, m in model.named_modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+        and not any(path == a or path.startswith(a + ".") for a in adapted)
+    }
     names: list[str] = []
     for path in adapted:
         parent, _, leaf = path.rpartition(".")
@@ -114,11 +132,15 @@ def check_plan(plan, lora: LoraSpec | None, where: str) -> None:
     frozen = any(p.frozen for c in plan.chunks.items for p in c.params)
     adapters = any("lora_" in p.name for c in plan.chunks.items for p in c.params)
     if lora is None and adapters:
-        raise ConfigError(f"{where} was made for a LoRA model (its parameters include peft's adapters)",
-                          "train with --lora and the --lora-r/--lora-targets it was planned with")
+        raise ConfigError(
+            f"{where} was made for a LoRA model (its parameters include peft's adapters)",
+            "train with --lora and the --lora-r/--lora-targets it was planned with",
+        )
     if lora is not None and not (frozen and adapters):
-        raise ConfigError(f"{where} was made for training the whole model, not LoRA",
-                          "make a plan with `protrain plan … --lora`, or drop --lora")
+        raise ConfigError(
+            f"{where} was made for training the whole model, not LoRA",
+            "make a plan with `protrain plan … --lora`, or drop --lora",
+        )
 
 
 def trainable_count(model: nn.Module) -> tuple[int, int]:
@@ -157,8 +179,14 @@ def peft_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def export_adapter(model: nn.Module, state: dict[str, torch.Tensor], spec: LoraSpec, out_dir: str | Path,
-                   base_name: str = "", tokenizer_dir: str | Path | None = None) -> Path:
+def export_adapter(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    spec: LoraSpec,
+    out_dir: str | Path,
+    base_name: str = "",
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
     """Write the trained adapter in peft's own format (``adapter_config.json``,
     ``adapter_model.safetensors``) and the tokenizer's files to ``out_dir``:
     ``PeftModel.from_pretrained(base, out_dir)`` loads it."""
@@ -166,13 +194,21 @@ def export_adapter(model: nn.Module, state: dict[str, torch.Tensor], spec: LoraS
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config(spec if spec.targets else LoraSpec(spec.r, spec.alpha, spec.dropout, injected(model)), model)
+    cfg = config(
+        spec if spec.targets else LoraSpec(spec.r, spec.alpha, spec.dropout, injected(model)), model
+    )
     cfg.base_model_name_or_path = base_name or None
     cfg.inference_mode = True
-    if isinstance(getattr(model, "hf", None), nn.Module):  # a transformers causal LM (planner/models/hf.py)
+    if isinstance(
+        getattr(model, "hf", None), nn.Module
+    ):  # a transformers causal LM (planner/models/hf.py)
         cfg.task_type = "CAUSAL_LM"
     cfg.save_pretrained(str(out))
-    save_file(peft_state_dict(model, state), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        peft_state_dict(model, state),
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if tokenizer_dir is not None:
         import shutil
 
@@ -193,7 +229,11 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     [Note: frozen chunks]), so a 16-bit run merges into its 16-bit base."""
     out = {name.replace(".base_layer.", "."): t for name, t in state.items() if "lora_" not in name}
     for path, m in model.named_modules():
-        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer") and ADAPTER in getattr(m, "lora_A", {})):
+        if not (
+            hasattr(m, "lora_A")
+            and hasattr(m, "base_layer")
+            and ADAPTER in getattr(m, "lora_A", {})
+        ):
             continue
         a, b = state[f"{path}.lora_A.{ADAPTER}.weight"], state[f"{path}.lora_B.{ADAPTER}.weight"]
         delta = b @ a
@@ -232,17 +272,34 @@ def closing_note(plan, lora: LoraSpec, host_budget: int | None = None) -> str:
     n_all = plan.model.n_params
     n_train = sum(p.numel for c in plan.chunks.items for p in c.params if not p.frozen)
     iter_us = plan.prediction.iter_time_us
-    tok = t.micro_batch * t.seq_len * t.grad_accum * t.world_size / (iter_us / 1e6) if iter_us else 0.0
+    tok = (
+        t.micro_batch * t.seq_len * t.grad_accum * t.world_size / (iter_us / 1e6)
+        if iter_us
+        else 0.0
+    )
     walk = memory_walk.walk(plan)
     su = H.Setup(t.compute_dtype, t.grad_accum)
-    per = min(H.HOMELESS.per_elem(su, "host") if H.HOMELESS.refusal(su, "during_backward") is None
-              else H.HOST.per_elem(su, "host"), H.HOST.per_elem(su, "host"))
+    per = min(
+        H.HOMELESS.per_elem(su, "host")
+        if H.HOMELESS.refusal(su, "during_backward") is None
+        else H.HOST.per_elem(su, "host"),
+        H.HOST.per_elem(su, "host"),
+    )
     full = n_all * per // t.world_size
-    fits = "" if host_budget is None else (" (fits the host budget)" if full <= host_budget else
-                                           f" - more than the {human_bytes(host_budget)} host budget: "
-                                           "full training needs the NVMe tier (--nvme) or more ranks")
-    return (f"lora     {lora.describe()}: {n_train:,} of {n_all:,} parameters train ({100 * n_train / n_all:.2f}%); "
-            f"predicted {tok:,.0f} tokens/s, host {human_bytes(walk.host_bytes)} "
-            f"({walk.host_bytes / max(1, n_all - n_train):.2f} B per frozen parameter)\n"
-            f"full     training all {n_all:,} parameters would keep at least {per} B each on the host: "
-            f"{human_bytes(full)} per rank{fits}")
+    fits = (
+        ""
+        if host_budget is None
+        else (
+            " (fits the host budget)"
+            if full <= host_budget
+            else f" - more than the {human_bytes(host_budget)} host budget: "
+            "full training needs the NVMe tier (--nvme) or more ranks"
+        )
+    )
+    return (
+        f"lora     {lora.describe()}: {n_train:,} of {n_all:,} parameters train ({100 * n_train / n_all:.2f}%); "
+        f"predicted {tok:,.0f} tokens/s, host {human_bytes(walk.host_bytes)} "
+        f"({walk.host_bytes / max(1, n_all - n_train):.2f} B per frozen parameter)\n"
+        f"full     training all {n_all:,} parameters would keep at least {per} B each on the host: "
+        f"{human_bytes(full)} per rank{fits}"
+    )

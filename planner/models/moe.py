@@ -80,7 +80,11 @@ class MoeLayout:
     def active_params(self) -> int:
         """Parameters one token's compute touches: all but the routed experts, plus
         ``top_k / n_experts`` of those (router, shared experts, attention, embeddings included)."""
-        return self.total_params - self.routed_params + self.routed_params * self.top_k // self.n_experts
+        return (
+            self.total_params
+            - self.routed_params
+            + self.routed_params * self.top_k // self.n_experts
+        )
 
 
 # ---------------------------------------------------------------------------- detection
@@ -106,9 +110,15 @@ def _is_fused_bank(m: nn.Module) -> bool:
     up = getattr(m, "gate_up_proj", None)
     if up is None:
         up = getattr(m, "up_proj", None)
-    return (isinstance(down, nn.Parameter) and isinstance(up, nn.Parameter)
-            and down.dim() == 3 and up.dim() == 3 and down.shape[0] == up.shape[0]
-            and hasattr(m, "has_gate") and hasattr(m, "is_transposed"))
+    return (
+        isinstance(down, nn.Parameter)
+        and isinstance(up, nn.Parameter)
+        and down.dim() == 3
+        and up.dim() == 3
+        and down.shape[0] == up.shape[0]
+        and hasattr(m, "has_gate")
+        and hasattr(m, "is_transposed")
+    )
 
 
 def _is_dense_bank(m: nn.Module) -> bool:
@@ -119,14 +129,23 @@ def _is_dense_bank(m: nn.Module) -> bool:
     up = getattr(m, "gate_up_proj", None)
     if up is None:
         up = getattr(m, "up_proj", None)
-    return (isinstance(down, nn.Parameter) and isinstance(up, nn.Parameter)
-            and down.dim() == 3 and up.dim() == 3 and down.shape[0] == up.shape[0]
-            and not (hasattr(m, "has_gate") or hasattr(m, "is_transposed")))
+    return (
+        isinstance(down, nn.Parameter)
+        and isinstance(up, nn.Parameter)
+        and down.dim() == 3
+        and up.dim() == 3
+        and down.shape[0] == up.shape[0]
+        and not (hasattr(m, "has_gate") or hasattr(m, "is_transposed"))
+    )
 
 
 def _is_expert_list(name: str, m: nn.Module) -> bool:
-    return (name.rsplit(".", 1)[-1] == "experts" and isinstance(m, nn.ModuleList) and len(m) > 1
-            and len({type(e) for e in m}) == 1)
+    return (
+        name.rsplit(".", 1)[-1] == "experts"
+        and isinstance(m, nn.ModuleList)
+        and len(m) > 1
+        and len({type(e) for e in m}) == 1
+    )
 
 
 def detect(model: nn.Module) -> MoeLayout | None:
@@ -158,16 +177,20 @@ def detect(model: nn.Module) -> MoeLayout | None:
         return None
     sizes = {m.down_proj.shape[0] if fused else len(m) for _, m in banks}
     if len(sizes) != 1:
-        raise ConfigError(f"{type(model).__name__}: expert banks of different sizes {sorted(sizes)}",
-                          "protrain charges one n_experts per model")
+        raise ConfigError(
+            f"{type(model).__name__}: expert banks of different sizes {sorted(sizes)}",
+            "protrain charges one n_experts per model",
+        )
     (n_experts,) = sizes
     top_k = _config_int(cfg, CONFIG_TOP_K)
     if top_k is None:  # the router usually knows: MixtralTopKRouter.top_k
         parents = dict(model.named_modules())
         for name, _ in banks:
             parent = parents[name.rpartition(".")[0]]
-            top_k = next((c.top_k for c in parent.children()
-                          if isinstance(getattr(c, "top_k", None), int)), None)
+            top_k = next(
+                (c.top_k for c in parent.children() if isinstance(getattr(c, "top_k", None), int)),
+                None,
+            )
             if top_k is not None:
                 break
     if top_k is None or not 1 <= top_k <= n_experts:
@@ -187,8 +210,15 @@ def detect(model: nn.Module) -> MoeLayout | None:
                 seen.add(id(p))
                 routed += p.numel()
     total = sum(p.numel() for p in model.parameters())
-    return MoeLayout(n_experts=n_experts, top_k=top_k, n_shared_experts=shared,
-                     banks=[n for n, _ in banks], fused=fused, total_params=total, routed_params=routed)
+    return MoeLayout(
+        n_experts=n_experts,
+        top_k=top_k,
+        n_shared_experts=shared,
+        banks=[n for n, _ in banks],
+        fused=fused,
+        total_params=total,
+        routed_params=routed,
+    )
 
 
 def moe_blocks(layout: MoeLayout, blocks: list[str]) -> list[str]:
@@ -199,8 +229,9 @@ def moe_blocks(layout: MoeLayout, blocks: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------- charging
 
 
-def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
+def balanced_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """A fused expert bank's forward at perfectly balanced load; runs on ``meta``.
 
     The same signature and result shape as transformers' experts forward
@@ -220,11 +251,15 @@ def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     n_exp = down.shape[0]
     s = n_tok * top_k
     rows = -(-s // n_exp)
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # (S,): grouped by expert, as transformers sorts
+    expert_ids, perm = torch.sort(
+        top_k_index.reshape(-1)
+    )  # (S,): grouped by expert, as transformers sorts
     # The grouped GEMM's offsets, computed as transformers computes them (a cast, histc,
     # cumsum: three kernels in every MoE block's forward, on any device); the bmm does not
     # read them, but the block launches them, so they are charged. (E,)
-    torch.cumsum(torch.histc(expert_ids.float(), bins=n_exp, min=0, max=n_exp - 1), dim=0, dtype=torch.int32)
+    torch.cumsum(
+        torch.histc(expert_ids.float(), bins=n_exp, min=0, max=n_exp - 1), dim=0, dtype=torch.int32
+    )
     x = hidden_states[perm // top_k]  # (S, H)
     if rows * n_exp != s:
         x = torch.cat([x, x.new_zeros(rows * n_exp - s, hidden)])
@@ -241,7 +276,9 @@ def balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     up = self.gate_up_proj if self.has_gate else self.up_proj
     h = torch.bmm(x, up if self.is_transposed else up.transpose(1, 2))  # (E, rows, 2I or I)
     if self.has_bias:
-        h.add_(bias_rows(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias))  # in place, as theirs
+        h.add_(
+            bias_rows(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
+        )  # in place, as theirs
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)  # (E, rows, I)
     y = torch.bmm(h, down if self.is_transposed else down.transpose(1, 2))  # (E, rows, H)
     if self.has_bias:

@@ -34,7 +34,10 @@ def _count(cfg) -> int:
     def built(n_layer: int) -> int:
         # nn.Embedding's own init calls normal_, whose first call on meta loads torch's
         # decompositions (~1.5 s, most of the table's time); a count needs no values.
-        with torch.device("meta"), mock.patch.object(torch.nn.Embedding, "reset_parameters", lambda self: None):
+        with (
+            torch.device("meta"),
+            mock.patch.object(torch.nn.Embedding, "reset_parameters", lambda self: None),
+        ):
             c = dataclasses.replace(cfg, n_layer=n_layer)
             return count_params(_BareGPT2(c) if isinstance(c, GPT2Config) else _BareLlama(c))
 
@@ -49,8 +52,17 @@ def row(name: str) -> ModelInfo:
         family, hidden, n_kv_head, max_seq_len = "gpt2", cfg.n_embd, cfg.n_head, cfg.block_size
     else:
         family, hidden, n_kv_head, max_seq_len = "llama", cfg.dim, cfg.n_kv_head, cfg.max_seq_len
-    return ModelInfo(name=name, family=family, n_params=_count(cfg), n_blocks=cfg.n_layer, hidden=hidden,
-                     n_head=cfg.n_head, n_kv_head=n_kv_head, vocab_size=cfg.vocab_size, max_seq_len=max_seq_len)
+    return ModelInfo(
+        name=name,
+        family=family,
+        n_params=_count(cfg),
+        n_blocks=cfg.n_layer,
+        hidden=hidden,
+        n_head=cfg.n_head,
+        n_kv_head=n_kv_head,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=max_seq_len,
+    )
 
 
 def rows_for(names) -> list[ModelInfo]:

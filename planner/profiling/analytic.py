@@ -576,8 +576,14 @@ def analytic_profile(
     graph = parameter_trace(model, blocks, seq_len) if graph is None else graph
     if progress is not None:
         progress(1, 2)
-    counts = count_segments(model, blocks=blocks, micro_batch=micro_batch, seq_len=seq_len,
-                            compute_dtype=compute_dtype, spec=spec)
+    counts = count_segments(
+        model,
+        blocks=blocks,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        compute_dtype=compute_dtype,
+        spec=spec,
+    )
     if progress is not None:
         progress(2, 2)
     named = dict(model.named_parameters())
@@ -631,8 +637,15 @@ def _segment_profile(c: SegmentCount, spec: HardwareSpec) -> SegmentProfile:
     )
 
 
-_SCALED = ("fwd_us", "bwd_us", "saved_bytes", "saved_tensor_bytes", "input_bytes", "fwd_peak_bytes",
-           "bwd_peak_bytes")
+_SCALED = (
+    "fwd_us",
+    "bwd_us",
+    "saved_bytes",
+    "saved_tensor_bytes",
+    "input_bytes",
+    "fwd_peak_bytes",
+    "bwd_peak_bytes",
+)
 
 
 def scale_profile(

@@ -22,10 +22,12 @@ must come out equal, the check that the interior is one block repeated) and the 
 
 
 def _renamed(name: str, old: str, new: str) -> str:
-    return new + name[len(old):] if name.startswith(old + ".") else name
+    return new + name[len(old) :] if name.startswith(old + ".") else name
 
 
-def deepen(shallow: Profile, signature: list[tuple], n_blocks: int) -> tuple[Profile, list[tuple]] | None:
+def deepen(
+    shallow: Profile, signature: list[tuple], n_blocks: int
+) -> tuple[Profile, list[tuple]] | None:
     """``shallow``, the analytic profile of a model with ``REPLICA_BLOCKS`` identical blocks,
     extended to the same model with ``n_blocks`` of them, and its parameter ``signature``
     (``check.model_signature`` of the shallow model) likewise; None where the shallow
@@ -68,7 +70,7 @@ def deepen(shallow: Profile, signature: list[tuple], n_blocks: int) -> tuple[Pro
         if owners[lo:hi] != sorted(owners[lo:hi]) or None in owners[lo:hi]:
             return None
         per = [[i for i in range(lo, hi) if owners[i] == b] for b in range(K)]
-        shapes = [[names[i][len(blocks[b]):] for i in per[b]] for b in range(K)]
+        shapes = [[names[i][len(blocks[b]) :] for i in per[b]] for b in range(K)]
         if any(s != shapes[1] for s in shapes) or not shapes[1]:
             return None
         return lo, hi, per
@@ -91,12 +93,24 @@ def deepen(shallow: Profile, signature: list[tuple], n_blocks: int) -> tuple[Pro
             out += [rename(items[j], blocks[b], deep_blocks[i]) for j in per[b]]
         return out + list(items[hi:])
 
-    deep_params = extend(params, got_p, lambda p, old, new: msgspec.structs.replace(
-        p, name=_renamed(p.name, old, new), uses=[new]))
+    deep_params = extend(
+        params,
+        got_p,
+        lambda p, old, new: msgspec.structs.replace(p, name=_renamed(p.name, old, new), uses=[new]),
+    )
     deep_sig = extend(signature, got_s, lambda s, old, new: (_renamed(s[0], old, new), *s[1:]))
-    deep_segs = [segs[0]] + [msgspec.structs.replace(segs[1 + b], segment=deep_blocks[i])
-                             for i, b in enumerate(src)] + [segs[-1]]
+    deep_segs = (
+        [segs[0]]
+        + [msgspec.structs.replace(segs[1 + b], segment=deep_blocks[i]) for i, b in enumerate(src)]
+        + [segs[-1]]
+    )
     counted = {n: math.prod(shape) for n, shape, _ in deep_sig}
-    model = msgspec.structs.replace(shallow.model, fingerprint=fingerprint(deep_sig, deep_blocks),
-                                    n_params=sum(counted.values()), blocks=deep_blocks)
-    return msgspec.structs.replace(shallow, model=model, segments=deep_segs, params=deep_params), deep_sig
+    model = msgspec.structs.replace(
+        shallow.model,
+        fingerprint=fingerprint(deep_sig, deep_blocks),
+        n_params=sum(counted.values()),
+        blocks=deep_blocks,
+    )
+    return msgspec.structs.replace(
+        shallow, model=model, segments=deep_segs, params=deep_params
+    ), deep_sig

@@ -84,8 +84,9 @@ def trace(model: nn.Module, blocks: list[str], seq_len: int = 8) -> ExecutionGra
     modules = dict(model.named_modules())
     for b in blocks:
         if b not in modules:
-            raise ConfigError(f"block {b!r} is not a module of the model",
-                              "check the block paths (`--blocks`)")
+            raise ConfigError(
+                f"block {b!r} is not a module of the model", "check the block paths (`--blocks`)"
+            )
     with _rng_preserved():
         try:
             shadow = _meta_copy(model)
@@ -147,6 +148,7 @@ def _record(model: nn.Module, blocks: list[str], seq_len: int) -> tuple[_UseReco
     handles = []
     last = blocks[-1]
     for b in blocks:
+
         def enter(_m, _a, b=b):
             calls.append(b)
             recorder.segment = b
@@ -189,8 +191,10 @@ def _check_calls(blocks: list[str], calls: list[str]) -> None:
         )
     never = [b for b in blocks if b not in seen]
     if never:
-        raise ConfigError(f"block {never[0]!r} is never called in the forward",
-                          "list only the blocks the forward runs (`--blocks`)")
+        raise ConfigError(
+            f"block {never[0]!r} is never called in the forward",
+            "list only the blocks the forward runs (`--blocks`)",
+        )
     if calls != list(blocks):
         raise ConfigError(
             f"the forward runs the blocks in the order {', '.join(calls)}, not in the listed order "
@@ -207,7 +211,9 @@ def _meta_copy(model: nn.Module) -> nn.Module:
         return model
     memo: dict[int, object] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+        )
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)

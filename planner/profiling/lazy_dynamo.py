@@ -40,7 +40,11 @@ def _inner_code() -> types.CodeType | None:
 
     outer = getattr(_compile, "_disable_dynamo", None)
     for c in getattr(getattr(outer, "__code__", None), "co_consts", ()):
-        if isinstance(c, types.CodeType) and c.co_name == "inner" and {"fn", "recursive"} <= set(c.co_freevars):
+        if (
+            isinstance(c, types.CodeType)
+            and c.co_name == "inner"
+            and {"fn", "recursive"} <= set(c.co_freevars)
+        ):
             return c
     return None
 

@@ -138,23 +138,33 @@ def load_profile(source: str | Path | bytes) -> Profile:
             with open(source, "rb") as f:
                 data = f.read(MAX_PROFILE_BYTES + 1)
     except OSError as e:
-        raise ProfileError(f"{where}: cannot read the profile ({e.strerror or e})",
-                           "make one with `protrain profile --model NAME …`") from None
+        raise ProfileError(
+            f"{where}: cannot read the profile ({e.strerror or e})",
+            "make one with `protrain profile --model NAME …`",
+        ) from None
     if len(data) > MAX_PROFILE_BYTES:
-        raise ProfileError(f"{where}: larger than {MAX_PROFILE_BYTES >> 20} MiB; no profile is that big",
-                           "check the path: is this a profile file?")
+        raise ProfileError(
+            f"{where}: larger than {MAX_PROFILE_BYTES >> 20} MiB; no profile is that big",
+            "check the path: is this a profile file?",
+        )
     try:
         version = msgspec.json.decode(data, type=_Version).profile_version
         if version != PROFILE_VERSION:
-            raise ProfileError(f"{where}: profile version {version}; this protrain reads {PROFILE_VERSION}",
-                               "re-run `protrain profile`")
+            raise ProfileError(
+                f"{where}: profile version {version}; this protrain reads {PROFILE_VERSION}",
+                "re-run `protrain profile`",
+            )
         profile = msgspec.json.decode(data, type=Profile)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
-        raise ProfileError(f"{where}: not a valid profile: {e}", "re-run `protrain profile`") from None
+        raise ProfileError(
+            f"{where}: not a valid profile: {e}", "re-run `protrain profile`"
+        ) from None
     expected = ["<pre>", *profile.model.blocks, "<post>"]
     if [s.segment for s in profile.segments] != expected:
-        raise ProfileError(f"{where}: segments must be <pre>, the blocks in order, <post> - at `$.segments`",
-                           "re-run `protrain profile`")
+        raise ProfileError(
+            f"{where}: segments must be <pre>, the blocks in order, <post> - at `$.segments`",
+            "re-run `protrain profile`",
+        )
     return profile
 
 
@@ -169,8 +179,16 @@ class _Version(msgspec.Struct):
 # ---------------------------------------------------------------------------- measuring
 
 
-def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,
-                   compute_dtype: str, bootstrap: bool):
+def profiling_plan(
+    model,
+    *,
+    name: str,
+    blocks: list[str],
+    micro_batch: int,
+    seq_len: int,
+    compute_dtype: str,
+    bootstrap: bool,
+):
     """The plan the profiler runs: every chunk persistent and every block kept, or — for a
     model larger than the device — every chunk offloaded through the fewest buffers
     (the bootstrap plan), so only one segment's parameters are resident at a time.
@@ -184,26 +202,62 @@ def profiling_plan(model, *, name: str, blocks: list[str], micro_batch: int, seq
 
     facts = model_facts(model, name, blocks, seq_len)
     numel = {n: math.prod(s) for n, s, _ in facts.params}
-    chunk_numel = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments),
-                      max(numel.values()))
-    training = P.Training(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype,
-                          master_dtype="float32", world_size=1, grad_accum=1)
-    probe = assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
-                     n_buffer=len(facts.params) + 1, policies=[KEEP.name] * len(blocks))
+    chunk_numel = max(
+        max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments), max(numel.values())
+    )
+    training = P.Training(
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        compute_dtype=compute_dtype,
+        master_dtype="float32",
+        world_size=1,
+        grad_accum=1,
+    )
+    probe = assemble(
+        facts,
+        training=training,
+        chunk_numel=chunk_numel,
+        persistent=[],
+        n_buffer=len(facts.params) + 1,
+        policies=[KEEP.name] * len(blocks),
+    )
     n_chunks = len(probe.chunks.items)
     if not bootstrap:
-        return assemble(facts, training=training, chunk_numel=chunk_numel,
-                        persistent=list(range(n_chunks)), n_buffer=0,
-                        policies=[KEEP.name] * len(blocks)), facts
+        return assemble(
+            facts,
+            training=training,
+            chunk_numel=chunk_numel,
+            persistent=list(range(n_chunks)),
+            n_buffer=0,
+            policies=[KEEP.name] * len(blocks),
+        ), facts
     need = max(len(c) for c in V.segment_chunks(probe).values())
-    return assemble(facts, training=training, chunk_numel=chunk_numel, persistent=[],
-                    n_buffer=need, policies=[KEEP.name] * len(blocks)), facts
+    return assemble(
+        facts,
+        training=training,
+        chunk_numel=chunk_numel,
+        persistent=[],
+        n_buffer=need,
+        policies=[KEEP.name] * len(blocks),
+    ), facts
 
 
-def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: int,
-            compute_dtype: str, device: str, spec: HardwareSpec, warmup: int = 2,
-            iterations: int = 5, bootstrap: bool | None = None, seed: int = 0,
-            progress=None) -> Profile:
+def measure(
+    model,
+    *,
+    name: str,
+    blocks: list[str],
+    micro_batch: int,
+    seq_len: int,
+    compute_dtype: str,
+    device: str,
+    spec: HardwareSpec,
+    warmup: int = 2,
+    iterations: int = 5,
+    bootstrap: bool | None = None,
+    seed: int = 0,
+    progress=None,
+) -> Profile:
     """Measure a Profile by training ``model`` (real weights, any device) for a few steps
     under the executor with a profiling plan, observing every segment boundary.
 
@@ -234,8 +288,15 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
         n_params = sum(p.numel() for p in model.parameters())
         free = torch.cuda.mem_get_info(dev)[0] if cuda else spec.usable_memory_bytes
         bootstrap = cuda and n_params * 16 > 0.6 * free
-    plan, facts = profiling_plan(model, name=name, blocks=blocks, micro_batch=micro_batch,
-                                 seq_len=seq_len, compute_dtype=compute_dtype, bootstrap=bootstrap)
+    plan, facts = profiling_plan(
+        model,
+        name=name,
+        blocks=blocks,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        compute_dtype=compute_dtype,
+        bootstrap=bootstrap,
+    )
     engine = wrap(model, plan, AdamWConfig(lr=0.0, weight_decay=0.0), device=dev)
 
     segments = facts.segments
@@ -272,8 +333,9 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
             end.synchronize()
             spans.setdefault(key, []).append(start.elapsed_time(end) / 1e3)
             top = torch.cuda.max_memory_allocated(dev)
-            peaks[key] = max(peaks.get(key, 0),
-                             top - max(base_alloc[key], torch.cuda.memory_allocated(dev)))
+            peaks[key] = max(
+                peaks.get(key, 0), top - max(base_alloc[key], torch.cuda.memory_allocated(dev))
+            )
         else:
             spans.setdefault(key, []).append(end - start)
 
@@ -283,13 +345,16 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
         def hook(_m, args, kwargs):  # hidden states positional (zoo, HF) or as a keyword (HF)
             t, _ = block_input(args, kwargs)
             inputs[segment] = t.untyped_storage().nbytes()
+
         return hook
 
     def record_output(_m, _a, out):
         t = out[0] if isinstance(out, (tuple, list)) else out
         inputs[segments[-1]] = t.untyped_storage().nbytes()
 
-    handles = [modules[b].register_forward_pre_hook(record_input(b), with_kwargs=True) for b in blocks]
+    handles = [
+        modules[b].register_forward_pre_hook(record_input(b), with_kwargs=True) for b in blocks
+    ]
     handles.append(modules[blocks[-1]].register_forward_hook(record_output))
     data = batches(load_tokens(), micro_batch, seq_len, seed)
     # Exact saved-activation counts on CUDA too: the executor's own counting, from the
@@ -330,13 +395,27 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
     ]
     shape = {n: list(sh) for n, sh, _ in facts.params}
     dtype = {n: d for n, _, d in facts.params}
-    params = [ParamInfo(name=n, shape=shape[n], dtype=dtype[n], frozen=n in facts.frozen,
-                        uses=[s for s in segments if n in facts.uses[s]]) for n in facts.order]
+    params = [
+        ParamInfo(
+            name=n,
+            shape=shape[n],
+            dtype=dtype[n],
+            frozen=n in facts.frozen,
+            uses=[s for s in segments if n in facts.uses[s]],
+        )
+        for n in facts.order
+    ]
     attention = "sdpa"
     if cuda:
-        flags = [k for k, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
-                                 ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
-                                 ("math", torch.backends.cuda.math_sdp_enabled())) if on]
+        flags = [
+            k
+            for k, on in (
+                ("flash", torch.backends.cuda.flash_sdp_enabled()),
+                ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
+                ("math", torch.backends.cuda.math_sdp_enabled()),
+            )
+            if on
+        ]
         attention = f"sdpa ({', '.join(flags)} enabled)"
     else:
         attention = "sdpa (cpu)"
@@ -346,9 +425,16 @@ def measure(model, *, name: str, blocks: list[str], micro_batch: int, seq_len: i
         profile_version=PROFILE_VERSION,
         source="measured",
         generator=generator(),
-        model=ProfileModel(name=name, fingerprint=plan.model.fingerprint, n_params=plan.model.n_params,
-                           blocks=list(blocks), tied=[list(p) for p in plan.model.tied]),
-        training=ProfileTraining(micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype),
+        model=ProfileModel(
+            name=name,
+            fingerprint=plan.model.fingerprint,
+            n_params=plan.model.n_params,
+            blocks=list(blocks),
+            tied=[list(p) for p in plan.model.tied],
+        ),
+        training=ProfileTraining(
+            micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype
+        ),
         device=torch.cuda.get_device_name(dev) if cuda else "cpu",
         attention=attention,
         bootstrap=bool(bootstrap),

@@ -125,9 +125,14 @@ over-charge over NVLink). TODO(#17): probe the bidirectional rate
 def segment_bytes(profile: Profile) -> memory_walk.SegmentBytes:
     """The profile's activation bytes per segment, as ``executor/accounting.py`` takes them."""
     segs = profile.segments
-    return memory_walk.SegmentBytes(saved=[x.saved_bytes for x in segs], swapped=[x.saved_tensor_bytes for x in segs],
-                          inputs=[x.input_bytes for x in segs], fwd_peak=[x.fwd_peak_bytes for x in segs],
-                          bwd_peak=[x.bwd_peak_bytes for x in segs], gpu=profile.hardware.kind == "gpu")
+    return memory_walk.SegmentBytes(
+        saved=[x.saved_bytes for x in segs],
+        swapped=[x.saved_tensor_bytes for x in segs],
+        inputs=[x.input_bytes for x in segs],
+        fwd_peak=[x.fwd_peak_bytes for x in segs],
+        bwd_peak=[x.bwd_peak_bytes for x in segs],
+        gpu=profile.hardware.kind == "gpu",
+    )
 
 
 @dataclass(frozen=True)
@@ -140,9 +145,15 @@ class Terms:
     chunk_bytes: int  # compute dtype
     chunk_params: np.ndarray  # (C,) parameter elements in each chunk
     state_bytes_per_elem: int  # persistent: param + grad (compute) + moments (+ master), replicated
-    host_bytes_per_elem: int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
-    host_scratch_bytes: int  # the CPU step's fp32 gradient scratch, one piece (accounting.scratch_bytes)
-    host_numel: np.ndarray  # (C,) host elements of each offloaded chunk per rank (accounting.host_numel)
+    host_bytes_per_elem: (
+        int  # offloaded, on the host: home, moments, accumulator (+ master, staging)
+    )
+    host_scratch_bytes: (
+        int  # the CPU step's fp32 gradient scratch, one piece (accounting.scratch_bytes)
+    )
+    host_numel: (
+        np.ndarray
+    )  # (C,) host elements of each offloaded chunk per rank (accounting.host_numel)
     gpu: bool
     # Per segment, forward order (S = n_blocks + 2).
     comp_fwd: np.ndarray  # (S,) µs
@@ -158,7 +169,9 @@ class Terms:
     offload_at: np.ndarray  # (S, C) 1 if the chunk's gradients leave at segment s's backward end
     grad_live: np.ndarray  # (S, C) 1 if the chunk's gradient buffer lives at segment s's backward
     uses: np.ndarray  # (S, C) 1 if segment s uses the chunk
-    shared_grads: np.ndarray  # (S,) bytes of gradients autograd holds at backward s (accounting.shared_grads)
+    shared_grads: (
+        np.ndarray
+    )  # (S,) bytes of gradients autograd holds at backward s (accounting.shared_grads)
     last_fwd_use: np.ndarray  # (C,) forward index of the chunk's last use
     # Link times (µs) for one chunk, and per byte of swap traffic.
     t_up: float
@@ -168,30 +181,46 @@ class Terms:
     cpu_adam_us_per_param: float  # per parameter of a chunk (already / world size)
     dev_adam_us_per_param: float  # per parameter of a persistent chunk (/ world size if sharded)
     world_size: int = 1
-    allreduce_us_per_chunk: float = 0.0  # a persistent chunk's collectives after backward (see make_terms)
+    allreduce_us_per_chunk: float = (
+        0.0  # a persistent chunk's collectives after backward (see make_terms)
+    )
     shard_persistent: bool = False  # the plan's placement.shard_persistent_states (world size > 1)
-    persist_chunk_bytes: int = 0  # device bytes of one trainable persistent chunk (accounting.state_events)
+    persist_chunk_bytes: int = (
+        0  # device bytes of one trainable persistent chunk (accounting.state_events)
+    )
     cpu_adam: str = "during_backward"  # the plan's Schedule.cpu_adam: when CPU steps may start
     # Homeless chunks ([Homeless chunks] in ``evaluate``; executor/chunks.py [Note: host slots]).
     homeless_ok: bool = False  # 16-bit compute, grad_accum 1, CPU steps during backward
     home_bytes_per_elem: int = 0  # an offloaded chunk's home, per host element: what homeless saves
-    slot_pool_bytes: int = 0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
+    slot_pool_bytes: int = (
+        0  # the HOST_SLOTS pinned slots of one shard: what any homeless chunk adds
+    )
     convert_us: float = 0.0  # rounding one shard's fp32 master into a slot, at each fetch
     # Device-homed chunks ([Device homes] in ``evaluate``; executor/chunks.py [Note: device homes]).
     homed_ok: bool = False  # grad_accum 1, steps during backward
-    homed_bytes_per_elem: int = 0  # a trainable device-homed chunk's master and moments, per element
-    homed_scratch_bytes: int = 0  # the device steps' fp32 scratch, once if any chunk is device-homed
+    homed_bytes_per_elem: int = (
+        0  # a trainable device-homed chunk's master and moments, per element
+    )
+    homed_scratch_bytes: int = (
+        0  # the device steps' fp32 scratch, once if any chunk is device-homed
+    )
     homed_adam_us_per_param: float = 0.0  # a device-homed chunk's step on the device (its shard)
     # Chunks on disk ([NVMe tier] in planner/search/host_tiers.py; executor/nvme.py): the plan may use one.
     nvme_ok: bool = False  # asked for (``plan --nvme``) and the spec's disk measured
-    disk_saves_per_elem: int = 0  # host bytes per element a chunk's states on disk save (homes.NVME)
+    disk_saves_per_elem: int = (
+        0  # host bytes per element a chunk's states on disk save (homes.NVME)
+    )
     disk_step_us_per_elem: float = 0.0  # a CPU step's disk traffic (homes.Home.step_disk_bytes)
     disk_fetch_us_per_elem: float = 0.0  # a fetch that reads the fp32 master from the disk
-    disk_fetch_with_home: bool = False  # whether a chunk on disk that keeps its home reads the disk to fetch (fp32)
+    disk_fetch_with_home: bool = (
+        False  # whether a chunk on disk that keeps its home reads the disk to fetch (fp32)
+    )
     # Frozen chunks (a LoRA model's base; executor/chunks.py [Note: frozen chunks]): values only.
     trainable: np.ndarray | None = None  # (C,) bool, None when every chunk trains (full training)
     frozen_persist_bytes: int = 0  # device bytes of one frozen persistent chunk: its values
-    frozen_host_bytes_per_elem: int = 0  # a frozen offloaded chunk's host bytes per element: its home
+    frozen_host_bytes_per_elem: int = (
+        0  # a frozen offloaded chunk's host bytes per element: its home
+    )
 
     @property
     def reduce_us_per_chunk(self) -> float:
@@ -207,9 +236,16 @@ def collective_bandwidth(spec, size_bytes: int) -> float:
     return float(spec.allgather_bytes_per_s) or link_bandwidth(spec, size_bytes, "h2d")
 
 
-def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
-               cpu_adam: str = "during_backward", grad_accum: int = 1,
-               shard_persistent: bool | None = None, nvme: bool = False, facts: ModelFacts | None = None) -> Terms:
+def make_terms(
+    profile: Profile,
+    chunk_numel: int,
+    world_size: int = 1,
+    cpu_adam: str = "during_backward",
+    grad_accum: int = 1,
+    shard_persistent: bool | None = None,
+    nvme: bool = False,
+    facts: ModelFacts | None = None,
+) -> Terms:
     """Precompute the model's terms for one chunk size and world size (ZeRO-3 per rank),
     for the plan's ``cpu_adam`` schedule (``emit.cpu_adam_schedule``) and persistent
     optimizer states sharded over the ranks or not (default: sharded when the world
@@ -232,7 +268,9 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     chunk_bytes = chunk_numel * cb
     shard_bytes = chunk_bytes // W
     coll = collective_bandwidth(spec, chunk_bytes)
-    gather_us = (W - 1) / W * chunk_bytes / coll * 1e6  # all-gather (fetch) or reduce-scatter (grads)
+    gather_us = (
+        (W - 1) / W * chunk_bytes / coll * 1e6
+    )  # all-gather (fetch) or reduce-scatter (grads)
     up_fwd = np.zeros((S, C), dtype=np.int64)
     up_bwd = np.zeros((S, C), dtype=np.int64)
     offload_at = np.zeros((S, C), dtype=np.int64)
@@ -252,7 +290,7 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         first_bwd, last_bwd = (max(used), min(used)) if used else (0, 0)
         offload_at[last_bwd, c] = 1  # backward order: the smallest index is reached last
         if used and (train is None or train[c]):  # unused or frozen: no gradient buffer, no offload
-            grad_live[last_bwd: first_bwd + 1, c] = 1
+            grad_live[last_bwd : first_bwd + 1, c] = 1
         if train is not None and not train[c]:
             offload_at[last_bwd, c] = 0
     # A parameter two segments use (a tied embedding and head): its gradient is held from
@@ -270,15 +308,27 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
     big = 64 * 2**20
     disk_rw = H.NVME.step_disk_bytes()
     return Terms(
-        chunk_numel=chunk_numel, n_chunks=C, n_blocks=len(profile.model.blocks),
-        chunk_bytes=chunk_bytes, chunk_params=per_chunk if train is None else per_chunk * train,  # (what steps)
-        state_bytes_per_elem=eb.persistent, host_bytes_per_elem=eb.host,
+        chunk_numel=chunk_numel,
+        n_chunks=C,
+        n_blocks=len(profile.model.blocks),
+        chunk_bytes=chunk_bytes,
+        chunk_params=per_chunk if train is None else per_chunk * train,  # (what steps)
+        state_bytes_per_elem=eb.persistent,
+        host_bytes_per_elem=eb.host,
         host_scratch_bytes=H.host_scratch_bytes(su, shard_bytes // cb),
         gpu=spec.kind == "gpu",
-        comp_fwd=arr("fwd_us"), comp_bwd=arr("bwd_us"), saved=arr("saved_bytes"),
-        saved_tensor=arr("saved_tensor_bytes"), inputs=arr("input_bytes"),
-        fwd_peak=arr("fwd_peak_bytes"), bwd_peak=arr("bwd_peak_bytes"),
-        up_fwd=up_fwd, up_bwd=up_bwd, offload_at=offload_at, grad_live=grad_live, uses=uses,
+        comp_fwd=arr("fwd_us"),
+        comp_bwd=arr("bwd_us"),
+        saved=arr("saved_bytes"),
+        saved_tensor=arr("saved_tensor_bytes"),
+        inputs=arr("input_bytes"),
+        fwd_peak=arr("fwd_peak_bytes"),
+        bwd_peak=arr("bwd_peak_bytes"),
+        up_fwd=up_fwd,
+        up_bwd=up_bwd,
+        offload_at=offload_at,
+        grad_live=grad_live,
+        uses=uses,
         shared_grads=shared,
         last_fwd_use=last_fwd,
         # A fetch uploads the own shard, then all-gathers; gradients reduce-scatter, then
@@ -291,7 +341,9 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         # traffic, 2 (W-1)/W of a chunk. Sharded, each rank steps 1/W of the chunk.
         allreduce_us_per_chunk=2 * gather_us,
         shard_persistent=shard,
-        persist_chunk_bytes=H.PERSISTENT.nbytes(su, "device", chunk_numel, chunk_numel // (W if shard else 1)),
+        persist_chunk_bytes=H.PERSISTENT.nbytes(
+            su, "device", chunk_numel, chunk_numel // (W if shard else 1)
+        ),
         swap_out_us_per_byte=1e6 / link_bandwidth(spec, big, "d2h"),
         swap_in_us_per_byte=1e6 / link_bandwidth(spec, big, "h2d"),
         cpu_adam_us_per_param=1e6 / spec.cpu_adam_params_per_s / W,  # each rank steps its shard
@@ -301,7 +353,9 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         home_bytes_per_elem=H.HOST.per_elem(su, "host") - H.HOMELESS.per_elem(su, "host"),
         # Host elements of each offloaded chunk per rank (homes.own_numel): its shard, or at
         # one rank the chunk up to its last parameter (rounded up to VEC_ALIGN), not its padding.
-        host_numel=np.array([H.own_numel(chunk_numel, W, int(e)) for e in ends], dtype=np.int64).reshape(C),
+        host_numel=np.array(
+            [H.own_numel(chunk_numel, W, int(e)) for e in ends], dtype=np.int64
+        ).reshape(C),
         slot_pool_bytes=HOST_SLOTS * shard_bytes,
         homed_ok=H.DEVICE_HOMED.refusal(su, cpu_adam) is None,
         homed_bytes_per_elem=H.DEVICE_HOMED.per_elem(su, "device"),
@@ -309,18 +363,31 @@ def make_terms(profile: Profile, chunk_numel: int, world_size: int = 1,
         homed_adam_us_per_param=1e6 / spec.dev_adam_params_per_s / W,
         nvme_ok=nvme and spec.disk_read_bytes_per_s > 0 and spec.disk_write_bytes_per_s > 0,
         disk_saves_per_elem=H.HOST.per_elem(su, "host") - H.NVME.per_elem(su, "host"),
-        disk_step_us_per_elem=(disk_rw[0] * 1e6 / spec.disk_read_bytes_per_s + disk_rw[1] * 1e6 / spec.disk_write_bytes_per_s
-                               if nvme and spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s else 0.0),
-        disk_fetch_us_per_elem=(H.NVME.fetch_disk_bytes() * 1e6 / spec.disk_read_bytes_per_s
-                                if nvme and spec.disk_read_bytes_per_s else 0.0),
+        disk_step_us_per_elem=(
+            disk_rw[0] * 1e6 / spec.disk_read_bytes_per_s
+            + disk_rw[1] * 1e6 / spec.disk_write_bytes_per_s
+            if nvme and spec.disk_read_bytes_per_s and spec.disk_write_bytes_per_s
+            else 0.0
+        ),
+        disk_fetch_us_per_elem=(
+            H.NVME.fetch_disk_bytes() * 1e6 / spec.disk_read_bytes_per_s
+            if nvme and spec.disk_read_bytes_per_s
+            else 0.0
+        ),
         disk_fetch_with_home=H.NVME.fetch_reads_disk(su),
         trainable=train,
-        frozen_persist_bytes=H.PERSISTENT.nbytes(su, "device", chunk_numel, chunk_numel, trainable=False),
+        frozen_persist_bytes=H.PERSISTENT.nbytes(
+            su, "device", chunk_numel, chunk_numel, trainable=False
+        ),
         frozen_host_bytes_per_elem=H.HOST.per_elem(su, "host", trainable=False),
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
         # per parameter; planner/hardware/datasheets.py): the same bandwidth moves (4 + cb) B per element.
-        convert_us=shard_bytes // cb * H.HOMELESS.fetch_host_bytes(su) / (spec.cpu_adam_params_per_s * ADAM_BYTES_PER_PARAM) * 1e6,
+        convert_us=shard_bytes
+        // cb
+        * H.HOMELESS.fetch_host_bytes(su)
+        / (spec.cpu_adam_params_per_s * ADAM_BYTES_PER_PARAM)
+        * 1e6,
     )
 
 
@@ -332,6 +399,7 @@ buffer counts in a row, and the walk does not depend on the buffers."""
 def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
     """The memory walk's highest step per strip (grid_terms: the rest of each step), (G,),
     read-only; the last one again for the same strip terms and gradient buffers."""
+
     def make() -> np.ndarray:
         walk = np.maximum(g.fwd_walk, (g.bwd_base + grads).max(axis=1))
         walk.flags.writeable = False
@@ -340,9 +408,18 @@ def _walk(g: GridTerms, grads: np.ndarray) -> np.ndarray:
     return last_call(_LAST_WALK, g, grads.tobytes(), make)
 
 
-def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host_cap: float = math.inf,
-             homeless: Sequence[int] | None = None, homed: Sequence[int] = (),
-             nvme: Sequence[int] = (), *, time_only: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+def evaluate(
+    t: Terms,
+    persist: Placement,
+    n_buffer: int,
+    grid: PolicyGrid,
+    host_cap: float = math.inf,
+    homeless: Sequence[int] | None = None,
+    homed: Sequence[int] = (),
+    nvme: Sequence[int] = (),
+    *,
+    time_only: bool = False,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Iteration time (µs) and peak memory (bytes) for every policy strip of ``grid``.
 
     ``persist`` is a count (the paper's prefix) or any set of persistent chunk ids;
@@ -382,15 +459,21 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
     # over-estimate). For the disk: its traffic in the CPU step and in fetches that read it.
-    tiers = host_tiers.choose(t, pl.trains, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme)
+    tiers = host_tiers.choose(
+        t, pl.trains, host, host_swap, host_cap, uploads_f, uploads_b, homeless, homed, nvme
+    )
     k, kd, kn, is_homed, is_nvme = tiers.k, tiers.kd, tiers.kn, tiers.is_homed, tiers.is_nvme
     conv_f, conv_b, host, unhomed = tiers.conv_f, tiers.conv_b, tiers.host, tiers.unhomed
     any_disk = bool(kn.any())
-    disk_us = is_nvme * (t.host_numel * t.disk_step_us_per_elem) if any_disk else None  # (G, C) each chunk's step's disk traffic
+    disk_us = (
+        is_nvme * (t.host_numel * t.disk_step_us_per_elem) if any_disk else None
+    )  # (G, C) each chunk's step's disk traffic
     any_homed = bool(kd.any())  # (skipped where none: keeping every value is exact)
     if any_homed:
         mask = is_homed.astype(np.float64)
-        homed_dev = mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes  # (G,)
+        homed_dev = (
+            mask @ (t.host_numel * t.homed_bytes_per_elem) + (kd > 0) * t.homed_scratch_bytes
+        )  # (G,)
         homed_params = mask @ t.chunk_params  # (G,)
     else:  # (what the two products give where no chunk is device-homed)
         homed_dev, homed_params = np.zeros(len(kd)), np.zeros(len(kd))
@@ -420,7 +503,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         # value in a small table, then laid out over the grid (the same values, in the same
         # places, as computing them per strip).
         code_f, code_b = grid_codes(grid)
-        swap_out = np.array([[0.0], [1.0]]) * t.saved_tensor * t.swap_out_us_per_byte  # (2, S): not / swapped
+        swap_out = (
+            np.array([[0.0], [1.0]]) * t.saved_tensor * t.swap_out_us_per_byte
+        )  # (2, S): not / swapped
         # Each lane alone, and both directions of the link together (LINK_DUPLEX).
         duplex_f = (lane_up_f + swap_out) / LINK_DUPLEX  # (2, S)
         seg_f = np.maximum(np.maximum(t.comp_fwd, lane_up_f), np.maximum(swap_out, duplex_f))
@@ -429,7 +514,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         ck, sw = np.array([[0.0], [0.0], [1.0], [1.0]]), np.array([[0.0], [1.0], [0.0], [1.0]])
         comp_b = t.comp_bwd + ck * t.comp_fwd  # with a checkpointed block's forward again
         lane_up_b = np.zeros((4, len(t.comp_fwd)))
-        lane_up_b[:, 1:] = ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
+        lane_up_b[:, 1:] = (
+            ahead_b[None, 1:] * t.t_up + (sw * t.saved_tensor * t.swap_in_us_per_byte)[:, :-1]
+        )
         duplex_b = (lane_up_b + grad_down) / LINK_DUPLEX  # (4, S)
         seg_b = np.maximum(np.maximum(comp_b, lane_up_b), np.maximum(grad_down, duplex_b)) + late_b
         seg_b = seg_b.ravel().take(code_b)  # (G, S)
@@ -447,7 +534,9 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     def end_b(cols) -> np.ndarray:
         """When backward segment s ends, for each s of ``cols``: (len(cols), G)."""
         rows = done_b[len(t.comp_fwd) - 1 - np.asarray(cols, dtype=np.int64)]
-        return rows if start_b == 0.0 else start_b + rows  # (adding 0.0 to sums of times >= 0 is exact)
+        return (
+            rows if start_b == 0.0 else start_b + rows
+        )  # (adding 0.0 to sums of times >= 0 is exact)
 
     n_params_off = pl.n_params_off
     n_params_dev = fixed["n_params"] - n_params_off
@@ -463,14 +552,17 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
     # (in t_down, on the host link) are not made to wait for it.
     reduce_us = t.reduce_us_per_chunk
     reduced = np.zeros(len(grid.swap))  # when the collective lane is done with them
-    offload_steps = fixed["offload_steps"]  # (s, c) of every chunk's gradients leaving, in backward order
+    offload_steps = fixed[
+        "offload_steps"
+    ]  # (s, c) of every chunk's gradients leaving, in backward order
     if reduce_us:
         for s, c in offload_steps:
             if not off[c]:
                 reduced = np.maximum(reduced, end_b([s])[0]) + reduce_us
     gather_after = pl.n_trains_dev * (t.allreduce_us_per_chunk - reduce_us)
-    t_gpu = (n_params_dev * t.dev_adam_us_per_param + gather_after
-             + np.maximum(reduced - t_bwd, 0.0))  # (G,) the device's side after backward
+    t_gpu = (
+        n_params_dev * t.dev_adam_us_per_param + gather_after + np.maximum(reduced - t_bwd, 0.0)
+    )  # (G,) the device's side after backward
     # [CPU Adam timeline] Paper Eq. 2 takes max(T_bwd + T_gpu_optim, T_cpu_optim), as if
     # the CPU steps could all overlap backward. They cannot start before their gradients
     # land: one worker steps the offloaded chunks in offload order, each no earlier than
@@ -503,11 +595,15 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         stepped = np.maximum(cpu_done, ready_at[j]) + t.chunk_params[c] * t.cpu_adam_us_per_param
         if any_disk:
             stepped = stepped + disk_us[:, c]
-        cpu_done = np.where(is_homed[:, c], cpu_done, stepped) if any_homed else stepped  # [Device homes]: no CPU step
+        cpu_done = (
+            np.where(is_homed[:, c], cpu_done, stepped) if any_homed else stepped
+        )  # [Device homes]: no CPU step
     if t.cpu_adam == "after_backward":
         cpu_done = np.where(t_cpu > 0, np.maximum(t_bwd, landed) + t_cpu, 0.0)
     # [Homeless chunks]; [Device homes]: each one's reduce-scatter and step, serially on compute
-    if any_homed or conv_f.any() or conv_b.any():  # (else each add is of zeros and the where keeps all: exact)
+    if (
+        any_homed or conv_f.any() or conv_b.any()
+    ):  # (else each add is of zeros and the where keeps all: exact)
         homed_us = homed_params * t.homed_adam_us_per_param + kd * t.allreduce_us_per_chunk / 2
         t_fwd, t_bwd = t_fwd + conv_f, t_bwd + conv_b + homed_us
         cpu_done = np.where(cpu_done > 0, cpu_done + conv_b, 0.0)
@@ -516,20 +612,30 @@ def evaluate(t: Terms, persist: Placement, n_buffer: int, grid: PolicyGrid, host
         return time, None, {}
 
     # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
-    states, resident, grads, alpha = placement_memory(t, off, n_buffer)  # (memory_terms without the grid's)
+    states, resident, grads, alpha = placement_memory(
+        t, off, n_buffer
+    )  # (memory_terms without the grid's)
     walk = _walk(g, grads)
     states = states + homed_dev  # [Device homes]
     peak = (states + resident + walk) * alpha
     parts = {
-        "t_fwd_us": t_fwd, "t_bwd_us": t_bwd, "t_cpu_optim_us": t_cpu + np.zeros_like(time),
+        "t_fwd_us": t_fwd,
+        "t_bwd_us": t_bwd,
+        "t_cpu_optim_us": t_cpu + np.zeros_like(time),
         "t_cpu_optim_done_us": cpu_done,
-        "t_gpu_optim_us": t_gpu + np.zeros_like(time), "states_bytes": states + np.zeros_like(time),
-        "buffers_bytes": np.full_like(time, resident), "activation_walk_bytes": walk,
-        "host_bytes": host.astype(np.float64), "host_swap_bytes": host_swap,
-        "n_homeless": k.astype(np.float64), "t_convert_us": conv_f + conv_b,
-        "n_device_homed": kd.astype(np.float64), "n_nvme": kn.astype(np.float64),
+        "t_gpu_optim_us": t_gpu + np.zeros_like(time),
+        "states_bytes": states + np.zeros_like(time),
+        "buffers_bytes": np.full_like(time, resident),
+        "activation_walk_bytes": walk,
+        "host_bytes": host.astype(np.float64),
+        "host_swap_bytes": host_swap,
+        "n_homeless": k.astype(np.float64),
+        "t_convert_us": conv_f + conv_b,
+        "n_device_homed": kd.astype(np.float64),
+        "n_nvme": kn.astype(np.float64),
         # what the search reports when nothing fits: the figures without device homes
-        "homed_peak_bytes": homed_dev * alpha, "unhomed_host_bytes": unhomed + np.zeros_like(time),
+        "homed_peak_bytes": homed_dev * alpha,
+        "unhomed_host_bytes": unhomed + np.zeros_like(time),
     }
     return time, peak, parts
 
@@ -597,18 +703,40 @@ class Prediction:
     breakdown: dict[str, float]
 
 
-def predict(t: Terms, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int,
-            host_cap: float = math.inf) -> Prediction:
+def predict(
+    t: Terms,
+    n_persist: int,
+    n_buffer: int,
+    n_swap: int,
+    n_checkpoint: int,
+    host_cap: float = math.inf,
+) -> Prediction:
     """One four-count configuration through the same arrays the search uses (a 1×1 grid),
     with as many homeless chunks as ``host_cap`` asks for ([Homeless chunks])."""
-    time, peak, parts = evaluate(t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]), host_cap)
+    time, peak, parts = evaluate(
+        t, n_persist, n_buffer, policy_grid(t.n_blocks, [(n_swap, n_checkpoint)]), host_cap
+    )
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})
 
 
-def predict_plan(t: Terms, persistent: Placement, n_buffer: int, policies: Sequence[str],
-                 homeless: Sequence[int] = (), homed: Sequence[int] = (), nvme: Sequence[int] = ()) -> Prediction:
+def predict_plan(
+    t: Terms,
+    persistent: Placement,
+    n_buffer: int,
+    policies: Sequence[str],
+    homeless: Sequence[int] = (),
+    homed: Sequence[int] = (),
+    nvme: Sequence[int] = (),
+) -> Prediction:
     """Any configuration: persistent chunks anywhere, any policy strip, any homeless chunks,
     device-homed ones and ones on disk (same arrays again)."""
-    time, peak, parts = evaluate(t, persistent, n_buffer, strips_grid([list(policies)]), homeless=homeless,
-                                 homed=homed, nvme=nvme)
+    time, peak, parts = evaluate(
+        t,
+        persistent,
+        n_buffer,
+        strips_grid([list(policies)]),
+        homeless=homeless,
+        homed=homed,
+        nvme=nvme,
+    )
     return Prediction(float(time[0]), float(peak[0]), {k: float(v[0]) for k, v in parts.items()})

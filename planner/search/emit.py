@@ -58,17 +58,36 @@ def _version() -> str:
         return "0+unknown"
 
 
-def model_facts(model: nn.Module, name: str, blocks: list[str], seq_len: int = 8,
-                graph: ExecutionGraph | None = None) -> ModelFacts:
+def model_facts(
+    model: nn.Module,
+    name: str,
+    blocks: list[str],
+    seq_len: int = 8,
+    graph: ExecutionGraph | None = None,
+) -> ModelFacts:
     """Trace ``model`` (may be on meta) and collect the facts ``assemble`` needs."""
     graph = graph or trace(model, blocks, seq_len=min(seq_len, 8))
-    return ModelFacts(name=name, blocks=list(blocks), params=model_signature(model),
-                      tied=tied_pairs(model), segments=graph.segments, order=graph.order,
-                      uses=graph.uses, frozen=frozenset(n for n, p in model.named_parameters() if not p.requires_grad))
+    return ModelFacts(
+        name=name,
+        blocks=list(blocks),
+        params=model_signature(model),
+        tied=tied_pairs(model),
+        segments=graph.segments,
+        order=graph.order,
+        uses=graph.uses,
+        frozen=frozenset(n for n, p in model.named_parameters() if not p.requires_grad),
+    )
 
 
-def emit(model: nn.Module, *, name: str, blocks: list[str], training: P.Training,
-         graph: ExecutionGraph | None = None, **config) -> P.Plan:
+def emit(
+    model: nn.Module,
+    *,
+    name: str,
+    blocks: list[str],
+    training: P.Training,
+    graph: ExecutionGraph | None = None,
+    **config,
+) -> P.Plan:
     """Write one configuration for a live (or meta) model down as a validated Plan.
 
     ``config`` is passed to ``assemble``: ``chunk_numel``, ``persistent``,
@@ -78,14 +97,24 @@ def emit(model: nn.Module, *, name: str, blocks: list[str], training: P.Training
     return assemble(facts, training=training, **config)
 
 
-def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
-             persistent: Sequence[int], n_buffer: int, policies: Sequence[str],
-             request: P.Request | None = None, hardware: P.Hardware | None = None,
-             prediction: P.Prediction | None = None,
-             provenance: P.Provenance | None = None,
-             cpu_adam: P.CpuAdam | None = None,
-             shard_persistent_states: bool | None = None,
-             homeless: Sequence[int] = (), device_homed: Sequence[int] = (), nvme: Sequence[int] = ()) -> P.Plan:
+def assemble(
+    facts: ModelFacts,
+    *,
+    training: P.Training,
+    chunk_numel: int,
+    persistent: Sequence[int],
+    n_buffer: int,
+    policies: Sequence[str],
+    request: P.Request | None = None,
+    hardware: P.Hardware | None = None,
+    prediction: P.Prediction | None = None,
+    provenance: P.Provenance | None = None,
+    cpu_adam: P.CpuAdam | None = None,
+    shard_persistent_states: bool | None = None,
+    homeless: Sequence[int] = (),
+    device_homed: Sequence[int] = (),
+    nvme: Sequence[int] = (),
+) -> P.Plan:
     """Lay out chunks, place them, derive the schedule; return the loaded-back Plan.
 
     ``persistent`` lists chunk ids kept on the device (any subset; the paper's
@@ -104,8 +133,10 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
         raise ConfigError(f"{len(policies)} activation policies for {len(blocks)} blocks")
     for b, pol in zip(blocks, policies):
         if pol not in H.POLICIES:
-            raise ConfigError(f"block {b!r}: unknown activation policy {pol!r}",
-                              f"use one of {', '.join(H.POLICIES)}")
+            raise ConfigError(
+                f"block {b!r}: unknown activation policy {pol!r}",
+                f"use one of {', '.join(H.POLICIES)}",
+            )
     for b in blocks:
         outside = [n for n in facts.uses[b] if not n.startswith(b + ".")]
         if outside:
@@ -119,16 +150,32 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     numel = {n: math.prod(s) for n, s in shape.items()}
     order, grp, fresh = layout_order(facts)
     slots = assign(order, numel, grp, chunk_numel, fresh)
-    chunks = P.Chunks(chunk_numel=chunk_numel, items=[
-        P.Chunk(id=i, params=[P.Param(name=s.name, shape=list(shape[s.name]), dtype=dtype[s.name],
-                                      offset=s.offset, numel=s.numel, frozen=s.name in facts.frozen)
-                          for s in chunk])
-        for i, chunk in enumerate(slots)
-    ])
+    chunks = P.Chunks(
+        chunk_numel=chunk_numel,
+        items=[
+            P.Chunk(
+                id=i,
+                params=[
+                    P.Param(
+                        name=s.name,
+                        shape=list(shape[s.name]),
+                        dtype=dtype[s.name],
+                        offset=s.offset,
+                        numel=s.numel,
+                        frozen=s.name in facts.frozen,
+                    )
+                    for s in chunk
+                ],
+            )
+            for i, chunk in enumerate(slots)
+        ],
+    )
     n_chunks = len(slots)
     bad = [c for c in persistent if not 0 <= c < n_chunks]
     if bad:
-        raise ConfigError(f"persistent chunk ids {bad} are out of range (the layout has {n_chunks} chunks)")
+        raise ConfigError(
+            f"persistent chunk ids {bad} are out of range (the layout has {n_chunks} chunks)"
+        )
     persistent_ids = sorted(set(persistent))
     offloaded = [c for c in range(n_chunks) if c not in set(persistent_ids)]
     if not offloaded:
@@ -138,7 +185,9 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
     need = {s: {owner[n] for n in facts.uses[s]} for s in facts.segments}
     swapped = [b for b, pol in zip(blocks, policies) if H.POLICIES[pol].moves]
     if cpu_adam is None:
-        cpu_adam = cpu_adam_schedule(training.compute_dtype, request.max_grad_norm if request else None)
+        cpu_adam = cpu_adam_schedule(
+            training.compute_dtype, request.max_grad_norm if request else None
+        )
     schedule = build_schedule(facts.segments, need, set(offloaded), n_buffer, swapped, cpu_adam)
 
     plan = P.Plan(
@@ -157,11 +206,17 @@ def assemble(facts: ModelFacts, *, training: P.Training, chunk_numel: int,
         training=training,
         hardware=hardware or P.Hardware(),
         chunks=chunks,
-        placement=P.Placement(n_persist=len(persistent_ids), n_buffer=n_buffer,
-                              homes=P.homes_of(n_chunks, persistent_ids, homeless, device_homed, nvme),
-                              shard_persistent_states=(training.world_size > 1 if shard_persistent_states is None
-                                                       else shard_persistent_states),
-                              n_host_slots=HOST_SLOTS if homeless else 0),
+        placement=P.Placement(
+            n_persist=len(persistent_ids),
+            n_buffer=n_buffer,
+            homes=P.homes_of(n_chunks, persistent_ids, homeless, device_homed, nvme),
+            shard_persistent_states=(
+                training.world_size > 1
+                if shard_persistent_states is None
+                else shard_persistent_states
+            ),
+            n_host_slots=HOST_SLOTS if homeless else 0,
+        ),
         activations=[P.Activation(block=b, policy=pol) for b, pol in zip(blocks, policies)],
         schedule=schedule,
         prediction=prediction or P.Prediction(),
@@ -179,6 +234,10 @@ def round_trip(plan: P.Plan) -> P.Plan:
     holds the schema to that one float, and the two round trips equal)."""
     req = plan.request
     if isinstance(req.max_grad_norm, float):
-        plan = msgspec.structs.replace(plan, request=msgspec.structs.replace(
-            req, max_grad_norm=round(req.max_grad_norm, P.FLOAT_DIGITS)))
+        plan = msgspec.structs.replace(
+            plan,
+            request=msgspec.structs.replace(
+                req, max_grad_norm=round(req.max_grad_norm, P.FLOAT_DIGITS)
+            ),
+        )
     return P.load(msgspec.json.encode(plan, order="deterministic"))

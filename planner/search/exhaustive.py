@@ -124,19 +124,26 @@ class Choice:
 
     def homeless_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The homeless chunk ids, ascending: the first ``n_homeless`` of ``host_tiers.homeless_order``."""
-        return sorted(int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[:self.n_homeless])
+        return sorted(
+            int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[: self.n_homeless]
+        )
 
     def homed_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device homes])."""
-        return [int(c) for c in np.nonzero(self._offloaded(n_chunks, trainable))[0][:self.n_homed]]
+        return [int(c) for c in np.nonzero(self._offloaded(n_chunks, trainable))[0][: self.n_homed]]
 
     def nvme_ids(self, n_chunks: int, trainable=None) -> list[int]:
         """The chunk ids on disk, ascending: the first ``n_nvme`` of ``host_tiers.homeless_order``."""
-        return sorted(int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[:self.n_nvme])
+        return sorted(
+            int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[: self.n_nvme]
+        )
 
     def strip(self, n_blocks: int) -> list[str]:
-        return list(self.policies) if self.policies is not None else \
-            block_policies(n_blocks, self.n_swap, self.n_checkpoint)
+        return (
+            list(self.policies)
+            if self.policies is not None
+            else block_policies(n_blocks, self.n_swap, self.n_checkpoint)
+        )
 
     @property
     def four_count(self) -> bool:
@@ -145,9 +152,17 @@ class Choice:
 
     def key(self) -> tuple:
         """The search's order: whole µs, then less memory, fewer recomputed blocks, counts."""
-        return (round(self.time_us), self.peak_bytes, self.n_checkpoint, self.n_persist,
-                self.n_buffer, self.n_swap, self.n_checkpoint,
-                tuple(self.persistent_ids()), tuple(self.policies or ()))
+        return (
+            round(self.time_us),
+            self.peak_bytes,
+            self.n_checkpoint,
+            self.n_persist,
+            self.n_buffer,
+            self.n_swap,
+            self.n_checkpoint,
+            tuple(self.persistent_ids()),
+            tuple(self.policies or ()),
+        )
 
 
 @dataclass
@@ -180,7 +195,9 @@ class SearchResult:
 
 
 class Solver(Protocol):
-    def __call__(self, terms: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult: ...
+    def __call__(
+        self, terms: Terms, budget_bytes: int, host_budget_bytes: float | None = None
+    ) -> SearchResult: ...
 
 
 def swap_interval(t: Terms) -> int:
@@ -189,7 +206,9 @@ def swap_interval(t: Terms) -> int:
     Median over blocks of ``swap-out time / forward time``, rounded up.
     """
     blocks = slice(1, len(t.comp_fwd) - 1)
-    ratios = (t.saved_tensor[blocks] * t.swap_out_us_per_byte) / np.maximum(t.comp_fwd[blocks], 1e-9)
+    ratios = (t.saved_tensor[blocks] * t.swap_out_us_per_byte) / np.maximum(
+        t.comp_fwd[blocks], 1e-9
+    )
     # (statistics.median: np.median's value, the middle one or the mean of the two, without its
     # first call's 20-30 ms of set-up in every process)
     return max(1, math.ceil(statistics.median(ratios.tolist()))) if len(ratios) else 1
@@ -204,25 +223,36 @@ def policy_pairs(t: Terms) -> list[tuple[int, int]]:
 def _needs(t: Terms) -> list[int]:
     """``min_buffers`` at every ``n_persist`` in ``0..C`` at once."""
     C = t.n_chunks
-    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(np.int64)  # (C + 1, C): row p offload_mask(t, p)
-    return ((t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)).tolist()
+    off = (np.arange(C)[None, :] >= np.arange(C + 1)[:, None]).astype(
+        np.int64
+    )  # (C + 1, C): row p offload_mask(t, p)
+    return (
+        (t.uses @ off.T).max(axis=0) if len(t.uses) else np.zeros(C + 1, dtype=np.int64)
+    ).tolist()
 
 
 def space(t: Terms) -> list[tuple[int, int]]:
     """The ``(n_persist, n_buffer)`` pairs of the space, in increasing ``n_persist``."""
-    return [(n_persist, nb) for n_persist, need in enumerate(_needs(t))
-            for nb in range(need, max(need, t.n_chunks - n_persist) + 1)]
+    return [
+        (n_persist, nb)
+        for n_persist, need in enumerate(_needs(t))
+        for nb in range(need, max(need, t.n_chunks - n_persist) + 1)
+    ]
 
 
 def space_size(t: Terms) -> int:
     """``len(space(t))``, without listing the pairs."""
-    return sum(max(need, t.n_chunks - n_persist) - need + 1 for n_persist, need in enumerate(_needs(t)))
+    return sum(
+        max(need, t.n_chunks - n_persist) - need + 1 for n_persist, need in enumerate(_needs(t))
+    )
 
 
 def _subgrid(grid: PolicyGrid, idx: np.ndarray) -> PolicyGrid:
     """The pairs ``idx`` of ``grid`` (a smaller grid for ``cost.evaluate``), with the rows ``idx``
     of the grid's cached strip-only terms (each row is one strip's: the same values)."""
-    return PolicyGrid(grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx], parent=(grid, idx))
+    return PolicyGrid(
+        grid.n_swap[idx], grid.n_checkpoint[idx], grid.swap[idx], grid.ckpt[idx], parent=(grid, idx)
+    )
 
 
 def _homes_tier(t: Terms) -> Terms | None:
@@ -231,8 +261,9 @@ def _homes_tier(t: Terms) -> Terms | None:
     return replace(t, nvme_ok=False) if t.nvme_ok and t.homed_ok else None
 
 
-def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float,
-              budget_bytes: float) -> tuple[np.ndarray, np.ndarray, dict]:
+def _evaluate(
+    t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float, budget_bytes: float
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """``cost.evaluate``; where the plan may use both a disk and device homes for what
     homeless chunks leave (planner/search/host_tiers.py), per strip the faster of the two that fits
     (device and host), else the disk's (it adds no device bytes): the disk costs its traffic
@@ -250,15 +281,25 @@ def _evaluate(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_ca
     def pick(a, b):
         return np.where(use, b, a)
 
-    return pick(disk[0], homes[0]), pick(disk[1], homes[1]), {k: pick(v, homes[2][k]) for k, v in disk[2].items()}
+    return (
+        pick(disk[0], homes[0]),
+        pick(disk[1], homes[1]),
+        {k: pick(v, homes[2][k]) for k, v in disk[2].items()},
+    )
 
 
-def _time_bound(t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float) -> np.ndarray:
+def _time_bound(
+    t: Terms, n_persist: int, n_buffer: int, grid: PolicyGrid, host_cap: float
+) -> np.ndarray:
     """A lower bound of ``_evaluate``'s time at ``n_buffer`` or fewer buffers: with
     ``n_buffer`` (time never grows with buffers), the faster of the host tiers."""
     time, _, _ = evaluate(t, n_persist, n_buffer, grid, host_cap, time_only=True)
     th = _homes_tier(t)
-    return time if th is None else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, time_only=True)[0])
+    return (
+        time
+        if th is None
+        else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, time_only=True)[0])
+    )
 
 
 class _Rows:
@@ -268,12 +309,16 @@ class _Rows:
     ordered as those tuples compare (``Choice.key``)."""
 
     def __init__(self):
-        self.blocks: list[tuple] = []  # (whole µs of each, js, n_persist, n_buffer, sw, ck, time, peak, host, parts)
+        self.blocks: list[
+            tuple
+        ] = []  # (whole µs of each, js, n_persist, n_buffer, sw, ck, time, peak, host, parts)
 
     def add(self, js, n_persist, n_buffer, sw, ck, time, peak, host, parts) -> None:
         if not len(js):
             return
-        self.blocks.append((np.round(time[js]), js, n_persist, n_buffer, sw, ck, time, peak, host, parts))
+        self.blocks.append(
+            (np.round(time[js]), js, n_persist, n_buffer, sw, ck, time, peak, host, parts)
+        )
 
     @staticmethod
     def _stack(block, m) -> np.ndarray:
@@ -281,24 +326,40 @@ class _Rows:
         first, js, n_persist, n_buffer, sw, ck, time, peak, host, parts = block
         js, ck = js[m], ck[m]
         k = len(js)
-        return np.stack([
-            first[m], peak[js], ck, np.full(k, n_persist), np.full(k, n_buffer), sw[m], ck,
-            time[js], host[js], parts["n_homeless"][js], parts["n_device_homed"][js], parts["n_nvme"][js],
-        ]).astype(np.float64)
+        return np.stack(
+            [
+                first[m],
+                peak[js],
+                ck,
+                np.full(k, n_persist),
+                np.full(k, n_buffer),
+                sw[m],
+                ck,
+                time[js],
+                host[js],
+                parts["n_homeless"][js],
+                parts["n_device_homed"][js],
+                parts["n_nvme"][js],
+            ]
+        ).astype(np.float64)
 
     def smallest(self, n: int, since: int = 0) -> list[tuple]:
         """The ``n`` smallest rows (of the blocks added from ``since`` on), as tuples."""
         blocks = self.blocks[since:]
         if not blocks:
             return []
-        if sum(len(b[1]) for b in blocks) > n:  # the n smallest all have a first key within the n smallest first keys
+        if (
+            sum(len(b[1]) for b in blocks) > n
+        ):  # the n smallest all have a first key within the n smallest first keys
             bar = np.partition(np.concatenate([b[0] for b in blocks]), n - 1)[n - 1]
             a = np.concatenate([self._stack(b, b[0] <= bar) for b in blocks], axis=1)
         else:
             a = np.concatenate([self._stack(b, slice(None)) for b in blocks], axis=1)
         top = np.lexsort(a[::-1])[:n]  # last key first: lexsort sorts by its last row
         ints = (0, 2, 3, 4, 5, 6, 9, 10, 11)
-        return [tuple(int(a[i, j]) if i in ints else float(a[i, j]) for i in range(12)) for j in top]
+        return [
+            tuple(int(a[i, j]) if i in ints else float(a[i, j]) for i in range(12)) for j in top
+        ]
 
 
 def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None) -> SearchResult:
@@ -312,21 +373,29 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
     pair_ck = np.array([ck for _, ck in pairs], dtype=np.int64)
     evaluated = 0
     min_peak = min_host = math.inf
-    frontier: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (np, nb, pairs that fit, their peaks)
+    frontier: list[
+        tuple[int, int, np.ndarray, np.ndarray]
+    ] = []  # (np, nb, pairs that fit, their peaks)
 
     def record(n_persist: int, n_buffer: int, idx: np.ndarray, time, peak, parts, ok) -> None:
         """Keep the configurations that fit (``ok``) as rows, and each call's own Pareto points."""
         host = host_need(parts)
         js = np.nonzero(ok)[0]
-        rows.add(js, n_persist, n_buffer, pair_sw[idx[js]], pair_ck[idx[js]], time, peak, host, parts)
+        rows.add(
+            js, n_persist, n_buffer, pair_sw[idx[js]], pair_ck[idx[js]], time, peak, host, parts
+        )
         # Each call's own Pareto points, host-feasible only: in order of (peak, time), those
         # faster than every earlier one.
         order = np.lexsort((time, peak))
         feasible = host[order] <= host_cap
         times = time[order]
-        before = np.minimum.accumulate(np.concatenate([[math.inf], np.where(feasible, times, math.inf)[:-1]]))
+        before = np.minimum.accumulate(
+            np.concatenate([[math.inf], np.where(feasible, times, math.inf)[:-1]])
+        )
         for j in order[feasible & (times < before)]:
-            all_points.append((float(time[j]), float(peak[j]), (n_persist, n_buffer, *pairs[idx[j]])))
+            all_points.append(
+                (float(time[j]), float(peak[j]), (n_persist, n_buffer, *pairs[idx[j]]))
+            )
 
     every = np.arange(len(pairs))
     current, fits_here = None, False
@@ -347,9 +416,14 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             min_peak = min(min_peak, float(plain_peak.min()))
             plain_ok = plain_peak <= budget_bytes
             if plain_ok.any():
-                min_host = min(min_host, float((parts["unhomed_host_bytes"] + parts["host_swap_bytes"])[plain_ok].min()))
+                min_host = min(
+                    min_host,
+                    float((parts["unhomed_host_bytes"] + parts["host_swap_bytes"])[plain_ok].min()),
+                )
             dev_ok = peak <= budget_bytes
-            fits_here |= bool(plain_ok.any())  # (device homes only add device bytes: dev_ok ⊆ plain_ok)
+            fits_here |= bool(
+                plain_ok.any()
+            )  # (device homes only add device bytes: dev_ok ⊆ plain_ok)
             ok = dev_ok & (host <= host_cap)
             record(n_persist, n_buffer, every, time, peak, parts, ok)
             if n_buffer == top and top < n_off and ok.any():
@@ -365,7 +439,9 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
 
     for n_persist, n_buffer, idx, peak_at in frontier:
         n_off = t.n_chunks - n_persist
-        bound = _time_bound(t, n_persist, n_off, _subgrid(grid, idx), host_cap)  # every chunk buffered
+        bound = _time_bound(
+            t, n_persist, n_off, _subgrid(grid, idx), host_cap
+        )  # every chunk buffered
         evaluated += len(idx)
         lower = np.round(bound)  # whole µs (half to even, as round())
         while len(idx) and n_buffer < n_off:
@@ -375,18 +451,36 @@ def exhaustive(t: Terms, budget_bytes: int, host_budget_bytes: float | None = No
             if not len(idx):
                 break
             n_buffer += 1
-            time, peak, parts = _evaluate(t, n_persist, n_buffer, _subgrid(grid, idx), host_cap, budget_bytes)
+            time, peak, parts = _evaluate(
+                t, n_persist, n_buffer, _subgrid(grid, idx), host_cap, budget_bytes
+            )
             host = host_need(parts)
             evaluated += len(idx)
             ok = (peak <= budget_bytes) & (host <= host_cap)
             n_blocks = len(rows.blocks)
             record(n_persist, n_buffer, idx, time, peak, parts, ok)
             best = heapq.nsmallest(TOP, best + rows.smallest(TOP, since=n_blocks))
-            idx, lower, peak_at = idx[ok], lower[ok], (peak - parts["homed_peak_bytes"])[ok]  # (the disk tier's)
+            idx, lower, peak_at = (
+                idx[ok],
+                lower[ok],
+                (peak - parts["homed_peak_bytes"])[ok],
+            )  # (the disk tier's)
 
-    choices = [Choice(r[3], r[4], r[5], r[6], r[7], r[1], host_bytes=r[8], n_homeless=r[9], n_homed=r[10],
-                      n_nvme=r[11])
-               for r in rows.smallest(TOP)]
+    choices = [
+        Choice(
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7],
+            r[1],
+            host_bytes=r[8],
+            n_homeless=r[9],
+            n_homed=r[10],
+            n_nvme=r[11],
+        )
+        for r in rows.smallest(TOP)
+    ]
     front, best_t = [], math.inf
     for tm, pk, cfg in sorted(all_points, key=itemgetter(1, 0, 2)):  # (peak, time, counts)
         if tm < best_t:

@@ -61,8 +61,12 @@ class GridTerms:
     recompute_us: np.ndarray  # a checkpointed block's forward again
     swap_overhead_us: np.ndarray  # (G,) fixed cost per swapped block (GPU)
     comp_b: np.ndarray  # backward compute of segment s, with a checkpointed block's recompute
-    swap_out_total_us: np.ndarray  # (G,) the D2H time of every swapped block (a CPU's forward adds it)
-    fwd_walk: np.ndarray  # (G,) the memory walk's highest forward step (bytes held, in flight, transient)
+    swap_out_total_us: (
+        np.ndarray
+    )  # (G,) the D2H time of every swapped block (a CPU's forward adds it)
+    fwd_walk: (
+        np.ndarray
+    )  # (G,) the memory walk's highest forward step (bytes held, in flight, transient)
     bwd_base: np.ndarray  # each backward step's bytes but the offloaded chunks' open gradients
 
 
@@ -90,9 +94,26 @@ _KEYS: dict = {}
 
 def _key(t: Terms) -> tuple:
     """What ``grid_terms`` reads of ``t``, as a key (once per Terms object, kept while it lives)."""
-    arrays = (t.saved, t.inputs, t.saved_tensor, t.comp_fwd, t.comp_bwd, t.shared_grads, t.fwd_peak, t.bwd_peak)
-    return per_object(_KEYS, t, lambda: (*(np.asarray(a, dtype=np.float64).tobytes() for a in arrays), t.gpu,
-                                         t.swap_out_us_per_byte, t.swap_in_us_per_byte))
+    arrays = (
+        t.saved,
+        t.inputs,
+        t.saved_tensor,
+        t.comp_fwd,
+        t.comp_bwd,
+        t.shared_grads,
+        t.fwd_peak,
+        t.bwd_peak,
+    )
+    return per_object(
+        _KEYS,
+        t,
+        lambda: (
+            *(np.asarray(a, dtype=np.float64).tobytes() for a in arrays),
+            t.gpu,
+            t.swap_out_us_per_byte,
+            t.swap_in_us_per_byte,
+        ),
+    )
 
 
 def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
@@ -132,7 +153,10 @@ def grid_terms(t: Terms, grid: PolicyGrid) -> GridTerms:
     if t.gpu:
         bwd_base = bwd_base + recompute_bytes + t.bwd_peak
     out = GridTerms(
-        held=held, swap_out_bytes=swap_out, swapped_in=swapped_in, recompute_bytes=recompute_bytes,
+        held=held,
+        swap_out_bytes=swap_out,
+        swapped_in=swapped_in,
+        recompute_bytes=recompute_bytes,
         host_swap=grid.swap @ t.saved_tensor,
         swap_out_us=swap_out_us,
         swap_in_us=grid.swap * t.saved_tensor * t.swap_in_us_per_byte,
@@ -183,9 +207,13 @@ def _policy_grid(n_blocks: int, pairs: tuple[tuple[int, int], ...]) -> PolicyGri
     length = ns + nc
     assert (ns >= 0).all() and (nc >= 0).all() and (length <= n_blocks).all(), (n_blocks, pairs)
     index = {name: i for i, name in enumerate(H.POLICIES)}
-    code = np.where(np.arange(n_blocks) < length[:, None], index[H.CHECKPOINT.name], index[H.KEEP.name])
+    code = np.where(
+        np.arange(n_blocks) < length[:, None], index[H.CHECKPOINT.name], index[H.KEEP.name]
+    )
     rows = np.repeat(np.arange(len(pairs)), ns)
-    nth = np.arange(len(rows)) - np.repeat(np.cumsum(ns) - ns, ns)  # i = 0 … n_swap - 1 within each row
+    nth = np.arange(len(rows)) - np.repeat(
+        np.cumsum(ns) - ns, ns
+    )  # i = 0 … n_swap - 1 within each row
     code[rows, (nth * length[rows]) // np.maximum(ns[rows], 1)] = index[H.SWAP.name]
     return _masks_grid(code)
 
@@ -197,8 +225,11 @@ def strips_grid(strips: Sequence[Sequence[str]]) -> PolicyGrid:
     unknown = {p for strip in strips for p in strip} - set(H.POLICIES)
     assert not unknown, unknown
     index = {name: i for i, name in enumerate(H.POLICIES)}
-    return _masks_grid(np.array([[index[p] for p in strip] for strip in strips], dtype=np.int64)
-                       .reshape(len(strips), S - 2))
+    return _masks_grid(
+        np.array([[index[p] for p in strip] for strip in strips], dtype=np.int64).reshape(
+            len(strips), S - 2
+        )
+    )
 
 
 def _masks_grid(code: np.ndarray) -> PolicyGrid:
@@ -210,4 +241,6 @@ def _masks_grid(code: np.ndarray) -> PolicyGrid:
     # and back, and blocks recomputed in backward (the rest keep theirs).
     swap[:, 1:-1] = np.array([p.moves for p in H.POLICIES.values()], dtype=np.float64)[code]
     ckpt[:, 1:-1] = np.array([p.recomputes for p in H.POLICIES.values()], dtype=np.float64)[code]
-    return PolicyGrid(swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt)
+    return PolicyGrid(
+        swap.sum(axis=1).astype(np.int64), ckpt.sum(axis=1).astype(np.int64), swap, ckpt
+    )

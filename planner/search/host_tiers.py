@@ -42,7 +42,9 @@ class Tiers:
     kn: np.ndarray  # (G,) chunks on disk
     is_homed: np.ndarray  # (G, C) bool
     is_nvme: np.ndarray  # (G, C) bool
-    conv_f: np.ndarray  # (G,) µs on the main thread in forward: rounding masters, reading them from disk
+    conv_f: (
+        np.ndarray
+    )  # (G,) µs on the main thread in forward: rounding masters, reading them from disk
     conv_b: np.ndarray  # (G,) the same in backward
     host: np.ndarray  # (G,) host bytes of the offloaded chunks' states, slots, scratch and window
     unhomed: np.ndarray  # (G,) the host need without device homes and the disk
@@ -80,17 +82,37 @@ def _all_at_home(t, G: int, host: float) -> Tiers:
 
 def _at_home(t, G: int, host: float) -> Tiers:
     zero, none = np.zeros(G, dtype=np.int64), np.zeros((G, t.n_chunks), dtype=bool)
-    need = np.full(G, float(host))  # (no scratch is dropped: kd == n_off only where nothing is offloaded)
-    out = Tiers(k=zero, kd=zero, kn=zero, is_homed=none, is_nvme=none, conv_f=np.zeros(G), conv_b=np.zeros(G),
-                host=need, unhomed=need.copy())
+    need = np.full(
+        G, float(host)
+    )  # (no scratch is dropped: kd == n_off only where nothing is offloaded)
+    out = Tiers(
+        k=zero,
+        kd=zero,
+        kn=zero,
+        is_homed=none,
+        is_nvme=none,
+        conv_f=np.zeros(G),
+        conv_b=np.zeros(G),
+        host=need,
+        unhomed=need.copy(),
+    )
     for a in (zero, none, need, out.conv_f, out.conv_b, out.unhomed):
         a.flags.writeable = False
     return out
 
 
-def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: float, uploads_f: np.ndarray,
-           uploads_b: np.ndarray, homeless: Sequence[int] | None, homed: Sequence[int],
-           nvme: Sequence[int]) -> Tiers:
+def choose(
+    t,
+    off: np.ndarray,
+    host: float,
+    host_swap: np.ndarray,
+    host_cap: float,
+    uploads_f: np.ndarray,
+    uploads_b: np.ndarray,
+    homeless: Sequence[int] | None,
+    homed: Sequence[int],
+    nvme: Sequence[int],
+) -> Tiers:
     """``t``: cost.Terms; ``off``: (C,) offloaded mask; ``host``: the host need with every home
     kept (scratch included); ``uploads_f``/``uploads_b``: (C,) uploads of each chunk per pass."""
     C, G = t.n_chunks, len(host_swap)
@@ -100,23 +122,36 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
     offs = np.nonzero(off)[0]  # offloaded chunks in execution order: the kd first are device-homed
     first = homeless_order(off)  # the k first of these are homeless, the kn first on disk
     numel = t.host_numel.astype(np.float64)
-    disk_read = uploads_f * numel * t.disk_fetch_us_per_elem, uploads_b * numel * t.disk_fetch_us_per_elem
+    disk_read = (
+        uploads_f * numel * t.disk_fetch_us_per_elem,
+        uploads_b * numel * t.disk_fetch_us_per_elem,
+    )
     if homeless is None:
         over = host + host_swap - host_cap  # (G,)
         k = np.zeros(G, dtype=np.int64)
         saved = np.cumsum(t.host_numel[first] * t.home_bytes_per_elem)  # (n_off,) by the first k
         homeless_on = t.homeless_ok and n_off and t.home_bytes_per_elem
         if homeless_on:
-            k = np.where(over > 0, np.minimum(np.searchsorted(saved, over + t.slot_pool_bytes) + 1, n_off), 0)
+            k = np.where(
+                over > 0, np.minimum(np.searchsorted(saved, over + t.slot_pool_bytes) + 1, n_off), 0
+            )
         kd = kn = np.zeros(G, dtype=np.int64)
-        left = over - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # what homeless chunks leave
+        left = (
+            over - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes
+        )  # what homeless chunks leave
         if t.nvme_ok and n_off:
             per = np.cumsum(t.host_numel[first] * t.disk_saves_per_elem)
-            kn = np.where(left > 0, np.minimum(np.searchsorted(per, left + H.NVME_WINDOW) + 1, n_off), 0)
+            kn = np.where(
+                left > 0, np.minimum(np.searchsorted(per, left + H.NVME_WINDOW) + 1, n_off), 0
+            )
         elif t.homed_ok and n_off:
-            per = t.host_numel[offs] * (t.host_bytes_per_elem - (t.home_bytes_per_elem if homeless_on else 0))
+            per = t.host_numel[offs] * (
+                t.host_bytes_per_elem - (t.home_bytes_per_elem if homeless_on else 0)
+            )
             kd = np.where(left > 0, np.minimum(np.searchsorted(np.cumsum(per), left) + 1, n_off), 0)
-        unhomed = host - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes  # the host need without them
+        unhomed = (
+            host - np.append(0, saved)[k] + (k > 0) * t.slot_pool_bytes
+        )  # the host need without them
         k = np.minimum(k, n_off - kd)  # a device-homed chunk is not homeless
         rank = np.full(C, C, dtype=np.int64)
         rank[offs] = np.arange(n_off)
@@ -145,9 +180,26 @@ def choose(t, off: np.ndarray, host: float, host_swap: np.ndarray, host_cap: flo
         dropped = np.full(G, float(t.host_numel @ h) * t.home_bytes_per_elem)
         unhomed = None
     mask = is_homed.astype(np.float64)
-    host = (host - dropped + (k > 0) * t.slot_pool_bytes - mask @ (t.host_numel * t.host_bytes_per_elem)
-            - is_nvme @ (t.host_numel * t.disk_saves_per_elem) + (kn > 0) * H.NVME_WINDOW)  # (G,)
+    host = (
+        host
+        - dropped
+        + (k > 0) * t.slot_pool_bytes
+        - mask @ (t.host_numel * t.host_bytes_per_elem)
+        - is_nvme @ (t.host_numel * t.disk_saves_per_elem)
+        + (kn > 0) * H.NVME_WINDOW
+    )  # (G,)
     unhomed = host if unhomed is None else unhomed
-    host = host - (kd == n_off) * (t.host_scratch_bytes if n_off else 0)  # nothing left to step on the host
-    return Tiers(k=k, kd=kd, kn=kn, is_homed=is_homed, is_nvme=is_nvme, conv_f=conv_f, conv_b=conv_b,
-                 host=host, unhomed=unhomed)
+    host = host - (kd == n_off) * (
+        t.host_scratch_bytes if n_off else 0
+    )  # nothing left to step on the host
+    return Tiers(
+        k=k,
+        kd=kd,
+        kn=kn,
+        is_homed=is_homed,
+        is_nvme=is_nvme,
+        conv_f=conv_f,
+        conv_b=conv_b,
+        host=host,
+        unhomed=unhomed,
+    )

@@ -51,7 +51,9 @@ class Slot(NamedTuple):  # (a tuple: made a few thousand times per plan, as fast
     numel: int
 
 
-def groups(segments: Sequence[str], uses: dict[str, list[str]], order: Sequence[str]) -> dict[str, str]:
+def groups(
+    segments: Sequence[str], uses: dict[str, list[str]], order: Sequence[str]
+) -> dict[str, str]:
     """Layout group of each parameter: the segment that uses it first (``<unused>`` if none),
     so a block — or the embeddings, or the head — stays in one chunk when it fits."""
     out: dict[str, str] = {}
@@ -79,8 +81,13 @@ def layout_order(facts) -> tuple[list[str], dict[str, str], set[str]]:
     return order, {n: g if n in facts.frozen else "<trainable>" + g for n, g in grp.items()}, fresh
 
 
-def assign(order: Sequence[str], numel: dict[str, int], groups: dict[str, str],
-           chunk_numel: int, fresh: Collection[str] = ()) -> list[list[Slot]]:
+def assign(
+    order: Sequence[str],
+    numel: dict[str, int],
+    groups: dict[str, str],
+    chunk_numel: int,
+    fresh: Collection[str] = (),
+) -> list[list[Slot]]:
     """Pack parameters into chunks of ``chunk_numel`` elements; return the slots per chunk.
 
     ``order``: parameter names in first-use order. ``groups``: parameter → group (its
@@ -141,13 +148,23 @@ def _layout_key(facts) -> tuple:
     """What the layout reads of ``facts``, hashable: ``make_plan`` asks for each chunk size
     several times (candidates, search, terms), and lays it out once. Made once per facts
     object while it lives (ModelFacts are frozen, their lists never written after they are made)."""
-    return per_object(_KEYS, facts, lambda: (tuple(facts.order), tuple(facts.params), tuple(facts.segments),
-                                             tuple(tuple(facts.uses[s]) for s in facts.segments), facts.frozen))
+    return per_object(
+        _KEYS,
+        facts,
+        lambda: (
+            tuple(facts.order),
+            tuple(facts.params),
+            tuple(facts.segments),
+            tuple(tuple(facts.uses[s]) for s in facts.segments),
+            facts.frozen,
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _layout(key: tuple, chunk_numel: int) -> tuple[tuple[frozenset[int], ...], np.ndarray, np.ndarray,
-                                                     tuple[bool, ...]]:
+def _layout(
+    key: tuple, chunk_numel: int
+) -> tuple[tuple[frozenset[int], ...], np.ndarray, np.ndarray, tuple[bool, ...]]:
     """``chunk_need``'s three answers and each chunk's trainability, from one ``assign``."""
     order, params, segments, uses, frozen = key
     uses = dict(zip(segments, map(list, uses)))
@@ -200,7 +217,9 @@ def chunk_candidates(facts) -> tuple[list[int], dict[int, int]]:
     most models (1×: blocks tile it), 3 for gpt2-xl and llama-3.1-8b.
     """
     numel = {n: math.prod(s) for n, s, _ in facts.params}
-    largest = max(max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments), max(numel.values()))
+    largest = max(
+        max(sum(numel[n] for n in facts.uses[s]) for s in facts.segments), max(numel.values())
+    )
     total = sum(numel.values())
     waste, count = {}, {}
     for f in CHUNK_GRID:

@@ -31,15 +31,18 @@ class ElementBytes:
     """Bytes per chunk element of each model state, for one training setup (homes.py's table)."""
 
     compute: int  # values, gradients, the offloaded home and staging
-    persistent: int  # a trainable persistent chunk on the device: values, gradients, moments, master
+    persistent: (
+        int  # a trainable persistent chunk on the device: values, gradients, moments, master
+    )
     host: int  # a trainable offloaded chunk's shard on the host: home, moments, accumulator, master, staging
 
 
 def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
     """Per-element bytes of a trainable chunk's states, read from the homes table."""
     s = H.Setup(compute_dtype, grad_accum)
-    return ElementBytes(compute=s.cb, persistent=H.PERSISTENT.per_elem(s, "device"),
-                        host=H.HOST.per_elem(s, "host"))
+    return ElementBytes(
+        compute=s.cb, persistent=H.PERSISTENT.per_elem(s, "device"), host=H.HOST.per_elem(s, "host")
+    )
 
 
 HOMED_BYTES = H.DEVICE_HOMED.per_elem(H.Setup("float32"), "device")
@@ -74,8 +77,9 @@ class Walk:
     disk_bytes: int = 0  # NVMe chunks' states in the file (placement.nvme)
 
 
-def events(plan: Plan, acts: SegmentBytes | None = None,
-           trainable: Sequence[bool] | None = None) -> list[A.Event]:
+def events(
+    plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None
+) -> list[A.Event]:
     """The allocation stream of wrap and one iteration (executor/accounting.py's module
     docstring): the model states' (``accounting.state_events``) with the activations of
     ``acts`` and the gradients autograd holds for shared parameters, in each step's order."""
@@ -92,8 +96,13 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
         return int(getattr(acts, field)[i]) if acts is not None else 0
 
     gpu = acts is not None and acts.gpu
-    held = [H.held_bytes(policy.get(s, H.KEEP.name), act(i, "saved"), act(i, "inputs")) for i, s in enumerate(segs)]
-    moves = {b for b, p in policy.items() if H.POLICIES[p].moves}  # (homes.POLICIES: swapped blocks)
+    held = [
+        H.held_bytes(policy.get(s, H.KEEP.name), act(i, "saved"), act(i, "inputs"))
+        for i, s in enumerate(segs)
+    ]
+    moves = {
+        b for b, p in policy.items() if H.POLICIES[p].moves
+    }  # (homes.POLICIES: swapped blocks)
     recomputes = {b for b, p in policy.items() if H.POLICIES[p].recomputes}
 
     shared = A.shared_grads(plan, trainable)
@@ -136,20 +145,36 @@ def events(plan: Plan, acts: SegmentBytes | None = None,
     return out
 
 
-def walk(plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None) -> Walk:
+def walk(
+    plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None
+) -> Walk:
     """``events`` and its figures: the peaks on the device and the host."""
     stream = events(plan, acts, trainable)
     alpha = ALPHA_GPU if acts is not None and acts.gpu else 1.0
-    states = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "device" and e.kind != "buffers")
+    states = sum(
+        e.nbytes
+        for e in stream
+        if e.phase == "wrap" and e.where == "device" and e.kind != "buffers"
+    )
     buffers = sum(e.nbytes for e in stream if e.phase == "wrap" and e.kind == "buffers")
     host = sum(e.nbytes for e in stream if e.phase == "wrap" and e.where == "host")
     high = step_highs(stream)
     most = max((sum(k.values()) for _, _, k in high), default=0)
     # swapped activations on the host: the most the running total of their events reaches
-    most_swap = max(accumulate((e.nbytes for e in stream if e.phase != "wrap" and e.where == "host"), initial=0))
-    return Walk(stream, states_bytes=states, buffers_bytes=buffers, activation_walk_bytes=most,
-                peak_bytes=(states + buffers + most) * alpha, host_bytes=host, host_swap_bytes=most_swap,
-                alpha=alpha, disk_bytes=sum(e.nbytes for e in stream if e.where == "disk"))
+    most_swap = max(
+        accumulate((e.nbytes for e in stream if e.phase != "wrap" and e.where == "host"), initial=0)
+    )
+    return Walk(
+        stream,
+        states_bytes=states,
+        buffers_bytes=buffers,
+        activation_walk_bytes=most,
+        peak_bytes=(states + buffers + most) * alpha,
+        host_bytes=host,
+        host_swap_bytes=most_swap,
+        alpha=alpha,
+        disk_bytes=sum(e.nbytes for e in stream if e.where == "disk"),
+    )
 
 
 def by_step(stream: Sequence[A.Event]) -> list[tuple[str, str, list[A.Event]]]:

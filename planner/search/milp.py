@@ -111,8 +111,11 @@ class Expr:
 
     def __add__(self, other) -> Expr:
         if isinstance(other, Expr):
-            return Expr(np.concatenate([self.idx, other.idx]), np.concatenate([self.coef, other.coef]),
-                        self.const + other.const)
+            return Expr(
+                np.concatenate([self.idx, other.idx]),
+                np.concatenate([self.coef, other.coef]),
+                self.const + other.const,
+            )
         return Expr(self.idx, self.coef, self.const + float(other))
 
     __radd__ = __add__
@@ -149,7 +152,9 @@ class Program:
     labels: list[str] = field(default_factory=list)
     rows: list[tuple[Expr, float, float, str]] = field(default_factory=list)
 
-    def var(self, label: str, n: int = 1, lb: float = 0.0, ub: float = math.inf, integer: bool = False) -> np.ndarray:
+    def var(
+        self, label: str, n: int = 1, lb: float = 0.0, ub: float = math.inf, integer: bool = False
+    ) -> np.ndarray:
         first = len(self.lb)
         self.lb += [lb] * n
         self.ub += [ub] * n
@@ -183,9 +188,13 @@ class Program:
         lo = np.array([x[1] for x in self.rows])
         hi = np.array([x[2] for x in self.rows])
         with _quiet_stdout():
-            return milp(c, integrality=np.array(self.integer), bounds=Bounds(self.lb, self.ub),
-                        constraints=LinearConstraint(A, lo, hi),
-                        options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "presolve": True})
+            return milp(
+                c,
+                integrality=np.array(self.integer),
+                bounds=Bounds(self.lb, self.ub),
+                constraints=LinearConstraint(A, lo, hi),
+                options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "presolve": True},
+            )
 
 
 @contextlib.contextmanager
@@ -224,8 +233,9 @@ class Handles:
     objective: Expr  # T_iter in ms
 
 
-def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = None,
-              paper_space: bool = False) -> tuple[Program, Handles]:
+def formulate(
+    t: Terms, budget_bytes: float, host_budget_bytes: float | None = None, paper_space: bool = False
+) -> tuple[Program, Handles]:
     """The cost model of ``cost.evaluate`` as a MILP (module docstring; every row labelled).
 
     ``paper_space`` adds the constraints that hold the program to the exhaustive
@@ -285,7 +295,11 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     for j, c in enumerate(rank):
         # [Constraint] cached[c] ⇒ fewer than n_buffer offloaded chunks rank before c:
         #              Σ_{i before c} off[i] + (j+1)·cached[c] − n_buffer ≤ j  (j: chunks before c)
-        m.le(Expr.dot(off[rank[:j]], 1.0) + m.one(cached[c], j + 1) - m.one(nb), j, f"cache rank, chunk {c}")
+        m.le(
+            Expr.dot(off[rank[:j]], 1.0) + m.one(cached[c], j + 1) - m.one(nb),
+            j,
+            f"cache rank, chunk {c}",
+        )
 
     # -- time (ms), paper Eq. 2 as cost.evaluate computes it
     t_up, t_down = t.t_up * MS, t.t_down * MS
@@ -316,8 +330,13 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
             m.ge(m.one(Tf[s]) - U * t_up, 0, f"Tf ≥ H2D lane, forward {s}")
             m.ge(m.one(Tf[s]) - seg_swap(s, out_ms[s]) - late, 0, f"Tf ≥ D2H lane, forward {s}")
             # [Constraint] Tf[s] ≥ (uploads ahead + swap-out) / LINK_DUPLEX + late uploads (both ways)
-            m.ge(m.one(Tf[s]) - (m.one(af[s], t_up) + seg_swap(s, out_ms[s])) * (1 / LINK_DUPLEX) - late, 0,
-                 f"Tf ≥ link both ways, forward {s}")
+            m.ge(
+                m.one(Tf[s])
+                - (m.one(af[s], t_up) + seg_swap(s, out_ms[s])) * (1 / LINK_DUPLEX)
+                - late,
+                0,
+                f"Tf ≥ link both ways, forward {s}",
+            )
         t_fwd = Expr.dot(Tf, 1.0) + u_f[0] * t_up + n_swaps * (SWAP_OVERHEAD_US * MS)
         # [Variable] ab[s]: chunks for backward s-1 that load ahead while s computes
         ab = m.var("ab", S)
@@ -331,22 +350,45 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
                 m.le(m.one(ab[s]) - R, 0, f"ahead ≤ re-fetches, backward {s}")
                 m.le(m.one(ab[s]) - spare[s], 0, f"ahead ≤ spare buffers, backward {s}")
                 # [Constraint] Tb[s] ≥ H2D lane: re-fetches of s-1 + swap-in of s-1 (shared link)
-                m.ge(m.one(Tb[s]) - R * t_up - seg_swap(s - 1, in_ms[s - 1]), 0, f"Tb ≥ H2D lane, backward {s}")
+                m.ge(
+                    m.one(Tb[s]) - R * t_up - seg_swap(s - 1, in_ms[s - 1]),
+                    0,
+                    f"Tb ≥ H2D lane, backward {s}",
+                )
                 # [Constraint] Tb[s] ≥ (re-fetches ahead + swap-in of s-1 + gradient offload) / LINK_DUPLEX
                 #              + late re-fetches (the link both ways)
-                m.ge(m.one(Tb[s]) - (m.one(ab[s], t_up) + seg_swap(s - 1, in_ms[s - 1]) + grad_down[s])
-                     * (1 / LINK_DUPLEX) - late, 0, f"Tb ≥ link both ways, backward {s}")
+                m.ge(
+                    m.one(Tb[s])
+                    - (m.one(ab[s], t_up) + seg_swap(s - 1, in_ms[s - 1]) + grad_down[s])
+                    * (1 / LINK_DUPLEX)
+                    - late,
+                    0,
+                    f"Tb ≥ link both ways, backward {s}",
+                )
             # [Constraint] Tb[s] ≥ compute + recompute (checkpoint) + late re-fetches
-            m.ge(m.one(Tb[s]) - seg_ckpt(s, comp_f[s]) - late, comp_b[s], f"Tb ≥ compute, backward {s}")
+            m.ge(
+                m.one(Tb[s]) - seg_ckpt(s, comp_f[s]) - late,
+                comp_b[s],
+                f"Tb ≥ compute, backward {s}",
+            )
             # [Constraint] Tb[s] ≥ gradient offload (D2H lane) + late re-fetches
             m.ge(m.one(Tb[s]) - grad_down[s] - late, 0, f"Tb ≥ D2H lane, backward {s}")
         start_b = ref[S - 1] * t_up  # the first backward segment's re-fetch is not hidden
     else:  # a cpu device copies synchronously: every term adds up
-        t_fwd = float(comp_f.sum()) + _sum(u_f) * t_up + _sum(seg_swap(s, out_ms[s]) for s in range(S))
+        t_fwd = (
+            float(comp_f.sum()) + _sum(u_f) * t_up + _sum(seg_swap(s, out_ms[s]) for s in range(S))
+        )
         for s in range(S):
             # [Constraint] Tb[s] = compute + recompute + re-fetch + swap-in + gradient offload
-            m.eq(m.one(Tb[s]) - seg_ckpt(s, comp_f[s]) - ref[s] * t_up - seg_swap(s, in_ms[s]) - grad_down[s],
-                 comp_b[s], f"Tb = sum, backward {s}")
+            m.eq(
+                m.one(Tb[s])
+                - seg_ckpt(s, comp_f[s])
+                - ref[s] * t_up
+                - seg_swap(s, in_ms[s])
+                - grad_down[s],
+                comp_b[s],
+                f"Tb = sum, backward {s}",
+            )
         start_b = Expr()
     t_bwd = Expr.dot(Tb, 1.0) + start_b
     # Backward runs segment S-1 first: segment s ends at E[s] = start + Σ_{s' ≥ s} Tb[s'].
@@ -354,7 +396,11 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     E = m.var("E", S)
     for s in range(S):
         # [Constraint] E[s] = E[s+1] + Tb[s]  (E[S] = start_b)
-        m.eq(m.one(E[s]) - m.one(Tb[s]) - (m.one(E[s + 1]) if s + 1 < S else start_b), 0, f"end of backward {s}")
+        m.eq(
+            m.one(E[s]) - m.one(Tb[s]) - (m.one(E[s + 1]) if s + 1 < S else start_b),
+            0,
+            f"end of backward {s}",
+        )
     ends = [m.one(E[s]) for s in range(S)]
     params = t.chunk_params.astype(np.float64)
     n_params = float(params.sum())
@@ -363,8 +409,9 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     # all-gather after the step (gather_us) stays after backward.
     reduce_us = t.reduce_us_per_chunk
     gather_us = t.allreduce_us_per_chunk - reduce_us
-    t_gpu = (n_params * t.dev_adam_us_per_param + C * gather_us) * MS \
-        - Expr.dot(off, (params * t.dev_adam_us_per_param + gather_us) * MS)
+    t_gpu = (n_params * t.dev_adam_us_per_param + C * gather_us) * MS - Expr.dot(
+        off, (params * t.dev_adam_us_per_param + gather_us) * MS
+    )
     # [CPU Adam timeline] one worker, chunks in offload order (cost.evaluate's loop).
     events = [(s, c) for s in range(S - 1, -1, -1) for c in np.nonzero(t.offload_at[s])[0]]
     if reduce_us and events:
@@ -375,10 +422,16 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         for k, (s, c) in enumerate(events):
             prev = m.one(R[k - 1]) if k else Expr()
             # [Constraint] R[k] ≥ R[k-1] + r·(1 - off[c])  (the lane is busy until then)
-            m.ge(m.one(R[k]) - prev + m.one(off[c], r), r, f"reduction after the previous, chunk {c}")
+            m.ge(
+                m.one(R[k]) - prev + m.one(off[c], r), r, f"reduction after the previous, chunk {c}"
+            )
             # [Constraint] R[k] ≥ E[s] + r·(1 - off[c])  (its gradients are complete; for an
             #              offloaded chunk R[k] ≥ E[s] ≤ T_bwd, which costs nothing below)
-            m.ge(m.one(R[k]) - ends[s] + m.one(off[c], r), r, f"reduction after its backward, chunk {c}")
+            m.ge(
+                m.one(R[k]) - ends[s] + m.one(off[c], r),
+                r,
+                f"reduction after its backward, chunk {c}",
+            )
         # [Variable] Tr ≥ 0: what is left of the reductions when backward ends
         Tr = int(m.var("Tr")[0])
         # [Constraint] Tr ≥ R[last] - T_bwd
@@ -397,7 +450,11 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         for s, c in events:
             # [Constraint] L ≥ E[s] + t_down·off[c]  (chunk c's gradients have landed; for a
             #              persistent chunk it reads L ≥ E[s], dominated by L ≥ E[0])
-            m.ge(m.one(L) - ends[s] - m.one(off[c], t_down), 0, f"CPU Adam after the landing of chunk {c}")
+            m.ge(
+                m.one(L) - ends[s] - m.one(off[c], t_down),
+                0,
+                f"CPU Adam after the landing of chunk {c}",
+            )
         t_cpu = Expr.dot(off, params * t.cpu_adam_us_per_param * MS)
         if events:
             # [Constraint] Z ≥ L + T_cpu_optim·[anything offloaded]: the worker's run.
@@ -411,9 +468,15 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
             w = params[c] * t.cpu_adam_us_per_param * MS
             prev = m.one(D[k - 1]) if k else Expr()
             # [Constraint] D[k] ≥ D[k-1] + step(c)·off[c]  (the worker is busy until then)
-            m.ge(m.one(D[k]) - prev - m.one(off[c], w), 0, f"CPU Adam after the previous, chunk {c}")
+            m.ge(
+                m.one(D[k]) - prev - m.one(off[c], w), 0, f"CPU Adam after the previous, chunk {c}"
+            )
             # [Constraint] D[k] ≥ E[s] + (t_down + step(c))·off[c]  (gradients must have landed)
-            m.ge(m.one(D[k]) - ends[s] - m.one(off[c], t_down + w), 0, f"CPU Adam after its offload, chunk {c}")
+            m.ge(
+                m.one(D[k]) - ends[s] - m.one(off[c], t_down + w),
+                0,
+                f"CPU Adam after its offload, chunk {c}",
+            )
         if events:
             m.ge(m.one(Z) - m.one(D[-1]), 0, "Z ≥ CPU Adam done")
     objective = t_fwd + m.one(Z)  # T_iter = T_fwd + Z
@@ -431,8 +494,11 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
     for s in range(S):
         step = seg_keep(s, float(t.saved[s])) + seg_ckpt(s, float(t.inputs[s]))
         # [Constraint] H[s] = H[s-1] + what segment s leaves behind
-        m.eq(m.one(Hv[s]) - step * (1.0 / budget_bytes) - (m.one(Hv[s - 1]) if s else Expr()), 0,
-             f"held after forward {s}")
+        m.eq(
+            m.one(Hv[s]) - step * (1.0 / budget_bytes) - (m.one(Hv[s - 1]) if s else Expr()),
+            0,
+            f"held after forward {s}",
+        )
     alpha = ALPHA_GPU if t.gpu else 1.0
     for s in range(S):
         fwd = base + (float(t.fwd_peak[s]) if t.gpu else 0.0)
@@ -442,8 +508,13 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
             fwd = fwd + seg_swap(s, float(t.saved[s])) + seg_swap(s - 1, float(t.saved[s - 1]))
         # [Constraint] peak at forward step s ≤ budget
         m.le(fwd * a + m.one(Hv[s], alpha), 1.0, f"peak at forward {s} ≤ budget")
-        back = (base + seg_swap(s, float(t.saved_tensor[s])) + seg_swap(s - 1, float(t.saved_tensor[s - 1]))
-                + Expr.dot(off, t.grad_live[s]) * float(t.chunk_bytes) + float(t.shared_grads[s]))
+        back = (
+            base
+            + seg_swap(s, float(t.saved_tensor[s]))
+            + seg_swap(s - 1, float(t.saved_tensor[s - 1]))
+            + Expr.dot(off, t.grad_live[s]) * float(t.chunk_bytes)
+            + float(t.shared_grads[s])
+        )
         if t.gpu:
             back = back + seg_ckpt(s, float(t.saved[s])) + float(t.bwd_peak[s])
         # [Constraint] peak at backward step s ≤ budget
@@ -452,10 +523,17 @@ def formulate(t: Terms, budget_bytes: float, host_budget_bytes: float | None = N
         # + the CPU step's scratch when anything is offloaded, as the cost model charges it:
         # 1 - q[C] is 1 exactly when fewer than C chunks are persistent
         scratch = (1.0 - m.one(q[C])) * float(t.host_scratch_bytes)
-        host = (Expr.dot(off, host_bytes_per_chunk(t)) + scratch
-                + _sum(seg_swap(s, float(t.saved_tensor[s])) for s in range(S)))
+        host = (
+            Expr.dot(off, host_bytes_per_chunk(t))
+            + scratch
+            + _sum(seg_swap(s, float(t.saved_tensor[s])) for s in range(S))
+        )
         # [Constraint] host bytes (offloaded chunk states + swapped activations) ≤ host budget
-        m.le(host * (1.0 / max(host_budget_bytes, 1.0)), 1.0 if host_budget_bytes > 0 else 0.0, "host ≤ host budget")
+        m.le(
+            host * (1.0 / max(host_budget_bytes, 1.0)),
+            1.0 if host_budget_bytes > 0 else 0.0,
+            "host ≤ host budget",
+        )
     if paper_space:
         _restrict_to_paper_space(m, t, off, nb, swap, ckpt)
     return m, Handles(off, nb, swap, ckpt, objective)
@@ -487,8 +565,6 @@ def _restrict_to_paper_space(m: Program, t: Terms, off, nb: int, swap, ckpt) -> 
         m.eq(m.one(ckpt[b]) - Expr.dot(y, grid.ckpt[:, b + 1]), 0, f"pattern checkpoint, block {b}")
 
 
-
-
 # ------------------------------------------------------------------ solving
 
 
@@ -511,7 +587,9 @@ class Solved:
     """Re-solves with a budget tightened by a tolerance slip (module docstring)."""
 
 
-def to_choice(t: Terms, persistent: Sequence[int], n_buffer: int, policies: Sequence[str]) -> Choice:
+def to_choice(
+    t: Terms, persistent: Sequence[int], n_buffer: int, policies: Sequence[str]
+) -> Choice:
     """Any configuration as a ``Choice``, predicted by ``cost.evaluate``; ``persistent`` and
     ``policies`` are left None where the paper's prefix / layout says the same."""
     persistent = sorted(int(c) for c in persistent)
@@ -520,14 +598,28 @@ def to_choice(t: Terms, persistent: Sequence[int], n_buffer: int, policies: Sequ
     host = float(host_need(parts)[0])
     prefix = persistent == list(range(len(persistent)))
     paper = list(policies) == block_policies(t.n_blocks, n_swap, n_ckpt)
-    return Choice(len(persistent), n_buffer, n_swap, n_ckpt, float(time[0]), float(peak[0]),
-                  persistent=None if prefix else tuple(persistent),
-                  policies=None if paper else tuple(policies), host_bytes=host)
+    return Choice(
+        len(persistent),
+        n_buffer,
+        n_swap,
+        n_ckpt,
+        float(time[0]),
+        float(peak[0]),
+        persistent=None if prefix else tuple(persistent),
+        policies=None if paper else tuple(policies),
+        host_bytes=host,
+    )
 
 
-def solve_program(t: Terms, budget_bytes: float, host_budget_bytes: float | None = None, *,
-                  paper_space: bool = False, time_limit_s: float = MILP_TIME_LIMIT_S,
-                  rel_gap: float = MILP_REL_GAP) -> Solved:
+def solve_program(
+    t: Terms,
+    budget_bytes: float,
+    host_budget_bytes: float | None = None,
+    *,
+    paper_space: bool = False,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
+    rel_gap: float = MILP_REL_GAP,
+) -> Solved:
     """Formulate, solve, round, re-evaluate. If rounding within HiGHS's tolerances puts
     the configuration a hair over a budget, the budget is tightened by the slip (at
     least 1e-6 of it, 4× more each time) and the program solved again (at most three times).
@@ -545,8 +637,10 @@ def solve_program(t: Terms, budget_bytes: float, host_budget_bytes: float | None
             return Solved(None, status, gap, _time.perf_counter() - start, None, repairs)
         x = res.x
         off = x[h.off] > 0.5
-        policies = ["swap" if s > 0.5 else "checkpoint" if k > 0.5 else "keep"
-                    for s, k in zip(x[h.swap], x[h.ckpt])]
+        policies = [
+            "swap" if s > 0.5 else "checkpoint" if k > 0.5 else "keep"
+            for s, k in zip(x[h.swap], x[h.ckpt])
+        ]
         nb = int(round(x[h.n_buffer]))
         choice = to_choice(t, np.nonzero(~off)[0], nb, policies)
         obj = float(np.dot(h.objective.coef, x[h.objective.idx]) + h.objective.const) / MS
@@ -565,8 +659,13 @@ def solve_program(t: Terms, budget_bytes: float, host_budget_bytes: float | None
     return Solved(None, "failed", None, _time.perf_counter() - start, None, repairs)
 
 
-def solve(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None, *,
-          time_limit_s: float = MILP_TIME_LIMIT_S) -> SearchResult:
+def solve(
+    t: Terms,
+    budget_bytes: int,
+    host_budget_bytes: float | None = None,
+    *,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
+) -> SearchResult:
     """``SOLVERS["milp"]``: the MILP over the whole space, never worse than the exhaustive search.
 
     Runs ``exhaustive`` (the floor, the best four-count plan for ``explain``, the Pareto
@@ -585,27 +684,50 @@ def solve(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None, *
     solver = f"milp (HiGHS {solved.status}{gap})"
     if solved.choice is None and solved.status != "infeasible":
         solver = f"exhaustive (milp fallback: HiGHS {solved.status}, no solution)"
-        warnings.append(f"the MILP found no plan ({solved.status} after {solved.seconds:.1f} s); "
-                        "this is the exhaustive search's plan")
+        warnings.append(
+            f"the MILP found no plan ({solved.status} after {solved.seconds:.1f} s); "
+            "this is the exhaustive search's plan"
+        )
     elif solved.status == "infeasible" and base.best is not None:
-        warnings.append("HiGHS called the MILP infeasible where the exhaustive search found a plan "
-                        "(a tolerance at the budget's edge); this is the exhaustive search's plan")
+        warnings.append(
+            "HiGHS called the MILP infeasible where the exhaustive search found a plan "
+            "(a tolerance at the budget's edge); this is the exhaustive search's plan"
+        )
     if solved.repairs:
-        warnings.append(f"the MILP's rounded solution slipped over a budget by a tolerance; "
-                        f"re-solved {solved.repairs} time(s) with the budget tightened by the slip")
+        warnings.append(
+            f"the MILP's rounded solution slipped over a budget by a tolerance; "
+            f"re-solved {solved.repairs} time(s) with the budget tightened by the slip"
+        )
     found = [c for c in (base.best, solved.choice) if c is not None]
-    best = min(found, key=Choice.key) if found else None  # a tie (same plan) keeps the four-count one
-    if solved.choice is not None and base.best is not None and solved.choice.key() > base.best.key():
-        warnings.append(f"the MILP's plan ({solved.choice.time_us:.0f} µs) is not better than the "
-                        f"exhaustive search's ({base.best.time_us:.0f} µs); took the latter")
+    best = (
+        min(found, key=Choice.key) if found else None
+    )  # a tie (same plan) keeps the four-count one
+    if (
+        solved.choice is not None
+        and base.best is not None
+        and solved.choice.key() > base.best.key()
+    ):
+        warnings.append(
+            f"the MILP's plan ({solved.choice.time_us:.0f} µs) is not better than the "
+            f"exhaustive search's ({base.best.time_us:.0f} µs); took the latter"
+        )
     runners = base.runners_up
     if best is not None and base.best is not None and best is not base.best:
         runners = [base.best, *base.runners_up[:4]]  # the four-count plan explain compares against
     return SearchResult(
-        best=best, front=base.front, runners_up=runners, space_size=base.space_size,
-        evaluated=base.evaluated + (solved.choice is not None), seconds=_time.perf_counter() - start,
-        min_peak_bytes=base.min_peak_bytes, solver=solver, min_host_bytes=base.min_host_bytes,
-        status=solved.status, gap=solved.gap, warnings=warnings, baseline=base.best,
+        best=best,
+        front=base.front,
+        runners_up=runners,
+        space_size=base.space_size,
+        evaluated=base.evaluated + (solved.choice is not None),
+        seconds=_time.perf_counter() - start,
+        min_peak_bytes=base.min_peak_bytes,
+        solver=solver,
+        min_host_bytes=base.min_host_bytes,
+        status=solved.status,
+        gap=solved.gap,
+        warnings=warnings,
+        baseline=base.best,
         solver_seconds={"exhaustive": ex_s, "milp": solved.seconds},
     )
 
@@ -613,8 +735,13 @@ def solve(t: Terms, budget_bytes: int, host_budget_bytes: float | None = None, *
 # ------------------------------------------------------------------ explain: departures
 
 
-def departures(t: Terms, chosen: Choice, baseline: Choice, budget_bytes: float,
-               host_budget_bytes: float | None = None) -> list[Departure]:
+def departures(
+    t: Terms,
+    chosen: Choice,
+    baseline: Choice,
+    budget_bytes: float,
+    host_budget_bytes: float | None = None,
+) -> list[Departure]:
     """Where ``chosen`` departs from the four-count ``baseline``, and what each departure
     buys: undo it alone in ``chosen`` and predict again (``report.Departure``). Undoing
     a placement departure may need more buffers; the note says so, and says when the
@@ -623,8 +750,15 @@ def departures(t: Terms, chosen: Choice, baseline: Choice, budget_bytes: float,
     persistent, strip = chosen.persistent_ids(), chosen.strip(N)
     base_strip = baseline.strip(N)
     out = []
-    for d in departures_from(t.n_chunks, persistent, chosen.n_buffer, strip,
-                             baseline.n_persist, baseline.n_buffer, base_strip):
+    for d in departures_from(
+        t.n_chunks,
+        persistent,
+        chosen.n_buffer,
+        strip,
+        baseline.n_persist,
+        baseline.n_buffer,
+        base_strip,
+    ):
         pers, nb, pol = set(persistent), chosen.n_buffer, list(strip)
         notes = []
         if d.kind == "chunks":
@@ -633,20 +767,33 @@ def departures(t: Terms, chosen: Choice, baseline: Choice, budget_bytes: float,
         elif d.kind == "n_buffer":
             nb = baseline.n_buffer
         else:
-            pol[d.first: d.last + 1] = base_strip[d.first: d.last + 1]
+            pol[d.first : d.last + 1] = base_strip[d.first : d.last + 1]
         n_off = t.n_chunks - len(pers)
         least = min_buffers(t, sorted(pers))
         fixed = min(max(nb, least), n_off) if n_off else 0
         if fixed != nb:
-            notes.append(f"undoing it needs n_buffer {fixed}" if fixed > nb else f"undoing it leaves n_buffer {fixed}")
+            notes.append(
+                f"undoing it needs n_buffer {fixed}"
+                if fixed > nb
+                else f"undoing it leaves n_buffer {fixed}"
+            )
         undone = to_choice(t, sorted(pers), fixed, pol)
         if undone.peak_bytes > budget_bytes:
             notes.append("undone alone, the plan would exceed the device budget")
         if host_budget_bytes is not None and undone.host_bytes > host_budget_bytes:
             notes.append("undone alone, the plan would exceed the host budget")
-        out.append(Departure(d.kind, d.first, d.last, d.chosen, d.four_count,
-                             buys_us=undone.time_us - chosen.time_us,
-                             buys_bytes=undone.peak_bytes - chosen.peak_bytes, note="; ".join(notes)))
+        out.append(
+            Departure(
+                d.kind,
+                d.first,
+                d.last,
+                d.chosen,
+                d.four_count,
+                buys_us=undone.time_us - chosen.time_us,
+                buys_bytes=undone.peak_bytes - chosen.peak_bytes,
+                note="; ".join(notes),
+            )
+        )
     return out
 
 
@@ -662,11 +809,25 @@ def explain_departures(profile, plan) -> list[Departure]:
     runners = plan.provenance.search.runners_up
     if is_four_count(plan) or not runners:
         return []
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
-                   plan.training.grad_accum, plan.placement.shard_persistent_states)
-    chosen = to_choice(t, plan.placement.persistent, plan.placement.n_buffer, [a.policy for a in plan.activations])
+    t = make_terms(
+        profile,
+        plan.chunks.chunk_numel,
+        plan.training.world_size,
+        plan.schedule.cpu_adam,
+        plan.training.grad_accum,
+        plan.placement.shard_persistent_states,
+    )
+    chosen = to_choice(
+        t, plan.placement.persistent, plan.placement.n_buffer, [a.policy for a in plan.activations]
+    )
     b = runners[0]
-    baseline = Choice(b.n_persist, b.n_buffer, b.n_swap, b.n_checkpoint, float(b.iter_time_us),
-                      float(b.peak_memory_bytes))
+    baseline = Choice(
+        b.n_persist,
+        b.n_buffer,
+        b.n_swap,
+        b.n_checkpoint,
+        float(b.iter_time_us),
+        float(b.peak_memory_bytes),
+    )
     budget = plan.hardware.budget_bytes or plan.request.budget_bytes or math.inf
     return departures(t, chosen, baseline, budget, default_host_budget(profile.hardware))

@@ -55,14 +55,23 @@ def trains(t: Terms, off: np.ndarray) -> np.ndarray:
     return off if t.trainable is None else off * t.trainable
 
 
-def placement_memory(t: Terms, off: np.ndarray, n_buffer: int) -> tuple[float, float, np.ndarray, float]:
+def placement_memory(
+    t: Terms, off: np.ndarray, n_buffer: int
+) -> tuple[float, float, np.ndarray, float]:
     """``MemoryTerms``' parts that the placement decides and the strips do not: ``states``,
     ``resident``, ``grads``, ``alpha`` (what ``evaluate`` adds to ``grid_terms``' walk)."""
     n_off = int(off.sum())
-    states = ((t.n_chunks - n_off) * t.persist_chunk_bytes if t.trainable is None
-              else int(persist_bytes_per_chunk(t) @ (1 - off)))  # (frozen chunks: their values only)
-    return (states, min(n_buffer, n_off) * t.chunk_bytes,
-            (t.grad_live @ off) * t.chunk_bytes, ALPHA_GPU if t.gpu else 1.0)
+    states = (
+        (t.n_chunks - n_off) * t.persist_chunk_bytes
+        if t.trainable is None
+        else int(persist_bytes_per_chunk(t) @ (1 - off))
+    )  # (frozen chunks: their values only)
+    return (
+        states,
+        min(n_buffer, n_off) * t.chunk_bytes,
+        (t.grad_live @ off) * t.chunk_bytes,
+        ALPHA_GPU if t.gpu else 1.0,
+    )
 
 
 def min_buffers(t: Terms, persist: Placement) -> int:
@@ -81,20 +90,26 @@ def fixed_terms(t: Terms) -> dict:
 
 
 def _fixed_terms(t: Terms) -> dict:
-    again = t.up_bwd * (np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1)  # backward uses after a chunk's first
+    again = t.up_bwd * (
+        np.cumsum(t.up_bwd[::-1], axis=0)[::-1] > 1
+    )  # backward uses after a chunk's first
     ss, cs = np.nonzero(t.offload_at)
     by_step = np.lexsort((cs, -ss))  # backward order: s descending, then c
     out = {
         "uploads_f": t.up_fwd.sum(axis=0),  # (C,) forward uploads of each chunk
         "up_bwd_again": again,
-        "uploads_b_cached": again.sum(axis=0), "uploads_b": t.up_bwd.sum(axis=0),
+        "uploads_b_cached": again.sum(axis=0),
+        "uploads_b": t.up_bwd.sum(axis=0),
         "host_per_chunk": host_bytes_per_chunk(t),
         # (s, c) of every chunk's gradients leaving, in backward order (s descending, then c)
         "offload_steps": [(int(ss[i]), int(cs[i])) for i in by_step],
-        "offload_s": ss[by_step], "offload_c": cs[by_step],
+        "offload_s": ss[by_step],
+        "offload_c": cs[by_step],
         "n_params": int(t.chunk_params.sum()),
         # chunks by their last forward use, latest first (ties: the higher id)
-        "last_used_first": np.array(sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64),
+        "last_used_first": np.array(
+            sorted(range(t.n_chunks), key=lambda c: (-t.last_fwd_use[c], -c)), dtype=np.int64
+        ),
     }
     return out
 
@@ -140,10 +155,17 @@ def _placed(t: Terms, persist: Placement, fixed: dict) -> Placed:
     for a in (off, n_up_f):  # (shared by the calls last_call answers)
         a.flags.writeable = False
     return Placed(
-        off=off, order=order[off[order] > 0], trains=stepping,
+        off=off,
+        order=order[off[order] > 0],
+        trains=stepping,
         host=float(fixed["host_per_chunk"] @ off) + (t.host_scratch_bytes if stepping.any() else 0),
-        n_up_f=n_up_f, up_f=n_up_f * t.t_up, in_use=t.uses @ off, grad_down=t.offload_at @ off * t.t_down,
-        n_params_off=int(t.chunk_params @ off), n_trains_dev=int(trains(t, 1 - off).sum()),
+        n_up_f=n_up_f,
+        up_f=n_up_f * t.t_up,
+        in_use=t.uses @ off,
+        grad_down=t.offload_at @ off * t.t_down,
+        n_params_off=int(t.chunk_params @ off),
+        n_trains_dev=int(trains(t, 1 - off).sum()),
         steps=tuple(st for st, o in zip(fixed["offload_steps"], on.tolist()) if o),
-        offload_s=fixed["offload_s"][on], cpu_us=t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param,
+        offload_s=fixed["offload_s"][on],
+        cpu_us=t.chunk_params[fixed["offload_c"][on]] * t.cpu_adam_us_per_param,
     )

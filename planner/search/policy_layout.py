@@ -18,8 +18,9 @@ def block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:
     blocks after it to hide behind. Keep blocks go last because their activations are
     consumed first in backward, freeing memory for the swapped ones coming back.
     """
-    assert 0 <= n_swap and 0 <= n_checkpoint and n_swap + n_checkpoint <= n_blocks, \
+    assert 0 <= n_swap and 0 <= n_checkpoint and n_swap + n_checkpoint <= n_blocks, (
         f"{n_blocks=} {n_swap=} {n_checkpoint=}"
+    )
     length = n_swap + n_checkpoint
     out = [H.CHECKPOINT.name] * length + [H.KEEP.name] * (n_blocks - length)
     for i in range(n_swap):

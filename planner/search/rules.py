@@ -26,7 +26,11 @@ def cpu_adam_schedule(compute_dtype: str, max_grad_norm: float | None = None) ->
     need every gradient before any parameter changes, so the CPU steps wait for the
     end of backward. Otherwise each starts as soon as its chunk's gradients land.
     """
-    return "after_backward" if max_grad_norm is not None or compute_dtype == "float16" else "during_backward"
+    return (
+        "after_backward"
+        if max_grad_norm is not None or compute_dtype == "float16"
+        else "during_backward"
+    )
 
 
 HOST_SLOTS = 1
@@ -37,9 +41,14 @@ for the last upload or CPU step that used the slot; the cost model does not char
 """
 
 
-def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded: set[int],
-                   n_buffer: int, swapped: Sequence[str],
-                   cpu_adam: P.CpuAdam = "during_backward") -> P.Schedule:
+def build_schedule(
+    segments: Sequence[str],
+    need: dict[str, set[int]],
+    offloaded: set[int],
+    n_buffer: int,
+    swapped: Sequence[str],
+    cpu_adam: P.CpuAdam = "during_backward",
+) -> P.Schedule:
     """The event lists for one iteration (see the module docstring for the rules)."""
     seq = [("forward", s) for s in segments] + [("backward", s) for s in reversed(segments)]
     need_off = [sorted(need[s] & offloaded) for _, s in seq]
@@ -65,8 +74,10 @@ def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded
         for c in need_off[k + 1] if k + 1 < len(seq) else []:
             if len(desired) < n_buffer and c not in desired:
                 desired.append(c)
-        cached = sorted((c for c in resident if c not in desired and next_use[k].get(c, len(seq)) < len(seq)),
-                        key=lambda c: (next_use[k][c], c))
+        cached = sorted(
+            (c for c in resident if c not in desired and next_use[k].get(c, len(seq)) < len(seq)),
+            key=lambda c: (next_use[k][c], c),
+        )
         desired += cached[: max(0, n_buffer - len(desired))]
         if k:
             release[k - 1] = sorted(resident - set(desired))
@@ -85,11 +96,21 @@ def build_schedule(segments: Sequence[str], need: dict[str, set[int]], offloaded
         swap_in[max(0, back.index(b) - 1)].append(b)
 
     n = len(segments)
-    forward = [P.Step(segment=s, fetch=fetch[k], prefetch=prefetch[k], release=release[k])
-               for k, s in enumerate(segments)]
-    backward = [P.Step(segment=s, fetch=fetch[n + j], prefetch=prefetch[n + j],
-                       release=release[n + j], offload=offload[j], swap_in=swap_in[j])
-                for j, s in enumerate(back)]
+    forward = [
+        P.Step(segment=s, fetch=fetch[k], prefetch=prefetch[k], release=release[k])
+        for k, s in enumerate(segments)
+    ]
+    backward = [
+        P.Step(
+            segment=s,
+            fetch=fetch[n + j],
+            prefetch=prefetch[n + j],
+            release=release[n + j],
+            offload=offload[j],
+            swap_in=swap_in[j],
+        )
+        for j, s in enumerate(back)
+    ]
     return P.Schedule(forward=forward, backward=backward, cpu_adam=cpu_adam)
 
 
@@ -115,13 +136,20 @@ class ModelFacts:
 def facts_from_profile(profile: Profile) -> ModelFacts:
     """The model facts a plan needs, read from a profile (no model, no torch)."""
     segments = [P.PRE, *profile.model.blocks, P.POST]
-    uses: dict[str, list[str]] = {s: [] for s in segments}  # each segment's parameters, in profile order
+    uses: dict[str, list[str]] = {
+        s: [] for s in segments
+    }  # each segment's parameters, in profile order
     for p in profile.params:  # (one pass: a deep model has hundreds of each)
         for s in dict.fromkeys(p.uses):
             if s in uses:
                 uses[s].append(p.name)
-    return ModelFacts(name=profile.model.name, blocks=list(profile.model.blocks),
-                      params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
-                      tied=[list(t) for t in profile.model.tied], segments=segments,
-                      order=[p.name for p in profile.params], uses=uses,
-                      frozen=frozenset(p.name for p in profile.params if p.frozen))
+    return ModelFacts(
+        name=profile.model.name,
+        blocks=list(profile.model.blocks),
+        params=[(p.name, tuple(p.shape), p.dtype) for p in profile.params],
+        tied=[list(t) for t in profile.model.tied],
+        segments=segments,
+        order=[p.name for p in profile.params],
+        uses=uses,
+        frozen=frozenset(p.name for p in profile.params if p.frozen),
+    )

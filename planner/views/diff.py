@@ -68,8 +68,22 @@ def diff_json(a: Plan, b: Plan) -> dict[str, Any]:
             "search": _changed(a.provenance.search, b.provenance.search),
         },
     }
-    differs = [k for k in ("schema_version", "model", "training", "request", "hardware", "chunks",
-                           "placement", "activations", "schedule", "prediction") if _section_differs(k, d[k])]
+    differs = [
+        k
+        for k in (
+            "schema_version",
+            "model",
+            "training",
+            "request",
+            "hardware",
+            "chunks",
+            "placement",
+            "activations",
+            "schedule",
+            "prediction",
+        )
+        if _section_differs(k, d[k])
+    ]
     if not d["equal"] and not differs:
         # The bytes differ in something no section above compares (e.g. the order in
         # which a chunk lists parameters at unchanged offsets); never call that equal.
@@ -88,8 +102,10 @@ def render_diff(a: Plan, b: Plan, a_name: str = "A", b_name: str = "B") -> tuple
         lines.append(f"  model         {_model_line(m['a'])}")
         pa = d["prediction"]["a"]
         if pa["iter_time_us"] is not None:
-            lines.append(f"  predicted     {pa['iter_time_us'] / 1e6:.3f} s/iteration, "
-                         f"peak {human_bytes(pa['peak_memory_bytes'])}")
+            lines.append(
+                f"  predicted     {pa['iter_time_us'] / 1e6:.3f} s/iteration, "
+                f"peak {human_bytes(pa['peak_memory_bytes'])}"
+            )
         lines += _render_info(d["informational"])
         return "\n".join(lines), True
 
@@ -105,7 +121,9 @@ def render_diff(a: Plan, b: Plan, a_name: str = "A", b_name: str = "B") -> tuple
         lines.append(f"  schema        v{sv['a']} → v{sv['b']}")
     lines += _render_model(m)
     for key in ("training", "request", "hardware"):
-        ch = [f"{f} {_fmt(f, v['a'], key)} → {_fmt(f, v['b'], key)}" for f, v in d[key].items()] or ["same"]
+        ch = [
+            f"{f} {_fmt(f, v['a'], key)} → {_fmt(f, v['b'], key)}" for f, v in d[key].items()
+        ] or ["same"]
         lines += [f"  {key:<13} {ch[0]}", *(" " * 16 + x for x in ch[1:])]  # one field per line
     lines += _render_chunks(d["chunks"])
     lines += _render_placement(d["placement"])
@@ -134,8 +152,11 @@ def _builtins(value: Any) -> Any:
 
 def _changed(a: msgspec.Struct, b: msgspec.Struct, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Field → ``{"a", "b"}`` for each field of two Structs of one type that differs."""
-    return {f: _pair(_builtins(getattr(a, f)), _builtins(getattr(b, f)))
-            for f in a.__struct_fields__ if f not in skip and getattr(a, f) != getattr(b, f)}
+    return {
+        f: _pair(_builtins(getattr(a, f)), _builtins(getattr(b, f)))
+        for f in a.__struct_fields__
+        if f not in skip and getattr(a, f) != getattr(b, f)
+    }
 
 
 def _section_differs(key: str, value: Any) -> bool:
@@ -144,14 +165,18 @@ def _section_differs(key: str, value: Any) -> bool:
     if key == "model":
         return bool(value["changed"])
     if key == "chunks":
-        return (value["chunk_numel"]["a"] != value["chunk_numel"]["b"]
-                or value["n_chunks"]["a"] != value["n_chunks"]["b"]
-                or any(value[k] for k in ("moved", "added", "removed", "reshaped")))
+        return (
+            value["chunk_numel"]["a"] != value["chunk_numel"]["b"]
+            or value["n_chunks"]["a"] != value["n_chunks"]["b"]
+            or any(value[k] for k in ("moved", "added", "removed", "reshaped"))
+        )
     if key == "placement":
-        return (value["n_persist"]["a"] != value["n_persist"]["b"]
-                or value["n_buffer"]["a"] != value["n_buffer"]["b"]
-                or value["shard_persistent_states"]["a"] != value["shard_persistent_states"]["b"]
-                or bool(value["to_offloaded"] or value["to_persistent"]))
+        return (
+            value["n_persist"]["a"] != value["n_persist"]["b"]
+            or value["n_buffer"]["a"] != value["n_buffer"]["b"]
+            or value["shard_persistent_states"]["a"] != value["shard_persistent_states"]["b"]
+            or bool(value["to_offloaded"] or value["to_persistent"])
+        )
     if key == "activations":
         return bool(value["changed"])
     if key == "schedule":
@@ -163,11 +188,19 @@ def _section_differs(key: str, value: Any) -> bool:
 
 def _diff_model(a: Plan, b: Plan) -> dict[str, Any]:
     def ident(p: Plan) -> dict[str, Any]:
-        return {"name": p.model.name, "fingerprint": p.model.fingerprint,
-                "n_params": p.model.n_params, "n_blocks": len(p.model.blocks)}
+        return {
+            "name": p.model.name,
+            "fingerprint": p.model.fingerprint,
+            "n_params": p.model.n_params,
+            "n_blocks": len(p.model.blocks),
+        }
 
-    return {"same_model": a.model.fingerprint == b.model.fingerprint, "a": ident(a), "b": ident(b),
-            "changed": _changed(a.model, b.model)}
+    return {
+        "same_model": a.model.fingerprint == b.model.fingerprint,
+        "a": ident(a),
+        "b": ident(b),
+        "changed": _changed(a.model, b.model),
+    }
 
 
 def _diff_chunks(a: Plan, b: Plan) -> dict[str, Any]:
@@ -180,11 +213,21 @@ def _diff_chunks(a: Plan, b: Plan) -> dict[str, Any]:
             continue
         cb, q = pb[name]
         if (ca, p.offset) != (cb, q.offset):
-            moved.append({"name": name, "a": {"chunk": ca, "offset": p.offset},
-                          "b": {"chunk": cb, "offset": q.offset}})
+            moved.append(
+                {
+                    "name": name,
+                    "a": {"chunk": ca, "offset": p.offset},
+                    "b": {"chunk": cb, "offset": q.offset},
+                }
+            )
         if (p.shape, p.dtype, p.numel) != (q.shape, q.dtype, q.numel):
-            reshaped.append({"name": name, "a": {"shape": list(p.shape), "dtype": p.dtype},
-                             "b": {"shape": list(q.shape), "dtype": q.dtype}})
+            reshaped.append(
+                {
+                    "name": name,
+                    "a": {"shape": list(p.shape), "dtype": p.dtype},
+                    "b": {"shape": list(q.shape), "dtype": q.dtype},
+                }
+            )
     return {
         "chunk_numel": _pair(a.chunks.chunk_numel, b.chunks.chunk_numel),
         "n_chunks": _pair(len(a.chunks.items), len(b.chunks.items)),
@@ -215,7 +258,9 @@ def _diff_activations(a: Plan, b: Plan) -> dict[str, Any]:
         pa = xa[i].policy if i < len(xa) else None
         pb = xb[i].policy if i < len(xb) else None
         if pa != pb:
-            changed.append({"index": i, "block": (xa[i] if i < len(xa) else xb[i]).block, "a": pa, "b": pb})
+            changed.append(
+                {"index": i, "block": (xa[i] if i < len(xa) else xb[i]).block, "a": pa, "b": pb}
+            )
     return {"a": policy_strip(a), "b": policy_strip(b), "changed": changed}
 
 
@@ -230,15 +275,40 @@ def _diff_schedule(a: Plan, b: Plan) -> dict[str, Any]:
             n_matched += 1
             x, y = sa.get(seg), sb.get(seg)
             if x is None or y is None:
-                step = [{"phase": phase, "segment": seg, "field": "step", "a": x is not None, "b": y is not None}]
+                step = [
+                    {
+                        "phase": phase,
+                        "segment": seg,
+                        "field": "step",
+                        "a": x is not None,
+                        "b": y is not None,
+                    }
+                ]
             else:
-                step = [{"phase": phase, "segment": seg, "field": f, "a": getattr(x, f), "b": getattr(y, f)}
-                        for f in EVENTS if getattr(x, f) != getattr(y, f)]
+                step = [
+                    {
+                        "phase": phase,
+                        "segment": seg,
+                        "field": f,
+                        "a": getattr(x, f),
+                        "b": getattr(y, f),
+                    }
+                    for f in EVENTS
+                    if getattr(x, f) != getattr(y, f)
+                ]
             steps_differ += bool(step)
             changes += step
-    n = (len(a.schedule.forward) + len(a.schedule.backward), len(b.schedule.forward) + len(b.schedule.backward))
-    return {"n_steps": _pair(*n), "n_matched": n_matched, "steps_differ": steps_differ, "changes": changes,
-            "cpu_adam": _pair(a.schedule.cpu_adam, b.schedule.cpu_adam)}
+    n = (
+        len(a.schedule.forward) + len(a.schedule.backward),
+        len(b.schedule.forward) + len(b.schedule.backward),
+    )
+    return {
+        "n_steps": _pair(*n),
+        "n_matched": n_matched,
+        "steps_differ": steps_differ,
+        "changes": changes,
+        "cpu_adam": _pair(a.schedule.cpu_adam, b.schedule.cpu_adam),
+    }
 
 
 def _predicted(plan: Plan) -> dict[str, Any]:
@@ -247,8 +317,11 @@ def _predicted(plan: Plan) -> dict[str, Any]:
     if not (p.iter_time_us or p.peak_memory_bytes):
         return {"iter_time_us": None, "peak_memory_bytes": None, "tokens_per_s": None}
     tokens = t.micro_batch * t.seq_len * t.grad_accum * t.world_size
-    return {"iter_time_us": p.iter_time_us, "peak_memory_bytes": p.peak_memory_bytes,
-            "tokens_per_s": round(tokens * 1e6 / p.iter_time_us) if p.iter_time_us else None}
+    return {
+        "iter_time_us": p.iter_time_us,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "tokens_per_s": round(tokens * 1e6 / p.iter_time_us) if p.iter_time_us else None,
+    }
 
 
 def _ratio(x: int | None, y: int | None) -> float | None:
@@ -261,10 +334,12 @@ def _diff_prediction(a: Plan, b: Plan) -> dict[str, Any]:
     return {
         "a": pa,
         "b": pb,
-        "time_ratio": _ratio(pb["iter_time_us"], pa["iter_time_us"]),        # B/A; < 1: B is faster
-        "speedup": _ratio(pa["iter_time_us"], pb["iter_time_us"]),           # A/B; > 1: B is faster
+        "time_ratio": _ratio(pb["iter_time_us"], pa["iter_time_us"]),  # B/A; < 1: B is faster
+        "speedup": _ratio(pa["iter_time_us"], pb["iter_time_us"]),  # A/B; > 1: B is faster
         "peak_ratio": _ratio(pb["peak_memory_bytes"], pa["peak_memory_bytes"]),  # B/A
-        "breakdown": {k: _pair(ba.get(k), bb.get(k)) for k in sorted({*ba, *bb}) if ba.get(k) != bb.get(k)},
+        "breakdown": {
+            k: _pair(ba.get(k), bb.get(k)) for k in sorted({*ba, *bb}) if ba.get(k) != bb.get(k)
+        },
     }
 
 
@@ -276,7 +351,9 @@ def _short(fp: str) -> str:
 
 
 def _model_line(ident: dict[str, Any]) -> str:
-    return f"{ident['name']}: {human_count(ident['n_params'])} parameters, {ident['n_blocks']} blocks"
+    return (
+        f"{ident['name']}: {human_count(ident['n_params'])} parameters, {ident['n_blocks']} blocks"
+    )
 
 
 def _fmt(field: str, value: Any, section: str = "") -> str:
@@ -340,14 +417,22 @@ def _render_chunks(c: dict[str, Any]) -> list[str]:
         head.append(f"{count['a']} → {count['b']} chunks")
     if not head and not any(c[k] for k in ("moved", "added", "removed", "reshaped")):
         return [f"  chunks        same layout ({count['a']} × {human_count(numel['a'])} elements)"]
-    lines = ["  chunks        " + ("; ".join(head) or f"{count['a']} × {human_count(numel['a'])} elements")]
+    lines = [
+        "  chunks        "
+        + ("; ".join(head) or f"{count['a']} × {human_count(numel['a'])} elements")
+    ]
     moved = c["moved"]
     if moved:
         shown = moved[:DIFF_LIST]
         width = max(len(x["name"]) for x in shown)
-        lines.append(f"{pad}{len(moved)} parameter{'s' * (len(moved) != 1)} moved (chunk @ element offset)")
-        lines += [f"{pad}  {x['name']:<{width}}  {x['a']['chunk']} @ {x['a']['offset']} → "
-                  f"{x['b']['chunk']} @ {x['b']['offset']}" for x in shown]
+        lines.append(
+            f"{pad}{len(moved)} parameter{'s' * (len(moved) != 1)} moved (chunk @ element offset)"
+        )
+        lines += [
+            f"{pad}  {x['name']:<{width}}  {x['a']['chunk']} @ {x['a']['offset']} → "
+            f"{x['b']['chunk']} @ {x['b']['offset']}"
+            for x in shown
+        ]
         lines += _more(len(shown), len(moved), pad + "  ")
     for key, what in (("added", "only in B"), ("removed", "only in A")):
         names = c[key]
@@ -358,8 +443,10 @@ def _render_chunks(c: dict[str, Any]) -> list[str]:
     if c["reshaped"]:
         r = c["reshaped"]
         lines.append(f"{pad}{len(r)} parameter{'s' * (len(r) != 1)} changed shape or dtype")
-        lines += [f"{pad}  {x['name']}  {x['a']['shape']} {x['a']['dtype']} → {x['b']['shape']} {x['b']['dtype']}"
-                  for x in r[:DIFF_LIST]]
+        lines += [
+            f"{pad}  {x['name']}  {x['a']['shape']} {x['a']['dtype']} → {x['b']['shape']} {x['b']['dtype']}"
+            for x in r[:DIFF_LIST]
+        ]
         lines += _more(min(len(r), DIFF_LIST), len(r), pad + "  ")
     return lines
 
@@ -368,12 +455,16 @@ def _render_placement(p: dict[str, Any]) -> list[str]:
     np_, nb = p["n_persist"], p["n_buffer"]
     if not _section_differs("placement", p):
         return [f"  placement     same ({np_['a']} persistent, {nb['a']} device buffers)"]
-    head = "; ".join(f"{k} {v['a']} → {v['b']}" if v["a"] != v["b"] else f"{k} {v['a']} (same)"
-                     for k, v in (("n_persist", np_), ("n_buffer", nb)))
+    head = "; ".join(
+        f"{k} {v['a']} → {v['b']}" if v["a"] != v["b"] else f"{k} {v['a']} (same)"
+        for k, v in (("n_persist", np_), ("n_buffer", nb))
+    )
     lines = [f"  placement     {head}"]
     sh = p["shard_persistent_states"]
     if sh["a"] != sh["b"]:
-        lines.append(f"                persistent optimizer states {_sharding(sh['a'])} → {_sharding(sh['b'])}")
+        lines.append(
+            f"                persistent optimizer states {_sharding(sh['a'])} → {_sharding(sh['b'])}"
+        )
     if p["to_offloaded"]:
         lines.append(f"                persistent → offloaded: chunks {_ids(p['to_offloaded'])}")
     if p["to_persistent"]:
@@ -413,14 +504,19 @@ def _render_schedule(s: dict[str, Any], chunks: dict[str, Any], same_model: bool
     adam = [] if cpu["a"] == cpu["b"] else [f"{' ' * 18}cpu_adam  {cpu['a']} → {cpu['b']}"]
     if not k:
         if adam:
-            return [f"  schedule      cpu_adam {cpu['a']} → {cpu['b']}   (the {n['a']} steps are the same)"]
+            return [
+                f"  schedule      cpu_adam {cpu['a']} → {cpu['b']}   (the {n['a']} steps are the same)"
+            ]
         return [f"  schedule      same ({n['a']} steps)"]
     note = ""
     if s["n_matched"] != n["a"] or s["n_matched"] != n["b"]:
         note += f"; A has {n['a']}, B has {n['b']}, matched by segment"
     if _section_differs("chunks", chunks) or not same_model:
         note += "; chunk ids name each plan's own chunks"
-    lines = [f"  schedule      {k} of {s['n_matched']} steps differ" + (f"   ({note[2:]})" if note else "")]
+    lines = [
+        f"  schedule      {k} of {s['n_matched']} steps differ"
+        + (f"   ({note[2:]})" if note else "")
+    ]
     shown = s["changes"][:DIFF_STEPS]
     seg_w = max(len(x["segment"]) for x in shown)
     for x in shown:
@@ -440,8 +536,10 @@ def _render_prediction(p: dict[str, Any]) -> list[str]:
         return ["  prediction    neither plan has one (made without a profile)"]
     if pa["iter_time_us"] is None or pb["iter_time_us"] is None:
         side, pr = ("A", pa) if pb["iter_time_us"] is None else ("B", pb)
-        return [f"  prediction    only {side} has one: {pr['iter_time_us'] / 1e6:.3f} s/iteration, "
-                f"peak {human_bytes(pr['peak_memory_bytes'])}"]
+        return [
+            f"  prediction    only {side} has one: {pr['iter_time_us'] / 1e6:.3f} s/iteration, "
+            f"peak {human_bytes(pr['peak_memory_bytes'])}"
+        ]
     ta, tb = pa["iter_time_us"], pb["iter_time_us"]
     if p["time_ratio"] is None:
         speed = ""
@@ -452,9 +550,11 @@ def _render_prediction(p: dict[str, Any]) -> list[str]:
     else:
         speed = " (same)"
     peak = f" (B/A = {p['peak_ratio']:.2f}×)" if p["peak_ratio"] is not None else ""
-    lines = [f"  prediction    iteration {ta / 1e6:.3f} s → {tb / 1e6:.3f} s{speed}",
-             f"                peak memory {human_bytes(pa['peak_memory_bytes'])} → "
-             f"{human_bytes(pb['peak_memory_bytes'])}{peak}"]
+    lines = [
+        f"  prediction    iteration {ta / 1e6:.3f} s → {tb / 1e6:.3f} s{speed}",
+        f"                peak memory {human_bytes(pa['peak_memory_bytes'])} → "
+        f"{human_bytes(pb['peak_memory_bytes'])}{peak}",
+    ]
     if pa["tokens_per_s"] and pb["tokens_per_s"]:
         lines.append(f"                tokens/s {pa['tokens_per_s']:,} → {pb['tokens_per_s']:,}")
     if p["breakdown"]:
@@ -466,17 +566,26 @@ def _render_prediction(p: dict[str, Any]) -> list[str]:
 
 def _render_info(info: dict[str, Any]) -> list[str]:
     lines = []
-    for section, prefix in (("generator", "generator"), ("provenance", "provenance"),
-                            ("search", "provenance.search")):
+    for section, prefix in (
+        ("generator", "generator"),
+        ("provenance", "provenance"),
+        ("search", "provenance.search"),
+    ):
         for f, v in info[section].items():
             if f == "chosen":
-                lines.append(f"                {prefix}.chosen (n_persist, n_buffer, n_swap, n_checkpoint) "
-                             f"{_config(v['a'])} → {_config(v['b'])}")
+                lines.append(
+                    f"                {prefix}.chosen (n_persist, n_buffer, n_swap, n_checkpoint) "
+                    f"{_config(v['a'])} → {_config(v['b'])}"
+                )
             elif isinstance(v["a"], (list, dict)):
-                size = (f" ({len(v['a'])} → {len(v['b'])} entries)" if isinstance(v["a"], list) else "")
+                size = (
+                    f" ({len(v['a'])} → {len(v['b'])} entries)" if isinstance(v["a"], list) else ""
+                )
                 lines.append(f"                {prefix}.{f} differs{size}")
             else:
-                shown = [_short(x) if f == "profile_digest" else _fmt(f, x) for x in (v["a"], v["b"])]
+                shown = [
+                    _short(x) if f == "profile_digest" else _fmt(f, x) for x in (v["a"], v["b"])
+                ]
                 lines.append(f"                {prefix}.{f} {shown[0]} → {shown[1]}")
     return ["  informational (does not affect equality)", *lines] if lines else []
 

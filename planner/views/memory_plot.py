@@ -50,7 +50,14 @@ class MemoryStep:
     @property
     def total_bytes(self) -> float:
         # Integers until the last multiplication, as memory_walk.walk sums them.
-        walk = self.activations + self.swapping_out + self.swapped_in + self.grads + self.recompute + self.transient
+        walk = (
+            self.activations
+            + self.swapping_out
+            + self.swapped_in
+            + self.grads
+            + self.recompute
+            + self.transient
+        )
         return (self.states + self.buffers + walk) * self.alpha
 
 
@@ -67,10 +74,21 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
 
     _terms_for(profile, plan)  # refuses a profile of another model or layout
     w = memory_walk.walk(plan, segment_bytes(profile))
-    return [MemoryStep(f"{phase} {seg}", w.states_bytes, w.buffers_bytes, k.get("activations", 0),
-                       k.get("swap_out", 0), k.get("swapped_in", 0), k.get("grads", 0) + k.get("shared_grads", 0), k.get("recompute", 0),
-                       k.get("transient", 0), w.alpha)
-            for phase, seg, k in memory_walk.step_highs(w.events)]
+    return [
+        MemoryStep(
+            f"{phase} {seg}",
+            w.states_bytes,
+            w.buffers_bytes,
+            k.get("activations", 0),
+            k.get("swap_out", 0),
+            k.get("swapped_in", 0),
+            k.get("grads", 0) + k.get("shared_grads", 0),
+            k.get("recompute", 0),
+            k.get("transient", 0),
+            w.alpha,
+        )
+        for phase, seg, k in memory_walk.step_highs(w.events)
+    ]
 
 
 def memory_timeline(profile: Profile, plan: P.Plan) -> list[tuple[str, int]]:
@@ -83,8 +101,10 @@ def require_matplotlib() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("plotting needs matplotlib, which is not installed",
-                          "install the plot extra: pip install -e '.[plot]'  (or: pip install matplotlib)")
+        raise ConfigError(
+            "plotting needs matplotlib, which is not installed",
+            "install the plot extra: pip install -e '.[plot]'  (or: pip install matplotlib)",
+        )
 
 
 def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
@@ -104,12 +124,20 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     xs = list(range(n))
     a = walk[0].alpha
     terms = [  # (label, per-step bytes, colour) bottom to top
-        ("chunk states on the device (persistent, device-homed)", [m.states * a for m in walk], "#4c72b0"),
+        (
+            "chunk states on the device (persistent, device-homed)",
+            [m.states * a for m in walk],
+            "#4c72b0",
+        ),
         ("offloaded chunk buffers", [m.buffers * a for m in walk], "#64b5cd"),
         ("activations held", [m.activations * a for m in walk], "#55a868"),
         ("activations swapping out", [m.swapping_out * a for m in walk], "#a6d96a"),
         ("swapped-in activations", [m.swapped_in * a for m in walk], "#8fd175"),
-        ("gradient buffers (offloaded chunks, tied weights)", [m.grads * a for m in walk], "#dd8452"),
+        (
+            "gradient buffers (offloaded chunks, tied weights)",
+            [m.grads * a for m in walk],
+            "#dd8452",
+        ),
         ("recomputed activations", [m.recompute * a for m in walk], "#937860"),
         ("transient peak", [m.transient * a for m in walk], "#c44e52"),
     ]
@@ -118,8 +146,15 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     for label, ys, colour in terms:
         if not any(ys):
             continue
-        ax.bar(xs, [y / gib for y in ys], bottom=[b / gib for b in bottom], width=1.0,
-               color=colour, label=label, linewidth=0)
+        ax.bar(
+            xs,
+            [y / gib for y in ys],
+            bottom=[b / gib for b in bottom],
+            width=1.0,
+            color=colour,
+            label=label,
+            linewidth=0,
+        )
         bottom = [b + y for b, y in zip(bottom, ys)]
     n_fwd = len(P.segments(plan))
     ax.axvspan(-0.5, n_fwd - 0.5, color="#000000", alpha=0.04, linewidth=0)
@@ -130,14 +165,26 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     top = max(peak_bytes, budget) / gib
     if budget:
         ax.axhline(budget / gib, color="#222222", linestyle="--", linewidth=1.2)
-        ax.text(n - 0.5, budget / gib, f"budget {budget / gib:.2f} GiB", ha="right", va="bottom",
-                fontsize=9)
+        ax.text(
+            n - 0.5,
+            budget / gib,
+            f"budget {budget / gib:.2f} GiB",
+            ha="right",
+            va="bottom",
+            fontsize=9,
+        )
     right = peak < 0.7 * n  # put the note on the side with more room
-    ax.annotate(f"predicted peak {peak_bytes / gib:.2f} GiB ({walk[peak].label})",
-                (peak, peak_bytes / gib), xytext=(24 if right else -24, -16), textcoords="offset points",
-                ha="left" if right else "right", va="top", fontsize=9,
-                bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#c44e52", alpha=0.9),
-                arrowprops=dict(arrowstyle="->", color="#c44e52", shrinkA=0, shrinkB=0))
+    ax.annotate(
+        f"predicted peak {peak_bytes / gib:.2f} GiB ({walk[peak].label})",
+        (peak, peak_bytes / gib),
+        xytext=(24 if right else -24, -16),
+        textcoords="offset points",
+        ha="left" if right else "right",
+        va="top",
+        fontsize=9,
+        bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#c44e52", alpha=0.9),
+        arrowprops=dict(arrowstyle="->", color="#c44e52", shrinkA=0, shrinkB=0),
+    )
     for x, text in ((n_fwd / 2 - 0.5, "forward"), (n_fwd * 1.5 - 0.5, "backward")):
         ax.text(x, top * 1.12, text, ha="center", va="top", fontsize=10, color="#555555")
     ax.set_ylim(0, top * 1.16)
@@ -146,9 +193,13 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     # phase; a tick too close to one of those is dropped so labels never overlap.
     every = max(1, math.ceil(n / 16))
     ends = {0, n_fwd - 1, n - 1}  # not n_fwd: "bwd <post>" would sit on "fwd <post>"
-    ticks = sorted(ends | {i for i in range(0, n, every) if min(abs(i - e) for e in ends) >= every / 2})
+    ticks = sorted(
+        ends | {i for i in range(0, n, every) if min(abs(i - e) for e in ends) >= every / 2}
+    )
     ax.set_xticks(ticks)
-    ax.set_xticklabels([_short_label(walk[i].label) for i in ticks], rotation=45, ha="right", fontsize=8)
+    ax.set_xticklabels(
+        [_short_label(walk[i].label) for i in ticks], rotation=45, ha="right", fontsize=8
+    )
     ax.set_ylabel("predicted device memory (GiB)")
     policies = [x.policy for x in plan.activations]
     ax.set_title(
@@ -158,7 +209,8 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
         f"persistent, {plan.placement.n_buffer} buffers; blocks: "
         f"{', '.join(f'{policies.count(p)} {p}' for p in POLICIES)}; "
         f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iteration",
-        fontsize=10)
+        fontsize=10,
+    )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

@@ -43,15 +43,29 @@ class Departure:
         if self.kind == "n_buffer":
             return f"n_buffer {self.chosen} (four-count plan: {self.four_count})"
         if self.kind == "chunks":
-            span = f"chunk {self.first}" if self.first == self.last else f"chunks {self.first}-{self.last}"
+            span = (
+                f"chunk {self.first}"
+                if self.first == self.last
+                else f"chunks {self.first}-{self.last}"
+            )
             return f"{span} {self.chosen} (four-count plan: {self.four_count})"
-        span = (f"block {blocks[self.first]}" if self.first == self.last
-                else f"blocks {blocks[self.first]} … {blocks[self.last]} ({self.last - self.first + 1})")
+        span = (
+            f"block {blocks[self.first]}"
+            if self.first == self.last
+            else f"blocks {blocks[self.first]} … {blocks[self.last]} ({self.last - self.first + 1})"
+        )
         return f"{span} {self.chosen} (four-count plan: {self.four_count})"
 
 
-def departures_from(n_chunks: int, persistent: list[int], n_buffer: int, strip: list[str],
-                    base_n_persist: int, base_n_buffer: int, base_strip: list[str]) -> list[Departure]:
+def departures_from(
+    n_chunks: int,
+    persistent: list[int],
+    n_buffer: int,
+    strip: list[str],
+    base_n_persist: int,
+    base_n_buffer: int,
+    base_strip: list[str],
+) -> list[Departure]:
     """The departures of (persistent, n_buffer, strip) from a four-count plan, grouped into
     runs of neighbouring chunks / blocks that changed the same way, in execution order."""
     out: list[Departure] = []
@@ -67,8 +81,13 @@ def departures_from(n_chunks: int, persistent: list[int], n_buffer: int, strip: 
                 out.append(Departure(kind, i, j, pairs[i][0], pairs[i][1]))
             i = j + 1
 
-    place = [("persistent" if c in chosen else "offloaded",
-              "persistent" if c < base_n_persist else "offloaded") for c in range(n_chunks)]
+    place = [
+        (
+            "persistent" if c in chosen else "offloaded",
+            "persistent" if c < base_n_persist else "offloaded",
+        )
+        for c in range(n_chunks)
+    ]
     runs(place, "chunks")
     if n_buffer != base_n_buffer:
         out.append(Departure("n_buffer", 0, 0, str(n_buffer), str(base_n_buffer)))
@@ -81,8 +100,9 @@ def is_four_count(plan: Plan) -> bool:
     layout of its counts (``block_policies``)."""
     pl = plan.placement
     strip = [a.policy for a in plan.activations]
-    return (pl.persistent == list(range(pl.n_persist))
-            and strip == block_policies(len(strip), strip.count(SWAP.name), strip.count(CHECKPOINT.name)))
+    return pl.persistent == list(range(pl.n_persist)) and strip == block_policies(
+        len(strip), strip.count(SWAP.name), strip.count(CHECKPOINT.name)
+    )
 
 
 def human_bytes(n: int) -> str:
@@ -110,31 +130,60 @@ def render_show(plan: Plan, source: str = "") -> str:
         f"  training      micro-batch {t.micro_batch} × seq {t.seq_len}, {t.compute_dtype} compute, "
         f"{t.master_dtype} master, world size {t.world_size}, grad accum {t.grad_accum}",
         f"  hardware      {h.name or '(not recorded)'}"
-        + (f", {human_bytes(h.device_memory_bytes)} device, budget {human_bytes(h.budget_bytes)}"
-           if h.device_memory_bytes else ""),
+        + (
+            f", {human_bytes(h.device_memory_bytes)} device, budget {human_bytes(h.budget_bytes)}"
+            if h.device_memory_bytes
+            else ""
+        ),
         f"  chunks        {len(plan.chunks.items)} × {human_count(plan.chunks.chunk_numel)} elements",
         f"  placement     {pl.n_persist} persistent {pl.persistent}, {len(pl.offloaded)} offloaded, "
         f"{pl.n_buffer} device buffers"
-        + (f"; persistent optimizer states sharded over {t.world_size} ranks" if pl.shard_persistent_states else "")
+        + (
+            f"; persistent optimizer states sharded over {t.world_size} ranks"
+            if pl.shard_persistent_states
+            else ""
+        )
         + (f"; {len(pl.homeless)} homeless (no home on the host)" if pl.homeless else "")
-        + (f"; {len(pl.device_homed)} device-homed (master and moments on the device)" if pl.device_homed else "")
-        + (f"; {len(pl.nvme)} on disk (master and moments in a file: train with --nvme DIR)" if pl.nvme else ""),
+        + (
+            f"; {len(pl.device_homed)} device-homed (master and moments on the device)"
+            if pl.device_homed
+            else ""
+        )
+        + (
+            f"; {len(pl.nvme)} on disk (master and moments in a file: train with --nvme DIR)"
+            if pl.nvme
+            else ""
+        ),
         f"  activations   {policy_strip(plan)}   (K keep, S swap, C checkpoint)",
         f"  cpu adam      {plan.schedule.cpu_adam.replace('_', ' ')}"
-        + (f" (clipping to {plan.request.max_grad_norm:g} requested)" if plan.request.max_grad_norm else ""),
+        + (
+            f" (clipping to {plan.request.max_grad_norm:g} requested)"
+            if plan.request.max_grad_norm
+            else ""
+        ),
         "  model states  (per rank: persistent chunks and offloaded buffers on the device, offloaded states on the host)",
     ]
     walk = memory_walk.walk(plan)  # per rank; the same figures the prediction holds
-    for name, value in (("states_bytes", walk.states_bytes), ("buffers_bytes", walk.buffers_bytes),
-                        ("host_bytes", walk.host_bytes)):
+    for name, value in (
+        ("states_bytes", walk.states_bytes),
+        ("buffers_bytes", walk.buffers_bytes),
+        ("host_bytes", walk.host_bytes),
+    ):
         lines.append(f"    {name:<22} {human_bytes(value)}")
     if pred.iter_time_us or pred.peak_memory_bytes:
-        lines.append(f"  predicted     {pred.iter_time_us / 1e6:.3f} s/iteration, "
-                     f"peak {human_bytes(pred.peak_memory_bytes)}")
+        lines.append(
+            f"  predicted     {pred.iter_time_us / 1e6:.3f} s/iteration, "
+            f"peak {human_bytes(pred.peak_memory_bytes)}"
+        )
         for name, value in pred.breakdown.items():
-            shown = human_bytes(value) if name.endswith("_bytes") else (
-                f"{value / 1e6:.3f} s" if name.endswith("_us") else str(value))
-            name = name.removesuffix("_us")  # shown in seconds: a name in µs would misread the value
+            shown = (
+                human_bytes(value)
+                if name.endswith("_bytes")
+                else (f"{value / 1e6:.3f} s" if name.endswith("_us") else str(value))
+            )
+            name = name.removesuffix(
+                "_us"
+            )  # shown in seconds: a name in µs would misread the value
             lines.append(f"    {name:<22} {shown}")
     else:
         lines.append("  predicted     (no prediction: plan made without a profile)")
@@ -142,9 +191,11 @@ def render_show(plan: Plan, source: str = "") -> str:
 
 
 def _cand(c) -> str:
-    return (f"n_persist={c.n_persist:<3} n_buffer={c.n_buffer:<2} n_swap={c.n_swap:<3} "
-            f"n_checkpoint={c.n_checkpoint:<3} {c.iter_time_us / 1e3:10.1f} ms  "
-            f"{human_bytes(c.peak_memory_bytes):>11}")
+    return (
+        f"n_persist={c.n_persist:<3} n_buffer={c.n_buffer:<2} n_swap={c.n_swap:<3} "
+        f"n_checkpoint={c.n_checkpoint:<3} {c.iter_time_us / 1e3:10.1f} ms  "
+        f"{human_bytes(c.peak_memory_bytes):>11}"
+    )
 
 
 def render_explain(plan: Plan, source: str = "", departures: list[Departure] | None = None) -> str:
@@ -156,20 +207,28 @@ def render_explain(plan: Plan, source: str = "", departures: list[Departure] | N
     """
     s = plan.provenance.search
     b = plan.prediction.breakdown
-    lines = [f"explain {source}".rstrip(), f"  chosen      {_cand(s.chosen)}   ({s.solver}, "
-             f"{s.evaluated} of {s.space_size} configurations evaluated)"]
+    lines = [
+        f"explain {source}".rstrip(),
+        f"  chosen      {_cand(s.chosen)}   ({s.solver}, "
+        f"{s.evaluated} of {s.space_size} configurations evaluated)",
+    ]
     lines += _render_departures(plan, departures)
     if b:
         t_fwd, t_bwd = b.get("t_fwd_us", 0), b.get("t_bwd_us", 0)
         t_cpu, t_gpu = b.get("t_cpu_optim_us", 0), b.get("t_gpu_optim_us", 0)
         if plan.schedule.cpu_adam == "after_backward":
-            formula = ("T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)   "
-                       "(CPU Adam after backward: clipping or fp16)")
+            formula = (
+                "T_iter = T_fwd + T_bwd + max(T_gpu_optim, T_cpu_optim)   "
+                "(CPU Adam after backward: clipping or fp16)"
+            )
             bound = "CPU Adam" if t_cpu > t_gpu else "device Adam"
         else:
             formula = "T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim)   (paper Eq. 2)"
-            bound = "CPU Adam (offloaded chunks' update outlasts backward)" if t_cpu > t_bwd + t_gpu \
+            bound = (
+                "CPU Adam (offloaded chunks' update outlasts backward)"
+                if t_cpu > t_bwd + t_gpu
                 else "backward + device Adam"
+            )
         lines += [
             f"  time        {formula}",
             f"              forward {t_fwd / 1e3:.1f} ms, backward {t_bwd / 1e3:.1f} ms, "
@@ -201,24 +260,41 @@ def _render_departures(plan: Plan, priced: list[Departure] | None) -> list[str]:
     base = s.runners_up[0]
     n_blocks = len(plan.activations)
     strip = [a.policy for a in plan.activations]
-    deps = priced if priced is not None else departures_from(
-        len(plan.chunks.items), list(plan.placement.persistent), plan.placement.n_buffer, strip,
-        base.n_persist, base.n_buffer, block_policies(n_blocks, base.n_swap, base.n_checkpoint))
+    deps = (
+        priced
+        if priced is not None
+        else departures_from(
+            len(plan.chunks.items),
+            list(plan.placement.persistent),
+            plan.placement.n_buffer,
+            strip,
+            base.n_persist,
+            base.n_buffer,
+            block_policies(n_blocks, base.n_swap, base.n_checkpoint),
+        )
+    )
     gain = base.iter_time_us - s.chosen.iter_time_us
-    lines = [f"  four-count  {_cand(base)}   (the best plan of the paper's space: a persistent prefix, "
-             "S C C … K K)",
-             f"              this plan is {gain / 1e3:.1f} ms/iteration faster "
-             f"({100 * gain / max(base.iter_time_us, 1):.2f}%), peak "
-             f"{human_bytes(abs(s.chosen.peak_memory_bytes - base.peak_memory_bytes))} "
-             f"{'more' if s.chosen.peak_memory_bytes >= base.peak_memory_bytes else 'less'}; "
-             f"{len(deps)} departure{'s' * (len(deps) != 1)}"
-             + (", each priced by undoing it alone (time, peak it saves):" if priced is not None else
-                " (pass --profile to price each):")]
+    lines = [
+        f"  four-count  {_cand(base)}   (the best plan of the paper's space: a persistent prefix, "
+        "S C C … K K)",
+        f"              this plan is {gain / 1e3:.1f} ms/iteration faster "
+        f"({100 * gain / max(base.iter_time_us, 1):.2f}%), peak "
+        f"{human_bytes(abs(s.chosen.peak_memory_bytes - base.peak_memory_bytes))} "
+        f"{'more' if s.chosen.peak_memory_bytes >= base.peak_memory_bytes else 'less'}; "
+        f"{len(deps)} departure{'s' * (len(deps) != 1)}"
+        + (
+            ", each priced by undoing it alone (time, peak it saves):"
+            if priced is not None
+            else " (pass --profile to price each):"
+        ),
+    ]
     blocks = plan.model.blocks
     for d in deps:
         price = ""
         if d.buys_us is not None:
-            price = (f"   {d.buys_us / 1e3:+.1f} ms, {'+' if (d.buys_bytes or 0) >= 0 else '-'}"
-                     f"{human_bytes(abs(int(d.buys_bytes or 0)))}" + (f"  ({d.note})" if d.note else ""))
+            price = (
+                f"   {d.buys_us / 1e3:+.1f} ms, {'+' if (d.buys_bytes or 0) >= 0 else '-'}"
+                f"{human_bytes(abs(int(d.buys_bytes or 0)))}" + (f"  ({d.note})" if d.note else "")
+            )
         lines.append(f"    {d.label(blocks)}{price}")
     return lines

@@ -58,23 +58,42 @@ PREDICTED_PID, MEASURED_PID = 1, 2
 # --------------------------------------------------------------------------- format
 
 
-def _doc(events: list[dict], pid: int, label: str, metadata: dict[str, Any],
-         tracks: list[str]) -> dict[str, Any]:
+def _doc(
+    events: list[dict], pid: int, label: str, metadata: dict[str, Any], tracks: list[str]
+) -> dict[str, Any]:
     """A trace document: ``events`` plus the process and thread names."""
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}}]
-    meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": TRACKS[t], "args": {"name": t}}
-             for t in tracks]
+    meta += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": TRACKS[t], "args": {"name": t}}
+        for t in tracks
+    ]
     # thread_sort_index keeps the lanes in TRACKS order instead of first-event order.
-    meta += [{"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": TRACKS[t],
-              "args": {"sort_index": TRACKS[t]}} for t in tracks]
+    meta += [
+        {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": pid,
+            "tid": TRACKS[t],
+            "args": {"sort_index": TRACKS[t]},
+        }
+        for t in tracks
+    ]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms", "metadata": metadata}
 
 
-def _x(name: str, track: str, ts_us: float, dur_us: float, pid: int, cat: str,
-       **args: Any) -> dict[str, Any]:
+def _x(
+    name: str, track: str, ts_us: float, dur_us: float, pid: int, cat: str, **args: Any
+) -> dict[str, Any]:
     """One complete (``ph: X``) event; times rounded to ns so files stay readable."""
-    ev = {"name": name, "cat": cat, "ph": "X", "ts": round(ts_us, 3),
-          "dur": round(max(dur_us, 0.0), 3), "pid": pid, "tid": TRACKS[track]}
+    ev = {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "ts": round(ts_us, 3),
+        "dur": round(max(dur_us, 0.0), 3),
+        "pid": pid,
+        "tid": TRACKS[track],
+    }
     if args:
         ev["args"] = args
     return ev
@@ -100,10 +119,14 @@ def validate_trace(doc: dict) -> None:
         if not isinstance(ev, dict):
             raise ValueError(f"event is {type(ev).__name__}, not an object - at `{where}`")
         ph = ev.get("ph")
-        required = {"X": ("name", "ph", "ts", "dur", "pid", "tid"),
-                    "M": ("name", "ph", "pid", "tid", "args")}.get(ph)
+        required = {
+            "X": ("name", "ph", "ts", "dur", "pid", "tid"),
+            "M": ("name", "ph", "pid", "tid", "args"),
+        }.get(ph)
         if required is None:
-            raise ValueError(f"unsupported phase {ph!r} (we write X and M events) - at `{where}.ph`")
+            raise ValueError(
+                f"unsupported phase {ph!r} (we write X and M events) - at `{where}.ph`"
+            )
         for key in required:
             if key not in ev:
                 raise ValueError(f"{ph} event lacks `{key}` - at `{where}`")
@@ -111,11 +134,15 @@ def validate_trace(doc: dict) -> None:
             raise ValueError(f"name must be a string, got {ev['name']!r} - at `{where}.name`")
         for key in ("pid", "tid"):
             if not isinstance(ev[key], (int, str)) or isinstance(ev[key], bool):
-                raise ValueError(f"{key} must be an int or string, got {ev[key]!r} - at `{where}.{key}`")
+                raise ValueError(
+                    f"{key} must be an int or string, got {ev[key]!r} - at `{where}.{key}`"
+                )
         if ph == "X":
             for key in ("ts", "dur"):
                 if not number(ev[key]):
-                    raise ValueError(f"{key} must be a finite number (µs), got {ev[key]!r} - at `{where}.{key}`")
+                    raise ValueError(
+                        f"{key} must be a finite number (µs), got {ev[key]!r} - at `{where}.{key}`"
+                    )
             if ev["dur"] < 0:
                 raise ValueError(f"dur must be >= 0, got {ev['dur']} - at `{where}.dur`")
         elif not isinstance(ev["args"], dict):
@@ -150,9 +177,15 @@ def _terms_for(profile: Profile, plan: P.Plan):
             "(model fingerprints differ)",
             "pass the profile the plan was made from (`protrain plan --profile FILE`)",
         )
-    t = make_terms(profile, plan.chunks.chunk_numel, plan.training.world_size, plan.schedule.cpu_adam,
-                   plan.training.grad_accum, plan.placement.shard_persistent_states,
-                   nvme=bool(plan.placement.nvme))
+    t = make_terms(
+        profile,
+        plan.chunks.chunk_numel,
+        plan.training.world_size,
+        plan.schedule.cpu_adam,
+        plan.training.grad_accum,
+        plan.placement.shard_persistent_states,
+        nvme=bool(plan.placement.nvme),
+    )
     if t.n_chunks != len(plan.chunks.items):
         raise ConfigError(
             f"the profile lays {profile.model.name} out in {t.n_chunks} chunks of "
@@ -174,7 +207,9 @@ class _Lanes:
         self.sync = sync
         self.free = {name: 0.0 for name in TRACKS}
 
-    def run(self, lane: str, at: float, dur: float, background: bool = False) -> tuple[float, float]:
+    def run(
+        self, lane: str, at: float, dur: float, background: bool = False
+    ) -> tuple[float, float]:
         """``background``: runs on a thread of its own on a ``cpu`` device too (an asynchronous
         collective: gloo's threads)."""
         key = "compute" if self.sync and lane != "CPU Adam" and not background else lane
@@ -235,25 +270,31 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
         """What the main thread does before a chunk's upload (host_tiers.py: the conversion
         of a homeless chunk, the disk read of a master a fetch reads from disk), and how long."""
         reads = fetch_reads_disk(t, c in on_disk, c in homeless)
-        us = (t.convert_us if c in homeless else 0.0) + (int(t.host_numel[c]) * t.disk_fetch_us_per_elem
-                                                        if reads else 0.0)
+        us = (t.convert_us if c in homeless else 0.0) + (
+            int(t.host_numel[c]) * t.disk_fetch_us_per_elem if reads else 0.0
+        )
         return ("round" if c in homeless else "read"), us
 
     def cpu_step_us(c: int) -> float:
         """A chunk's CPU step: its AdamW, plus its disk traffic if on disk (cost.py)."""
         disk = int(t.host_numel[c]) * t.disk_step_us_per_elem if c in on_disk else 0.0
         return int(t.chunk_params[c]) * t.cpu_adam_us_per_param + disk
+
     # t_up / t_down include the collective under ZeRO-3 (cost.make_terms); split them.
     coll_us = t.allreduce_us_per_chunk / 2
     # Persistent chunks' reductions start in backward (cost.evaluate [Overlapped reductions]).
     reduce_us = t.reduce_us_per_chunk
-    reduce_name = "reduce_scatter" if t.shard_persistent else "all_reduce"  # dist.py [Note: sharding]
+    reduce_name = (
+        "reduce_scatter" if t.shard_persistent else "all_reduce"
+    )  # dist.py [Note: sharding]
     reduce_at: dict[str, list[int]] = {}
     for c in plan.placement.persistent if W > 1 else []:
         reduce_at.setdefault(segs[int(np.argmax(t.offload_at[:, c]))], []).append(c)
     up_us, down_us = t.t_up - coll_us, t.t_down - coll_us
     lanes = _Lanes(sync=not t.gpu)
-    after_backward = plan.schedule.cpu_adam == "after_backward"  # CPU steps wait for the end of backward
+    after_backward = (
+        plan.schedule.cpu_adam == "after_backward"
+    )  # CPU steps wait for the end of backward
     events: list[dict] = []
 
     ready: dict[int, float] = {}  # resident offloaded chunk → when its upload lands
@@ -267,19 +308,26 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             r0, at = lanes.run("compute", at, us)
             events.append(_x(f"{what} c{c}", "compute", r0, at - r0, pid, "host", chunk=c))
         s, e = lanes.run("H2D", at, up_us)
-        events.append(_x(f"{verb} c{c}", "H2D", s, e - s, pid, "h2d", chunk=c,
-                         bytes=t.chunk_bytes // W))
+        events.append(
+            _x(f"{verb} c{c}", "H2D", s, e - s, pid, "h2d", chunk=c, bytes=t.chunk_bytes // W)
+        )
         if W > 1:
             s, e = lanes.run("collectives", e, coll_us)
-            events.append(_x(f"all_gather c{c}", "collectives", s, e - s, pid, "collective", chunk=c))
+            events.append(
+                _x(f"all_gather c{c}", "collectives", s, e - s, pid, "collective", chunk=c)
+            )
         return e
 
     def offload(c: int, at: float) -> float:
         if W > 1:
             s, at = lanes.run("collectives", at, coll_us)
-            events.append(_x(f"reduce_scatter c{c}", "collectives", s, at - s, pid, "collective", chunk=c))
+            events.append(
+                _x(f"reduce_scatter c{c}", "collectives", s, at - s, pid, "collective", chunk=c)
+            )
         s, e = lanes.run("D2H", at, down_us)
-        events.append(_x(f"offload c{c}", "D2H", s, e - s, pid, "d2h", chunk=c, bytes=t.chunk_bytes // W))
+        events.append(
+            _x(f"offload c{c}", "D2H", s, e - s, pid, "d2h", chunk=c, bytes=t.chunk_bytes // W)
+        )
         return e
 
     now = 0.0
@@ -299,27 +347,63 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             swap = step.segment in policy and H.POLICIES[policy[step.segment]].moves
             overhead = SWAP_OVERHEAD_US if (swap and t.gpu) else 0.0
             cs, ce = lanes.run("compute", at, float(t.comp_fwd[s]) + overhead)
-            events.append(_x(f"forward {step.segment}", "compute", cs, ce - cs, pid, "compute",
-                             segment=step.segment, phase="forward", micro_batch=micro))
+            events.append(
+                _x(
+                    f"forward {step.segment}",
+                    "compute",
+                    cs,
+                    ce - cs,
+                    pid,
+                    "compute",
+                    segment=step.segment,
+                    phase="forward",
+                    micro_batch=micro,
+                )
+            )
             if swap:  # saved tensors go down as the block's forward saves them
                 ss, se = lanes.run("D2H", cs, float(t.saved_tensor[s]) * t.swap_out_us_per_byte)
-                events.append(_x(f"swap_out {step.segment}", "D2H", ss, se - ss, pid, "d2h",
-                                 block=step.segment, bytes=int(t.saved_tensor[s])))
+                events.append(
+                    _x(
+                        f"swap_out {step.segment}",
+                        "D2H",
+                        ss,
+                        se - ss,
+                        pid,
+                        "d2h",
+                        block=step.segment,
+                        bytes=int(t.saved_tensor[s]),
+                    )
+                )
                 swapped_out[step.segment] = se
             for c in step.release:
                 ready.pop(c, None)
             now = ce if t.gpu else lanes.free["compute"]
-        events.append(_x("forward", "iteration", fwd_start, now - fwd_start, pid, "phase", micro_batch=micro))
+        events.append(
+            _x("forward", "iteration", fwd_start, now - fwd_start, pid, "phase", micro_batch=micro)
+        )
 
         # -- backward: one step per segment, <post> … <pre>
         bwd_start = now
         for step in plan.schedule.backward:
             s = index[step.segment]
             for b in step.swap_in:
-                ss, se = lanes.run("H2D", max(now, swapped_out[b]),
-                                   float(t.saved_tensor[index[b]]) * t.swap_in_us_per_byte)
-                events.append(_x(f"swap_in {b}", "H2D", ss, se - ss, pid, "h2d", block=b,
-                                 bytes=int(t.saved_tensor[index[b]])))
+                ss, se = lanes.run(
+                    "H2D",
+                    max(now, swapped_out[b]),
+                    float(t.saved_tensor[index[b]]) * t.swap_in_us_per_byte,
+                )
+                events.append(
+                    _x(
+                        f"swap_in {b}",
+                        "H2D",
+                        ss,
+                        se - ss,
+                        pid,
+                        "h2d",
+                        block=b,
+                        bytes=int(t.saved_tensor[index[b]]),
+                    )
+                )
                 swapped_in[b] = se
             for c in step.fetch:
                 if c not in ready:
@@ -329,37 +413,102 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             at = max([now, *(ready[c] for c in step.fetch), swapped_in.get(step.segment, 0.0)])
             if step.segment in policy and H.POLICIES[policy[step.segment]].recomputes:
                 cs, ce = lanes.run("compute", at, float(t.comp_fwd[s]))
-                events.append(_x(f"recompute {step.segment}", "compute", cs, ce - cs, pid, "compute",
-                                 segment=step.segment, phase="backward", micro_batch=micro))
+                events.append(
+                    _x(
+                        f"recompute {step.segment}",
+                        "compute",
+                        cs,
+                        ce - cs,
+                        pid,
+                        "compute",
+                        segment=step.segment,
+                        phase="backward",
+                        micro_batch=micro,
+                    )
+                )
                 at = ce
             cs, ce = lanes.run("compute", at, float(t.comp_bwd[s]))
-            events.append(_x(f"backward {step.segment}", "compute", cs, ce - cs, pid, "compute",
-                             segment=step.segment, phase="backward", micro_batch=micro))
+            events.append(
+                _x(
+                    f"backward {step.segment}",
+                    "compute",
+                    cs,
+                    ce - cs,
+                    pid,
+                    "compute",
+                    segment=step.segment,
+                    phase="backward",
+                    micro_batch=micro,
+                )
+            )
             for c in step.offload:
-                if c in homed:  # reduced, then stepped on compute at once (chunks.py [Note: device homes])
+                if (
+                    c in homed
+                ):  # reduced, then stepped on compute at once (chunks.py [Note: device homes])
                     at = ce
                     if W > 1:
                         r0, at = lanes.run("collectives", ce, coll_us)
-                        events.append(_x(f"reduce_scatter c{c}", "collectives", r0, at - r0, pid, "collective",
-                                         chunk=c))
+                        events.append(
+                            _x(
+                                f"reduce_scatter c{c}",
+                                "collectives",
+                                r0,
+                                at - r0,
+                                pid,
+                                "collective",
+                                chunk=c,
+                            )
+                        )
                     n = int(t.chunk_params[c])
                     a0, a1 = lanes.run("compute", at, n * t.homed_adam_us_per_param)
-                    events.append(_x(f"adam (device) c{c}", "compute", a0, a1 - a0, pid, "compute",
-                                     chunk=c, params=n))
+                    events.append(
+                        _x(
+                            f"adam (device) c{c}",
+                            "compute",
+                            a0,
+                            a1 - a0,
+                            pid,
+                            "compute",
+                            chunk=c,
+                            params=n,
+                        )
+                    )
                     continue
                 grads_down[c] = offload(c, ce)
                 if last_micro and c in offloaded and not after_backward:
                     n = int(t.chunk_params[c])
                     a0, a1 = lanes.run("CPU Adam", grads_down[c], cpu_step_us(c))
-                    events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam",
-                                     chunk=c, params=n))
+                    events.append(
+                        _x(
+                            f"cpu_adam c{c}",
+                            "CPU Adam",
+                            a0,
+                            a1 - a0,
+                            pid,
+                            "cpu_adam",
+                            chunk=c,
+                            params=n,
+                        )
+                    )
             for c in reduce_at.get(step.segment, []) if last_micro else []:
                 r0, r1 = lanes.run("collectives", ce, reduce_us, background=True)
-                events.append(_x(f"{reduce_name} c{c}", "collectives", r0, r1 - r0, pid, "collective", chunk=c))
+                events.append(
+                    _x(
+                        f"{reduce_name} c{c}",
+                        "collectives",
+                        r0,
+                        r1 - r0,
+                        pid,
+                        "collective",
+                        chunk=c,
+                    )
+                )
             for c in step.release:
                 ready.pop(c, None)
             now = ce if t.gpu else lanes.free["compute"]
-        events.append(_x("backward", "iteration", bwd_start, now - bwd_start, pid, "phase", micro_batch=micro))
+        events.append(
+            _x("backward", "iteration", bwd_start, now - bwd_start, pid, "phase", micro_batch=micro)
+        )
 
     # -- optimizer: persistent chunks' collectives under ZeRO-3, device Adam;
     # with cpu_adam "after_backward" the CPU steps too, once the last gradients landed
@@ -370,7 +519,18 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
             for c in step.offload:
                 n = int(t.chunk_params[c])
                 a0, a1 = lanes.run("CPU Adam", start, cpu_step_us(c))
-                events.append(_x(f"cpu_adam c{c}", "CPU Adam", a0, a1 - a0, pid, "cpu_adam", chunk=c, params=n))
+                events.append(
+                    _x(
+                        f"cpu_adam c{c}",
+                        "CPU Adam",
+                        a0,
+                        a1 - a0,
+                        pid,
+                        "cpu_adam",
+                        chunk=c,
+                        params=n,
+                    )
+                )
     n_persist = len(plan.placement.persistent)
     if W > 1 and n_persist:
         now = max(now, lanes.free["collectives"])  # the engine waits for the reductions
@@ -380,16 +540,22 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
         events.append(_x("adam (device)", "compute", s, now - s, pid, "compute", params=n_dev))
     if W > 1 and n_persist and t.shard_persistent:  # the updated shards to every rank
         s, now = lanes.run("collectives", now, n_persist * (t.allreduce_us_per_chunk - reduce_us))
-        events.append(_x("all_gather", "collectives", s, now - s, pid, "collective", chunks=n_persist))
+        events.append(
+            _x("all_gather", "collectives", s, now - s, pid, "collective", chunks=n_persist)
+        )
     end = max(now, lanes.free["CPU Adam"])
     events.append(_x("optimizer", "iteration", opt_start, end - opt_start, pid, "phase"))
 
     tracks = ["iteration", "compute", "H2D", "D2H", "CPU Adam"] + (["collectives"] if W > 1 else [])
     label = f"predicted: {plan.model.name} on {plan.hardware.name or profile.hardware.name}"
-    metadata = {"source": "predicted", "model": plan.model.name, "hardware": profile.hardware.name,
-                "trace_iter_time_us": round(end, 3),
-                "plan_iter_time_us": plan.prediction.iter_time_us,
-                "profile_source": profile.source}
+    metadata = {
+        "source": "predicted",
+        "model": plan.model.name,
+        "hardware": profile.hardware.name,
+        "trace_iter_time_us": round(end, 3),
+        "plan_iter_time_us": plan.prediction.iter_time_us,
+        "profile_source": profile.source,
+    }
     return _doc(events, pid, label, metadata, tracks)
 
 
@@ -467,7 +633,13 @@ class MeasuredTrace:
     completes, so it is the copy itself, not its queueing.
     """
 
-    COPIES = {"fetch": "H2D", "prefetch": "H2D", "swap_in": "H2D", "offload": "D2H", "swap_out": "D2H"}
+    COPIES = {
+        "fetch": "H2D",
+        "prefetch": "H2D",
+        "swap_in": "H2D",
+        "offload": "D2H",
+        "swap_out": "D2H",
+    }
     COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
     def __init__(self, engine, max_steps: int | None = None):
@@ -519,9 +691,15 @@ class MeasuredTrace:
             if ev.edge == "begin":
                 self.cpu_open[ev.chunk] = self.clock.host()
             elif ev.chunk in self.cpu_open:  # (not one that began before we were installed)
-                self._add(f"cpu_adam c{ev.chunk}", "CPU Adam", "cpu_adam", self.cpu_open.pop(ev.chunk),
-                          self.clock.host(), chunk=ev.chunk,
-                          step=self.cpu_step_of.get(ev.chunk, self.step_index))
+                self._add(
+                    f"cpu_adam c{ev.chunk}",
+                    "CPU Adam",
+                    "cpu_adam",
+                    self.cpu_open.pop(ev.chunk),
+                    self.clock.host(),
+                    chunk=ev.chunk,
+                    step=self.cpu_step_of.get(ev.chunk, self.step_index),
+                )
         elif kind == "collective":
             op, _, what = ev.detail.partition(" of ")  # "all-gather of chunk 3"
             if op not in self.COLLECTIVES:
@@ -530,8 +708,13 @@ class MeasuredTrace:
                 self.copy_open[op] = self.clock.stream()
             else:
                 end = self.clock.stream()
-                self._add(f"{op.replace('-', '_')} {what}".strip(), "collectives", "collective",
-                          self.copy_open.pop(op, end), end)
+                self._add(
+                    f"{op.replace('-', '_')} {what}".strip(),
+                    "collectives",
+                    "collective",
+                    self.copy_open.pop(op, end),
+                    end,
+                )
         elif kind == "step":
             self._step(ev)
 
@@ -547,8 +730,16 @@ class MeasuredTrace:
                 self.phase_open[p] = stamp
             return
         start = self.open.pop((p, segment), stamp)
-        self._add(f"{p} {segment}", "compute", "compute", start, stamp, segment=segment, phase=p,
-                  step=self.step_index)
+        self._add(
+            f"{p} {segment}",
+            "compute",
+            "compute",
+            start,
+            stamp,
+            segment=segment,
+            phase=p,
+            step=self.step_index,
+        )
         last = (p == "forward" and segment == P.POST) or (p == "backward" and segment == P.PRE)
         if last and p in self.phase_open:
             self._add(p, "iteration", "phase", self.phase_open.pop(p), stamp, step=self.step_index)
@@ -561,11 +752,20 @@ class MeasuredTrace:
             self.copy_open[ev.kind] = stamp
             return
         if ev.kind == "offload":
-            self.cpu_step_of[ev.chunk] = self.step_index  # the worker may step it after the step ends
+            self.cpu_step_of[ev.chunk] = (
+                self.step_index
+            )  # the worker may step it after the step ends
         label = f"{ev.kind} c{ev.chunk}" if ev.chunk is not None else f"{ev.kind} {ev.block}"
         track = self.COPIES[ev.kind]
-        self._add(label, track, track.lower(), self.copy_open.pop(ev.kind, stamp), stamp,
-                  bytes=ev.nbytes, step=self.step_index)
+        self._add(
+            label,
+            track,
+            track.lower(),
+            self.copy_open.pop(ev.kind, stamp),
+            stamp,
+            bytes=ev.nbytes,
+            step=self.step_index,
+        )
 
     def _step(self, ev: Event) -> None:
         stamp = self.clock.stream()
@@ -573,11 +773,22 @@ class MeasuredTrace:
             self.step_start = stamp
             return
         if "optimizer" in self.phase_open:
-            self._add("optimizer", "iteration", "phase", self.phase_open.pop("optimizer"), stamp,
-                      step=self.step_index)
-        self._add(f"step {self.step_index}", "iteration", "step",
-                  stamp if self.step_start is None else self.step_start, stamp,
-                  loss=round(ev.loss, 6))
+            self._add(
+                "optimizer",
+                "iteration",
+                "phase",
+                self.phase_open.pop("optimizer"),
+                stamp,
+                step=self.step_index,
+            )
+        self._add(
+            f"step {self.step_index}",
+            "iteration",
+            "step",
+            stamp if self.step_start is None else self.step_start,
+            stamp,
+            loss=round(ev.loss, 6),
+        )
         self.step_index += 1
 
     # -- export
@@ -588,16 +799,25 @@ class MeasuredTrace:
         e.optim.wait_all()  # CPU Adam spans land when the worker finishes
         if self.clock is not None and self.clock.cuda:
             self.clock.torch.cuda.synchronize(e.device)
-        resolved = sorted(((self.clock.resolve(sp.start), self.clock.resolve(sp.end), sp)
-                           for sp in list(self.spans)), key=lambda r: (r[0], TRACKS[r[2].track]))
+        resolved = sorted(
+            (
+                (self.clock.resolve(sp.start), self.clock.resolve(sp.end), sp)
+                for sp in list(self.spans)
+            ),
+            key=lambda r: (r[0], TRACKS[r[2].track]),
+        )
         events = []
         last_on: dict[str, dict] = {}  # track → its latest event (to coalesce swaps)
         for start, end, sp in resolved:
             prev = last_on.get(sp.track)
             # A swap moves each saved tensor separately; one span per block and step
             # (first copy's start to last copy's end) reads better next to the prediction.
-            if (prev is not None and sp.name.startswith("swap_") and prev["name"] == sp.name
-                    and prev["args"].get("step") == sp.args.get("step")):
+            if (
+                prev is not None
+                and sp.name.startswith("swap_")
+                and prev["name"] == sp.name
+                and prev["args"].get("step") == sp.args.get("step")
+            ):
                 a = prev["args"]
                 a["bytes"] += sp.args["bytes"]
                 a["tensors"] += 1
@@ -610,10 +830,19 @@ class MeasuredTrace:
             events.append(ev)
             last_on[sp.track] = ev
         world = e.plan.training.world_size
-        tracks = ["iteration", "compute", "H2D", "D2H", "CPU Adam"] + (["collectives"] if world > 1 else [])
-        metadata = {"source": "measured", "model": e.plan.model.name, "device": str(e.device),
-                    "steps": self.step_index, "plan_iter_time_us": e.plan.prediction.iter_time_us}
-        return _doc(events, MEASURED_PID, f"measured: {e.plan.model.name} on {e.device}", metadata, tracks)
+        tracks = ["iteration", "compute", "H2D", "D2H", "CPU Adam"] + (
+            ["collectives"] if world > 1 else []
+        )
+        metadata = {
+            "source": "measured",
+            "model": e.plan.model.name,
+            "device": str(e.device),
+            "steps": self.step_index,
+            "plan_iter_time_us": e.plan.prediction.iter_time_us,
+        }
+        return _doc(
+            events, MEASURED_PID, f"measured: {e.plan.model.name} on {e.device}", metadata, tracks
+        )
 
     def save(self, path: str | Path) -> None:
         write_trace(self.to_dict(), path)

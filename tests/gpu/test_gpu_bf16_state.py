@@ -26,7 +26,10 @@ from protrain.planner.models.data import batches, load_tokens
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ["gpt2-tiny", "llama-tiny"]  # the zoo's tiny models (two blocks; dropout 0.1 from make_model)
+MODELS = [
+    "gpt2-tiny",
+    "llama-tiny",
+]  # the zoo's tiny models (two blocks; dropout 0.1 from make_model)
 STEPS = 8
 
 
@@ -57,11 +60,16 @@ def test_bf16_swap_matches_all_persistent_keep(model_name, offloaded):
     # With chunks offloaded, their masters also step on the CPU (fused AdamW there vs
     # on the GPU: fp32 last-bit differences that can flip a bf16 rounding of a weight),
     # which over 8 steps of a tiny model stays within 1e-2 relative.
-    ref_plan = make_plan(model_name, persistent="all", n_buffer=0, policies="keep",
-                         compute_dtype="bfloat16")
-    plan = (make_plan(model_name, persistent=[], n_buffer=2, policies="swap", compute_dtype="bfloat16")
-            if offloaded else
-            make_plan(model_name, persistent="all", n_buffer=0, policies="swap", compute_dtype="bfloat16"))
+    ref_plan = make_plan(
+        model_name, persistent="all", n_buffer=0, policies="keep", compute_dtype="bfloat16"
+    )
+    plan = (
+        make_plan(model_name, persistent=[], n_buffer=2, policies="swap", compute_dtype="bfloat16")
+        if offloaded
+        else make_plan(
+            model_name, persistent="all", n_buffer=0, policies="swap", compute_dtype="bfloat16"
+        )
+    )
     base = make_model(model_name)
     ref = _train(copy.deepcopy(base), ref_plan)
     ours = _train(base, plan)
@@ -75,11 +83,18 @@ def test_bf16_masters_are_the_users_fp32_parameters(model_name, persistent):
     # chunks, on the host for offloaded ones) must be the parameters the user handed
     # over, bit for bit, not the bf16 copy in the chunks cast back up.
     n_buffer = 0 if persistent == "all" else 2
-    plan = make_plan(model_name, persistent=persistent, n_buffer=n_buffer, policies="keep",
-                     compute_dtype="bfloat16")
+    plan = make_plan(
+        model_name,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies="keep",
+        compute_dtype="bfloat16",
+    )
     model = make_model(model_name)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert any((p.to(torch.bfloat16).float() != p).any() for p in original.values())  # not all bf16-exact
+    assert any(
+        (p.to(torch.bfloat16).float() != p).any() for p in original.values()
+    )  # not all bf16-exact
     engine = wrap(model, plan, AdamWConfig(), device="cuda")
     try:
         sd = engine.state_dict()["model"]
@@ -102,7 +117,9 @@ def test_bf16_evaluate_between_steps_leaves_training_unchanged(model_name):
     # step's forward; only the no-grad path may pick another SDPA kernel (1e-3
     # relative). The run with evaluate against the run without: non-deterministic
     # bf16 backward kernels only, as above (2e-3 relative over 4 steps).
-    plan = make_plan(model_name, persistent=[], n_buffer=2, policies="swap", compute_dtype="bfloat16")
+    plan = make_plan(
+        model_name, persistent=[], n_buffer=2, policies="swap", compute_dtype="bfloat16"
+    )
     base = make_model(model_name)
     base.eval()
     plain_model = copy.deepcopy(base)

@@ -31,8 +31,14 @@ MATRIX = [
 
 def _reference_losses(model, steps, config, dtype):
     """Plain PyTorch: fp32 parameters, autocast compute, fused AdamW on the GPU."""
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True,
+    )
     data = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
     torch.manual_seed(1234)
     losses = []
@@ -55,8 +61,13 @@ def test_bf16_matches_autocast(model_name, persistent, n_buffer, policies):
     # differ by bf16 rounding (8 mantissa bits, ~4e-3 relative per op). Over 10
     # steps of a 4-block model the losses stay within 2e-2 relative.
     config = AdamWConfig(lr=1e-3)
-    plan = make_plan(model_name, persistent=persistent, n_buffer=n_buffer, policies=policies,
-                     compute_dtype="bfloat16")
+    plan = make_plan(
+        model_name,
+        persistent=persistent,
+        n_buffer=n_buffer,
+        policies=policies,
+        compute_dtype="bfloat16",
+    )
     base = make_model(model_name)
     base.eval()  # dropout off: the two sides draw CUDA RNG in different orders
     ref = copy.deepcopy(base).cuda()
@@ -76,8 +87,14 @@ def _fp32_against_plain(model_name, plan, rel: float, nvme_dir=None):
     base = make_model(model_name)
     base.eval()
     ref = copy.deepcopy(base).cuda()
-    opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True,
+    )
     engine = wrap(base, plan, config, device="cuda", nvme_dir=nvme_dir)
     d1 = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
     d2 = batches(load_tokens(), MICRO_BATCH, SEQ_LEN, 0)
@@ -107,8 +124,13 @@ def test_device_homed_chunks_match_plain_on_cuda(model_name):
     # the copy stream, the step on compute right after the gradients complete. fp32 AdamW
     # runs on the GPU on both sides (our pieces and the reference's per-parameter lists of
     # one elementwise fused kernel): 1e-6 relative over 10 steps; nothing on the host.
-    plan = make_plan(model_name, persistent=[], n_buffer=2, policies="swap checkpoint keep swap",
-                     device_homed="all")
+    plan = make_plan(
+        model_name,
+        persistent=[],
+        n_buffer=2,
+        policies="swap checkpoint keep swap",
+        device_homed="all",
+    )
     engine = _fp32_against_plain(model_name, plan, 1e-6)
     assert engine.ledger.host_bytes == 0
 
@@ -118,7 +140,9 @@ def test_nvme_chunks_match_plain_on_cuda(model_name, tmp_path):
     # executor/nvme.py on CUDA: fp32 homes in the mapped file (pageable memory) uploaded on the
     # copy stream, dropped after the upload is issued; the CPU step on the file's pieces.
     # AdamW of offloaded chunks runs on the CPU as in test_fp32_offloaded_matches_plain: 1e-5.
-    plan = make_plan(model_name, persistent=[], n_buffer=2, policies="swap checkpoint keep swap", nvme="all")
+    plan = make_plan(
+        model_name, persistent=[], n_buffer=2, policies="swap checkpoint keep swap", nvme="all"
+    )
     engine = _fp32_against_plain(model_name, plan, 1e-5, nvme_dir=tmp_path)
     assert engine.ledger.host_bytes == memory_walk.walk(plan).host_bytes
 
@@ -144,8 +168,13 @@ def test_offloaded_plan_holds_device_memory_to_its_states_plus_activations():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     walk = memory_walk.walk(plan)
-    states = walk.states_bytes + walk.buffers_bytes + max(  # + the offloaded gradients open at once
-        k.get("grads", 0) for _, _, k in memory_walk.step_highs(walk.events))
+    states = (
+        walk.states_bytes
+        + walk.buffers_bytes
+        + max(  # + the offloaded gradients open at once
+            k.get("grads", 0) for _, _, k in memory_walk.step_highs(walk.events)
+        )
+    )
     activations = marks["fwd_end"] - before  # measured: what forward left on the device
     # Slack for the logits' gradient and kernel workspaces during backward.
     assert peak <= states + max(activations, 0) + 64 * 2**20, (peak, states, activations)
