@@ -4,17 +4,18 @@ Public API: ``load``, ``dump``, ``wrap``, ``Engine``, ``StepResult``, ``AdamWCon
 ``ProtrainError``. The plan-vs-model check is ``protrain.executor.check.check``: it
 cannot be re-exported here, because importing the submodule ``check`` rebinds the
 package attribute of that name to the module.
+``load`` and ``dump`` are the plan contract's (``protrain.plans``), re-exported.
 Everything that needs torch is resolved lazily (PEP 562 ``__getattr__``): Python
 runs this file before any submodule, so an eager torch import here would make
-``import protrain.executor.plan`` (used by ``protrain show``) import torch.
+``import protrain.executor.events`` (read by the planner's trace) import torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import ProtrainError
-from .plan import dump, load
+from protrain.plans import dump, load
+from protrain.plans.errors import ProtrainError
 
 __all__ = ["AdamWConfig", "Engine", "ProtrainError", "StepResult", "dump", "load", "wrap"]
 

@@ -62,8 +62,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from protrain.plans.plan import PRE, Plan
+
 from .chunks import ChunkStore
-from .plan import PRE, Plan
 from .transfer import CopyHandle
 
 

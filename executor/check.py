@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import ConfigError, FingerprintError, did_you_mean
-from .plan import Plan, fingerprint
+from protrain.plans.errors import ConfigError, FingerprintError, did_you_mean
+from protrain.plans.plan import Plan, fingerprint
 
 Signature = list[tuple[str, tuple[int, ...], str]]
 

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import torch
 
-from .errors import CheckpointError
+from protrain.plans.errors import CheckpointError
 
 if TYPE_CHECKING:
     from .engine import Engine

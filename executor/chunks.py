@@ -60,12 +60,13 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from . import homes as H
-from .accounting import STEP_PIECE, chunk_homes, host_numel, pool_slots, setup
-from .errors import ConfigError
+from protrain.plans import homes as H
+from protrain.plans.accounting import STEP_PIECE, chunk_homes, host_numel, pool_slots, setup
+from protrain.plans.errors import ConfigError
+from protrain.plans.plan import Plan
+
 from .memory import Ledger
 from .nvme import DiskStates, copy_pieces
-from .plan import Plan
 from .transfer import CopyEngine, CopyHandle, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,7 +100,7 @@ class Chunk:
         device: torch.device,
     ):
         self.id = cid
-        # The chunk's home (executor/homes.py): where its values, gradients and optimizer
+        # The chunk's home (plans/homes.py): where its values, gradients and optimizer
         # states live between uses. Fixed for the run, as is ``trainable``; the three flags
         # below are read from them once.
         self.where = where

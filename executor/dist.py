@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import homes as H
-from .errors import PlanError, ProtrainError
+from protrain.plans import homes as H
+from protrain.plans.errors import PlanError, ProtrainError
+
 from .events import Events
 
 

@@ -36,20 +36,26 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import accounting
+from protrain.plans import accounting
+from protrain.plans.errors import (
+    BudgetError,
+    ConfigError,
+    NonFiniteGradientError,
+    NonFiniteLossError,
+)
+from protrain.plans.plan import POST, PRE, Plan, canonical
+from protrain.plans.validation import validate
+
 from .activations import Activations
 from .check import check
 from .checkpoint import base_fingerprint
 from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
-from .errors import BudgetError, ConfigError, NonFiniteGradientError, NonFiniteLossError
 from .events import Listener
 from .memory import Ledger
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .plan import POST, PRE, Plan, canonical
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
-from .validation import validate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

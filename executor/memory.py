@@ -20,7 +20,7 @@ bytes itself at every place it allocates or frees device-side state:
 
 The count is exact for what it names and deterministic. Its model states
 (``chunks``, ``grads``, ``optim`` and the host bytes) are held to
-``executor/accounting.py`` at every step boundary (``check``), on CUDA too, so the
+``plans/accounting.py`` at every step boundary (``check``), on CUDA too, so the
 single memory model and the executor's hooks cannot drift apart unnoticed. It does
 not see op-internal temporaries or the activations a checkpointed block recomputes
 during its own backward (no hook exposes them); those are the allocator's business

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from .accounting import STEP_PIECE, nvme_span
-from .errors import ConfigError
+from protrain.plans.accounting import STEP_PIECE, nvme_span
+from protrain.plans.errors import ConfigError
 
 PAGE = mmap.PAGESIZE
 

@@ -114,9 +114,10 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.profiler import record_function
 
-from .accounting import STEP_PIECE
+from protrain.plans.accounting import STEP_PIECE
+from protrain.plans.homes import VEC_ALIGN
+
 from .chunks import ChunkStore
-from .homes import VEC_ALIGN
 from .nvme import copy_pieces
 
 

@@ -63,11 +63,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import accounting
+from protrain.plans import accounting
+from protrain.plans.errors import ConfigError, ProtrainError
+from protrain.plans.plan import POST, PRE, Plan, Step
+from protrain.plans.validation import segment_chunks
+
 from .activations import Activations
-from .errors import ConfigError, ProtrainError
-from .plan import POST, PRE, Plan, Step
-from .validation import segment_chunks
 
 
 class Phase(enum.Enum):

@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor import validation as V
-from protrain.executor.errors import ProtrainError
+from protrain.plans import plan as P
+from protrain.plans import validation as V
+from protrain.plans.errors import ProtrainError
 
 LR, WD = 1e-2, 0.1
 

@@ -18,12 +18,13 @@ import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executo
 import torch
 import torch.distributed as dist
 
+from protrain import plans
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.executor.dist import RankFailure
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths, build
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
 
 MICRO, SEQ, LR = 2, 32, 2e-3
 
@@ -145,7 +146,7 @@ def run_plans(rank: int, world: int, port: int, out: str, runs: list[tuple]) -> 
     init(rank, world, port)
     try:
         for label, name, path, steps, clip in runs:
-            plan = P.load(path)
+            plan = plans.load(path)
             engine = wrap(
                 build(name, seed=1),
                 plan,

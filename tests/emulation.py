@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 
 from protrain.executor import transfer
-from protrain.executor.errors import ProtrainError
+from protrain.plans.errors import ProtrainError
 
 ENV = "PROTRAIN_ASYNC_CPU"
 """Debug switch: ``PROTRAIN_ASYNC_CPU=SEED`` (or ``SEED,MIN_MS,MAX_MS`` for the delay range)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import (
     GPT2,
@@ -29,6 +28,7 @@ from protrain.planner.models.zoo import (
     materialize,
 )
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
 
 MICRO_BATCH, SEQ_LEN, CHUNK = 4, 32, 65536
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from protrain.executor import plan as P
 from protrain.planner.search.emit import ModelFacts, assemble
+from protrain.plans import plan as P
 
 
 @st.composite
@@ -189,7 +189,7 @@ def synthetic_profile(
         )
         for n, sh, d in sorted(facts.params, key=lambda p: facts.order.index(p[0]))
     ]
-    from protrain.executor.plan import fingerprint
+    from protrain.plans.plan import fingerprint
 
     return Profile(
         profile_version=PROFILE_VERSION,

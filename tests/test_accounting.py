@@ -1,4 +1,4 @@
-"""executor/accounting.py is the one memory model: the cost model's vectorised walk equals
+"""plans/accounting.py is the one memory model: the cost model's vectorised walk equals
 its stream on random plans, and what `show` prints is what the plan predicted."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
-from protrain.executor import accounting as A
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.planner.search import memory_walk
 from protrain.planner.search.cost import (
     choose_chunk_numel,
@@ -27,6 +26,8 @@ from protrain.planner.search.cost import (
     segment_bytes,
 )
 from protrain.planner.search.emit import assemble
+from protrain.plans import accounting as A
+from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES: list[int] = []
@@ -154,7 +155,7 @@ def test_element_bytes():
 
 def _library() -> list[P.Plan]:
     return [
-        P.load(f)
+        plans.load(f)
         for f in sorted(glob.glob(str(ROOT / "plans" / "*" / "*.json")))
         if "/profiles/" not in f and "/hardware/" not in f and "/schema/" not in f
     ]
@@ -186,7 +187,7 @@ def test_cost_search_and_milp_do_not_import_torch():
 
     code = (
         "import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, protrain.planner.search.milp, "
-        "protrain.executor.accounting; sys.exit('torch' in sys.modules)"
+        "protrain.plans.accounting; sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -18,8 +18,6 @@ from harness import MICRO_BATCH, SEQ_LEN, make_plan
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.check import model_fingerprint, tied_pairs
-from protrain.executor.errors import ConfigError
-from protrain.executor.plan import POST, PRE
 from protrain.planner.hardware.spec import (
     HARDWARE_DIR,
     HardwareSpec,
@@ -37,6 +35,8 @@ from protrain.planner.profiling.analytic import (
 )
 from protrain.planner.profiling.graph import trace
 from protrain.planner.profiling.profile import dump_profile, load_profile
+from protrain.plans.errors import ConfigError
+from protrain.plans.plan import POST, PRE
 
 GiB = 2**30
 

@@ -7,23 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.executor.check import check, model_fingerprint, tied_pairs
-from protrain.executor.errors import FingerprintError
 from protrain.planner.models.zoo import GPT2, GPT2Config, block_paths, build
+from protrain.plans import plan as P
+from protrain.plans.errors import FingerprintError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
 
 
 def test_example_plan_matches_gpt2_tiny_on_meta_and_cpu():
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     check(plan, build("gpt2-tiny", device="meta"))
     check(plan, build("gpt2-tiny"))
     assert tied_pairs(build("gpt2-tiny")) == [["transformer.wte.weight", "lm_head.weight"]]
 
 
 def test_plan_for_another_model_lists_the_differences():
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     with pytest.raises(FingerprintError) as e:
         check(plan, build("llama-tiny", device="meta"))
     msg = str(e.value)
@@ -34,7 +35,7 @@ def test_plan_for_another_model_lists_the_differences():
 
 
 def test_changed_shape_and_near_names():
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     wider = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=300, block_size=128))
     with pytest.raises(
         FingerprintError,
@@ -51,7 +52,7 @@ def test_changed_shape_and_near_names():
 
 
 def test_dtype_and_untied_head_are_reported():
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     with pytest.raises(
         FingerprintError,
         match="dtype of transformer.h.0.attn.c_attn.bias: plan float32, model bfloat16",
@@ -67,7 +68,7 @@ def test_fingerprint_covers_blocks_and_is_order_independent():
     model = build("gpt2-tiny", device="meta")
     blocks = block_paths(model)
     fp = model_fingerprint(model, blocks)
-    assert fp == P.load(EXAMPLE).model.fingerprint
+    assert fp == plans.load(EXAMPLE).model.fingerprint
     assert model_fingerprint(model, blocks[:1]) != fp
     sig = [(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
     assert P.fingerprint(list(reversed(sig)), blocks) == fp

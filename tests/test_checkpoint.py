@@ -16,8 +16,8 @@ from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.checkpoint import read_manifest, resolve
-from protrain.executor.errors import CheckpointError
 from protrain.planner.models.data import batches, load_tokens
+from protrain.plans.errors import CheckpointError
 
 TESTS = Path(__file__).resolve().parent
 CONFIG = AdamWConfig(lr=2e-3, weight_decay=0.1)

@@ -135,7 +135,7 @@ def test_model_mismatch_hint_names_the_model_being_trained():
 
 def test_resolve_hint_names_the_save_dir_flag(tmp_path):
     from protrain.executor.checkpoint import resolve
-    from protrain.executor.errors import CheckpointError
+    from protrain.plans.errors import CheckpointError
 
     with pytest.raises(CheckpointError) as e:
         resolve(tmp_path)
@@ -237,7 +237,10 @@ def test_hf_plans_name_their_model_from_any_directory(tmp_path, monkeypatch):
     )
     assert r.exit_code == 0, r.output
     monkeypatch.chdir(d)  # elsewhere: the plan still names its model
-    r = run("validate", tmp_path / "plan.json")
+    from protrain import plans
+
+    named = plans.load(tmp_path / "plan.json").model.name
+    r = run("validate", tmp_path / "plan.json", "--model", named)
     assert r.exit_code == 0 and "fingerprint matches" in r.output, r.output
 
 
@@ -316,10 +319,10 @@ def test_explain_plot_without_profile_fails_before_the_report():
 def test_peak_difference_has_no_minus_sign_before_less():
     import msgspec
 
-    from protrain.executor import plan as P
+    from protrain import plans
     from protrain.planner.views.show import _render_departures
 
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     s = plan.provenance.search
     base = msgspec.structs.replace(
         s.chosen, peak_memory_bytes=s.chosen.peak_memory_bytes + (3 << 20)
@@ -617,8 +620,8 @@ def _disk_full_in(directory_prefix: str, monkeypatch) -> None:
 def test_a_failed_export_is_one_clean_error_and_leaves_nothing(tmp_path, monkeypatch):
     import torch
 
-    from protrain.executor.errors import ConfigError
     from protrain.planner.models.hf_checkpoint import export
+    from protrain.plans.errors import ConfigError
 
     (tmp_path / "config.json").write_text("{}")
     model = torch.nn.Linear(4, 4)
@@ -761,8 +764,8 @@ def test_an_edited_data_position_is_refused_not_skipped_forever(tmp_path):
     "shard", ["../outside.safetensors", "/etc/passwd", "a/../../b.safetensors", ""]
 )
 def test_an_hf_index_names_only_shards_in_its_directory(tmp_path, shard):
-    from protrain.executor.errors import ConfigError
     from protrain.planner.models.hf_checkpoint import weight_files
+    from protrain.plans.errors import ConfigError
 
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a.weight": "model-00001.safetensors", "b.weight": shard}})

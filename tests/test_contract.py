@@ -1,6 +1,6 @@
 """The planner and tools observe the engine only through its public API (issue #16).
 
-Two contracts bind the planner to the executor: the plan file (executor/plan.py) and
+Two contracts bind the planner to the executor: the plan file (plans/plan.py) and
 ``Engine``'s public methods, events included (``Engine.on_event``, executor/events.py).
 Private executor names are not a contract: a planner that reads or replaces them breaks
 silently the day the executor changes. This test scans planner/ and tools/ (AST, no

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths
 from protrain.planner.profiling.profile import measure
@@ -26,6 +25,7 @@ from protrain.planner.search.cost import (
 )
 from protrain.planner.search.emit import assemble
 from protrain.planner.search.exhaustive import policy_pairs, space
+from protrain.plans import plan as P
 
 
 def test_block_policies_layout():

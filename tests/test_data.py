@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from protrain.executor.errors import ConfigError
 from protrain.planner.models.data import (
     TokenSource,
     batches,
@@ -16,6 +15,7 @@ from protrain.planner.models.data import (
     load_tokens,
     vocab_check,
 )
+from protrain.plans.errors import ConfigError
 
 
 def _take(it, n):

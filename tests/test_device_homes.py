@@ -20,11 +20,12 @@ from harness import (
     train_engine,
 )
 
+from protrain import plans
 from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
-from protrain.executor import plan as P
-from protrain.executor.errors import PlanError
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.search import memory_walk
+from protrain.plans import plan as P
+from protrain.plans.errors import PlanError
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
@@ -140,14 +141,14 @@ def test_in_place_write_in_forward_reaches_the_device_master(n_buffer):
 
 def test_plan_rules_for_device_homed_chunks():
     # One home per chunk makes "device-homed and homeless" or "device-homed and persistent"
-    # unwritable; what is left are the home's preconditions (executor/homes.py), checked per chunk.
+    # unwritable; what is left are the home's preconditions (plans/homes.py), checked per chunk.
     clip = make_plan(
         "gpt2-4", persistent=[0], n_buffer=2, policies="keep", cpu_adam="after_backward"
     )
     d = msgspec.json.decode(P.dump(clip))
     d["placement"]["homes"][1] = "device_homed"
     with pytest.raises(PlanError, match="during_backward") as e:
-        P.load(msgspec.json.encode(d))
+        plans.load(msgspec.json.encode(d))
     assert "$.placement.homes[1]" in str(e.value)
 
 
@@ -181,7 +182,7 @@ def test_v4_plan_migrates_with_no_device_homes():
     from pathlib import Path
 
     v4 = Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json"
-    plan = P.load(v4)
+    plan = plans.load(v4)
     assert plan.schema_version == P.SCHEMA_VERSION and plan.placement.device_homed == []
 
 

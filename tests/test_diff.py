@@ -18,8 +18,9 @@ from harness import make_plan
 from msgspec.structs import replace
 from planfactory import gpu_spec, synthetic_profile
 
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.planner.views.diff import diff_json, render_diff
+from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = [
@@ -75,7 +76,7 @@ def xl_plans() -> dict[str, P.Plan]:
 
 def test_identical_plans_are_equal():
     a = gpt2_4()
-    b = P.load(P.dump(a))  # a fresh copy through the file format
+    b = plans.load(P.dump(a))  # a fresh copy through the file format
     text, equal = render_diff(a, b, "a.json", "b.json")
     assert equal
     assert "plans are equal (same decisions and predictions)" in text
@@ -395,7 +396,7 @@ def test_diff_never_imports_torch():
     example = ROOT / "plans" / "gpt2-tiny" / "example.json"
     code = (
         "import sys\n"
-        "from protrain.executor.plan import load\n"
+        "from protrain.plans import load\n"
         "from protrain.planner.views.diff import diff_json, render_diff\n"
         f"a = load({str(example)!r}); b = load({str(example)!r})\n"
         "text, equal = render_diff(a, b, 'a', 'b'); assert equal, text\n"

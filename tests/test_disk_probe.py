@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from protrain.executor.errors import ConfigError
 from protrain.planner.hardware import datasheets as ds
 from protrain.planner.hardware import disk
 from protrain.planner.hardware import probe as hw
 from protrain.planner.hardware.spec import HARDWARE_DIR, dump_spec, load_spec
+from protrain.plans.errors import ConfigError
 
 MiB = 1 << 20
 SMALL = dict(nbytes=8 * MiB, piece=1 * MiB)  # 3 rounds of 8 MiB: milliseconds on any disk

@@ -25,11 +25,12 @@ import torch.multiprocessing as mp
 from distworker import LR, MICRO, SEQ, die, disagree, events, make_plan, run_plans, train
 from safetensors.torch import load_file
 
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.executor.checkpoint import read_manifest, resolve
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import build
 from protrain.planner.search import memory_walk
+from protrain.plans import plan as P
 
 pytestmark = pytest.mark.dist
 
@@ -157,7 +158,7 @@ def test_sharded_persistent_states_train_as_replicated(tmp_path):
     for bit alike (each step's clip coefficient may differ by an ulp, and AdamW divides by
     the root of small second moments), so later norms agree to the module docstring's 1e-5
     (seen on one machine: 0 to 1.1e-7 at 19 of 20 steps, 3.3e-6 at one)."""
-    plan = P.load(V3_FIXTURE)
+    plan = plans.load(V3_FIXTURE)
     assert plan.placement.shard_persistent_states and plan.training.world_size == 2
     clip = make_plan("gpt2-tiny", 2, [0], 2, ["swap", "checkpoint"], cpu_adam="after_backward")
     out = _run_plans(
@@ -601,7 +602,7 @@ def test_agree_names_the_rank_and_the_field_in_process():
     from protrain.executor import AdamWConfig
     from protrain.executor.dist import Comm, _agreement_value
     from protrain.executor.engine import agreement
-    from protrain.executor.errors import PlanError
+    from protrain.plans.errors import PlanError
 
     mine = agreement(make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"]), AdamWConfig())
     other = agreement(
@@ -633,7 +634,7 @@ def test_plan_for_another_world_size_is_refused():
     from distworker import make_plan
 
     from protrain.executor import wrap
-    from protrain.executor.errors import PlanError
+    from protrain.plans.errors import PlanError
 
     plan = make_plan("gpt2-tiny", 2, [0], 2, ["keep", "keep"])
     with pytest.raises(PlanError, match="world size 2 but torch.distributed is not initialised"):

@@ -12,10 +12,11 @@ import pytest
 import torch
 from harness import lockstep, make_model, make_plan
 
+from protrain import plans
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError, FingerprintError, PlanError
 from protrain.planner.models.data import batches, load_tokens
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError, FingerprintError, PlanError
 
 
 def _data():
@@ -162,7 +163,7 @@ def test_plan_object_must_be_valid():
     bad = msgspec.structs.replace(plan, activations=plan.activations[:2])
     with pytest.raises(PlanError, match="activations"):
         wrap(make_model("gpt2-4"), bad)
-    assert P.load(P.dump(plan)) == plan
+    assert plans.load(P.dump(plan)) == plan
 
 
 def test_accumulation_draws_micro_batches_one_at_a_time():

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from emulation import emulate
 from torch import nn
 
+from protrain import plans
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 V, B, T = 40, 2, 8  # vocab, micro-batch, sequence length
 CONFIG = AdamWConfig(lr=3e-2, weight_decay=0.1)  # a large lr: drift shows within steps
@@ -433,7 +434,9 @@ def test_frozen_chunk_holds_no_optimizer_or_gradient_memory(plan, dtype):
     model = build(frozen_emb=True)
     p = plan_for(model, plan)
     if dtype != "float32":
-        p = P.load(P.dump(p).replace(b'"compute_dtype": "float32"', b'"compute_dtype": "bfloat16"'))
+        p = plans.load(
+            P.dump(p).replace(b'"compute_dtype": "float32"', b'"compute_dtype": "bfloat16"')
+        )
     frozen = [c.id for c in p.chunks.items if [x.name for x in c.params] == ["emb.weight"]]
     assert frozen, [[x.name for x in c.params] for c in p.chunks.items]
     engine = wrap(model, p, CONFIG, device="cpu")

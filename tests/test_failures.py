@@ -13,8 +13,8 @@ import torch
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor.errors import BudgetError, NonFiniteGradientError, NonFiniteLossError
 from protrain.planner.models.data import batches, load_tokens
+from protrain.plans.errors import BudgetError, NonFiniteGradientError, NonFiniteLossError
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 

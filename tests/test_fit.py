@@ -10,8 +10,6 @@ import pytest
 import torch
 from planfactory import gpu_spec
 
-from protrain.executor import validation as V
-from protrain.executor.errors import BudgetError, ConfigError
 from protrain.planner.commands.fit import (
     gpt2_ladder,
     host_need_bytes,
@@ -23,6 +21,8 @@ from protrain.planner.commands.fit import (
 from protrain.planner.hardware.spec import dump_spec
 from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, count_params
 from protrain.planner.views.show import human_bytes
+from protrain.plans import validation as V
+from protrain.plans.errors import BudgetError, ConfigError
 
 GiB = 2**30
 
@@ -93,12 +93,12 @@ def test_fit_refines_between_rungs_by_depth(monkeypatch):
     the next size up is one layer more. A stand-in probe fits every model up to a size
     between two rungs."""
     import protrain.planner.commands.fit as F
-    from protrain.executor import plan as P
+    from protrain import plans
 
     ladder = gpt2_ladder(SEQ)
     rung, after = ladder[70], ladder[71]
     cap = (n_params(rung) + n_params(after)) // 2
-    plan = P.load(
+    plan = plans.load(
         Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json"
     )
     monkeypatch.setattr(F, "_host_floor_bytes", lambda *a, **k: 0)
@@ -237,9 +237,9 @@ def test_fit_with_nvme_puts_on_disk_what_the_host_cannot_hold():
     """`fit --nvme`: where the host binds, plans keep optimizer states on disk, so a larger
     model fits (then the device binds); the report names the state file's size, which is
     accounting.py's; a spec whose disk was not measured is refused, naming the probe."""
-    from protrain.executor import accounting
     from protrain.planner.commands.fit import render_fit
     from protrain.planner.search import memory_walk
+    from protrain.plans import accounting
 
     disk = msgspec.structs.replace(
         SMALL, disk_read_bytes_per_s=3 * 10**9, disk_write_bytes_per_s=15 * 10**8

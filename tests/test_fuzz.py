@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.executor.checkpoint import Manifest, decode_manifest
-from protrain.executor.errors import CheckpointError, PlanError, ProfileError
 from protrain.planner.profiling.profile import MAX_PROFILE_BYTES, Profile, load_profile
+from protrain.plans import plan as P
+from protrain.plans.errors import CheckpointError, PlanError, ProfileError
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BYTES = (ROOT / "plans/gpt2-tiny/example.json").read_bytes()
@@ -148,11 +149,11 @@ def hostile(base: bytes):
 
 def plan_loads_or_refuses(data: bytes) -> None:
     try:
-        plan = P.load(data)
+        plan = plans.load(data)
     except PlanError:
         return
     # Accepted: it must then be a fully valid plan that round-trips canonically.
-    assert P.load(P.dump(plan)) == plan
+    assert plans.load(P.dump(plan)) == plan
 
 
 def profile_loads_or_refuses(data: bytes) -> None:
@@ -203,7 +204,7 @@ def test_manifest_decode_only_raises_checkpoint_error(data: bytes):
 
 def test_the_fuzzers_bases_load():
     """The mutations start from files that load, so rejections are the mutations' doing."""
-    P.load(PLAN_BYTES)
+    plans.load(PLAN_BYTES)
     load_profile(PROFILE_BYTES)
     decode_manifest(MANIFEST_BYTES)
 
@@ -225,7 +226,7 @@ def test_plan_loading_never_executes_code(tmp_path):
 
     payload = pickle.dumps({"schema_version": 1})
     with pytest.raises(PlanError):
-        P.load(payload)
+        plans.load(payload)
 
 
 # ------------------------------------------------------------------ issue 31: shapes validate accepts train can take
@@ -242,7 +243,7 @@ def reshaped_plan(draw) -> P.Plan:
     """The example plan with random training shape, chunk size and buffer count (small and absurd)."""
     import msgspec.structs as ms
 
-    plan = P.load(PLAN_BYTES)
+    plan = plans.load(PLAN_BYTES)
     fields = {
         f: draw(SIZES) if draw(st.booleans()) else getattr(plan.training, f)
         for f in ("micro_batch", "seq_len", "grad_accum", "world_size")
@@ -261,10 +262,10 @@ def test_what_validate_accepts_train_takes_or_refuses_cleanly(plan):
     # Whatever shape validate accepts, train's pre-checks (run before the model is built)
     # accept it within this machine's memory or refuse it with a ProtrainError: never
     # another exception, never an acceptance whose host need exceeds what is available.
-    from protrain.executor.errors import ProtrainError
-    from protrain.executor.validation import validate
     from protrain.planner.commands.preflight import available_host_memory
     from protrain.planner.commands.train import prechecks
+    from protrain.plans.errors import ProtrainError
+    from protrain.plans.validation import validate
 
     try:
         validate(plan, "fuzzed")
@@ -284,9 +285,9 @@ def test_what_validate_accepts_train_takes_or_refuses_cleanly(plan):
 def test_what_the_pre_checks_accept_trains_or_refuses_cleanly(plan, tmp_path_factory):
     # The step after the pre-checks: a shape they accept (and small enough to run a step of
     # on a CPU) trains one step, or is refused with a ProtrainError (another world size: Comm).
-    from protrain.executor.errors import ProtrainError
-    from protrain.executor.validation import validate
     from protrain.planner.commands.train import prechecks, train
+    from protrain.plans.errors import ProtrainError
+    from protrain.plans.validation import validate
 
     t = plan.training
     try:

@@ -20,9 +20,9 @@ from harness import make_model, make_plan
 from protrain.executor import AdamWConfig, ProtrainError, wrap
 from protrain.executor import transfer as T
 from protrain.executor.dist import Comm
-from protrain.executor.errors import BudgetError, ConfigError
 from protrain.executor.schedule import Phase
 from protrain.planner.models.data import batches, load_tokens
+from protrain.plans.errors import BudgetError, ConfigError
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 

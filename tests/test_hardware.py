@@ -15,7 +15,6 @@ import sys
 import msgspec
 import pytest
 
-from protrain.executor.errors import ConfigError
 from protrain.planner.hardware import datasheets as ds
 from protrain.planner.hardware import probe as hw
 from protrain.planner.hardware.spec import (
@@ -26,6 +25,7 @@ from protrain.planner.hardware.spec import (
     link_bandwidth,
     load_spec,
 )
+from protrain.plans.errors import ConfigError
 
 NAMES = [*ds.DATASHEETS, "cpu"]
 REGEN = 'python -c "from protrain.planner.hardware.datasheets import write_datasheets; write_datasheets()"'

@@ -19,13 +19,14 @@ import torch.nn as nn
 from harness import PARITY_MATRIX, assert_same_state, lockstep
 from harness import make_plan as harness_plan
 
+from protrain import plans
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.executor.check import model_fingerprint
-from protrain.executor.errors import ConfigError
 from protrain.planner.models import zoo as models
 from protrain.planner.models.zoo import block_paths, build, lm_loss
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -620,7 +621,7 @@ def test_cli_profiles_plans_and_trains_an_hf_config(hf, cfg_dirs, tmp_path):
         ["plan", "--profile", str(prof), "--model", name, "--budget", "400KiB", "-o", str(plan)],
     )
     assert r.exit_code == 0, r.output
-    p = P.load(plan)
+    p = plans.load(plan)
     assert p.model.name == name and p.model.blocks == [f"model.layers.{i}" for i in range(4)]
     assert "model.layers.0.self_attn.q_proj.weight" in {
         q.name for c in p.chunks.items for q in c.params
@@ -642,7 +643,7 @@ def test_cli_profiles_plans_and_trains_an_hf_config(hf, cfg_dirs, tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    assert P.load(tmp_path / "direct.json").model.fingerprint == p.model.fingerprint
+    assert plans.load(tmp_path / "direct.json").model.fingerprint == p.model.fingerprint
     r = runner.invoke(main, ["train", "--plan", str(plan), "--model", name, "--steps", "3"])
     assert r.exit_code == 0, r.output
     assert "trained 3 steps" in r.output

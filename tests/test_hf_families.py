@@ -29,11 +29,12 @@ import pytest
 import torch
 from harness import assert_same_state, lockstep
 
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
+from protrain import plans
 from protrain.planner.models import zoo as models
 from protrain.planner.models.zoo import block_paths, build
 from protrain.planner.search.emit import assemble, model_facts
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -668,7 +669,7 @@ def test_cli_plans_every_family_from_its_directory(hf, names, family, tmp_path):
     out = tmp_path / "plan.json"
     r = plan_cli(directory, out, "--hardware", "cpu")  # analytic: a forward and backward on meta
     assert r.exit_code == 0, r.output
-    plan = P.load(out)
+    plan = plans.load(out)
     assert plan.model.blocks == block_paths(build(names[family], device="meta"))
     info = models.describe(names[family])
     assert info.family == model_type(family) and info.n_blocks == len(plan.model.blocks)

@@ -1,4 +1,4 @@
-"""The homes and policies table (executor/homes.py): the bytes each home keeps, its traffic and
+"""The homes and policies table (plans/homes.py): the bytes each home keeps, its traffic and
 preconditions, written out here as sums of named terms so that an edit of an entry shows.
 
 The executor's ledger is held to the accounting stream (which reads this table) at every step
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from protrain.executor import homes as H
-from protrain.executor.errors import PlanError
+from protrain.plans import homes as H
+from protrain.plans.errors import PlanError
 
 BF16, FP32 = H.Setup("bfloat16"), H.Setup("float32")
 BF16_ACC2, FP32_ACC2 = H.Setup("bfloat16", 2), H.Setup("float32", 2)
@@ -119,8 +119,8 @@ def test_policies_hold_what_they_say():
 
 
 POLICY_SPELLERS = {
-    "executor/homes.py": "the table itself",
-    "executor/plan.py": "the schema's Literal (a new policy is a schema version and a migration)",
+    "plans/homes.py": "the table itself",
+    "plans/plan.py": "the schema's Literal (a new policy is a schema version and a migration)",
     "executor/activations.py": "the mechanism: what a block's pack/unpack hooks do under each policy",
     "planner/search/grid.py": "the search's space: one mask per policy over the strips",
     "planner/search/milp.py": "the search's space as MILP variables, one one-hot per policy",

@@ -101,7 +101,7 @@ def test_a_chunk_with_nothing_to_step_gets_its_home_back():
     # and nothing steps; the next forward must still read the weights, as plain PyTorch.
     import copy
 
-    from protrain.executor import plan as P
+    from protrain.plans import plan as P
 
     torch.manual_seed(0)
     model = _Tiny()
@@ -201,7 +201,7 @@ def test_homeless_chunks_train_bit_for_bit_as_kept_homes(policies, asynchronous,
 
 
 def test_homeless_plans_are_refused_where_a_gradient_must_wait():
-    from protrain.executor.errors import PlanError
+    from protrain.plans.errors import PlanError
 
     for kw in (
         dict(compute_dtype="float32"),
@@ -216,10 +216,12 @@ def test_homeless_plans_are_refused_where_a_gradient_must_wait():
 def test_the_v4_fixture_trains_as_with_its_homes_kept():
     from pathlib import Path
 
-    from protrain.executor import plan as P
+    from protrain import plans
     from protrain.planner.models.zoo import build
 
-    plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json")
+    plan = plans.load(
+        Path(__file__).parent / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json"
+    )
     kept = msgspec.structs.replace(
         plan,
         placement=msgspec.structs.replace(

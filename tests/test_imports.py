@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,19 +49,33 @@ def imported(body: str) -> set[str]:
 HEAVY = {"torch", "numpy", "scipy", "networkx", "pynvml", "click", "rich"}
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "protrain.executor.plan",
-        "protrain.executor.errors",
-        "protrain.executor.migrate",
-        "protrain.executor",
-    ],
+PLANS = sorted(
+    "protrain.plans" + ("" if p.stem == "__init__" else f".{p.stem}")
+    for p in (Path(__file__).resolve().parent.parent / "plans").glob("*.py")
 )
-def test_schema_modules_import_only_stdlib_and_msgspec(module):
+
+
+@pytest.mark.parametrize("module", [*PLANS, "protrain.executor"])
+def test_contract_modules_import_only_stdlib_and_msgspec(module):
+    """The plan contract (every module of ``protrain.plans``) and the executor's package face
+    load neither torch nor numpy; the contract imports neither the executor nor the planner."""
     mods = imported(f"import {module}")
     assert not mods & HEAVY, sorted(mods & HEAVY)
     assert not any(m.startswith("protrain.planner") for m in mods)
+    if module.startswith("protrain.plans"):
+        assert not any(m.startswith("protrain.executor") for m in mods), module
+
+
+def test_the_contract_face():
+    """``from protrain.plans import load, dump, Plan, SCHEMA_VERSION, PlanError`` is the face."""
+    from protrain import plans
+
+    assert set(plans.__all__) == {"load", "dump", "Plan", "SCHEMA_VERSION", "PlanError"}
+    plan = plans.load(EXAMPLE)
+    assert isinstance(plan, plans.Plan) and plan.schema_version == plans.SCHEMA_VERSION
+    assert plans.dump(plan) == EXAMPLE.read_bytes()
+    with pytest.raises(plans.PlanError):
+        plans.load(b"{}")
 
 
 def direct_imports(body: str) -> dict[str, set[str]]:
@@ -89,14 +104,31 @@ def test_executor_runtime_never_imports_the_planner():
             assert not any(n.startswith("protrain.planner") for n in names), module
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["show", "plans/gpt2-tiny/example.json"]])
+EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "example.json"
+OTHER = Path(__file__).resolve().parent.parent / "plans" / "gpt2-xl" / "a100-80g-w1.json"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["show", str(EXAMPLE)],
+        ["diff", str(EXAMPLE), str(OTHER)],
+        ["validate", str(EXAMPLE)],
+        ["explain", str(EXAMPLE)],
+    ],
+)
 def test_cli_paths_without_torch(argv):
+    """The plan tools on a committed plan load neither torch, numpy nor the runtime."""
     mods = imported(
         f"import sys; sys.argv = ['protrain', *{argv!r}]\n"
         "from protrain.planner.commands.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass"
     )
     assert "torch" not in mods and "numpy" not in mods
+    assert not any(m.startswith("protrain.executor") for m in mods), sorted(
+        m for m in mods if m.startswith("protrain.executor")
+    )
 
 
 def test_report_is_torch_free():

@@ -3,7 +3,7 @@
 A peft-injected model (``planner.lora.inject``: peft's LoRA layers, every other parameter
 frozen) is planned with its frozen parameters marked (``Param.frozen``, schema 8): the
 adapters are laid out in chunks of their own, and a chunk of frozen parameters is charged
-its values only by the cost model and the accounting (executor/homes.py). Under every plan
+its values only by the cost model and the accounting (plans/homes.py). Under every plan
 kind it trains exactly as plain PyTorch + peft + ``AdamW(fused=True)`` does (CPU fp32, zero
 tolerance): zoo llama, the Hugging Face families llama, qwen3, gemma2, phi3 and mixtral, and
 the planner's own plans.
@@ -18,11 +18,12 @@ pytest.importorskip("peft")
 import torch  # noqa: E402
 from harness import PARITY_MATRIX, assert_same_state, lockstep, make_model, make_plan  # noqa: E402
 
-from protrain.executor import accounting as A  # noqa: E402
-from protrain.executor import plan as P  # noqa: E402
-from protrain.executor.errors import ConfigError, PlanError  # noqa: E402
+from protrain import plans
 from protrain.planner.models.lora import LoraSpec, attention_projections  # noqa: E402
 from protrain.planner.search import memory_walk  # noqa: E402
+from protrain.plans import accounting as A  # noqa: E402
+from protrain.plans import plan as P  # noqa: E402
+from protrain.plans.errors import ConfigError, PlanError  # noqa: E402
 
 SPEC = LoraSpec(r=4, alpha=8)
 CASES = {
@@ -127,14 +128,14 @@ def test_a_frozen_chunk_cannot_be_homeless():
     doc = doc.replace('"n_host_slots": 0', '"n_host_slots": 1')
     assert frozen[0] == 1
     with pytest.raises(PlanError, match="frozen"):
-        P.load(doc.encode())
+        plans.load(doc.encode())
 
 
 def test_the_v8_fixture_trains_exactly():
     """tests/fixtures/plans/v8/llama-4-lora-r4.json: ``SPEC`` on the harness's llama-4."""
     from pathlib import Path
 
-    plan = P.load(Path(__file__).parent / "fixtures" / "plans" / "v8" / "llama-4-lora-r4.json")
+    plan = plans.load(Path(__file__).parent / "fixtures" / "plans" / "v8" / "llama-4-lora-r4.json")
     assert _frozen_chunks(plan)
     run = lockstep(plan.model.name, plan, steps=3, lora=SPEC)
     assert run.losses == run.ref_losses
@@ -345,8 +346,8 @@ def test_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
     from safetensors.torch import load_file
 
     from protrain.executor import AdamWConfig, wrap
-    from protrain.executor.errors import CheckpointError
     from protrain.planner.models.data import batches, load_tokens
+    from protrain.plans.errors import CheckpointError
 
     plan = make_plan(
         "llama-4", persistent=[0], n_buffer=2, policies="swap checkpoint keep swap", lora=SPEC

@@ -16,8 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError
 from protrain.planner.profiling.profile import load_profile
 from protrain.planner.search import milp as M
 from protrain.planner.search.cost import (
@@ -33,6 +31,8 @@ from protrain.planner.search.cost import (
 from protrain.planner.search.exhaustive import exhaustive, policy_pairs, space
 from protrain.planner.search.planning import SOLVERS, default_host_budget, make_plan
 from protrain.planner.views.show import block_policies, is_four_count, render_explain
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("keep", "swap", "checkpoint")

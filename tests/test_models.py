@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from protrain.executor.errors import ConfigError
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import (
     GPT2,
@@ -25,6 +24,7 @@ from protrain.planner.models.zoo import (
     materialize,
     rope_cos_sin,
 )
+from protrain.plans.errors import ConfigError
 
 # Public parameter counts: HF model cards / papers (gpt2 124.4M counts the tied
 # head once and includes the learned positions; LLaMA counts the untied head).

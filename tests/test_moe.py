@@ -27,8 +27,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from protrain.executor import transfer
-from protrain.executor.errors import BudgetError, ConfigError
-from protrain.executor.plan import POST, PRE
 from protrain.planner.commands.fit import host_need_bytes
 from protrain.planner.commands.fit_config import fit_model, render_model_fit, run_model_fit
 from protrain.planner.hardware.spec import find_spec
@@ -36,6 +34,8 @@ from protrain.planner.models.moe import balanced_experts, balanced_forward, dete
 from protrain.planner.models.zoo import block_paths, count_params
 from protrain.planner.profiling import analytic
 from protrain.planner.profiling.analytic import analytic_profile, count_segments
+from protrain.plans.errors import BudgetError, ConfigError
+from protrain.plans.plan import POST, PRE
 
 transformers = pytest.importorskip("transformers")
 MiB = 2**20

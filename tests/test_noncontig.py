@@ -20,7 +20,6 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 from test_cost import CPU_SPEC, _uploads
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths
 from protrain.planner.profiling.profile import measure
@@ -35,6 +34,7 @@ from protrain.planner.search.cost import (
 from protrain.planner.search.emit import assemble, model_facts
 from protrain.planner.search.planning import make_plan as plan_from_profile
 from protrain.planner.views.show import is_four_count
+from protrain.plans import plan as P
 
 # (persistent chunk ids, n_buffer, strip). gpt2-4 has 5 chunks (0: embeddings, 1-4: one
 # per block, ln_f in 4; the tied head uses 0 and 4), llama-4 has 4 (0: embeddings and

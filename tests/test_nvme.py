@@ -28,13 +28,13 @@ from harness import (
     train_engine,
 )
 
+from protrain import plans
 from protrain.executor import AdamWConfig, accounting, chunks, homes, nvme, optim, wrap
-from protrain.executor import accounting as A
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError, HostMemoryError, PlanError
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import GPT2Config
 from protrain.planner.search import memory_walk
+from protrain.plans import accounting as A
+from protrain.plans.errors import ConfigError, HostMemoryError, PlanError
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"
@@ -250,7 +250,7 @@ def test_a_frozen_nvme_chunk_keeps_its_values_home_on_the_host(tmp_path):
 def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
     """The frozen v6 fixture (gpt2-tiny, bf16, chunks on disk, one homeless) against the same
     plan with every state on the host: bit for bit. And a v5 plan migrates with none on disk."""
-    plan = P.load(V6_FIXTURE)
+    plan = plans.load(V6_FIXTURE)
     assert plan.placement.nvme and json.loads(V6_FIXTURE.read_bytes())["schema_version"] == 6
     off_disk = {"nvme": "host", "nvme_homeless": "homeless"}
     host = msgspec.structs.replace(
@@ -270,7 +270,9 @@ def test_the_v6_fixture_trains_as_with_host_states(tmp_path):
         _train(copy.deepcopy(model), plan, 3, iter(data), tmp_path),
         _train(copy.deepcopy(model), host, 3, iter(data)),
     )
-    v5 = P.load(Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json")
+    v5 = plans.load(
+        Path(__file__).parent / "fixtures" / "plans" / "v5" / "gpt2-tiny-device-homed.json"
+    )
     assert v5.placement.nvme == []
 
 
@@ -559,7 +561,7 @@ def test_cli_plans_for_a_disk_and_trains_with_it(tmp_path):
     assert r.exit_code == 1 and "host memory" in r.output  # (no disk: no plan)
     r = run(main, [*plan_args, "--nvme", "-o", str(tmp_path / "p.json")])
     assert r.exit_code == 0, r.output
-    assert P.load(tmp_path / "p.json").placement.nvme
+    assert plans.load(tmp_path / "p.json").placement.nvme
     assert "on disk (master and moments in a file: train with --nvme DIR)" in r.output  # (show)
     train = ["train", "--plan", str(V6_FIXTURE), "--model", "gpt2-tiny", "--steps", "2"]
     r = run(main, train)

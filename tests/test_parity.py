@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from harness import PARITY_MATRIX, assert_same_state, lockstep, make_plan
 
+from protrain import plans
 from protrain.executor import AdamWConfig
-from protrain.executor import plan as P
 
 MATRIX = PARITY_MATRIX
 
@@ -79,7 +79,7 @@ def test_losses_fall():
     ids=lambda p: p.name,
 )
 def test_frozen_fixture_plans_train_exactly(path):
-    plan = P.load(path)
+    plan = plans.load(path)
     if plan.training.world_size > 1:
         pytest.skip("a multi-rank plan: tests/test_dist.py trains it")
     if plan.training.compute_dtype != "float32":

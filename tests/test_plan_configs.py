@@ -56,7 +56,7 @@ def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware,
     pytest.importorskip("transformers")
     from click.testing import CliRunner
 
-    from protrain.executor import plan as P
+    from protrain import plans
     from protrain.planner.commands.cli import main
 
     out = tmp_path / "plan.json"
@@ -77,4 +77,4 @@ def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware,
         ],
     )
     assert r.exit_code == 0, r.output
-    assert P.load(out).model.name == f"hf:{CONFIGS / name}"
+    assert plans.load(out).model.name == f"hf:{CONFIGS / name}"

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import random_plans
 
-from protrain.executor import migrate as M
-from protrain.executor import plan as P
-from protrain.executor.errors import PlanError
+from protrain import plans
+from protrain.plans import migrate as M
+from protrain.plans import plan as P
+from protrain.plans.errors import PlanError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "plans" / "gpt2-tiny" / "example.json"
@@ -27,8 +28,8 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 @given(random_plans())
 def test_random_plans_round_trip(plan):
     data = P.dump(plan)
-    assert P.load(data) == plan
-    assert P.dump(P.load(data)) == data
+    assert plans.load(data) == plan
+    assert P.dump(plans.load(data)) == data
 
 
 COMMITTED = sorted((ROOT / "plans").glob("*/*.json"))
@@ -38,14 +39,14 @@ COMMITTED = [p for p in COMMITTED if p.parent.name not in ("schema", "hardware")
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_committed_plans_round_trip_byte_for_byte(path):
     data = path.read_bytes()
-    assert P.dump(P.load(data)) == data
+    assert P.dump(plans.load(data)) == data
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_frozen_fixtures_load(path):
     # Frozen files are never edited; they must load (after migration). Their bytes may
     # differ from a fresh dump once informational fields with defaults are added.
-    plan = P.load(path)
+    plan = plans.load(path)
     assert plan.schema_version == P.SCHEMA_VERSION
 
 
@@ -62,7 +63,7 @@ def test_canonical_layout():
     # Two-space indent everywhere, no tabs.
     assert all((len(x) - len(x.lstrip(" "))) % 2 == 0 and "\t" not in x for x in lines)
     # One parameter per line, and one step per line.
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     n_params = sum(len(c.params) for c in plan.chunks.items)
     assert sum('"offset":' in x for x in lines) == n_params
     assert sum('"segment":' in x for x in lines) == 2 * (len(plan.model.blocks) + 2)
@@ -72,7 +73,7 @@ def test_canonical_layout():
 
 
 def test_dump_is_deterministic_and_has_no_float_noise():
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     noisy = P.Plan(
         **{f: getattr(plan, f) for f in P.Plan.__struct_fields__ if f != "prediction"},
         prediction=P.Prediction(iter_time_us=12, breakdown={"b_bytes": 3, "a_us": 1}),
@@ -92,7 +93,7 @@ def _doc() -> dict:
 def _load_err(doc_or_bytes) -> str:
     data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
     with pytest.raises(PlanError) as e:
-        P.load(data)
+        plans.load(data)
     return str(e.value)
 
 
@@ -121,7 +122,7 @@ def test_unknown_binding_field_is_refused_but_unknown_info_field_is_not():
     assert "n_swap" in _load_err(doc)
     doc = _doc()
     doc["prediction"]["new_diagnostic_us"] = 5
-    P.load(json.dumps(doc).encode())
+    plans.load(json.dumps(doc).encode())
 
 
 def test_overlapping_offsets():
@@ -224,7 +225,7 @@ def test_truncated_non_utf8_and_not_json():
 
 def test_missing_file_names_it(tmp_path):
     with pytest.raises(PlanError, match="nope.json"):
-        P.load(tmp_path / "nope.json")
+        plans.load(tmp_path / "nope.json")
 
 
 @SETTINGS
@@ -247,11 +248,11 @@ def test_random_corruptions_never_escape_as_raw_errors(plan, data):
     if path:
         node[path[-1]] = replacement
     try:
-        loaded = P.load(json.dumps(doc).encode())
+        loaded = plans.load(json.dumps(doc).encode())
     except PlanError as e:
         assert "$" in str(e) or "schema" in str(e)
         return
-    assert P.load(P.dump(loaded)) == loaded
+    assert plans.load(P.dump(loaded)) == loaded
 
 
 # --------------------------------------------------------------------------- migration
@@ -283,7 +284,7 @@ V1 = ROOT / "tests" / "fixtures" / "plans" / "v1" / "gpt2-tiny-example.json"
 def test_v1_fixture_migrates_to_cpu_adam_during_backward():
     # The frozen v1 file is float32 and the v1 executor overlapped CPU steps with
     # backward unless clipping was configured: the migration writes that down.
-    plan = P.load(V1)
+    plan = plans.load(V1)
     assert plan.schema_version == P.SCHEMA_VERSION and plan.schedule.cpu_adam == "during_backward"
     assert plan.request.max_grad_norm is None
 
@@ -295,7 +296,7 @@ def test_v1_to_v2_is_pure_and_fills_fp16_as_after_backward():
     out = M.v1_to_v2(doc)
     assert json.dumps(doc) == before  # the input is not touched
     assert out["schedule"]["cpu_adam"] == "after_backward"
-    assert P.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
+    assert plans.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
     # The rest of the file is carried over as it was.
     assert {k: v for k, v in out["schedule"].items() if k != "cpu_adam"} == doc["schedule"]
 
@@ -322,11 +323,11 @@ V2 = ROOT / "tests" / "fixtures" / "plans" / "v2" / "gpt2-tiny-clip.json"
 
 def test_v2_fixture_migrates_to_replicated_persistent_states():
     # The v2 executor replicated persistent chunks' masters and moments on every rank.
-    plan = P.load(V2)
+    plan = plans.load(V2)
     assert (
         plan.schema_version == P.SCHEMA_VERSION and plan.placement.shard_persistent_states is False
     )
-    assert P.load(V1).placement.shard_persistent_states is False  # v1 → v2 → v3
+    assert plans.load(V1).placement.shard_persistent_states is False  # v1 → v2 → v3
 
 
 def test_v2_to_v3_is_pure_and_keeps_the_rest():
@@ -362,7 +363,7 @@ def test_sharded_persistent_states_need_several_ranks():
     assert "shard_persistent_states" in _load_err(doc)  # required: a plan says which
     doc["placement"]["shard_persistent_states"] = True
     doc["training"]["world_size"] = 2
-    assert P.load(json.dumps(doc).encode()).placement.shard_persistent_states
+    assert plans.load(json.dumps(doc).encode()).placement.shard_persistent_states
 
 
 def test_cpu_adam_is_required_and_closed():
@@ -380,7 +381,7 @@ def test_fp16_plan_must_step_cpu_adam_after_backward():
     msg = _load_err(doc)
     assert "$.schedule.cpu_adam" in msg and "float16" in msg
     doc["schedule"]["cpu_adam"] = "after_backward"
-    assert P.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
+    assert plans.load(json.dumps(doc).encode()).schedule.cpu_adam == "after_backward"
 
 
 def test_prefetch_released_before_any_fetch():
@@ -409,7 +410,7 @@ def test_prefetch_fetched_later_across_forward_and_backward_is_fine():
         [1],
     )  # drop chunk 1 after h.1, bring it back at <post>
     assert bwd[2]["segment"] == "transformer.h.0" and bwd[2]["fetch"] == [1]
-    plan = P.load(json.dumps(doc).encode())
+    plan = plans.load(json.dumps(doc).encode())
     assert plan.schedule.forward[3].prefetch == [1]
 
 
@@ -420,7 +421,7 @@ V4 = ROOT / "tests" / "fixtures" / "plans" / "v4" / "gpt2-tiny-homeless.json"
 def test_v3_to_v4_keeps_every_home():
     # The v3 executor kept every offloaded chunk's home: no homeless chunk, no slots.
     for old in (V1, V2, V3):
-        placement = P.load(old).placement
+        placement = plans.load(old).placement
         assert placement.homeless == [] and placement.n_host_slots == 0
     doc = json.loads(V3.read_bytes())
     before = json.dumps(doc)
@@ -433,7 +434,7 @@ def test_v3_to_v4_keeps_every_home():
 
 
 def test_homeless_chunks_are_validated():
-    plan = P.load(V4)
+    plan = plans.load(V4)
     assert plan.placement.homeless == [1, 2] and plan.placement.n_host_slots == 2
     doc = json.loads(V4.read_bytes())
     for key, value, words in (
@@ -470,7 +471,7 @@ def test_v6_to_v7_names_one_home_per_chunk():
     assert {k: v for k, v in out.items() if k != "placement"} == {
         k: v for k, v in doc.items() if k != "placement"
     }
-    plan = P.load(V6)  # and the lists read back from the homes
+    plan = plans.load(V6)  # and the lists read back from the homes
     assert (plan.placement.persistent, plan.placement.offloaded) == ([0], [1, 2, 3, 4, 5])
     assert (plan.placement.homeless, plan.placement.nvme, plan.placement.device_homed) == (
         [5],
@@ -478,7 +479,7 @@ def test_v6_to_v7_names_one_home_per_chunk():
         [],
     )
     for old in (V1, V2, V3):  # older files: every offloaded chunk at home on the host
-        homes = P.load(old).placement.homes
+        homes = plans.load(old).placement.homes
         assert set(homes) <= {"persistent", "host"} and "host" in homes
 
 
@@ -517,8 +518,8 @@ def test_v6_file_with_homes_is_refused():
     ],
 )
 def test_homes_preconditions_come_from_the_table(home, dtype, words):
-    # validate() asks executor/homes.py whether each chunk's home allows the plan's setup.
-    doc = json.loads(P.dump(P.load(V6)))
+    # validate() asks plans/homes.py whether each chunk's home allows the plan's setup.
+    doc = json.loads(P.dump(plans.load(V6)))
     doc["training"]["compute_dtype"] = dtype
     doc["placement"]["homes"][5] = home
     msg = _load_err(doc)

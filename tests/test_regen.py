@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.planner.views.show import policy_strip
+from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "regen_plans.py"
@@ -79,7 +80,7 @@ def test_library_is_complete():
 @pytest.mark.parametrize("path", PLANS, ids=lambda p: str(p.relative_to(ROOT / "plans")))
 def test_committed_plan_round_trips_byte_for_byte(path):
     data = path.read_bytes()
-    assert P.dump(P.load(data)) == data
+    assert P.dump(plans.load(data)) == data
 
 
 def test_index_mentions_every_plan_file():
@@ -111,7 +112,7 @@ def test_abbreviated_strips_expand_to_the_plans_strips():
     assert regen.abbreviate("C " * 79 + "K") == "C×79 K×1"
     assert regen.abbreviate("S C S C S C K K") == "(S×1 C×1)×3 K×2"
     for path in PLANS:
-        strip = policy_strip(P.load(path))
+        strip = policy_strip(plans.load(path))
         assert _expand(regen.abbreviate(strip)) == strip, path
 
 

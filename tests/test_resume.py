@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from protrain.executor.checkpoint import read_manifest, resolve
-from protrain.executor.errors import ConfigError
 from protrain.planner.commands.train import train
+from protrain.plans.errors import ConfigError
 
 PLAN = str(Path(__file__).resolve().parents[1] / "plans/gpt2-tiny/example.json")
 QUIET = dict(echo=lambda _: None, progress=False)

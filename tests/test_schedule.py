@@ -6,8 +6,8 @@ import pytest
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import validation as V
 from protrain.planner.models.data import batches, load_tokens
+from protrain.plans import validation as V
 
 
 @pytest.mark.parametrize(

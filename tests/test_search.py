@@ -12,8 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError
 from protrain.planner.search import memory_walk
 from protrain.planner.search.cost import (
     choose_chunk_numel,
@@ -29,6 +27,8 @@ from protrain.planner.search.cost import (
 from protrain.planner.search.exhaustive import exhaustive, policy_pairs, space
 from protrain.planner.search.planning import make_plan
 from protrain.planner.search.rules import HOST_SLOTS
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError
 
 
 def brute_force(t, budget, host_budget=math.inf, top=1):

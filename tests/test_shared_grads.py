@@ -1,5 +1,5 @@
 """A parameter two segments use (a tied embedding and LM head) holds a gradient on the
-device between their backward steps (executor/accounting.py ``shared_grads``).
+device between their backward steps (plans/accounting.py ``shared_grads``).
 
 The rule's premise is autograd's, measured here with the profiler's allocation events
 in plain PyTorch and inside ``engine.step``; the rule itself is checked on a plan and
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from protrain.executor import accounting
 from protrain.planner.search import memory_walk
+from protrain.plans import accounting
 
 
 class Tied(nn.Module):
@@ -97,9 +97,9 @@ def test_the_executor_leaves_the_hold_as_autograd_makes_it():
 
 
 def _plan(dtype: str = "bfloat16"):
-    from protrain.executor import plan as P
     from protrain.planner.models.zoo import block_paths, build
     from protrain.planner.search.emit import emit
+    from protrain.plans import plan as P
 
     meta = build("gpt2-tiny", device="meta")
     blocks = block_paths(meta)

@@ -27,10 +27,10 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor.validation import segment_chunks
 from protrain.planner.models.zoo import lm_loss
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans.validation import segment_chunks
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.

@@ -13,8 +13,6 @@ from harness import MICRO_BATCH, SEQ_LEN, make_model
 from harness import make_plan as make_fixed_plan
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
 from protrain.planner.hardware.spec import find_spec
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths, build
@@ -36,6 +34,8 @@ from protrain.planner.views.trace import (
     validate_trace,
     write_trace,
 )
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

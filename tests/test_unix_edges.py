@@ -123,11 +123,12 @@ def test_a_plan_for_this_machine_says_nothing(monkeypatch):
     import msgspec
     import torch
 
-    from protrain.executor import plan as P
+    from protrain import plans
     from protrain.planner.commands.preflight import other_machine
     from protrain.planner.hardware import probe as hardware
+    from protrain.plans import plan as P
 
-    plan = P.load(EXAMPLE)
+    plan = plans.load(EXAMPLE)
     total = 24 << 30
     monkeypatch.setattr(hardware, "_host_memory", lambda: (total, total))
     here = msgspec.structs.replace(

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
 from protrain.planner.profiling.graph import trace
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 V, D = 19, 6
 

@@ -24,12 +24,12 @@ def setup_protrain(args, cfg, label, dev, rec):
     import torch
 
     from protrain.executor import AdamWConfig, wrap
-    from protrain.executor import plan as P
-    from protrain.executor.errors import BudgetError
     from protrain.planner.hardware.spec import dump_spec, find_spec
     from protrain.planner.models.zoo import block_paths
     from protrain.planner.profiling.profile import dump_profile, load_profile, measure
     from protrain.planner.search.planning import make_plan
+    from protrain.plans import plan as P
+    from protrain.plans.errors import BudgetError
 
     art = Path(args.artifacts) if args.artifacts else None
     stem = f"{label.replace('[', '-').replace(']', '')}-b{args.micro_batch}-s{args.seq}"

@@ -64,8 +64,6 @@ sys.path.insert(
 from bench_executor import BENCHMARKS_MD, ROOT, build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.executor import plan as P  # noqa: E402
-from protrain.executor import validation as V  # noqa: E402
 from protrain.executor.dist import Comm  # noqa: E402
 from protrain.planner.hardware.probe import probe  # noqa: E402
 from protrain.planner.hardware.spec import link_bandwidth  # noqa: E402
@@ -74,6 +72,8 @@ from protrain.planner.models.zoo import block_paths  # noqa: E402
 from protrain.planner.profiling.profile import measure  # noqa: E402
 from protrain.planner.search.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
 from protrain.planner.search.emit import emit  # noqa: E402
+from protrain.plans import plan as P  # noqa: E402
+from protrain.plans import validation as V  # noqa: E402
 
 SECTION = "## Communication on CPU with gloo (tools/bench_dist.py)"
 KiB, MiB = 2**10, 2**20

@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
-from protrain.executor import validation as V
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, block_paths, materialize
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans import validation as V
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_executor import build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.executor import plan as P  # noqa: E402
 from protrain.planner.models.data import batches, load_tokens  # noqa: E402
 from protrain.planner.models.zoo import block_paths  # noqa: E402
 from protrain.planner.search.emit import emit  # noqa: E402
+from protrain.plans import plan as P  # noqa: E402
 
 SECTION = "## Finite-state guard: step time with and without it (tools/bench_finite.py)"
 MODEL, MICRO_BATCH, SEQ_LEN, CHUNK = "gpt2-6l-256", 4, 128, 1 << 20

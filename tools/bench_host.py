@@ -1,5 +1,5 @@
 """Host bytes per offloaded parameter, measured: peak RSS of a real training step against
-``executor/accounting.py``'s prediction (issue 17).
+``plans/accounting.py``'s prediction (issue 17).
 
 Each case runs in a fresh process: it reads ``VmRSS`` (the baseline: torch imported,
 nothing built), builds the model (fp32, on CPU), wraps it under a plan whose chunks
@@ -63,7 +63,7 @@ LORA_CASES = [
 ]
 """``--lora``'s rows: the model with peft's LoRA (r=16, alpha 32, the attention projections)
 and its base frozen; every chunk offloaded, so the frozen base's chunks keep their home
-(compute dtype) and nothing else (executor/homes.py), the adapters' chunk its states."""
+(compute dtype) and nothing else (plans/homes.py), the adapters' chunk its states."""
 
 
 def _kib(field: str) -> int:
@@ -125,7 +125,6 @@ def run_case(
 ) -> dict:
     import torch
 
-    from protrain.executor import plan as P
     from protrain.executor import wrap
     from protrain.planner.models.data import batches, load_tokens
     from protrain.planner.models.lora import LoraSpec
@@ -134,6 +133,7 @@ def run_case(
     from protrain.planner.search import memory_walk
     from protrain.planner.search.cost import choose_chunk_numel
     from protrain.planner.search.emit import emit, model_facts
+    from protrain.plans import plan as P
 
     spec = LoraSpec() if lora else None
 
@@ -562,7 +562,7 @@ def render_lora(rows: list[dict], cmd: str) -> str:
         "planner/models/lora.py) and the base frozen: the plan marks the frozen parameters (`Param.frozen`, "
         "schema 8), the adapters get chunks of their own, and every chunk is offloaded, so a frozen "
         "chunk keeps only its compute-dtype home on the host (no master, moments or gradients: "
-        "executor/homes.py). Bytes are per *frozen* parameter. *Full training, predicted*: "
+        "plans/homes.py). Bytes are per *frozen* parameter. *Full training, predicted*: "
         "`memory_walk.walk` of the same plan with every chunk trainable, per parameter.",
         "",
         "| model | params | trainable | compute | predicted B/frozen param | after wrap | peak | "

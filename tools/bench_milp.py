@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools
 from bench_executor import build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.executor import plan as P  # noqa: E402
 from protrain.planner.models.data import batches, load_tokens  # noqa: E402
 from protrain.planner.profiling.profile import load_profile  # noqa: E402
 from protrain.planner.search import milp as M  # noqa: E402
@@ -60,6 +59,7 @@ from protrain.planner.search.cost import (  # noqa: E402
 from protrain.planner.search.emit import assemble  # noqa: E402
 from protrain.planner.search.exhaustive import exhaustive  # noqa: E402
 from protrain.planner.search.planning import default_host_budget  # noqa: E402
+from protrain.plans import plan as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## MILP plan choice (tools/bench_milp.py)"

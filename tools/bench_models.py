@@ -61,7 +61,7 @@ def resolve_config(name: str, layers: int | None, seq_len: int):
     elif name in ZOO:
         cfg = ZOO[name]
     else:
-        from protrain.executor.errors import did_you_mean
+        from protrain.plans.errors import did_you_mean
 
         raise ValueError(
             f"unknown model {name!r}{did_you_mean(name, ZOO)}; zoo: {', '.join(ZOO)}, "

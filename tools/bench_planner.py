@@ -49,8 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool, fo
 from bench_executor import BENCH_MODELS, build_model, machine, write_section  # noqa: E402
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.executor import plan as P  # noqa: E402
-from protrain.executor.errors import BudgetError  # noqa: E402
 from protrain.planner.models.data import batches, load_tokens  # noqa: E402
 from protrain.planner.profiling.profile import Profile  # noqa: E402
 from protrain.planner.search.cost import (  # noqa: E402
@@ -65,6 +63,8 @@ from protrain.planner.search.cost import (  # noqa: E402
 from protrain.planner.search.emit import ModelFacts, assemble  # noqa: E402
 from protrain.planner.search.exhaustive import policy_pairs, space  # noqa: E402
 from protrain.planner.search.planning import make_plan  # noqa: E402
+from protrain.plans import plan as P  # noqa: E402
+from protrain.plans.errors import BudgetError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"

@@ -17,10 +17,10 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["protrain"]):
-    from protrain.executor import plan as P
     from protrain.executor.checkpoint import decode_manifest
-    from protrain.executor.errors import CheckpointError, PlanError, ProfileError
     from protrain.planner.profiling.profile import load_profile
+    from protrain.plans import plan as P
+    from protrain.plans.errors import CheckpointError, PlanError, ProfileError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import msgspec
 
-from protrain.executor import plan as P
 from protrain.planner.models.zoo import block_paths, build
 from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
 

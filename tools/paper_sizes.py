@@ -12,7 +12,7 @@ runs for the gpt2 family (``fit.run_fit(..., families=("gpt2",))``; the command
 also runs the llama ladder, which the table leaves out), and asks whether llama-70b
 (micro-batch 1 x 4096) plans on one A100-80G with 1 TiB. The planner's numbers are
 predictions from analytic profiles: nothing runs on a GPU, so this is what the
-planner *would* train, bounded by the cost model and by ``executor/accounting.py``'s
+planner *would* train, bounded by the cost model and by ``plans/accounting.py``'s
 host layout (the bytes per offloaded parameter the table header prints).
 
     python tools/paper_sizes.py            # print the markdown section (~2 min on 2 cores)
@@ -88,13 +88,13 @@ def fit_row(hardware: str, host: str, world: int, paper_b: float) -> dict:
 
 def llama70b_row() -> str:
     """Does llama-70b (micro-batch 1 x 4096) plan on one A100-80G with 1 TiB? One line."""
-    from protrain.executor.errors import ProtrainError
     from protrain.planner.commands.fit import host_need_bytes
     from protrain.planner.hardware.spec import find_spec
     from protrain.planner.models.zoo import block_paths, build
     from protrain.planner.profiling.analytic import analytic_profile
     from protrain.planner.search.planning import host_budget_per_rank, make_plan
     from protrain.planner.views.show import human_bytes
+    from protrain.plans.errors import ProtrainError
 
     spec = find_spec("a100-80g")
     host = host_budget_per_rank(2**40, 1)
@@ -129,9 +129,9 @@ def llama70b_row() -> str:
 
 
 def layout_note() -> str:
-    from protrain.executor import accounting
     from protrain.planner.search import memory_walk
     from protrain.planner.search.rules import HOST_SLOTS
+    from protrain.plans import accounting
 
     eb = memory_walk.element_bytes("bfloat16")
     return (

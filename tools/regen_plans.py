@@ -182,9 +182,9 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
     hardware spec is no longer ``plans/hardware/<name>.json`` (made for a spec that
     has since changed: ``--profiles`` remakes it).
     """
-    from protrain.executor.errors import ProtrainError
     from protrain.planner.hardware.spec import load_spec
     from protrain.planner.profiling.profile import load_profile
+    from protrain.plans.errors import ProtrainError
 
     by_key = {e.key: e for e in ENTRIES}
     chosen: dict[Entry, Chosen] = {}
@@ -240,10 +240,10 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
 def plan_bytes(profile_data: bytes, world_size: int) -> tuple[bytes | None, str]:
     """The plan ``make_plan`` writes for this profile at the spec's usable memory, or
     ``(None, why)`` when nothing fits (the BudgetError's message, without its hint)."""
-    from protrain.executor import plan as P
-    from protrain.executor.errors import BudgetError
     from protrain.planner.profiling.profile import load_profile
     from protrain.planner.search.planning import make_plan
+    from protrain.plans import plan as P
+    from protrain.plans.errors import BudgetError
 
     profile = load_profile(profile_data)
     try:
@@ -260,13 +260,13 @@ class Row:
     entry: Entry
     world_size: int
     profile: Chosen
-    plan: object | None  # protrain.executor.plan.Plan, when one fits
+    plan: object | None  # protrain.plans.plan.Plan, when one fits
     why: str  # BudgetError message when none fits
 
 
 def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list[str]]:
     """Every plan file and the index, as they should be, from the committed profiles."""
-    from protrain.executor import plan as P
+    from protrain import plans
 
     chosen, problems = choose_profiles(root)
     cells = [(e, w) for e in ENTRIES if e in chosen for w in WORLD_SIZES]
@@ -276,7 +276,7 @@ def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list
     for (e, w), (data, why) in zip(cells, results):
         if data is not None:
             files[e.plan_rel(w)] = data
-        rows.append(Row(e, w, chosen[e], P.load(data) if data is not None else None, why))
+        rows.append(Row(e, w, chosen[e], plans.load(data) if data is not None else None, why))
     files["plans/README.md"] = render_index(rows).encode()
     files[schema_rel()] = _example_tool().schema()
     return files, problems
@@ -284,7 +284,7 @@ def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list
 
 def schema_rel() -> str:
     """The JSON Schema of the current plan version (older versions' files stay as committed)."""
-    from protrain.executor import plan as P
+    from protrain.plans import plan as P
 
     return f"plans/schema/plan-v{P.SCHEMA_VERSION}.schema.json"
 

@@ -2,7 +2,7 @@
 
 The executor never sees a flag or a directory before ``wrap``; these checks, moved here
 from it, refuse a command's inputs with the executor's own limits and names: the bounds
-of executor/bounds.py (the same a plan's fields are held to) and the names a checkpoint
+of plans/bounds.py (the same a plan's fields are held to) and the names a checkpoint
 root holds (executor/checkpoint.py [Note: one run per root]).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protrain.executor.bounds import TRAINING_LIMITS, training_excess
 from protrain.executor.checkpoint import OWN_NAMES, STEP_DIR
-from protrain.executor.errors import CheckpointError, ConfigError
+from protrain.plans.bounds import TRAINING_LIMITS, training_excess
+from protrain.plans.errors import CheckpointError, ConfigError
 
 
 def check_flags(**values: int | None) -> None:

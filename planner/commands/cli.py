@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from protrain.executor.errors import ProtrainError
+from protrain.plans.errors import ProtrainError
 
 from .lora_options import click_options as lora_options
 from .lora_options import spec_from as lora_spec
@@ -118,7 +118,7 @@ def _count(n: int) -> str:
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 def show(plan_path: str) -> None:
     """Summarise a plan: model, hardware, placement, per-block policy strip, prediction."""
-    from protrain.executor.plan import load
+    from protrain.plans import load
 
     from ..views.show import render_show
 
@@ -135,35 +135,31 @@ def show(plan_path: str) -> None:
     help="Zoo model to check the plan against (default: the plan's model, if it is a zoo name).",
 )
 def validate(plan_path: str, model_name: str | None) -> None:
-    """Check a plan's structure and, against a zoo model, its fingerprint.
+    """Check a plan's structure and, with --model, its fingerprint against that model.
 
-    The model is built on the meta device, so checking a plan for a 70B model
-    allocates nothing.
+    Without --model only the plan file is read (no torch, no runtime: a plan can be checked
+    on a machine without either). The model is built on the meta device, so checking a plan
+    for a 70B model allocates nothing.
     """
-    from protrain.executor.plan import load
+    from protrain.plans import load
 
     plan = load(plan_path)
     click.echo(
         f"{plan_path}: structure ok (schema v{plan.schema_version}, "
         f"{len(plan.chunks.items)} chunks, {len(plan.model.blocks)} blocks)"
     )
-    from ..models.zoo import ZOO, is_hf_name
-
-    name = model_name or (
-        plan.model.name if plan.model.name in ZOO or is_hf_name(plan.model.name) else None
-    )
-    if name is None:
+    if model_name is None:
         click.echo(
-            f"{plan_path}: model {plan.model.name!r} is not in the zoo; "
-            "fingerprint not checked (pass --model NAME)"
+            f"{plan_path}: fingerprint not checked; `protrain validate {plan_path} "
+            f"--model {plan.model.name or 'NAME'}` checks it against the model"
         )
         return
     from protrain.executor.check import check
 
     from ..models.zoo import build
 
-    check(plan, build(name, device="meta"), where=plan_path, name=name)
-    click.echo(f"{plan_path}: fingerprint matches {name}")
+    check(plan, build(model_name, device="meta"), where=plan_path, name=model_name)
+    click.echo(f"{plan_path}: fingerprint matches {model_name}")
 
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
@@ -447,7 +443,7 @@ def diff(a_path: str, b_path: str, as_json: bool) -> None:
     """Semantic diff of two plans; exit 0 when equal, 1 when they differ, 2 on errors."""
     import json
 
-    from protrain.executor.plan import load
+    from protrain.plans import load
 
     from ..views.diff import diff_json, render_diff
 
@@ -492,7 +488,7 @@ def explain(
     plan_path: str, profile_path: str | None, trace_path: str | None, plot_path: str | None
 ) -> None:
     """Why this plan: runners-up, the Pareto front, what bounds each phase."""
-    from protrain.executor.plan import load
+    from protrain.plans import load
 
     from ..views.show import render_explain
     from .preflight import output_file

@@ -90,8 +90,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError, did_you_mean
 
 from ..hardware.spec import HardwareSpec, dump_spec
 from ..models.zoo import GPT2Config, LlamaConfig

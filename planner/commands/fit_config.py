@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError
 
 from ..hardware.spec import HardwareSpec
 from ..models.moe import MoeLayout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
+from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError
 
 from ..views.show import human_bytes
 

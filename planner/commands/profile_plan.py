@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 from ..profiling.profile import Profile, dump_profile, load_profile
 from ..views.show import human_bytes, render_show

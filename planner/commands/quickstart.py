@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from protrain.executor import plan as P
+from protrain.plans import plan as P
 
 from ..profiling.profile import dump_profile
 from ..search.planning import make_plan, parse_budget

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from protrain import plans
 from protrain.executor import AdamWConfig, wrap
-from protrain.executor import plan as P
 from protrain.executor.check import check
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
 from ..models.zoo import build, check_name, is_hf_name
@@ -159,7 +159,7 @@ def train(
             from .checks import check_root
 
             check_root(export_keeper(export_dir), "the checkpoint kept until the export")
-    plan = P.load(plan_path)
+    plan = plans.load(plan_path)
     if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
         raise ConfigError(
             f"{plan_path} keeps the optimizer states of chunks {plan.placement.nvme} on disk "
@@ -398,10 +398,10 @@ def output_vocab(model) -> int:
 
 def prechecks(plan, model_name: str, *, device: str | torch.device, where: str = "the plan") -> int:
     """What ``train`` checks of a plan before building the model: its bounds (``validate``,
-    executor/bounds.py: a plan made in memory has not been loaded) and whether this machine
+    plans/bounds.py: a plan made in memory has not been loaded) and whether this machine
     holds what it needs on the host (``preflight.plan_fits_host``). Allocates nothing;
     returns the host bytes it counted."""
-    from protrain.executor.validation import validate
+    from protrain.plans.validation import validate
 
     from .preflight import plan_fits_host
 
@@ -419,7 +419,7 @@ def export_keeper(export_dir: str) -> Path:
 def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
     """Export the trained model; the state stays in a checkpoint until the export succeeded
     (the run's last one, or one written for it), and a failed export names it."""
-    from protrain.executor.errors import ProtrainError
+    from protrain.plans.errors import ProtrainError
 
     from ..models.hf import export, parse_hf_name
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from .spec import HARDWARE_DIR, HardwareSpec, LinkPoint, dump_spec
 
@@ -270,7 +270,7 @@ def datasheet_spec(name: str) -> HardwareSpec:
     if name == "cpu":
         return _cpu_datasheet_spec()
     if name not in DATASHEETS:
-        from protrain.executor.errors import did_you_mean
+        from protrain.plans.errors import did_you_mean
 
         raise ConfigError(
             f"no datasheet for {name!r}{did_you_mean(name, [*DATASHEETS, 'cpu'])}; "

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from .datasheets import GB, MiB
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from .datasheets import GB, LINK_SIZES_BYTES, GiB, KiB, MiB
 from .disk import RAM_FILESYSTEMS, mount_of, probe_disk

@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from protrain.executor.errors import ConfigError
-from protrain.executor.plan import canonical
+from protrain.plans.errors import ConfigError
+from protrain.plans.plan import canonical
 
 from ..shipped import plans_dir
 
@@ -151,7 +151,7 @@ HARDWARE_DIR = plans_dir() / "hardware"
 
 def find_spec(name_or_path: str) -> HardwareSpec:
     """A spec by path, or by name from ``plans/hardware/`` (did-you-mean on unknown names)."""
-    from protrain.executor.errors import did_you_mean
+    from protrain.plans.errors import did_you_mean
 
     p = Path(name_or_path)
     if p.suffix == ".json" or p.exists():

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 BYTE_VOCAB_SIZE = 256  # byte-level tokens: one token per byte, ids 0..255
 

@@ -86,7 +86,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.executor.errors import ConfigError, did_you_mean
+from protrain.plans.errors import ConfigError, did_you_mean
 
 from ..shipped import shipped_config
 from .base import (

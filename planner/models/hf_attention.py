@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 ATTENTION = "protrain_causal"
 """Our attention implementation's name in transformers' registry (see the module docstring).

@@ -25,7 +25,7 @@ from protrain.executor.checkpoint import (
     refuse_to_load_nonfinite,
     resolve,
 )
-from protrain.executor.errors import CheckpointError, ConfigError
+from protrain.plans.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from .hf import HFCausalLM

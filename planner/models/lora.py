@@ -4,7 +4,7 @@
 ``hf:`` one), in place, and freezes everything else, as ``get_peft_model`` does: the
 model keeps its class, its ``forward`` and its blocks, so the planner traces it and the
 executor wraps it like any other. A frozen parameter is one the plan marks
-(``Param.frozen``): its chunk keeps only its values (executor/homes.py), and the layout
+(``Param.frozen``): its chunk keeps only its values (plans/homes.py), and the layout
 puts the adapters in chunks of their own (``layout.layout_order``).
 
 peft is an optional extra (``pip install -e ".[peft]"``); it is imported on first use.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from ..commands.lora_options import LoraSpec
 
@@ -263,7 +263,7 @@ def closing_note(plan, lora: LoraSpec, host_budget: int | None = None) -> str:
     """What ``protrain plan --lora`` says last: trainable share, predicted tokens/s, and what
     full training of the same model would need on the host (the least a plan without the
     disk keeps per parameter: a homeless chunk's master and moments, homes.HOMELESS)."""
-    from protrain.executor import homes as H
+    from protrain.plans import homes as H
 
     from ..search import memory_walk
     from ..views.show import human_bytes

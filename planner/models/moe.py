@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 CONFIG_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 """Config fields that give the number of routed experts (Mixtral/gpt-oss, Qwen-MoE/OLMoE, DeepSeek, DBRX)."""

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from protrain.executor.errors import ConfigError, did_you_mean
+from protrain.plans.errors import ConfigError, did_you_mean
 
 from .base import (  # noqa: F401  (re-exported: the zoo's users import them from here)
     HF_PREFIX,

@@ -103,9 +103,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from protrain.executor.check import model_fingerprint, tied_pairs
-from protrain.executor.errors import ConfigError
-from protrain.executor.plan import POST, PRE
 from protrain.executor.schedule import Boundary, block_input, first_tensor
+from protrain.plans.errors import ConfigError
+from protrain.plans.plan import POST, PRE
 
 from ..hardware.spec import HardwareSpec
 from ..models.moe import balanced_experts

@@ -12,7 +12,7 @@ import math
 
 import msgspec
 
-from protrain.executor.identity import fingerprint
+from protrain.plans.plan import fingerprint
 
 from .profile import Profile
 

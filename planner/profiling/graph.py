@@ -24,8 +24,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from protrain.executor.errors import ConfigError, ProtrainError
-from protrain.executor.plan import POST, PRE
+from protrain.plans.errors import ConfigError, ProtrainError
+from protrain.plans.plan import POST, PRE
 
 
 @dataclass(frozen=True)

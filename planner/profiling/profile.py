@@ -30,9 +30,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from protrain.executor.errors import ProfileError
-from protrain.executor.homes import KEEP
-from protrain.executor.plan import Generator, canonical
+from protrain.plans.errors import ProfileError
+from protrain.plans.homes import KEEP
+from protrain.plans.plan import Generator, canonical
 
 from ..hardware.spec import HardwareSpec
 
@@ -195,8 +195,8 @@ def profiling_plan(
 
     Chunks are sized to the largest segment so that each segment lives in one chunk.
     """
-    from protrain.executor import plan as P
-    from protrain.executor import validation as V
+    from protrain.plans import plan as P
+    from protrain.plans import validation as V
 
     from ..search.emit import assemble, model_facts
 

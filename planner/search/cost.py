@@ -39,7 +39,7 @@ not; in backward, the ``n_buffer`` offloaded chunks used last in forward are sti
 resident and their first backward use is free.
 
 Peak memory (bytes) — paper Eqs. 8–11, walked step by step in the executor's own
-accounting (executor/accounting.py, reading executor/homes.py): persistent chunk states + resident buffers +
+accounting (plans/accounting.py, reading plans/homes.py): persistent chunk states + resident buffers +
 live offloaded gradient buffers + activations held + (GPU) recomputed
 activations of the checkpointed block being run + (GPU) the segment's transient
 peak, all × ``alpha`` (fragmentation) on GPU. Activations held after forward
@@ -60,8 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protrain.executor import accounting as A
-from protrain.executor import homes as H
+from protrain.plans import accounting as A
+from protrain.plans import homes as H
 
 from ..hardware.datasheets import ADAM_BYTES_PER_PARAM
 from ..hardware.spec import link_bandwidth
@@ -123,7 +123,7 @@ over-charge over NVLink). TODO(#17): probe the bidirectional rate
 
 
 def segment_bytes(profile: Profile) -> memory_walk.SegmentBytes:
-    """The profile's activation bytes per segment, as ``executor/accounting.py`` takes them."""
+    """The profile's activation bytes per segment, as ``plans/accounting.py`` takes them."""
     segs = profile.segments
     return memory_walk.SegmentBytes(
         saved=[x.saved_bytes for x in segs],
@@ -611,7 +611,7 @@ def evaluate(
     if time_only:
         return time, None, {}
 
-    # -- peak memory, paper Eqs. 8-11 walked per step as executor/accounting.py streams it
+    # -- peak memory, paper Eqs. 8-11 walked per step as plans/accounting.py streams it
     states, resident, grads, alpha = placement_memory(
         t, off, n_buffer
     )  # (memory_terms without the grid's)
@@ -667,7 +667,7 @@ class MemoryTerms:
 
 
 def memory_terms(t: Terms, off: np.ndarray, n_buffer: int, grid: PolicyGrid) -> MemoryTerms:
-    """Terms of paper Eqs. 8-11 in ``executor/accounting.py``'s stream; ``off`` marks offloaded chunks.
+    """Terms of paper Eqs. 8-11 in ``plans/accounting.py``'s stream; ``off`` marks offloaded chunks.
 
     [Swap-out in flight] A swapped block's saved tensors stay on the device until their
     D2H copy completes (the copy engine holds them for it). The copies start as block

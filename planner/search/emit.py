@@ -34,10 +34,11 @@ from importlib.metadata import PackageNotFoundError, version
 import msgspec
 from torch import nn
 
-from protrain.executor import homes as H
-from protrain.executor import plan as P
+from protrain import plans
 from protrain.executor.check import model_signature, tied_pairs
-from protrain.executor.errors import ConfigError
+from protrain.plans import homes as H
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 from ..profiling.graph import ExecutionGraph, trace
 from .layout import assign, layout_order
@@ -228,7 +229,7 @@ def assemble(
 
 
 def round_trip(plan: P.Plan) -> P.Plan:
-    """``P.load(P.dump(plan))``, through msgspec's compact JSON instead of the file's layout
+    """``plans.load(P.dump(plan))``, through msgspec's compact JSON instead of the file's layout
     (which costs more than the checks): the same bytes decode to the same Plan once the plan's
     one float, ``request.max_grad_norm``, is rounded as ``P.dump`` rounds floats (tests/test_emit.py
     holds the schema to that one float, and the two round trips equal)."""
@@ -240,4 +241,4 @@ def round_trip(plan: P.Plan) -> P.Plan:
                 req, max_grad_norm=round(req.max_grad_norm, P.FLOAT_DIGITS)
             ),
         )
-    return P.load(msgspec.json.encode(plan, order="deterministic"))
+    return plans.load(msgspec.json.encode(plan, order="deterministic"))

@@ -4,7 +4,7 @@ A search evaluates one grid of per-block policy strips (``keep``/``swap``/``chec
 at every placement. ``GridTerms`` are the terms of the time and memory models that the
 strips decide without the placement (activations held, swapped or recomputed, swap
 times, the walk's placement-free part); ``grid_terms`` computes them once per grid and
-activation profile. Which policy moves or recomputes comes from executor/homes.py.
+activation profile. Which policy moves or recomputes comes from plans/homes.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from protrain.executor import homes as H
+from protrain.plans import homes as H
 
 from .memo import per_object
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protrain.executor import homes as H
+from protrain.plans import homes as H
 
 from .memo import last_call
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from protrain.executor.errors import ConfigError
+from protrain.plans.errors import ConfigError
 
 from .memo import per_object
 

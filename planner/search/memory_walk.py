@@ -1,6 +1,6 @@
 """The accounting stream's figures: a plan's device and host peaks (``walk``), per step.
 
-executor/accounting.py streams every allocation and free of wrap and one iteration (the
+plans/accounting.py streams every allocation and free of wrap and one iteration (the
 one memory model; the executor's ledger is held to its model states while training).
 What the planner reads from it lives here: the whole stream, activations and the
 gradients of shared parameters added to the model states (``events``), its peaks
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from protrain.executor import accounting as A
-from protrain.executor import homes as H
-from protrain.executor.plan import Plan, segments
+from protrain.plans import accounting as A
+from protrain.plans import homes as H
+from protrain.plans.plan import Plan, segments
 
 ALPHA_GPU = 1.10
 """Fragmentation factor on CUDA: allocator block rounding and cached-but-free
@@ -80,7 +80,7 @@ class Walk:
 def events(
     plan: Plan, acts: SegmentBytes | None = None, trainable: Sequence[bool] | None = None
 ) -> list[A.Event]:
-    """The allocation stream of wrap and one iteration (executor/accounting.py's module
+    """The allocation stream of wrap and one iteration (plans/accounting.py's module
     docstring): the model states' (``accounting.state_events``) with the activations of
     ``acts`` and the gradients autograd holds for shared parameters, in each step's order."""
     wrap, steps = A.state_events(plan, trainable)

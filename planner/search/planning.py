@@ -11,8 +11,8 @@ import dataclasses
 import hashlib
 import math
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError, ConfigError, HostMemoryError
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError
 
 from ..hardware.spec import (  # noqa: F401  (re-exported: the host budget)
     HOST_RESERVE_BYTES,

@@ -1,12 +1,12 @@
 """The paper's per-block policy layout: a strip of ``keep``/``swap``/``checkpoint`` from its counts.
 
 No numpy and no torch (``protrain show`` and ``explain`` import it); the policies
-themselves are declared in executor/homes.py (``POLICIES``).
+themselves are declared in plans/homes.py (``POLICIES``).
 """
 
 from __future__ import annotations
 
-from protrain.executor import homes as H
+from protrain.plans import homes as H
 
 
 def block_policies(n_blocks: int, n_swap: int, n_checkpoint: int) -> list[str]:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protrain.executor import plan as P
-from protrain.executor.errors import BudgetError
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError
 
 if TYPE_CHECKING:
     from ..profiling.profile import Profile

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from protrain.executor.homes import POLICIES
-from protrain.executor.plan import Generator, Plan, Provenance, dump
+from protrain.plans.homes import POLICIES
+from protrain.plans.plan import Generator, Plan, Provenance, dump
 
 from .show import human_bytes, human_count, policy_strip
 

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
-from protrain.executor.homes import POLICIES
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
+from protrain.plans.homes import POLICIES
 
 from ..profiling.profile import Profile
 from .trace import _terms_for
@@ -65,7 +65,7 @@ def memory_walk(profile: Profile, plan: P.Plan) -> list[MemoryStep]:
     """The plan's device memory step by step, term by term: forward steps ``<pre>`` …
     ``<post>``, then backward steps ``<post>`` … ``<pre>``.
 
-    Read from ``executor/accounting.py``'s stream (each step at its high point), the
+    Read from ``plans/accounting.py``'s stream (each step at its high point), the
     model the cost model is tested equal to, so the largest ``total_bytes`` is the plan's
     predicted peak to the byte (tested).
     """

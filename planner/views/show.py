@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protrain.executor.homes import CHECKPOINT, POLICIES, SWAP
-from protrain.executor.plan import Plan
+from protrain.plans.homes import CHECKPOINT, POLICIES, SWAP
+from protrain.plans.plan import Plan
 
 from ..search import memory_walk
 from ..search.policy_layout import block_policies  # noqa: F401  (explain rebuilds strips)

@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from protrain.executor import homes as H
-from protrain.executor import plan as P
-from protrain.executor.errors import ConfigError
 from protrain.executor.events import Event
+from protrain.plans import homes as H
+from protrain.plans import plan as P
+from protrain.plans.errors import ConfigError
 
 from ..profiling.profile import Profile
 

@@ -10,16 +10,12 @@ that loads can never overflow its buffers or free an upload in flight. ``load`` 
 from __future__ import annotations
 
 from math import prod
-from typing import TYPE_CHECKING
 
 from . import homes as H
 from .bounds import check_plan as check_bounds
 from .errors import PlanError
-from .identity import POST, PRE, plan_fingerprint, segments
 from .migrate import REGENERATE, SCHEMA_VERSION
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from .plan import POST, PRE, Plan, plan_fingerprint, segments
 
 
 def validate(plan: Plan, where: str = "<plan>") -> None:

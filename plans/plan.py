@@ -48,12 +48,12 @@ frozen fixture under ``tests/fixtures/plans/v<old>/`` and a line here):
   live in a file on disk (executor/nvme.py), mapped into host memory a piece at a time.
   The v5 executor kept them in host memory; ``migrate.v5_to_v6`` writes ``[]``.
 - 7: ``placement.homes`` (binding) replaces ``persistent``, ``offloaded``, ``homeless``,
-  ``device_homed`` and ``nvme``: one home per chunk, named as in executor/homes.py, instead
+  ``device_homed`` and ``nvme``: one home per chunk, named as in plans/homes.py, instead
   of five overlapping id lists (a chunk both homeless and on disk is ``nvme_homeless``).
   ``migrate.v6_to_v7`` rewrites the lists; no decision changes.
 - 8: ``Param.frozen`` (binding): parameters that do not train (``requires_grad=False``, a
   LoRA model's base): a chunk of frozen parameters only keeps its values, no gradients,
-  master or moments (executor/homes.py), and the executor refuses to train a parameter
+  master or moments (plans/homes.py), and the executor refuses to train a parameter
   its plan says is frozen. Written only where true, so a plan for full training reads as
   schema 7's did; ``migrate.v7_to_v8`` changes nothing (old plans: everything trains).
 
@@ -63,17 +63,16 @@ Only the standard library and msgspec are imported here, so ``protrain show``,
 
 from __future__ import annotations
 
+import hashlib
 import json
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Literal, get_args
 
 import msgspec
 
 from .errors import PlanError
-from .homes import HOMES, homes_of  # noqa: F401  (homes_of re-exported: the placement of chunk-id sets)
-from .identity import POST, PRE, fingerprint, plan_fingerprint, segments  # noqa: F401  (re-exported)
+from .homes import HOMES, homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
 from .migrate import REGENERATE, SCHEMA_VERSION, migrate
-from .validation import validate
 
 # SCHEMA_VERSION (the version ``dump`` writes) is one past the last migration (migrate.py).
 
@@ -90,7 +89,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["keep", "swap", "checkpoint"]
 CpuAdam = Literal["during_backward", "after_backward"]
 HomeName = Literal["persistent", "host", "homeless", "device_homed", "nvme", "nvme_homeless"]
-"""A chunk's home (executor/homes.py ``HOMES``; adding one bumps the schema)."""
+"""A chunk's home (plans/homes.py ``HOMES``; adding one bumps the schema)."""
 
 
 class Binding(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -232,7 +231,7 @@ class Chunks(Binding):
 
 
 class Placement(Binding):
-    """Where each chunk lives: one home per chunk (executor/homes.py declares each)."""
+    """Where each chunk lives: one home per chunk (plans/homes.py declares each)."""
 
     n_persist: NonNegInt
     """Number of persistent chunks (always on the device, optimizer on the device)."""
@@ -240,7 +239,7 @@ class Placement(Binding):
     """Device buffers shared by offloaded chunks: at most this many are on the device at once."""
     homes: list[HomeName]
     """The home of each chunk, in chunk order (``homes[i]`` is chunk ``i``'s), by its name in
-    executor/homes.py's table: ``persistent`` (values, gradients, master and moments on the
+    plans/homes.py's table: ``persistent`` (values, gradients, master and moments on the
     device), ``host`` (fetched into a device buffer for its segments, released after; its
     compute-dtype home, fp32 master and moments on the host, stepped by CPU AdamW),
     ``homeless`` (as ``host`` with no compute-dtype home: each fetch rounds the fp32 master
@@ -412,6 +411,37 @@ class Plan(Binding, kw_only=True):
     provenance: Provenance = Provenance()
 
 
+# --------------------------------------------------------------------------- identity
+
+PRE = "<pre>"
+"""Segment name of everything the model runs before its first block."""
+
+POST = "<post>"
+"""Segment name of everything the model runs after its last block (head and loss)."""
+
+
+def fingerprint(params: Iterable[tuple[str, Sequence[int], str]], blocks: Sequence[str]) -> str:
+    """Hash of the sorted (name, shape, dtype) list plus the block list.
+
+    The executor computes it from the live model (``check.py``) and refuses a plan
+    whose fingerprint differs. Canonical JSON keeps it identical on every machine.
+    """
+    entries = sorted([name, [int(s) for s in shape], str(dtype)] for name, shape, dtype in params)
+    payload = json.dumps({"params": entries, "blocks": list(blocks)}, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """The fingerprint recomputed from the parameters listed in the plan's chunks."""
+    params = [(p.name, p.shape, p.dtype) for c in plan.chunks.items for p in c.params]
+    return fingerprint(params, plan.model.blocks)
+
+
+def segments(plan: Plan) -> list[str]:
+    """Forward segment order: ``<pre>``, the blocks, ``<post>``."""
+    return [PRE, *plan.model.blocks, POST]
+
+
 _CHOICES = {".homes[": HomeName, ".policy": Policy, "_dtype": DType, ".cpu_adam": CpuAdam}
 """Literal fields by a piece of their JSON path: an invalid value's error lists the valid ones."""
 
@@ -503,29 +533,13 @@ def _is_flat(value: object) -> bool:
 # ---------------------------------------------------------------------- load
 
 
-def load(source: str | Path | bytes) -> Plan:
-    """Read and validate a plan: header → version window → migrate → strict decode → checks.
+def decode(data: bytes, where: str = "<plan bytes>") -> Plan:
+    """Decode a plan's bytes: header → version window → migrate → strict decode.
 
-    Raises ``PlanError`` naming the file, the JSON path and the fix; never returns a
-    partly checked plan. Loading never executes code (msgspec decodes into Structs).
+    The structural checks (``validation.validate``) come after, in ``reader.load``: this
+    module is the schema, below the checks that read it. Raises ``PlanError`` naming
+    ``where``, the JSON path and the fix. Decoding never executes code.
     """
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data, where = bytes(source), "<plan bytes>"
-    else:
-        where = str(source)
-        try:
-            with open(source, "rb") as f:
-                data = f.read(MAX_PLAN_BYTES + 1)
-        except OSError as e:
-            raise PlanError(
-                f"{where}: cannot read the plan file ({e.strerror or e})",
-                "check the path, or make a plan with `protrain plan`",
-            ) from None
-    if len(data) > MAX_PLAN_BYTES:
-        raise PlanError(
-            f"{where}: larger than {MAX_PLAN_BYTES >> 20} MiB; no plan is that big",
-            "check the path: is this a plan file?",
-        )
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -563,5 +577,4 @@ def load(source: str | Path | bytes) -> Plan:
         ) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise PlanError(f"{where}: malformed JSON: {e}", REGENERATE) from None
-    validate(plan, where)
     return plan
