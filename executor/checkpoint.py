@@ -62,15 +62,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
 
 from protrain.plans.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 FORMAT = "protrain-checkpoint"
 VERSION = 1
@@ -193,7 +190,7 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
 
 
 def save(
-    engine: Engine, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2
+    engine: Any, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2
 ) -> Path:
     """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
     if keep < 1:
@@ -226,7 +223,7 @@ def save(
 
 
 def _write(
-    engine: Engine,
+    engine: Any,
     model: dict,
     optim: dict,
     root: Path,
@@ -312,7 +309,7 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
 
 
 def _write_rank0(
-    engine: Engine, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None
+    engine: Any, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None
 ) -> None:
     """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing every file."""
     from safetensors.torch import save_file
@@ -508,7 +505,7 @@ def check_header(
 _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
 
 
-def load(engine: Engine, root: str | Path) -> Manifest:
+def load(engine: Any, root: str | Path) -> Manifest:
     """Restore ``engine`` from the checkpoint ``root`` names; returns its manifest (data position)."""
     from safetensors import safe_open
     from safetensors.torch import load_file

@@ -48,7 +48,7 @@ from protrain.plans.validation import validate
 
 from .activations import Activations
 from .check import check
-from .checkpoint import base_fingerprint
+from .checkpoint import base_fingerprint, load, resolve, save
 from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
 from .events import Listener
@@ -663,8 +663,6 @@ class Engine:
     def save(self, root, *, data: dict[str, int] | None = None, keep: int = 2):
         """Checkpoint model, optimizer, loss scaler, RNG and ``data`` (the caller's data
         position) under ``root``, atomically; every rank calls it. Returns the step directory."""
-        from .checkpoint import save
-
         path = save(self, root, data=data, keep=keep)
         self.last_checkpoint = str(path)
         return path
@@ -672,8 +670,6 @@ class Engine:
     def load(self, root):
         """Restore what ``save`` wrote (under this or another plan of the model); returns
         the manifest, whose ``data`` is the data position to resume from."""
-        from .checkpoint import load, resolve
-
         manifest = load(self, root)
         self.last_checkpoint = str(resolve(root))
         return manifest

@@ -49,7 +49,7 @@ _EXPORTS = {
     "probe": "hardware.probe",
     # profiling
     "Profile": "profiling.profile",
-    "measure": "profiling.profile",
+    "measure": "commands.measure",
     "load_profile": "profiling.profile",
     "dump_profile": "profiling.profile",
     "analytic_profile": "profiling.analytic",

@@ -162,7 +162,8 @@ def _library() -> list[P.Plan]:
 
 
 def test_show_prints_the_predictions_figures_for_every_library_plan():
-    from protrain.planner.views.show import human_bytes, render_show
+    from protrain.planner.hardware.units import human_bytes
+    from protrain.planner.views.show import render_show
 
     plans = _library()
     assert len(plans) >= 20

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from planfactory import gpu_spec, random_facts, synthetic_profile
 
 from protrain.executor import AdamWConfig, wrap
+from protrain.planner.commands.measure import measure
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths
-from protrain.planner.profiling.profile import measure
 from protrain.planner.search.cost import (
     block_policies,
     choose_chunk_numel,

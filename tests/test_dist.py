@@ -463,9 +463,9 @@ def test_persistent_reductions_start_inside_backward(tmp_path, shard):
 
 @pytest.mark.slow
 def test_host_memory_per_rank_is_one_over_world_and_predicted(tmp_path):
+    from protrain.planner.commands.measure import measure
     from protrain.planner.hardware.spec import find_spec
     from protrain.planner.models.zoo import block_paths
-    from protrain.planner.profiling.profile import measure
     from protrain.planner.search.cost import make_terms, predict
 
     persistent, n_buffer, policies = CASES["gpt2-tiny"]

@@ -19,8 +19,8 @@ from protrain.planner.commands.fit import (
     run_fit,
 )
 from protrain.planner.hardware.spec import dump_spec
+from protrain.planner.hardware.units import human_bytes
 from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, count_params
-from protrain.planner.views.show import human_bytes
 from protrain.plans import validation as V
 from protrain.plans.errors import BudgetError, ConfigError
 

@@ -1,9 +1,17 @@
-"""The import graph of ``planner/`` and ``executor/`` has no cycle, function-level imports
-included: a function-level import keeps torch out of light commands, it never hides a cycle.
+"""The import graph of ``plans/``, ``executor/`` and ``planner/`` has no cycle and no upward
+edge, function-level and ``TYPE_CHECKING`` imports included: a function-level import keeps
+torch out of light commands, it never hides a cycle, and a type-only import is still a
+dependency of the code's meaning.
 
-The graph is read from the source (``ast``), so an import inside a function counts as
-much as one at the top; only ``if TYPE_CHECKING:`` blocks are left out (they never run).
-An import of a package's name (``from . import homes``) is an edge to that module.
+The graph is read from the source (``ast``), so an import inside a function or under
+``if TYPE_CHECKING:`` counts as much as one at the top. An import of a package's name
+(``from . import homes``) is an edge to that module.
+
+Layers, lowest first: ``plans`` (the contract) < ``executor`` (the runtime) < ``planner``;
+inside the planner, sub-packages in the order ``LAYERS``: the machine's quantities
+(hardware), the models, their profiles, the search that turns a profile into a plan, the
+views that render plans, and the commands, which also run the engine (``train``,
+``measure``: measuring runs the engine on a plan the search emits).
 """
 
 from __future__ import annotations
@@ -14,7 +22,13 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"protrain.planner": ROOT / "planner", "protrain.executor": ROOT / "executor"}
+PACKAGES = {
+    "protrain.plans": ROOT / "plans",
+    "protrain.executor": ROOT / "executor",
+    "protrain.planner": ROOT / "planner",
+}
+LAYERS = ["hardware", "models", "profiling", "search", "views", "commands"]
+"""The planner's sub-packages, lowest first: each may import those before it, never after."""
 
 
 def _modules() -> dict[str, Path]:
@@ -27,13 +41,6 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Modules of ``known`` that module ``name`` (at ``path``) imports anywhere in its body."""
     is_pkg = path.name == "__init__.py"
@@ -42,9 +49,6 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     todo = list(ast.parse(path.read_text()).body)
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            todo.extend(node.orelse)
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -93,4 +97,45 @@ def test_the_graph_sees_function_level_imports(tmp_path):
     (tmp_path / "c.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x\n"
     )
-    assert _imports("p.c", tmp_path / "c.py", {"p.c", "p.b"}) == set()
+    assert _imports("p.c", tmp_path / "c.py", {"p.c", "p.b"}) == {"p.b"}  # a type is a dependency
+
+
+def _layer(module: str) -> tuple[int, int]:
+    """(package rank, planner rank) of a module: an edge may only go down or sideways.
+
+    The planner's root modules: ``shipped`` (where the shipped data lies) sits below every
+    sub-package; the face (``protrain.planner``) and ``__main__`` above them all."""
+    parts = module.split(".")
+    top = ["plans", "executor", "planner"].index(parts[1])
+    if top != 2:
+        return top, 0
+    if len(parts) == 2 or parts[2] == "__main__":
+        return top, len(LAYERS)
+    return top, LAYERS.index(parts[2]) if parts[2] in LAYERS else -1
+
+
+def upward_edges(g: nx.DiGraph) -> list[str]:
+    """Edges from a lower layer to a higher one."""
+    return sorted(f"{a} -> {b}" for a, b in g.edges() if _layer(b) > _layer(a))
+
+
+def test_layers_import_one_way():
+    """plans < executor < planner, and the planner's sub-packages in ``LAYERS`` order."""
+    assert not upward_edges(import_graph()), "upward imports:\n" + "\n".join(
+        upward_edges(import_graph())
+    )
+
+
+def test_the_graph_fails_on_an_added_cycle_or_upward_edge(monkeypatch):
+    """The two checks above catch what they exist for: a cycle through a type-only import
+    (identity <-> plan, as it was) and an upward edge (search -> views, as it was)."""
+    real = import_graph()
+    g = real.copy()
+    g.add_edge("protrain.plans.plan", "protrain.plans.validation")  # validation imports plan
+    assert any(len(c) > 1 for c in nx.simple_cycles(g))
+    g = real.copy()
+    g.add_edge("protrain.planner.search.milp", "protrain.planner.views.show")
+    assert upward_edges(g) == ["protrain.planner.search.milp -> protrain.planner.views.show"]
+    g = real.copy()
+    g.add_edge("protrain.plans.plan", "protrain.executor.engine")
+    assert upward_edges(g) == ["protrain.plans.plan -> protrain.executor.engine"]

@@ -420,7 +420,7 @@ analytic time and do not scale, so the forward reads lower as the host slows (me
 
 def measured_block_us(model, *, B, T, spec) -> tuple[float, float]:
     """One measured profile's least block (fwd_us, bwd_us)."""
-    from protrain.planner.profiling.profile import measure
+    from protrain.planner.commands.measure import measure
 
     p = measure(
         model,

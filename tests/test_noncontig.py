@@ -20,9 +20,9 @@ from planfactory import gpu_spec, random_facts, synthetic_profile
 from test_cost import CPU_SPEC, _uploads
 
 from protrain.executor import AdamWConfig, wrap
+from protrain.planner.commands.measure import measure
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths
-from protrain.planner.profiling.profile import measure
 from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,

@@ -10,10 +10,11 @@ from click.testing import CliRunner
 from torch.autograd.graph import saved_tensors_hooks
 
 from protrain.planner.commands.cli import main
+from protrain.planner.commands.measure import measure
 from protrain.planner.hardware.spec import find_spec
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import block_paths, build
-from protrain.planner.profiling.profile import dump_profile, load_profile, measure
+from protrain.planner.profiling.profile import dump_profile, load_profile
 
 CPU = find_spec("cpu")
 

@@ -92,8 +92,8 @@ def test_a_block_called_twice_is_refused_naming_it():
 
 
 def test_the_profiler_refuses_a_block_called_twice_cleanly():
+    from protrain.planner.commands.measure import measure
     from protrain.planner.hardware.spec import find_spec
-    from protrain.planner.profiling.profile import measure
 
     with pytest.raises(ConfigError, match="called 2 times"):
         measure(

@@ -24,9 +24,10 @@ def setup_protrain(args, cfg, label, dev, rec):
     import torch
 
     from protrain.executor import AdamWConfig, wrap
+    from protrain.planner.commands.measure import measure
     from protrain.planner.hardware.spec import dump_spec, find_spec
     from protrain.planner.models.zoo import block_paths
-    from protrain.planner.profiling.profile import dump_profile, load_profile, measure
+    from protrain.planner.profiling.profile import dump_profile, load_profile
     from protrain.planner.search.planning import make_plan
     from protrain.plans import plan as P
     from protrain.plans.errors import BudgetError

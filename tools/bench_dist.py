@@ -65,11 +65,11 @@ from bench_executor import BENCHMARKS_MD, ROOT, build_model, machine, write_sect
 
 from protrain.executor import AdamWConfig, wrap  # noqa: E402
 from protrain.executor.dist import Comm  # noqa: E402
+from protrain.planner.commands.measure import measure  # noqa: E402
 from protrain.planner.hardware.probe import probe  # noqa: E402
 from protrain.planner.hardware.spec import link_bandwidth  # noqa: E402
 from protrain.planner.models.data import batches, load_tokens  # noqa: E402
 from protrain.planner.models.zoo import block_paths  # noqa: E402
-from protrain.planner.profiling.profile import measure  # noqa: E402
 from protrain.planner.search.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
 from protrain.planner.search.emit import emit  # noqa: E402
 from protrain.plans import plan as P  # noqa: E402

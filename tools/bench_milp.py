@@ -207,8 +207,8 @@ class CpuCase:
 
 
 def cpu_cases(args, spec) -> list[CpuCase]:
+    from protrain.planner.commands.measure import measure
     from protrain.planner.models.zoo import block_paths
-    from protrain.planner.profiling.profile import measure
 
     out = []
     for name in args.models.split(","):

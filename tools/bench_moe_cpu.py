@@ -85,10 +85,10 @@ def main() -> None:
     import numpy as np
     import torch
 
+    from protrain.planner.commands.measure import measure
     from protrain.planner.hardware.probe import probe
     from protrain.planner.models.zoo import block_paths
     from protrain.planner.profiling import analytic
-    from protrain.planner.profiling.profile import measure
 
     torch.set_num_threads(1)
     time.perf_counter = time.thread_time  # measure() and the probe read it: the thread's CPU clock

@@ -12,7 +12,7 @@ this tree is faster).
   each call, the time spent in the exhaustive searches (``planning.SOLVERS["exhaustive"]``,
   wrapped: every chunk-size candidate's search, without building terms or emitting the plan).
   Each timed call starts with the planner's caches emptied (``search.grid._policy_grid``,
-  ``search.layout._layout``, ``search.emit._version``; before the move ``grid``/``cost._chunk_need``), so it pays for its grids, their
+  ``search.layout._layout``, ``profiling.profile._version``; before the move ``grid``/``cost._chunk_need``), so it pays for its grids, their
   strip-only terms and its chunk layouts as a fresh ``protrain plan`` process does, not a
   previous call's.
 - ``protrain fit --hardware rtx3090`` (both families' ladders), wall time of the command and
@@ -70,7 +70,7 @@ budget = prof.hardware.usable_memory_bytes
 inner = planning.SOLVERS["exhaustive"]  # (both trees: the dict make_plan reads)
 caches = []  # a fresh process's caches for each timed call (in the trees that have them)
 for module, name in (("search.grid", "_policy_grid"), ("search.layout", "_layout"),  # (the planner by concern)
-                     ("search.emit", "_version"),  # (the installed version, looked up once per process)
+                     ("profiling.profile", "_version"),  # (the installed version, looked up once per process)
                      ("grid", "_policy_grid"), ("cost", "_chunk_need")):  # (trees before that move)
     try:
         caches.append(getattr(__import__("protrain.planner." + module, fromlist=[name]), name).cache_clear)

@@ -230,8 +230,8 @@ class ModelResult:
 
 
 def bench_model(name: str, spec, args) -> ModelResult:
+    from protrain.planner.commands.measure import measure
     from protrain.planner.models.zoo import block_paths
-    from protrain.planner.profiling.profile import measure
 
     B, T = args.batch, args.seq
     model = build_model(name, "cpu", args.seed)

@@ -90,10 +90,10 @@ def llama70b_row() -> str:
     """Does llama-70b (micro-batch 1 x 4096) plan on one A100-80G with 1 TiB? One line."""
     from protrain.planner.commands.fit import host_need_bytes
     from protrain.planner.hardware.spec import find_spec
+    from protrain.planner.hardware.units import human_bytes
     from protrain.planner.models.zoo import block_paths, build
     from protrain.planner.profiling.analytic import analytic_profile
     from protrain.planner.search.planning import host_budget_per_rank, make_plan
-    from protrain.planner.views.show import human_bytes
     from protrain.plans.errors import ProtrainError
 
     spec = find_spec("a100-80g")

@@ -357,7 +357,8 @@ def tokens_per_s(plan) -> float:
 
 
 def render_index(rows: list[Row]) -> str:
-    from protrain.planner.views.show import human_bytes, human_count, policy_strip
+    from protrain.planner.hardware.units import human_bytes, human_count
+    from protrain.planner.views.show import policy_strip
 
     n_params = {r.entry.model: r.plan.model.n_params for r in rows if r.plan is not None}
     shapes = "\n".join(f"| {m} | {b} × {s} |" for m, (b, s) in SHAPES.items())

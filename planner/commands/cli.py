@@ -109,7 +109,7 @@ def models() -> None:
 
 
 def _count(n: int) -> str:
-    from ..views.show import human_count
+    from ..hardware.units import human_count
 
     return human_count(n)
 

@@ -420,8 +420,8 @@ def _probe(
     nvme: bool = False,
     lora=None,
 ) -> Probe:
+    from ..hardware.units import human_bytes
     from ..search.planning import make_plan
-    from ..views.show import human_bytes
 
     t0 = time.perf_counter()
     n = n_params(cfg)
@@ -573,7 +573,7 @@ def largest_fitting(
         else:
             hi, limit = mid, p.reason
     if best is None:
-        from ..views.show import human_bytes
+        from ..hardware.units import human_bytes
 
         raise BudgetError(
             f"not even the smallest {family} ({describe(configs[0])}, {n_params(configs[0]) / 1e6:.0f}M "
@@ -645,7 +645,7 @@ def largest_fitting(
 
 def render_fit(results: Sequence[FitResult]) -> str:
     """The ``protrain fit`` table: one row per family, then what stops the next size."""
-    from ..views.show import human_bytes
+    from ..hardware.units import human_bytes
 
     if not results:
         return "no results"

@@ -149,11 +149,11 @@ def fit_model(
     ``planning.default_host_budget(spec)``. ``nvme``: plans may keep optimizer states on
     disk (``make_plan(nvme=True)``; the spec must carry the disk's bandwidth).
     """
+    from ..hardware.units import human_bytes
     from ..models.moe import detect
     from ..models.zoo import block_paths
     from ..profiling.analytic import DTYPES, analytic_profile
     from ..search.planning import default_host_budget, make_plan, require_disk
-    from ..views.show import human_bytes
 
     t0 = time.perf_counter()
     if not micro_batches or min(micro_batches) < 1:
@@ -243,7 +243,7 @@ def _time(us: int) -> str:
 
 def render_model_fit(r: ModelFit) -> str:
     """The ``protrain fit --hf-config`` report: sizes, one row per micro-batch, the verdict."""
-    from ..views.show import human_bytes
+    from ..hardware.units import human_bytes
 
     lines = [
         f"fit {r.name} on {r.hardware}: {human_bytes(r.budget_bytes)} device budget, "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError
 
-from ..views.show import human_bytes
+from ..hardware.units import human_bytes
 
 
 def output_file(path: str | os.PathLike | None, flag: str) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 from protrain.plans import plan as P
 from protrain.plans.errors import ConfigError
 
+from ..hardware.units import human_bytes
 from ..profiling.profile import Profile, dump_profile, load_profile
-from ..views.show import human_bytes, render_show
+from ..views.show import render_show
 
 
 def _device(device: str | None) -> str:
@@ -117,7 +118,7 @@ def build_profile(
         spec = find_spec(hardware)
     else:
         spec = cached_probe(dev, reprobe=reprobe, echo=echo)
-    from ..profiling.profile import measure
+    from .measure import measure
     from .preflight import host_memory_for_build
 
     host_memory_for_build(model_name, what="profile")
@@ -319,7 +320,7 @@ def run_plan(
         echo(f"warning  {w}")
     echo(render_show(plan, output))
     if lora is not None:
-        from ..models.lora import closing_note
+        from .lora_options import closing_note
 
         echo(closing_note(plan, lora, parse_budget(host_memory) if host_memory else None))
     return plan

@@ -17,9 +17,10 @@ import torch
 
 from protrain.plans import plan as P
 
+from ..hardware.units import human_bytes
 from ..profiling.profile import dump_profile
 from ..search.planning import make_plan, parse_budget
-from ..views.show import human_bytes, render_explain, render_show
+from ..views.show import render_explain, render_show
 from .profile_plan import build_profile
 from .train import train
 

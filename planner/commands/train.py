@@ -32,9 +32,9 @@ from protrain.executor import AdamWConfig, wrap
 from protrain.executor.check import check
 from protrain.plans.errors import ConfigError
 
+from ..hardware.units import human_bytes
 from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
 from ..models.zoo import build, check_name, is_hf_name
-from ..views.show import human_bytes
 
 LOG_EVERY = 10
 """Steps between plain log lines when stdout is not a terminal and no --log-every is given."""

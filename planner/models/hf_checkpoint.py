@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from protrain.executor.checkpoint import (
     check_header,
@@ -26,9 +26,6 @@ from protrain.executor.checkpoint import (
     resolve,
 )
 from protrain.plans.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from .hf import HFCausalLM
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -115,7 +112,7 @@ def _shard(index: Path, name: object) -> Path:
 
 
 @torch.no_grad()
-def load_weights(model: HFCausalLM, files: list[str | Path]) -> None:
+def load_weights(model: nn.Module, files: list[str | Path]) -> None:
     """Copy tensors from safetensors ``files`` into ``model``'s parameters (cast to their dtype).
 
     Names may carry the base-model prefix or not (GPT-2's original checkpoints say
@@ -185,7 +182,7 @@ TOKENIZER_FILES = (
 
 
 def export(
-    model: HFCausalLM,
+    model: nn.Module,
     state: dict[str, torch.Tensor],
     out_dir: str | Path,
     *,
@@ -231,7 +228,7 @@ def export(
 
 
 def _write_export(
-    model: HFCausalLM,
+    model: nn.Module,
     state: dict[str, torch.Tensor],
     tmp: Path,
     config_path: str | Path | None,

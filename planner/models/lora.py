@@ -21,7 +21,7 @@ from torch import nn
 
 from protrain.plans.errors import ConfigError
 
-from ..commands.lora_options import LoraSpec
+from .lora_spec import LoraSpec
 
 ADAPTER = "default"
 """peft's adapter name: the one ``PeftModel.from_pretrained`` loads by default."""
@@ -257,49 +257,3 @@ def build_model(name: str, lora: LoraSpec | None, **kw) -> nn.Module:
 
     model = build(name, **kw)
     return inject(model, lora, seed=kw.get("seed", 0)) if lora is not None else model
-
-
-def closing_note(plan, lora: LoraSpec, host_budget: int | None = None) -> str:
-    """What ``protrain plan --lora`` says last: trainable share, predicted tokens/s, and what
-    full training of the same model would need on the host (the least a plan without the
-    disk keeps per parameter: a homeless chunk's master and moments, homes.HOMELESS)."""
-    from protrain.plans import homes as H
-
-    from ..search import memory_walk
-    from ..views.show import human_bytes
-
-    t = plan.training
-    n_all = plan.model.n_params
-    n_train = sum(p.numel for c in plan.chunks.items for p in c.params if not p.frozen)
-    iter_us = plan.prediction.iter_time_us
-    tok = (
-        t.micro_batch * t.seq_len * t.grad_accum * t.world_size / (iter_us / 1e6)
-        if iter_us
-        else 0.0
-    )
-    walk = memory_walk.walk(plan)
-    su = H.Setup(t.compute_dtype, t.grad_accum)
-    per = min(
-        H.HOMELESS.per_elem(su, "host")
-        if H.HOMELESS.refusal(su, "during_backward") is None
-        else H.HOST.per_elem(su, "host"),
-        H.HOST.per_elem(su, "host"),
-    )
-    full = n_all * per // t.world_size
-    fits = (
-        ""
-        if host_budget is None
-        else (
-            " (fits the host budget)"
-            if full <= host_budget
-            else f" - more than the {human_bytes(host_budget)} host budget: "
-            "full training needs the NVMe tier (--nvme) or more ranks"
-        )
-    )
-    return (
-        f"lora     {lora.describe()}: {n_train:,} of {n_all:,} parameters train ({100 * n_train / n_all:.2f}%); "
-        f"predicted {tok:,.0f} tokens/s, host {human_bytes(walk.host_bytes)} "
-        f"({walk.host_bytes / max(1, n_all - n_train):.2f} B per frozen parameter)\n"
-        f"full     training all {n_all:,} parameters would keep at least {per} B each on the host: "
-        f"{human_bytes(full)} per rank{fits}"
-    )

@@ -117,6 +117,7 @@ from .profile import (
     ProfileModel,
     ProfileTraining,
     SegmentProfile,
+    generator,
 )
 
 KERNEL_OVERHEAD_US = 5.0
@@ -571,8 +572,6 @@ def analytic_profile(
     (parameter trace, counted training step). ``graph``: ``parameter_trace(model, blocks,
     seq_len)`` where the caller has it (the micro-batches of one model share it).
     """
-    from ..search.emit import generator
-
     graph = parameter_trace(model, blocks, seq_len) if graph is None else graph
     if progress is not None:
         progress(1, 2)

@@ -26,10 +26,8 @@ rule, so two runs of the planner give the same bytes:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 from torch import nn
@@ -41,22 +39,9 @@ from protrain.plans import plan as P
 from protrain.plans.errors import ConfigError
 
 from ..profiling.graph import ExecutionGraph, trace
+from ..profiling.profile import generator
 from .layout import assign, layout_order
 from .rules import HOST_SLOTS, ModelFacts, build_schedule, cpu_adam_schedule  # noqa: F401  (emit's API)
-
-
-def generator() -> P.Generator:
-    return P.Generator(name="protrain", version=_version())
-
-
-@functools.cache
-def _version() -> str:
-    """The installed protrain's version, looked up once per process (a millisecond each time:
-    ``protrain fit`` makes dozens of profiles and plans)."""
-    try:
-        return version("protrain")
-    except PackageNotFoundError:  # running from a source tree that was not installed
-        return "0+unknown"
 
 
 def model_facts(

@@ -12,17 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from protrain.plans import homes as H
 
 from .memo import per_object
-
-if TYPE_CHECKING:
-    from .cost import Terms
-
+from .terms import Terms
 
 SWAP_OVERHEAD_US = 30.0
 """Host-side cost of swapping one block on a GPU, beyond the copies themselves:

@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..hardware.spec import default_host_budget
-from ..views.show import Departure, departures_from, is_four_count
 from .cost import (
     ALPHA_GPU,
     LINK_DUPLEX,
@@ -76,6 +75,7 @@ from .cost import (
     min_buffers,
     strips_grid,
 )
+from .departures import Departure, departures_from, is_four_count
 from .exhaustive import Choice, SearchResult, exhaustive, policy_pairs, space
 
 MILP_TIME_LIMIT_S = 10.0

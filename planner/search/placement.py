@@ -13,16 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .memo import last_call, per_object
 from .memory_walk import ALPHA_GPU
-
-if TYPE_CHECKING:
-    from .cost import Terms
-
+from .terms import Terms
 
 Placement = int | Sequence[int]
 """Which chunks are persistent: a count ``n_persist`` (the first chunks in execution

@@ -21,8 +21,8 @@ from ..hardware.spec import (  # noqa: F401  (re-exported: the host budget)
     default_host_budget,
     host_budget_per_rank,
 )
+from ..hardware.units import human_bytes
 from ..profiling.profile import Profile, dump_profile
-from ..views.show import human_bytes
 from .cost import (
     DTYPE_BYTES,
     Terms,

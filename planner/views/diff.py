@@ -14,7 +14,8 @@ import msgspec
 from protrain.plans.homes import POLICIES
 from protrain.plans.plan import Generator, Plan, Provenance, dump
 
-from .show import human_bytes, human_count, policy_strip
+from ..hardware.units import human_bytes, human_count
+from .show import policy_strip
 
 # ------------------------------------------------------------------------ diff
 #
