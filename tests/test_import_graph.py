@@ -139,3 +139,35 @@ def test_the_graph_fails_on_an_added_cycle_or_upward_edge(monkeypatch):
     g = real.copy()
     g.add_edge("protrain.plans.plan", "protrain.executor.engine")
     assert upward_edges(g) == ["protrain.plans.plan -> protrain.executor.engine"]
+
+
+def _repeated_imports(path: Path) -> list[str]:
+    """Function-level imports of a module the file already imports at its top."""
+    tree = ast.parse(path.read_text())
+
+    def key(node: ast.Import | ast.ImportFrom) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names}
+        return {f"{'.' * node.level}{node.module or ''}:{a.name}" for a in node.names}
+
+    top = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            top |= key(node)
+    inner = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and n not in tree.body
+    ]
+    return sorted(f"{path.name}:{n.lineno} {k}" for n in inner for k in key(n) & top)
+
+
+def test_no_function_level_import_repeats_a_module_level_one(tmp_path):
+    """A function-level import is for keeping torch out of light commands; one that repeats
+    the module's own top-level import does nothing but hide where the dependency is."""
+    repeats = [r for p in _modules().values() for r in _repeated_imports(p)]
+    assert not repeats, repeats
+    (tmp_path / "m.py").write_text(
+        "import os\nfrom .a import b\n\ndef f():\n    from .a import b\n"
+    )
+    assert _repeated_imports(tmp_path / "m.py") == ["m.py:5 .a:b"]
