@@ -61,7 +61,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from protrain.plans import homes as H
-from protrain.plans.accounting import STEP_PIECE, chunk_homes, host_numel, pool_slots, setup
+from protrain.plans.accounting import STEP_PIECE, chunk_homes, host_numel, setup
 from protrain.plans.errors import ConfigError
 from protrain.plans.plan import Plan
 
@@ -70,6 +70,19 @@ from .nvme import DiskStates, copy_pieces
 from .transfer import CopyEngine, CopyHandle, HostArena
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pool_slots(plan: Plan) -> int:
+    """Chunk-sized device buffers the plan holds at most at once: each persistent chunk's
+    values and gradients, ``n_buffer`` offloaded chunks' values, and the offloaded
+    gradient buffers open at once in backward (from a chunk's backward fetch to its
+    offload). What the chunk pool is sized for."""
+    open_grads, most = set(), 0
+    for step in plan.schedule.backward:
+        open_grads |= set(step.fetch)
+        most = max(most, len(open_grads))
+        open_grads -= set(step.offload)
+    return 2 * len(plan.placement.persistent) + plan.placement.n_buffer + most
 
 
 class Residency(enum.Enum):

@@ -52,7 +52,7 @@ from .checkpoint import base_fingerprint, load, resolve, save
 from .chunks import DTYPES, ChunkStore, Residency
 from .dist import Comm
 from .events import Listener
-from .memory import Ledger
+from .memory import Ledger, expected_states
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
@@ -216,7 +216,7 @@ class Engine:
             raise AssertionError(
                 f"host states: counted {self.ledger.host_bytes} B, accounting.py says {host} B"
             )
-        self.ledger.expected = accounting.expected_states(plan, trainable)
+        self.ledger.expected = expected_states(plan, trainable)
 
     # -- observation
 

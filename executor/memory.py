@@ -29,9 +29,38 @@ on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from protrain.plans.accounting import state_events
+from protrain.plans.plan import Plan
+
 KINDS = ("chunks", "grads", "optim", "activations", "shared_grads")
+
+
+STATE_KINDS = ("chunks", "grads", "optim")
+"""Device kinds that are model states (the rest are activations)."""
+
+
+def expected_states(
+    plan: Plan, trainable: Sequence[bool] | None = None
+) -> dict[tuple[str, str, str], dict[str, int]]:
+    """Device model-state bytes as the executor's ledger counts them (``STATE_KINDS``;
+    ``chunks``: persistent chunks' values plus the chunks occupying the reserved buffers) at
+    every step's begin (after its fetches and prefetches) and end (after its releases):
+    what ``Ledger.check`` holds the executor to. Keys ``(phase, segment, "begin" | "end")``."""
+    wrap, steps = state_events(plan, trainable)
+    totals = {
+        k: sum(e.nbytes for e in wrap if e.where == "device" and e.kind == k) for k in STATE_KINDS
+    }
+    out = {}
+    for phase, step, begin, end in steps:  # (a step's begin only allocates, its end only frees)
+        for when, evs in (("begin", begin), ("end", end)):
+            for e in evs:
+                totals[e.kind] += e.nbytes
+            out[(phase, step.segment, when)] = dict(totals)
+    return out
 
 
 class Ledger:
@@ -45,14 +74,14 @@ class Ledger:
         # Host bytes of offloaded states on this rank: homes, fp32 masters, moments,
         # gradient accumulators (all shards under ZeRO-3). Allocated once, at wrap.
         self.host_bytes = 0
-        # accounting.expected_states: (phase, segment, "begin"|"end") → model-state bytes.
+        # expected_states: (phase, segment, "begin"|"end") → model-state bytes.
         self.expected: dict[tuple[str, str, str], dict[str, int]] = {}
 
     def host_alloc(self, nbytes: int) -> None:
         self.host_bytes += nbytes
 
     def check(self, phase: str, segment: str, when: str, deferred_grads: int = 0) -> None:
-        """Hold the counted model states to ``accounting.expected_states`` at a step boundary.
+        """Hold the counted model states to ``expected_states`` at a step boundary.
         ``deferred_grads``: gradient bytes whose offload waits for autograd (schedule.py
         [Note: gradient completion]), still open past the plan's moment."""
         want = self.expected.get((phase, segment, when))

@@ -26,7 +26,6 @@ from protrain.planner.search.cost import (
     segment_bytes,
 )
 from protrain.planner.search.emit import assemble
-from protrain.plans import accounting as A
 from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,13 +190,6 @@ def test_cost_search_and_milp_do_not_import_torch():
         "protrain.plans.accounting; sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-
-
-@pytest.mark.parametrize("name", ["pool_slots"])
-def test_the_chunk_pool_is_sized_by_the_accounting(name):
-    from protrain.executor import chunks
-
-    assert getattr(chunks, name) is getattr(A, name)
 
 
 def test_the_property_ran_on_500_plans():

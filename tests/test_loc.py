@@ -1,47 +1,54 @@
-"""The executor's size budget (issue 29, point 6): at most 2,500 code lines, as tools/loc.py counts.
+"""Size budgets, counted on `ruff format`ted code by tools/loc.py: the executor at most 3,000
+code lines, the plan contract (plans/) at most 1,100.
 
 Code lines are lines holding a token that is neither a comment nor part of a docstring
-(tools/loc.py ``count``, the rule ``python tools/loc.py`` prints), summed over executor/*.py.
-The budget keeps the executor small enough to audit and to import fast on every rank.
-Until the executor is within it, ``CEILING`` holds it where it stands: no change may grow it.
+(tools/loc.py ``count``). `.ci/run` checks the tree is formatted first, so the count
+measures code, not how densely it is packed. The executor stays small enough to audit and to
+import fast on every rank; the contract small enough to read as the file format's definition.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-BUDGET = 2500
-CEILING = 3810
-"""The executor's code lines now: lower it with every change that shrinks the executor, and
-drop it (and the xfail below) once the executor is within ``BUDGET``."""
-
-
-def executor_code_lines() -> int:
-    spec = importlib.util.spec_from_file_location("protrain_tools_loc", ROOT / "tools" / "loc.py")
-    loc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loc)
-    return sum(loc.count(p)[0] for p in sorted((ROOT / "executor").glob("*.py")))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the executor is not yet within 2,500 code lines (CEILING: where "
-    "it stands); strict: remove this mark once it is",
+_spec = importlib.util.spec_from_file_location(
+    "protrain_tools_loc", Path(__file__).resolve().parent.parent / "tools" / "loc.py"
 )
-def test_executor_within_its_budget():
-    n = executor_code_lines()
-    assert n <= BUDGET, (
-        f"executor/ has {n} code lines, over its budget of {BUDGET} (python tools/loc.py)"
+loc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = loc
+_spec.loader.exec_module(loc)
+
+
+OVER = {
+    "plans": "the accounting stream moved in with the contract (show/diff read it without the "
+    "runtime): 1,131 formatted lines, 31 over; issue 38 stays open until it is within"
+}
+"""Packages known to be over their budget, and why: a strict xfail, so the day one is within
+it this test turns red and the entry must go. Never add one to let a change through."""
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OVER[p])) if p in OVER else p
+        for p in sorted(loc.BUDGETS)
+    ],
+)
+def test_package_within_its_budget(package):
+    n, budget = loc.package_lines(package), loc.BUDGETS[package]
+    assert n <= budget, (
+        f"{package}/ has {n} code lines, over its budget of {budget} "
+        "(python tools/loc.py lists them per file): what decision or duplicate crept in?"
     )
 
 
-def test_executor_does_not_grow():
-    n = executor_code_lines()
-    assert n <= CEILING, (
-        f"executor/ has {n} code lines, more than the {CEILING} it stood at "
-        f"(budget {BUDGET}; python tools/loc.py lists them per file)"
+def test_count_ignores_comments_docstrings_and_blank_lines(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        '"""Doc."""\n\n# a comment\nx = 1  # trailing\n\n\ndef f():\n    """Doc."""\n    return (\n        x\n    )\n'
     )
+    assert loc.count(f) == (5, 4)  # the trailing comment shares its line with code
