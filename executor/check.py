@@ -115,8 +115,10 @@ def check(plan: Plan, model: nn.Module, where: str = "plan", name: str | None = 
             f"this model has {len(live)}):\n  " + "\n  ".join(problems),
             f"make a plan for this model: `protrain plan --model {name} …`"
             if name
-            else "make a plan for this model with `protrain plan --model NAME …` (NAME: the model you run), "
-            f"or run the plan's model, {plan.model.name}",
+            else (
+                "make a plan for this model with `protrain plan --model NAME …` (NAME: the model "
+                f"you run), or run the plan's model, {plan.model.name}"
+            ),
         )
     # Schema 8: a plan provisions no gradient, master or moments for a chunk it says is frozen.
     # Training a parameter the plan froze is refused; freezing one it trains is not (it needs less).

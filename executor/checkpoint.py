@@ -78,7 +78,8 @@ OWN_NAMES = re.compile(r"latest|\.latest\.tmp|\.lock|(?:\.tmp-)?step-\d{8}(?:\.\
 """Every name a save (or its lock) writes in a root: [Note: one run per root]."""
 HASH_BLOCK = 8 << 20
 DAMAGED = "resume from another checkpoint"
-"""The hint of every refusal of a damaged or foreign file (the previous step directory may be whole)."""
+"""The hint of every refusal of a damaged or foreign file (the previous step directory may be
+whole)."""
 
 
 def _after_phase(phase: str) -> None:
@@ -176,9 +177,11 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
         raise CheckpointError(
-            f"{flag} {root} is in use by another protrain run (pid {holder} holds {root / LOCK_FILE}); "
-            "two runs saving into one directory would delete each other's checkpoints",
-            f"give this run its own directory (--save-dir {root}-2), or wait for pid {holder} to finish",
+            f"{flag} {root} is in use by another protrain run (pid {holder} holds "
+            f"{root / LOCK_FILE}); two runs saving into one directory would delete each other's "
+            "checkpoints",
+            f"give this run its own directory (--save-dir {root}-2), or wait for pid {holder} to "
+            "finish",
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -192,7 +195,8 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
 def save(
     engine: Any, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2
 ) -> Path:
-    """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its directory."""
+    """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its
+    directory."""
     if keep < 1:
         raise ValueError("keep must be at least 1")
     root = Path(root)
@@ -213,7 +217,8 @@ def save(
         if last
         else "train again with a lower learning rate: `protrain train … --lr X`",
     )
-    # A save outside a run (rank 0, a root no lock_root of this process holds) owns the root meanwhile.
+    # A save outside a run (rank 0, a root no lock_root of this process holds) owns the root
+    # meanwhile.
     outside = engine.comm.rank == 0 and os.path.realpath(root) not in _held
     lock = lock_root(root, "the checkpoint root") if outside else RootLock(root, -1)
     try:
@@ -304,14 +309,16 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
         raise CheckpointError(
             f"checkpoint {final} is complete, but {root / 'latest'} could not be pointed at it: "
             f"{e.strerror or e}; `latest` still names the previous checkpoint",
-            f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`",
+            f"free space in {root}, then resume from the new one: `protrain train … --resume "
+            f"{final}`",
         ) from None
 
 
 def _write_rank0(
     engine: Any, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None
 ) -> None:
-    """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing every file."""
+    """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing
+    every file."""
     from safetensors.torch import save_file
 
     aliases = {alias for _, alias in engine.plan.model.tied}
@@ -348,14 +355,18 @@ def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> Checkpoi
     """Remove the half-written ``tmp`` and describe the failure (space needed vs free)."""
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:,.1f} MiB free there"
+        free = (
+            f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:,.1f} MiB "
+            "free there"
+        )
     except OSError:
         free = "free space unknown"
     return CheckpointError(
-        f"checkpoint to {root} failed: {getattr(error, 'strerror', None) or error} (a checkpoint needs about "
-        f"{need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and `latest` still names "
-        "the previous checkpoint",
-        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less",
+        f"checkpoint to {root} failed: {getattr(error, 'strerror', None) or error} (a checkpoint "
+        f"needs about {need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and "
+        "`latest` still names the previous checkpoint",
+        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need "
+        "less",
     )
 
 
@@ -393,7 +404,8 @@ def _refuse_nonfinite(
 
 
 def resolve(root: str | Path) -> Path:
-    """The checkpoint directory ``root`` means: itself if it holds a manifest, else ``root/latest``."""
+    """The checkpoint directory ``root`` means: itself if it holds a manifest, else
+    ``root/latest``."""
     root = Path(root)
     if (root / "manifest.json").is_file():
         return root
@@ -506,7 +518,8 @@ _ST_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
 
 
 def load(engine: Any, root: str | Path) -> Manifest:
-    """Restore ``engine`` from the checkpoint ``root`` names; returns its manifest (data position)."""
+    """Restore ``engine`` from the checkpoint ``root`` names; returns its manifest (data
+    position)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -516,7 +529,10 @@ def load(engine: Any, root: str | Path) -> Manifest:
         m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint
     ):  # [Note: adapter checkpoints]
         raise CheckpointError(
-            f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, this model's "
+            (
+                f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, "
+                "this model's "
+            )
             + (
                 f"{engine.base_fingerprint[:19]}…)"
                 if engine.base_fingerprint

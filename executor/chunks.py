@@ -194,14 +194,16 @@ class Chunk:
         self._move(Residency.RESIDENT, Residency.RELEASED, "released")
 
     def grad_opened(self) -> None:
-        """The gradient buffer got device storage (a trainable chunk; offloaded ones in backward)."""
+        """The gradient buffer got device storage (a trainable chunk; offloaded ones in
+        backward)."""
         assert self.trainable and not self.grad_live, (
             f"chunk {self.id}: {self.trainable=} {self.grad_live=}"
         )
         self.grad_live = True
 
     def grad_closed(self) -> None:
-        """The gradient buffer's device storage was freed (an offloaded chunk's offload, or at wrap)."""
+        """The gradient buffer's device storage was freed (an offloaded chunk's offload, or at
+        wrap)."""
         assert self.grad_live and (self.where.offloaded or not self.trainable), (
             f"chunk {self.id}: {self.grad_live=} {self.where.name=} {self.trainable=}"
         )
@@ -295,7 +297,8 @@ class ChunkStore:
                     held.close()
             raise
         # The host slots (see [Note: host slots]), free for a next use once guard() returns:
-        # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute dtype.
+        # (slot, guard | None), oldest returned first. Each 1D (shard_numel,), pinned, compute
+        # dtype.
         self.slots = collections.deque(
             (self.arena.take(shard_numel, self.dtype), None) for _ in range(n_slots)
         )

@@ -110,8 +110,9 @@ class Comm:
             raise  # our own device is full: the engine reports it as a BudgetError
         except RuntimeError as e:  # DistBackendError and gloo/NCCL errors derive from it
             raise RankFailure(
-                f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0][:200]}); "
-                "another rank probably died or the process group timed out",
+                f"rank {self.rank} of {self.world}: {what} failed "
+                f"({str(e).splitlines()[0][:200]}); another rank probably died or the process "
+                "group timed out",
                 "look at the other ranks' logs; resume from the last checkpoint",
             ) from None
 

@@ -70,7 +70,8 @@ class StepResult:
     loss: float
     """Mean loss over the step's micro-batches (unscaled)."""
     grad_norm: float | None
-    """Global gradient L2 norm before clipping (None when neither clipping nor fp16 asked for it)."""
+    """Global gradient L2 norm before clipping (None when neither clipping nor fp16 asked for
+    it)."""
     peak_bytes: int
     """Peak device bytes during the step (allocator on CUDA, the ledger's count on CPU)."""
     skipped: bool = False
@@ -127,9 +128,11 @@ def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
     loss scaling needs the same; ``validate``, which wrap runs first, refuses such a plan.)"""
     if config.max_grad_norm is not None and plan.schedule.cpu_adam != "after_backward":
         raise ConfigError(
-            "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, but the "
-            f"plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
-            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it themselves)",
+            "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, "
+            "but the plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = "
+            f"{plan.schedule.cpu_adam!r})",
+            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it "
+            "themselves)",
         )
 
 
@@ -159,7 +162,8 @@ class Engine:
         )
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        # before any other collective: ranks with other plans would deadlock in them (dist.py [Note: ranks agree])
+        # before any other collective: ranks with other plans would deadlock in them (dist.py
+        # [Note: ranks agree])
         self.comm.agree(agreement(plan, config), dev)
         self.model, self.plan, self.device, self.config = model, plan, dev, config
         # The model's own parameter order: clipping reduces norms in this order, as
@@ -193,7 +197,8 @@ class Engine:
             self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
             raise
         # Per-step state, set in step().
-        # Whether the micro-batch being run is the step's first, and/or its last (CPU steps may start).
+        # Whether the micro-batch being run is the step's first, and/or its last (CPU steps may
+        # start).
         self._first_micro = self._last_micro = True
         self._reducing: dict[int, tuple] = {}  # persistent chunk → (its reduction's output, work)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
@@ -251,9 +256,10 @@ class Engine:
             for what, tensor in (("idx", x), ("targets", y)):
                 if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
                     raise ConfigError(
-                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan was "
-                        f"made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
-                        "batch the data as the plan says, or make a plan for this shape with `protrain plan`",
+                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan "
+                        f"was made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
+                        "batch the data as the plan says, or make a plan for this shape with "
+                        "`protrain plan`",
                     )
 
     def _draws(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> Iterator[Batch]:
@@ -402,7 +408,10 @@ class Engine:
                     if self.last_checkpoint
                     else ""
                 )
-                + " with a lower learning rate (or gradient clipping), and check the data around this step",
+                + (
+                    " with a lower learning rate (or gradient clipping), and check the data around "
+                    "this step"
+                ),
             )
 
     def _nonfinite_error(self, cid: int, step: int, partial: bool) -> NonFiniteGradientError:
@@ -414,8 +423,10 @@ class Engine:
             "stopped before any parameter changed, so the model and optimizer state are those of "
             f"step {step - 1}"
             if not partial
-            else "other chunks may have stepped already, so the state is partly updated and will not be "
-            "saved or exported"
+            else (
+                "other chunks may have stepped already, so the state is partly updated and will "
+                "not be saved or exported"
+            )
         )
         ckpt = self.last_checkpoint
         return NonFiniteGradientError(
@@ -427,7 +438,10 @@ class Engine:
                 else "no checkpoint was saved or loaded in this run"
             ),
             (
-                f"resume from it with a lower learning rate or clipping: `protrain train … --resume {ckpt} --lr X`"
+                (
+                    "resume from it with a lower learning rate or clipping: `protrain train … "
+                    f"--resume {ckpt} --lr X`"
+                )
                 if ckpt
                 else "train again with a lower learning rate or clipping: `protrain train … --lr X`"
             ),
@@ -472,8 +486,8 @@ class Engine:
             + f" at step {self.steps_done + 1}: the plan predicted a peak of {_size(predicted)}; "
             f"the allocator held {_size(held)} (peak allocated {_size(peak)}) when this failed: "
             f"{str(e).splitlines()[0][:160]}",
-            f"make a plan with a 10% margin: `protrain plan … --budget {_size(int(budget * 0.9))}`, "
-            "and check that no other process uses this device",
+            "make a plan with a 10% margin: `protrain plan … --budget "
+            f"{_size(int(budget * 0.9))}`, and check that no other process uses this device",
         )
 
     def _offload(self, cid: int) -> None:
@@ -492,7 +506,8 @@ class Engine:
         if c.persistent:
             return
         # A forward's in-place writes reach home and master before the step reads them (and not
-        # after, from the release at this segment's end: chunks.py [Note: in-place writes in forward]).
+        # after, from the release at this segment's end: chunks.py
+        # [Note: in-place writes in forward]).
         if c.residency is Residency.RESIDENT:
             self.store.write_back(cid)
         if c.homed:  # steps now, on the device (chunks.py [Note: device homes]; grad_accum 1)

@@ -12,11 +12,14 @@ the main thread unless the table says otherwise.
 =============  ==========  ==================================================================
 kind           edge        when (fields besides ``kind``, ``edge``, ``time_s``)
 =============  ==========  ==================================================================
-step           begin, end  ``Engine.step``: after the batch checks / after the loss is known (``loss``)
-segment        begin       the segment's fetches have landed (compute may start) (``phase``, ``segment``)
+step           begin, end  ``Engine.step``: after the batch checks / after the loss is known
+                           (``loss``)
+segment        begin       the segment's fetches have landed (compute may start) (``phase``,
+                           ``segment``)
 segment        end         its compute is over, before its offloads and releases (same)
 fetch,         begin, end  a chunk's upload is queued between the two (``chunk``, ``nbytes``,
-prefetch                   ``stream``); a fetch is waited on before its segment begins, a prefetch not
+prefetch                   ``stream``); a fetch is waited on before its segment begins, a
+                           prefetch not
 swap_in        begin, end  one swapped storage's upload (``block``, ``nbytes``, ``stream``)
 offload        begin, end  a chunk's gradient download (``chunk``, ``nbytes``, ``stream``)
 swap_out       begin, end  one saved storage's download (``block``, ``nbytes``, ``stream``)
@@ -25,14 +28,16 @@ land           mark        CPU worker thread: a chunk's gradients reached the ho
                            are accumulated (``chunk``)
 cpu_step       begin, end  CPU worker thread: a chunk's AdamW update; its new weights are written
                            to the chunk's home after ``end`` (``chunk``)
-device_step    begin, end  a persistent or device-homed chunk's AdamW update on the device (``chunk``)
+device_step    begin, end  a persistent or device-homed chunk's AdamW update on the device
+                           (``chunk``)
 collective     begin, end  a collective (world size > 1) (``detail``: which and of what, e.g.
                            "all-gather of chunk 3"); a fetch's all-gather runs on the copy
                            engine's upload stream (CUDA) or worker thread (CPU emulation)
 saved          mark        end of each forward, per segment, when activations are counted
                            (always on CPU; on CUDA if a listener asked): ``nbytes`` (each storage
                            once, the first segment to save it owns it: the ledger's count) and
-                           ``swap_bytes`` (what a swap of the segment moves) (``phase``, ``segment``)
+                           ``swap_bytes`` (what a swap of the segment moves) (``phase``,
+                           ``segment``)
 =============  ==========  ==================================================================
 
 Copies: ``stream`` is the CUDA stream a copy is queued on (``None`` on a CPU
@@ -44,7 +49,8 @@ to wait for compute, and a swap-in for its swap-out, when ``begin`` is emitted).
 Listeners run synchronously on the emitting thread, inside the engine: keep them
 short, never call back into the engine, and make them thread-safe (``land`` and
 ``cpu_step`` come from the CPU AdamW worker while the main thread runs backward).
-A listener that sleeps is a legitimate way to perturb timing in tests. With no listener, emitting costs one truth test.
+A listener that sleeps is a legitimate way to perturb timing in tests. With no listener, emitting
+costs one truth test.
 """
 
 from __future__ import annotations
@@ -97,7 +103,8 @@ class Event:
     swap_bytes: int = 0
     """``saved``: bytes a swap of the segment moves (or would move, for a keep block)."""
     detail: str = ""
-    """``collective``: the operation and its operand, as in error messages ("all-reduce of the loss")."""
+    """``collective``: the operation and its operand, as in error messages ("all-reduce of the
+    loss")."""
 
 
 Listener = Callable[[Event], None]

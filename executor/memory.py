@@ -90,7 +90,8 @@ class Ledger:
         got = {k: self.bytes[k] for k in want}
         want = {**want, "grads": want["grads"] + deferred_grads}
         assert got == want, (
-            f"ledger != accounting.py at {when} of {phase} {segment}: counted {got}, expected {want}"
+            f"ledger != accounting.py at {when} of {phase} {segment}: counted {got}, expected "
+            f"{want}"
         )
 
     def alloc(self, kind: str, nbytes: int) -> None:

@@ -72,8 +72,8 @@ class DiskStates:
             if getattr(self, "file", None) is not None:
                 self.file.close()
             raise ConfigError(
-                f"NVMe directory {str(where)!r}: cannot reserve and map a {nbytes:,}-byte file there "
-                f"({e.strerror or e})",
+                f"NVMe directory {str(where)!r}: cannot reserve and map a {nbytes:,}-byte file "
+                f"there ({e.strerror or e})",
                 "pass a writable directory with that much free space (--nvme DIR)",
             ) from None
         self.nbytes = nbytes

@@ -249,7 +249,8 @@ class ChunkOptimizer:
                 self.exp_avg_sq[c.id] = (
                     disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
                 )
-                # What the ledger counts is what was allocated (Ledger.check holds it to accounting.py).
+                # What the ledger counts is what was allocated (Ledger.check holds it to
+                # accounting.py).
                 own = [
                     self.exp_avg[c.id],
                     self.exp_avg_sq[c.id],
@@ -444,12 +445,14 @@ class ChunkOptimizer:
                 if c.persistent and c.trainable and not c.sharded:
                     sq += c.dev_grad.double().square().sum().float()
             return sq.sqrt()
-        views = {}  # id(parameter) → its gradient as the optimizer sees it, if it received one this step
+        # id(parameter) → its gradient as the optimizer sees it, if it received one this step
+        views = {}
         for c in self.store.chunks:
             if (
                 c.trainable and not c.homed
             ):  # (device-homed: stepped at its offload, its gradients gone)
-                # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read them
+                # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read
+                # them
                 flat = (
                     c.dev_grad
                     if c.persistent
@@ -596,7 +599,8 @@ class ChunkOptimizer:
         which = self.stepping(cid)  # complete: the chunk is offloaded
         grads = self.store.own_grad(cid) if c.grad_live else None
         # No wait for an upload reading the master: compute waited for each of this chunk's
-        # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after them.
+        # uploads before its segments ran (``ChunkStore.wait``), and this runs on compute after
+        # them.
         if which:
             self.guard(cid, self.step_no, self.read_by_step(cid, which, grads))
         self.store.copies.events.emit("device_step", "begin", chunk=cid)

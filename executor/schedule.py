@@ -140,8 +140,8 @@ def block_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable[[torc
     if isinstance(kwargs.get(HIDDEN_STATES), torch.Tensor):
         return kwargs[HIDDEN_STATES], lambda t: (args, {**kwargs, HIDDEN_STATES: t})
     raise ConfigError(
-        f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks must "
-        f"take the hidden states first or as {HIDDEN_STATES}=",
+        f"a block was called with keywords {sorted(kwargs)} and no positional argument; blocks "
+        f"must take the hidden states first or as {HIDDEN_STATES}=",
         BLOCKS_FIX,
     )
 
@@ -219,10 +219,11 @@ class Replayer:
             for p, _, _ in c.params:
                 if p.requires_grad != (id(p) in self.param_slot):
                     raise ConfigError(
-                        f"parameter {names[id(p)]!r} was {'frozen' if p.requires_grad else 'trainable'} "
-                        f"at wrap and is {'trainable' if p.requires_grad else 'frozen'} now",
-                        "set requires_grad before wrap(model, plan); to change it, close the engine, "
-                        "save its state_dict and wrap again",
+                        f"parameter {names[id(p)]!r} was "
+                        f"{'frozen' if p.requires_grad else 'trainable'} at wrap and is "
+                        f"{'trainable' if p.requires_grad else 'frozen'} now",
+                        "set requires_grad before wrap(model, plan); to change it, close the "
+                        "engine, save its state_dict and wrap again",
                     )
 
     def uninstall(self) -> None:

@@ -12,8 +12,8 @@ to another tensor while either stream may still use it.
 
 On CPU the same calls copy synchronously and return an already-complete handle, so
 CI runs every code path of the executor without a GPU; and under the asynchronous
-CPU emulation (tests/emulation.py, injected through ``EMULATION``) they complete later on worker threads, so CI
-also catches a missing wait, record or release guard.
+CPU emulation (tests/emulation.py, injected through ``EMULATION``) they complete later on worker
+threads, so CI also catches a missing wait, record or release guard.
 
 [Note: who waits for what]
 - compute reads a fetched chunk or a swapped-in activation only after ``wait()``
@@ -220,7 +220,8 @@ class CopyEngine:
         gather=None,
     ) -> CopyHandle:
         """Copy ``src`` into device ``dst`` (already allocated): a host home or slot, or a
-        device-homed chunk's device master (chunks.py [Note: device homes]). See [Note: copy streams].
+        device-homed chunk's device master (chunks.py [Note: device homes]). See
+        [Note: copy streams].
 
         ``after``: a download that wrote ``src``; the upload waits for it on the copy stream.
         ``gather``: a collective to run right after the copy, on the same stream (the
@@ -231,7 +232,8 @@ class CopyEngine:
         return self._copy(self.h2d, dst, src, name, after, gather)
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, name: str = "offload") -> CopyHandle:
-        """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading dst.
+        """Copy device ``src`` into host ``dst``; the host must ``synchronize()`` before reading
+        dst.
 
         ``src`` may be freed right after this returns: it is recorded on the copy stream.
         """
@@ -246,7 +248,8 @@ class CopyEngine:
         after: CopyHandle | None = None,
         then=None,
     ) -> CopyHandle:
-        """``upload`` (on ``h2d``) or ``download`` (on ``d2h``): ``dst.copy_(src)``, then ``then()``."""
+        """``upload`` (on ``h2d``) or ``download`` (on ``d2h``): ``dst.copy_(src)``, then
+        ``then()``."""
         with record_function(f"protrain::{name}"):
             if not self.asynchronous:
                 self._note(name, "begin", src, None)
@@ -255,7 +258,8 @@ class CopyEngine:
                     then()
                 self._note(name, "end", src, None)
                 return CopyHandle(None, self.device)
-            # An upload's dst may have been in use by compute until now; a download's src is complete.
+            # An upload's dst may have been in use by compute until now; a download's src is
+            # complete.
             self._wait_compute(stream)
             if after is not None and after.event is not None:
                 stream.wait_event(after.event)

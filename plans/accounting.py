@@ -145,9 +145,11 @@ class Event:
     phase: str  # "wrap", "forward" or "backward"
     segment: str  # the step's segment; "" at wrap
     where: str  # "device", "host", or "buffers" (occupancy of the reserved chunk buffers)
-    kind: str  # device: chunks, buffers, grads, optim (model states); activations (held), shared_grads,
+    # device: chunks, buffers, grads, optim (model states); activations (held), shared_grads,
     # swapped_in, swap_out (in flight to the host), recompute, transient;
-    # "buffers": chunks; host: home, optim, scratch, slots, swapped (activations), nvme_window; disk: optim; "step" (0 bytes) marks each step's start
+    # "buffers": chunks; host: home, optim, scratch, slots, swapped (activations), nvme_window;
+    # disk: optim; "step" (0 bytes) marks each step's start
+    kind: str
     nbytes: int
     chunk: int = -1
     block: str = ""
@@ -241,7 +243,8 @@ def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
     grads: set[int] = set()
 
     def turn(kind: str, ids, held: set[int], sign: int) -> list:
-        """``(kind, c, sign)`` for each chunk of ``ids`` this opens (+1: it was closed) or closes (-1)."""
+        """``(kind, c, sign)`` for each chunk of ``ids`` this opens (+1: it was closed) or closes
+        (-1)."""
         out = []
         for c in ids:
             if (c in held) != (sign > 0):

@@ -33,9 +33,11 @@ TRAINING_LIMITS: dict[str, tuple[int, str, str]] = {
 MAX_TOKENS_PER_MICRO_BATCH = 1 << 32
 """micro_batch × seq_len: the (micro_batch, seq_len) batch is one tensor on every rank."""
 MAX_NUMEL = 1 << 40
-"""Elements of a chunk (``chunks.chunk_numel``), and the largest dimension of a parameter's shape."""
+"""Elements of a chunk (``chunks.chunk_numel``), and the largest dimension of a parameter's
+shape."""
 MAX_COUNT = 1 << 20
-"""Chunks, parameters per chunk, blocks, device buffers, host slots: each is iterated or allocated per item."""
+"""Chunks, parameters per chunk, blocks, device buffers, host slots: each is iterated or
+allocated per item."""
 
 
 def training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int, str]]:
@@ -61,7 +63,8 @@ def check_plan(plan, where: str = "<plan>") -> None:
         raise PlanError(
             f"{where}: {value:,} {what} is more than protrain can allocate or iterate "
             f"(at most {limit:,}) - at `{path}`",
-            "regenerate the plan with `protrain plan` (its flags are checked against the same limits)",
+            "regenerate the plan with `protrain plan` (its flags are checked against the same "
+            "limits)",
         )
 
     for field, value, limit, what in training_excess(

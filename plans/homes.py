@@ -219,7 +219,8 @@ class Home:
     doc: str
     parts_of: Callable[[Setup, bool], list[Part]] = field(repr=False)
     offloaded: bool = True
-    """Fetched into one of the ``n_buffer`` shared device buffers for its segments, released after."""
+    """Fetched into one of the ``n_buffer`` shared device buffers for its segments, released
+    after."""
     steps_on: str = "host"
     """Where a trainable chunk's optimizer step runs: "device" or "host" (the CPU worker)."""
     needs_16bit: bool = False
@@ -231,7 +232,8 @@ class Home:
     needs_trainable: bool = False
     """Its master is its only copy of the values: a frozen chunk (no master) cannot live here."""
     uses_slots: bool = False
-    """Uploads and gradients pass through the plan's pinned host slots (chunks.py [Note: host slots])."""
+    """Uploads and gradients pass through the plan's pinned host slots (chunks.py
+    [Note: host slots])."""
     fetch_rounds_master: bool = False
     """A fetch rounds the fp32 master into compute-dtype bytes on the host's main thread
     (``fetch_host_bytes`` per element moved by the host's memory)."""
@@ -272,7 +274,8 @@ class Home:
         return 4 if self.on_disk else 0
 
     def fetch_host_bytes(self, setup: Setup) -> int:
-        """Host memory traffic per element of a fetch's rounding: read fp32, write the compute dtype."""
+        """Host memory traffic per element of a fetch's rounding: read fp32, write the compute
+        dtype."""
         return 4 + setup.cb if self.fetch_rounds_master else 0
 
     def step_disk_bytes(self) -> tuple[int, int]:
@@ -426,8 +429,9 @@ def homes_of(
         if not all(isinstance(c, int) and 0 <= c < n_chunks for c in ids):
             refuse(
                 key,
-                f"chunk ids {sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks))} "
-                f"are out of range (0..{n_chunks - 1})",
+                "chunk ids "
+                f"{sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks))} are "
+                f"out of range (0..{n_chunks - 1})",
             )
     for key in ("homeless", "device_homed", "nvme"):
         if sets[key] & sets["persistent"]:

@@ -38,7 +38,8 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
             raise PlanError(
                 f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
                 f"- at `$.{section}.{key}`",
-                f"set `schema_version` to {version + 1} if the file was written for it, or {REGENERATE}",
+                f"set `schema_version` to {version + 1} if the file was written for it, or "
+                f"{REGENERATE}",
             )
     return {**doc, section: {**body, **fields}}
 

@@ -173,7 +173,8 @@ class Model(Binding):
     post_block_params: list[str]
     """Parameters used after the last block (segment ``<post>``), e.g. final norm, head."""
     tied: list[list[str]]
-    """Tied parameters as ``[name, alias]`` pairs: ``name`` is in a chunk, ``alias`` is the same tensor."""
+    """Tied parameters as ``[name, alias]`` pairs: ``name`` is in a chunk, ``alias`` is the same
+    tensor."""
 
 
 class Training(Binding):
@@ -282,7 +283,8 @@ class Placement(Binding):
 
     @property
     def homeless(self) -> list[int]:
-        """Chunks with no compute-dtype home: each fetch rounds the master (``homeless``, ``nvme_homeless``)."""
+        """Chunks with no compute-dtype home: each fetch rounds the master (``homeless``,
+        ``nvme_homeless``)."""
         return self.ids(lambda h: h.fetch_rounds_master)
 
     @property
@@ -382,7 +384,8 @@ class Search(Info):
     runners_up: list[Candidate] = []
     """The next-best feasible configurations, best first."""
     front: list[Candidate] = []
-    """Pareto front of (predicted time, predicted peak) over the evaluated space (at most 24 points)."""
+    """Pareto front of (predicted time, predicted peak) over the evaluated space (at most 24
+    points)."""
 
 
 class Provenance(Info):
@@ -553,13 +556,14 @@ def decode(data: bytes, where: str = "<plan bytes>") -> Plan:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise PlanError(
             f"{where}: not a protrain plan: {e}",
-            "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`",
+            "a plan is a JSON object whose first key is `schema_version`; regenerate it with "
+            "`protrain plan`",
         ) from None
     version, newer = header.schema_version, header.schema_version > SCHEMA_VERSION
     if newer or version < MIN_SCHEMA_VERSION:
         raise PlanError(
-            f"{where}: plan schema {version} is {'newer' if newer else 'older'} than this protrain reads "
-            f"({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
+            f"{where}: plan schema {version} is {'newer' if newer else 'older'} than this protrain "
+            f"reads ({MIN_SCHEMA_VERSION}–{SCHEMA_VERSION}) - at `$.schema_version`",
             "upgrade protrain, or regenerate the plan with this version's `protrain plan`"
             if newer
             else REGENERATE,

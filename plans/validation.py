@@ -44,8 +44,8 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
     if plan.training.compute_dtype == "float16" and plan.schedule.cpu_adam != "after_backward":
         fail(
             "$.schedule.cpu_adam",
-            f"is {plan.schedule.cpu_adam!r} but float16 compute needs "
-            "'after_backward' (the loss scaler's overflow check needs every gradient before any step)",
+            f"is {plan.schedule.cpu_adam!r} but float16 compute needs 'after_backward' (the loss "
+            "scaler's overflow check needs every gradient before any step)",
         )
 
     # -- training ↔ placement: one rank has nothing to shard over. Refused rather than read
@@ -86,7 +86,8 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
             if p.offset + p.numel > cap:
                 fail(
                     f"{ppath}.offset",
-                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size {cap}",
+                    f"{p.name}: elements [{p.offset}, {p.offset + p.numel}) exceed the chunk size "
+                    f"{cap}",
                 )
             if p.name in owner:
                 fail(f"{ppath}.name", f"parameter {p.name!r} is also in chunk {owner[p.name]}")
@@ -143,8 +144,8 @@ def validate(plan: Plan, where: str = "<plan>") -> None:
         if why:
             fail(
                 f"$.placement.homes[{i}]",
-                f"chunk {i} is {name!r}, which {why} (this plan: "
-                f"{t.compute_dtype}, grad_accum {t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})",
+                f"chunk {i} is {name!r}, which {why} (this plan: {t.compute_dtype}, grad_accum "
+                f"{t.grad_accum}, schedule.cpu_adam {plan.schedule.cpu_adam!r})",
             )
         if H.HOMES[name].needs_trainable and all(p.frozen for p in plan.chunks.items[i].params):
             fail(

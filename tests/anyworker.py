@@ -139,14 +139,16 @@ def plans(s: dict, model: nn.Module) -> list[tuple[str, P.Plan]]:
                 "homed": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 3 == 0],
                 "nvme": [c for c in range(n) if ps["mask"] >> (c % 16) & 1 and c % 4 == 0],
             }[ps["kind"]]
-            # device homes (executor/chunks.py [Note: device homes]): some offloaded chunks, grad_accum 1 only
+            # device homes (executor/chunks.py [Note: device homes]): some offloaded chunks,
+            # grad_accum 1 only
             homed = [
                 c
                 for c in range(n)
                 if c not in persistent and (ps["mask"] >> ((c + 5) % 16) & 1 or c == n - 1)
             ]
             homed = homed if ps["kind"] == "homed" and s["accum"] == 1 else []
-            # the NVMe tier (executor/nvme.py): some offloaded chunks' states on disk, any accumulation
+            # the NVMe tier (executor/nvme.py): some offloaded chunks' states on disk, any
+            # accumulation
             nvme = [
                 c
                 for c in range(n)

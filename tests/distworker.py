@@ -67,7 +67,8 @@ def make_plan(
 
 
 def build_lora(name: str, lora, **kw):
-    """The zoo model ``name`` with ``lora``'s adapters (planner/models/lora.py), seeded as ``kw`` says."""
+    """The zoo model ``name`` with ``lora``'s adapters (planner/models/lora.py), seeded as ``kw``
+    says."""
     from protrain.planner.models.lora import build_model
 
     return build_model(name, lora, **kw)

@@ -241,7 +241,8 @@ class AsyncCPU:
                     self.inflight.pop(p, None)
 
     def record(self, t: torch.Tensor, stream: EmulatedStream) -> None:
-        """``t.record_stream(stream)``: a free of ``t`` is deferred past the stream's work so far."""
+        """``t.record_stream(stream)``: a free of ``t`` is deferred past the stream's work so
+        far."""
         if _is_host(t):
             raise AsyncHazard(
                 "record_stream of a host tensor (no CPU kernel)",

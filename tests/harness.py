@@ -302,7 +302,8 @@ def assert_same_state(run: Run, atol: float = 0.0, rtol: float = 0.0) -> None:
 
 
 def assert_same_training(a, b) -> None:
-    """Two ``(losses, state_dict, ...)`` runs: the same losses, parameters and moments, bit for bit."""
+    """Two ``(losses, state_dict, ...)`` runs: the same losses, parameters and moments, bit for
+    bit."""
     assert a[0] == b[0]
     for name, t in a[1]["model"].items():
         assert torch.equal(t, b[1]["model"][name]), name

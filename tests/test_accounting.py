@@ -186,8 +186,8 @@ def test_cost_search_and_milp_do_not_import_torch():
     import subprocess
 
     code = (
-        "import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, protrain.planner.search.milp, "
-        "protrain.plans.accounting; sys.exit('torch' in sys.modules)"
+        "import sys; import protrain.planner.search.cost, protrain.planner.search.exhaustive, "
+        "protrain.planner.search.milp, protrain.plans.accounting; sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

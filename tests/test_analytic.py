@@ -516,7 +516,8 @@ def _cases():
     from protrain.planner.models.zoo import GPT2Config, LlamaConfig
 
     gpu, cpu = rtx3090_like(), find_spec("cpu")
-    return [  # (config, micro-batch, seq, dtype, spec): both families, GQA, dropout, fp32, a CPU spec
+    # (config, micro-batch, seq, dtype, spec): both families, GQA, dropout, fp32, a CPU spec
+    return [
         pytest.param(gpt2_ladder()[0], 2, 128, "bfloat16", gpu, id="gpt2-124m"),
         pytest.param(
             GPT2Config(n_layer=7, n_head=4, n_embd=256, dropout=0.1),

@@ -36,8 +36,8 @@ REFUSALS = {
     r"block '[^']+' uses parameters outside it": "a weight shared between two blocks, or a block "
     "reading a parameter registered outside it: a plan fetches a parameter's chunk for the segment "
     "that owns it",
-    r"block '[^']+' is called \d+ times in one forward": "a block called twice per forward: a plan has "
-    "one forward step per block",
+    r"block '[^']+' is called \d+ times in one forward": "a block called twice per forward: a plan "
+    "has one forward step per block",
 }
 
 WIDTHS = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16, 17, 23, 31, 32, 36, 37, 40])

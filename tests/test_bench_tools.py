@@ -497,8 +497,8 @@ def test_paper_sizes_section_says_what_binds():
         "persistent / homeless / device-homed of all: 1 / 60 / 3 of 72, 4 / 60 / 3 of 72." in text
     )
     assert (
-        "4 x rtx3090 fits no larger a model than one card: at the next size the four ranks need 346.0 GiB "
-        "of host RAM in all against one rank's 349.0"
+        "4 x rtx3090 fits no larger a model than one card: at the next size the four ranks need "
+        "346.0 GiB of host RAM in all against one rank's 349.0"
     ) in text
     assert "but have 337.6 GiB usable against 343.0" in text
     # a limit that is not a probe's host need (the host floor's "needs at least") says no totals
@@ -547,28 +547,30 @@ def test_bench_host_reads_its_rows():
     text = bh.render(rows, "python tools/bench_host.py --write")
     assert text.startswith("## Host bytes per offloaded parameter")
     assert (
-        "| small | 0M | bfloat16 | 1 | none (homeless, 1 slot) | 50.0M | 12.50 | 12.00 | 13.00 | 1.040 | 12.60 | 1.008 | nan |"
-        in text
-    )
+        "| small | 0M | bfloat16 | 1 | none (homeless, 1 slot) | 50.0M | 12.50 | 12.00 | 13.00 "
+        "| 1.040 | 12.60 | 1.008 | nan |"
+    ) in text
     assert "Peak over predicted, rows in host memory: 1.007 to 1.040." in text
     assert "The fp32 row reads below" not in text  # (no fp32 row here)
     assert (
         "trains 3 step(s)" in text
         and "After the first step alone, under glibc's default: small 12.90, large 12.30" in text
     )
-    # (12.4*300 - 13.0*100) / 200 = 12.10; (12.3*300 - 12.6*100) / 200 = 12.15; (12.2*300 - 12.5*100) / 200 = 12.05
+    # (12.4*300 - 13.0*100) / 200 = 12.10; (12.3*300 - 12.6*100) / 200 = 12.15; (12.2*300 -
+    # 12.5*100) / 200 = 12.05
     assert (
-        "From small to large each added parameter cost 12.10 B (12.15 with the threshold fixed; predicted 12.05)"
-        in text
-    )
+        "From small to large each added parameter cost 12.10 B (12.15 with the threshold "
+        "fixed; predicted 12.05)"
+    ) in text
     # an NVMe row against the same layout in host memory: what moved off the host
     disk = dict(row("small", 100, True, 0.5, 0.9, 0.7), nvme=True, disk_per_param=12.01)
     text = bh.render([*rows, disk], "python tools/bench_host.py --write")
     assert "| none (homeless, 1 slot); master and moments on disk |" in text
     assert (
-        "peak 0.90 B per parameter (predicted 0.50) with master and moments on disk against 13.00 in host memory, a drop of "
-        "12.10 B (whole-process peaks 0.90 and 13.00; 11.90 with the threshold fixed)" in text
-    )
+        "peak 0.90 B per parameter (predicted 0.50) with master and moments on disk against "
+        "13.00 in host memory, a drop of 12.10 B (whole-process peaks 0.90 and 13.00; 11.90 "
+        "with the threshold fixed)"
+    ) in text
 
 
 def test_bench_host_device_rows(tmp_path, capsys):
@@ -604,9 +606,9 @@ def test_bench_host_device_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("## Host bytes per offloaded parameter, cuda")
     assert (
-        "| cuda | gpt2-medium | 355M | bfloat16 | none | 12.31 | 16.20 | 12.40 | 1.007 | 12.38 | 12.35 | 0.04 | 0.51 |"
-        in out
-    )
+        "| cuda | gpt2-medium | 355M | bfloat16 | none | 12.31 | 16.20 | 12.40 | 1.007 | 12.38 "
+        "| 12.35 | 0.04 | 0.51 |"
+    ) in out
     assert (
         "| cuda | gpt2-large | 355M | bfloat16 | none; disk | 12.31 | 16.20 | 12.40 | 1.007 | - |"
         in out

@@ -211,7 +211,8 @@ def test_quickstart_profiles_plans_and_trains(tmp_path):
     from protrain import plans
 
     plan = plans.load(tmp_path / "gpt2-tiny.plan.json")
-    # The default budget (60% of the fastest plan's peak) forces a trade: offload, swap or recompute.
+    # The default budget (60% of the fastest plan's peak) forces a trade: offload, swap or
+    # recompute.
     assert plan.placement.offloaded or any(a.policy != "keep" for a in plan.activations)
     assert (
         "the predicted peak of the fastest plan" in result.output
@@ -483,9 +484,9 @@ def test_train_help_states_the_held_out_split():
     r = CliRunner().invoke(main, ["train", "--help"])
     text = " ".join(r.output.split())
     assert (
-        f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of the corpus"
-        in text
-    )
+        f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of "
+        "the corpus"
+    ) in text
     assert "never sees a held-out token" in text
 
 

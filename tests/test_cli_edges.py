@@ -54,7 +54,8 @@ def test_hardware_next_to_a_profile_is_refused_not_ignored(profile_3090, tmp_pat
     assert "--hardware a100-80g with --profile" in r.output and "rtx3090" in r.output
 
 
-# 2 ---------------------------------------------------------------- I/O without tracebacks, paths checked first
+# 2 ---------------------------------------------------------------- I/O without tracebacks, paths
+# checked first
 
 
 def test_output_paths_are_checked_before_the_work(profile_3090, tmp_path):
@@ -115,7 +116,8 @@ def test_a_failed_save_cleans_up_and_says_what_it_needed(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".tmp-")]
 
 
-# 3 ---------------------------------------------------------------- --save-dir alone saves at the end
+# 3 ---------------------------------------------------------------- --save-dir alone saves at the
+# end
 
 
 def test_save_dir_without_save_every_saves_at_the_end(tmp_path):
@@ -142,7 +144,8 @@ def test_resolve_hint_names_the_save_dir_flag(tmp_path):
     assert "--save-dir" in e.value.hint and "--save-every" not in e.value.hint
 
 
-# 6 ---------------------------------------------------------------- logs for files, metrics for scripts
+# 6 ---------------------------------------------------------------- logs for files, metrics for
+# scripts
 
 
 def test_plain_log_lines_and_a_metrics_file(tmp_path):
@@ -165,7 +168,8 @@ def test_plain_log_lines_and_a_metrics_file(tmp_path):
     assert "━" not in r.output
 
 
-# 7 ---------------------------------------------------------------- size check before building on the CPU
+# 7 ---------------------------------------------------------------- size check before building on
+# the CPU
 
 
 def test_a_model_too_big_for_the_host_is_refused_before_building(monkeypatch):
@@ -327,7 +331,8 @@ def test_peak_difference_has_no_minus_sign_before_less():
     base = msgspec.structs.replace(
         s.chosen, peak_memory_bytes=s.chosen.peak_memory_bytes + (3 << 20)
     )
-    plan = msgspec.structs.replace(  # a plan off the paper's space, whose four-count runner-up needs more
+    # a plan off the paper's space, whose four-count runner-up needs more
+    plan = msgspec.structs.replace(
         plan,
         placement=msgspec.structs.replace(
             plan.placement,

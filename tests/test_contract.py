@@ -78,7 +78,8 @@ def executor_names(root: Path = ROOT / "executor") -> tuple[set[str], set[str], 
 
 
 def violations(source: str, filename: str, names: tuple[set[str], set[str], set[str]]) -> list[str]:
-    """Each place in ``source`` that reaches past the executor's public API, as ``file:line: what``."""
+    """Each place in ``source`` that reaches past the executor's public API, as
+    ``file:line: what``."""
     private, attrs, parts = names
     found = []
 
@@ -138,7 +139,8 @@ def test_planner_and_tools_use_only_the_engines_public_api():
 
 
 def test_the_scan_finds_what_the_old_trace_did():
-    """The patterns planner/views/trace.py and planner/profiling/profile.py used before issue #16."""
+    """The patterns planner/views/trace.py and planner/profiling/profile.py used before issue
+    #16."""
     names = executor_names()
     assert {"replayer", "acts", "optim", "copies", "store"} <= names[2]
     old = """

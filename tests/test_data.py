@@ -221,7 +221,8 @@ def _traced_peak(fn) -> int:
 
 
 def test_binary_input_is_refused_after_a_few_kib(tmp_path):
-    # 64 MiB of zeros (a sparse file: nothing written): refused after its first 4 KiB, not read whole.
+    # 64 MiB of zeros (a sparse file: nothing written): refused after its first 4 KiB, not read
+    # whole.
     path = tmp_path / "zeros.bin"
     with open(path, "wb") as f:
         f.truncate(64 << 20)

@@ -327,7 +327,8 @@ def test_nvme_chunks_train_as_host_states_on_three_ranks(tmp_path):
 
 
 def _assert_homed_as_host(out, label: str, host_label: str, plan: P.Plan) -> None:
-    """Bit for bit as the host layout, and each rank's host and device bytes as accounting.py says."""
+    """Bit for bit as the host layout, and each rank's host and device bytes as accounting.py
+    says."""
     from protrain.planner.search import memory_walk
 
     (ranks_d, sd_d), (ranks_h, sd_h) = out[label], out[host_label]

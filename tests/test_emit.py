@@ -187,7 +187,8 @@ def test_round_trip_is_the_files_round_trip():
 
 
 def _committed_plans() -> list[P.Plan]:
-    """Every plan under plans/, loaded once (the other JSON there, profiles and specs, is refused)."""
+    """Every plan under plans/, loaded once (the other JSON there, profiles and specs, is
+    refused)."""
     out = []
     for path in sorted((ROOT / "plans").rglob("*.json")):
         try:

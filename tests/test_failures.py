@@ -1,7 +1,7 @@
 """Failure behaviour: a NaN/inf loss stops before the update (fp32/bf16) or skips the
 step (fp16 loss scaling); a NaN/inf gradient with a finite loss stops before its chunk
-steps, and a partly updated state is never saved; running out of device memory names the phase, the block and
-the predicted vs actual memory, and suggests a budget with a margin."""
+steps, and a partly updated state is never saved; running out of device memory names the phase,
+the block and the predicted vs actual memory, and suggests a budget with a margin."""
 
 from __future__ import annotations
 

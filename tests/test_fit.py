@@ -307,8 +307,8 @@ def test_fit_a_model_with_nvme_names_the_disk():
     plan = r.best.plan
     assert r.fits and plan.placement.nvme
     assert (
-        f"keep their optimizer states on disk ({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)"
-        in render_model_fit(r)
-    )
+        "keep their optimizer states on disk "
+        f"({human_bytes(memory_walk.walk(plan).disk_bytes)} per rank)"
+    ) in render_model_fit(r)
     with pytest.raises(ConfigError, match="hardware probe --nvme"):
         fit_model(model, **{**kw, "spec": SMALL}, nvme=True)

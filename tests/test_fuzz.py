@@ -229,7 +229,8 @@ def test_plan_loading_never_executes_code(tmp_path):
         plans.load(payload)
 
 
-# ------------------------------------------------------------------ issue 31: shapes validate accepts train can take
+# ------------------------------------------------------------------ issue 31: shapes validate
+# accepts train can take
 
 SIZES = st.one_of(
     st.integers(1, 64),
@@ -240,7 +241,8 @@ SIZES = st.one_of(
 
 @st.composite
 def reshaped_plan(draw) -> P.Plan:
-    """The example plan with random training shape, chunk size and buffer count (small and absurd)."""
+    """The example plan with random training shape, chunk size and buffer count (small and
+    absurd)."""
     import msgspec.structs as ms
 
     plan = plans.load(PLAN_BYTES)

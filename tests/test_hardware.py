@@ -28,7 +28,10 @@ from protrain.planner.hardware.spec import (
 from protrain.plans.errors import ConfigError
 
 NAMES = [*ds.DATASHEETS, "cpu"]
-REGEN = 'python -c "from protrain.planner.hardware.datasheets import write_datasheets; write_datasheets()"'
+REGEN = (
+    'python -c "from protrain.planner.hardware.datasheets import write_datasheets; '
+    'write_datasheets()"'
+)
 NOTE_KINDS = (
     "datasheet:",
     "assumption:",
@@ -40,7 +43,8 @@ NOTE_KINDS = (
 
 
 def numeric_fields(spec: HardwareSpec) -> list[str]:
-    """Every figure a spec states (ints and the link curve); spec_version is format, not a figure."""
+    """Every figure a spec states (ints and the link curve); spec_version is format, not a
+    figure."""
     return [
         f
         for f in spec.__struct_fields__
@@ -102,7 +106,8 @@ def test_datasheet_spec_is_consistent(name):
     for a, b in zip(spec.link, spec.link[1:]):
         assert a.h2d_bytes_per_s < b.h2d_bytes_per_s and a.d2h_bytes_per_s < b.d2h_bytes_per_s
     if spec.kind == "gpu":
-        # Tensor cores against FP32 units: 2x on GeForce (FP32 accumulate at half rate), 4-16x on the rest.
+        # Tensor cores against FP32 units: 2x on GeForce (FP32 accumulate at half rate), 4-16x on
+        # the rest.
         assert spec.matmul_flops_per_s >= 1.99 * spec.matmul_fp32_flops_per_s
         assert spec.dev_adam_params_per_s == round(spec.mem_bytes_per_s / ds.ADAM_BYTES_PER_PARAM)
         assert spec.allgather_bytes_per_s > 0 and spec.reduce_scatter_bytes_per_s > 0

@@ -1,4 +1,5 @@
-"""Hugging Face models (planner/models/hf.py): zoo parity, executor parity, discovery, errors, weights, planning.
+"""Hugging Face models (planner/models/hf.py): zoo parity, executor parity, discovery, errors,
+weights, planning.
 
 Needs the optional extra (``pip install transformers``); without it every test that
 builds a transformers model skips, and the ones that do not (the keyword-block
@@ -259,7 +260,8 @@ def test_executor_matrix_is_exact(hf, cfg_dirs, arch, case):
 
 
 class KwBlock(nn.Module):
-    """A block called as HF calls its layers: hidden states by keyword, extra tensors, a tuple out."""
+    """A block called as HF calls its layers: hidden states by keyword, extra tensors, a tuple
+    out."""
 
     def __init__(self, d: int):
         super().__init__()

@@ -574,7 +574,8 @@ def test_forward_equals_the_familys_own_implementation(hf, names, family):
 
 
 def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, monkeypatch):
-    """Windows shorter than the sequence, soft-capping and sinks go to the family's code; nothing else does."""
+    """Windows shorter than the sequence, soft-capping and sinks go to the family's code; nothing
+    else does."""
     from protrain.planner.models import hf_attention
 
     calls: list[str] = []
@@ -611,7 +612,8 @@ def test_the_familys_own_attention_runs_only_where_ours_is_not_exact(hf, names, 
 
 @pytest.mark.parametrize("family", ["gemma2", "mamba", "gpt_oss"])
 def test_from_model_adapts_families_without_sdpa(hf, names, family):
-    """These classes do not support SDPA; transformers took our old name, protrain_sdpa, for SDPA and refused it."""
+    """These classes do not support SDPA; transformers took our old name, protrain_sdpa, for SDPA
+    and refused it."""
     import transformers
 
     config, cls = hf.load_config(names[family][len("hf:") :])
@@ -683,7 +685,8 @@ def test_cli_plans_from_a_measured_profile_too(hf, names, family, tmp_path):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "jamba"])
 def test_moe_plans_on_meta_in_fp32_and_bf16(hf, names, family):
-    """grouped_mm's meta kernel takes bf16 only; ``hf.grouped_experts`` still traces fp32 on meta."""
+    """grouped_mm's meta kernel takes bf16 only; ``hf.grouped_experts`` still traces fp32 on
+    meta."""
     from protrain.planner.hardware.spec import find_spec
     from protrain.planner.profiling.analytic import analytic_profile
 
@@ -846,17 +849,24 @@ def test_refusals_never_suggest_another_model_type(hf, tmp_path, fields, pattern
         assert "pip install -U transformers" in e.value.hint
 
 
-# ---------------------------------------------------------------------------- from config.json as from from_model
+# ---------------------------------------------------------------------------- from config.json as
+# from from_model
 
 ONCE_FROM_MODEL_ONLY = {
-    "mamba2": "time_step_limit saved as [0.0, {'__float__': 'Infinity'}], which the config class rejected raw",
+    "mamba2": (
+        "time_step_limit saved as [0.0, {'__float__': 'Infinity'}], which the config class "
+        "rejected raw"
+    ),
     "bamba": "time_step_limit, as mamba2",
     "falcon_h1": "time_step_limit, as mamba2",
     "biogpt": "train read model.lm_head; its head is output_projection",
-    "diffllama": "its lambdas were drawn on the CPU under the meta device, and planning refused the model",
-    "llama4_text": "its experts are one dense bmm, not an experts-interface bank: 'no expert bank was found'",
+    "diffllama": "its lambdas were drawn on the CPU under the meta device, and planning refused "
+    "the model",
+    "llama4_text": "its experts are one dense bmm, not an experts-interface bank: 'no expert bank "
+    "was found'",
 }
-"""Families that trained through ``hf.from_model`` but not from their own config.json (#32), and why."""
+"""Families that trained through ``hf.from_model`` but not from their own config.json (#32), and
+why."""
 
 
 @pytest.mark.parametrize(

@@ -70,8 +70,8 @@ def test_every_hint_names_existing_flags():
             ok = any(flag in opts[c] for c in commands) if commands else flag in everywhere
             if not ok:
                 bad.append(
-                    f"{where}:{line}: {flag} ({'on ' + ', '.join(commands) if commands else 'on no command'})"
-                    f": {text!r}"
+                    f"{where}:{line}: {flag} "
+                    f"({'on ' + ', '.join(commands) if commands else 'on no command'}): {text!r}"
                 )
     assert found > 20  # the walk finds the hints (it would pass vacuously otherwise)
     assert not bad, "\n".join(bad)

@@ -34,7 +34,8 @@ def test_bytes_per_element_of_a_trainable_chunk(setup, host, persistent):
         H.PERSISTENT.per_elem(setup, "device") == persistent
         and H.PERSISTENT.per_elem(setup, "host") == 0
     )
-    # homeless: the host home less; device-homed: master and moments (12 B) on the device, nothing on the host
+    # homeless: the host home less; device-homed: master and moments (12 B) on the device, nothing
+    # on the host
     assert H.HOMELESS.per_elem(setup, "host") == host - setup.cb
     assert (H.DEVICE_HOMED.per_elem(setup, "device"), H.DEVICE_HOMED.per_elem(setup, "host")) == (
         12,
@@ -121,7 +122,8 @@ def test_policies_hold_what_they_say():
 POLICY_SPELLERS = {
     "plans/homes.py": "the table itself",
     "plans/plan.py": "the schema's Literal (a new policy is a schema version and a migration)",
-    "executor/activations.py": "the mechanism: what a block's pack/unpack hooks do under each policy",
+    "executor/activations.py": "the mechanism: what a block's pack/unpack hooks do under each "
+    "policy",
     "planner/search/grid.py": "the search's space: one mask per policy over the strips",
     "planner/search/milp.py": "the search's space as MILP variables, one one-hot per policy",
 }

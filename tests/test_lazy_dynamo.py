@@ -19,8 +19,9 @@ from protrain.planner.models.zoo import build, block_paths
 def profile():
     model = build("llama-tiny", device="meta")
     torch.nn.init.normal_(model.lm_head.weight)  # (normal_ on meta: a Python reference too)
-    return dump_profile(analytic_profile(model, name="llama-tiny", blocks=block_paths(model), micro_batch=2,
-                                         seq_len=32, compute_dtype="bfloat16", spec=find_spec("rtx3090")))
+    return dump_profile(analytic_profile(
+        model, name="llama-tiny", blocks=block_paths(model), micro_batch=2, seq_len=32,
+        compute_dtype="bfloat16", spec=find_spec("rtx3090")))
 
 assert defer_dynamo() > 0 and defer_dynamo() == 0  # once per process
 inner = torch._refs.add.__wrapped__  # (out_wrapper's _fn around _disable_dynamo's inner)
@@ -33,7 +34,8 @@ assert "torch._dynamo" not in sys.modules, "the meta kernels imported torch._dyn
 import torch._dynamo  # now torch's own path: the stand-ins step aside as they are called
 again = profile()
 assert again == deferred, "the profile changed with torch._dynamo imported"
-assert getattr(fn, _ATTR) is not stand_in, "the stand-in did not step aside"  # torch's own disable(fn)
+# torch's own disable(fn):
+assert getattr(fn, _ATTR) is not stand_in, "the stand-in did not step aside"
 print("OK")
 """
 

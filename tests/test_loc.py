@@ -25,7 +25,7 @@ _spec.loader.exec_module(loc)
 
 OVER = {
     "plans": "the accounting stream moved in with the contract (show/diff read it without the "
-    "runtime): 1,131 formatted lines, 31 over; issue 38 stays open until it is within"
+    "runtime): 1,136 formatted lines, 36 over; issue 38 stays open until it is within"
 }
 """Packages known to be over their budget, and why: a strict xfail, so the day one is within
 it this test turns red and the entry must go. Never add one to let a change through."""
@@ -49,6 +49,7 @@ def test_package_within_its_budget(package):
 def test_count_ignores_comments_docstrings_and_blank_lines(tmp_path):
     f = tmp_path / "m.py"
     f.write_text(
-        '"""Doc."""\n\n# a comment\nx = 1  # trailing\n\n\ndef f():\n    """Doc."""\n    return (\n        x\n    )\n'
+        '"""Doc."""\n\n# a comment\nx = 1  # trailing\n\n\ndef f():\n    """Doc."""\n    return '
+        "(\n        x\n    )\n"
     )
     assert loc.count(f) == (5, 4)  # the trailing comment shares its line with code

@@ -149,7 +149,8 @@ def test_attention_projections_are_the_familys():
         "v_proj",
         "o_proj",
     )
-    # GPT-2's MLP has a c_proj too: the attention's is named by its parent, as peft matches paths' ends
+    # GPT-2's MLP has a c_proj too: the attention's is named by its parent, as peft matches paths'
+    # ends
     from protrain.planner.models.lora import inject, injected
 
     gpt2 = make_model("gpt2-4", device="meta")

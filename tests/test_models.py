@@ -1,4 +1,5 @@
-"""The model zoo: sizes against the public models, the block protocol, meta builds, init, training."""
+"""The model zoo: sizes against the public models, the block protocol, meta builds, init,
+training."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (planner/models/moe.py) in the analytic profile, and ``fit`` for one model
-(planner/commands/fit_config.py).
+"""Mixture-of-experts models (planner/models/moe.py) in the analytic profile, and ``fit`` for one
+model (planner/commands/fit_config.py).
 
 What is pinned: detection across the transformers MoE families (experts, top-k, shared
 experts, which blocks); the analytic profile charges the routed experts at top_k / n_experts
@@ -144,7 +144,8 @@ def build(cfg, device="meta"):
 
 
 def routed(cfg) -> int:
-    """Routed-expert parameters of one MoE block, by hand: gate+up (2 x FFN x H) and down (H x FFN)."""
+    """Routed-expert parameters of one MoE block, by hand: gate+up (2 x FFN x H) and down (H x
+    FFN)."""
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     n = (
         getattr(cfg, "num_local_experts", None)
@@ -337,7 +338,8 @@ def test_balanced_banks_save_what_the_grouped_gemm_saves():
     assert balanced[blk].fwd.flops == router_and_attention + 2 * 2 * 32 * 2 * 3 * H * FFN
 
 
-# ---------------------------------------------------------------------------- the balanced stand-in, op for op
+# ---------------------------------------------------------------------------- the balanced
+# stand-in, op for op
 
 
 class _Kernels(TorchDispatchMode):
@@ -403,7 +405,8 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
         )
 
 
-# ---------------------------------------------------------------------------- against a measured profile
+# ---------------------------------------------------------------------------- against a measured
+# profile
 
 PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY, MAX_ROUNDS, NEAR = 4, 64, 12, 4, 36, 0.2
 CAL_HOST_NS, SLOW_HOST = 1100, 1.2
@@ -439,7 +442,8 @@ def measured_block_us(model, *, B, T, spec) -> tuple[float, float]:
 
 
 def host_view_ns(calls: int = 2000) -> float:
-    """Nanoseconds of one ``Tensor.view`` called from Python, on the thread's CPU clock (after a warm-up)."""
+    """Nanoseconds of one ``Tensor.view`` called from Python, on the thread's CPU clock (after a
+    warm-up)."""
     x = torch.zeros(4, 4)
     for _ in range(calls // 10):
         x.view(16)
@@ -453,24 +457,26 @@ def _calibrated(host_ns: float) -> None:
     """Skip an absolute check when this host's per-op speed is unlike the calibration box's."""
     if host_ns > SLOW_HOST * CAL_HOST_NS:
         pytest.skip(
-            f"a bare Tensor.view took {host_ns:.0f} ns (median) while measuring, {host_ns / CAL_HOST_NS:.1f}x "
-            f"the {CAL_HOST_NS} ns of the box analytic.py's CPU host costs were measured on, which they "
-            "do not scale by: an absolute time is not comparable here (the MoE-over-dense checks still ran)"
+            f"a bare Tensor.view took {host_ns:.0f} ns (median) while measuring, "
+            f"{host_ns / CAL_HOST_NS:.1f}x the {CAL_HOST_NS} ns of the box analytic.py's CPU host "
+            "costs were measured on, which they do not scale by: an absolute time is not "
+            "comparable here (the MoE-over-dense checks still ran)"
         )
 
 
 @pytest.fixture(scope="module")
 def probed_block_us():
-    """The tiny Mixtral block, its dense twin and a tiny Qwen3-MoE block against a spec probed on this machine.
+    """The tiny Mixtral block, its dense twin and a tiny Qwen3-MoE block against a spec probed on
+    this machine.
 
     Returns the probed spec; per model ((analytic fwd_us, bwd_us), (measured fwd_us,
     bwd_us)): the analytic profile planned with the probed spec, the measured profile of
     the same model (real weights) run with it; the host's per-op time while measuring
     (``host_view_ns``, the median over the rounds); and the measured MoE over its dense
-    twin per phase, the median over the rounds of the two blocks measured back to back. The dense twin has the same attention and
-    one MLP as wide as the two experts a token visits. The Qwen3-MoE (16 experts, top-4,
-    every block MoE, head size 16, q/k norms) is the second family: another router and
-    other routing sizes (1024 routed rows over 16 experts, against Mixtral's 512 over 8),
+    twin per phase, the median over the rounds of the two blocks measured back to back. The dense
+    twin has the same attention and one MLP as wide as the two experts a token visits. The Qwen3-MoE
+    (16 experts, top-4, every block MoE, head size 16, q/k norms) is the second family: another
+    router and other routing sizes (1024 routed rows over 16 experts, against Mixtral's 512 over 8),
     none of which the CPU MoE constants were measured on.
 
     Three things keep the numbers about this machine and not about its neighbours:
@@ -574,7 +580,8 @@ def probed_block_us():
                     abs(analytic[n][i] / measured[n][i] - 1) > NEAR for n in cfgs for i in (0, 1)
                 )
                 if not near or len(rounds) >= MAX_ROUNDS:
-                    break  # (near the bound: PROFILE_ROUNDS more, later; the least over all of them)
+                    # (near the bound: PROFILE_ROUNDS more, later; the least over all of them)
+                    break
     finally:
         torch.set_num_threads(threads)
     paired = tuple(statistics.median(r["moe"][i] / r["dense"][i] for r in rounds) for i in (0, 1))
@@ -818,7 +825,8 @@ def test_run_model_fit_raises_after_the_report_when_nothing_fits(tmp_path):
     assert "verdict: does not fit" in lines[-1]
 
 
-# ---------------------------------------------------------------------------- the committed MoE configs
+# ---------------------------------------------------------------------------- the committed MoE
+# configs
 
 CONFIGS = Path(__file__).resolve().parent.parent / "plans" / "configs"
 

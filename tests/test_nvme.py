@@ -355,9 +355,9 @@ def test_the_disk_takes_what_homeless_chunks_leave():
 def test_plan_with_nvme_fits_a_host_that_refuses_it_without(tmp_path):
     """make_plan(nvme=True): where the host binds, the search weighs device homes against the
     disk (search.py ``_evaluate``). With room on the card the device homes win (no disk
-    traffic: the plan without --nvme, 2.57 s against 4.69 s with the disk in their place); at a budget that
-    refuses every plan without the disk, the plan keeps states on disk, its predicted host
-    need accounting.py's and within the cap. A spec without the disk measured is refused,
+    traffic: the plan without --nvme, 2.57 s against 4.69 s with the disk in their place); at a
+    budget that refuses every plan without the disk, the plan keeps states on disk, its predicted
+    host need accounting.py's and within the cap. A spec without the disk measured is refused,
     naming the probe."""
     from protrain.planner.search.planning import make_plan
 

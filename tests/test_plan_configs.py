@@ -52,7 +52,8 @@ def test_config_builds_on_meta_with_its_stated_size(name):
     [("llama-3.1-8b", ["h100"]), ("qwen3-30b-a3b", ["h200", "--world-size", "4"])],
 )
 def test_readme_plan_command_works_for_a_dense_and_an_moe_config(name, hardware, tmp_path):
-    """The README's ``protrain plan --hf-config plans/configs/NAME --hardware H ... --batch 1 --seq 4096``."""
+    """The README's
+    ``protrain plan --hf-config plans/configs/NAME --hardware H ... --batch 1 --seq 4096``."""
     pytest.importorskip("transformers")
     from click.testing import CliRunner
 

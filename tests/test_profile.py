@@ -1,4 +1,5 @@
-"""The measuring profiler: the CLI run, exact saved-activation bytes, scaling, stability, bootstrap."""
+"""The measuring profiler: the CLI run, exact saved-activation bytes, scaling, stability,
+bootstrap."""
 
 from __future__ import annotations
 

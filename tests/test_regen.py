@@ -1,4 +1,5 @@
-"""The plan library (tools/regen_plans.py): committed plans are what the planner makes, byte for byte.
+"""The plan library (tools/regen_plans.py): committed plans are what the planner makes, byte for
+byte.
 
 ``--check`` regenerates every plan and the index from the committed profiles; here it
 must pass on the tree as committed and name each file once a copy of the tree is

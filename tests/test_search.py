@@ -95,7 +95,8 @@ def test_search_equals_brute_force(facts, seed, where, gpu, host_share, nvme):
         for s, c in policy_pairs(t)
     ]
     host_budget = None if host_share is None else host_share * max(hosts)
-    # (min_peak_bytes: without device homes, which only a host budget asks for; cost.py [Device homes])
+    # (min_peak_bytes: without device homes, which only a host budget asks for; cost.py [Device
+    # homes])
     peaks = [predict(t, a, b, s, c).peak_bytes for a, b in space(t) for s, c in policy_pairs(t)]
     budget = min(peaks) + where * (max(peaks) - min(peaks))
     result = exhaustive(t, budget, host_budget)

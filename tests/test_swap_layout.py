@@ -6,12 +6,11 @@ pick their loops by layout (a non-dense operand splits the work between vector a
 scalar code, whose math differs in the last bit, elsewhere than a contiguous one), so
 a swap that brings such a view back contiguous changes the gradients by an ulp or
 more; and swapping each view on its own moves its base several times. A Rewritten
-block writes a swapped storage in place between two saves. Here a block of each kind trains under swap
-plans, bit for bit against plain PyTorch (CPU fp32, rtol=0, atol=0, as
-tests/test_parity.py), synchronously and under the asynchronous CPU emulation; a
-probe Function checks in its backward that what it saved comes back with the same
-size, stride and offset, and views of one base still share one storage; and the
-bytes a swap moves are counted per distinct storage.
+block writes a swapped storage in place between two saves. Here a block of each kind trains under
+swap plans, bit for bit against plain PyTorch (CPU fp32, rtol=0, atol=0, as tests/test_parity.py),
+synchronously and under the asynchronous CPU emulation; a probe Function checks in its backward that
+what it saved comes back with the same size, stride and offset, and views of one base still share
+one storage; and the bytes a swap moves are counted per distinct storage.
 """
 
 from __future__ import annotations

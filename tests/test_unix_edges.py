@@ -29,7 +29,8 @@ from protrain.planner.commands.cli import main
     ids=["models", "plan", "fit"],
 )
 def test_a_closed_pipe_exits_quietly(tmp_path, args):
-    """`protrain models | head -1`: the reader is gone before the first write; exit 0 or 141, stderr empty."""
+    """`protrain models | head -1`: the reader is gone before the first write; exit 0 or 141,
+    stderr empty."""
     if args[0] == "plan":
         args = [*args, "-o", str(tmp_path / "plan.json")]
     p = subprocess.Popen(
@@ -41,7 +42,8 @@ def test_a_closed_pipe_exits_quietly(tmp_path, args):
 
 
 def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
-    """What a user sees running ``protrain ARGS`` in a terminal: stdout and stderr on a pseudo-terminal."""
+    """What a user sees running ``protrain ARGS`` in a terminal: stdout and stderr on a
+    pseudo-terminal."""
     import pty
     import select
     import time

@@ -154,7 +154,8 @@ def test_fine_tune_a_local_hf_model_and_load_it_back(tmp_path, arch, monkeypatch
     evals = [float(x.split()[-1]) for x in r.output.splitlines() if "held-out loss" in x]
     assert len(evals) == 3  # at the start, then at steps 2 and 4
 
-    # The corpus was tokenised by the model's tokenizer: documents packed, each ended by <|endoftext|>.
+    # The corpus was tokenised by the model's tokenizer: documents packed, each ended by
+    # <|endoftext|>.
     source = load_tokens(str(data), tokenizer=str(model_dir), text_field="body")
     eos = tok.token_to_id("<|endoftext|>")
     first = tok.encode(SENTENCES[0], add_special_tokens=False).ids

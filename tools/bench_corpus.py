@@ -120,9 +120,10 @@ def main() -> None:
             r = measure(directory, size, args.steps)
             mib = 1 << 20
             print(
-                f"| {size / 1e6:,.0f} MB | {r['tokenize_rss'] / mib:.0f} MiB ({r['tokenize_s']:.1f} s) "
-                f"| {r['train_tokens_rss'] / mib:.0f} MiB ({r['train_tokens_s']:.1f} s) "
-                f"| {r['train_text_rss'] / mib:.0f} MiB ({r['train_text_s']:.1f} s) |",
+                f"| {size / 1e6:,.0f} MB | {r['tokenize_rss'] / mib:.0f} MiB "
+                f"({r['tokenize_s']:.1f} s) | {r['train_tokens_rss'] / mib:.0f} MiB "
+                f"({r['train_tokens_s']:.1f} s) | {r['train_text_rss'] / mib:.0f} MiB "
+                f"({r['train_text_s']:.1f} s) |",
                 flush=True,
             )
     finally:

@@ -316,8 +316,8 @@ def tms(s: float) -> str:
 def analyse_micro(spec, sizes: list[int], micro: dict[int, list[dict]]) -> tuple[list[str], dict]:
     """The micro-benchmark table, and per (W, size, op) the figures the reading uses."""
     rows = [
-        "| W | bytes (padded) | collective | median ms | bus GB/s | memcpy ms (GB/s) | model bw GB/s "
-        "| predicted ms | predicted / measured | × memcpy time |",
+        "| W | bytes (padded) | collective | median ms | bus GB/s | memcpy ms (GB/s) | model bw "
+        "GB/s | predicted ms | predicted / measured | × memcpy time |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     res = {}
@@ -327,7 +327,8 @@ def analyse_micro(spec, sizes: list[int], micro: dict[int, list[dict]]) -> tuple
             mc = med(micro[world][0][str(size)]["memcpy"])
             bw = collective_bandwidth(spec, nbytes)
             for op in OPS:
-                # Per repeat the fastest rank's time: the last to leave the barrier waits for no one.
+                # Per repeat the fastest rank's time: the last to leave the barrier waits for no
+                # one.
                 t = med(min(s) for s in zip(*(r[str(size)][op] for r in micro[world])))
                 pred = (2 if op == "all-reduce" else 1) * (world - 1) / world * nbytes / bw
                 res[(world, size, op)] = dict(
@@ -340,9 +341,9 @@ def analyse_micro(spec, sizes: list[int], micro: dict[int, list[dict]]) -> tuple
                 )
                 r = res[(world, size, op)]
                 rows.append(
-                    f"| {world} | {fmt_bytes(size)} ({nbytes:,}) | {op} | {tms(t)} | {gbs(r['bus'])} | "
-                    f"{tms(mc)} ({gbs(r['memcpy_bw'])}) | {gbs(bw)} | {tms(pred)} | {pred / t:.3f} | "
-                    f"{t / mc:,.0f} |"
+                    f"| {world} | {fmt_bytes(size)} ({nbytes:,}) | {op} | {tms(t)} | "
+                    f"{gbs(r['bus'])} | {tms(mc)} ({gbs(r['memcpy_bw'])}) | {gbs(bw)} | "
+                    f"{tms(pred)} | {pred / t:.3f} | {t / mc:,.0f} |"
                 )
     return rows, res
 
@@ -364,7 +365,8 @@ def net_time(rr: list[dict], keep) -> float:
 def run_e2e(
     spec, name: str, chunk_numel: int, args, out: str, mres: dict
 ) -> tuple[list[str], list[dict]]:
-    """Train ``name`` on W = 1, 2, 3 ranks; the section's table for it and the figures for the reading."""
+    """Train ``name`` on W = 1, 2, 3 ranks; the section's table for it and the figures for the
+    reading."""
     t_model = time.perf_counter()
     probe_plan = make_plan(name, 1, args.batch, args.seq, chunk_numel, [], 10**6)
     need = V.segment_chunks(probe_plan)
@@ -425,8 +427,8 @@ def run_e2e(
         pred_step = predict(t, len(persistent), n_buffer, 0, 0).time_us / 1e6
         if world == 1:
             rows.append(
-                f"| 1 | {tms(steps[0])} | 1.00 | — | — | {tms(steps[0])} (1.00) | — (no process group) "
-                f"| — | 0 | — | 0 | — | {tms(pred_step)} |"
+                f"| 1 | {tms(steps[0])} | 1.00 | — | — | {tms(steps[0])} (1.00) | — (no process "
+                f"group) | — | 0 | — | 0 | — | {tms(pred_step)} |"
             )
             base_pred = pred_step
             continue
@@ -465,8 +467,9 @@ def run_e2e(
         rows.append(
             f"| {world} | {' / '.join(tms(s) for s in steps)} | {max(steps) / base:.2f} | "
             f"{' / '.join(tms(c) for c in in_coll)} | {tms(net_all)} | {tms(outside)} "
-            f"({outside / base:.2f}) | {counts_txt} | {calls_txt} | {tms(pred)} | {pred / net_chunks:.3f} | "
-            f"{tms(pred2)} | {pred2 / net_chunks:.2f} | {tms(pred_step)} → {tms(pred2_step)} |"
+            f"({outside / base:.2f}) | {counts_txt} | {calls_txt} | {tms(pred)} | "
+            f"{pred / net_chunks:.3f} | {tms(pred2)} | {pred2 / net_chunks:.2f} | {tms(pred_step)} "
+            f"→ {tms(pred2_step)} |"
         )
         figures.append(
             dict(
@@ -493,13 +496,13 @@ def run_e2e(
         )
     text = [
         f"#### {name}: {n_params / 1e6:.2f}M params, {n_chunks} chunks of {chunk_numel:,} elements "
-        f"({fmt_bytes(chunk_numel * 4)} fp32); chunk 0 persistent, {n_chunks - 1} offloaded, n_buffer "
-        f"{n_buffer}, every block kept",
+        f"({fmt_bytes(chunk_numel * 4)} fp32); chunk 0 persistent, {n_chunks - 1} offloaded, "
+        f"n_buffer {n_buffer}, every block kept",
         "",
         *rows,
         "",
-        f"Profile for the predictions: `measure(...)` in one process, 2 warmup + 5 iterations, the probed "
-        f"spec; {time.perf_counter() - t_model:.0f} s for this model in all.",
+        "Profile for the predictions: `measure(...)` in one process, 2 warmup + 5 iterations, the "
+        f"probed spec; {time.perf_counter() - t_model:.0f} s for this model in all.",
         "",
     ]
     return text, figures
@@ -542,12 +545,13 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
     parts = []
     for r in e2e:
         parts.append(
-            f"{r['name']} W={r['world']}: the collectives take {tms(r['in_coll'])} ms of a {tms(r['step'])} ms "
-            f"step ({r['in_coll'] / r['step']:.0%}; {tms(r['net'])} ms net of waiting), the fallback predicts "
-            f"{tms(r['pred'])} ms of chunk collectives against {tms(r['net_chunks'])} ms net "
-            f"(under by {r['net_chunks'] / r['pred']:.0f}×); with the measured bus bandwidth "
-            f"{r['pred2'] / r['net_chunks']:.2f}×; predicted step {r['pred_step'] / r['step']:.2f}× → "
-            f"{r['pred2_step'] / r['step']:.2f}× the measured one"
+            f"{r['name']} W={r['world']}: the collectives take {tms(r['in_coll'])} ms of a "
+            f"{tms(r['step'])} ms step ({r['in_coll'] / r['step']:.0%}; {tms(r['net'])} ms net of "
+            f"waiting), the fallback predicts {tms(r['pred'])} ms of chunk collectives against "
+            f"{tms(r['net_chunks'])} ms net (under by {r['net_chunks'] / r['pred']:.0f}×); with "
+            f"the measured bus bandwidth {r['pred2'] / r['net_chunks']:.2f}×; predicted step "
+            f"{r['pred_step'] / r['step']:.2f}× → {r['pred2_step'] / r['step']:.2f}× the measured "
+            "one"
         )
     counts_ok = all(r["counts_match"] for r in e2e)
     outside = "; ".join(f"{r['name']} W={r['world']} {r['outside'] / r['base']:.2f}×" for r in e2e)
@@ -561,63 +565,81 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
     rng = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}×"  # noqa: E731
     return "\n\n".join(
         [
-            "**Reading.** "
-            f"*Micro-benchmark.* The cpu spec has no collective bandwidth, so the model charges a collective "
-            f"at memcpy speed; gloo over loopback is nowhere near that. Predicted / measured is "
-            f"{min(ratio):.3f}–{max(ratio):.3f} ({per_op}): the fallback under-predicts a collective "
-            f"{1 / max(ratio):.0f}–{1 / min(ratio):.0f}×. The memcpy measured in the same run is "
-            f"{rng(link_fit)} the probed link at the same size (the same operation, but single calls here and "
-            f"looped ones in the probe, on a machine whose load changed between the two), and the collectives "
-            f"take {min(xmem):,.0f}–{max(xmem):,.0f}× a memcpy of the same bytes. At {fmt_bytes(small)} a "
-            f"collective costs {tms(min(lat))}–{tms(max(lat))} ms, of which moving the bytes at the best bus "
-            f"bandwidth measured for that collective would take at most {max(moving):.0%}: the rest is latency "
-            f"(socket round trips, ring steps, waking the other processes), which a bandwidth alone cannot "
-            f"express; the all-gather's "
-            f"bus bandwidth over {' → '.join(fmt_bytes(s) for s in sizes)} is {ag_curve} GB/s, at best "
-            f"{gbs(max(mres[(w, s, 'all-gather')]['bus'] for w in worlds for s in sizes))} GB/s against the "
-            f"{gbs(collective_bandwidth(spec, big))} GB/s memcpy link at {fmt_bytes(big)}. Reduce-scatter takes "
-            f"{min(rs_ar):.1f}–{max(rs_ar):.1f}× an all-reduce of the same buffer (at {fmt_bytes(sizes[1])} and "
-            f"up), where the model charges it half an all-reduce: gloo has no reduce-scatter of its own — "
-            f"`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the input, all-reduces the whole buffer "
-            f"and copies out the own slice — so on gloo the collective in `t_down` is an all-reduce plus a copy, "
-            f"whatever bandwidth the spec gives.",
+            "**Reading.** *Micro-benchmark.* The cpu spec has no collective bandwidth, so the "
+            "model charges a collective at memcpy speed; gloo over loopback is nowhere near that. "
+            f"Predicted / measured is {min(ratio):.3f}–{max(ratio):.3f} ({per_op}): the fallback "
+            f"under-predicts a collective {1 / max(ratio):.0f}–{1 / min(ratio):.0f}×. The memcpy "
+            f"measured in the same run is {rng(link_fit)} the probed link at the same size (the "
+            "same operation, but single calls here and looped ones in the probe, on a machine "
+            "whose load changed between the two), and the collectives take "
+            f"{min(xmem):,.0f}–{max(xmem):,.0f}× a memcpy of the same bytes. At {fmt_bytes(small)} "
+            f"a collective costs {tms(min(lat))}–{tms(max(lat))} ms, of which moving the bytes at "
+            "the best bus bandwidth measured for that collective would take at most "
+            f"{max(moving):.0%}: the rest is latency (socket round trips, ring steps, waking the "
+            "other processes), which a bandwidth alone cannot express; the all-gather's bus "
+            f"bandwidth over {' → '.join(fmt_bytes(s) for s in sizes)} is {ag_curve} GB/s, at best "
+            f"{gbs(max(mres[(w, s, 'all-gather')]['bus'] for w in worlds for s in sizes))} GB/s "
+            f"against the {gbs(collective_bandwidth(spec, big))} GB/s memcpy link at "
+            f"{fmt_bytes(big)}. Reduce-scatter takes {min(rs_ar):.1f}–{max(rs_ar):.1f}× an "
+            f"all-reduce of the same buffer (at {fmt_bytes(sizes[1])} and up), where the model "
+            "charges it half an all-reduce: gloo has no reduce-scatter of its own — "
+            "`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the input, all-reduces "
+            "the whole buffer and copies out the own slice — so on gloo the collective in "
+            "`t_down` is an all-reduce plus a copy, whatever bandwidth the spec gives.",
             "*End to end.* "
             + (
-                "The executor issued exactly the chunk collectives the model counts (all-gathers, "
-                "reduce-scatters, all-reduces per step, in every run), so the gap is the time per collective, "
-                "not the accounting. "
+                (
+                    "The executor issued exactly the chunk collectives the model counts "
+                    "(all-gathers, reduce-scatters, all-reduces per step, in every run), so the "
+                    "gap is the time per collective, not the accounting. "
+                )
                 if counts_ok
-                else "The executor's collective counts differ from the model's in some run (see the tables). "
+                else (
+                    "The executor's collective counts differ from the model's in some run (see the "
+                    "tables). "
+                )
             )
             + "; ".join(parts)
             + ". "
-            f"Set from the micro-benchmark, `allgather_bytes_per_s` takes the communication term from "
-            f"{min(under):.0f}–{max(under):.0f}× under to {rng(fixed)} the measured net time: a bus bandwidth taken "
-            f"at the chunk's own size folds its latency in. What is left: in training a chunk all-gather costs "
-            f"{rng(ag_train)} its micro-benchmark time (there the ranks had the cores to themselves; here the "
-            f"other ranks' compute and CPU-Adam threads share them), a reduce-scatter costs {rng(rs_ag)} an "
-            f"all-gather where the model charges the same, and the persistent chunk's all-reduce {rng(ar_ag)} an "
-            f"all-gather where the model charges 2×. The rest of the step grows as well, and no communication "
-            f"term explains it: time outside collectives is {outside} the W=1 step, because W ranks, each with "
-            f"its CPU-Adam worker thread, share {os.cpu_count()} cores (W=3 oversubscribes them), and the waits "
-            f'in "in collectives" beyond the net time are ranks arriving late for the same reason. The model '
-            f"assumes each rank has its device and cores to itself, as on a GPU node; for scale, at W=1 it "
+            "Set from the micro-benchmark, `allgather_bytes_per_s` takes the communication term "
+            "from "
+            f"{min(under):.0f}–{max(under):.0f}× under to {rng(fixed)} the measured net time: a "
+            "bus bandwidth taken "
+            "at the chunk's own size folds its latency in. What is left: in training a chunk "
+            "all-gather costs "
+            f"{rng(ag_train)} its micro-benchmark time (there the ranks had the cores to "
+            "themselves; here the "
+            "other ranks' compute and CPU-Adam threads share them), a reduce-scatter costs "
+            f"{rng(rs_ag)} an "
+            "all-gather where the model charges the same, and the persistent chunk's all-reduce "
+            f"{rng(ar_ag)} an "
+            "all-gather where the model charges 2×. The rest of the step grows as well, and no "
+            "communication "
+            f"term explains it: time outside collectives is {outside} the W=1 step, because W "
+            "ranks, each with "
+            f"its CPU-Adam worker thread, share {os.cpu_count()} cores (W=3 oversubscribes them), "
+            "and the waits "
+            'in "in collectives" beyond the net time are ranks arriving late for the same reason. '
+            "The model "
+            "assumes each rank has its device and cores to itself, as on a GPU node; for scale, "
+            "at W=1 it "
             f"predicts {w1_txt} the measured step (a 5-iteration profile on a shared box).",
-            "*How far to trust this.* This is gloo over loopback TCP on a 2-core VM: bus bandwidths of at "
-            f"most {gbs(max(r['bus'] for r in mres.values()))} GB/s, where NCCL reaches tens of GB/s over "
-            "PCIe and hundreds over NVLink, and W ranks compete for the same cores; the numbers calibrate "
-            "nothing about GPUs. They say that on a cpu spec the memcpy fallback under-predicts "
-            "communication by orders of magnitude, so a W > 1 plan made from a probed cpu spec believes ZeRO-3 "
-            "is nearly free. *What the probe should measure:* with a world size given, spawn W local ranks on the "
-            "backend the executor will use (gloo for cpu, nccl for cuda) and time `all_gather_into_tensor` "
-            "and `reduce_scatter_tensor` themselves (not one inferred from the other: gloo's reduce-scatter "
-            "is an all-reduce) over the link curve's sizes; store a curve or a latency + size / bandwidth fit "
-            "per collective (`allgather_bytes_per_s` and `reduce_scatter_bytes_per_s` exist; a latency does "
-            "not), have `make_terms` use the reduce-scatter figure in `t_down` and measure all-reduce for the "
-            "persistent chunks; until then, a cpu spec with `allgather_bytes_per_s` = 0 should warn when "
-            "planning for W > 1. "
-            f"Load average {load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores: one sample "
-            "of a shared machine.",
+            "*How far to trust this.* This is gloo over loopback TCP on a 2-core VM: bus "
+            f"bandwidths of at most {gbs(max(r['bus'] for r in mres.values()))} GB/s, where NCCL "
+            "reaches tens of GB/s over PCIe and hundreds over NVLink, and W ranks compete for the "
+            "same cores; the numbers calibrate nothing about GPUs. They say that on a cpu spec "
+            "the memcpy fallback under-predicts communication by orders of magnitude, so a W > 1 "
+            "plan made from a probed cpu spec believes ZeRO-3 is nearly free. *What the probe "
+            "should measure:* with a world size given, spawn W local ranks on the backend the "
+            "executor will use (gloo for cpu, nccl for cuda) and time `all_gather_into_tensor` "
+            "and `reduce_scatter_tensor` themselves (not one inferred from the other: gloo's "
+            "reduce-scatter is an all-reduce) over the link curve's sizes; store a curve or a "
+            "latency + size / bandwidth fit per collective (`allgather_bytes_per_s` and "
+            "`reduce_scatter_bytes_per_s` exist; a latency does not), have `make_terms` use the "
+            "reduce-scatter figure in `t_down` and measure all-reduce for the persistent chunks; "
+            "until then, a cpu spec with `allgather_bytes_per_s` = 0 should warn when planning "
+            f"for W > 1. Load average {load[0]:.2f} before, {load[1]:.2f} after, on "
+            f"{os.cpu_count()} cores: one sample of a shared machine.",
         ]
     )
 
@@ -689,45 +711,54 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f'Date: {date}. Spec: `probe("cpu", quick=True)` in {probe_s:.1f} s (memcpy link '
             f"{gbs(link_bandwidth(spec, sizes[-1], 'h2d'))} GB/s at {fmt_bytes(sizes[-1])}; "
-            f"`allgather_bytes_per_s` = {spec.allgather_bytes_per_s}, so `collective_bandwidth` falls back to "
-            f"the memcpy link at the buffer's size). Ranks: `torch.multiprocessing.spawn`, gloo over 127.0.0.1, "
-            f"`torch.set_num_threads(1)` in every rank and in the parent (probe, profiles). {elapsed_s:.0f} s in "
+            f"`allgather_bytes_per_s` = {spec.allgather_bytes_per_s}, so `collective_bandwidth` "
+            "falls back to "
+            "the memcpy link at the buffer's size). Ranks: `torch.multiprocessing.spawn`, gloo "
+            "over 127.0.0.1, "
+            "`torch.set_num_threads(1)` in every rank and in the parent (probe, profiles). "
+            f"{elapsed_s:.0f} s in "
             f"all ({micro_s:.0f} s of it the micro-benchmark); load average {load[0]:.2f} before, "
             f"{load[1]:.2f} after, on {os.cpu_count()} cores.",
             "",
             "### Collectives at chunk sizes",
             "",
-            f"fp32 buffers through `executor.dist.Comm`, as the executor calls it: all-gather in place into the "
-            f"padded buffer from the own shard, reduce-scatter of the full buffer into a shard, all-reduce of "
-            f"the full buffer. {args.warmup} warmup + {args.repeats} timed samples each, a `dist.barrier()` "
-            "before every sample; a sample is the fastest rank's time (the last to leave the barrier waits for "
-            "no one: that rank times the transfer itself); median. Bus GB/s: (W-1)/W × bytes / time, × 2 for "
-            "all-reduce (nccl-tests' busbw). memcpy: `Tensor.copy_` of the same bytes on rank 0 in the same "
-            "run, the others waiting (what the cpu spec's link measures). Model bw: `collective_bandwidth(spec, "
-            "bytes)`; predicted: (W-1)/W × bytes / model bw, × 2 for all-reduce, as `make_terms` charges a "
-            "chunk. × memcpy time: the collective's median over the memcpy's.",
+            "fp32 buffers through `executor.dist.Comm`, as the executor calls it: all-gather in "
+            "place into the padded buffer from the own shard, reduce-scatter of the full buffer "
+            f"into a shard, all-reduce of the full buffer. {args.warmup} warmup + {args.repeats} "
+            "timed samples each, a `dist.barrier()` before every sample; a sample is the fastest "
+            "rank's time (the last to leave the barrier waits for no one: that rank times the "
+            "transfer itself); median. Bus GB/s: (W-1)/W × bytes / time, × 2 for all-reduce "
+            "(nccl-tests' busbw). memcpy: `Tensor.copy_` of the same bytes on rank 0 in the same "
+            "run, the others waiting (what the cpu spec's link measures). Model bw: "
+            "`collective_bandwidth(spec, bytes)`; predicted: (W-1)/W × bytes / model bw, × 2 for "
+            "all-reduce, as `make_terms` charges a chunk. × memcpy time: the collective's median "
+            "over the memcpy's.",
             "",
             *rows1,
             "",
             "### End to end: training with ZeRO-3",
             "",
-            f"Each model trained by `wrap` with a plan from `emit` for W ranks (`Training(world_size=W)`), "
-            f"micro-batch {args.batch} × {args.seq} tokens per rank from `batches(..., rank=r, world_size=W)`, "
-            f"{args.warmup} warmup + {args.steps} measured steps. Every rank times `engine.step` and every "
-            "collective (its begin and end events from `Engine.on_event`, whose name says which chunk and why). "
-            "Step: median per rank; × W=1: the slowest rank's over the single process's. In collectives: per "
-            "rank, median over steps of the summed collective time, waiting for slower ranks included. Net of "
-            "waiting: per collective the fastest rank's time, summed over a step, median over steps. Outside "
-            "collectives: step minus in collectives, mean over ranks. Collectives per step: counted from the "
-            "recorded calls; in parentheses the cost model's count (`model_counts`, the lines of "
-            "`cost.evaluate`: an all-gather per forward upload and backward re-fetch of an offloaded chunk, a "
-            "reduce-scatter per gradient offload, an all-reduce per persistent chunk). Predicted comm: (AG + "
-            "RS + 2 × AR) × (W-1)/W × padded chunk bytes / `collective_bandwidth(spec, chunk bytes)` — the "
-            "collective part of `t_up`, `t_down` and `allreduce_us_per_chunk`, without the own-shard copies; "
-            "÷ net is against the net time of those chunk collectives (the scalar loss all-reduce left out, "
-            "as the model leaves it out). Measured bus bw: the same with `allgather_bytes_per_s` set to the "
-            "micro-benchmark's all-gather bus bandwidth at the chunk's size and W (the model uses that one "
-            "figure for all three collectives). Predicted step: `cost.predict` for the plan's configuration.",
+            "Each model trained by `wrap` with a plan from `emit` for W ranks "
+            f"(`Training(world_size=W)`), micro-batch {args.batch} × {args.seq} tokens per rank "
+            f"from `batches(..., rank=r, world_size=W)`, {args.warmup} warmup + {args.steps} "
+            "measured steps. Every rank times `engine.step` and every collective (its begin and "
+            "end events from `Engine.on_event`, whose name says which chunk and why). Step: "
+            "median per rank; × W=1: the slowest rank's over the single process's. In "
+            "collectives: per rank, median over steps of the summed collective time, waiting for "
+            "slower ranks included. Net of waiting: per collective the fastest rank's time, "
+            "summed over a step, median over steps. Outside collectives: step minus in "
+            "collectives, mean over ranks. Collectives per step: counted from the recorded calls; "
+            "in parentheses the cost model's count (`model_counts`, the lines of `cost.evaluate`: "
+            "an all-gather per forward upload and backward re-fetch of an offloaded chunk, a "
+            "reduce-scatter per gradient offload, an all-reduce per persistent chunk). Predicted "
+            "comm: (AG + RS + 2 × AR) × (W-1)/W × padded chunk bytes / "
+            "`collective_bandwidth(spec, chunk bytes)` — the collective part of `t_up`, `t_down` "
+            "and `allreduce_us_per_chunk`, without the own-shard copies; ÷ net is against the net "
+            "time of those chunk collectives (the scalar loss all-reduce left out, as the model "
+            "leaves it out). Measured bus bw: the same with `allgather_bytes_per_s` set to the "
+            "micro-benchmark's all-gather bus bandwidth at the chunk's size and W (the model uses "
+            "that one figure for all three collectives). Predicted step: `cost.predict` for the "
+            "plan's configuration.",
             "",
             *e2e_text,
             reading(spec, sizes, mres, figures, load),

@@ -395,11 +395,11 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Date: {date}. Model {args.model} ({n_params / 1e6:.2f}M params, fp32), micro-batch "
             f"{args.batch} × {args.seq} tokens; {args.repeats} repeats × ({args.warmup} warmup + "
-            f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in all. "
-            "Median over all measured steps; the spread is the min–max of the per-repeat medians; "
-            "fwd / bwd / optim are the medians of each phase (protrain: `StepResult.timings_s`, whose "
-            "optim excludes CPU-Adam work that overlaps backward). Ledger peak is "
-            "`StepResult.peak_bytes`, the executor's counted device-side bytes "
+            f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in "
+            "all. Median over all measured steps; the spread is the min–max of the per-repeat "
+            "medians; fwd / bwd / optim are the medians of each phase (protrain: "
+            "`StepResult.timings_s`, whose optim excludes CPU-Adam work that overlaps backward). "
+            "Ledger peak is `StepResult.peak_bytes`, the executor's counted device-side bytes "
             "(chunks + grads + optimizer state + saved activations).",
             "",
             tbl,

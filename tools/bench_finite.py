@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     alone, elements = check_alone(plan)
     rows.append(
-        f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient elements "
-        f"| — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |"
+        f"| the check alone: one sum per span of parameters, {elements / 1e6:.2f}M fp32 gradient "
+        f"elements | — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |"
     )
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])

@@ -271,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         log(
             f"{r['backend']:24s} {r['family']:6s} largest {r['largest']} "
-            f"({bench_report.human_count(r['largest_n_params'])} params), next stopped by: {r['limit']}; "
-            f"largest micro-batch of {r.get('mb_model')}: {r.get('largest_micro_batch')}"
+            f"({bench_report.human_count(r['largest_n_params'])} params), next stopped by: "
+            f"{r['limit']}; largest micro-batch of {r.get('mb_model')}: "
+            f"{r.get('largest_micro_batch')}"
         )
     return 0
 

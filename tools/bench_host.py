@@ -274,46 +274,57 @@ def render(rows: list[dict], cmd: str) -> str:
         "## Host bytes per offloaded parameter (tools/bench_host.py)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        f"date {time.strftime('%Y-%m-%d')}.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}; date {time.strftime('%Y-%m-%d')}.",
         "",
         "A fresh process per row builds the model in fp32 on the CPU, wraps it under a plan with "
         "every chunk offloaded (checkpointed blocks, micro-batch 1 × 64) and trains "
-        f"{rows[0]['steps']} step(s) (the heap of a CPU run under glibc's default allocator grows over "
+        f"{rows[0]['steps']} step(s) (the heap of a CPU run under glibc's default allocator grows "
+        "over "
         "the first three: see the reading). *Homes*: "
         "kept (a compute-dtype copy per offloaded chunk, 14 B per element in bf16), or none: every "
         "offloaded chunk in `placement.homeless` (12 B: fp32 master and Adam moments; uploads and "
         "gradients pass through the plan's `n_host_slots` pinned slots of one shard each). "
         "*After wrap*: RSS once wrap has moved the weights into chunks, minus the RSS before the "
-        "model was built (torch imported, the corpus read, one small forward and backward run), per "
-        "offloaded parameter. *Peak*: the process's peak RSS (`VmHWM`) minus that baseline and minus "
+        "model was built (torch imported, the corpus read, one small forward and backward run), "
+        "per "
+        "offloaded parameter. *Peak*: the process's peak RSS (`VmHWM`) minus that baseline and "
+        "minus "
         'the step\'s device peak as the CPU ledger counts it (on a CPU run the "device" is host '
         "memory too; the ledger counts the chunk buffers, gradients, saved activations and the "
         "gradient autograd holds for the tied embedding between the head's backward and the "
         "embedding's, `accounting.shared_grads`), per offloaded parameter: what the host "
-        "states cost at their worst, allocator slack included. *Peak, mmap threshold 1 MiB*: the same "
-        "in a process started with `MALLOC_MMAP_THRESHOLD_=1048576`; glibc's default raises its mmap "
+        "states cost at their worst, allocator slack included. *Peak, mmap threshold 1 MiB*: the "
+        "same "
+        "in a process started with `MALLOC_MMAP_THRESHOLD_=1048576`; glibc's default raises its "
+        "mmap "
         "threshold as mapped blocks are freed, so freed device-side blocks of the CPU run (op "
-        "temporaries the ledger does not count, which on a GPU never touch host memory) stay in the "
+        "temporaries the ledger does not count, which on a GPU never touch host memory) stay in "
+        "the "
         "heap and in RSS. *Predicted*: "
-        "`memory_walk.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's host "
-        "states stop at its last parameter (`accounting.host_numel`, not the chunk's padding), plus "
-        "the slots and the CPU step's fp32 scratch of one 1M-element piece. *After wrap* is below it "
-        "where pages are not yet touched (slots and fp32 accumulators are first written by the step). "
+        "`memory_walk.walk(plan).host_bytes` per offloaded parameter: at one rank each chunk's "
+        "host "
+        "states stop at its last parameter (`accounting.host_numel`, not the chunk's padding), "
+        "plus "
+        "the slots and the CPU step's fp32 scratch of one 1M-element piece. *After wrap* is below "
+        "it "
+        "where pages are not yet touched (slots and fp32 accumulators are first written by the "
+        "step). "
         "*Peak in training*: the same as *peak* with the high-water mark reset once wrap is done "
         "(`/proc/self/clear_refs`), so without the user's fp32 model built on the host before wrap "
-        "(4 B per parameter), which sets the whole-process peak where the plan's states are smaller.",
+        "(4 B per parameter), which sets the whole-process peak where the plan's states are "
+        "smaller.",
         "",
-        "| model | params | compute | grad accum | homes | chunk | predicted B/param | after wrap | peak | "
-        "peak / predicted | peak, mmap threshold 1 MiB | its ratio | peak in training |",
+        "| model | params | compute | grad accum | homes | chunk | predicted B/param | after wrap "
+        "| peak | peak / predicted | peak, mmap threshold 1 MiB | its ratio | peak in training |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         homes = f"none (homeless, {r['slots']} slot)" if r["homeless"] else "kept"
         homes += "; master and moments on disk" if r.get("nvme") else ""
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | {homes} | "
-            f"{r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['grad_accum']} | "
+            f"{homes} | {r['chunk_numel'] / 1e6:.1f}M | {r['predicted_per_param']:.2f} | "
             f"{r['wrapped_per_param']:.2f} | {r['measured_per_param']:.2f} | "
             f"{r['measured_per_param'] / r['predicted_per_param']:.3f} | "
             f"{r['measured_mmap_per_param']:.2f} | "
@@ -359,20 +370,26 @@ def reading(rows: list[dict]) -> str:
         )
         + f". Peak over predicted, rows in host memory: {min(ratios):.3f} to {max(ratios):.3f}. "
         + (
-            f"After the first step alone, under glibc's default: {creep}; the heap's free blocks "
-            f"grow over the next two steps (the LM head's backward temporaries, device memory on a "
-            f"GPU, fragment it) and then hold (gpt2-medium over 8 steps: the section 'Host bytes over eight steps'), while with the threshold fixed RSS "
-            f"is flat from the first step. "
+            (
+                f"After the first step alone, under glibc's default: {creep}; the heap's free "
+                "blocks grow over the next two steps (the LM head's backward temporaries, device "
+                "memory on a GPU, fragment it) and then hold (gpt2-medium over 8 steps: the "
+                "section 'Host bytes over eight steps'), while with the threshold fixed RSS is "
+                "flat from the first step. "
+            )
             if creep and rows[0]["steps"] > 1
             else ""
         )
         + _marginal(h)
-        + f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} B over the "
-        f"12 B of states: the slots of one chunk shard each (a chunk holds at least the largest "
-        f"parameter, GPT-2's tied embedding: {slot} per parameter), the step's scratch, and allocator "
-        "slack. The device count subtracted includes the gradient autograd holds for the tied "
-        "embedding between the head's backward and the embedding's (`accounting.shared_grads`, "
-        "51.5M x 2 B = 0.29 B per parameter at 355M), which is device memory on a GPU. "
+        + (
+            f"The worst homeless row ({worst['model']}) is {worst['measured_per_param'] - 12:.2f} "
+            "B over the 12 B of states: the slots of one chunk shard each (a chunk holds at least "
+            f"the largest parameter, GPT-2's tied embedding: {slot} per parameter), the step's "
+            "scratch, and allocator slack. The device count subtracted includes the gradient "
+            "autograd holds for the tied embedding between the head's backward and the "
+            "embedding's (`accounting.shared_grads`, 51.5M x 2 B = 0.29 B per parameter at 355M), "
+            "which is device memory on a GPU. "
+        )
         + (
             "The fp32 row reads below its prediction because its host "
             "high-water comes at the end of backward (the fp32 accumulators are first written as "
@@ -413,10 +430,13 @@ def _disk(rows: list[dict]) -> str:
             f"(predicted {d['predicted_per_param']:.2f}{fixed}) with "
             f"master and moments on disk against {same[tp]:.2f} in host memory, a drop of "
             f"{same[tp] - d[tp]:.2f} B (whole-process peaks {d['measured_per_param']:.2f} and "
-            f"{same['measured_per_param']:.2f}; {same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
+            f"{same['measured_per_param']:.2f}; "
+            f"{same['measured_mmap_per_param'] - d['measured_mmap_per_param']:.2f} "
             f"with the threshold fixed) where the plan moved 12 B per element to the disk "
-            f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
-            f'({d["step_s"] / same["step_s"]:.2f}x; mean of {d["steps"]} step(s) each, CPU "device", so the disk\'s share '
+            f"({d['disk_per_param']:.2f} B per parameter in the file, alignment included); a step "
+            f"took {d['step_s']:.1f} s against {same['step_s']:.1f} s "
+            f"({d['step_s'] / same['step_s']:.2f}x; mean of {d['steps']} step(s) each, CPU "
+            '"device", so the disk\'s share '
             "is diluted by the CPU forward and backward)"
         )
     return (
@@ -437,9 +457,9 @@ def _marginal(h: list[dict]) -> str:
         for k in ("measured_per_param", "measured_mmap_per_param", "predicted_per_param")
     }
     return (
-        f"From {a['model']} to {b['model']} each added parameter cost {slope['measured_per_param']:.2f} B "
-        f"({slope['measured_mmap_per_param']:.2f} with the threshold fixed; predicted "
-        f"{slope['predicted_per_param']:.2f}). "
+        f"From {a['model']} to {b['model']} each added parameter cost "
+        f"{slope['measured_per_param']:.2f} B ({slope['measured_mmap_per_param']:.2f} with the "
+        f"threshold fixed; predicted {slope['predicted_per_param']:.2f}). "
     )
 
 
@@ -474,7 +494,8 @@ def render_rows(rows: list[dict], cmd: str) -> str:
         "touched by the steps; on CUDA, lazily loaded modules), part of every peak here.",
         "",
         "| device | model | params | compute | homes | predicted B/param | peak | training | "
-        "training / predicted | training, mmap threshold 1 MiB | after step 1 | file pages | step s |",
+        "training / predicted | training, mmap threshold 1 MiB | after step 1 | file pages | step "
+        "s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -482,7 +503,8 @@ def render_rows(rows: list[dict], cmd: str) -> str:
         lines.append(
             f"| {r['device']} | {r['model']} | {r['params'] / 1e6:.3g}M | {r['dtype']} | "
             f"{'none' if r['homeless'] else 'kept'}{'; disk' if r.get('nvme') else ''} | "
-            f"{r['predicted_per_param']:.2f} | {r['measured_per_param']:.2f} | {r['train_peak_per_param']:.2f} | "
+            f"{r['predicted_per_param']:.2f} | {r['measured_per_param']:.2f} | "
+            f"{r['train_peak_per_param']:.2f} | "
             f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
             f"{'-' if mmap is None else f'{mmap:.2f}'} | {r['first_step_per_param']:.2f} | "
             f"{r.get('file_growth_per_param', float('nan')):.2f} | {r['step_s']:.2f} |"
@@ -555,24 +577,26 @@ def render_lora(rows: list[dict], cmd: str) -> str:
         "## Host bytes per frozen parameter, LoRA (tools/bench_host.py --lora)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        f"date {time.strftime('%Y-%m-%d')}.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}; date {time.strftime('%Y-%m-%d')}.",
         "",
-        "As the section *Host bytes per offloaded parameter*, with peft's LoRA injected (r=16, alpha 32, on the attention projections; "
-        "planner/models/lora.py) and the base frozen: the plan marks the frozen parameters (`Param.frozen`, "
-        "schema 8), the adapters get chunks of their own, and every chunk is offloaded, so a frozen "
-        "chunk keeps only its compute-dtype home on the host (no master, moments or gradients: "
-        "plans/homes.py). Bytes are per *frozen* parameter. *Full training, predicted*: "
-        "`memory_walk.walk` of the same plan with every chunk trainable, per parameter.",
+        "As the section *Host bytes per offloaded parameter*, with peft's LoRA injected (r=16, "
+        "alpha 32, on the attention projections; planner/models/lora.py) and the base frozen: the "
+        "plan marks the frozen parameters (`Param.frozen`, schema 8), the adapters get chunks of "
+        "their own, and every chunk is offloaded, so a frozen chunk keeps only its compute-dtype "
+        "home on the host (no master, moments or gradients: plans/homes.py). Bytes are per "
+        "*frozen* parameter. *Full training, predicted*: `memory_walk.walk` of the same plan with "
+        "every chunk trainable, per parameter.",
         "",
         "| model | params | trainable | compute | predicted B/frozen param | after wrap | peak | "
-        "peak in training | its ratio | peak in training, mmap threshold 1 MiB | full training, predicted |",
+        "peak in training | its ratio | peak in training, mmap threshold 1 MiB | full training, "
+        "predicted |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {(r['params'] - r['frozen']) / 1e6:.2f}M | "
-            f"{r['dtype']} | {r['predicted_per_param']:.3f} | {r['wrapped_per_param']:.2f} | "
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {(r['params'] - r['frozen']) / 1e6:.2f}M "
+            f"| {r['dtype']} | {r['predicted_per_param']:.3f} | {r['wrapped_per_param']:.2f} | "
             f"{r['measured_per_param']:.2f} | {r['train_peak_per_param']:.3f} | "
             f"{r['train_peak_per_param'] / r['predicted_per_param']:.3f} | "
             f"{r['train_peak_mmap_per_param']:.3f} | {r['full_predicted_per_param']:.2f} |"

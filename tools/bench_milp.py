@@ -110,8 +110,8 @@ def bench_solve_time(repeats: int) -> tuple[list[str], float]:
             )
             rows.append(
                 f"| {prof.hardware.name} | {w} | {t.n_chunks} | {t.n_blocks} | "
-                f"{statistics.median(ex_s):.2f} | {statistics.median(mi_s):.2f} ({max(mi_s):.2f}) | "
-                f"{solved.status} | {win} |"
+                f"{statistics.median(ex_s):.2f} | {statistics.median(mi_s):.2f} ({max(mi_s):.2f}) "
+                f"| {solved.status} | {win} |"
             )
             print(
                 f"llama-70b {prof.hardware.name} W{w}: MILP {statistics.median(mi_s):.2f} s",
@@ -181,12 +181,12 @@ def grid_summary(cells: list[Cell], label: str) -> str:
     secs = sorted(c.seconds for c in cells)
     top = ", ".join(f"{c.name} W{c.world_size} {100 * c.gain:.1f}%" for c in wins[:5])
     return (
-        f"| {label} | {len(cells)} | {len(fit)} | {len(wins)} ({sum(not c.four_count for c in wins)} off "
-        f"the paper's space) | {100 * statistics.median([c.gain for c in wins]) if wins else 0:.2f}% | "
+        f"| {label} | {len(cells)} | {len(fit)} | {len(wins)} "
+        f"({sum(not c.four_count for c in wins)} off the paper's space) | "
+        f"{100 * statistics.median([c.gain for c in wins]) if wins else 0:.2f}% | "
         f"{100 * wins[0].gain if wins else 0:.2f}% | {len(big)} | "
-        f"{', '.join(f'{k} {v}' for k, v in statuses.items())}"
-        f"{f' (gap {100 * min(gaps):.2f}–{100 * max(gaps):.2f}%)' if gaps else ''} | "
-        f"{statistics.median(secs):.2f} / {max(secs):.2f} | {top or '—'} |"
+        f"{', '.join(f'{k} {v}' for k, v in statuses.items())}{f' (gap {100 * min(gaps):.2f}–{100 * max(gaps):.2f}%)' if gaps else ''} "
+        f"| {statistics.median(secs):.2f} / {max(secs):.2f} | {top or '—'} |"
     )
 
 
@@ -364,17 +364,21 @@ def main(argv: list[str] | None = None) -> int:
     for c, ratio, per_rep in confirmed:
         faster = sum(r < 1 for r in per_rep)
         cpu_rows.append(
-            f"| {c.model} | {c.fraction:.2f} | {c.base.n_persist} persistent (prefix), n_buffer {c.base.n_buffer}, "
-            f"{strip_text(c.base, c.t.n_blocks)} | persistent {c.milp.persistent_ids()}, n_buffer "
-            f"{c.milp.n_buffer}, {strip_text(c.milp, c.t.n_blocks)} | {c.milp.time_us / c.base.time_us:.3f} | "
-            f"{ratio:.3f} ({min(per_rep):.3f}–{max(per_rep):.3f}; MILP faster in {faster} of {len(per_rep)}) | "
-            f"{1 - c.gain_again:.3f} |"
+            f"| {c.model} | {c.fraction:.2f} | {c.base.n_persist} persistent (prefix), n_buffer "
+            f"{c.base.n_buffer}, {strip_text(c.base, c.t.n_blocks)} | persistent "
+            f"{c.milp.persistent_ids()}, n_buffer {c.milp.n_buffer}, "
+            f"{strip_text(c.milp, c.t.n_blocks)} | {c.milp.time_us / c.base.time_us:.3f} | "
+            f"{ratio:.3f} ({min(per_rep):.3f}–{max(per_rep):.3f}; MILP faster in {faster} of "
+            f"{len(per_rep)}) | {1 - c.gain_again:.3f} |"
         )
         spread = max(per_rep) - min(per_rep)
         settled = ratio < 1 and faster == len(per_rep) or ratio > 1 and faster == 0
         verdicts.append(
-            f"{c.model} at {c.fraction:.2f}: predicted {c.milp.time_us / c.base.time_us:.3f}, measured "
-            f"{ratio:.3f} with the per-repeat ratios spread over {spread:.2f}, so the direction is "
+            (
+                f"{c.model} at {c.fraction:.2f}: predicted {c.milp.time_us / c.base.time_us:.3f}, "
+                f"measured {ratio:.3f} with the per-repeat ratios spread over {spread:.2f}, so the "
+                "direction is "
+            )
             + (
                 "confirmed"
                 if settled and ratio < 1
@@ -389,40 +393,51 @@ def main(argv: list[str] | None = None) -> int:
     wins = [c for c in host_cells if c.gain is not None and c.gain > 1e-4]
     l70 = [c for c in host_cells if c.name.startswith("llama-70b")]
     l70_text = (
-        f"with the default host budget {sum(c.gain is None for c in l70)} of {len(l70)} llama-70b cells "
-        f"fit no host, each refused after at most {max(c.seconds for c in l70):.2f} s of MILP"
+        f"with the default host budget {sum(c.gain is None for c in l70)} of {len(l70)} llama-70b "
+        f"cells fit no host, each refused after at most {max(c.seconds for c in l70):.2f} s of MILP"
     )
     reading = (
-        f"llama-70b: the slowest MILP solve took {worst:.2f} s, which "
-        f"{'meets' if worst < 2 else 'misses'} the < 2 s target on this machine (device budget only; "
-        f"{l70_text}). "
-        f"On the library grid with the default host budget the MILP beats the best four-count plan in "
-        f"{len(wins)} of {sum(c.gain is not None for c in host_cells)} fitting cells, by "
-        f"{100 * statistics.median([c.gain for c in wins]) if wins else 0:.2f}% at the median; of those "
-        f"wins {sum(c.moved_chunks for c in wins)} keep a non-prefix set of chunks persistent, "
-        f"{sum(c.new_strip for c in wins)} use a strip the paper's layout cannot write, and "
-        f"{sum(c.four_count for c in wins)} stay four-count plans the exhaustive space leaves out (more "
-        "buffers, or more swaps than the swap interval allows). Cells at the time limit return HiGHS's "
-        "best plan with its gap. "
-        f"On this CPU the largest predicted win of any swept budget was {100 * cpu_gains[0] if cpu_gains else 0:.2f}%"
+        (
+            f"llama-70b: the slowest MILP solve took {worst:.2f} s, which "
+            f"{'meets' if worst < 2 else 'misses'} the < 2 s target on this machine (device budget "
+            f"only; {l70_text}). On the library grid with the default host budget the MILP beats "
+            f"the best four-count plan in {len(wins)} of "
+            f"{sum(c.gain is not None for c in host_cells)} fitting cells, by "
+            f"{100 * statistics.median([c.gain for c in wins]) if wins else 0:.2f}% at the median; "
+            f"of those wins {sum(c.moved_chunks for c in wins)} keep a non-prefix set of chunks "
+            f"persistent, {sum(c.new_strip for c in wins)} use a strip the paper's layout cannot "
+            f"write, and {sum(c.four_count for c in wins)} stay four-count plans the exhaustive "
+            "space leaves out (more buffers, or more swaps than the swap interval allows). Cells "
+            "at the time limit return HiGHS's best plan with its gap. On this CPU the largest "
+            f"predicted win of any swept budget was {100 * cpu_gains[0] if cpu_gains else 0:.2f}%"
+        )
         + (
-            f", below the {100 * args.threshold:.0f}% threshold, so the executor run below is for direction only"
+            (
+                f", below the {100 * args.threshold:.0f}% threshold, so the executor run below is "
+                "for direction only"
+            )
             if below
             else ""
         )
         + ". "
         + "; ".join(verdicts)
-        + ". Across all swept budgets the predicted CPU wins move between "
-        f"two profiles of the same model by up to {100 * moved:.2f} points (last column for the cell run)"
         + (
-            ": they are mostly the profile's per-block timing noise, which the MILP, unlike the four-count "
-            "search, can place blocks around"
+            ". Across all swept budgets the predicted CPU wins move between two profiles of the "
+            f"same model by up to {100 * moved:.2f} points (last column for the cell run)"
+        )
+        + (
+            (
+                ": they are mostly the profile's per-block timing noise, which the MILP, unlike "
+                "the four-count search, can place blocks around"
+            )
             if moved >= 0.5 * max(cpu_gains, default=0)
             else ", well under the wins themselves"
         )
-        + ". The grid's predicted wins are for GPUs, where the MILP also uses "
-        "copy/compute overlap that a CPU device (synchronous copies) does not have; they need a GPU run "
-        "to confirm."
+        + (
+            ". The grid's predicted wins are for GPUs, where the MILP also uses copy/compute "
+            "overlap that a CPU device (synchronous copies) does not have; they need a GPU run to "
+            "confirm."
+        )
     )
     text = "\n".join(
         [
@@ -432,20 +447,28 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Machine: {machine()}.",
             "",
-            f"Date: {now_utc()}. HiGHS via `scipy.optimize.milp` (scipy {__import__('scipy').__version__}), "
-            f"time limit {M.MILP_TIME_LIMIT_S:.0f} s, relative gap {M.MILP_REL_GAP:g}. {elapsed:.0f} s in all; load "
-            f"average {load0:.2f} before, {load1:.2f} after, on {os.cpu_count()} cores. Baselines: the exhaustive "
-            "search's time (1) and its best four-count plan's predicted time (2, 3); in 3 the measured "
-            'ratio is the median `StepResult.timings_s["total"]` of the MILP plan over the four-count plan\'s, '
-            f"{args.repeats} interleaved runs of ({args.warmup} warmup + {args.steps} measured) steps each, "
+            f"Date: {now_utc()}. HiGHS via `scipy.optimize.milp` (scipy "
+            f"{__import__('scipy').__version__}), "
+            f"time limit {M.MILP_TIME_LIMIT_S:.0f} s, relative gap {M.MILP_REL_GAP:g}. "
+            f"{elapsed:.0f} s in all; load "
+            f"average {load0:.2f} before, {load1:.2f} after, on {os.cpu_count()} cores. Baselines: "
+            "the exhaustive "
+            "search's time (1) and its best four-count plan's predicted time (2, 3); in 3 the "
+            "measured "
+            'ratio is the median `StepResult.timings_s["total"]` of the MILP plan over the '
+            "four-count plan's, "
+            f"{args.repeats} interleaved runs of ({args.warmup} warmup + {args.steps} measured) "
+            "steps each, "
             f"micro-batch {args.batch} × {args.seq}.",
             "",
-            "**1. Solve time, llama-70b** (committed analytic profiles, usable memory, no host budget):",
+            "**1. Solve time, llama-70b** (committed analytic profiles, usable memory, no host "
+            "budget):",
             "",
             *solve_rows,
             "",
-            "**2. Win rate over the library grid** (7 models × 6 cards × W ∈ {1, 4}; the win is the predicted "
-            "iteration time of the best four-count plan over the MILP solver's plan, minus 1):",
+            "**2. Win rate over the library grid** (7 models × 6 cards × W ∈ {1, 4}; the win is "
+            "the predicted iteration time of the best four-count plan over the MILP solver's plan, "
+            "minus 1):",
             "",
             *grid_rows,
             "",

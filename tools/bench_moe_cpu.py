@@ -1,5 +1,6 @@
 """The CPU host costs of a mixture-of-experts block's forward, measured: where
-``planner/profiling/analytic.py``'s ``CPU_MOE_EXPERT_US`` and ``CPU_MOE_ROW_US`` come from (issue 20).
+``planner/profiling/analytic.py``'s ``CPU_MOE_EXPERT_US`` and ``CPU_MOE_ROW_US`` come from (issue
+20).
 
 On a CPU, transformers' MoE path (router softmax and top-k over a few experts per row,
 the sort, the row gathers and the un-permute, a grouped GEMM that runs one small GEMM
@@ -136,7 +137,8 @@ def main() -> None:
         extra.append((mm - am) - (md - ad))
         print(
             f"H={H:3d} W={W:3d} E={E:2d} top-{k} B={B} T={T:3d}: MoE {am:5.0f} / {mm:5.0f} us "
-            f"({am / mm:.2f}x), dense {ad:5.0f} / {md:5.0f} us ({ad / md:.2f}x), extra {extra[-1]:+5.0f} us"
+            f"({am / mm:.2f}x), dense {ad:5.0f} / {md:5.0f} us ({ad / md:.2f}x), extra "
+            f"{extra[-1]:+5.0f} us"
         )
     coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(extra), rcond=None)
     print(f"CPU_MOE_EXPERT_US = {coef[0]:.1f}, CPU_MOE_ROW_US = {coef[1]:.3f}")

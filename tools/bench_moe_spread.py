@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         SECTION,
         "",
-        f"Command: `python tools/bench_moe_spread.py --runs {args.runs}{' --write' if args.write else ''}`; "
-        f"machine: {os.cpu_count()}-core CPU box ({sys.platform}), "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {len(runs)} runs, "
-        f"{len(runs) - len(ran)} with the absolute checks skipped (host median over "
-        "1.2x the calibration box's 1,100 ns); probes "
-        f"{min(r['gflops'] for r in runs):.0f}-{max(r['gflops'] for r in runs):.0f} GFLOP/s, host medians "
-        f"{min(r['host_ns'] for r in runs):.0f}-{max(r['host_ns'] for r in runs):.0f} ns. "
-        "Analytic over measured, min-max over the runs (the absolute ones over the runs that "
-        "ran them); the checks' bound is 0.75-1.25x.",
+        "Command: `python tools/bench_moe_spread.py --runs "
+        f"{args.runs}{' --write' if args.write else ''}`; machine: {os.cpu_count()}-core CPU box "
+        f"({sys.platform}), {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
+        f"{len(runs)} runs, {len(runs) - len(ran)} with the absolute checks skipped (host median "
+        "over 1.2x the calibration box's 1,100 ns); probes "
+        f"{min(r['gflops'] for r in runs):.0f}-{max(r['gflops'] for r in runs):.0f} GFLOP/s, host "
+        f"medians {min(r['host_ns'] for r in runs):.0f}-{max(r['host_ns'] for r in runs):.0f} ns. "
+        "Analytic over measured, min-max over the runs (the absolute ones over the runs that ran "
+        "them); the checks' bound is 0.75-1.25x.",
         "",
         "| check | range |",
         "|---|---|",

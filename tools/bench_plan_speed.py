@@ -263,15 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         section,
         "",
-        f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box "
-        f"({sys.platform}), {when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-        f"(1 min; the box is shared: other processes running at {len(busy)} samples, median "
-        f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} {', '.join(revs)}, this tree "
-        f"{current}. Each figure: median (min-max) over {args.rounds} processes x {args.repeats} calls "
-        "(after a warm-up call in each, each timed call with the planner's caches emptied), trees interleaved "
-        f"in one run; fit: {args.fit_rounds} runs of the whole command each. Wall clock, and CPU time "
-        "(the process's user + system seconds: what the work costs when other jobs share the cores). "
-        "Ratio: baseline / this (above 1: faster now).",
+        f"Command: `{cmd.strip()}`; machine: {os.cpu_count()}-core CPU box ({sys.platform}), "
+        f"{when}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (1 min; the "
+        f"box is shared: other processes running at {len(busy)} samples, median "
+        f"{statistics.median(busy):g}, max {max(busy)}); baseline{'s' if len(revs) > 1 else ''} "
+        f"{', '.join(revs)}, this tree {current}. Each figure: median (min-max) over {args.rounds} "
+        f"processes x {args.repeats} calls (after a warm-up call in each, each timed call with the "
+        f"planner's caches emptied), trees interleaved in one run; fit: {args.fit_rounds} runs of "
+        "the whole command each. Wall clock, and CPU time (the process's user + system seconds: "
+        "what the work costs when other jobs share the cores). Ratio: baseline / this (above 1: "
+        "faster now).",
         "",
         "| what | " + " | ".join(names) + " | " + " | ".join(f"ratio {r}" for r in revs) + " |",
         "|---|" + "---|" * (len(names) + len(revs)),

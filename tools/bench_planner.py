@@ -403,14 +403,15 @@ def model_section(r: ModelResult) -> tuple[str, Summary]:
             "",
         ]
     lines.append(
-        f"Peak consistency: predicted and ledger differ by at most {s.max_peak_err_bytes:,} bytes. Spearman rank correlation of predicted "
-        f"and measured step time: ρ = {s.rho:.2f} (p = {s.p_value:.2g}, n = {s.n}). "
-        f"Mean |time ratio − 1| = {s.mean_abs_time_err:.1%}; farthest: "
-        f"{r.configs[worst].label} at {ratios[worst]:.2f}×. Repeats of one configuration "
-        f"differ by up to {s.spread:.0%}. Profile measured in {r.profile_s:.1f} s. "
-        f"Losses across configurations: max |Δloss| = {max_dloss:.1e} against {base.label}.".replace(
-            "= 0.0e+00", "= 0"
-        )
+        (
+            f"Peak consistency: predicted and ledger differ by at most {s.max_peak_err_bytes:,} "
+            "bytes. Spearman rank correlation of predicted and measured step time: ρ = "
+            f"{s.rho:.2f} (p = {s.p_value:.2g}, n = {s.n}). Mean |time ratio − 1| = "
+            f"{s.mean_abs_time_err:.1%}; farthest: {r.configs[worst].label} at "
+            f"{ratios[worst]:.2f}×. Repeats of one configuration differ by up to {s.spread:.0%}. "
+            f"Profile measured in {r.profile_s:.1f} s. Losses across configurations: max |Δloss| = "
+            f"{max_dloss:.1e} against {base.label}."
+        ).replace("= 0.0e+00", "= 0")
     )
     return "\n".join(lines), s
 
@@ -735,13 +736,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"`assemble` and trained with `wrap` for {args.repeats} repeats × ({args.warmup} "
                 f"warmup + {args.steps} measured) steps, configurations interleaved; "
                 f"{elapsed_s:.0f} s in all. Predicted: `cost.predict` (for the make_plan row, the "
-                "plan's own `prediction`). Measured peak: max `StepResult.peak_bytes` (the ledger); "
+                "plan's own `prediction`). Measured peak: max `StepResult.peak_bytes` (the "
+                "ledger); "
                 'measured time: median of `StepResult.timings_s["total"]` over all measured steps. '
                 "Ratios are predicted / measured. Load average "
                 f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores. The peak "
                 "columns are a consistency check, not fidelity: the CPU memory model walks the "
                 "ledger's own terms, so predicted and ledger peaks agree by construction (a "
-                "difference would be a bug in one of the two); fidelity waits for a real allocator's "
+                "difference would be a bug in one of the two); fidelity waits for a real "
+                "allocator's "
                 "peak, on a GPU. The time columns are a real measurement: the prediction against "
                 "measured wall time.",
                 "",
@@ -771,13 +774,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"Date: {now_utc()}. Analytic profiles (`analytic_profile(build(name, "
                 f'device="meta"), ...)`, bf16; {shapes}) for the datasheet specs '
                 f"{', '.join(SEARCH_SPECS)} (`find_spec`); `make_plan(profile, budget, "
-                "host_budget_bytes=64 TiB)` (host RAM unlimited: this times the search, not what fits "
-                f"the host) called {args.search_repeats} times per row at the spec's `usable_memory_bytes` and at a "
+                "host_budget_bytes=64 TiB)` (host RAM unlimited: this times the search, not what "
+                "fits "
+                f"the host) called {args.search_repeats} times per row at the spec's "
+                "`usable_memory_bytes` and at a "
                 f"tight budget, {TIGHT:.2f}× the smallest predicted peak of any configuration "
-                "(`SearchResult.min_peak_bytes`). make_plan ms is the whole call (chunk size, terms, "
+                "(`SearchResult.min_peak_bytes`). make_plan ms is the whole call (chunk size, "
+                "terms, "
                 "search, emit); search alone is `SearchResult.seconds`. evaluated / space from the "
                 "returned SearchResult. The baseline of the ratio is the analytic profiling of the "
-                f"same (model, spec), timed in the same run. {elapsed_s:.0f} s in all; load average "
+                f"same (model, spec), timed in the same run. {elapsed_s:.0f} s in all; load "
+                "average "
                 f"{load[0]:.2f} before, {load[1]:.2f} after, on {os.cpu_count()} cores.",
                 "",
                 tables,

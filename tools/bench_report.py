@@ -74,10 +74,10 @@ def report_table(records: list[dict]) -> str:
         )
         out.append("")
         head = (
-            "| back-end | runs | tokens/s (median) | run medians min–max | step IQR tokens/s "
-            f"| × {base or '—'} | peak device MiB, allocated / reserved | peak host RSS MiB, steps / run "
-            "| loss first → last "
-            "| predicted / measured iter | predicted / measured peak MiB | note |"
+            "| back-end | runs | tokens/s (median) | run medians min–max | step IQR tokens/s | × "
+            f"{base or '—'} | peak device MiB, allocated / reserved | peak host RSS MiB, steps / "
+            "run | loss first → last | predicted / measured iter | predicted / measured peak MiB "
+            "| note |"
         )
         out += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for b, rs in by.items():
@@ -138,7 +138,8 @@ def report_table(records: list[dict]) -> str:
             elif b.startswith("deepspeed"):
                 z = ok[0]["ds_zero"]
                 note = (note + "; " if note else "") + (
-                    f"deepspeed {ok[0].get('ds_version')}, prefetch_bucket={z['stage3_prefetch_bucket_size']}, "
+                    f"deepspeed {ok[0].get('ds_version')}, "
+                    f"prefetch_bucket={z['stage3_prefetch_bucket_size']}, "
                     f"max_live={z['stage3_max_live_parameters']}, "
                     f"persistence={z['stage3_param_persistence_threshold']}"
                 )

@@ -294,7 +294,8 @@ def cpu_name() -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, or ``$BENCH_COMMIT`` (a copy of the tree without .git, as on a lent GPU)."""
+    """HEAD's short hash, or ``$BENCH_COMMIT`` (a copy of the tree without .git, as on a lent
+    GPU)."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     try:

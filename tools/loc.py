@@ -77,7 +77,8 @@ def main() -> int:
         notes = sum(r[2] for r in rows)
         total[pkg] = code
         print(
-            f"{pkg}/  {code} code lines, {notes} comment+doc lines ({notes / max(code, 1):.2f} per code line)"
+            f"{pkg}/  {code} code lines, {notes} comment+doc lines ({notes / max(code, 1):.2f} per "
+            "code line)"
         )
         for name, c, n in rows:
             print(f"  {name:<26} {c:5d} {n:5d}")

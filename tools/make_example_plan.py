@@ -1,4 +1,5 @@
-"""Write the example plan for gpt2-tiny and the plan JSON Schema (until the planner's search exists).
+"""Write the example plan for gpt2-tiny and the plan JSON Schema (until the planner's search
+exists).
 
 The configuration is chosen by hand (one persistent chunk, two offloaded chunks
 sharing two device buffers, the first block checkpointed, the second kept); the

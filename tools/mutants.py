@@ -120,7 +120,8 @@ MUTANTS = [
         "upload waits for compute (wait_stream)",
         "transfer.py",
         "            self._wait_compute(stream)",
-        "            if stream is self.d2h:  # downloads still wait\n                self._wait_compute(stream)",
+        "            if stream is self.d2h:  # downloads still wait\n                "
+        "self._wait_compute(stream)",
         (f"{R}::test_async_matrix_fp32_is_exact",),
         "CPU compute is the host: it has finished before the next copy is issued",
     ),
@@ -128,7 +129,8 @@ MUTANTS = [
         "download waits for compute (wait_stream)",
         "transfer.py",
         "            self._wait_compute(stream)",
-        "            if stream is self.h2d:  # uploads still wait\n                self._wait_compute(stream)",
+        "            if stream is self.h2d:  # uploads still wait\n                "
+        "self._wait_compute(stream)",
         (f"{R}::test_async_matrix_fp32_is_exact",),
         "CPU compute is the host: it has finished before the next copy is issued",
     ),
@@ -179,7 +181,8 @@ MUTANTS = [
         "step's first fetch inside the OOM handler",
         "engine.py",
         "            try:\n                self.replayer.begin(Phase.FORWARD, PRE)",
-        "            self.replayer.begin(Phase.FORWARD, PRE)\n            try:\n                pass",
+        "            self.replayer.begin(Phase.FORWARD, PRE)\n            try:\n                "
+        "pass",
         (f"{G}::test_out_of_memory_in_the_first_fetch_is_a_budget_error",),
     ),
     Mutant(
@@ -246,7 +249,8 @@ MUTANTS = [
         "chunks.py",
         '        self.comm.reduce_scatter(out, c.dev_grad, f"gradients of chunk {cid}")',
         "        out.copy_(c.dev_grad[c.own])",
-        # (host and device homes share ChunkStore.own_grad: only the single-process reference sees it)
+        # (host and device homes share ChunkStore.own_grad: only the single-process reference sees
+        # it)
         ("tests/test_dist.py::test_zero3_matches_single_process[gpt2-tiny-2]",),
     ),
     Mutant(
@@ -346,7 +350,8 @@ MUTANTS = [
     Mutant(
         "search: time bound past the dense buffers from the faster tier",
         "search/exhaustive.py",
-        "        else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, time_only=True)[0])\n",
+        "        else np.minimum(time, evaluate(th, n_persist, n_buffer, grid, host_cap, "
+        "time_only=True)[0])\n",
         "        else time\n",
         ("tests/test_search.py::test_buffers_past_the_dense_range_weigh_both_host_tiers",),
         package="planner",
@@ -468,8 +473,8 @@ def main() -> int:
     missed = sum(r.startswith("NOT") or r.startswith("stale") for r in rows)
     expected = sum(r.startswith("not caught, as expected") for r in rows)
     print(
-        f"\n{len(rows) - missed - expected} of {len(rows)} mutants caught; {expected} not catchable "
-        f"on CPU (listed); {missed} missed"
+        f"\n{len(rows) - missed - expected} of {len(rows)} mutants caught; {expected} not "
+        f"catchable on CPU (listed); {missed} missed"
     )
     return 1 if missed else 0
 

@@ -109,8 +109,8 @@ def llama70b_row() -> str:
         spec=spec,
     )
     cmd = (
-        f"`protrain plan --model llama-70b --hardware a100-80g --batch 1 --seq 4096 "
-        f"--host-memory {host / GiB:.2f}GiB -o llama-70b.json` (the per-rank budget `fit --host-memory 1TiB` "
+        "`protrain plan --model llama-70b --hardware a100-80g --batch 1 --seq 4096 --host-memory "
+        f"{host / GiB:.2f}GiB -o llama-70b.json` (the per-rank budget `fit --host-memory 1TiB` "
         "gives one rank)"
     )
     try:
@@ -120,9 +120,10 @@ def llama70b_row() -> str:
     need = host_need_bytes(plan)
     p = plan.placement
     return (
-        f"llama-70b on one A100-80G with 1 TiB: **plans**, {plan.prediction.iter_time_us / 1e6:.1f} s per "
-        f"iteration predicted (1 x 4096 tokens), device {human_bytes(plan.prediction.peak_memory_bytes)} "
-        f"of {human_bytes(spec.usable_memory_bytes)}, host {human_bytes(need)} of {human_bytes(host)} "
+        "llama-70b on one A100-80G with 1 TiB: **plans**, "
+        f"{plan.prediction.iter_time_us / 1e6:.1f} s per iteration predicted (1 x 4096 tokens), "
+        f"device {human_bytes(plan.prediction.peak_memory_bytes)} of "
+        f"{human_bytes(spec.usable_memory_bytes)}, host {human_bytes(need)} of {human_bytes(host)} "
         f"({need / host:.0%}); {len(p.persistent)} of {len(plan.chunks.items)} chunks persistent, "
         f"n_buffer {p.n_buffer} ({cmd})."
     )
@@ -137,12 +138,12 @@ def layout_note() -> str:
     return (
         f"bf16 compute, fp32 master and Adam states: {eb.host} B of host memory per offloaded "
         f"parameter, {eb.host - eb.compute} B for the chunks a plan makes homeless when the host "
-        f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} B "
-        "of device memory per persistent one (`memory_walk.element_bytes`); at one rank an offloaded "
-        "chunk's host states stop at its last parameter (`accounting.host_numel`), plus the CPU "
-        f"step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the chunks a "
-        "plan homes on the device when even every chunk homeless misses the host (their shard's "
-        f"fp32 master and moments on the card, {memory_walk.HOMED_BYTES} B per element: "
+        f"is the limit (plus {HOST_SLOTS} pinned slot(s) of one chunk shard), and {eb.persistent} "
+        "B of device memory per persistent one (`memory_walk.element_bytes`); at one rank an "
+        "offloaded chunk's host states stop at its last parameter (`accounting.host_numel`), plus "
+        f"the CPU step's fp32 scratch of {accounting.STEP_PIECE:,} elements per rank; none for the "
+        "chunks a plan homes on the device when even every chunk homeless misses the host (their "
+        f"shard's fp32 master and moments on the card, {memory_walk.HOMED_BYTES} B per element: "
         "executor/chunks.py [Note: device homes])"
     )
 
@@ -165,14 +166,15 @@ def section(rows: list[dict], llama: str, seconds: float) -> str:
     out = [
         SECTION,
         "",
-        "Command: `python tools/paper_sizes.py --write` (each row is the gpt2 row of the `protrain fit` "
-        "command it names; seq 1024, bf16, device budget = the spec's usable memory per rank, host "
-        "budget per rank = SIZE / N less 10% and 2 GiB).",
+        "Command: `python tools/paper_sizes.py --write` (each row is the gpt2 row of the `protrain "
+        "fit` command it names; seq 1024, bf16, device budget = the spec's usable memory per rank, "
+        "host budget per rank = SIZE / N less 10% and 2 GiB).",
         "",
-        f"Machine: {platform.system()} {platform.release()}, os.cpu_count()={os.cpu_count()}, Python "
-        f"{platform.python_version()} (analytic profiles and the planner only: nothing runs on a GPU). "
-        f"Date: {date}. Commit: {head}{' + uncommitted planner/executor changes' if dirty else ''}. "
-        f"{seconds:.0f} s in all.",
+        f"Machine: {platform.system()} {platform.release()}, os.cpu_count()={os.cpu_count()}, "
+        f"Python {platform.python_version()} (analytic profiles and the planner only: nothing runs "
+        f"on a GPU). Date: {date}. Commit: "
+        f"{head}{' + uncommitted planner/executor changes' if dirty else ''}. {seconds:.0f} s in "
+        "all.",
         "",
         f"Host layout: {layout_note()}.",
         "",
@@ -184,8 +186,8 @@ def section(rows: list[dict], llama: str, seconds: float) -> str:
     for r in rows:
         out.append(
             f"| {r['server']} | {r['params_b']:.2f}B | {r['shape']} | {r['paper_b']}B | "
-            f"{r['params_b'] / r['paper_b']:.2f} | {r['micro_batch']}, {r['iter_s']:.1f} | {r['binds']} | "
-            f"{r['next']} | {_bound(r)} | `{r['command']}` |"
+            f"{r['params_b'] / r['paper_b']:.2f} | {r['micro_batch']}, {r['iter_s']:.1f} | "
+            f"{r['binds']} | {r['next']} | {_bound(r)} | `{r['command']}` |"
         )
     out += ["", llama, "", reading(rows)]
     return "\n".join(out) + "\n"
@@ -207,9 +209,11 @@ def reading(rows: list[dict]) -> str:
     )
     if host_bound:
         text += (
-            ": the host bytes per offloaded parameter (the header's figures: 12 B where the "
-            "plan drops homes, none where it homes chunks on the device), not the device, bound these sizes; with the host out of the "
-            "way the device alone would allow "
+            (
+                ": the host bytes per offloaded parameter (the header's figures: 12 B where the "
+                "plan drops homes, none where it homes chunks on the device), not the device, "
+                "bound these sizes; with the host out of the way the device alone would allow "
+            )
             + ", ".join(_bound(r) for r in rows)
             + ". Rerun this tool after a host-layout change to refresh the table."
         )
@@ -235,12 +239,12 @@ def reading(rows: list[dict]) -> str:
             need1, use1 = _needs(r1["next"])
             need4, use4 = _needs(r4["next"])
             text += (
-                f" {r4['server'].split(',')[0]} fits no larger a model than one card: at the next size "
-                f"the four ranks need {4 * need4:.1f} GiB of host RAM in all against one rank's "
-                f"{need1:.1f} (the persistent chunks' optimizer states are sharded over the cards, "
-                f"so more of the model stays on the devices), but have {4 * use4:.1f} GiB usable "
-                f"against {use1:.1f} (each rank's budget is its share less 10% and 2 GiB), and the "
-                "ladder's next rung is too far up for the difference to reach it."
+                f" {r4['server'].split(',')[0]} fits no larger a model than one card: at the next "
+                f"size the four ranks need {4 * need4:.1f} GiB of host RAM in all against one "
+                f"rank's {need1:.1f} (the persistent chunks' optimizer states are sharded over the "
+                f"cards, so more of the model stays on the devices), but have {4 * use4:.1f} GiB "
+                f"usable against {use1:.1f} (each rank's budget is its share less 10% and 2 GiB), "
+                "and the ladder's next rung is too far up for the difference to reach it."
             )
     return text
 

@@ -1,4 +1,5 @@
-"""Regenerate the plan library: analytic profiles, plans per (model, card, world size), and its index.
+"""Regenerate the plan library: analytic profiles, plans per (model, card, world size), and its
+index.
 
 Generated files, each made from the one before (the schema from the plan Structs):
 
@@ -388,10 +389,14 @@ def render_index(rows: list[Row]) -> str:
         "## Regenerating",
         "",
         "```",
-        "python tools/regen_plans.py                    # plans and this index, from the committed profiles",
-        "python tools/regen_plans.py --profiles         # re-estimate the analytic profiles first (slow)",
-        "python tools/regen_plans.py --check            # CI: fail if a plan or this index is stale",
-        "python tools/regen_plans.py --check-profiles   # fail if an analytic profile is stale (slow)",
+        "python tools/regen_plans.py                    # plans and this index, from the committed "
+        "profiles",
+        "python tools/regen_plans.py --profiles         # re-estimate the analytic profiles first "
+        "(slow)",
+        "python tools/regen_plans.py --check            # CI: fail if a plan or this index is "
+        "stale",
+        "python tools/regen_plans.py --check-profiles   # fail if an analytic profile is stale "
+        "(slow)",
         "```",
         "",
         "A plan is **stale** when its bytes differ from what the current planner makes from",
@@ -441,7 +446,8 @@ def render_index(rows: list[Row]) -> str:
         "`protrain show PLAN` prints the full strip.",
         "Chunks: persistent of total, and the device buffers for offloaded ones.",
         "",
-        "| plan | model | hardware | W | B × S | tokens/s | peak / budget | activations | chunks | profile |",
+        "| plan | model | hardware | W | B × S | tokens/s | peak / budget | activations | chunks | "
+        "profile |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(
@@ -582,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(f"warning: {p}", file=sys.stderr)
     print(
-        f"{len(files) - 2} plans, the index and the schema up to date ({n} written) in {time.perf_counter() - t0:.1f} s"
+        f"{len(files) - 2} plans, the index and the schema up to date ({n} written) in "
+        f"{time.perf_counter() - t0:.1f} s"
     )
     return 1 if problems else 0
 

@@ -1,3 +1,5 @@
-"""The ``protrain`` commands: the click group and the work behind train, fit, quickstart, profile and plan.
+"""The ``protrain`` commands: the click group and the work behind train, fit, quickstart, profile
+and plan.
 
-Submodules import what they need (torch, scipy, networkx) themselves; this package imports nothing."""
+Submodules import what they need (torch, scipy, networkx) themselves; this package imports
+nothing."""

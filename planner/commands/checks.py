@@ -45,7 +45,8 @@ def check_root(root: str | Path, flag: str = "--save-dir") -> None:
         foreign = sorted(n for n in names if not OWN_NAMES.fullmatch(n))
         if foreign:
             raise CheckpointError(
-                f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} and no "
-                "checkpoint: a checkpoint root is protrain's alone (old checkpoints are deleted there)",
+                f"{flag} {root} holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} "
+                "and no checkpoint: a checkpoint root is protrain's alone (old checkpoints are "
+                "deleted there)",
                 f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}",
             )

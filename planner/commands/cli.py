@@ -58,7 +58,8 @@ class _Group(click.Group):
 
 
 EXIT_CLOSED_PIPE = 141
-"""Exit status when the reader of stdout went away (``protrain models | head -1``): 128 + SIGPIPE."""
+"""Exit status when the reader of stdout went away (``protrain models | head -1``): 128 +
+SIGPIPE."""
 
 
 def _closed_pipe() -> None:
@@ -835,8 +836,9 @@ def tokenize(data_path, text_field, tokenizer, output):
     source = run(data_path, output, tokenizer=tokenizer, text_field=text_field)
     width = "uint16" if source.tokens.dtype.itemsize == 2 else "uint32"
     click.echo(
-        f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary {source.vocab_size}) "
-        f"from {data_path}; train on it with `protrain train --data {output} …`"
+        f"wrote {output}: {source.tokens.numel():,} tokens ({width}, vocabulary "
+        f"{source.vocab_size}) from {data_path}; train on it with `protrain train --data {output} "
+        "…`"
     )
 
 

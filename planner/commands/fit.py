@@ -15,9 +15,9 @@ shape, replicated to its depth: ``_profile``) and plans it, well under a second 
 Ladders (the interpolation rules):
 
 - **gpt2**: the width ``w`` steps by 64 from 768 to 2048, then by 128 to 12288
-  (101 rungs, at most 16% apart in parameters above 1B). Depth is piecewise linear in ``w`` through the zoo (768: 12 layers,
-  1024: 24, 1280: 36, 1600: 48), stays at 48 up to 4096 (``gpt2-4b``,
-  ``gpt2-10b``), and beyond grows with the width at gpt2-10b's aspect (48 layers
+  (101 rungs, at most 16% apart in parameters above 1B). Depth is piecewise linear in ``w``
+  through the zoo (768: 12 layers, 1024: 24, 1280: 36, 1600: 48), stays at 48 up to 4096
+  (``gpt2-4b``, ``gpt2-10b``), and beyond grows with the width at gpt2-10b's aspect (48 layers
   per 4096 of width, rounded to an even count; 8192 → 96 layers, 78B). Head size
   64 below a width of 2048, 128 from there (as gpt2-4b and gpt2-10b). GPT-2's
   vocabulary (50257), tied head, learned positions for ``max(1024, seq_len)``.
@@ -29,7 +29,8 @@ Ladders (the interpolation rules):
   interpolated linearly (dim rounded to 256), ffn linearly and rounded up to 256
   (the reference code's ``multiple_of``). Head size 128; full multi-head attention
   up to dim 5120 (as 7B and 13B), grouped-query attention above with dim rounded
-  to 512 and ``gcd(n_head, 8)`` (4 or 8) key/value heads (8 for 34B and 70B). Vocabulary 32000, untied head.
+  to 512 and ``gcd(n_head, 8)`` (4 or 8) key/value heads (8 for 34B and 70B). Vocabulary
+  32000, untied head.
 
 Fitting means: ``make_plan`` finds a configuration under the device budget (per
 rank) whose host need fits the host budget per rank. The host budget is
@@ -286,7 +287,8 @@ _MAX_CACHED = 48
 
 
 def _keep(cache: dict, key, value) -> None:
-    """``cache[key] = value``, first dropping the oldest entry once the cache holds ``_MAX_CACHED``."""
+    """``cache[key] = value``, first dropping the oldest entry once the cache holds
+    ``_MAX_CACHED``."""
     if len(cache) >= _MAX_CACHED:
         cache.pop(next(iter(cache)))
     cache[key] = value
@@ -576,9 +578,9 @@ def largest_fitting(
         from ..hardware.units import human_bytes
 
         raise BudgetError(
-            f"not even the smallest {family} ({describe(configs[0])}, {n_params(configs[0]) / 1e6:.0f}M "
-            f"parameters) fits {spec.name} with a {human_bytes(budget)} budget at micro-batch {mbs[0]} "
-            f"× seq {seq_len}: {limit}",
+            f"not even the smallest {family} ({describe(configs[0])}, "
+            f"{n_params(configs[0]) / 1e6:.0f}M parameters) fits {spec.name} with a "
+            f"{human_bytes(budget)} budget at micro-batch {mbs[0]} × seq {seq_len}: {limit}",
             "raise --budget or --host-memory, or try a shorter sequence",
         )
     # [Between rungs] The rungs are up to 16% apart. Between the largest that fits and the
@@ -652,9 +654,11 @@ def render_fit(results: Sequence[FitResult]) -> str:
     r0 = results[0]
     ranks = "one device" if r0.world_size == 1 else f"{r0.world_size} ranks (ZeRO-3)"
     lines = [
-        f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
-        f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} per rank usable), "
-        f"seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"
+        (
+            f"fit on {r0.hardware}: {human_bytes(r0.budget_bytes)} device budget per rank, "
+            f"{human_bytes(r0.host_memory_bytes)} host RAM ({human_bytes(r0.host_budget_bytes)} "
+            f"per rank usable), seq {r0.seq_len}, {r0.compute_dtype}, {ranks}"
+        )
         + (", optimizer states may go to disk (--nvme)" if r0.nvme else "")
     ]
     head = ("family", "params", "shape", "micro-batch", "iter time", "tokens/s", "peak", "host") + (
@@ -722,13 +726,15 @@ def run_fit(
     for family in families:
         on = spec.name if world_size == 1 else f"{world_size} x {spec.name}"
         echo(
-            f"fit      {family}{f' ({lora.describe()})' if lora else ''}: bisecting the ladder on {on} …"
+            f"fit      {family}{f' ({lora.describe()})' if lora else ''}: bisecting the ladder on "
+            f"{on} …"
         )
 
         def progress(p: Probe) -> None:
             echo(
                 f"         {n_params(p.config) / 1e9:7.2f}B  {describe(p.config):<40} micro-batch "
-                f"{p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)"
+                f"{p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} "
+                "s)"
             )
 
         results.append(

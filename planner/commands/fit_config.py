@@ -7,13 +7,12 @@ smallest first, it does what ``fit._probe`` does for a ladder rung: an analytic
 profile of the model on the spec (``analytic.analytic_profile``), then
 ``planning.make_plan`` at the world size asked (ZeRO-3) under the device budget and
 the host budget per rank (``--host-memory SIZE`` is the machine's RAM, shared by
-the ranks as ``planning.host_budget_per_rank`` says). A micro-batch fits when ``make_plan`` returns a plan; it does not when it
-raises ``BudgetError`` (no configuration under the device budget) or
-``HostMemoryError`` (configurations fit the device, none the host: the search
-honours the host limit, so a slower plan that keeps more on the device is chosen
-before this is said). Activations grow with the micro-batch and nothing shrinks,
-so the first refusal ends the search. The answer is the fitting micro-batch with
-the most tokens per second, and the resource that stopped the next one.
+the ranks as ``planning.host_budget_per_rank`` says). A micro-batch fits when ``make_plan`` returns
+a plan; it does not when it raises ``BudgetError`` (no configuration under the device budget) or
+``HostMemoryError`` (configurations fit the device, none the host: the search honours the host
+limit, so a slower plan that keeps more on the device is chosen before this is said). Activations
+grow with the micro-batch and nothing shrinks, so the first refusal ends the search. The answer is
+the fitting micro-batch with the most tokens per second, and the resource that stopped the next one.
 
 Mixture-of-experts models (``moe.py``): the report gives total and active
 parameters; the plan's memory is charged for all of them (every expert has
@@ -246,8 +245,11 @@ def render_model_fit(r: ModelFit) -> str:
     from ..hardware.units import human_bytes
 
     lines = [
-        f"fit {r.name} on {r.hardware}: {human_bytes(r.budget_bytes)} device budget, "
-        f"{human_bytes(r.host_budget_bytes)} host budget per rank, seq {r.seq_len}, {r.compute_dtype}, "
+        (
+            f"fit {r.name} on {r.hardware}: {human_bytes(r.budget_bytes)} device budget, "
+            f"{human_bytes(r.host_budget_bytes)} host budget per rank, seq {r.seq_len}, "
+            f"{r.compute_dtype}, "
+        )
         + ("one device" if r.world_size == 1 else f"{r.world_size} ranks (ZeRO-3)")
     ]
     if r.moe is None:
@@ -256,8 +258,9 @@ def render_model_fit(r: ModelFit) -> str:
         m = r.moe
         shared = f" + {m.n_shared_experts} shared" if m.n_shared_experts else ""
         lines.append(
-            f"parameters: {_params(r.total_params)} total, {_params(r.active_params)} active per token "
-            f"(mixture of experts: top-{m.top_k} of {m.n_experts}{shared} in {len(m.banks)} blocks)"
+            f"parameters: {_params(r.total_params)} total, {_params(r.active_params)} active per "
+            f"token (mixture of experts: top-{m.top_k} of {m.n_experts}{shared} in {len(m.banks)} "
+            "blocks)"
         )
         lines.append("  memory is charged for all parameters, compute for the active ones")
     head = ("micro-batch", "fits", "iter time", "tokens/s", "device peak", "host need", "probe")
@@ -323,9 +326,9 @@ def render_model_fit(r: ModelFit) -> str:
         m = r.moe
         mean = best.micro_batch * r.seq_len * m.top_k / m.n_experts
         lines.append(
-            f"routing: charged at balanced load, {mean:,.0f} rows per expert; imbalance costs nothing "
-            f"while every expert gets >= {r.ridge_rows:,.0f} rows, and at most doubles the expert "
-            "GEMMs' time whatever the routing (moe.py, [Note: routing imbalance])"
+            f"routing: charged at balanced load, {mean:,.0f} rows per expert; imbalance costs "
+            f"nothing while every expert gets >= {r.ridge_rows:,.0f} rows, and at most doubles the "
+            "expert GEMMs' time whatever the routing (moe.py, [Note: routing imbalance])"
         )
     return "\n".join(lines)
 
@@ -363,12 +366,14 @@ def run_model_fit(
     defer_dynamo()  # meta's Python kernels without importing torch._dynamo (lazy_dynamo.py)
     model = build_model(model_name, lora, device="meta")
     echo(
-        f"fit      {model_name}{f' ({lora.describe()})' if lora else ''}: probing micro-batches on {spec.name} …"
+        f"fit      {model_name}{f' ({lora.describe()})' if lora else ''}: probing micro-batches on "
+        f"{spec.name} …"
     )
 
     def progress(p: BatchProbe) -> None:
         echo(
-            f"         micro-batch {p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  ({p.seconds:.1f} s)"
+            f"         micro-batch {p.micro_batch:<3} {'fits' if p.fits else 'no  '}  {p.reason}  "
+            f"({p.seconds:.1f} s)"
         )
 
     result = fit_model(
@@ -388,8 +393,8 @@ def run_model_fit(
     if not result.fits:
         resource = result.binds.split(":")[0]
         raise BudgetError(
-            f"{model_name} does not fit {spec.name} at micro-batch {result.probes[0].micro_batch} × seq {seq_len}: "
-            f"{result.binds}",
+            f"{model_name} does not fit {spec.name} at micro-batch {result.probes[0].micro_batch} "
+            f"× seq {seq_len}: {result.binds}",
             "a larger --budget (a bigger card)"
             if resource == "device memory"
             else "more host memory (--host-memory), or a larger --budget to offload less",

@@ -19,7 +19,10 @@ def click_options(f):
                 "--lora",
                 "lora",
                 is_flag=True,
-                help="LoRA fine-tuning through peft: adapters train, the base is frozen (values only).",
+                help=(
+                    "LoRA fine-tuning through peft: adapters train, the base is frozen (values "
+                    "only)."
+                ),
             ),
             click.option(
                 "--lora-r",
@@ -50,7 +53,10 @@ def click_options(f):
                 "lora_targets",
                 default=None,
                 metavar="NAMES",
-                help="Comma-separated module names to adapt [default: the family's attention projections].",
+                help=(
+                    "Comma-separated module names to adapt [default: the family's attention "
+                    "projections]."
+                ),
             ),
         ]
     ):
@@ -118,9 +124,10 @@ def closing_note(plan, lora: LoraSpec, host_budget: int | None = None) -> str:
         )
     )
     return (
-        f"lora     {lora.describe()}: {n_train:,} of {n_all:,} parameters train ({100 * n_train / n_all:.2f}%); "
-        f"predicted {tok:,.0f} tokens/s, host {human_bytes(walk.host_bytes)} "
-        f"({walk.host_bytes / max(1, n_all - n_train):.2f} B per frozen parameter)\n"
+        f"lora     {lora.describe()}: {n_train:,} of {n_all:,} parameters train "
+        f"({100 * n_train / n_all:.2f}%); predicted {tok:,.0f} tokens/s, host "
+        f"{human_bytes(walk.host_bytes)} ({walk.host_bytes / max(1, n_all - n_train):.2f} B per "
+        "frozen parameter)\n"
         f"full     training all {n_all:,} parameters would keep at least {per} B each on the host: "
         f"{human_bytes(full)} per rank{fits}"
     )

@@ -91,10 +91,11 @@ def host_memory_for_build(
     need, available = n * bytes_per_param, available_host_memory()
     if available and need > available:
         raise HostMemoryError(
-            f"{model_name} has {n:,} parameters: to {what} it on the CPU needs about {human_bytes(need)} of "
-            f"host memory, and {human_bytes(available)} is available here",
-            "use a smaller model (`protrain models` lists their sizes), or a machine with more RAM; "
-            "`protrain plan --hardware SPEC --model NAME` plans a big model without building it",
+            f"{model_name} has {n:,} parameters: to {what} it on the CPU needs about "
+            f"{human_bytes(need)} of host memory, and {human_bytes(available)} is available here",
+            "use a smaller model (`protrain models` lists their sizes), or a machine with more "
+            "RAM; `protrain plan --hardware SPEC --model NAME` plans a big model without building "
+            "it",
             need=need,
             available=available,
         )
@@ -104,16 +105,18 @@ def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
     """Refuse a budget larger than the device it is for (``spec``: the profile's hardware)."""
     if budget_bytes > spec.device_memory_bytes:
         raise BudgetError(
-            f"budget {human_bytes(budget_bytes)} exceeds the {human_bytes(spec.device_memory_bytes)} of device "
-            f"memory of {spec.name} ({spec.device_name}), the hardware {where} is for",
-            f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or less (its usable "
-            "memory), or plan for the card you mean (`protrain plan --model NAME --hardware SPEC`)",
+            f"budget {human_bytes(budget_bytes)} exceeds the "
+            f"{human_bytes(spec.device_memory_bytes)} of device memory of {spec.name} "
+            f"({spec.device_name}), the hardware {where} is for",
+            f"`protrain plan --budget {human_bytes(spec.usable_memory_bytes).replace(' ', '')}` or "
+            "less (its usable memory), or plan for the card you mean (`protrain plan --model NAME "
+            "--hardware SPEC`)",
         )
 
 
 def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan") -> int:
-    """Refuse to train ``plan`` when this machine cannot hold what it needs on the host (before the build);
-    return that need in bytes.
+    """Refuse to train ``plan`` when this machine cannot hold what it needs on the host (before the
+    build); return that need in bytes.
 
     The need, per process: the model's fp32 parameters (built on the CPU first), the
     plan's own host figures from ``memory_walk.walk`` (offloaded chunks' states, swapped
@@ -150,8 +153,8 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
         detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
         per = f" × {ranks} ranks on this machine" if ranks > 1 else ""
         raise HostMemoryError(
-            f"{where}: training {model_name} needs about {human_bytes(need)} of host memory ({detail}{per}), "
-            f"and {human_bytes(available)} is available here",
+            f"{where}: training {model_name} needs about {human_bytes(need)} of host memory "
+            f"({detail}{per}), and {human_bytes(available)} is available here",
             "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
             "(or a smaller --batch), or use a machine with more RAM",
             need=need,
@@ -196,8 +199,8 @@ def other_machine(plan, device: str) -> str | None:
     if same_kind and memory and abs(h.device_memory_bytes - memory) <= MACHINE_TOLERANCE * memory:
         return None
     return (
-        f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device memory), "
-        f"not for this machine ({here}, {human_bytes(memory)}): its predicted times and peak are "
-        f"{h.name}'s, not this machine's; for this one's, plan here (`protrain plan --model NAME "
-        f"--device {kind} …`, or --hardware SPEC naming this machine)"
+        f"note: this plan was made for {h.name} ({human_bytes(h.device_memory_bytes)} of device "
+        f"memory), not for this machine ({here}, {human_bytes(memory)}): its predicted times and "
+        f"peak are {h.name}'s, not this machine's; for this one's, plan here (`protrain plan "
+        f"--model NAME --device {kind} …`, or --hardware SPEC naming this machine)"
     )

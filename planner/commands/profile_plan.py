@@ -223,7 +223,8 @@ def run_plan(
     if profile_path is None and model_name is None:
         raise ConfigError(
             "plan needs --profile FILE, or --model NAME with --batch and --seq",
-            "e.g. protrain plan --model gpt2-xl --hardware rtx3090 --batch 8 --seq 1024 -o plan.json",
+            "e.g. protrain plan --model gpt2-xl --hardware rtx3090 --batch 8 --seq 1024 -o "
+            "plan.json",
         )
     if profile_path is not None and save_profile is not None:
         raise ConfigError(
@@ -296,8 +297,8 @@ def run_plan(
     )
     if profile_path is None:
         status(
-            f"plan     profile ready ({time.perf_counter() - t_profile:.1f} s); searching for the fastest "
-            f"plan under a {human_bytes(budget_bytes)} budget …"
+            f"plan     profile ready ({time.perf_counter() - t_profile:.1f} s); searching for the "
+            f"fastest plan under a {human_bytes(budget_bytes)} budget …"
         )
     t0 = time.perf_counter()
     plan, result = make_plan(
@@ -313,8 +314,8 @@ def run_plan(
     seconds = time.perf_counter() - t0
     write_output(output, P.dump(plan))
     echo(
-        f"plan     {result.solver}: searched {result.evaluated} of {result.space_size} configurations "
-        f"in {seconds:.3f} s for a {human_bytes(budget_bytes)} budget"
+        f"plan     {result.solver}: searched {result.evaluated} of {result.space_size} "
+        f"configurations in {seconds:.3f} s for a {human_bytes(budget_bytes)} budget"
     )
     for w in result.warnings:
         echo(f"warning  {w}")

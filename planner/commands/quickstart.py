@@ -62,8 +62,9 @@ def run(
         budget_bytes = int(0.6 * roomy.prediction.peak_memory_bytes)
         echo(
             f"[2/3] plan    budget {human_bytes(budget_bytes)} (60% of "
-            f"{human_bytes(roomy.prediction.peak_memory_bytes)}, the predicted peak of the fastest plan "
-            "with all of the device's usable memory: it moves with this machine's measured times)"
+            f"{human_bytes(roomy.prediction.peak_memory_bytes)}, the predicted peak of the fastest "
+            "plan with all of the device's usable memory: it moves with this machine's measured "
+            "times)"
         )
     else:
         budget_bytes = parse_budget(budget)

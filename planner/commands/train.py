@@ -297,11 +297,12 @@ def _train(
     )
     if tok_dir is None and tokenizer is None and is_hf_name(model_name):
         echo(
-            f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or tokenizer_config.json), "
-            "so this run trains byte-level: each byte of the UTF-8 text is one token, ids 0-255 of the "
-            "model's embedding, whatever its own tokenizer would mean by them; the trained model then "
-            "reads bytes, not that tokenizer's ids. Give --tokenizer DIR to train on its tokenizer, or "
-            "--tokenizer bytes to choose bytes (and silence this note)"
+            f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or "
+            "tokenizer_config.json), so this run trains byte-level: each byte of the UTF-8 text "
+            "is one token, ids 0-255 of the model's embedding, whatever its own tokenizer would "
+            "mean by them; the trained model then reads bytes, not that tokenizer's ids. Give "
+            "--tokenizer DIR to train on its tokenizer, or --tokenizer bytes to choose bytes (and "
+            "silence this note)"
         )
     from ..models.lora import build_model, check_plan
 
@@ -318,8 +319,10 @@ def _train(
         + (f"; then the checkpoint's ({resume})" if resume else "")
     )
     echo(
-        f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps {adamw.eps:g}, "
-        f"weight decay {adamw.weight_decay:g} on every parameter"
+        (
+            f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps "
+            f"{adamw.eps:g}, weight decay {adamw.weight_decay:g} on every parameter"
+        )
         + (
             f", gradients clipped to norm {adamw.max_grad_norm:g}"
             if adamw.max_grad_norm is not None
@@ -335,7 +338,8 @@ def _train(
         heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
     engine = wrap(model, plan, adamw, device=dev, nvme_dir=nvme_dir)
     try:
-        # wrap checked the plans agree; the data order and the loop's collectives depend on these too
+        # wrap checked the plans agree; the data order and the loop's collectives depend on these
+        # too
         engine.comm.agree(
             {
                 "--seed (the data order)": seed,
@@ -437,7 +441,8 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
     except ProtrainError as e:
         raise type(e)(
             f"{e.message}; the trained model is safe in the checkpoint {kept}",
-            f"free space, then `protrain export --resume {kept} --hf-config {config} -o {export_dir}`",
+            f"free space, then `protrain export --resume {kept} --hf-config {config} -o "
+            f"{export_dir}`",
         ) from None
     echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     if keeper is not None:
@@ -477,7 +482,8 @@ def _export_lora(
             tokenizer_dir=tok_dir,
         )
         echo(
-            f"exported {export_merged} (the adapter merged in; AutoModelForCausalLM.from_pretrained loads it)"
+            f"exported {export_merged} (the adapter merged in; "
+            "AutoModelForCausalLM.from_pretrained loads it)"
         )
 
 
@@ -521,14 +527,15 @@ def _loop(
         drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
             echo(
-                "note: the checkpoint was trained with another held-out split (--eval-every on one run "
-                "and not the other): from here the training windows differ from the first run's"
+                "note: the checkpoint was trained with another held-out split (--eval-every on one "
+                "run and not the other): from here the training windows differ from the first run's"
             )
         echo(f"resumed from {resume} at step {engine.steps_done}")
         if engine.steps_done >= steps:
             echo(
-                f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps {steps} counts "
-                f"the total; give --steps {engine.steps_done + steps} to train {steps} more"
+                f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps "
+                f"{steps} counts the total; give --steps {engine.steps_done + steps} to train "
+                f"{steps} more"
             )
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
@@ -582,7 +589,8 @@ def _loop(
     try:
         with stop.installed():
             for step in range(first, steps):
-                # drawn one at a time as the engine needs them: one micro-batch in memory, not grad_accum
+                # drawn one at a time as the engine needs them: one micro-batch in memory, not
+                # grad_accum
                 result = engine.step(itertools.islice(data, t.grad_accum))
                 drawn += t.grad_accum
                 losses.append(result.loss)
@@ -615,9 +623,9 @@ def _loop(
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
                 status = (
-                    f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak {human_bytes(result.peak_bytes)}"
-                    + (f" / predicted {human_bytes(predicted)}" if predicted else "")
-                )
+                    f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak "
+                    f"{human_bytes(result.peak_bytes)}"
+                ) + (f" / predicted {human_bytes(predicted)}" if predicted else "")
                 if bar is not None:
                     bar.update(task, advance=1, status=status)
                 elif done % log_every == 0 or done == steps or step == first:
@@ -635,8 +643,8 @@ def _loop(
             echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
     if losses:
         echo(
-            f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in {time.perf_counter() - t0:.1f} s: "
-            f"loss {losses[0]:.3f} → {losses[-1]:.3f}"
+            f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in "
+            f"{time.perf_counter() - t0:.1f} s: loss {losses[0]:.3f} → {losses[-1]:.3f}"
         )
     return losses
 
@@ -672,8 +680,9 @@ def _skip_to(
     if saved_global != t.micro_batch * world:
         draws = draws * saved_global // (t.micro_batch * world)
         echo(
-            f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's is "
-            f"{t.micro_batch * world}: resuming at the same number of sequences, not the same batches"
+            f"note: the checkpoint's global micro-batch was {saved_global} sequences, this plan's "
+            f"is {t.micro_batch * world}: resuming at the same number of sequences, not the same "
+            "batches"
         )
     for _ in range(draws):
         next(data)
@@ -681,14 +690,16 @@ def _skip_to(
 
 
 def _check_position(draws: int, saved_global: int, most: int, where: str) -> None:
-    """``draws`` at most ``most`` (steps × micro-batches per step) and a plausible global micro-batch."""
+    """``draws`` at most ``most`` (steps × micro-batches per step) and a plausible global
+    micro-batch."""
     if not 0 <= draws <= most or not 1 <= saved_global <= MAX_GLOBAL_MICRO_BATCH:
         raise ConfigError(
-            f"{where}: the manifest's data position (draws {draws}, global_micro_batch {saved_global}) is not "
-            f"one this checkpoint's steps could reach (at most {most} draws; 1 to {MAX_GLOBAL_MICRO_BATCH} "
-            "sequences a draw): the manifest was edited or damaged",
-            "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or restore its "
-            "manifest.json",
+            f"{where}: the manifest's data position (draws {draws}, global_micro_batch "
+            f"{saved_global}) is not one this checkpoint's steps could reach (at most {most} "
+            f"draws; 1 to {MAX_GLOBAL_MICRO_BATCH} sequences a draw): the manifest was edited or "
+            "damaged",
+            "resume from another checkpoint (`protrain train … --resume DIR/step-NNNNNNNN`), or "
+            "restore its manifest.json",
         )
 
 

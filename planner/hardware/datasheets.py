@@ -59,7 +59,10 @@ DATASHEETS: dict[str, dict] = {
     "rtx3090": dict(
         device_name="NVIDIA GeForce RTX 3090",
         cuda_total_mib=24259,
-        total_src="assumption: typical CUDA-visible total, torch total_memory seen on a 3090 (nvidia-smi: 24576 MiB; 24 GB GDDR6X)",
+        total_src=(
+            "assumption: typical CUDA-visible total, torch total_memory seen on a 3090 "
+            "(nvidia-smi: 24576 MiB; 24 GB GDDR6X)"
+        ),
         peak_16bit=71.0,
         peak_16bit_src="GA102 whitepaper: FP16/BF16 tensor with FP32 accumulate 71 TFLOPS dense "
         "(142 with FP16 accumulate, which PyTorch matmul does not use; 284 sparse)",
@@ -71,16 +74,24 @@ DATASHEETS: dict[str, dict] = {
         host_cpus=32,
         host_gib=128,
         host_bw_gbps=40,
-        host_src="workstation, Ryzen 9 5950X (16 cores / 32 threads), 128 GiB dual-channel DDR4-3200 (~40 GB/s STREAM)",
+        host_src=(
+            "workstation, Ryzen 9 5950X (16 cores / 32 threads), 128 GiB dual-channel DDR4-3200 "
+            "(~40 GB/s STREAM)"
+        ),
         allgather_gbps=10,
         reduce_scatter_gbps=10,
-        coll_src="4 cards on PCIe Gen4 without P2P (GeForce): NCCL goes through host memory, ~8-12 GB/s bus bandwidth",
+        coll_src=(
+            "4 cards on PCIe Gen4 without P2P (GeForce): NCCL goes through host memory, ~8-12 GB/s "
+            "bus bandwidth"
+        ),
     ),
     "rtx4090": dict(
         device_name="NVIDIA GeForce RTX 4090",
         cuda_total_mib=24563,
-        total_src="assumption: typical CUDA-visible total, torch total_memory seen on a 4090 (nvidia-smi: 24564 MiB; 24 GB GDDR6X); "
-        "one report, may be ~0.3 GiB high",
+        total_src=(
+            "assumption: typical CUDA-visible total, torch total_memory seen on a 4090 "
+            "(nvidia-smi: 24564 MiB; 24 GB GDDR6X); one report, may be ~0.3 GiB high"
+        ),
         peak_16bit=165.2,
         peak_16bit_src="Ada (AD102) whitepaper: FP16/BF16 tensor with FP32 accumulate 165.2 TFLOPS "
         "dense (330.3 with FP16 accumulate; 660.6 sparse)",
@@ -92,15 +103,24 @@ DATASHEETS: dict[str, dict] = {
         host_cpus=32,
         host_gib=128,
         host_bw_gbps=60,
-        host_src="workstation, Ryzen 9 7950X (16 cores / 32 threads), 128 GiB dual-channel DDR5 (~60 GB/s STREAM)",
+        host_src=(
+            "workstation, Ryzen 9 7950X (16 cores / 32 threads), 128 GiB dual-channel DDR5 (~60 "
+            "GB/s STREAM)"
+        ),
         allgather_gbps=10,
         reduce_scatter_gbps=10,
-        coll_src="4 cards on PCIe Gen4; the driver disables P2P on GeForce Ada, NCCL goes through host memory, ~8-12 GB/s",
+        coll_src=(
+            "4 cards on PCIe Gen4; the driver disables P2P on GeForce Ada, NCCL goes through host "
+            "memory, ~8-12 GB/s"
+        ),
     ),
     "a100-40g": dict(
         device_name="NVIDIA A100-PCIE-40GB",
         cuda_total_mib=40326,
-        total_src="assumption: typical CUDA-visible total, torch total_memory seen on an A100-PCIE-40GB (40 GB HBM2)",
+        total_src=(
+            "assumption: typical CUDA-visible total, torch total_memory seen on an A100-PCIE-40GB "
+            "(40 GB HBM2)"
+        ),
         peak_16bit=312.0,
         peak_16bit_src="A100: BF16/FP16 tensor 312 TFLOPS dense (624 sparse)",
         peak_fp32=19.5,
@@ -115,7 +135,10 @@ DATASHEETS: dict[str, dict] = {
         "16-channel DDR4-3200 (~300 GB/s STREAM)",
         allgather_gbps=20,
         reduce_scatter_gbps=20,
-        coll_src="4 cards on PCIe Gen4 with P2P through the root complex / switch, no NVLink bridge: ~18-22 GB/s",
+        coll_src=(
+            "4 cards on PCIe Gen4 with P2P through the root complex / switch, no NVLink bridge: "
+            "~18-22 GB/s"
+        ),
     ),
     "a100-80g": dict(
         device_name="NVIDIA A100-SXM4-80GB",
@@ -136,7 +159,10 @@ DATASHEETS: dict[str, dict] = {
         "16-channel DDR4-3200 (~300 GB/s STREAM)",
         allgather_gbps=230,
         reduce_scatter_gbps=230,
-        coll_src="8 GPUs on NVLink3/NVSwitch (600 GB/s bidirectional per GPU): nccl-tests bus bandwidth ~220-240 GB/s",
+        coll_src=(
+            "8 GPUs on NVLink3/NVSwitch (600 GB/s bidirectional per GPU): nccl-tests bus bandwidth "
+            "~220-240 GB/s"
+        ),
     ),
     "a100-80g-pcie": dict(
         device_name="NVIDIA A100 80GB PCIe",
@@ -162,7 +188,10 @@ DATASHEETS: dict[str, dict] = {
     "h100": dict(
         device_name="NVIDIA H100 80GB HBM3",
         cuda_total_mib=81089,
-        total_src="assumption: typical CUDA-visible total, torch total_memory seen on H100 SXM (81082-81090 MiB; nvidia-smi 81559 MiB; 80 GB HBM3)",
+        total_src=(
+            "assumption: typical CUDA-visible total, torch total_memory seen on H100 SXM "
+            "(81082-81090 MiB; nvidia-smi 81559 MiB; 80 GB HBM3)"
+        ),
         peak_16bit=989.4,
         peak_16bit_src="H100 SXM: BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.4 dense",
         peak_fp32=66.9,
@@ -177,13 +206,18 @@ DATASHEETS: dict[str, dict] = {
         "16-channel DDR5-4800 (~450 GB/s STREAM)",
         allgather_gbps=370,
         reduce_scatter_gbps=360,
-        coll_src="8 GPUs on NVLink4/NVSwitch (900 GB/s bidirectional per GPU): nccl-tests bus bandwidth ~350-450 GB/s",
+        coll_src=(
+            "8 GPUs on NVLink4/NVSwitch (900 GB/s bidirectional per GPU): nccl-tests bus bandwidth "
+            "~350-450 GB/s"
+        ),
     ),
     "h200": dict(
         device_name="NVIDIA H200",
         cuda_total_mib=143156,
-        total_src="assumption: typical CUDA-visible total, torch total_memory seen on H200 SXM (139.8 GiB; nvidia-smi 143771 MiB; "
-        "datasheet 141 GB HBM3e)",
+        total_src=(
+            "assumption: typical CUDA-visible total, torch total_memory seen on H200 SXM (139.8 "
+            "GiB; nvidia-smi 143771 MiB; datasheet 141 GB HBM3e)"
+        ),
         peak_16bit=989.4,
         peak_16bit_src="H200 SXM: BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.4 dense "
         "(same GH100 compute as H100 SXM)",
@@ -199,7 +233,10 @@ DATASHEETS: dict[str, dict] = {
         "16-channel DDR5-4800 (~450 GB/s STREAM)",
         allgather_gbps=370,
         reduce_scatter_gbps=360,
-        coll_src="8 GPUs on NVLink4/NVSwitch (900 GB/s bidirectional per GPU): nccl-tests bus bandwidth ~350-450 GB/s",
+        coll_src=(
+            "8 GPUs on NVLink4/NVSwitch (900 GB/s bidirectional per GPU): nccl-tests bus bandwidth "
+            "~350-450 GB/s"
+        ),
     ),
     "l4": dict(
         device_name="NVIDIA L4",
@@ -218,7 +255,10 @@ DATASHEETS: dict[str, dict] = {
         host_cpus=32,
         host_gib=128,
         host_bw_gbps=35,
-        host_src="cloud VM with one L4 (GCP g2-standard-32: 32 vCPUs, 128 GB), ~1/3 of a socket's DRAM bandwidth",
+        host_src=(
+            "cloud VM with one L4 (GCP g2-standard-32: 32 vCPUs, 128 GB), ~1/3 of a socket's DRAM "
+            "bandwidth"
+        ),
         allgather_gbps=15,
         reduce_scatter_gbps=15,
         coll_src="4 cards on PCIe Gen4 with P2P (cloud VM, e.g. g2-standard-48): ~12-18 GB/s",
@@ -275,7 +315,8 @@ def datasheet_spec(name: str) -> HardwareSpec:
         raise ConfigError(
             f"no datasheet for {name!r}{did_you_mean(name, [*DATASHEETS, 'cpu'])}; "
             f"known: {', '.join([*DATASHEETS, 'cpu'])}",
-            "add an entry to DATASHEETS in planner/hardware/datasheets.py, or measure with `protrain hardware probe`",
+            "add an entry to DATASHEETS in planner/hardware/datasheets.py, or measure with "
+            "`protrain hardware probe`",
         )
     d = DATASHEETS[name]
     frac = d.get("matmul_fraction", MATMUL_FRACTION)
@@ -291,26 +332,42 @@ def datasheet_spec(name: str) -> HardwareSpec:
     notes = {
         "device_name": "datasheet: marketing name as the driver reports it",
         "device_memory_bytes": d["total_src"],
-        "usable_memory_bytes": f"assumption: total less {CUDA_RESERVE_BYTES // MiB} MiB for the CUDA context "
-        "(~0.3-0.5 GiB with lazy module loading), cuBLAS workspaces and NCCL buffers; "
-        "headless card (a display takes more)",
+        "usable_memory_bytes": (
+            f"assumption: total less {CUDA_RESERVE_BYTES // MiB} MiB for the CUDA context "
+            "(~0.3-0.5 GiB with lazy module loading), cuBLAS workspaces and NCCL buffers; "
+            "headless card (a display takes more)"
+        ),
         "host_memory_bytes": f"assumption: {d['host_src']}",
-        "cpu_cores": f"assumption: logical CPUs of one rank (as os.sched_getaffinity counts them): {d['host_src']}",
+        "cpu_cores": (
+            "assumption: logical CPUs of one rank (as os.sched_getaffinity counts them): "
+            f"{d['host_src']}"
+        ),
         "matmul_flops_per_s": f"derived: {frac:.0%} of {d['peak_16bit']} TFLOPS ({frac_why}); "
         f"datasheet: {d['peak_16bit_src']}",
-        "matmul_fp32_flops_per_s": f"derived: {frac:.0%} of {d['peak_fp32']} TFLOPS; datasheet: {d['peak_fp32_src']}",
-        "mem_bytes_per_s": f"derived: {MEM_FRACTION:.0%} of peak (a device copy reaches 85-92%); datasheet: {d['mem_src']}",
-        "link": f"derived: t = {LINK_LATENCY_S * 1e6:.0f} us + size / bandwidth, pinned host memory; assumption: "
-        f"PCIe Gen{d['pcie']} x16 reaches {h2d / GB:.0f} GB/s H2D and {d2h / GB:.0f} GB/s D2H at large sizes "
-        "(bandwidthTest-like; hosts vary by +-15%)",
-        "cpu_adam_params_per_s": f"derived: {HOST_ADAM_EFFICIENCY:.0%} x {d['host_bw_gbps']} GB/s host DRAM share / "
-        f"{ADAM_BYTES_PER_PARAM} B per param (fused AdamW is memory-bound); assumption: "
-        f"{d['host_src']}",
-        "dev_adam_params_per_s": f"derived: mem_bytes_per_s / {ADAM_BYTES_PER_PARAM} B per param (fused AdamW, fp32 "
-        "param/grad/exp_avg/exp_avg_sq: 16 B read, 12 B written)",
+        "matmul_fp32_flops_per_s": f"derived: {frac:.0%} of {d['peak_fp32']} TFLOPS; datasheet: "
+        f"{d['peak_fp32_src']}",
+        "mem_bytes_per_s": (
+            f"derived: {MEM_FRACTION:.0%} of peak (a device copy reaches 85-92%); datasheet: "
+            f"{d['mem_src']}"
+        ),
+        "link": (
+            f"derived: t = {LINK_LATENCY_S * 1e6:.0f} us + size / bandwidth, pinned host memory; "
+            f"assumption: PCIe Gen{d['pcie']} x16 reaches {h2d / GB:.0f} GB/s H2D and "
+            f"{d2h / GB:.0f} GB/s D2H at large sizes (bandwidthTest-like; hosts vary by +-15%)"
+        ),
+        "cpu_adam_params_per_s": (
+            f"derived: {HOST_ADAM_EFFICIENCY:.0%} x {d['host_bw_gbps']} GB/s host DRAM share / "
+            f"{ADAM_BYTES_PER_PARAM} B per param (fused AdamW is memory-bound); assumption: "
+            f"{d['host_src']}"
+        ),
+        "dev_adam_params_per_s": (
+            f"derived: mem_bytes_per_s / {ADAM_BYTES_PER_PARAM} B per param (fused AdamW, fp32 "
+            "param/grad/exp_avg/exp_avg_sq: 16 B read, 12 B written)"
+        ),
         "allgather_bytes_per_s": f"assumption: {d['coll_src']}",
         "reduce_scatter_bytes_per_s": f"assumption: {d['coll_src']}",
-        "internode_bytes_per_s": "unknown (0): depends on the cluster fabric; set it for multi-node plans",
+        "internode_bytes_per_s": "unknown (0): depends on the cluster fabric; set it for "
+        "multi-node plans",
         **DISK_NOTES,
     }
     return HardwareSpec(
@@ -339,21 +396,36 @@ def _cpu_datasheet_spec() -> HardwareSpec:
     d = CPU_DATASHEET
     fp32_peak = d["cores"] * d["ghz"] * 1e9 * d["fp32_flops_per_cycle"]
     cpu_adam = round(HOST_ADAM_EFFICIENCY * d["mem_gbps"] * GB / ADAM_BYTES_PER_PARAM)
-    host = f"{d['cores']} cores / {d['host_cpus']} threads, {d['host_gib']} GiB dual-channel DDR4 (a dev box or CI runner)"
+    host = (
+        f"{d['cores']} cores / {d['host_cpus']} threads, {d['host_gib']} GiB dual-channel DDR4 (a "
+        "dev box or CI runner)"
+    )
     notes = {
         "device_name": "assumption: a generic CPU box; the host plays the device",
-        "device_memory_bytes": f"assumption: half of the {d['host_gib']} GiB host RAM is the device's share, "
-        "the other half holds the offloaded states (same DRAM)",
-        "usable_memory_bytes": f"assumption: the device share less {d['reserve_gib']} GiB for the Python/torch runtime",
+        "device_memory_bytes": (
+            f"assumption: half of the {d['host_gib']} GiB host RAM is the device's share, the "
+            "other half holds the offloaded states (same DRAM)"
+        ),
+        "usable_memory_bytes": f"assumption: the device share less {d['reserve_gib']} GiB for the "
+        "Python/torch runtime",
         "host_memory_bytes": f"assumption: {host}",
         "cpu_cores": f"assumption: {host}",
-        "matmul_flops_per_s": "assumption: half the fp32 rate (AVX2 has no bf16 FMA; oneDNN converts to fp32); "
-        "CPUs with AVX512-BF16/AMX are several times faster, measure them",
-        "matmul_fp32_flops_per_s": f"derived: {MATMUL_FRACTION:.0%} of {fp32_peak / 1e9:.0f} GFLOPS peak = {d['cores']} cores x "
-        f"{d['ghz']} GHz x {d['fp32_flops_per_cycle']} flop/cycle (2 AVX2 FMA units)",
-        "mem_bytes_per_s": f"assumption: {d['mem_gbps']} GB/s for a large copy (read + write counted), dual-channel DDR4",
-        "link": f"derived: t = {d['memcpy_latency_s'] * 1e6:.0f} us + size / {d['memcpy_gbps']} GB/s; assumption: "
-        "the link is a memcpy between two host tensors (copy bytes counted once)",
+        "matmul_flops_per_s": (
+            "assumption: half the fp32 rate (AVX2 has no bf16 FMA; oneDNN converts to fp32); CPUs "
+            "with AVX512-BF16/AMX are several times faster, measure them"
+        ),
+        "matmul_fp32_flops_per_s": (
+            f"derived: {MATMUL_FRACTION:.0%} of {fp32_peak / 1e9:.0f} GFLOPS peak = {d['cores']} "
+            f"cores x {d['ghz']} GHz x {d['fp32_flops_per_cycle']} flop/cycle (2 AVX2 FMA units)"
+        ),
+        "mem_bytes_per_s": (
+            f"assumption: {d['mem_gbps']} GB/s for a large copy (read + write counted), "
+            "dual-channel DDR4"
+        ),
+        "link": (
+            f"derived: t = {d['memcpy_latency_s'] * 1e6:.0f} us + size / {d['memcpy_gbps']} GB/s; "
+            "assumption: the link is a memcpy between two host tensors (copy bytes counted once)"
+        ),
         "cpu_adam_params_per_s": f"derived: {HOST_ADAM_EFFICIENCY:.0%} x {d['mem_gbps']} GB/s / "
         f"{ADAM_BYTES_PER_PARAM} B per param (fused AdamW is memory-bound)",
         "dev_adam_params_per_s": "derived: equal to cpu_adam_params_per_s (the device is the host)",
@@ -385,7 +457,8 @@ def _cpu_datasheet_spec() -> HardwareSpec:
 def write_datasheets(directory: str | Path = HARDWARE_DIR) -> list[Path]:
     """(Re)write ``<directory>/<name>.json`` for every datasheet; returns the paths written.
 
-    ``python -c "from protrain.planner.hardware.datasheets import write_datasheets; write_datasheets()"``
+    ``python -c "from protrain.planner.hardware.datasheets import write_datasheets;
+    write_datasheets()"`` (one line)
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

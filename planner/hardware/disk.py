@@ -81,7 +81,8 @@ def probe_disk(
     piece: int = 4 * MiB,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[int, int, str]:
-    """Sequential (read, write) bytes per second of ``directory``'s disk, and how they were measured.
+    """Sequential (read, write) bytes per second of ``directory``'s disk, and how they were
+    measured.
 
     One unlinked file (``tempfile.TemporaryFile``), so nothing stays on disk even
     when the probe fails or is killed. Each of ``ROUNDS`` rounds writes ``nbytes``
@@ -151,13 +152,16 @@ def probe_disk(
     read_bps = round(total / statistics.median(reads))
     write_bps = round(total / statistics.median(writes))
     how = (
-        f"{total // MiB} MiB unlinked file in {where} ({on}), {piece // MiB} MiB pwrite pieces + fsync, "
-        f"pages dropped (posix_fadvise DONTNEED), read back in {piece // MiB} MiB preadv pieces; "
-        f"median of {ROUNDS} rounds (the first allocates the blocks, later ones overwrite them); "
-        f"rounds read {_rates(total, reads)}, write {_rates(total, writes)} GB/s"
+        f"{total // MiB} MiB unlinked file in {where} ({on}), {piece // MiB} MiB pwrite pieces + "
+        f"fsync, pages dropped (posix_fadvise DONTNEED), read back in {piece // MiB} MiB preadv "
+        f"pieces; median of {ROUNDS} rounds (the first allocates the blocks, later ones overwrite "
+        f"them); rounds read {_rates(total, reads)}, write {_rates(total, writes)} GB/s"
     )
     if mount and mount.fstype in RAM_FILESYSTEMS:
-        how += f"; {mount.point} is {mount.fstype}, held in RAM: these figures say nothing about a disk"
+        how += (
+            f"; {mount.point} is {mount.fstype}, held in RAM: these figures say nothing about a "
+            "disk"
+        )
     elif cached:
         how += (
             "; the page cache kept the file after posix_fadvise(DONTNEED), so the read "

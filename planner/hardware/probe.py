@@ -97,8 +97,8 @@ def probe(
         )
         if nvml is not None and not use_cuda:
             warn(
-                f"NVML sees {nvml['name']} but torch has no CUDA (torch {torch.__version__}, CUDA build: "
-                f"{torch.version.cuda or 'none'}); probing the CPU as the device"
+                f"NVML sees {nvml['name']} but torch has no CUDA (torch {torch.__version__}, CUDA "
+                f"build: {torch.version.cuda or 'none'}); probing the CPU as the device"
             )
 
     host_total, host_avail = _host_memory()
@@ -132,8 +132,8 @@ def probe(
             "(all_gather_perf / reduce_scatter_perf) and edit"
         )
     notes["probe"] = (
-        f"protrain hardware probe, device={device}, quick={quick}, nvme={nvme}, torch {torch.__version__}, "
-        f"{time.perf_counter() - started:.1f} s"
+        f"protrain hardware probe, device={device}, quick={quick}, nvme={nvme}, torch "
+        f"{torch.__version__}, {time.perf_counter() - started:.1f} s"
     )
     return HardwareSpec(
         name=name,
@@ -177,19 +177,21 @@ def probe_to_file(
     at = next((p for p in spec.link if p.size_bytes >= 64 * MiB), spec.link[-1])
     echo(f"wrote {path}: {spec.name} ({spec.kind}, {spec.device_name})")
     echo(
-        f"  memory  {spec.device_memory_bytes / GiB:.1f} GiB, {spec.usable_memory_bytes / GiB:.1f} GiB usable; "
-        f"host {spec.host_memory_bytes / GiB:.1f} GiB, {spec.cpu_cores} CPUs"
+        f"  memory  {spec.device_memory_bytes / GiB:.1f} GiB, {spec.usable_memory_bytes / GiB:.1f} "
+        f"GiB usable; host {spec.host_memory_bytes / GiB:.1f} GiB, {spec.cpu_cores} CPUs"
     )
     echo(
         f"  matmul  {spec.matmul_flops_per_s / 1e12:.3g} TFLOP/s 16-bit, "
-        f"{spec.matmul_fp32_flops_per_s / 1e12:.3g} TFLOP/s fp32; memory {spec.mem_bytes_per_s / GB:.3g} GB/s"
+        f"{spec.matmul_fp32_flops_per_s / 1e12:.3g} TFLOP/s fp32; memory "
+        f"{spec.mem_bytes_per_s / GB:.3g} GB/s"
     )
     echo(
         f"  link    {at.h2d_bytes_per_s / GB:.3g} GB/s H2D, {at.d2h_bytes_per_s / GB:.3g} GB/s D2H "
         f"at {at.size_bytes // MiB} MiB"
     )
     echo(
-        f"  adam    CPU {spec.cpu_adam_params_per_s / 1e9:.3g}e9, device {spec.dev_adam_params_per_s / 1e9:.3g}e9 params/s"
+        f"  adam    CPU {spec.cpu_adam_params_per_s / 1e9:.3g}e9, device "
+        f"{spec.dev_adam_params_per_s / 1e9:.3g}e9 params/s"
     )
     if spec.disk_read_bytes_per_s:
         echo(
@@ -279,7 +281,8 @@ def _cpu_copy_times(torch, sizes: tuple[int, ...], repeats: int) -> list[float]:
 
 
 def _cpu_time(fn: Callable[[], object], *, repeats: int, min_s: float = 2e-3) -> float:
-    """Median seconds per call; small calls run in a loop of at least ``min_s`` so the timer resolves them."""
+    """Median seconds per call; small calls run in a loop of at least ``min_s`` so the timer
+    resolves them."""
     fn()  # warm-up: thread pool, page faults
     t0 = time.perf_counter()
     fn()
@@ -295,7 +298,8 @@ def _cpu_time(fn: Callable[[], object], *, repeats: int, min_s: float = 2e-3) ->
 
 
 def _cpu_matmul_rate(torch, dtype, quick: bool) -> tuple[int, str]:
-    """Square matmul rate; n doubles from 256 until one product takes long enough (slow dtypes stay small)."""
+    """Square matmul rate; n doubles from 256 until one product takes long enough (slow dtypes
+    stay small)."""
     target_s, n_max = (0.05, 2048) if quick else (0.2, 4096)
     n = 256
     while True:
@@ -333,7 +337,8 @@ def _cpu_adam_rate(torch, numel: int, quick: bool) -> tuple[int, str]:
 def _probe_cuda(
     torch, index: int, quick: bool, say, notes: dict[str, str], nvml: dict | None
 ) -> dict:
-    """Pinned link curve, bf16/fp32 matmul, device copy bandwidth, device fused AdamW, free memory."""
+    """Pinned link curve, bf16/fp32 matmul, device copy bandwidth, device fused AdamW, free
+    memory."""
     dev = torch.device("cuda", index)
     torch.cuda.set_device(dev)
     torch.empty(1, device=dev)  # creates the context, so free memory excludes it
@@ -343,7 +348,8 @@ def _probe_cuda(
     stream = torch.cuda.Stream(dev)  # copies on a side stream, as the executor's copy engine does
 
     def timed(fn, iters: int = 1) -> float:
-        """Median seconds per call over `repeats` samples of `iters` calls, CUDA events on `stream`."""
+        """Median seconds per call over `repeats` samples of `iters` calls, CUDA events on
+        `stream`."""
         torch.cuda.synchronize(dev)  # inputs made on the default stream are ready
         with torch.cuda.stream(stream):
             fn()
@@ -471,8 +477,10 @@ def _cuda_uuid(torch, index: int) -> str | None:
 
 
 _NVML_REASONS = {
-    "NVMLError_LibraryNotFound": "the NVIDIA driver library (libnvidia-ml.so) was not found: no NVIDIA driver "
-    "on this machine",
+    "NVMLError_LibraryNotFound": (
+        "the NVIDIA driver library (libnvidia-ml.so) was not found: no NVIDIA driver on this "
+        "machine"
+    ),
     "NVMLError_DriverNotLoaded": "the NVIDIA kernel driver is not loaded",
     "NVMLError_NoPermission": "no permission to query the NVIDIA driver",
 }
@@ -481,12 +489,14 @@ _NVML_REASONS = {
 def _nvml_info(
     index: int, uuid: str | None, warn: Callable[[str], None], *, fallback: str
 ) -> dict | None:
-    """Name, memory and PCIe link of one GPU from the driver; None (after one warning line) when NVML fails."""
+    """Name, memory and PCIe link of one GPU from the driver; None (after one warning line) when
+    NVML fails."""
     try:
         import pynvml
     except ImportError:
         warn(
-            f"NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed; {fallback}"
+            "NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed; "
+            f"{fallback}"
         )
         return None
     try:
@@ -563,7 +573,8 @@ def _fit_note(sizes: tuple[int, ...], secs: list[float]) -> str:
 
 
 def _host_memory() -> tuple[int, int]:
-    """(total, available) host RAM bytes: /proc/meminfo, capped by a cgroup v2 limit (containers)."""
+    """(total, available) host RAM bytes: /proc/meminfo, capped by a cgroup v2 limit
+    (containers)."""
     total = avail = 0
     try:
         with open("/proc/meminfo") as f:

@@ -107,7 +107,8 @@ def load_spec(source: str | Path | bytes) -> HardwareSpec:
         ) from None
     if spec.spec_version != SPEC_VERSION:
         raise ConfigError(
-            f"{where}: hardware spec version {spec.spec_version}; this protrain reads {SPEC_VERSION}",
+            f"{where}: hardware spec version {spec.spec_version}; this protrain reads "
+            f"{SPEC_VERSION}",
             "regenerate it with `protrain hardware probe`",
         )
     sizes = [p.size_bytes for p in spec.link]
@@ -127,7 +128,8 @@ def dump_spec(spec: HardwareSpec) -> bytes:
 
 
 def link_bandwidth(spec: HardwareSpec, size_bytes: int, direction: Literal["h2d", "d2h"]) -> float:
-    """Bandwidth for one copy of ``size_bytes``: linear interpolation in log-size, clamped at the ends."""
+    """Bandwidth for one copy of ``size_bytes``: linear interpolation in log-size, clamped at the
+    ends."""
     import math
 
     pts = spec.link

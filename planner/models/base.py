@@ -62,7 +62,8 @@ def find_block_list(model: nn.Module) -> str | None:
 
 
 HF_PREFIX = "hf:"
-"""Model names ``hf:PATH[#BLOCKS]`` are Hugging Face configs (``planner/models/hf.py``), not zoo entries."""
+"""Model names ``hf:PATH[#BLOCKS]`` are Hugging Face configs (``planner/models/hf.py``), not zoo
+entries."""
 
 
 def is_hf_name(name: str) -> bool:

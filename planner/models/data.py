@@ -172,7 +172,8 @@ def token_stream(path: Path, tokenizer: str | None, text_field: str = "text") ->
 
 
 TEXT_PIECE_BYTES = 16 << 20
-"""A plain text file read with a tokenizer is encoded this many bytes at a time (cut after a newline)."""
+"""A plain text file read with a tokenizer is encoded this many bytes at a time (cut after a
+newline)."""
 
 _READ_BYTES = 1 << 20  # bytes read at a time when the tokens are the bytes
 
@@ -538,8 +539,10 @@ def batches(
         raise ConfigError(
             f"corpus {source.name!r} has {n_tokens} tokens, too few for one window of "
             f"seq_len + 1 = {seq_len + 1} tokens (inputs plus the shifted targets)",
-            hint=f"use a longer corpus (--data FILE), or a plan made with --seq {max(n_tokens - 1, 1)} "
-            "or less",
+            hint=(
+                "use a longer corpus (--data FILE), or a plan made with --seq "
+                f"{max(n_tokens - 1, 1)} or less"
+            ),
         )
     return _windows(source.tokens, micro_batch, seq_len, seed, rank, world_size)
 
@@ -595,8 +598,8 @@ def split_heldout(
     k = max(math.ceil(n * fraction), seq_len + 1)
     if n - k < seq_len + 1:
         raise ConfigError(
-            f"corpus {source.name!r} has {n} tokens, too few to hold out {k} for evaluation and still "
-            f"train on windows of seq_len + 1 = {seq_len + 1}",
+            f"corpus {source.name!r} has {n} tokens, too few to hold out {k} for evaluation and "
+            f"still train on windows of seq_len + 1 = {seq_len + 1}",
             hint="use a longer corpus (--data FILE), or drop --eval-every",
         )
     train = TokenSource(
@@ -647,7 +650,8 @@ def heldout_batches(
 def tokenize(
     data_path: str, output: str, tokenizer: str | None = None, text_field: str = "text"
 ) -> TokenSource:
-    """``protrain tokenize``: stream a text or JSON-lines file into a token file; returns it, mapped.
+    """``protrain tokenize``: stream a text or JSON-lines file into a token file; returns it,
+    mapped.
 
     The tokens are exactly those ``load_tokens(data_path, tokenizer, text_field)`` gives,
     so ``train --data OUTPUT`` draws the same batches as ``train --data DATA_PATH``.
@@ -656,7 +660,10 @@ def tokenize(
     if Path(output).resolve() == path.resolve():
         raise ConfigError(
             f"-o {output} is the input file: writing it would destroy the text",
-            hint=f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o {path.stem}.tokens`",
+            hint=(
+                f"write the tokens elsewhere: `protrain tokenize --data {data_path} -o "
+                f"{path.stem}.tokens`"
+            ),
         )
     if _probe(path) == "tokens":
         raise ConfigError(

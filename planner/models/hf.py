@@ -141,13 +141,17 @@ __all__ = [
 ]
 
 REFUSED = {
-    "gpt_neo": "its own attention code (it cannot use protrain's) builds the mask with transformers' "
-    "packed-sequence check, which reads position values back to the host: a device sync in "
-    "every forward, and no forward on meta for planning",
+    "gpt_neo": (
+        "its own attention code (it cannot use protrain's) builds the mask with transformers' "
+        "packed-sequence check, which reads position values back to the host: a device sync in "
+        "every forward, and no forward on meta for planning"
+    ),
     "jetmoe": "its mixture-of-experts router reads the tokens-per-expert counts back to the host "
     "(expert_size.tolist()): a device sync in every forward that depends on the data",
-    "dbrx": "its experts loop over the experts the router hit (nonzero on the routing), reading the "
-    "routing back to the host: a device sync in every MoE layer that depends on the data",
+    "dbrx": (
+        "its experts loop over the experts the router hit (nonzero on the routing), reading the "
+        "routing back to the host: a device sync in every MoE layer that depends on the data"
+    ),
 }
 """model_type → why protrain refuses it. Everything else ``AutoModelForCausalLM`` builds
 from a local config.json is accepted; tests/test_hf_families.py trains a family matrix."""
@@ -247,7 +251,8 @@ def model_name_option(model: str | None, hf_config: str | None, blocks: str | No
 
 
 def causal_lm_classes() -> dict[str, str]:
-    """model_type → the causal-LM class this transformers builds for it (``AutoModelForCausalLM``'s table)."""
+    """model_type → the causal-LM class this transformers builds for it
+    (``AutoModelForCausalLM``'s table)."""
     _transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -291,9 +296,9 @@ def load_config(path: str | Path):
     yourself = "or build the model yourself and pass it to protrain.planner.models.hf.from_model"
     if raw.get("auto_map"):
         raise ConfigError(
-            f"{f}: auto_map names code from the model's own repository ({', '.join(sorted(raw['auto_map']))}); "
-            "protrain builds only what transformers implements itself and never runs downloaded code "
-            "(trust_remote_code)",
+            f"{f}: auto_map names code from the model's own repository "
+            f"({', '.join(sorted(raw['auto_map']))}); protrain builds only what transformers "
+            "implements itself and never runs downloaded code (trust_remote_code)",
             f"use a config.json whose model_type transformers implements, {yourself}",
         )
     model_type = raw.get("model_type")
@@ -343,8 +348,8 @@ def load_config(path: str | Path):
         other = getattr(transformers, arch, None) if arch in classes.values() else None
         if other is None or getattr(other, "config_class", None) is not type(config):
             raise ConfigError(
-                f"{f}: architectures names {arch!r}, which is not a causal LM of model_type {model_type!r} "
-                f"(for it {version} builds {cls})",
+                f"{f}: architectures names {arch!r}, which is not a causal LM of model_type "
+                f"{model_type!r} (for it {version} builds {cls})",
                 f'set "architectures": ["{cls}"] to train it as a causal LM, {yourself}',
             )
         cls = arch
@@ -464,7 +469,8 @@ class HFCausalLM(nn.Module):
         return logits if targets is None else lm_loss(logits, targets)
 
     def _meta_forward(self, idx: torch.Tensor):
-        """The forward on ``meta`` (planning), with a family whose forward reads values refused by name.
+        """The forward on ``meta`` (planning), with a family whose forward reads values refused by
+        name.
 
         A forward that reads a tensor's values back to the host (``.item()``,
         ``.tolist()``, ``nonzero`` to size a loop) cannot run on meta, and on a GPU it
@@ -478,8 +484,9 @@ class HFCausalLM(nn.Module):
                 raise
             family = getattr(self.config, "model_type", type(self.hf).__name__)
             raise ConfigError(
-                f"model_type {family!r}: its forward reads tensor values back to the host ({str(e).splitlines()[0]}): "
-                "a device sync every step that depends on the data, which protrain cannot plan around",
+                f"model_type {family!r}: its forward reads tensor values back to the host "
+                f"({str(e).splitlines()[0]}): a device sync every step that depends on the data, "
+                "which protrain cannot plan around",
                 "train another family (planner/models/hf.py lists the refused ones in REFUSED)",
             ) from e
 

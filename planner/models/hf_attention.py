@@ -1,4 +1,5 @@
-"""Attention for Hugging Face models: causal SDPA where it is exact, the family's own code elsewhere.
+"""Attention for Hugging Face models: causal SDPA where it is exact, the family's own code
+elsewhere.
 
 ``ATTENTION`` is our own entry in transformers' attention registry (``hf._transformers``
 registers it; ``hf.from_model`` selects it): causal ``F.scaled_dot_product_attention``
@@ -111,7 +112,8 @@ _IGNORED_KWARGS = frozenset(
 def _needs_own(
     module: nn.Module, T: int, attention_mask: torch.Tensor | None, kwargs: dict
 ) -> str | None:
-    """Why this call needs the family's own attention, or None when causal SDPA computes it exactly."""
+    """Why this call needs the family's own attention, or None when causal SDPA computes it
+    exactly."""
     if attention_mask is not None:
         # transformers makes no mask for our implementation (it is not in the mask
         # registry), so a mask here is one the family built itself (from positions,
@@ -131,7 +133,8 @@ def _needs_own(
 
 
 _EAGER_ONLY = ("softcap", "s_aux")
-"""Keywords only a family's eager attention computes (transformers' SDPA path refuses or drops them)."""
+"""Keywords only a family's eager attention computes (transformers' SDPA path refuses or drops
+them)."""
 
 OWN = "_protrain_own_attention"
 """Attribute ``from_model`` sets on every module: the family's own implementation
@@ -141,7 +144,8 @@ OWN = "_protrain_own_attention"
 def _own_attention(
     module: nn.Module, query, key, value, attention_mask, dropout, scaling, reason: str, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The call as the family's own default implementation makes it, with the mask transformers would build.
+    """The call as the family's own default implementation makes it, with the mask transformers
+    would build.
 
     See [Note: which attention]. The mask (causal, or causal within the sliding
     window) comes from transformers' own mask functions on positions alone, so it
@@ -152,7 +156,8 @@ def _own_attention(
 
     own = getattr(module, OWN, "eager")
     if any(v is not None for k, v in kwargs.items() if k in _EAGER_ONLY):
-        own = "eager"  # transformers' SDPA refuses soft-capping and ignores sinks; eager computes both
+        # transformers' SDPA refuses soft-capping and ignores sinks; eager computes both
+        own = "eager"
     if own == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
     else:
@@ -162,7 +167,8 @@ def _own_attention(
                 f"{type(module).__name__}: this attention needs {reason}, which protrain's "
                 "causal attention does not compute, and its module has no eager_attention_forward "
                 "to hand it to: no exact path",
-                "train another family (planner/models/hf_attention.py, [Note: which attention], says which work)",
+                "train another family (planner/models/hf_attention.py, [Note: which attention], "
+                "says which work)",
             )
     causal = (
         kwargs.get("is_causal", True) is not False
@@ -190,7 +196,8 @@ def _own_attention(
 
 
 def own_default(model) -> str:
-    """The attention implementation transformers picks for this class by default: "sdpa" or "eager"."""
+    """The attention implementation transformers picks for this class by default: "sdpa" or
+    "eager"."""
     try:
         own = model.get_correct_attn_implementation(None)
     except (ValueError, ImportError):

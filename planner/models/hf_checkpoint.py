@@ -54,10 +54,10 @@ def refuse_pickles(d: Path) -> None:
     pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
     if pickles:
         raise ConfigError(
-            f"{d} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: protrain loads safetensors only "
-            "(torch pickles can run code when loaded)",
-            "convert the checkpoint to safetensors (model.save_pretrained(DIR) in transformers writes it), "
-            "or copy config.json alone to a new directory to train from a random init",
+            f"{d} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: protrain loads safetensors "
+            "only (torch pickles can run code when loaded)",
+            "convert the checkpoint to safetensors (model.save_pretrained(DIR) in transformers "
+            "writes it), or copy config.json alone to a new directory to train from a random init",
         )
 
 

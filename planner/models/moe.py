@@ -50,7 +50,8 @@ from torch import nn
 from protrain.plans.errors import ConfigError
 
 CONFIG_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields that give the number of routed experts (Mixtral/gpt-oss, Qwen-MoE/OLMoE, DeepSeek, DBRX)."""
+"""Config fields that give the number of routed experts (Mixtral/gpt-oss, Qwen-MoE/OLMoE,
+DeepSeek, DBRX)."""
 CONFIG_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k")
 """Config fields that give the routed experts per token."""
 CONFIG_SHARED = ("n_shared_experts", "num_shared_experts")
@@ -66,7 +67,8 @@ class MoeLayout:
     top_k: int
     """Routed experts each token goes through."""
     n_shared_experts: int
-    """Experts every token goes through (Qwen2-MoE's ``shared_expert`` counts as 1); dense compute."""
+    """Experts every token goes through (Qwen2-MoE's ``shared_expert`` counts as 1); dense
+    compute."""
     banks: list[str]
     """Module paths of the routed expert banks, one per MoE block, in model order."""
     fused: bool
@@ -105,7 +107,8 @@ def _config_int(cfg, fields: tuple[str, ...]) -> int | None:
 
 
 def _is_fused_bank(m: nn.Module) -> bool:
-    """transformers' fused experts: 3-D weights, one row per expert, and the experts interface's flags."""
+    """transformers' fused experts: 3-D weights, one row per expert, and the experts interface's
+    flags."""
     down = getattr(m, "down_proj", None)
     up = getattr(m, "gate_up_proj", None)
     if up is None:
@@ -169,9 +172,9 @@ def detect(model: nn.Module) -> MoeLayout | None:
     if not banks:
         if declared is not None and declared > 1:
             raise ConfigError(
-                f"{type(model).__name__}: the config declares {declared} experts, but no expert bank was "
-                "found (a module with 3-D gate_up_proj/up_proj and down_proj parameters, or an "
-                "nn.ModuleList named experts)",
+                f"{type(model).__name__}: the config declares {declared} experts, but no expert "
+                "bank was found (a module with 3-D gate_up_proj/up_proj and down_proj parameters, "
+                "or an nn.ModuleList named experts)",
                 "use transformers >= 5 for this family, whose experts are fused banks",
             )
         return None
@@ -195,8 +198,8 @@ def detect(model: nn.Module) -> MoeLayout | None:
                 break
     if top_k is None or not 1 <= top_k <= n_experts:
         raise ConfigError(
-            f"{type(model).__name__}: {n_experts} experts per MoE block, but the number each token is "
-            f"routed to is {'unknown' if top_k is None else top_k}",
+            f"{type(model).__name__}: {n_experts} experts per MoE block, but the number each token "
+            f"is routed to is {'unknown' if top_k is None else top_k}",
             f"set one of {', '.join(CONFIG_TOP_K)} in the config (1..{n_experts})",
         )
     shared = _config_int(cfg, CONFIG_SHARED)
@@ -344,8 +347,8 @@ def balanced_experts(
     Not modelled on a ``gpu`` spec: the grouped kernels' lower efficiency on small groups
     (on our 2-core CPU box, torch's grouped_mm over 8 experts x 128 rows took 1.35x the
     time of one dense GEMM of the same FLOPs in a micro-benchmark); on any spec, expert
-    parallelism. On a ``cpu`` spec the analytic profile does charge, in forward, what the grouped GEMM's
-    per-expert GEMMs and the routing ops' per-row work (softmax and top-k over n_experts
+    parallelism. On a ``cpu`` spec the analytic profile does charge, in forward, what the grouped
+    GEMM's per-expert GEMMs and the routing ops' per-row work (softmax and top-k over n_experts
     columns, the sort, the gathers) cost the host beyond the per-op model
     (``analytic.CPU_MOE_EXPERT_US``, ``CPU_MOE_ROW_US``, measured by tools/bench_moe_cpu.py).
     """
@@ -355,10 +358,10 @@ def balanced_experts(
         return
     if not layout.fused:
         raise ConfigError(
-            f"{type(model).__name__}: its experts are an nn.ModuleList whose routing loop depends on the "
-            "router's values, which the analytic profile (on meta) does not have",
-            "measure the profile instead (`protrain profile` without --analytic), or use transformers >= 5, "
-            "whose fused expert banks protrain charges at balanced load",
+            f"{type(model).__name__}: its experts are an nn.ModuleList whose routing loop depends "
+            "on the router's values, which the analytic profile (on meta) does not have",
+            "measure the profile instead (`protrain profile` without --analytic), or use "
+            "transformers >= 5, whose fused expert banks protrain charges at balanced load",
         )
     modules = dict(model.named_modules())
     saved: list[tuple[nn.Module, object]] = []

@@ -83,12 +83,14 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.dim % self.n_head != 0 or (self.dim // self.n_head) % 2 != 0:
             raise ConfigError(
-                f"LlamaConfig: dim={self.dim} / n_head={self.n_head} must be a whole, even head size",
+                f"LlamaConfig: dim={self.dim} / n_head={self.n_head} must be a whole, even head "
+                "size",
                 hint="RoPE rotates pairs of channels; choose n_head so the head size is even",
             )
         if self.n_head % self.n_kv_head != 0:
             raise ConfigError(
-                f"LlamaConfig: n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}",
+                f"LlamaConfig: n_head={self.n_head} is not a multiple of "
+                f"n_kv_head={self.n_kv_head}",
                 hint="each key/value head must serve a whole group of query heads",
             )
 
@@ -475,7 +477,8 @@ def build(
 
 
 def describe(name: str) -> ModelInfo:
-    """Size and shape of zoo model `name` (or ``hf:PATH``); counts parameters on meta, allocates nothing."""
+    """Size and shape of zoo model `name` (or ``hf:PATH``); counts parameters on meta, allocates
+    nothing."""
     if is_hf_name(name):
         from . import hf
 

@@ -1,3 +1,4 @@
 """Profiles: the execution graph, the Profile format, and analytic profiles estimated on ``meta``.
 
-Submodules import what they need (torch, scipy, networkx) themselves; this package imports nothing."""
+Submodules import what they need (torch, scipy, networkx) themselves; this package imports
+nothing."""

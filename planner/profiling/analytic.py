@@ -197,11 +197,14 @@ class PhaseCount:
     saved_tensors: int = 0
     """Pack-hook calls charged ``CPU_SAVED_TENSOR_US`` (cpu spec, forward only)."""
     experts_run: int = 0
-    """Routed experts given rows, summed over bank calls, charged ``CPU_MOE_EXPERT_US`` (cpu spec, forward only)."""
+    """Routed experts given rows, summed over bank calls, charged ``CPU_MOE_EXPERT_US`` (cpu
+    spec, forward only)."""
     routed_rows: int = 0
-    """Routed (token, expert) rows, summed over bank calls, charged ``CPU_MOE_ROW_US`` (cpu spec, forward only)."""
+    """Routed (token, expert) rows, summed over bank calls, charged ``CPU_MOE_ROW_US`` (cpu spec,
+    forward only)."""
     time_s: float = 0.0
-    """Sum over ops of the per-op roofline time plus overhead (plus, cpu spec forward, the eager costs)."""
+    """Sum over ops of the per-op roofline time plus overhead (plus, cpu spec forward, the eager
+    costs)."""
     peak_bytes: int = 0
     """Transient peak above the larger of the live bytes at begin and end."""
 
@@ -361,7 +364,8 @@ class _OpCounter(TorchDispatchMode):
 
 
 class _FusedKernels(TorchFunctionMode):
-    """Runs SDPA as the flash kernel (and dropout as CUDA's on a GPU spec); see the module docstring."""
+    """Runs SDPA as the flash kernel (and dropout as CUDA's on a GPU spec); see the module
+    docstring."""
 
     def __init__(self, gpu: bool):
         super().__init__()
@@ -475,7 +479,8 @@ def count_segments(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    # Forward: block hooks move the segment; backward: Boundary callbacks do (the executor's own Function).
+    # Forward: block hooks move the segment; backward: Boundary callbacks do (the executor's own
+    # Function).
     last = len(blocks) - 1
 
     def pre_hook(i: int, name: str):
@@ -548,7 +553,8 @@ def count_segments(
 
 
 def parameter_trace(model: nn.Module, blocks: list[str], seq_len: int) -> ExecutionGraph:
-    """The trace ``analytic_profile`` reads the parameters' uses from (as emit.model_facts traces)."""
+    """The trace ``analytic_profile`` reads the parameters' uses from (as emit.model_facts
+    traces)."""
     with balanced_experts(model):  # the trace runs the model too (on meta)
         return trace(model, blocks, seq_len=min(seq_len, 8))
 

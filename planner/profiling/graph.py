@@ -31,11 +31,13 @@ from protrain.plans.plan import POST, PRE
 @dataclass(frozen=True)
 class ExecutionGraph:
     graph: nx.DiGraph
-    """Nodes ``("segment", name)`` chained by ``next`` edges; ``("param", name)`` nodes; use edges."""
+    """Nodes ``("segment", name)`` chained by ``next`` edges; ``("param", name)`` nodes; use
+    edges."""
     segments: list[str]
     """``<pre>``, block paths in order, ``<post>``."""
     order: list[str]
-    """Unique parameter names in first-use order (a block's unused parameters after its used ones)."""
+    """Unique parameter names in first-use order (a block's unused parameters after its used
+    ones)."""
     uses: dict[str, list[str]]
     """Segment → parameters it uses, in first-use order (a tied parameter may appear in two)."""
 
@@ -69,8 +71,9 @@ def trace(model: nn.Module, blocks: list[str], seq_len: int = 8) -> ExecutionGra
     ``Embedding(max_norm=)`` renormalisation) or training flags. A model whose forward
     cannot run on ``meta`` (data-dependent control flow, tensors kept as plain
     attributes) is traced live instead, with its parameters, buffers and flags restored
-    afterwards (which costs a copy of them). Either way the global RNG (CPU and CUDA) is restored. The forward must
-    accept ``(idx, targets)`` LongTensors of shape (B, T) (the zoo and the HF adapters do).
+    afterwards (which costs a copy of them). Either way the global RNG (CPU and CUDA) is restored.
+    The forward must accept ``(idx, targets)`` LongTensors of shape (B, T) (the zoo and the HF
+    adapters do).
 
     Attribution (see ``[Note: unused parameters]``): a parameter belongs to the segment
     whose ops use it; every parameter of a block's module subtree also belongs to that

@@ -1,4 +1,5 @@
-"""torch's Python meta kernels without importing ``torch._dynamo`` (most of a second or two per process).
+"""torch's Python meta kernels without importing ``torch._dynamo`` (most of a second or two per
+process).
 
 On ``meta`` many aten ops (elementwise ones, ``embedding``, ``normal_``) run torch's Python
 references, each wrapped by ``torch._compile._disable_dynamo``: on its first call that wrapper

@@ -1,8 +1,8 @@
 """The Profile: everything the cost model needs about one (model, training shape, device).
 
 Made once, planned from many times: ``protrain profile`` measures it on the device
-(``planner/commands/measure.py``), ``planner/profiling/analytic.py`` estimates it from FLOP and byte counts
-and a hardware spec. Both produce this one type, canonical JSON like plans.
+(``planner/commands/measure.py``), ``planner/profiling/analytic.py`` estimates it from FLOP and byte
+counts and a hardware spec. Both produce this one type, canonical JSON like plans.
 
 Per segment (``<pre>``, each block, ``<post>``, as in the plan's schedule):
 
@@ -127,7 +127,8 @@ class Profile(_Strict, kw_only=True):
     attention: str
     """Attention kernel in use (SDPA backend), which sets activation sizes and times."""
     bootstrap: bool
-    """True when the model was profiled through an all-offloaded executor plan (larger than the device)."""
+    """True when the model was profiled through an all-offloaded executor plan (larger than the
+    device)."""
     iterations: NonNegInt
     """Measured iterations the medians come from (0 for analytic)."""
     segments: list[SegmentProfile]

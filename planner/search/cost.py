@@ -24,14 +24,14 @@ Per segment ``s`` of forward (``<pre>``, blocks, ``<post>``):
 (one-segment pipeline); uploads go H2D while swap-outs go D2H, two directions of
 one link that do not add up to twice one direction (see ``LINK_DUPLEX``).
 The first segment's uploads are not hidden. Backward, in reverse:
-``t_bwd(s) = max(comp_bwd(s) + recompute(s), h2d(s), grad_offload(s), (h2d(s) + grad_offload(s)) / LINK_DUPLEX)``
-with ``h2d(s) = refetch(next) + swap_in(next)``: swap-ins share the H2D lane with
-chunk re-fetches (the paper's "contention for shared resources" — here literally
-summed on the lane), and the H2D lane shares the link with the gradient offloads
-going D2H. Gradient offloads never share the D2H lane with swap-outs: a swap-out
-ends within its own forward segment (the segment lasts at least as long), and
-gradients go down only in backward. On a ``cpu`` device every copy is
-synchronous, so the max becomes a sum.
+``t_bwd(s) = max(comp_bwd(s) + recompute(s), h2d(s), grad_offload(s),
+(h2d(s) + grad_offload(s)) / LINK_DUPLEX)``
+with ``h2d(s) = refetch(next) + swap_in(next)``: swap-ins share the H2D lane with chunk re-fetches
+(the paper's "contention for shared resources" — here literally summed on the lane), and the H2D
+lane shares the link with the gradient offloads going D2H. Gradient offloads never share the D2H
+lane with swap-outs: a swap-out ends within its own forward segment (the segment lasts at least as
+long), and gradients go down only in backward. On a ``cpu`` device every copy is synchronous, so the
+max becomes a sum.
 
 Transfer counts are an upper bound of what ``emit.build_schedule`` issues
 (tested): a chunk is uploaded when a segment uses it and the previous segment did
@@ -39,17 +39,16 @@ not; in backward, the ``n_buffer`` offloaded chunks used last in forward are sti
 resident and their first backward use is free.
 
 Peak memory (bytes) — paper Eqs. 8–11, walked step by step in the executor's own
-accounting (plans/accounting.py, reading plans/homes.py): persistent chunk states + resident buffers +
-live offloaded gradient buffers + activations held + (GPU) recomputed
-activations of the checkpointed block being run + (GPU) the segment's transient
-peak, all × ``alpha`` (fragmentation) on GPU. Activations held after forward
-segment ``s``: ``saved_bytes`` for keep blocks and the non-block segments,
-``input_bytes`` for checkpointed blocks, nothing for swapped ones, which come back
-(``saved_tensor_bytes``) one segment ahead of their backward. On a GPU a swapped
-block's activations leave the device only when their D2H copy completes; the copy
-overlaps the next segment, so they are charged (``saved_bytes``, what keeping them
-would hold) during their own forward segment and the next one (``swap_out`` in
-``MemoryTerms``). On a ``cpu`` device the copies are synchronous: nothing in flight.
+accounting (plans/accounting.py, reading plans/homes.py): persistent chunk states + resident buffers
++ live offloaded gradient buffers + activations held + (GPU) recomputed activations of the
+checkpointed block being run + (GPU) the segment's transient peak, all × ``alpha`` (fragmentation)
+on GPU. Activations held after forward segment ``s``: ``saved_bytes`` for keep blocks and the
+non-block segments, ``input_bytes`` for checkpointed blocks, nothing for swapped ones, which come
+back (``saved_tensor_bytes``) one segment ahead of their backward. On a GPU a swapped block's
+activations leave the device only when their D2H copy completes; the copy overlaps the next segment,
+so they are charged (``saved_bytes``, what keeping them would hold) during their own forward segment
+and the next one (``swap_out`` in ``MemoryTerms``). On a ``cpu`` device the copies are synchronous:
+nothing in flight.
 """
 
 from __future__ import annotations
@@ -288,7 +287,8 @@ def make_terms(
         frozen_host_bytes_per_elem=H.HOST.per_elem(su, "host", trainable=False),
         # Reading fp32 and writing the compute dtype is memory-bound, like the fused CPU AdamW
         # whose rate the specs derive from host DRAM bandwidth at ADAM_BYTES_PER_PARAM (28 B
-        # per parameter; planner/hardware/datasheets.py): the same bandwidth moves (4 + cb) B per element.
+        # per parameter; planner/hardware/datasheets.py): the same bandwidth moves (4 + cb) B per
+        # element.
         convert_us=shard_bytes
         // cb
         * H.HOMELESS.fetch_host_bytes(su)
@@ -334,7 +334,8 @@ def evaluate(
     over the grid) that ``predict`` reports as the breakdown. ``homeless``: the plan's
     homeless chunks; None: the fewest (in ``homeless_order``) that bring the host need
     under ``host_cap``, per strip ([Homeless chunks]), and where even every offloaded chunk
-    homeless does not, the fewest device-homed ones or chunks on disk (planner/search/host_tiers.py).
+    homeless does not, the fewest device-homed ones or chunks on disk
+    (planner/search/host_tiers.py).
     ``homed``, ``nvme``: the plan's device-homed chunks and chunks on disk, with ``homeless`` given.
     ``time_only``: the time alone, as ``(time, None, {})`` (the search's bounds).
     """
@@ -361,8 +362,8 @@ def evaluate(
     # hold back the gradient landings, hence the CPU steps).
     uploads_f = fixed["uploads_f"]  # (C,) forward uploads of each chunk
     uploads_b = np.where(cached > 0, fixed["uploads_b_cached"], fixed["uploads_b"])  # (C,)
-    # [Homeless chunks], [Device homes], [NVMe tier]: planner/search/host_tiers.py. Charged for device
-    # homes: their device states and one fp32 scratch; their reduce-scatter and step serially
+    # [Homeless chunks], [Device homes], [NVMe tier]: planner/search/host_tiers.py. Charged for
+    # device homes: their device states and one fp32 scratch; their reduce-scatter and step serially
     # inside backward; no CPU step, no conversion; fetches and offloads as a host chunk's (an
     # over-estimate). For the disk: its traffic in the CPU step and in fetches that read it.
     tiers = host_tiers.choose(

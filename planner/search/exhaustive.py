@@ -123,17 +123,20 @@ class Choice:
         return off if trainable is None else off * trainable
 
     def homeless_ids(self, n_chunks: int, trainable=None) -> list[int]:
-        """The homeless chunk ids, ascending: the first ``n_homeless`` of ``host_tiers.homeless_order``."""
+        """The homeless chunk ids, ascending: the first ``n_homeless`` of
+        ``host_tiers.homeless_order``."""
         return sorted(
             int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[: self.n_homeless]
         )
 
     def homed_ids(self, n_chunks: int, trainable=None) -> list[int]:
-        """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device homes])."""
+        """The device-homed chunk ids: the first ``n_homed`` offloaded ones (cost.py [Device
+        homes])."""
         return [int(c) for c in np.nonzero(self._offloaded(n_chunks, trainable))[0][: self.n_homed]]
 
     def nvme_ids(self, n_chunks: int, trainable=None) -> list[int]:
-        """The chunk ids on disk, ascending: the first ``n_nvme`` of ``host_tiers.homeless_order``."""
+        """The chunk ids on disk, ascending: the first ``n_nvme`` of
+        ``host_tiers.homeless_order``."""
         return sorted(
             int(c) for c in homeless_order(self._offloaded(n_chunks, trainable))[: self.n_nvme]
         )

@@ -38,14 +38,16 @@ class PolicyGrid:
     ckpt: np.ndarray  # (G, S) 1 where the segment is a checkpointed block
     cache: dict = field(default_factory=dict, compare=False, repr=False)
     parent: tuple[PolicyGrid, np.ndarray] | None = field(default=None, compare=False, repr=False)
-    """``(grid, idx)`` when this grid is rows ``idx`` of another: its strip-only terms are those rows."""
+    """``(grid, idx)`` when this grid is rows ``idx`` of another: its strip-only terms are those
+    rows."""
     """``grid_terms`` of this grid, per terms' activation arrays (a search evaluates one grid
     at every placement: what depends on the strips alone is computed once)."""
 
 
 @dataclass(frozen=True)
 class GridTerms:
-    """What ``evaluate`` and ``memory_terms`` compute from the policy strips alone, (G, S) or (G,)."""
+    """What ``evaluate`` and ``memory_terms`` compute from the policy strips alone, (G, S) or
+    (G,)."""
 
     held: np.ndarray  # activations held after forward segment s / until its backward (cumulative)
     swap_out_bytes: np.ndarray  # swapped activations still on the device at forward s (GPU only)

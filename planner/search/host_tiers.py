@@ -70,7 +70,8 @@ def _prefix(values: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 _LAST_AT_HOME: list = [None]
-"""``(t, (G, host), Tiers)`` of the last ``_all_at_home``: a search asks again for each buffer count."""
+"""``(t, (G, host), Tiers)`` of the last ``_all_at_home``: a search asks again for each buffer
+count."""
 
 
 def _all_at_home(t, G: int, host: float) -> Tiers:

@@ -207,14 +207,13 @@ def chunk_candidates(facts) -> tuple[list[int], dict[int, int]]:
     Why not the least waste alone: whole blocks tile a chunk of 1×, 2×, 3×, 4× a
     block equally well, so the waste ties and the old rule (ties to the larger) gave a
     14B GPT-2 (54 × 4608) 1.02B-element chunks (16 GB of persistent state each on a
-    24 GB card) and llama-70b 41 chunks of 1.7B. Measured on the plan library (108 cells, 2-core CPU,
-    before item 4b): ties to the smaller is never slower and 1.8% faster at the median
-    (25% at most); planning every size on this list finds the best plan of all seven
-    sizes in 106 cells (mixtral-8x7b on 4x a100-80g / 4x h100: 1.25× is 1.1-1.6%
-    faster, with more waste), and finds plans the least-waste size cannot
-    (llama-3.1-8b on one rtx3090 / rtx4090: its 128K-vocabulary embedding makes 4× the
-    least wasteful, 4 chunks, and nothing fits; 1.25× plans). The list has 1 size for
-    most models (1×: blocks tile it), 3 for gpt2-xl and llama-3.1-8b.
+    24 GB card) and llama-70b 41 chunks of 1.7B. Measured on the plan library (108 cells, 2-core
+    CPU, before item 4b): ties to the smaller is never slower and 1.8% faster at the median (25% at
+    most); planning every size on this list finds the best plan of all seven sizes in 106 cells
+    (mixtral-8x7b on 4x a100-80g / 4x h100: 1.25× is 1.1-1.6% faster, with more waste), and finds
+    plans the least-waste size cannot (llama-3.1-8b on one rtx3090 / rtx4090: its 128K-vocabulary
+    embedding makes 4× the least wasteful, 4 chunks, and nothing fits; 1.25× plans). The list has 1
+    size for most models (1×: blocks tile it), 3 for gpt2-xl and llama-3.1-8b.
     """
     numel = {n: math.prod(s) for n, s, _ in facts.params}
     largest = max(

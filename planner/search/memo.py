@@ -39,7 +39,8 @@ def per_object(cache: dict[int, tuple[weakref.ref, T]], obj: object, make: Calla
 def last_call(slot: list, obj: object, key: object, make: Callable[[], T]) -> T:
     """``make()``, or the value ``slot`` kept from the last call when that call was for this very
     ``obj`` and an equal ``key`` (what else ``make`` reads). ``slot``: a one-item list, the
-    caller's; the value is shared between the calls, so it must not be written (read-only arrays)."""
+    caller's; the value is shared between the calls, so it must not be written (read-only
+    arrays)."""
     last = slot[0]
     if last is not None and last[0] is obj and last[1] == key:
         return last[2]

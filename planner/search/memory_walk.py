@@ -34,7 +34,8 @@ class ElementBytes:
     persistent: (
         int  # a trainable persistent chunk on the device: values, gradients, moments, master
     )
-    host: int  # a trainable offloaded chunk's shard on the host: home, moments, accumulator, master, staging
+    # a trainable offloaded chunk's shard on the host: home, moments, accumulator, master, staging
+    host: int
 
 
 def element_bytes(compute_dtype: str, grad_accum: int = 1) -> ElementBytes:
@@ -52,7 +53,8 @@ Adam moments, whatever the compute dtype (chunks.py [Note: device homes])."""
 
 @dataclass(frozen=True)
 class SegmentBytes:
-    """Activation bytes per segment in forward order (``<pre>``, blocks, ``<post>``), from a profile."""
+    """Activation bytes per segment in forward order (``<pre>``, blocks, ``<post>``), from a
+    profile."""
 
     saved: Sequence[int]  # what keeping the segment's saved tensors holds
     swapped: Sequence[int]  # what swapping them moves (and brings back)

@@ -329,7 +329,8 @@ def formulate(
             m.ge(m.one(Tf[s]) - late, comp_f[s], f"Tf ≥ compute, forward {s}")
             m.ge(m.one(Tf[s]) - U * t_up, 0, f"Tf ≥ H2D lane, forward {s}")
             m.ge(m.one(Tf[s]) - seg_swap(s, out_ms[s]) - late, 0, f"Tf ≥ D2H lane, forward {s}")
-            # [Constraint] Tf[s] ≥ (uploads ahead + swap-out) / LINK_DUPLEX + late uploads (both ways)
+            # [Constraint] Tf[s] ≥ (uploads ahead + swap-out) / LINK_DUPLEX + late uploads (both
+            # ways)
             m.ge(
                 m.one(Tf[s])
                 - (m.one(af[s], t_up) + seg_swap(s, out_ms[s])) * (1 / LINK_DUPLEX)
@@ -355,7 +356,8 @@ def formulate(
                     0,
                     f"Tb ≥ H2D lane, backward {s}",
                 )
-                # [Constraint] Tb[s] ≥ (re-fetches ahead + swap-in of s-1 + gradient offload) / LINK_DUPLEX
+                # [Constraint] Tb[s] ≥ (re-fetches ahead + swap-in of s-1 + gradient offload) /
+                # LINK_DUPLEX
                 #              + late re-fetches (the link both ways)
                 m.ge(
                     m.one(Tb[s])

@@ -35,7 +35,8 @@ def offload_mask(t: Terms, persist: Placement) -> np.ndarray:
 
 
 def host_bytes_per_chunk(t: Terms) -> np.ndarray:
-    """(C,) host bytes per rank of each chunk, offloaded (``accounting.state_events``): a frozen one's home only."""
+    """(C,) host bytes per rank of each chunk, offloaded (``accounting.state_events``): a frozen
+    one's home only."""
     if t.trainable is None:
         return t.host_numel * t.host_bytes_per_elem
     return t.host_numel * np.where(t.trainable, t.host_bytes_per_elem, t.frozen_host_bytes_per_elem)

@@ -71,8 +71,9 @@ def require_disk(spec) -> None:
         raise ConfigError(
             f"--nvme: the hardware spec {spec.name!r} has no disk bandwidth measured "
             "(disk_read_bytes_per_s / disk_write_bytes_per_s are 0)",
-            "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o SPEC`, "
-            "then `protrain plan --hardware SPEC --nvme …` (or `protrain fit --hardware SPEC --nvme`)",
+            "measure the disk the states will go to with `protrain hardware probe --nvme DIR -o "
+            "SPEC`, then `protrain plan --hardware SPEC --nvme …` (or `protrain fit --hardware "
+            "SPEC --nvme`)",
         )
 
 
@@ -140,9 +141,10 @@ def make_plan(
             else ""
         )
         raise BudgetError(
-            f"no configuration of {profile.model.name} (micro-batch {b} × seq {profile.training.seq_len}) "
-            f"fits {human_bytes(budget_bytes)}: the smallest predicted peak is "
-            f"{human_bytes(int(result.min_peak_bytes))} (everything offloaded and checkpointed)",
+            f"no configuration of {profile.model.name} (micro-batch {b} × seq "
+            f"{profile.training.seq_len}) fits {human_bytes(budget_bytes)}: the smallest predicted "
+            f"peak is {human_bytes(int(result.min_peak_bytes))} (everything offloaded and "
+            "checkpointed)",
             hint,
         )
     persistent, policies = best.persistent_ids(), best.strip(terms.n_blocks)
@@ -276,19 +278,22 @@ def host_error(
     need = int(result.min_host_bytes)
     per_rank = " per rank" if world_size > 1 else ""
     avail = (
-        f"{human_bytes(host_budget)} available ({human_bytes(spec.host_memory_bytes)} host RAM of "
-        f"{spec.name} less the {HOST_RESERVE_FRACTION:.0%} + {human_bytes(HOST_RESERVE_BYTES)} reserve)"
+        (
+            f"{human_bytes(host_budget)} available ({human_bytes(spec.host_memory_bytes)} host RAM "
+            f"of {spec.name} less the {HOST_RESERVE_FRACTION:.0%} + "
+            f"{human_bytes(HOST_RESERVE_BYTES)} reserve)"
+        )
         if default
         else f"{human_bytes(host_budget)} available (the host budget given)"
     )
     more_ranks = -(-need * world_size // max(host_budget, 1))  # chunk states shard over ranks
     return HostMemoryError(
-        f"host memory: no configuration of {profile.model.name} within the {human_bytes(budget_bytes)} "
-        f"device budget fits the host: the least host memory any needs is {human_bytes(need)}{per_rank} "
-        f"(offloaded chunk states + swapped activations), {avail}",
+        f"host memory: no configuration of {profile.model.name} within the "
+        f"{human_bytes(budget_bytes)} device budget fits the host: the least host memory any needs "
+        f"is {human_bytes(need)}{per_rank} (offloaded chunk states + swapped activations), {avail}",
         "keep more chunks persistent with a larger --budget (a bigger card), swap fewer blocks, "
-        f"shard the offloaded states over more ranks (about --world-size {max(more_ranks, world_size + 1)}), "
-        "or use a machine with more RAM (--host-memory)",
+        "shard the offloaded states over more ranks (about --world-size "
+        f"{max(more_ranks, world_size + 1)}), or use a machine with more RAM (--host-memory)",
         need=need,
         available=host_budget,
     )
@@ -313,7 +318,8 @@ def thin(points: list, k: int) -> list:
 
 
 def parse_budget(text: str) -> int:
-    """``20GiB``, ``24GB``, ``512MiB``, ``1.5e9`` → bytes. Raises ``ConfigError`` with the accepted forms."""
+    """``20GiB``, ``24GB``, ``512MiB``, ``1.5e9`` → bytes. Raises ``ConfigError`` with the
+    accepted forms."""
     units = {
         "": 1,
         "b": 1,

@@ -55,7 +55,8 @@ def build_schedule(
     for (_, s), ids in zip(seq, need_off):
         if len(ids) > n_buffer:
             raise BudgetError(
-                f"segment {s!r} uses {len(ids)} offloaded chunks at once but n_buffer is {n_buffer}",
+                f"segment {s!r} uses {len(ids)} offloaded chunks at once but n_buffer is "
+                f"{n_buffer}",
                 f"use n_buffer >= {len(ids)}, or a larger chunk size",
             )
 

@@ -82,7 +82,8 @@ class Terms:
         0  # the device steps' fp32 scratch, once if any chunk is device-homed
     )
     homed_adam_us_per_param: float = 0.0  # a device-homed chunk's step on the device (its shard)
-    # Chunks on disk ([NVMe tier] in planner/search/host_tiers.py; executor/nvme.py): the plan may use one.
+    # Chunks on disk ([NVMe tier] in planner/search/host_tiers.py; executor/nvme.py): the plan may
+    # use one.
     nvme_ok: bool = False  # asked for (``plan --nvme``) and the spec's disk measured
     disk_saves_per_elem: int = (
         0  # host bytes per element a chunk's states on disk save (homes.NVME)

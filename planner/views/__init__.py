@@ -1,3 +1,5 @@
-"""Human views of plans: ``show``/``explain``, ``diff``, predicted and measured traces, memory plots.
+"""Human views of plans: ``show``/``explain``, ``diff``, predicted and measured traces, memory
+plots.
 
-Submodules import what they need (torch, scipy, networkx) themselves; this package imports nothing."""
+Submodules import what they need (torch, scipy, networkx) themselves; this package imports
+nothing."""

@@ -32,7 +32,8 @@ from .show import policy_strip
 # equal and 1 when not, like diff(1).
 
 DIFF_LIST = 10
-"""Parameters (moved, added, removed) named in the text before "… and N more" (the JSON has them all)."""
+"""Parameters (moved, added, removed) named in the text before "… and N more" (the JSON has them
+all)."""
 DIFF_STEPS = 6
 """Schedule changes shown in the text (the JSON has them all)."""
 STRIP_WRAP = 40
@@ -445,7 +446,10 @@ def _render_chunks(c: dict[str, Any]) -> list[str]:
         r = c["reshaped"]
         lines.append(f"{pad}{len(r)} parameter{'s' * (len(r) != 1)} changed shape or dtype")
         lines += [
-            f"{pad}  {x['name']}  {x['a']['shape']} {x['a']['dtype']} → {x['b']['shape']} {x['b']['dtype']}"
+            (
+                f"{pad}  {x['name']}  {x['a']['shape']} {x['a']['dtype']} → {x['b']['shape']} "
+                f"{x['b']['dtype']}"
+            )
             for x in r[:DIFF_LIST]
         ]
         lines += _more(min(len(r), DIFF_LIST), len(r), pad + "  ")
@@ -464,7 +468,8 @@ def _render_placement(p: dict[str, Any]) -> list[str]:
     sh = p["shard_persistent_states"]
     if sh["a"] != sh["b"]:
         lines.append(
-            f"                persistent optimizer states {_sharding(sh['a'])} → {_sharding(sh['b'])}"
+            f"                persistent optimizer states {_sharding(sh['a'])} → "
+            f"{_sharding(sh['b'])}"
         )
     if p["to_offloaded"]:
         lines.append(f"                persistent → offloaded: chunks {_ids(p['to_offloaded'])}")
@@ -506,7 +511,8 @@ def _render_schedule(s: dict[str, Any], chunks: dict[str, Any], same_model: bool
     if not k:
         if adam:
             return [
-                f"  schedule      cpu_adam {cpu['a']} → {cpu['b']}   (the {n['a']} steps are the same)"
+                f"  schedule      cpu_adam {cpu['a']} → {cpu['b']}   (the {n['a']} steps are the "
+                "same)"
             ]
         return [f"  schedule      same ({n['a']} steps)"]
     note = ""

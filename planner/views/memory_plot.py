@@ -34,7 +34,8 @@ class MemoryStep:
     activations: float
     """Activations held (keep: saved, checkpoint: input, swap: nothing) up to this step."""
     swapping_out: float
-    """Swapped blocks' activations still on the device while their D2H copy runs (forward, GPU only)."""
+    """Swapped blocks' activations still on the device while their D2H copy runs (forward, GPU
+    only)."""
     swapped_in: float
     """Swapped blocks' activations back on the device (backward)."""
     grads: float
@@ -205,8 +206,8 @@ def plot_memory(profile: Profile, plan: P.Plan, path: str | Path) -> None:
     ax.set_title(
         f"{plan.model.name} on {plan.hardware.name}: predicted device memory per schedule step\n"
         f"micro-batch {plan.training.micro_batch} × seq {plan.training.seq_len}, "
-        f"{plan.training.compute_dtype}; {plan.placement.n_persist}/{len(plan.chunks.items)} chunks "
-        f"persistent, {plan.placement.n_buffer} buffers; blocks: "
+        f"{plan.training.compute_dtype}; {plan.placement.n_persist}/{len(plan.chunks.items)} "
+        f"chunks persistent, {plan.placement.n_buffer} buffers; blocks: "
         f"{', '.join(f'{policies.count(p)} {p}' for p in POLICIES)}; "
         f"{plan.prediction.iter_time_us / 1e3:.0f} ms/iteration",
         fontsize=10,

@@ -25,20 +25,24 @@ def render_show(plan: Plan, source: str = "") -> str:
     pred = plan.prediction
     lines = [
         f"plan {source}".rstrip(),
-        f"  schema        v{plan.schema_version} (written by {plan.generator.name} {plan.generator.version})",
+        f"  schema        v{plan.schema_version} (written by {plan.generator.name} "
+        f"{plan.generator.version})",
         f"  model         {m.name}: {human_count(m.n_params)} parameters, {len(m.blocks)} blocks",
         f"  fingerprint   {m.fingerprint[:23]}…",
-        f"  training      micro-batch {t.micro_batch} × seq {t.seq_len}, {t.compute_dtype} compute, "
-        f"{t.master_dtype} master, world size {t.world_size}, grad accum {t.grad_accum}",
+        f"  training      micro-batch {t.micro_batch} × seq {t.seq_len}, {t.compute_dtype} "
+        f"compute, {t.master_dtype} master, world size {t.world_size}, grad accum {t.grad_accum}",
         f"  hardware      {h.name or '(not recorded)'}"
         + (
             f", {human_bytes(h.device_memory_bytes)} device, budget {human_bytes(h.budget_bytes)}"
             if h.device_memory_bytes
             else ""
         ),
-        f"  chunks        {len(plan.chunks.items)} × {human_count(plan.chunks.chunk_numel)} elements",
-        f"  placement     {pl.n_persist} persistent {pl.persistent}, {len(pl.offloaded)} offloaded, "
-        f"{pl.n_buffer} device buffers"
+        f"  chunks        {len(plan.chunks.items)} × {human_count(plan.chunks.chunk_numel)} "
+        "elements",
+        (
+            f"  placement     {pl.n_persist} persistent {pl.persistent}, {len(pl.offloaded)} "
+            f"offloaded, {pl.n_buffer} device buffers"
+        )
         + (
             f"; persistent optimizer states sharded over {t.world_size} ranks"
             if pl.shard_persistent_states
@@ -62,7 +66,8 @@ def render_show(plan: Plan, source: str = "") -> str:
             if plan.request.max_grad_norm
             else ""
         ),
-        "  model states  (per rank: persistent chunks and offloaded buffers on the device, offloaded states on the host)",
+        "  model states  (per rank: persistent chunks and offloaded buffers on the device, "
+        "offloaded states on the host)",
     ]
     walk = memory_walk.walk(plan)  # per rank; the same figures the prediction holds
     for name, value in (
@@ -138,7 +143,8 @@ def render_explain(plan: Plan, source: str = "", departures: list[Departure] | N
             f"  memory      persistent states {human_bytes(b.get('states_bytes', 0))} + buffers "
             f"{human_bytes(b.get('buffers_bytes', 0))} + activation walk "
             f"{human_bytes(b.get('activation_walk_bytes', 0))} → peak "
-            f"{human_bytes(plan.prediction.peak_memory_bytes)} of budget {human_bytes(plan.hardware.budget_bytes)}",
+            f"{human_bytes(plan.prediction.peak_memory_bytes)} of budget "
+            f"{human_bytes(plan.hardware.budget_bytes)}",
             f"  activations {policy_strip(plan)}",
         ]
     else:

@@ -23,8 +23,8 @@ collectives ``all_gather cN``, ``reduce_scatter cN``, ``all_reduce`` or (persist
             sharded) ``reduce_scatter+all_gather`` (world size > 1)
 ==========  =========================================================================
 
-Event names use the plan's verbs (the plan's own verbs: fetch, prefetch, release, offload, swap_in), so a name in a trace is a
-name in the plan file.
+Event names use the plan's verbs (the plan's own verbs: fetch, prefetch, release, offload, swap_in),
+so a name in a trace is a name in the plan file.
 
 The predicted memory walk and its plot are in ``memory_plot.py``.
 """
