@@ -514,6 +514,7 @@ def load(source: str | Path | bytes) -> Plan:
     else:
         where = str(source)
         try:
+            _refuse_irregular(source, where)
             with open(source, "rb") as f:
                 data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
@@ -541,6 +542,7 @@ def load(source: str | Path | bytes) -> Plan:
             f"{where}: not a protrain plan: {e}",
             "a plan is a JSON object whose first key is `schema_version`; regenerate it with `protrain plan`",
         ) from None
+    _refuse_duplicate_keys(data, where)
     version, newer = header.schema_version, header.schema_version > SCHEMA_VERSION
     if newer or version < MIN_SCHEMA_VERSION:
         raise PlanError(
@@ -565,3 +567,64 @@ def load(source: str | Path | bytes) -> Plan:
         raise PlanError(f"{where}: malformed JSON: {e}", REGENERATE) from None
     validate(plan, where)
     return plan
+
+
+def _refuse_irregular(path: str | Path, where: str) -> None:
+    """Refuse a plan path that is not a regular file, before it is opened (a FIFO would wait for
+    a writer forever, a device read without end). Issue 39 item 11."""
+    import os
+    import stat
+
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a device, a socket or another special file"
+        )
+        raise PlanError(
+            f"{where}: is {kind}, not a regular file; a plan is a JSON file",
+            "give the path of a plan file (`protrain plan … -o FILE` writes one)",
+        )
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicate_keys(data: bytes, where: str) -> None:
+    """Refuse a JSON object that repeats a key, naming its JSON path (msgspec, like ``json``,
+    keeps the last value silently: ``"micro_batch": 4, "micro_batch": 100000`` would train the
+    second). A pre-scan with the standard library, after msgspec has parsed the document (so
+    it is well-formed and not nested past msgspec's limit). Issue 39 item 8."""
+
+    class Obj(dict):
+        dup: str | None = None
+
+    def pairs(items: list) -> Obj:
+        obj = Obj()
+        for k, v in items:
+            if k in obj and obj.dup is None:
+                obj.dup = k
+            obj[k] = v
+        return obj
+
+    try:
+        doc = json.loads(data, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return  # msgspec's decode reports what is wrong with it
+    stack: list[tuple[object, str]] = [(doc, "$")]
+    while stack:  # (depth-first, in document order: the first duplicate is named)
+        value, path = stack.pop()
+        if isinstance(value, Obj):
+            if value.dup is not None:
+                raise PlanError(
+                    f"{where}: key {value.dup!r} appears twice in one object - at "
+                    f"`{path}.{value.dup}`; which value was meant is unknown",
+                    f"remove one of them, or {REGENERATE}",
+                )
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
