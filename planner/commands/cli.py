@@ -18,6 +18,7 @@ import click
 
 from protrain.executor.errors import ProtrainError
 
+from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
 from .lora_options import spec_from as lora_spec
 
@@ -108,6 +109,12 @@ def models() -> None:
         )
 
 
+def _size(n: int) -> str:
+    from ..views.show import human_bytes
+
+    return human_bytes(n)
+
+
 def _count(n: int) -> str:
     from ..views.show import human_count
 
@@ -135,7 +142,8 @@ def show(plan_path: str) -> None:
     help="Zoo model to check the plan against (default: the plan's model, if it is a zoo name).",
 )
 def validate(plan_path: str, model_name: str | None) -> None:
-    """Check a plan's structure and, against a zoo model, its fingerprint.
+    """Check a plan's structure and, against a zoo model, its fingerprint and what `train`
+    checks before training (the model's context, this machine's memory).
 
     The model is built on the meta device, so checking a plan for a 70B model
     allocates nothing.
@@ -164,6 +172,11 @@ def validate(plan_path: str, model_name: str | None) -> None:
 
     check(plan, build(name, device="meta"), where=plan_path, name=name)
     click.echo(f"{plan_path}: fingerprint matches {name}")
+    from .train import default_device, prechecks
+
+    # what `train` checks before it builds the model, on the device it would train on
+    need = prechecks(plan, name, device=default_device(), where=plan_path)
+    click.echo(f"{plan_path}: fits this machine (about {_size(need)} of host memory to train)")
 
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
@@ -186,7 +199,7 @@ class _LearningRate(click.ParamType):
 
 
 LEARNING_RATE = _LearningRate()
-BETA = click.FloatRange(min=0, max=1, max_open=True)
+BETA = FiniteFloatRange(min=0, max=1, max_open=True)
 """One of AdamW's betas: torch.optim.AdamW takes [0, 1)."""
 
 
@@ -360,7 +373,7 @@ def profile(
 )
 @click.option(
     "--max-grad-norm",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     metavar="X",
     help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
@@ -582,7 +595,7 @@ def explain(
 )
 @click.option(
     "--weight-decay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.01,
     show_default=True,
     metavar="X",
@@ -598,7 +611,7 @@ def explain(
 )
 @click.option(
     "--eps",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=1e-8,
     show_default=True,
     metavar="X",
@@ -614,7 +627,7 @@ def explain(
 @click.option(
     "--timeout",
     "timeout_s",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=300.0,
     show_default=True,
     help="Seconds any collective may wait before the run fails (multi-rank runs).",
@@ -667,7 +680,7 @@ def explain(
 )
 @click.option(
     "--max-grad-norm",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     metavar="X",
     help="Clip gradients to this global L2 norm; needs a plan made with "
