@@ -119,8 +119,23 @@ def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
             )  # (digested: dist.py)
             for s in ("chunks", "placement", "activations", "schedule")
         },
-        "the optimizer settings (--lr, --max-grad-norm)": repr(config),
+        # each setting under its own flag, so a disagreement names the one that differs
+        **{
+            f"{flag} (AdamW's {field})": repr(getattr(config, field)) for field, flag in OPTIM_FLAGS
+        },
     }
+
+
+OPTIM_FLAGS = (
+    ("lr", "--lr"),
+    ("betas", "--betas"),
+    ("eps", "--eps"),
+    ("weight_decay", "--weight-decay"),
+    ("max_grad_norm", "--max-grad-norm"),
+    ("loss_scale", "the fp16 loss scale"),
+    ("scale_window", "the fp16 loss scale window"),
+)
+"""``AdamWConfig``'s fields and the ``protrain train`` flags that set them (``agreement``)."""
 
 
 def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
@@ -414,9 +429,12 @@ class Engine:
                 ),
             )
 
-    def _nonfinite_error(self, cid: int, step: int, partial: bool) -> NonFiniteGradientError:
+    def _nonfinite_error(
+        self, cid: int, step: int, partial: bool, what: str = ""
+    ) -> NonFiniteGradientError:
         """The error of optim.py's [Note: finite-state guard]: where, what state is left, and
-        the last finite checkpoint to resume from."""
+        the last finite checkpoint to resume from. ``what``: the master or moment that became
+        non-finite in the chunk's step ("": a gradient was, before it)."""
         names = [self.names[id(p)] for p, _, _ in self.store.chunks[cid].params]
         where = names[0] + (f" … {names[-1]}" if len(names) > 1 else "")
         state = (
@@ -429,9 +447,16 @@ class Engine:
             )
         )
         ckpt = self.last_checkpoint
+        cause = (
+            f"Adam's {what} became NaN or infinite in the update at step {step}: chunk {cid} "
+            f"({where}), {self.plan.training.compute_dtype}, with finite gradients (one above "
+            "~1.8e19 has a square past float32's range)"
+            if what
+            else f"a gradient is NaN or infinite at step {step}: chunk {cid} ({where}), "
+            f"{self.plan.training.compute_dtype}, with a finite loss"
+        )
         return NonFiniteGradientError(
-            f"a gradient is NaN or infinite at step {step}: chunk {cid} ({where}), "
-            f"{self.plan.training.compute_dtype}, with a finite loss; {state}; "
+            f"{cause}; {state}; "
             + (
                 f"the last finite checkpoint is {ckpt}"
                 if ckpt
@@ -562,6 +587,7 @@ class Engine:
                 self.events.emit("device_step", "begin", chunk=c.id)
                 self.optim.step_device(c.id, coef, inv_scale)
                 self.events.emit("device_step", "end", chunk=c.id)
+        self.optim.guard_device_states()  # optim.py [Note: finite-state guard]
         return grad_norm, False
 
     # -- state in plain PyTorch names

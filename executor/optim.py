@@ -102,6 +102,17 @@ worker refuses too, and the engine refuses to step, save or export a partly upda
 state (``Engine._refuse_poisoned``). Under ZeRO-3 the global norm is all-reduced, so
 every rank stops at once; a check of a rank's own shard (``during_backward``) stops that
 rank, and the others at their next collective (``--timeout``), before any of them saves.
+
+Adam's state is checked where the gradient is (issue 39 item 7): finite gradients can still
+make it non-finite (a gradient above ~1.8e19 has a square past fp32's range, so
+``exp_avg_sq`` becomes inf and its parameters stop training; a huge rate overflows a master).
+So every chunk that stepped has its master and moments checked right after its step, before
+anything reads them: one fused reduction per chunk (``all_finite`` of the three tensors, one
+read back), on the worker for a CPU step (an NVMe chunk's a piece at a time, before the piece
+leaves memory), and for the device steps (persistent, device-homed) once per step over all of
+them (``guard_device_states``: one read back). A failure poisons the optimizer as a
+non-finite gradient does, naming the state (``poisoned``'s fourth field), with ``partial``
+true: that chunk has stepped.
 """
 
 from __future__ import annotations
@@ -297,7 +308,8 @@ class ChunkOptimizer:
         # [Note: finite-state guard]: the first non-finite gradient (chunk, step, partial), the
         # engine's step number (set before each step, read when a step is queued) and the error
         # to raise (the engine's, naming the last finite checkpoint).
-        self.poisoned: tuple[int, int, bool] | None = None
+        # A fourth field names a state that became non-finite ("" for a gradient).
+        self.poisoned: tuple[int, int, bool, str] | None = None
         self.step_no = 0
         # fp16: the loss scaler skips such steps. PROTRAIN_NO_FINITE_CHECK=1 (debug and
         # tools/bench_finite.py only, read once here) turns the guard off to measure its cost.
@@ -305,9 +317,11 @@ class ChunkOptimizer:
             "PROTRAIN_NO_FINITE_CHECK"
         )
         self.guard_seconds = 0.0  # wall time inside the guard's checks (approximate across threads)
-        self.nonfinite_error = lambda cid, step, partial: AssertionError(
-            f"non-finite gradient, chunk {cid}"
+        self.nonfinite_error = lambda cid, step, partial, what="": AssertionError(
+            f"non-finite {what or 'gradient'}, chunk {cid}"
         )
+        # Chunks stepped on the device this step, whose states ``guard_device_states`` checks.
+        self.device_stepped: list[int] = []
         # One worker: CPU steps run in submission order, overlapping the main thread.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
 
@@ -317,12 +331,51 @@ class ChunkOptimizer:
         stepped already in this step."""
         if not self.guarded or self.poisoned is None and self._finite(grads):
             return
-        self.poisoned = self.poisoned or (
-            cid,
-            step,
-            partial,
-        )  # the first failure stays the one named
+        self._poison(cid, step, partial, "")
+
+    def _poison(self, cid: int, step: int, partial: bool, what: str) -> None:
+        """Record the first failure (it stays the one named) and raise its error."""
+        self.poisoned = self.poisoned or (cid, step, partial, what)
         raise self.nonfinite_error(*self.poisoned)
+
+    def states(self, cid: int, a: int = 0, b: int | None = None) -> dict[str, torch.Tensor]:
+        """The chunk's master and moments (elements ``a:b``), by the names the error uses."""
+        return {
+            "master": self.master[cid][a:b],
+            "exp_avg": self.exp_avg[cid][a:b],
+            "exp_avg_sq": self.exp_avg_sq[cid][a:b],
+        }
+
+    def nonfinite_state(self, states: dict[str, torch.Tensor]) -> str:
+        """The name of the first of ``states`` that is not all finite, "" when all are: one
+        fused reduction (``all_finite``: a sum each, one read back), the elements only then."""
+        t0 = time.perf_counter()
+        try:
+            if all_finite(list(states.values())):
+                return ""
+            return next(k for k, t in states.items() if not bool(torch.isfinite(t).all()))
+        finally:
+            self.guard_seconds += time.perf_counter() - t0
+
+    def guard_state(self, cid: int, step: int, what: str | None = None) -> None:
+        """Raise when chunk ``cid``'s master or a moment is not finite after its step (``what``:
+        already known, from its pieces). See [Note: finite-state guard]."""
+        if not self.guarded:
+            return
+        what = self.nonfinite_state(self.states(cid)) if what is None else what
+        if what:
+            self._poison(cid, step, True, what)
+
+    def guard_device_states(self) -> None:
+        """After the device steps of a step: the states of every chunk stepped on the device
+        (persistent, device-homed), checked together (one read back), then one by one to name
+        the first that is not finite."""
+        cids, self.device_stepped = self.device_stepped, []
+        if not self.guarded or not cids:
+            return
+        if self.nonfinite_state({f"{i}.{k}": t for i in cids for k, t in self.states(i).items()}):
+            for cid in cids:
+                self.guard_state(cid, self.step_no)
 
     def guard_persistent(self) -> None:
         """Before the persistent chunks step (``during_backward``): their gradients, checked
@@ -533,7 +586,7 @@ class ChunkOptimizer:
         coef: float | None,
         inv_scale: float,
         ready: bool = False,
-    ) -> None:
+    ) -> str:
         """``_adamw`` on 16-bit gradients that landed in the home or a slot (``grads``; None:
         zeros): they reach the fp32 ``scratch`` one piece at a time, then as ``_grad`` (divided
         by the world size, unscaled, clipped; per element). ``ready``: ``grads`` is ``_grad``'s
@@ -541,7 +594,9 @@ class ChunkOptimizer:
         ``VEC_ALIGN``) elements into its parameter, so the kernel takes its vector path on the
         same elements as in one call per parameter ([Note: optimizer placement]): the same
         arithmetic, bit for bit, with no shard-sized fp32 copy. An NVMe chunk's pieces of
-        master and moments leave host memory after each piece (nvme.py [Note: NVMe tier])."""
+        master and moments leave host memory after each piece (nvme.py [Note: NVMe tier]),
+        checked first when guarded ([Note: finite-state guard]): returns the name of a state
+        found non-finite there ("" when none, or not an NVMe chunk)."""
         m, ea, es, steps = (
             self.master[cid],
             self.exp_avg[cid],
@@ -553,6 +608,7 @@ class ChunkOptimizer:
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
         if spans:  # (none under ZeRO-3 on a rank whose shard of the chunk is padding only)
             torch._foreach_add_([steps[i] for i, _ in spans], 1)
+        bad = ""
         for i, (lo, hi) in spans:
             for a in range(lo, hi, STEP_PIECE):
                 b = min(a + STEP_PIECE, hi)
@@ -568,9 +624,12 @@ class ChunkOptimizer:
                     [m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper
                 )
                 if disk is not None:
+                    if self.guarded and not bad:
+                        bad = self.nonfinite_state(self.states(cid, a, b))
                     disk.drop(m[a:b], ea[a:b], es[a:b])
         for i in which:
             self.counts[cid][i] += 1
+        return bad
 
     def step_device(
         self, cid: int, coef: torch.Tensor | None = None, inv_scale: float = 1.0
@@ -587,6 +646,8 @@ class ChunkOptimizer:
             own = c.dev[c.own]
             if self.master[cid].data_ptr() != own.data_ptr():  # fp32: the master is the chunk
                 own.copy_(self.master[cid])
+        if self.guarded:
+            self.device_stepped.append(cid)  # its states checked after the device steps
         if c.sharded:
             self.store.comm.all_gather(c.dev, f"chunk {cid}")
 
@@ -607,6 +668,8 @@ class ChunkOptimizer:
         with record_function("protrain::dev_adam"):
             if which:
                 self._adamw_pieces(cid, which, grads, None, 1.0)
+                if self.guarded:
+                    self.device_stepped.append(cid)  # its states checked after the device steps
         self.store.copies.events.emit("device_step", "end", chunk=cid)
         if c.grad_live:
             self.store.close_grad(cid)
@@ -622,11 +685,12 @@ class ChunkOptimizer:
         which = self.stepping(cid)  # now, on this thread: complete once the chunk is offloaded
         grads = self.landed.pop(cid, None)
         step = None if checked else self.step_no  # None: the global norm proved them finite
+        step_no = self.step_no
 
         def run() -> None:
             if previous is not None:
                 previous.result()  # re-raise the landing's error, if any
-            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads, step)
+            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads, step, step_no)
 
         c.pending = self.worker.submit(run)
         if c.home is None and grads is not None:  # the slot is free once this step has read it
@@ -641,11 +705,12 @@ class ChunkOptimizer:
         reads_home=None,
         grads: torch.Tensor | None = None,
         step: int | None = None,
+        step_no: int = 0,
     ) -> None:
         """On the worker: AdamW on the host master, then the new weights into home (if any).
         ``grads``: where 16-bit gradients landed (home or slot; None: none did). ``step``: the
         engine's step it belongs to, whose gradients are checked first ([Note: finite-state guard]);
-        None: known finite."""
+        None: known finite. ``step_no``: that step, whose updated states are checked after."""
         c = self.store.chunks[cid]
         disk = self.store.disk if c.on_disk else None
         if which and step is not None:
@@ -671,14 +736,17 @@ class ChunkOptimizer:
             if disk is not None:
                 disk.prefetch(self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid])
             if self.store.grad_in_home:
-                self._adamw_pieces(cid, which, grads, coef, inv_scale)
+                bad = self._adamw_pieces(cid, which, grads, coef, inv_scale)
             elif disk is not None:  # (the fp32 gradient is in host memory: read in place)
-                self._adamw_pieces(
+                bad = self._adamw_pieces(
                     cid, which, self._grad(cid, coef, inv_scale), None, 1.0, ready=True
                 )
             else:
                 self._adamw(cid, which, self._grad(cid, coef, inv_scale))
+                bad = None
         self.store.copies.events.emit("cpu_step", "end", chunk=cid)
+        # before the home is refreshed: a non-finite master never reaches the next forward
+        self.guard_state(cid, step_no, bad if disk is not None else None)
         if c.home is not None and self.master[cid] is not c.home:
             self._refresh_home(cid)
 

@@ -559,6 +559,7 @@ def decode(data: bytes, where: str = "<plan bytes>") -> Plan:
             "a plan is a JSON object whose first key is `schema_version`; regenerate it with "
             "`protrain plan`",
         ) from None
+    _refuse_duplicate_keys(data, where)
     version, newer = header.schema_version, header.schema_version > SCHEMA_VERSION
     if newer or version < MIN_SCHEMA_VERSION:
         raise PlanError(
@@ -582,3 +583,39 @@ def decode(data: bytes, where: str = "<plan bytes>") -> Plan:
     except (msgspec.DecodeError, RecursionError) as e:
         raise PlanError(f"{where}: malformed JSON: {e}", REGENERATE) from None
     return plan
+
+
+def _refuse_duplicate_keys(data: bytes, where: str) -> None:
+    """Refuse a JSON object that repeats a key, naming its JSON path (msgspec, like ``json``,
+    keeps the last value silently: ``"micro_batch": 4, "micro_batch": 100000`` would train the
+    second). A pre-scan with the standard library, after msgspec has parsed the document (so
+    it is well-formed and not nested past msgspec's limit). Issue 39 item 8."""
+
+    class Obj(dict):
+        dup: str | None = None
+
+    def pairs(items: list) -> Obj:
+        obj = Obj()
+        for k, v in items:
+            if k in obj and obj.dup is None:
+                obj.dup = k
+            obj[k] = v
+        return obj
+
+    try:
+        doc = json.loads(data, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return  # msgspec's decode reports what is wrong with it
+    stack: list[tuple[object, str]] = [(doc, "$")]
+    while stack:  # (depth-first, in document order: the first duplicate is named)
+        value, path = stack.pop()
+        if isinstance(value, Obj):
+            if value.dup is not None:
+                raise PlanError(
+                    f"{where}: key {value.dup!r} appears twice in one object - at "
+                    f"`{path}.{value.dup}`; which value was meant is unknown",
+                    f"remove one of them, or {REGENERATE}",
+                )
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))

@@ -7,6 +7,8 @@ and the plan tools alike, and it never returns a partly checked plan.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from .errors import PlanError
@@ -25,6 +27,7 @@ def load(source: str | Path | bytes) -> Plan:
     else:
         where = str(source)
         try:
+            _refuse_irregular(source, where)
             with open(source, "rb") as f:
                 data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
@@ -40,3 +43,21 @@ def load(source: str | Path | bytes) -> Plan:
     plan = decode(data, where)
     validate(plan, where)
     return plan
+
+
+def _refuse_irregular(path: str | Path, where: str) -> None:
+    """Refuse a plan path that is not a regular file, before it is opened (a FIFO would wait for
+    a writer forever, a device read without end). Issue 39 item 11."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a device, a socket or another special file"
+        )
+        raise PlanError(
+            f"{where}: is {kind}, not a regular file; a plan is a JSON file",
+            "give the path of a plan file (`protrain plan … -o FILE` writes one)",
+        )

@@ -309,8 +309,8 @@ def test_plan_with_clipping_runs_cpu_adam_after_backward(tiny_profile, tmp_path)
     [
         ("0", 2, "x>0"),
         ("-1", 2, "x>0"),
-        ("nan", 1, "positive number"),
-        ("inf", 1, "positive number"),
+        ("nan", 2, "not a finite number"),  # (a usage error, as every float flag's: floats.py)
+        ("inf", 2, "not a finite number"),
     ],
 )
 def test_plan_refuses_a_bad_max_grad_norm(tiny_profile, tmp_path, value, code, words):

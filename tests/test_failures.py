@@ -176,6 +176,48 @@ def test_finite_gradients_whose_norm_overflows_still_step():
     engine.close()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "cpu_adam", "param"),
+    [
+        ("float32", "during_backward", OFFLOADED),  # the CPU-Adam worker, one call per chunk
+        ("bfloat16", "during_backward", OFFLOADED),  # the worker, landed 16-bit gradients in pieces
+        ("float32", "after_backward", OFFLOADED),  # the worker, gradients proved finite by the norm
+        ("float32", "during_backward", PERSISTENT),  # the device step
+    ],
+)
+def test_finite_gradients_whose_squares_overflow_are_refused_at_their_step(
+    tmp_path, dtype, cpu_adam, param
+):
+    """Issue 39 item 7: a gradient of 1e38 is finite, its square is not: Adam's exp_avg_sq
+    becomes inf. The step that does it is refused like a non-finite gradient (naming the moment),
+    nothing non-finite is saved, and no later step runs."""
+    model = make_model("gpt2-4")
+    engine = wrap(
+        model,
+        make_plan("gpt2-4", compute_dtype=dtype, cpu_adam=cpu_adam, **PLAN),
+        AdamWConfig(lr=1e-3),
+        device="cpu",
+    )
+    cid = next(
+        c.id for c in engine.store.chunks for p, _, _ in c.params if engine.names[id(p)] == param
+    )
+    data = batches(load_tokens(), 4, 32, 0)
+    engine.step(next(data))
+    good = engine.save(tmp_path)
+    dict(model.named_parameters())[param].register_hook(lambda g: torch.full_like(g, 1e38))
+    with pytest.raises(NonFiniteGradientError, match=f"exp_avg_sq .*at step 2: chunk {cid} ") as e:
+        engine.step(next(data))
+        engine.optim.wait_all()  # (the worker's step: its error comes back here)
+    assert e.value.partial and f"the last finite checkpoint is {good}" in str(e.value)
+    with pytest.raises(NonFiniteGradientError, match="exp_avg_sq"):  # never saved …
+        engine.save(tmp_path)
+    with pytest.raises(NonFiniteGradientError, match="exp_avg_sq"):  # … nor stepped again
+        engine.step(next(data))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", good.name]
+    with contextlib.suppress(NonFiniteGradientError):
+        engine.close()
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_out_of_memory_names_phase_block_and_budget(where):
     model = make_model("gpt2-4")

@@ -215,7 +215,7 @@ def test_oversized_files_are_refused_before_reading(tmp_path, which):
     with open(path, "wb") as f:  # sparse: no 64 MiB written to disk
         f.write(b'{"schema_version": 1, "pad": "')
         f.truncate(max(P.MAX_PLAN_BYTES, MAX_PROFILE_BYTES) + 2)
-    loader, error = (P.load, PlanError) if which == "plan" else (load_profile, ProfileError)
+    loader, error = (plans.load, PlanError) if which == "plan" else (load_profile, ProfileError)
     with pytest.raises(error, match="larger than 64 MiB"):
         loader(path)
 

@@ -19,12 +19,12 @@ import atheris
 with atheris.instrument_imports(include=["protrain"]):
     from protrain.executor.checkpoint import decode_manifest
     from protrain.planner.profiling.profile import load_profile
-    from protrain.plans import plan as P
+    from protrain.plans import load as load_plan
     from protrain.plans.errors import CheckpointError, PlanError, ProfileError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {
-    "plan": (P.load, PlanError, [ROOT / "plans/gpt2-tiny/example.json"]),
+    "plan": (load_plan, PlanError, [ROOT / "plans/gpt2-tiny/example.json"]),
     "profile": (
         load_profile,
         ProfileError,

@@ -18,6 +18,7 @@ import click
 
 from protrain.plans.errors import ProtrainError
 
+from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
 from .lora_options import spec_from as lora_spec
 
@@ -109,6 +110,12 @@ def models() -> None:
         )
 
 
+def _size(n: int) -> str:
+    from ..hardware.units import human_bytes
+
+    return human_bytes(n)
+
+
 def _count(n: int) -> str:
     from ..hardware.units import human_count
 
@@ -136,7 +143,8 @@ def show(plan_path: str) -> None:
     help="Zoo model to check the plan against (default: the plan's model, if it is a zoo name).",
 )
 def validate(plan_path: str, model_name: str | None) -> None:
-    """Check a plan's structure and, with --model, its fingerprint against that model.
+    """Check a plan's structure and, with --model, its fingerprint against that model and what
+    `train` checks before training (the model's context, this machine's memory).
 
     Without --model only the plan file is read (no torch, no runtime: a plan can be checked
     on a machine without either). The model is built on the meta device, so checking a plan
@@ -161,6 +169,11 @@ def validate(plan_path: str, model_name: str | None) -> None:
 
     check(plan, build(model_name, device="meta"), where=plan_path, name=model_name)
     click.echo(f"{plan_path}: fingerprint matches {model_name}")
+    from .train import default_device, prechecks
+
+    # what `train` checks before it builds the model, on the device it would train on
+    need = prechecks(plan, model_name, device=default_device(), where=plan_path)
+    click.echo(f"{plan_path}: fits this machine (about {_size(need)} of host memory to train)")
 
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
@@ -183,7 +196,7 @@ class _LearningRate(click.ParamType):
 
 
 LEARNING_RATE = _LearningRate()
-BETA = click.FloatRange(min=0, max=1, max_open=True)
+BETA = FiniteFloatRange(min=0, max=1, max_open=True)
 """One of AdamW's betas: torch.optim.AdamW takes [0, 1)."""
 
 
@@ -357,7 +370,7 @@ def profile(
 )
 @click.option(
     "--max-grad-norm",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     metavar="X",
     help="Training will clip gradients to this global norm: the plan runs the CPU AdamW steps "
@@ -579,7 +592,7 @@ def explain(
 )
 @click.option(
     "--weight-decay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.01,
     show_default=True,
     metavar="X",
@@ -595,7 +608,7 @@ def explain(
 )
 @click.option(
     "--eps",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=1e-8,
     show_default=True,
     metavar="X",
@@ -611,7 +624,7 @@ def explain(
 @click.option(
     "--timeout",
     "timeout_s",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=300.0,
     show_default=True,
     help="Seconds any collective may wait before the run fails (multi-rank runs).",
@@ -664,7 +677,7 @@ def explain(
 )
 @click.option(
     "--max-grad-norm",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     metavar="X",
     help="Clip gradients to this global L2 norm; needs a plan made with "

@@ -13,6 +13,8 @@ def click_options(f):
     (passed to the command as keyword arguments; ``spec_from`` reads them)."""
     import click
 
+    from .floats import FiniteFloatRange
+
     for opt in reversed(
         [
             click.option(
@@ -35,7 +37,7 @@ def click_options(f):
             click.option(
                 "--lora-alpha",
                 "lora_alpha",
-                type=click.FloatRange(min=0, min_open=True),
+                type=FiniteFloatRange(min=0, min_open=True),
                 default=32.0,
                 show_default=True,
                 help="LoRA alpha (scale alpha/r; with --lora).",
@@ -43,7 +45,7 @@ def click_options(f):
             click.option(
                 "--lora-dropout",
                 "lora_dropout",
-                type=click.FloatRange(0, 1, max_open=True),
+                type=FiniteFloatRange(0, 1, max_open=True),
                 default=0.0,
                 show_default=True,
                 help="Dropout on the adapters' input (with --lora).",
@@ -81,8 +83,16 @@ def spec_from(
             )
         return None
     targets = (
-        tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+        tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+        if lora_targets is not None
+        else None
     )
+    if targets == ():
+        raise ConfigError(
+            f"--lora-targets {lora_targets!r} names no module",
+            "name the modules to adapt, e.g. --lora-targets q_proj,v_proj, or drop the option "
+            "for the family's attention projections",
+        )
     return LoraSpec(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, targets=targets)
 
 

@@ -9,10 +9,11 @@ before anything expensive.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
-from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError
+from protrain.plans.errors import BudgetError, ConfigError, HostMemoryError, ProtrainError
 
 from ..hardware.units import human_bytes
 
@@ -114,17 +115,69 @@ def budget_within_card(budget_bytes: int, spec, *, where: str) -> None:
         )
 
 
-def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan") -> int:
+def plan_activations(plan, model_name: str):
+    """The activation bytes per segment of ``plan``'s own training shape (micro_batch, seq_len,
+    dtype), counted for ``model_name`` on the meta device (``analytic.count_segments``: nothing
+    allocated), as ``memory_walk.SegmentBytes``; None when the model's blocks are not the
+    plan's (the fingerprint check refuses that plan after the build).
+
+    Counted here rather than read from the plan's prediction: that figure is for the shape
+    the plan was made for, and a hand-edited ``micro_batch`` (or a duplicate key) keeps it
+    (issue 39 item 8: a plan at micro_batch 100,000 predicted nothing more and grew to OOM).
+    No transient peaks: as on a CPU device, whose ledger counts none. Counted for one sequence
+    and scaled by the micro-batch (activations are linear in it; the few bytes that are not,
+    position ids, are over-counted)."""
+    from ..search import memory_walk
+
+    t = plan.training
+    one = _one_sequence(model_name, tuple(plan.model.blocks), t.seq_len, t.compute_dtype)
+    if one is None:
+        return None
+    saved, swapped, inputs = ([x * t.micro_batch for x in row] for row in one)
+    zeros = [0] * len(saved)
+    return memory_walk.SegmentBytes(saved, swapped, inputs, fwd_peak=zeros, bwd_peak=zeros)
+
+
+@functools.lru_cache(maxsize=16)
+def _one_sequence(model_name: str, blocks: tuple[str, ...], seq_len: int, dtype: str):
+    """``plan_activations``' count at micro-batch 1: (saved, swapped, inputs) per segment."""
+    from ..hardware.spec import find_spec
+    from ..models.zoo import build
+    from ..profiling.analytic import count_segments
+
+    try:
+        counts = count_segments(
+            build(model_name, device="meta"),
+            blocks=list(blocks),
+            micro_batch=1,
+            seq_len=seq_len,
+            compute_dtype=dtype,
+            spec=find_spec("cpu"),
+        )
+    except (ProtrainError, KeyError, AttributeError, ValueError, RuntimeError, IndexError):
+        return (
+            None  # (blocks the model does not have: another model's plan, refused after the build)
+        )
+    return tuple(
+        tuple(getattr(c, k) for c in counts)
+        for k in ("saved_bytes", "saved_tensor_bytes", "input_bytes")
+    )
+
+
+def plan_fits_host(
+    plan, model_name: str, *, device: str, where: str = "the plan", ranks: int | None = None
+) -> int:
     """Refuse to train ``plan`` when this machine cannot hold what it needs on the host (before the
     build); return that need in bytes.
 
     The need, per process: the model's fp32 parameters (built on the CPU first), the
     plan's own host figures from ``memory_walk.walk`` (offloaded chunks' states, swapped
     activations at the turn) and, when the device is the CPU, the device side too (the
-    walk's peak: persistent chunks, buffers, gradients) and one micro-batch's token ids
-    and fp32 logits. torchrun's ``LOCAL_WORLD_SIZE`` ranks share the machine. Also
-    refuses a sequence longer than the model's positions, which would fail only at the
-    first forward.
+    walk's peak: persistent chunks, buffers, gradients, activations) and one micro-batch's
+    token ids and fp32 logits: a CPU's device and host are one RAM. The activations are
+    those of the plan's own shape (``plan_activations``). torchrun's ``LOCAL_WORLD_SIZE``
+    ranks (``ranks``: that many) share the machine. Also refuses a sequence longer than the
+    model's positions, which would fail only at the first forward.
     """
     from ..models.zoo import describe
     from ..search import memory_walk
@@ -137,7 +190,7 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
             "positions - at `$.training.seq_len`",
             f"make a plan with `protrain plan --seq {info.max_seq_len}` or less",
         )
-    w = memory_walk.walk(plan)
+    w = memory_walk.walk(plan, plan_activations(plan, model_name))
     parts = {
         "fp32 parameters": info.n_params * 4,
         "offloaded states": w.host_bytes,
@@ -147,14 +200,15 @@ def plan_fits_host(plan, model_name: str, *, device: str, where: str = "the plan
         tokens = t.micro_batch * t.seq_len
         parts["device side on the CPU"] = int(w.peak_bytes)
         parts["one micro-batch's ids and logits"] = tokens * (2 * 8 + info.vocab_size * 4)
-    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    ranks = ranks or max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     need, available = sum(parts.values()) * ranks, available_host_memory()
     if available and need > available:
         detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
         per = f" × {ranks} ranks on this machine" if ranks > 1 else ""
+        one = "; on a CPU the device and the host are one RAM" if device == "cpu" else ""
         raise HostMemoryError(
             f"{where}: training {model_name} needs about {human_bytes(need)} of host memory "
-            f"({detail}{per}), and {human_bytes(available)} is available here",
+            f"({detail}{per}{one}), and {human_bytes(available)} is available here",
             "make a plan that fits this machine: `protrain plan --model NAME --host-memory SIZE …` "
             "(or a smaller --batch), or use a machine with more RAM",
             need=need,

@@ -312,6 +312,8 @@ def run_plan(
         nvme=nvme,
     )
     seconds = time.perf_counter() - t0
+    if profile.hardware.kind == "cpu":
+        fits_this_cpu(plan, model_name or profile.model.name, output, world_size)
     write_output(output, P.dump(plan))
     echo(
         f"plan     {result.solver}: searched {result.evaluated} of {result.space_size} "
@@ -325,6 +327,33 @@ def run_plan(
 
         echo(closing_note(plan, lora, parse_budget(host_memory) if host_memory else None))
     return plan
+
+
+def fits_this_cpu(plan: P.Plan, model_name: str, output: str, world_size: int) -> None:
+    """Refuse to write a plan for a CPU that this machine could not train: on a CPU the device
+    and the host are one RAM, so the plan's device peak, its host states and swapped
+    activations, the model's build and a micro-batch's logits must fit it together, what
+    ``train`` checks before it allocates (``preflight.plan_fits_host``; issue 39 item 8). A
+    profile of a model protrain cannot build by name (another model's file) is not checked."""
+    from protrain.plans.errors import HostMemoryError
+
+    from ..models.zoo import ZOO, is_hf_name
+    from .preflight import plan_fits_host
+
+    if not (model_name in ZOO or is_hf_name(model_name)):
+        return
+    try:
+        plan_fits_host(plan, model_name, device="cpu", where="the plan", ranks=world_size)
+    except HostMemoryError as e:
+        t = plan.training
+        smaller = max(t.micro_batch * e.available // max(e.need, 1), 1)
+        raise HostMemoryError(
+            f"{output} not written: {e.message}",
+            f"plan a smaller micro-batch for this machine: `protrain plan … --batch {smaller}` "
+            "(or train on a machine with more RAM)",
+            need=e.need,
+            available=e.available,
+        ) from None
 
 
 def write_output(path: str | Path, data: bytes) -> None:

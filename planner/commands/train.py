@@ -280,7 +280,7 @@ def _train(
 ) -> Losses:
     check_name(model_name)
     adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device or default_device()
     prechecks(plan, model_name, device=dev, where=plan_path)
     from .preflight import other_machine
 
@@ -400,11 +400,17 @@ def output_vocab(model) -> int:
     return int(text.vocab_size)
 
 
+def default_device() -> str:
+    """The device ``train`` runs on without ``--device`` (or torchrun's local rank)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def prechecks(plan, model_name: str, *, device: str | torch.device, where: str = "the plan") -> int:
     """What ``train`` checks of a plan before building the model: its bounds (``validate``,
     plans/bounds.py: a plan made in memory has not been loaded) and whether this machine
     holds what it needs on the host (``preflight.plan_fits_host``). Allocates nothing;
-    returns the host bytes it counted."""
+    returns the host bytes it counted. ``protrain validate --model`` runs it too, so what
+    validate passes, train does not refuse before its build."""
     from protrain.plans.validation import validate
 
     from .preflight import plan_fits_host

@@ -75,6 +75,7 @@ class TokenSource:
         torch.Tensor
     )  # (N,) CPU; int64, or a file's uint8/uint16/uint32 mapped (read with ``gather``)
     vocab_size: int  # every id in `tokens` is < vocab_size
+    max_id: int | None = None  # the largest id, where it was read (a token file's, when opened)
 
 
 def load_tokens(
@@ -250,9 +251,15 @@ def _jsonl_documents(path: Path, name: str, field: str) -> Iterator[str]:
                     continue
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:  # (a number past int's digit limit:
+                    # ValueError; arrays nested past the interpreter's stack: RecursionError)
+                    why = (
+                        "nested too deeply"
+                        if isinstance(e, RecursionError)
+                        else getattr(e, "msg", str(e))
+                    )
                     raise ConfigError(
-                        f"{name}, line {i}: not JSON ({e.msg})",
+                        f"{name}, line {i}: not JSON ({why})",
                         hint="a .jsonl file holds one JSON object per line; rename a plain "
                         "text file to .txt",
                     ) from None
@@ -263,6 +270,16 @@ def _jsonl_documents(path: Path, name: str, field: str) -> Iterator[str]:
                         f"{name}, line {i}: no string field {field!r} (found: {keys})",
                         hint="name the field that holds the text with --text-field",
                     )
+                if not text.isascii():  # a lone surrogate ("\\ud800") is no text to encode
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ConfigError(
+                            f"{name}, line {i}: field {field!r} holds a lone surrogate "
+                            f"{text[e.start]!r} at character {e.start}, which is not Unicode text",
+                            hint="fix that line (a surrogate pair, or the character itself, "
+                            "escaped in JSON)",
+                        ) from None
                 any_doc = True
                 yield text
     if not any_doc:
@@ -291,14 +308,38 @@ _PROBE_STEP = (
 )  # read 4 KiB at a time: a NUL byte (any binary file, /dev/zero) stops it there
 
 
+def regular_file(path: str | os.PathLike, what: str, hint: str) -> None:
+    """Refuse ``path`` unless it is a regular file, before it is opened: opening a FIFO waits
+    for a writer (forever), a device reads without end, a directory cannot be read. Raises
+    ``FileNotFoundError`` (and other ``OSError``) of the ``stat`` as they are."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "not a regular file"
+        )
+        raise ConfigError(f"{what} {str(path)!r} is {kind}, not a regular file", hint=hint)
+
+
 def _probe(path: Path) -> str:
     """``"tokens"`` for a token file, ``"text"`` for a text file; refuse anything else.
 
     Reads at most ``PROBE_BYTES`` (a few KiB of a binary file: a NUL byte ends the
-    reading), never the whole file: ``/dev/zero`` or a disk image is refused at once.
+    reading), never the whole file: a disk image is refused at once, and anything but a
+    regular file (``/dev/zero``, a FIFO, a directory) before it is opened.
     """
     head = b""
     try:
+        regular_file(path, "data file", "save the text to a file and pass that with --data")
         with open(path, "rb") as f:
             while len(head) < PROBE_BYTES:
                 piece = f.read(_PROBE_STEP)
@@ -309,7 +350,6 @@ def _probe(path: Path) -> str:
                     return "tokens"
                 if b"\0" in piece:
                     break
-            regular = os.path.isfile(path)
     except FileNotFoundError:
         raise ConfigError(
             f"data file {str(path)!r} does not exist",
@@ -331,11 +371,6 @@ def _probe(path: Path) -> str:
             f"data file {str(path)!r} is not text: {why}",
             hint="pass a UTF-8 text or .jsonl file with --data, or a token file written by "
             "`protrain tokenize` (protrain does not read other pre-tokenised or compressed files)",
-        )
-    if not regular:
-        raise ConfigError(
-            f"data file {str(path)!r} is not a regular file (a pipe or a device)",
-            hint="save the text to a file and pass that with --data",
         )
     return "text"
 
@@ -410,9 +445,30 @@ def _map_token_file(path: Path) -> TokenSource:
             f"{_HEADER.size + count * width} bytes in all, but the file has {size}",
             fix,
         )
-    return TokenSource(
-        name=str(path), tokens=_map(path, _WIDTHS[width], _HEADER.size, count), vocab_size=vocab
-    )
+    tokens = _map(path, _WIDTHS[width], _HEADER.size, count)
+    top = _largest_id(path, _WIDTHS[width], count)
+    if top >= vocab:
+        raise ConfigError(
+            f"token file {str(path)!r} holds token id {top}, outside its vocabulary of {vocab} "
+            f"(ids 0 to {vocab - 1}, its header says): a batch that drew it would fail in the "
+            "embedding",
+            fix,
+        )
+    return TokenSource(name=str(path), tokens=tokens, vocab_size=vocab, max_id=top)
+
+
+_ID_BLOCK = 1 << 22
+"""Token ids read at a time when a token file's largest id is found (8-16 MiB)."""
+
+
+def _largest_id(path: Path, dtype, count: int) -> int:
+    """The largest id of a token file, read a block at a time (the file is never read whole
+    into memory: its pages are the kernel's to drop again). Issue 39 item 10."""
+    ids = np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,))
+    try:
+        return max(int(ids[a : a + _ID_BLOCK].max()) for a in range(0, count, _ID_BLOCK))
+    finally:
+        del ids
 
 
 def _hf_tokenizer(directory: str):
@@ -499,6 +555,13 @@ def _transformers_tokenizer(directory: str):
 
 def vocab_check(source: TokenSource, vocab_size: int) -> None:
     """Refuse a corpus whose token ids could fall outside the model's embedding table."""
+    if source.max_id is not None and source.max_id >= vocab_size:
+        raise ConfigError(
+            f"corpus {source.name!r} holds token id {source.max_id}, outside the model's "
+            f"vocab_size={vocab_size} (ids 0 to {vocab_size - 1})",
+            hint="tokenize the text with the model's own tokenizer: "
+            "`protrain tokenize --data TEXT --tokenizer DIR -o FILE`",
+        )
     if source.vocab_size > vocab_size:
         raise ConfigError(
             f"corpus {source.name!r} has a vocabulary of {source.vocab_size} tokens, "

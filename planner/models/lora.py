@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.plans.errors import ConfigError
+from protrain.plans.errors import ConfigError, did_you_mean
 
 from .lora_spec import LoraSpec
 
@@ -72,6 +72,8 @@ def attention_projections(model: nn.Module) -> tuple[str, ...]:
 def config(spec: LoraSpec, model: nn.Module):
     """peft's ``LoraConfig`` for ``spec`` on ``model``."""
     peft = _peft()
+    if spec.targets is not None:
+        check_targets(spec.targets, model)
     targets = list(spec.targets or attention_projections(model))
     return peft.LoraConfig(
         r=spec.r,
@@ -80,6 +82,37 @@ def config(spec: LoraSpec, model: nn.Module):
         target_modules=targets,
         bias="none",
     )
+
+
+def check_targets(targets: tuple[str, ...], model: nn.Module) -> None:
+    """Refuse ``--lora-targets`` names that match no module of ``model`` (as peft matches a
+    target: a module's whole path, or its end after a dot), with the closest linear layer's
+    name; and an empty list. peft itself ignores a name that matches nothing as long as another
+    one matches, so a misspelt target trained no adapter there (issue 39 item 11)."""
+    if not targets:
+        raise ConfigError(
+            "--lora-targets names no module (an empty list)",
+            "name the modules to adapt, e.g. --lora-targets "
+            + ",".join(attention_projections(model)),
+        )
+    paths = [p for p, _ in model.named_modules() if p]
+    linear = sorted(
+        {
+            name
+            for path, m in model.named_modules()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+            for name in (path.rpartition(".")[2], ".".join(path.split(".")[-2:]))
+        }
+    )
+    for t in targets:
+        if not any(p == t or p.endswith("." + t) for p in paths):
+            raise ConfigError(
+                f"--lora-targets {t!r}: no module of {type(model).__name__} is named so"
+                f"{did_you_mean(t, linear)}; its linear layers are named "
+                + ", ".join(sorted({n.rpartition(".")[2] for n in linear})),
+                "choose --lora-targets among those names, e.g. --lora-targets "
+                + ",".join(attention_projections(model)),
+            )
 
 
 def inject(model: nn.Module, spec: LoraSpec, seed: int = 0) -> nn.Module:
