@@ -11,6 +11,7 @@ model back as a directory transformers loads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -205,17 +206,35 @@ def export(
     which safetensors reports as its own ``SafetensorError``) removes the temporary
     directory and is a ``ConfigError``.
     """
+    out = Path(out_dir)
+    with atomic_directory(out, "the export") as tmp:
+        _write_export(model, state, tmp, config_path, tokenizer_dir)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, what: str, fix: str = "export again"):
+    """Yield a temporary directory beside ``out`` (``.tmp-NAME``, same parent, so the same disk)
+    for the caller to fill; then fsync its files and itself and rename it to ``out``: the
+    directory appears whole or not at all (every export: full, merged, adapter). Any failure to
+    write, whichever file it was copying from (a full disk, a file-size limit; safetensors reports
+    those as its own ``SafetensorError``), removes the temporary directory and is a
+    ``ConfigError`` naming ``out``, with a hint that tells a full disk from ``ulimit -f``."""
     import os
     import shutil
 
     from safetensors import SafetensorError
 
-    out = Path(out_dir)
+    from protrain.executor.checkpoint import write_hint
+
+    out = Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # (a killed export's: this export's own name)
         tmp.mkdir(parents=True)
-        _write_export(model, state, tmp, config_path, tokenizer_dir)
+        yield tmp
+        for f in [*tmp.iterdir(), tmp]:
+            fsync_path(f)
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
         os.replace(tmp, out)
@@ -223,11 +242,13 @@ def export(
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(
-            f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
+            f"cannot write {what} {out}: {getattr(e, 'strerror', None) or e}; nothing was "
             "left there",
-            "check the directory is writable and the disk has space",
+            write_hint(e, out.parent, fix),
         ) from None
-    return out
+    except BaseException:  # (a bug or Ctrl-C: still nothing half-written left behind)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_export(
@@ -256,15 +277,22 @@ def _write_export(
         n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n
     }
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    copy_tokenizer(tokenizer_dir, tmp)
+
+
+def copy_tokenizer(tokenizer_dir: str | Path | None, into: Path) -> None:
+    """Copy the tokenizer's files (``TOKENIZER_FILES``, those present) into directory ``into``."""
+    import shutil
+
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
-    for f in [*tmp.iterdir(), tmp]:
-        fsync_path(f)
+                shutil.copyfile(Path(tokenizer_dir) / name, into / name)
 
 
-def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+def load_model_state(
+    root: str | Path, shapes: dict[str, list[int]], what: str = "--hf-config"
+) -> dict[str, torch.Tensor]:
     """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
     ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
     excluded) have ``shapes``; no engine needed (``protrain export``)."""
@@ -278,7 +306,7 @@ def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str
         ]
         raise CheckpointError(
             f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
-            "export with the --hf-config the checkpoint was trained from",
+            f"export with the {what} the checkpoint was trained with",
         )
     check_header(
         directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()}
@@ -286,5 +314,6 @@ def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str
     model = load_file(directory / "model.safetensors")
     refuse_to_load_nonfinite(directory, model, {})
     for name, alias in m.tied:
-        model[alias] = model[name]
+        if name in model:  # (an adapter checkpoint holds no tied base weights)
+            model[alias] = model[name]
     return model

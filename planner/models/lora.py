@@ -189,11 +189,13 @@ def export_adapter(
 ) -> Path:
     """Write the trained adapter in peft's own format (``adapter_config.json``,
     ``adapter_model.safetensors``) and the tokenizer's files to ``out_dir``:
-    ``PeftModel.from_pretrained(base, out_dir)`` loads it."""
+    ``PeftModel.from_pretrained(base, out_dir)`` loads it. Written into a temporary directory
+    beside it and renamed (``hf_checkpoint.atomic_directory``): whole or not at all."""
     from safetensors.torch import save_file
 
+    from .hf_checkpoint import atomic_directory, copy_tokenizer
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = config(
         spec if spec.targets else LoraSpec(spec.r, spec.alpha, spec.dropout, injected(model)), model
     )
@@ -203,20 +205,11 @@ def export_adapter(
         getattr(model, "hf", None), nn.Module
     ):  # a transformers causal LM (planner/models/hf.py)
         cfg.task_type = "CAUSAL_LM"
-    cfg.save_pretrained(str(out))
-    save_file(
-        peft_state_dict(model, state),
-        str(out / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    if tokenizer_dir is not None:
-        import shutil
-
-        from .hf_checkpoint import TOKENIZER_FILES
-
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    tensors = peft_state_dict(model, state)
+    with atomic_directory(out, "the adapter export") as tmp:
+        cfg.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        copy_tokenizer(tokenizer_dir, tmp)
     return out
 
 
