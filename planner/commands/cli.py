@@ -868,10 +868,14 @@ def tokenize(data_path, text_field, tokenizer, output):
     type=click.Path(file_okay=False),
     help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.",
 )
-def export(checkpoint, hf_config, blocks, tokenizer, output):
+@lora_options
+def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
     """Export a training checkpoint as a Hugging Face model directory (from_pretrained loads it).
 
-    The directory appears whole or not at all; a failed export leaves the checkpoint as it was.
+    A `train --lora` checkpoint (adapters only) exports with --lora and the settings it was
+    trained with, as `train --lora --export` does: the adapter in peft's format, for
+    PeftModel.from_pretrained. The directory appears whole or not at all; a failed export
+    leaves the checkpoint as it was.
     """
     from ..models.hf import export_checkpoint
     from .preflight import output_dir
@@ -883,10 +887,19 @@ def export(checkpoint, hf_config, blocks, tokenizer, output):
         )
     output_dir(output, "--output", create=False, must_be_empty=True)
     model_name = model_option(None, hf_config, blocks, required=True)
+    spec = lora_spec(**lora)
     out = export_checkpoint(
-        checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer)
+        checkpoint,
+        model_name,
+        output,
+        tokenizer_dir=_tokenizer_dir(model_name, tokenizer),
+        lora=spec,
     )
-    click.echo(f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    click.echo(
+        f"exported {out} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)"
+        if spec is not None
+        else f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)"
+    )
 
 
 @main.command()
