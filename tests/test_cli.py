@@ -117,6 +117,7 @@ FROZEN_OPTIONS = {
         "--metrics",
         "--model",
         "--nvme",
+        "--overwrite",
         "--plan",
         "--resume",
         "--save-dir",

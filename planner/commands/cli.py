@@ -642,6 +642,12 @@ def explain(
     "and on Ctrl-C, and every --save-every K steps.",
 )
 @click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start a new run in a --save-dir that holds another run's checkpoints (without it such a "
+    "directory is refused unless resuming): they are deleted once this run has saved its first.",
+)
+@click.option(
     "--keep",
     type=click.IntRange(1),
     default=2,
@@ -688,7 +694,8 @@ def explain(
     default=None,
     metavar="FILE",
     help="Append one JSON object per step (step, loss, tokens/s, peak bytes; held-out loss "
-    "when evaluated) to FILE (rank 0).",
+    'when evaluated) to FILE (rank 0); a resumed run first appends {"event": "resume", "step": N, '
+    '"checkpoint": DIR}, as the steps after it may repeat steps already logged.',
 )
 @click.option(
     "--export",
@@ -738,6 +745,7 @@ def train(
     trace_path,
     save_every,
     save_dir,
+    overwrite,
     keep,
     resume,
     eval_every,
@@ -772,6 +780,7 @@ def train(
         echo=click.echo,
         save_every=save_every,
         save_dir=save_dir,
+        overwrite=overwrite,
         resume=resume,
         eval_every=eval_every,
         max_grad_norm=max_grad_norm,
