@@ -55,7 +55,6 @@ root must be on a filesystem every rank sees (each rank writes its RNG file ther
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import itertools
@@ -308,7 +307,7 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
         raise CheckpointError(
             f"checkpoint {final} is complete, but {root / 'latest'} could not be pointed at it: "
             f"{e.strerror or e}; `latest` still names the previous checkpoint",
-            write_hint(e, root, f"resume from the new one: `protrain train … --resume {final}`"),
+            f"free space in {root}, then resume from the new one: `protrain train … --resume {final}`",
         ) from None
 
 
@@ -348,39 +347,6 @@ def _write_rank0(
     _after_phase("manifest")
 
 
-class SaveWriteError(CheckpointError):
-    """A checkpoint's files could not be written (a full disk, a file-size limit, a permission):
-    the state is whole in memory and can be saved elsewhere (``protrain train`` then does:
-    planner/commands/train.py ``rescue``). ``errno``: the write's (ENOSPC, EFBIG, …) or None."""
-
-    def __init__(self, message: str, hint: str | None = None, *, errno: int | None = None):
-        super().__init__(message, hint)
-        self.errno = errno
-
-
-def write_errno(error: BaseException) -> int | None:
-    """The errno of a failed write: an ``OSError``'s own, or the ``code: N`` safetensors puts in
-    its ``SafetensorError`` text (it reports a full disk as ``Os { code: 28, … }``)."""
-    if isinstance(error, OSError):
-        return error.errno
-    found = re.search(r"\bcode: (\d+)", str(error))
-    return int(found.group(1)) if found else None
-
-
-def write_hint(error: BaseException | int | None, where: str | Path, fix: str) -> str:
-    """The HINT of a failed write into ``where``: a file-size limit (EFBIG: ``ulimit -f``; Python
-    ignores SIGXFSZ, so the write fails instead of killing the process) is not a full disk (ENOSPC),
-    and neither is a permission; ``fix`` is the command to run once it is mended."""
-    code = error if isinstance(error, int) or error is None else write_errno(error)
-    if code == errno.EFBIG:
-        return f"a file-size limit (ulimit -f) stopped the write: raise it (`ulimit -f unlimited`), then {fix}"
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return f"free space on the disk of {where}, then {fix}"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"make {where} writable, then {fix}"
-    return f"check that {where} is writable and its disk has space, then {fix}"
-
-
 def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> CheckpointError:
     """Remove the half-written ``tmp`` and describe the failure (space needed vs free)."""
     shutil.rmtree(tmp, ignore_errors=True)
@@ -388,15 +354,11 @@ def _save_failed(root: Path, tmp: Path, error: Exception, need: int) -> Checkpoi
         free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:,.1f} MiB free there"
     except OSError:
         free = "free space unknown"
-    code = write_errno(error)
-    return SaveWriteError(
+    return CheckpointError(
         f"checkpoint to {root} failed: {getattr(error, 'strerror', None) or error} (a checkpoint needs about "
         f"{need / 2**20:,.1f} MiB; {free}); the partial {tmp.name} was removed, and `latest` still names "
         "the previous checkpoint",
-        write_hint(code, root, "train again (fewer kept checkpoints, --keep 1, need less)")
-        if code in (errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
-        else "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less",
-        errno=code,
+        "free space or give --save-dir another directory; fewer kept checkpoints (--keep 1) need less",
     )
 
 

@@ -897,13 +897,13 @@ def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
     output_dir(output, "--output", create=False, must_be_empty=True)
     model_name = model_option(None, hf_config, blocks, required=True)
     spec = lora_spec(**lora)
-    out = export_checkpoint(
-        checkpoint,
-        model_name,
-        output,
-        tokenizer_dir=_tokenizer_dir(model_name, tokenizer),
-        lora=spec,
-    )
+    tok = _tokenizer_dir(model_name, tokenizer)
+    if spec is not None:
+        from ..models.lora import export_checkpoint as export_adapter
+
+        out = export_adapter(checkpoint, model_name, spec, output, tokenizer_dir=tok)
+    else:
+        out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=tok)
     click.echo(
         f"exported {out} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)"
         if spec is not None

@@ -467,10 +467,10 @@ def export_keeper(export_dir: str) -> Path:
 def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
     """Export the trained model; the state stays in a checkpoint until the export succeeded
     (the run's last one, or one written for it), and a failed export names it."""
-    from protrain.executor.checkpoint import SaveWriteError, write_hint
-    from protrain.executor.errors import ProtrainError
+    from protrain.executor.errors import CheckpointError, ProtrainError
 
     from ..models.hf import export, parse_hf_name
+    from ..models.hf_checkpoint import write_hint
 
     config = parse_hf_name(model_name)[0]
     keeper = None
@@ -478,10 +478,14 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
         keeper = export_keeper(export_dir)
         try:
             engine.save(keeper, keep=1)
-        except SaveWriteError as e:  # a full disk beside the export: the state goes elsewhere
+        except CheckpointError as e:  # a full disk beside the export: the state goes elsewhere
             failed, keeper = keeper, rescue(engine, {}, e, echo)
             if keeper is None:
-                raise
+                if failed_write(e) is None:
+                    raise
+                raise CheckpointError(
+                    e.message, write_hint(failed_write(e), failed.parent, "train again")
+                ) from failed_write(e)
             if rank == 0 and not any(p.name.startswith("step-") for p in failed.iterdir()):
                 import shutil
 
@@ -524,17 +528,27 @@ def rescue_dirs() -> list[Path]:
     return out
 
 
+def failed_write(error: BaseException) -> BaseException | None:
+    """The write error behind a ``CheckpointError`` (``checkpoint._save_failed`` raises it from
+    the ``OSError`` or ``SafetensorError`` of a full disk, a file-size limit, a permission), or
+    None when the save was refused for another reason (a non-finite state)."""
+    from safetensors import SafetensorError
+
+    cause = error.__context__
+    return cause if isinstance(cause, OSError | SafetensorError) else None
+
+
 def rescue(engine, data: dict, failed, echo) -> Path | None:
-    """Save the trained state somewhere with room after ``failed`` (a ``SaveWriteError``: its
-    directory's disk is full, or unwritable): the first of ``rescue_dirs`` on another disk
-    with room for it; return the checkpoint root written, or None (none had room, or several
-    ranks: a rescue directory would have to be one all ranks see). Says where on ``echo``."""
+    """Save the trained state somewhere with room after ``failed`` (a ``CheckpointError`` from a
+    write that failed: ``failed_write``): the first of ``rescue_dirs`` with room for it; return
+    the checkpoint root written, or None (not a failed write, none had room, or several ranks:
+    a rescue directory would have to be one all ranks see). Says where on ``echo``."""
     import shutil
     import time
 
     from protrain.executor.checkpoint import CheckpointError
 
-    if engine.comm.world != 1:
+    if engine.comm.world != 1 or failed_write(failed) is None:
         return None
     need = sum(
         t.numel() * t.element_size()
@@ -681,7 +695,9 @@ def _loop(
     stop = _StopFlag()
 
     def checkpoint() -> None:
-        from protrain.executor.checkpoint import SaveWriteError, write_hint
+        from protrain.executor.errors import CheckpointError
+
+        from ..models.hf_checkpoint import write_hint
 
         data = {
             "draws": drawn,
@@ -691,17 +707,23 @@ def _loop(
         }
         try:
             path = engine.save(save_dir, data=data, keep=keep)
-        except SaveWriteError as e:  # the disk filled up (or went away) during the run
-            saved = rescue(engine, data, e, echo)
-            if saved is None:
+        except CheckpointError as e:  # the disk filled up (or went away) during the run
+            cause = failed_write(e)
+            if cause is None:  # (refused, not failed: a non-finite state)
                 raise
-            raise SaveWriteError(
-                f"{e.message}; the trained state of step {engine.steps_done} was saved to {saved} instead",
-                write_hint(
-                    e.errno, save_dir, f"resume from it: `protrain train … --resume {saved}`"
+            saved = rescue(engine, data, e, echo)
+            again = "train again (fewer kept checkpoints, --keep 1, need less)"
+            raise CheckpointError(
+                e.message
+                if saved is None
+                else f"{e.message}; the trained state of step {engine.steps_done} was saved to "
+                f"{saved} instead",
+                write_hint(cause, save_dir, again)
+                if saved is None
+                else write_hint(
+                    cause, save_dir, f"resume from it: `protrain train … --resume {saved}`"
                 ),
-                errno=e.errno,
-            ) from None
+            ) from cause
         echo(f"saved {path}")
         if previous:  # --overwrite: the old run's checkpoints go once this run has one
             import shutil

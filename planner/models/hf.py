@@ -679,16 +679,11 @@ def export_checkpoint(
     model_name: str,
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
-    lora=None,
 ) -> Path:
     """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
     as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
-    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values).
-
-    ``lora`` (a ``LoraSpec``, ``--lora``): the checkpoint is a LoRA run's (``train --lora``
-    saves the adapters alone: executor/checkpoint.py [Note: adapter checkpoints]), exported as
-    ``train --lora --export`` exports it, the adapter in peft's format (``lora.export_adapter``);
-    its names and shapes must be those the spec's adapters have on this model."""
+    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values). A LoRA
+    run's checkpoint (adapters alone) is refused naming ``--lora`` (``lora.export_checkpoint``)."""
     from protrain.executor.checkpoint import read_manifest, resolve
 
     from .hf_checkpoint import load_model_state
@@ -696,26 +691,11 @@ def export_checkpoint(
     path, blocks = parse_hf_name(model_name)
     model = build(path, blocks=blocks, device="meta")
     adapters = [n for n in read_manifest(resolve(checkpoint)).params if "lora_" in n]
-    if lora is None and adapters:
+    if adapters:
         raise ConfigError(
             f"{checkpoint}: a LoRA checkpoint (it holds peft's adapters, e.g. {adapters[0]}), "
             "not the whole model's",
             "export its adapter: add --lora and the --lora-r/--lora-alpha/--lora-targets it was trained with",
-        )
-    if lora is not None:
-        from . import lora as L
-
-        L.inject(model, lora)
-        shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-        state = load_model_state(checkpoint, shapes, what="--lora settings")
-        base = Path(path)
-        return L.export_adapter(
-            model,
-            state,
-            lora,
-            out_dir,
-            base_name=str(base if base.is_dir() else base.parent),
-            tokenizer_dir=tokenizer_dir,
         )
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
         n for n, _ in model.named_parameters()

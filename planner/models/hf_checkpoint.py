@@ -212,6 +212,31 @@ def export(
     return out
 
 
+def write_errno(error: BaseException | None) -> int | None:
+    """The errno of a failed write: an ``OSError``'s own, or the ``code: N`` safetensors puts in
+    its ``SafetensorError`` text (it reports a full disk as ``Os { code: 28, … }``)."""
+    if isinstance(error, OSError):
+        return error.errno
+    found = re.search(r"\bcode: (\d+)", str(error)) if error is not None else None
+    return int(found.group(1)) if found else None
+
+
+def write_hint(error: BaseException | None, where: str | Path, fix: str) -> str:
+    """The HINT of a failed write into ``where``: a file-size limit (EFBIG, ``ulimit -f``; Python
+    ignores SIGXFSZ, so the write fails instead of killing the process) is not a full disk
+    (ENOSPC), and neither is a permission; ``fix``: the command to run once it is mended."""
+    import errno
+
+    code = write_errno(error)
+    if code == errno.EFBIG:
+        return f"a file-size limit (ulimit -f) stopped the write: raise it (`ulimit -f unlimited`), then {fix}"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the disk of {where}, then {fix}"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"make {where} writable, then {fix}"
+    return f"check that {where} is writable and its disk has space, then {fix}"
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, what: str, fix: str = "export again"):
     """Yield a temporary directory beside ``out`` (``.tmp-NAME``, same parent, so the same disk)
@@ -224,8 +249,6 @@ def atomic_directory(out: Path, what: str, fix: str = "export again"):
     import shutil
 
     from safetensors import SafetensorError
-
-    from protrain.executor.checkpoint import write_hint
 
     out = Path(out)
     tmp = out.with_name(f".tmp-{out.name}")

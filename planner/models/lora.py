@@ -213,6 +213,35 @@ def export_adapter(
     return out
 
 
+def export_checkpoint(
+    checkpoint: str | Path,
+    model_name: str,
+    spec: LoraSpec,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """``protrain export --lora``: a LoRA run's checkpoint (``train --lora`` saves the adapters
+    alone: executor/checkpoint.py [Note: adapter checkpoints]) exported as ``train --lora
+    --export`` exports it, the adapter in peft's format (``export_adapter``). Its names and
+    shapes must be those ``spec``'s adapters have on this model (checked as ``load`` checks)."""
+    from .hf import build, parse_hf_name
+    from .hf_checkpoint import load_model_state
+
+    path, blocks = parse_hf_name(model_name)
+    model = inject(build(path, blocks=blocks, device="meta"), spec)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    state = load_model_state(checkpoint, shapes, what="--lora settings")
+    base = Path(path)
+    return export_adapter(
+        model,
+        state,
+        spec,
+        out_dir,
+        base_name=str(base if base.is_dir() else base.parent),
+        tokenizer_dir=tokenizer_dir,
+    )
+
+
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base's weights with each adapter folded in, under the names the model had before
     injection (``...q_proj.weight``), as peft's ``merge_and_unload`` computes them (each LoRA
