@@ -704,7 +704,7 @@ def test_a_failed_export_keeps_the_trained_model_and_export_resumes_it(tmp_path,
         "No space left on device" in r.output
         and f"safe in the checkpoint {kept / 'step-00000002'}" in r.output
     )
-    assert "HINT: free space, then `protrain export --resume" in r.output
+    assert f"HINT: free space on the disk of {tmp_path}, then `protrain export --resume" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out.checkpoint", "plan.json"]
     monkeypatch.undo()
     r = run("export", "--resume", kept, "--hf-config", hf, "-o", out)

@@ -50,3 +50,23 @@ def check_root(root: str | Path, flag: str = "--save-dir") -> None:
                 "deleted there)",
                 f"give {flag} a new or empty directory, e.g. --save-dir {root / 'checkpoints'}",
             )
+
+
+def other_run(root: str | Path, overwrite: bool, flag: str = "--save-dir") -> list[str]:
+    """The checkpoints (``step-N`` directories) another run left in ``root``, which a run that
+    does not resume may not train beside: its ``latest`` would move and its ``--keep`` pruning
+    delete them ([Note: one run per root]). Refused unless ``overwrite``; returned then (the
+    new run deletes them once it has saved its first checkpoint)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = sorted(p.name for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir())
+    if (names or (root / "latest").exists()) and not overwrite:
+        shown = ", ".join(names[-2:]) if names else "latest"
+        raise CheckpointError(
+            f"{flag} {root} holds another run's checkpoints ({shown}): a run that does not resume "
+            "would train beside them, move `latest` and delete them when pruning (--keep)",
+            f"continue that run with `protrain train … --resume {root} --save-dir {root}`, or add "
+            "--overwrite to start over (its checkpoints are deleted once this run has saved one)",
+        )
+    return names

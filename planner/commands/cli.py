@@ -652,6 +652,12 @@ def explain(
     "and on Ctrl-C, and every --save-every K steps.",
 )
 @click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start a new run in a --save-dir that holds another run's checkpoints (without it such a "
+    "directory is refused unless resuming): they are deleted once this run has saved its first.",
+)
+@click.option(
     "--keep",
     type=click.IntRange(1),
     default=2,
@@ -698,7 +704,8 @@ def explain(
     default=None,
     metavar="FILE",
     help="Append one JSON object per step (step, loss, tokens/s, peak bytes; held-out loss "
-    "when evaluated) to FILE (rank 0).",
+    'when evaluated) to FILE (rank 0); a resumed run first appends {"event": "resume", "step": N, '
+    '"checkpoint": DIR}, as the steps after it may repeat steps already logged.',
 )
 @click.option(
     "--export",
@@ -748,6 +755,7 @@ def train(
     trace_path,
     save_every,
     save_dir,
+    overwrite,
     keep,
     resume,
     eval_every,
@@ -782,6 +790,7 @@ def train(
         echo=click.echo,
         save_every=save_every,
         save_dir=save_dir,
+        overwrite=overwrite,
         resume=resume,
         eval_every=eval_every,
         max_grad_norm=max_grad_norm,
@@ -879,10 +888,14 @@ def tokenize(data_path, text_field, tokenizer, output):
     type=click.Path(file_okay=False),
     help="Directory to write (new or empty): config.json, model.safetensors, the tokenizer.",
 )
-def export(checkpoint, hf_config, blocks, tokenizer, output):
+@lora_options
+def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
     """Export a training checkpoint as a Hugging Face model directory (from_pretrained loads it).
 
-    The directory appears whole or not at all; a failed export leaves the checkpoint as it was.
+    A `train --lora` checkpoint (adapters only) exports with --lora and the settings it was
+    trained with, as `train --lora --export` does: the adapter in peft's format, for
+    PeftModel.from_pretrained. The directory appears whole or not at all; a failed export
+    leaves the checkpoint as it was.
     """
     from ..models.hf import export_checkpoint
     from .preflight import output_dir
@@ -894,10 +907,19 @@ def export(checkpoint, hf_config, blocks, tokenizer, output):
         )
     output_dir(output, "--output", create=False, must_be_empty=True)
     model_name = model_option(None, hf_config, blocks, required=True)
-    out = export_checkpoint(
-        checkpoint, model_name, output, tokenizer_dir=_tokenizer_dir(model_name, tokenizer)
+    spec = lora_spec(**lora)
+    tok = _tokenizer_dir(model_name, tokenizer)
+    if spec is not None:
+        from ..models.lora import export_checkpoint as export_adapter
+
+        out = export_adapter(checkpoint, model_name, spec, output, tokenizer_dir=tok)
+    else:
+        out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=tok)
+    click.echo(
+        f"exported {out} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)"
+        if spec is not None
+        else f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)"
     )
-    click.echo(f"exported {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
 
 @main.command()

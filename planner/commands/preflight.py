@@ -258,3 +258,138 @@ def other_machine(plan, device: str) -> str | None:
         f"peak are {h.name}'s, not this machine's; for this one's, plan here (`protrain plan "
         f"--model NAME --device {kind} …`, or --hardware SPEC naming this machine)"
     )
+
+
+def checkpoint_bytes(plan) -> tuple[int, int]:
+    """(bytes of one checkpoint of ``plan``'s model, bytes of its largest file): fp32 masters
+    and two Adam moments of the trained parameters, and the frozen ones' values unless they are
+    most of the model (an adapter checkpoint: executor/checkpoint.py
+    [Note: adapter checkpoints])."""
+    params = [p for c in plan.chunks.items for p in c.params]
+    total = sum(p.numel for p in params) or plan.model.n_params
+    trained = sum(p.numel for p in params if not p.frozen) if params else total
+    model = trained * 4 if (total - trained) * 2 > total else total * 4
+    optim = trained * 8
+    return model + optim, max(model, optim)
+
+
+def _tokenizer_bytes(tokenizer_dir) -> int:
+    from ..models.hf_checkpoint import TOKENIZER_FILES
+
+    if tokenizer_dir is None:
+        return 0
+    files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def _disk_of(path: Path) -> Path:
+    """The nearest existing directory at or above ``path`` (where it will be created)."""
+    return next((q for q in [path, *path.parents] if q.is_dir()), Path("."))
+
+
+ROOM_MARGIN = 1 << 20
+"""Bytes beyond the estimate a disk must have free: manifests, configs, directory entries."""
+
+
+def output_room(
+    plan,
+    *,
+    save_dir=None,
+    keep: int = 2,
+    saves: int = 1,
+    export_dir=None,
+    export_merged=None,
+    keeper=None,
+    lora: bool = False,
+    tokenizer_dir=None,
+) -> None:
+    """Refuse, before the first step, outputs that cannot fit: each disk's free space against
+    what this run will write there (``save_dir``: up to ``keep`` checkpoints and the one being
+    written, or ``saves`` in all; the export, the merged export, ``keeper``, the checkpoint kept
+    beside an export until it succeeded), all of them on one disk counted together; and the
+    process's file-size limit (``ulimit -f``, RLIMIT_FSIZE) against the largest file."""
+    import resource
+
+    ckpt, ckpt_file = checkpoint_bytes(plan)
+    n_params = plan.model.n_params
+    trained = sum(p.numel for c in plan.chunks.items for p in c.params if not p.frozen)
+    tok = _tokenizer_bytes(tokenizer_dir)
+    outputs: list[tuple[str, Path, int, int]] = []  # (what, path, bytes, largest file)
+    if save_dir is not None:
+        root = Path(save_dir)
+        there = (
+            sum(1 for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+            if root.is_dir()
+            else 0
+        )
+        count = max(1, min(keep + 1, there + saves) - there)
+        what = (
+            f"--save-dir {root} ({count} checkpoint{'s' if count > 1 else ''} of "
+            f"{human_bytes(ckpt)})"
+        )
+        outputs.append((what, root, count * ckpt, ckpt_file))
+    if export_dir is not None:
+        size = (trained if lora else n_params) * 4
+        outputs.append(
+            (
+                f"--export {export_dir} ({human_bytes(size + tok)})",
+                Path(export_dir),
+                size + tok,
+                size,
+            )
+        )
+    if export_merged is not None:
+        size = n_params * 4
+        outputs.append(
+            (
+                f"--export-merged {export_merged} ({human_bytes(size + tok)})",
+                Path(export_merged),
+                size + tok,
+                size,
+            )
+        )
+    if keeper is not None:
+        outputs.append(
+            (
+                f"the checkpoint kept until the export, {keeper} ({human_bytes(ckpt)})",
+                Path(keeper),
+                ckpt,
+                ckpt_file,
+            )
+        )
+    if not outputs:
+        return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        what, path, _, largest = max(outputs, key=lambda o: o[3])
+        if largest > limit:
+            raise ConfigError(
+                f"{what.split(' (')[0]}: a file of about {human_bytes(largest)} will be written "
+                f"there, and this process may write files of at most {human_bytes(limit)} (ulimit "
+                "-f, RLIMIT_FSIZE)",
+                "raise the limit (`ulimit -f unlimited`) and run again",
+            )
+    disks: dict[int, list[tuple[str, Path, int, int]]] = {}
+    for out in outputs:
+        try:
+            disks.setdefault(os.stat(_disk_of(out[1])).st_dev, []).append(out)
+        except OSError:
+            continue  # (unreadable: output_dir has said so already)
+    import shutil
+
+    for group in disks.values():
+        where = _disk_of(group[0][1])
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            continue
+        need = sum(o[2] for o in group) + ROOM_MARGIN
+        if need > free:
+            flag = group[0][0].split(" ")[0]
+            raise ConfigError(
+                f"not enough disk space for this run's output: {' + '.join(o[0] for o in group)} "
+                f"need about {human_bytes(need)}, and the disk of {where} has {human_bytes(free)} "
+                "free",
+                f"free space on the disk of {where}, or give {flag} a directory on a disk with "
+                "room",
+            )

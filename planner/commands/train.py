@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -53,7 +54,6 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str | None]:
     collective, so a dead rank ends the others with an error instead of a hang.
     """
     import datetime
-    import os
 
     import torch.distributed as dist
 
@@ -103,6 +103,7 @@ def train(
     weight_decay: float = 0.01,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    overwrite: bool = False,
 ) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
@@ -113,9 +114,14 @@ def train(
     ``save_dir``: checkpoint there at the end and on Ctrl-C, and every ``save_every``
     K steps; the newest ``keep`` checkpoints stay. ``resume``: a checkpoint root (or
     step directory) to continue from, under this plan (the plan may differ from the one
-    the checkpoint was written under). Ctrl-C stops after the current step and, when
-    checkpointing, saves first (the result's ``interrupted`` is then True); a second
-    Ctrl-C interrupts at once — the last complete checkpoint stays intact
+    the checkpoint was written under). A root belongs to one run: a run that does not
+    resume refuses a ``save_dir`` holding checkpoints, unless ``overwrite`` (a new run: the
+    old checkpoints are deleted once this run has saved its first, ``checks.other_run``).
+    Every output's room (and ``ulimit -f``) is checked before the first step
+    (``preflight.output_room``); a save that still fails for want of room goes to
+    ``rescue_dirs`` and the error names it. Ctrl-C (or SIGTERM, SIGHUP) stops after the
+    current step and, when checkpointing, saves first (the result's ``interrupted`` is then True); a
+    second Ctrl-C interrupts at once — the last complete checkpoint stays intact
     (executor/checkpoint.py [Note: atomicity]).
 
     ``tokenizer``: a tokenizer directory, or ``"bytes"``; by default a Hugging Face
@@ -135,10 +141,21 @@ def train(
     output_file(trace_path, "--trace")
     output_file(metrics_path, "--metrics")
     output_dir(save_dir, "--save-dir")
+    if overwrite and (save_dir is None or resume is not None):
+        raise ConfigError(
+            "--overwrite starts a new run in a --save-dir that holds another run's checkpoints"
+            + ("; with --resume this run continues one" if save_dir is not None else ""),
+            "drop --overwrite"
+            if save_dir is not None
+            else "add --save-dir DIR, or drop --overwrite",
+        )
+    previous: list[str] = []  # another run's checkpoints in save_dir, replaced (--overwrite)
     if save_dir is not None:
-        from .checks import check_root
+        from .checks import check_root, other_run
 
         check_root(save_dir)  # a directory of other files is not a checkpoint root
+        if resume is None:
+            previous = other_run(save_dir, overwrite)
     if export_merged is not None and (lora is None or not is_hf_name(model_name)):
         raise ConfigError(
             "--export-merged writes a Hugging Face model with its LoRA adapter merged in",
@@ -168,6 +185,21 @@ def train(
         )
     if nvme_dir is not None:
         output_dir(nvme_dir, "--nvme")
+    from .preflight import output_room
+
+    output_room(
+        plan,
+        save_dir=save_dir,
+        keep=keep,
+        saves=1 + (steps // save_every if save_every else 0),
+        export_dir=export_dir,
+        export_merged=export_merged,
+        keeper=export_keeper(export_dir)
+        if export_dir is not None and save_dir is None and lora is None
+        else None,
+        lora=lora is not None,
+        tokenizer_dir=_tokenizer_dir(model_name, tokenizer),
+    )
     rank, world, rank_device = _init_distributed(timeout_s)
     lock = None
     try:
@@ -206,6 +238,7 @@ def train(
             nvme_dir=nvme_dir,
             lora=lora,
             export_merged=export_merged,
+            previous=previous if rank == 0 else [],
             adamw=AdamWConfig(
                 lr=lr,
                 weight_decay=weight_decay,
@@ -276,6 +309,7 @@ def _train(
     nvme_dir=None,
     lora=None,
     export_merged=None,
+    previous=(),
     adamw: AdamWConfig | None = None,
 ) -> Losses:
     check_name(model_name)
@@ -317,6 +351,7 @@ def _train(
             else f"random init (seed {seed})"
         )
         + (f"; then the checkpoint's ({resume})" if resume else "")
+        + _trainable(model)
     )
     echo(
         (
@@ -347,6 +382,17 @@ def _train(
                 "--eval-every": eval_every,
                 "--save-every": save_every,
                 "the corpus's token count": source.tokens.numel(),
+                # every rank writes into these (its RNG file, its part of a save): one place for all
+                **{
+                    flag: None if path is None else os.path.abspath(path)
+                    for flag, path in (
+                        ("--save-dir", save_dir),
+                        ("--resume", resume),
+                        ("--export", export_dir),
+                        ("--export-merged", export_merged),
+                    )
+                },
+                "--keep": keep,
             },
             engine.device,
         )
@@ -370,6 +416,7 @@ def _train(
             keep=keep,
             log_every=log_every,
             metrics_path=metrics_path,
+            previous=previous,
         )
         if lora is not None and (export_dir or export_merged):
             if losses.interrupted:
@@ -429,32 +476,109 @@ def export_keeper(export_dir: str) -> Path:
 def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
     """Export the trained model; the state stays in a checkpoint until the export succeeded
     (the run's last one, or one written for it), and a failed export names it."""
-    from protrain.plans.errors import ProtrainError
+    from protrain.plans.errors import CheckpointError, ProtrainError
 
     from ..models.hf import export, parse_hf_name
+    from ..models.hf_checkpoint import write_hint
 
+    config = parse_hf_name(model_name)[0]
     keeper = None
     if save_dir is None:  # the end-of-run checkpoint a --save-dir would have had
         keeper = export_keeper(export_dir)
-        engine.save(keeper, keep=1)
+        try:
+            engine.save(keeper, keep=1)
+        except CheckpointError as e:  # a full disk beside the export: the state goes elsewhere
+            failed, keeper = keeper, rescue(engine, {}, e, echo)
+            if keeper is None:
+                if failed_write(e) is None:
+                    raise
+                raise CheckpointError(
+                    e.message, write_hint(failed_write(e), failed.parent, "train again")
+                ) from failed_write(e)
+            if rank == 0 and not any(p.name.startswith("step-") for p in failed.iterdir()):
+                import shutil
+
+                shutil.rmtree(failed, ignore_errors=True)  # (its lock file alone)
     kept = engine.last_checkpoint
     state = engine.state_dict()["model"]  # a collective on several ranks
     if rank != 0:
         return
-    config = parse_hf_name(model_name)[0]
     try:
         export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
     except ProtrainError as e:
         raise type(e)(
             f"{e.message}; the trained model is safe in the checkpoint {kept}",
-            f"free space, then `protrain export --resume {kept} --hf-config {config} -o "
-            f"{export_dir}`",
+            write_hint(
+                e.__context__,
+                Path(export_dir).parent,
+                f"`protrain export --resume {kept} --hf-config {config} -o {export_dir}`",
+            ),
         ) from None
     echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     if keeper is not None:
         import shutil
 
         shutil.rmtree(keeper, ignore_errors=True)
+
+
+RESCUE_PREFIX = "protrain-rescue-"
+
+
+def rescue_dirs() -> list[Path]:
+    """Where a checkpoint whose own directory could not be written goes instead: the temporary
+    directory ($TMPDIR, else the system's) and the home directory, in that order."""
+    import tempfile
+
+    seen, out = set(), []
+    for d in (os.environ.get("TMPDIR") or tempfile.gettempdir(), os.path.expanduser("~")):
+        if d and os.path.isdir(d) and os.path.realpath(d) not in seen:
+            seen.add(os.path.realpath(d))
+            out.append(Path(d))
+    return out
+
+
+def failed_write(error: BaseException) -> BaseException | None:
+    """The write error behind a ``CheckpointError`` (``checkpoint._save_failed`` raises it from
+    the ``OSError`` or ``SafetensorError`` of a full disk, a file-size limit, a permission), or
+    None when the save was refused for another reason (a non-finite state)."""
+    from safetensors import SafetensorError
+
+    cause = error.__context__
+    return cause if isinstance(cause, OSError | SafetensorError) else None
+
+
+def rescue(engine, data: dict, failed, echo) -> Path | None:
+    """Save the trained state somewhere with room after ``failed`` (a ``CheckpointError`` from a
+    write that failed: ``failed_write``): the first of ``rescue_dirs`` with room for it; return
+    the checkpoint root written, or None (not a failed write, none had room, or several ranks:
+    a rescue directory would have to be one all ranks see). Says where on ``echo``."""
+    import shutil
+
+    from protrain.plans.errors import CheckpointError
+
+    if engine.comm.world != 1 or failed_write(failed) is None:
+        return None
+    need = sum(
+        t.numel() * t.element_size()
+        for group in engine.state_dict(trainable_only=bool(engine.base_fingerprint)).values()
+        for v in group.values()
+        for t in (v.values() if isinstance(v, dict) else [v])
+    )
+    for d in rescue_dirs():
+        try:
+            if shutil.disk_usage(d).free < need + (1 << 20):
+                continue
+        except OSError:
+            continue
+        root = d / f"{RESCUE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            engine.save(root, data=data, keep=1)
+        except CheckpointError:
+            shutil.rmtree(root, ignore_errors=True)
+            continue
+        echo(f"{failed.message}; saved the trained state to {root} instead")
+        return root
+    return None
 
 
 def _export_lora(
@@ -519,7 +643,9 @@ def _loop(
     keep=2,
     log_every=LOG_EVERY,
     metrics_path=None,
+    previous=(),
 ) -> Losses:
+    previous = list(previous)  # (the checkpoint closure's: cleared after the first save)
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
@@ -546,7 +672,9 @@ def _loop(
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses = Losses()
-    metrics = open(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115 (closed below)
+    metrics = _Metrics(metrics_path, echo) if metrics_path else None
+    if metrics is not None and resume is not None:  # the steps that follow may repeat logged ones
+        metrics.write({"event": "resume", "step": engine.steps_done, "checkpoint": str(resume)})
     bar = None
     if progress:
         from rich.progress import (
@@ -577,17 +705,45 @@ def _loop(
     stop = _StopFlag()
 
     def checkpoint() -> None:
-        path = engine.save(
-            save_dir,
-            data={
-                "draws": drawn,
-                "global_micro_batch": t.micro_batch * world,
-                "heldout_split": heldout_split,
-                "max_grad_accum": max_grad_accum,
-            },
-            keep=keep,
-        )
+        from protrain.plans.errors import CheckpointError
+
+        from ..models.hf_checkpoint import write_hint
+
+        data = {
+            "draws": drawn,
+            "global_micro_batch": t.micro_batch * world,
+            "heldout_split": heldout_split,
+            "max_grad_accum": max_grad_accum,
+        }
+        try:
+            path = engine.save(save_dir, data=data, keep=keep)
+        except CheckpointError as e:  # the disk filled up (or went away) during the run
+            cause = failed_write(e)
+            if cause is None:  # (refused, not failed: a non-finite state)
+                raise
+            saved = rescue(engine, data, e, echo)
+            again = "train again (fewer kept checkpoints, --keep 1, need less)"
+            raise CheckpointError(
+                e.message
+                if saved is None
+                else f"{e.message}; the trained state of step {engine.steps_done} was saved to "
+                f"{saved} instead",
+                write_hint(cause, save_dir, again)
+                if saved is None
+                else write_hint(
+                    cause, save_dir, f"resume from it: `protrain train … --resume {saved}`"
+                ),
+            ) from cause
         echo(f"saved {path}")
+        if previous:  # --overwrite: the old run's checkpoints go once this run has one
+            import shutil
+
+            for name in previous:
+                if name != path.name:
+                    target = Path(save_dir) / name
+                    if target.is_dir():
+                        shutil.rmtree(target, ignore_errors=True)
+            previous.clear()
 
     first = engine.steps_done
     if eval_every is not None:  # where training starts from, for the curve's first point
@@ -626,8 +782,7 @@ def _loop(
                     record["heldout_loss"] = heldout_loss(engine, heldout)
                     echo(f"step {done:5d}  held-out loss {record['heldout_loss']:.4f}")
                 if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    metrics.write(record)
                 status = (
                     f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak "
                     f"{human_bytes(result.peak_bytes)}"
@@ -645,8 +800,11 @@ def _loop(
             bar.stop()
         if recorder is not None:
             recorder.__exit__(None, None, None)
-            rec.save(trace_path)
-            echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+            try:
+                rec.save(trace_path)
+                echo(f"wrote {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+            except OSError as e:  # a trace is not worth the run: the checkpoint is already saved
+                echo(f"warning: --trace {trace_path}: not written ({e.strerror or e})")
     if losses:
         echo(
             f"trained {len(losses)} step{'' if len(losses) == 1 else 's'} in "
@@ -719,9 +877,42 @@ def _agree(requested: bool, engine) -> bool:
     return bool(flag.item() > 0)
 
 
+class _Metrics:
+    """The ``--metrics`` file. A write that fails (a full disk, a file-size limit) warns once,
+    naming the file, and the run goes on without it: the metrics are a log of the run, and
+    stopping would cost the steps still to train (the checkpoints, elsewhere or on the same
+    disk, have their own handling: ``rescue``). The lines before the failure stay whole."""
+
+    def __init__(self, path: str, echo):
+        self.path, self.echo = path, echo
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close)
+
+    def write(self, record: dict) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.echo(
+                f"warning: --metrics {self.path}: {e.strerror or e} at step {record.get('step')}; "
+                "no more metrics are written there, training goes on"
+            )
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError:  # (the unwritten rest of the failed line)
+                pass
+
+
 class _StopFlag:
-    """First Ctrl-C (or SIGTERM, which torchrun sends its workers on Ctrl-C): finish and
-    checkpoint the current step, then stop. A second one: stop now."""
+    """First Ctrl-C (or SIGTERM, which torchrun sends its workers on Ctrl-C, or SIGHUP, which
+    the terminal or ssh session sends when it closes): finish and checkpoint the current step,
+    then stop. A second one: stop now."""
 
     def __init__(self):
         self.requested = False
@@ -740,8 +931,13 @@ class _StopFlag:
                 if self.requested:
                     raise KeyboardInterrupt
                 self.requested = True
+                if signum == signal.SIGHUP:  # the terminal is gone: its writes would fail (EIO)
+                    _detach_terminal()
 
-            previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                sig: signal.signal(sig, handler)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            }
             try:
                 yield
             finally:
@@ -749,3 +945,25 @@ class _StopFlag:
                     signal.signal(sig, old)
 
         return scope()
+
+
+def _detach_terminal() -> None:
+    """After SIGHUP: point stdout and stderr at /dev/null where they were the closed terminal,
+    so the lines after it (``saved …``) cannot fail the checkpoint that follows."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _trainable(model) -> str:
+    """The header's parameter count: how many train of how many (LoRA freezes the base)."""
+    ps = list(model.parameters())
+    n_all = sum(p.numel() for p in ps)
+    n_train = sum(p.numel() for p in ps if p.requires_grad)
+    if n_train == n_all:
+        return f"; {n_all:,} parameters, all trained"
+    return f"; {n_train:,} of {n_all:,} parameters train ({100 * n_train / max(n_all, 1):.2f}%)"

@@ -689,11 +689,22 @@ def export_checkpoint(
 ) -> Path:
     """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
     as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
-    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values)."""
+    checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values). A LoRA
+    run's checkpoint (adapters alone) is refused naming ``--lora`` (``lora.export_checkpoint``)."""
+    from protrain.executor.checkpoint import read_manifest, resolve
+
     from .hf_checkpoint import load_model_state
 
     path, blocks = parse_hf_name(model_name)
     model = build(path, blocks=blocks, device="meta")
+    adapters = [n for n in read_manifest(resolve(checkpoint)).params if "lora_" in n]
+    if adapters:
+        raise ConfigError(
+            f"{checkpoint}: a LoRA checkpoint (it holds peft's adapters, e.g. {adapters[0]}), "
+            "not the whole model's",
+            "export its adapter: add --lora and the --lora-r/--lora-alpha/--lora-targets it was "
+            "trained with",
+        )
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
         n for n, _ in model.named_parameters()
     }

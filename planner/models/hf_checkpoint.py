@@ -11,6 +11,7 @@ model back as a directory transformers loads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -202,17 +203,61 @@ def export(
     which safetensors reports as its own ``SafetensorError``) removes the temporary
     directory and is a ``ConfigError``.
     """
+    out = Path(out_dir)
+    with atomic_directory(out, "the export") as tmp:
+        _write_export(model, state, tmp, config_path, tokenizer_dir)
+    return out
+
+
+def write_errno(error: BaseException | None) -> int | None:
+    """The errno of a failed write: an ``OSError``'s own, or the ``code: N`` safetensors puts in
+    its ``SafetensorError`` text (it reports a full disk as ``Os { code: 28, … }``)."""
+    if isinstance(error, OSError):
+        return error.errno
+    found = re.search(r"\bcode: (\d+)", str(error)) if error is not None else None
+    return int(found.group(1)) if found else None
+
+
+def write_hint(error: BaseException | None, where: str | Path, fix: str) -> str:
+    """The HINT of a failed write into ``where``: a file-size limit (EFBIG, ``ulimit -f``; Python
+    ignores SIGXFSZ, so the write fails instead of killing the process) is not a full disk
+    (ENOSPC), and neither is a permission; ``fix``: the command to run once it is mended."""
+    import errno
+
+    code = write_errno(error)
+    if code == errno.EFBIG:
+        return (
+            "a file-size limit (ulimit -f) stopped the write: raise it (`ulimit -f unlimited`), "
+            f"then {fix}"
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the disk of {where}, then {fix}"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"make {where} writable, then {fix}"
+    return f"check that {where} is writable and its disk has space, then {fix}"
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, what: str, fix: str = "export again"):
+    """Yield a temporary directory beside ``out`` (``.tmp-NAME``, same parent, so the same disk)
+    for the caller to fill; then fsync its files and itself and rename it to ``out``: the
+    directory appears whole or not at all (every export: full, merged, adapter). Any failure to
+    write, whichever file it was copying from (a full disk, a file-size limit; safetensors reports
+    those as its own ``SafetensorError``), removes the temporary directory and is a
+    ``ConfigError`` naming ``out``, with a hint that tells a full disk from ``ulimit -f``."""
     import os
     import shutil
 
     from safetensors import SafetensorError
 
-    out = Path(out_dir)
+    out = Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # (a killed export's: this export's own name)
         tmp.mkdir(parents=True)
-        _write_export(model, state, tmp, config_path, tokenizer_dir)
+        yield tmp
+        for f in [*tmp.iterdir(), tmp]:
+            fsync_path(f)
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
         os.replace(tmp, out)
@@ -220,11 +265,13 @@ def export(
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(
-            f"cannot write the export {out}: {getattr(e, 'strerror', None) or e}; nothing was "
+            f"cannot write {what} {out}: {getattr(e, 'strerror', None) or e}; nothing was "
             "left there",
-            "check the directory is writable and the disk has space",
+            write_hint(e, out.parent, fix),
         ) from None
-    return out
+    except BaseException:  # (a bug or Ctrl-C: still nothing half-written left behind)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_export(
@@ -253,15 +300,22 @@ def _write_export(
         n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n
     }
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    copy_tokenizer(tokenizer_dir, tmp)
+
+
+def copy_tokenizer(tokenizer_dir: str | Path | None, into: Path) -> None:
+    """Copy the tokenizer's files (``TOKENIZER_FILES``, those present) into directory ``into``."""
+    import shutil
+
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
-    for f in [*tmp.iterdir(), tmp]:
-        fsync_path(f)
+                shutil.copyfile(Path(tokenizer_dir) / name, into / name)
 
 
-def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+def load_model_state(
+    root: str | Path, shapes: dict[str, list[int]], what: str = "--hf-config"
+) -> dict[str, torch.Tensor]:
     """The model state (fp32, the model's own names, tied aliases included) of the checkpoint
     ``root`` names, checked as ``load`` checks it, for a model whose parameters (tied aliases
     excluded) have ``shapes``; no engine needed (``protrain export``)."""
@@ -275,7 +329,7 @@ def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str
         ]
         raise CheckpointError(
             f"{directory}: checkpoint of another model (e.g. {wrong[:3]})",
-            "export with the --hf-config the checkpoint was trained from",
+            f"export with the {what} the checkpoint was trained with",
         )
     check_header(
         directory / "model.safetensors", {k: (v, torch.float32) for k, v in m.params.items()}
@@ -283,5 +337,6 @@ def load_model_state(root: str | Path, shapes: dict[str, list[int]]) -> dict[str
     model = load_file(directory / "model.safetensors")
     refuse_to_load_nonfinite(directory, model, {})
     for name, alias in m.tied:
-        model[alias] = model[name]
+        if name in model:  # (an adapter checkpoint holds no tied base weights)
+            model[alias] = model[name]
     return model

@@ -222,11 +222,13 @@ def export_adapter(
 ) -> Path:
     """Write the trained adapter in peft's own format (``adapter_config.json``,
     ``adapter_model.safetensors``) and the tokenizer's files to ``out_dir``:
-    ``PeftModel.from_pretrained(base, out_dir)`` loads it."""
+    ``PeftModel.from_pretrained(base, out_dir)`` loads it. Written into a temporary directory
+    beside it and renamed (``hf_checkpoint.atomic_directory``): whole or not at all."""
     from safetensors.torch import save_file
 
+    from .hf_checkpoint import atomic_directory, copy_tokenizer
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = config(
         spec if spec.targets else LoraSpec(spec.r, spec.alpha, spec.dropout, injected(model)), model
     )
@@ -236,21 +238,41 @@ def export_adapter(
         getattr(model, "hf", None), nn.Module
     ):  # a transformers causal LM (planner/models/hf.py)
         cfg.task_type = "CAUSAL_LM"
-    cfg.save_pretrained(str(out))
-    save_file(
-        peft_state_dict(model, state),
-        str(out / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    if tokenizer_dir is not None:
-        import shutil
-
-        from .hf_checkpoint import TOKENIZER_FILES
-
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    tensors = peft_state_dict(model, state)
+    with atomic_directory(out, "the adapter export") as tmp:
+        cfg.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        copy_tokenizer(tokenizer_dir, tmp)
     return out
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    model_name: str,
+    spec: LoraSpec,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """``protrain export --lora``: a LoRA run's checkpoint (``train --lora`` saves the adapters
+    alone: executor/checkpoint.py [Note: adapter checkpoints]) exported as ``train --lora
+    --export`` exports it, the adapter in peft's format (``export_adapter``). Its names and
+    shapes must be those ``spec``'s adapters have on this model (checked as ``load`` checks)."""
+    from .hf import build, parse_hf_name
+    from .hf_checkpoint import load_model_state
+
+    path, blocks = parse_hf_name(model_name)
+    model = inject(build(path, blocks=blocks, device="meta"), spec)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    state = load_model_state(checkpoint, shapes, what="--lora settings")
+    base = Path(path)
+    return export_adapter(
+        model,
+        state,
+        spec,
+        out_dir,
+        base_name=str(base if base.is_dir() else base.parent),
+        tokenizer_dir=tokenizer_dir,
+    )
 
 
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
