@@ -9,7 +9,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from emulation import emulate
 from harness import (
     assert_same_state,
     assert_same_training,
@@ -25,6 +24,7 @@ from protrain.executor import plan as P
 from protrain.executor.errors import PlanError
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.search import memory_walk
+from tools.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

@@ -27,13 +27,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from emulation import emulate
 from torch import nn
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor import plan as P
 from protrain.executor.errors import ConfigError
 from protrain.planner.search.emit import emit
+from tools.emulation import emulate
 
 V, B, T = 40, 2, 8  # vocab, micro-batch, sequence length
 CONFIG = AdamWConfig(lr=3e-2, weight_decay=0.1)  # a large lr: drift shows within steps

@@ -8,7 +8,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from emulation import emulate
 from harness import assert_same_training, make_model, make_plan, train_engine
 from torch import nn
 
@@ -16,6 +15,7 @@ from protrain.executor import AdamWConfig, accounting, homes, optim
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.search import memory_walk
 from protrain.planner.search.emit import emit
+from tools.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

@@ -22,7 +22,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from emulation import emulate
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -31,6 +30,7 @@ from protrain.executor import plan as P
 from protrain.executor.validation import segment_chunks
 from protrain.planner.models.zoo import lm_loss
 from protrain.planner.search.emit import emit
+from tools.emulation import emulate
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.
