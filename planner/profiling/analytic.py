@@ -149,7 +149,7 @@ the host beyond the per-op model (``min(n_experts, tokens x top_k)`` per bank ca
 balanced load). transformers' grouped GEMM on a CPU runs one small GEMM per expert and
 group (up, down), on expert weights fetched cold, plus its per-group dispatch; the bmm
 that stands in for it (``moe.balanced_forward``) is charged as one kernel at the matmul
-rate. Measured with ``CPU_MOE_ROW_US`` by ``tools/bench_moe_cpu.py``: the MoE block's forward
+rate. Measured with ``CPU_MOE_ROW_US`` by ```python -m tools.bench moe-cpu```: the MoE block's forward
 (a measured profile, one thread, the thread's CPU clock) less its analytic charge, less
 the same for its dense twin (what the two share cancels), on eight Mixtral-shaped configs
 that are not the tested ones (hidden 32-128, expert width 32-128, 4-32 experts, top-1 to
