@@ -56,15 +56,18 @@ def pytest_collection_modifyitems(session, config, items):
 def one_run() -> dict:
     with tempfile.TemporaryDirectory(prefix="moe-spread-") as tmp:
         out = Path(tmp) / "run.json"
-        subprocess.run(
+        proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"]
             + ["-p", "tools.bench.moe_spread", str(harness.ROOT / "tests" / "test_moe.py")],
             cwd=harness.ROOT,
             env={**os.environ, OUT_ENV: str(out)},
             capture_output=True,
             text=True,
-            check=True,
         )
+        if not out.exists():  # (pytest exits 5, "no tests collected", when the hook did its work)
+            raise RuntimeError(
+                f"test_moe's fixture did not run:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
         return json.loads(out.read_text())
 
 
