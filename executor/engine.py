@@ -192,7 +192,7 @@ class Engine:
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
         self.copies = CopyEngine(dev)
-        self.comm.runner = self.copies.collective  # see tests/emulation.py
+        self.comm.runner = self.copies.collective  # see tools/emulation.py
         # The listeners of on_event, shared by every part of the engine (events.py).
         self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = None

@@ -312,7 +312,7 @@ class ChunkOptimizer:
         self.poisoned: tuple[int, int, bool, str] | None = None
         self.step_no = 0
         # fp16: the loss scaler skips such steps. PROTRAIN_NO_FINITE_CHECK=1 (debug and
-        # tools/bench_finite.py only, read once here) turns the guard off to measure its cost.
+        # tools/bench/finite.py only, read once here) turns the guard off to measure its cost.
         self.guarded = store.dtype != torch.float16 and not os.environ.get(
             "PROTRAIN_NO_FINITE_CHECK"
         )

@@ -12,7 +12,7 @@ to another tensor while either stream may still use it.
 
 On CPU the same calls copy synchronously and return an already-complete handle, so
 CI runs every code path of the executor without a GPU; and under the asynchronous
-CPU emulation (tests/emulation.py, injected through ``EMULATION``) they complete later on worker
+CPU emulation (tools/emulation.py, injected through ``EMULATION``) they complete later on worker
 threads, so CI also catches a missing wait, record or release guard.
 
 [Note: who waits for what]
@@ -51,7 +51,7 @@ class CopyHandle:
     """Handle of one issued copy (and the collective queued behind it).
 
     ``event``: a ``torch.cuda.Event`` recorded after the copy on its stream, an
-    ``EmulatedEvent`` (see tests/emulation.py), or None on synchronous CPU,
+    ``EmulatedEvent`` (see tools/emulation.py), or None on synchronous CPU,
     where the copy has already happened.
     """
 
@@ -134,7 +134,7 @@ class CopyEngine:
 
     See [Note: copy streams]. Three back-ends behind one interface: CUDA streams and
     events; synchronous CPU copies; and the asynchronous CPU emulation of
-    tests/emulation.py (``emulation``, or ``EMULATION``: ``PROTRAIN_ASYNC_CPU`` in the
+    tools/emulation.py (``emulation``, or ``EMULATION``: ``PROTRAIN_ASYNC_CPU`` in the
     environment), in which this class's own code, waits and records included, runs
     exactly as on CUDA.
     """
@@ -308,6 +308,6 @@ class CopyEngine:
 
 EMULATION: Callable[[], object] | None = None
 """Where a new CPU copy engine gets an asynchronous emulation of the GPU's streams: a
-callable returning one (or None), installed by the test suite (tests/emulation.py, which
+callable returning one (or None), installed by the test suite (tools/emulation.py, which
 the tests and their worker processes import); None in every other process. The runtime
 imports nothing of the tests: they inject their device here."""

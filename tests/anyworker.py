@@ -20,12 +20,12 @@ import sys
 import tempfile
 import traceback
 
-import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import tools.emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 from protrain.executor import AdamWConfig, wrap
 from protrain.plans import plan as P
 from protrain.plans import validation as V

@@ -15,10 +15,10 @@ import os
 import signal
 import sys
 
-import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 from harness import make_model, make_plan
 
+import tools.emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 from protrain.executor import AdamWConfig, checkpoint, wrap
 from protrain.planner.models.data import batches, load_tokens
 

@@ -19,7 +19,9 @@ settings.load_profile(
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/planfactory.py and friends
 
-import emulation  # noqa: E402, F401  (installs the asynchronous CPU device: executor/transfer.py EMULATION)
+# The asynchronous CPU device, shared with the benchmarks (tools/ is importable: pyproject's
+# pytest pythonpath); importing it installs it: executor/transfer.py EMULATION.
+import tools.emulation  # noqa: E402, F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,10 +14,10 @@ import os
 import time
 from pathlib import Path
 
-import emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 import torch
 import torch.distributed as dist
 
+import tools.emulation  # noqa: F401  (PROTRAIN_ASYNC_CPU in this process too: executor/transfer.py EMULATION)
 from protrain import plans
 from protrain.executor import AdamWConfig, wrap
 from protrain.executor.dist import RankFailure

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import re
 import subprocess
 import sys
@@ -114,6 +115,13 @@ class Worker:
                 stdout=subprocess.PIPE,
                 text=True,
                 cwd=HERE.parent,
+                # the checkout on its path too: the worker imports tools.emulation
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(
+                        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+                    ),
+                },
             )
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()

@@ -1,4 +1,5 @@
-"""The benchmark tools against FSDP2 / DeepSpeed: bench_train, bench_fit, gpu_check.sh on CPU.
+"""The benchmark tools against FSDP2 / DeepSpeed: ``python -m tools.bench train`` and ``fit``,
+gpu_check.sh on CPU.
 
 Each tool runs as a user would run it (a subprocess from the repository root) on tiny
 models, and its output is checked for what the GPU run will rely on: one JSON record
@@ -90,7 +91,9 @@ def train_records(tmp_path_factory) -> dict[str, dict]:
     jsonl = tmp_path_factory.mktemp("bench") / "runs.jsonl"
     proc = run(
         [
-            str(TOOLS / "bench_train.py"),
+            "-m",
+            "tools.bench",
+            "train",
             *COMMON,
             "--budget",
             "3MiB",
@@ -207,7 +210,7 @@ def test_bench_train_deepspeed_record(train_records):
 
 @pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_report_renders_every_back_end(train_records, tmp_path):
-    proc = run([str(TOOLS / "bench_train.py"), "--report", train_records["protrain"]["_jsonl"]])
+    proc = run(["-m", "tools.bench", "train", "--report", train_records["protrain"]["_jsonl"]])
     table = proc.stdout
     assert "**gpt2-tiny**" in table and "× torch-plain" in table
     rows = {
@@ -225,7 +228,7 @@ def test_bench_train_does_not_fit_is_a_clean_record():
     # 256 KiB is below anything the planner can do for gpt2-tiny: a "fits": false
     # record naming the planner's reason, exit status 0, no traceback.
     proc = run(
-        [str(TOOLS / "bench_train.py"), *COMMON, "--budget", "256KiB", "--backend", "protrain"]
+        ["-m", "tools.bench", "train", *COMMON, "--budget", "256KiB", "--backend", "protrain"]
     )
     (r,) = records(proc.stdout)
     assert r["fits"] is False and r["reason"].startswith("planner: no configuration"), r
@@ -238,7 +241,9 @@ def test_bench_fit_tiny_ladder(tmp_path):
     jsonl = tmp_path / "fit.jsonl"
     proc = run(
         [
-            str(TOOLS / "bench_fit.py"),
+            "-m",
+            "tools.bench",
+            "fit",
             "--device",
             "cpu",
             "--tiny",
@@ -343,8 +348,7 @@ def test_gpu_preflight_on_cpu(tmp_path):
 def test_gpu_preflight_flags_what_swap_must_leave_alone():
     # What flash SDPA saves on a GPU with dropout (issue #14): CPU int64 philox scalars
     # beside device tensors. The summary lists exactly those.
-    sys.path.insert(0, str(TOOLS))
-    import gpu_preflight
+    from tools import gpu_preflight
 
     def t(device, dtype, shape, role="other"):
         numel = math.prod(shape)
@@ -437,28 +441,28 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
 
 @pytest.mark.slow  # (the module's bench_train run of four back-ends: 17 s)
 def test_bench_train_write_replaces_only_its_own_section(train_records, tmp_path, monkeypatch):
-    sys.path.insert(0, str(TOOLS))
-    import bench_executor
-    import bench_train
+    from tools.bench import harness
+    from tools.bench import train as bench_train
 
     md = tmp_path / "BENCHMARKS.md"
-    other = "## Executor step time on CPU (tools/bench_executor.py)\n\nkeep me\n"
-    md.write_text(bench_executor.HEADER + "\n" + other)
-    monkeypatch.setattr(bench_executor, "BENCHMARKS_MD", md)
+    other = "## executor: Executor step time on CPU\n\nkeep me\n"
+    md.write_text(harness.HEADER + "\n" + other)
+    monkeypatch.setattr(harness, "BENCHMARKS_MD", md)
     jsonl = train_records["protrain"]["_jsonl"]
+    section = harness.heading("train")
     for _ in range(2):  # the second write replaces the first
         assert bench_train.main(["--report", jsonl, "--write"]) == 0
     text = md.read_text()
-    assert other in text and text.count(bench_train.SECTION) == 1
-    assert text.index(other) < text.index(bench_train.SECTION)
+    assert other in text and text.count(section) == 1
+    assert text.index(other) < text.index(section)
     assert "GPU figures are pending a lent device" in text
 
 
 def test_paper_sizes_section_says_what_binds():
-    # tools/paper_sizes.py's table, from made-up rows (the real run takes minutes): the
+    # tools/bench/paper_sizes.py's table, from made-up rows (the real run takes minutes): the
     # ratio to the paper, the binding resource, the device-only size, the four-rank note.
-    sys.path.insert(0, str(TOOLS))
-    import paper_sizes as ps
+    from tools.bench import harness
+    from tools.bench import paper_sizes as ps
 
     def row(world: int, paper: float, needs: str) -> dict:
         return dict(
@@ -486,7 +490,7 @@ def test_paper_sizes_section_says_what_binds():
         "llama-70b: plans.",
         2.0,
     )
-    assert text.startswith(ps.SECTION)
+    assert text.startswith(harness.heading("paper-sizes"))
     assert (
         "| 1 x rtx3090, 384GiB host RAM | 25.42B | 66L × 5632 (44 heads) | 34B | 0.75 | 8, 38.6 |"
         in text
@@ -514,10 +518,9 @@ def test_paper_sizes_section_says_what_binds():
 
 
 def test_bench_host_reads_its_rows():
-    # tools/bench_host.py's section from made-up rows (the real run builds 355M and 774M
+    # tools/bench/host.py's section from made-up rows (the real run builds 355M and 774M
     # models): the table's ratios and the reading's figures, the marginal cost included.
-    sys.path.insert(0, str(TOOLS))
-    import bench_host as bh
+    from tools.bench import host as bh
 
     def row(model, n, homeless, predicted, measured, mmap, dtype="bfloat16", accum=1):
         return dict(
@@ -544,8 +547,8 @@ def test_bench_host_reads_its_rows():
         row("large", 300, True, 12.2, 12.4, 12.3),
         row("small", 100, False, 14.0, 14.2, 14.1),
     ]
-    text = bh.render(rows, "python tools/bench_host.py --write")
-    assert text.startswith("## Host bytes per offloaded parameter")
+    text = bh.render(rows, "python -m tools.bench host --write")
+    assert text.startswith("## host: Host bytes per offloaded parameter")
     assert (
         "| small | 0M | bfloat16 | 1 | none (homeless, 1 slot) | 50.0M | 12.50 | 12.00 | 13.00 "
         "| 1.040 | 12.60 | 1.008 | nan |"
@@ -564,7 +567,7 @@ def test_bench_host_reads_its_rows():
     ) in text
     # an NVMe row against the same layout in host memory: what moved off the host
     disk = dict(row("small", 100, True, 0.5, 0.9, 0.7), nvme=True, disk_per_param=12.01)
-    text = bh.render([*rows, disk], "python tools/bench_host.py --write")
+    text = bh.render([*rows, disk], "python -m tools.bench host --write")
     assert "| none (homeless, 1 slot); master and moments on disk |" in text
     assert (
         "peak 0.90 B per parameter (predicted 0.50) with master and moments on disk against "
@@ -574,10 +577,9 @@ def test_bench_host_reads_its_rows():
 
 
 def test_bench_host_device_rows(tmp_path, capsys):
-    # tools/bench_host.py --row/--device rows (tools/gpu_check.sh's host bytes step) as a
+    # tools/bench/host.py --row/--device rows (tools/gpu_check.sh's host bytes step) as a
     # table from a --jsonl file; --write refuses them (it replaces the CPU table only).
-    sys.path.insert(0, str(TOOLS))
-    import bench_host as bh
+    from tools.bench import host as bh
 
     row = dict(
         device="cuda",
@@ -624,15 +626,14 @@ def test_bench_host_measures_on_the_device_it_is_given(tmp_path, monkeypatch, ca
     # own. Each row's two processes get the device and the two allocators; a row whose
     # process fails is skipped with the others kept and the run failed; on a GPU nothing of
     # the device's is subtracted from the host's peak.
-    sys.path.insert(0, str(TOOLS))
     import subprocess as sp
 
-    import bench_host as bh
+    from tools.bench import host as bh
 
     assert bh.host_share(7, "cuda") == 0 and bh.host_share(7, "cpu") == 7
     calls = []
 
-    def fake_run(cmd, stdout, text, env):
+    def fake_run(cmd, stdout, text, env, cwd=None):
         calls.append((cmd, env))
         case = cmd[cmd.index("--case") + 1]
         if case.startswith("broken"):
@@ -696,7 +697,7 @@ def test_bench_moe_spread_reports_each_run_and_the_ranges():
     """One run of the probed-CPU fixture in a fresh process: its ratios, and the section's table."""
     pytest.importorskip("transformers")
     proc = subprocess.run(
-        [sys.executable, str(TOOLS / "bench_moe_spread.py"), "--runs", "1"],
+        [sys.executable, "-m", "tools.bench", "moe-spread", "--rounds", "1"],
         capture_output=True,
         text=True,
         timeout=300,

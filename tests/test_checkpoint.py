@@ -169,7 +169,12 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
     the point, so no run depends on timing); the root always resolves to a complete
     checkpoint — the previous one or the new one, never a broken one — and the next save
     clears what the killed one left."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     out = subprocess.run(
         [sys.executable, str(TESTS / "ckptworker.py"), str(tmp_path), ",".join(KILL_PHASES)],
         capture_output=True,

@@ -361,18 +361,16 @@ def test_damaged_token_files_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_large_corpus_trains_in_the_memory_of_a_small_one(tmp_path, monkeypatch):
-    # tools/bench_corpus.py end to end on 2 MB and 2 GB generated corpora (as BENCHMARKS.md's
+    # tools/bench/corpus.py end to end on 2 MB and 2 GB generated corpora (as BENCHMARKS.md's
     # 20 MB against 2 GB): tokenize, train on the token file, train on the text, each a process
     # of its own; the big corpus may not raise any of their peak RSS by more than 48 MiB (the
     # old whole-file read of 2 GB needed tens of gigabytes: a 47 MB text peaked at 700 MB).
     # The 2 GB text and its 4 GB token file need 6 GB of disk at once.
     import shutil
-    from pathlib import Path
 
     if shutil.disk_usage(tmp_path).free < 8 << 30:
         pytest.skip("needs 8 GiB free for a 2 GB corpus and its token file")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
-    import bench_corpus
+    from tools.bench import corpus as bench_corpus
 
     small = bench_corpus.measure(tmp_path, 2_000_000, steps=2)
     big = bench_corpus.measure(tmp_path, 2_000_000_000, steps=2)

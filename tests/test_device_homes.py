@@ -9,7 +9,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from emulation import emulate
 from harness import (
     assert_same_state,
     assert_same_training,
@@ -21,11 +20,13 @@ from harness import (
 )
 
 from protrain import plans
-from protrain.executor import AdamWConfig, accounting, homes, optim, wrap
+from protrain.executor import AdamWConfig, optim, wrap
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.search import memory_walk
+from protrain.plans import accounting, homes
 from protrain.plans import plan as P
 from protrain.plans.errors import PlanError
+from tools.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

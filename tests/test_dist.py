@@ -406,7 +406,7 @@ def test_device_homed_chunks_train_as_host_homes_on_three_ranks(tmp_path):
 def test_async_zero3_equals_sync(tmp_path, monkeypatch):
     """ZeRO-3 on 2 ranks under the asynchronous CPU emulation, 3 delay seeds: the fetch
     all-gathers run on the copy worker, later; losses and state equal the synchronous run's
-    bit for bit (same arithmetic; tests/emulation.py)."""
+    bit for bit (same arithmetic; tools/emulation.py)."""
     name = "llama-tiny"
     persistent, n_buffer, policies = [], 6, ["swap", "checkpoint"]
     runs = {}

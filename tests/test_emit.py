@@ -141,7 +141,7 @@ def test_example_plan_is_up_to_date():
     import sys
 
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_example_plan.py"), "--check"],
+        [sys.executable, "-m", "protrain.planner.example_plan", "--check"],
         capture_output=True,
         text=True,
     )

@@ -27,7 +27,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from emulation import emulate
 from torch import nn
 
 from protrain import plans
@@ -35,6 +34,7 @@ from protrain.executor import AdamWConfig, wrap
 from protrain.planner.search.emit import emit
 from protrain.plans import plan as P
 from protrain.plans.errors import ConfigError
+from tools.emulation import emulate
 
 V, B, T = 40, 2, 8  # vocab, micro-batch, sequence length
 CONFIG = AdamWConfig(lr=3e-2, weight_decay=0.1)  # a large lr: drift shows within steps

@@ -14,7 +14,6 @@ import threading
 
 import pytest
 import torch
-from emulation import emulate
 from harness import make_model, make_plan
 
 from protrain.executor import AdamWConfig, ProtrainError, wrap
@@ -23,6 +22,7 @@ from protrain.executor.dist import Comm
 from protrain.executor.schedule import Phase
 from protrain.planner.models.data import batches, load_tokens
 from protrain.plans.errors import BudgetError, ConfigError
+from tools.emulation import emulate
 
 PLAN = dict(persistent=[0], n_buffer=2, policies="keep checkpoint swap keep")
 

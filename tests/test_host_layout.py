@@ -8,14 +8,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from emulation import emulate
 from harness import assert_same_training, make_model, make_plan, train_engine
 from torch import nn
 
-from protrain.executor import AdamWConfig, accounting, homes, optim
+from protrain.executor import AdamWConfig, optim
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.search import memory_walk
 from protrain.planner.search.emit import emit
+from protrain.plans import accounting, homes
+from tools.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 

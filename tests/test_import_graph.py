@@ -104,14 +104,17 @@ def _layer(module: str) -> tuple[int, int]:
     """(package rank, planner rank) of a module: an edge may only go down or sideways.
 
     The planner's root modules: ``shipped`` (where the shipped data lies) sits below every
-    sub-package; the face (``protrain.planner``) and ``__main__`` above them all."""
+    sub-package; the face (``protrain.planner``) and the entry points beside it
+    (``__main__``, ``regen``, ``example_plan``) above them all."""
     parts = module.split(".")
     top = ["plans", "executor", "planner"].index(parts[1])
     if top != 2:
         return top, 0
-    if len(parts) == 2 or parts[2] == "__main__":
+    if len(parts) == 2:
         return top, len(LAYERS)
-    return top, LAYERS.index(parts[2]) if parts[2] in LAYERS else -1
+    if parts[2] in LAYERS:
+        return top, LAYERS.index(parts[2])
+    return top, -1 if parts[2] == "shipped" else len(LAYERS)
 
 
 def upward_edges(g: nx.DiGraph) -> list[str]:

@@ -9,19 +9,9 @@ import fast on every rank; the contract small enough to read as the file format'
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "protrain_tools_loc", Path(__file__).resolve().parent.parent / "tools" / "loc.py"
-)
-loc = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = loc
-_spec.loader.exec_module(loc)
-
+from tools import loc
 
 OVER = {
     "plans": "the accounting stream moved in with the contract (show/diff read it without the "

@@ -420,11 +420,7 @@ def test_fit_a_model_with_lora():
 
 
 def test_bench_host_lora_section_reads_its_rows():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import bench_host as bh
+    from tools.bench import host as bh
 
     row = {
         "model": "gpt2-large",
@@ -438,6 +434,6 @@ def test_bench_host_lora_section_reads_its_rows():
         "train_peak_mmap_per_param": 1.9,
         "full_predicted_per_param": 14.01,
     }
-    text = bh.render_lora([row], "python tools/bench_host.py --lora --write")
-    assert text.startswith("## Host bytes per frozen parameter, LoRA")
+    text = bh.render_lora([row], "python -m tools.bench host-lora --write")
+    assert text.startswith("## host-lora: Host bytes per frozen parameter, LoRA")
     assert "| gpt2-large | 778M | 4.00M | bfloat16 | 2.085 |" in text and "14.01" in text

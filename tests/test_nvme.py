@@ -16,7 +16,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from emulation import emulate
 from harness import (
     CONFIGS,
     assert_same_state,
@@ -29,12 +28,14 @@ from harness import (
 )
 
 from protrain import plans
-from protrain.executor import AdamWConfig, accounting, chunks, homes, nvme, optim, wrap
+from protrain.executor import AdamWConfig, chunks, nvme, optim, wrap
 from protrain.planner.models.data import batches, load_tokens
 from protrain.planner.models.zoo import GPT2Config
 from protrain.planner.search import memory_walk
+from protrain.plans import accounting, homes
 from protrain.plans import accounting as A
 from protrain.plans.errors import ConfigError, HostMemoryError, PlanError
+from tools.emulation import emulate
 
 CONFIG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "v6" / "gpt2-tiny-nvme.json"

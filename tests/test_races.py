@@ -1,6 +1,6 @@
 """Stream ordering on an adversarial CPU: parity under the asynchronous emulation, and delays.
 
-Under ``tests/emulation.py`` every host↔device copy (and the ZeRO-3 all-gather
+Under ``tools/emulation.py`` every host↔device copy (and the ZeRO-3 all-gather
 queued behind it) completes later, on a worker thread, after a random delay; its
 destination reads NaN until then; freeing memory an unfinished copy uses raises.
 A missing wait, record or release guard therefore fails these tests on a CPU box,
@@ -22,12 +22,12 @@ import contextlib
 
 import pytest
 import torch
-from emulation import AsyncHazard, emulate
 from harness import assert_same_state, lockstep, make_model, make_plan, sleeper
 from test_parity import MATRIX, _plan  # the same policy matrix, here under the emulation
 
 from protrain.executor import AdamWConfig, wrap
 from protrain.planner.models.data import batches, load_tokens
+from tools.emulation import AsyncHazard, emulate
 
 SEEDS = (1, 2, 3)
 
@@ -216,7 +216,7 @@ class _HostScalar(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        from emulation import host_tensor
+        from tools.emulation import host_tensor
 
         seed = host_tensor(torch.tensor(1234, dtype=torch.int64))
         ctx.save_for_backward(seed)

@@ -1,5 +1,5 @@
-"""The plan library (tools/regen_plans.py): committed plans are what the planner makes, byte for
-byte.
+"""The plan library (planner/regen.py, ``python -m protrain.planner.regen``): committed plans are
+what the planner makes, byte for byte.
 
 ``--check`` regenerates every plan and the index from the committed profiles; here it
 must pass on the tree as committed and name each file once a copy of the tree is
@@ -8,7 +8,6 @@ damaged (the copy lives in tmp_path: the real plans/ is never touched).
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -17,28 +16,19 @@ from pathlib import Path
 import pytest
 
 from protrain import plans
+from protrain.planner import regen
 from protrain.planner.views.show import policy_strip
 from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "regen_plans.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("regen_plans", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-regen = _tool()
 PLANS = sorted(p for m in regen.SHAPES for p in (ROOT / "plans" / m).glob("*.json"))
 
 
 def _check(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(TOOL), "--check", "--root", str(root)], capture_output=True, text=True
+        [sys.executable, "-m", "protrain.planner.regen", "--check", "--root", str(root)],
+        capture_output=True,
+        text=True,
     )
 
 
@@ -67,7 +57,7 @@ def test_check_names_every_stale_missing_and_extra_file(tmp_path):
         "plans/llama-7b/h100-w1.json: differs",
         "plans/mistral-7b/tpu-w1.json: extra (no longer generated)",
     ], r.stderr
-    assert "python tools/regen_plans.py" in r.stderr  # the fix
+    assert "python -m protrain.planner.regen" in r.stderr  # the fix
 
 
 def test_library_is_complete():

@@ -21,7 +21,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from emulation import emulate
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -30,6 +29,7 @@ from protrain.planner.models.zoo import lm_loss
 from protrain.planner.search.emit import emit
 from protrain.plans import plan as P
 from protrain.plans.validation import segment_chunks
+from tools.emulation import emulate
 
 # Widths that are not multiples of the CPU's vector length, so a strided loop and a
 # contiguous one split their work between vector and scalar code differently.

@@ -3,7 +3,7 @@
 # pinned-upload bandwidth), environment, the GPU tests, and protrain against FSDP2 offload
 # (and DeepSpeed ZeRO-3 offload when carried) on gpt2-xl and a reduced-depth llama-7b
 # under a 24 GiB cap, with predicted vs measured peak memory and iteration time; after each
-# model's first comparison, host bytes per offloaded parameter (bench_host --device, gpt2-medium
+# model's first comparison, host bytes per offloaded parameter (tools.bench host --device, gpt2-medium
 # and gpt2-large homeless). Must finish in under 8 minutes of device time: every step runs
 # under `timeout`, no step may start past the overall deadline, and a failed step is
 # recorded while the rest go on.
@@ -35,9 +35,9 @@
 #   env.txt           nvidia-smi, python, torch, CUDA, what was installed and how
 #   steps.tsv         step, status, exit code, seconds, time limit
 #   pytest-gpu.txt    pytest -x -q tests/gpu
-#   bench.jsonl       one bench_train record per run (tokens/s, peaks, predicted vs measured)
-#   summary.md        the pre-flight's summary, the bench_train report table, the host bytes
-#                     per offloaded parameter (bench_host --report) and the step table
+#   bench.jsonl       one tools.bench train record per run (tokens/s, peaks, predicted vs measured)
+#   summary.md        the pre-flight's summary, the tools.bench train report table, the host bytes
+#                     per offloaded parameter (tools.bench host --report) and the step table
 #   artifacts.tar.gz  hardware spec, profiles and plans protrain made and used; host.jsonl
 #   log.txt           everything every step printed
 set -uo pipefail
@@ -70,7 +70,7 @@ JSONL="$OUT/bench.jsonl"
 printf 'step\tstatus\texit\tseconds\tlimit_s\n' >"$STEPS"
 export PYTHONUNBUFFERED=1
 COMMIT="${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-export BENCH_COMMIT="$COMMIT"   # bench_train records it in every JSON line
+export BENCH_COMMIT="$COMMIT"   # tools.bench train records it in every JSON line
 START=$(date +%s)
 PY=python3
 
@@ -218,7 +218,7 @@ for pass in 0 1; do
     mb="${mbs[$pass]}"
     depth=(); [ -n "$layers" ] && depth=(--layers "$layers")
     label="$model${layers:+[${layers}L]}"
-    step "bench $label mb $mb" "$RUN_LIMIT" $PY tools/bench_train.py --device "$DEVICE" \
+    step "bench $label mb $mb" "$RUN_LIMIT" $PY -m tools.bench train --device "$DEVICE" \
       --model "$model" "${depth[@]}" --micro-batch "$mb" --seq "$SEQ" --budget "$BUDGET" \
       --steps "$STEPS_N" --warmup "$WARMUP" "${BACKENDS[@]}" "${SPEC[@]}" "${EXTRA[@]}" \
       --artifacts "$ART" --jsonl "$JSONL" --timeout "$RUN_LIMIT"
@@ -227,13 +227,13 @@ for pass in 0 1; do
   # the device's memory off the host (issue 17). On a CPU run the device's freed temporaries
   # share glibc's heap with the host states and lift its high-water; on a GPU they do not.
   # Rows land in $ART/host.jsonl one by one.
-  [ "$pass" = 0 ] && step "host bytes" "$HOST_LIMIT" $PY tools/bench_host.py --device "$DEVICE" \
+  [ "$pass" = 0 ] && step "host bytes" "$HOST_LIMIT" $PY -m tools.bench host --device "$DEVICE" \
     --steps "$HOST_STEPS" "${HOST_ROWS[@]}" --jsonl "$ART/host.jsonl"
 done
 # Plain PyTorch under the same cap: a clean "does not fit" record is the expected answer
 # for gpt2-xl at 24 GiB (16 B per parameter of states alone is 23 GiB).
 first="${MODELS[0]}"; model="${first%%:*}"; rest="${first#*:}"; mbs=(${rest#*:})
-step "bench $model torch-plain mb ${mbs[0]}" 60 $PY tools/bench_train.py --device "$DEVICE" \
+step "bench $model torch-plain mb ${mbs[0]}" 60 $PY -m tools.bench train --device "$DEVICE" \
   --model "$model" --micro-batch "${mbs[0]}" --seq "$SEQ" --budget "$BUDGET" --steps "$STEPS_N" \
   --warmup "$WARMUP" --backend torch-plain "${EXTRA[@]}" --jsonl "$JSONL" --timeout 50
 
@@ -241,7 +241,7 @@ step "bench $model torch-plain mb ${mbs[0]}" 60 $PY tools/bench_train.py --devic
 # CPU Adam op (about a minute on 16 cores; six on a busy 2-core box), so it runs only
 # where time is left. On CPU rehearsals only with --with-deepspeed.
 if { [ "$DEVICE" != cpu ] || [ "$WITH_DS" = 1 ]; } && $PY -c "import deepspeed" 2>/dev/null; then
-  step "bench $model deepspeed mb ${mbs[0]}" 240 $PY tools/bench_train.py --device "$DEVICE" \
+  step "bench $model deepspeed mb ${mbs[0]}" 240 $PY -m tools.bench train --device "$DEVICE" \
     --model "$model" --micro-batch "${mbs[0]}" --seq "$SEQ" --budget "$BUDGET" --steps "$STEPS_N" \
     --warmup "$WARMUP" --backend deepspeed-zero3-offload "${EXTRA[@]}" --jsonl "$JSONL" --timeout 230
 else
@@ -263,13 +263,13 @@ fi
   fi
   echo
   if [ -s "$JSONL" ]; then
-    $PY tools/bench_train.py --report "$JSONL" 2>&1 || echo "(report failed)"
+    $PY -m tools.bench train --report "$JSONL" 2>&1 || echo "(report failed)"
   else
     echo "(no bench records)"
   fi
   echo
   if [ -s "$ART/host.jsonl" ]; then
-    $PY tools/bench_host.py --report "$ART/host.jsonl" 2>&1 || echo "(host bytes report failed)"
+    $PY -m tools.bench host --report "$ART/host.jsonl" 2>&1 || echo "(host bytes report failed)"
   else
     echo "(no host bytes rows)"
   fi

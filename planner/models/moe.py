@@ -350,7 +350,8 @@ def balanced_experts(
     parallelism. On a ``cpu`` spec the analytic profile does charge, in forward, what the grouped
     GEMM's per-expert GEMMs and the routing ops' per-row work (softmax and top-k over n_experts
     columns, the sort, the gathers) cost the host beyond the per-op model
-    (``analytic.CPU_MOE_EXPERT_US``, ``CPU_MOE_ROW_US``, measured by tools/bench_moe_cpu.py).
+    (``analytic.CPU_MOE_EXPERT_US``, ``CPU_MOE_ROW_US``, measured by `python -m tools.bench
+    moe-cpu`).
     """
     layout = detect(model)
     if layout is None:

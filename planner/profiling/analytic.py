@@ -150,15 +150,14 @@ the host beyond the per-op model (``min(n_experts, tokens x top_k)`` per bank ca
 balanced load). transformers' grouped GEMM on a CPU runs one small GEMM per expert and
 group (up, down), on expert weights fetched cold, plus its per-group dispatch; the bmm
 that stands in for it (``moe.balanced_forward``) is charged as one kernel at the matmul
-rate. Measured with ``CPU_MOE_ROW_US`` by ``tools/bench_moe_cpu.py``: the MoE block's forward
-(a measured profile, one thread, the thread's CPU clock) less its analytic charge, less
-the same for its dense twin (what the two share cancels), on eight Mixtral-shaped configs
-that are not the tested ones (hidden 32-128, expert width 32-128, 4-32 experts, top-1 to
-top-4, 1-1536 routed rows, B*T 1-512, T <= 64), each block the least of 4-7 runs on
-the shared 2-core box, least squares over the pair: 14.3 us and 0.51 us (leave-one-out
-error 209 us rms against differences of 130-960 us; single runs of the tool, on a busy
-box, gave 13.9-15.6 us and 0.28-0.60 us). Not charged in backward (measured within 25%
-without)."""
+rate. Measured with ``CPU_MOE_ROW_US`` by ```python -m tools.bench moe-cpu```: the MoE block's
+forward (a measured profile, one thread, the thread's CPU clock) less its analytic charge, less
+the same for its dense twin (what the two share cancels), on eight Mixtral-shaped configs that
+are not the tested ones (hidden 32-128, expert width 32-128, 4-32 experts, top-1 to top-4, 1-1536
+routed rows, B*T 1-512, T <= 64), each block the least of 4-7 runs on the shared 2-core box,
+least squares over the pair: 14.3 us and 0.51 us (leave-one-out error 209 us rms against
+differences of 130-960 us; single runs of the tool, on a busy box, gave 13.9-15.6 us and
+0.28-0.60 us). Not charged in backward (measured within 25% without)."""
 
 CPU_MOE_ROW_US = 0.5
 """On a ``cpu`` spec, in forward: what each routed row (a token's visit to one expert,

@@ -34,7 +34,7 @@ final max), so no big-M is needed. Memory is linear per step already.
 
 [Note: default solver]
 ``exhaustive`` stays the default (search.DEFAULT_SOLVER), ``--solver milp`` is opt-in.
-Measured (BENCHMARKS.md, tools/bench_milp.py, 2-core CPU): on the plan library's
+Measured (BENCHMARKS.md, `python -m tools.bench milp`, 2-core CPU): on the plan library's
 grid the MILP's plan is predicted faster in 37 of the 55 cells that fit, by 1.1% at
 the median and 9.7% at most (5 cells above 3%), all of it by leaving the paper's
 space; but (1) a few cells (gpt2-xl, gpt2-10b) run into the 10 s time limit where

@@ -7,8 +7,8 @@ schedule, fingerprint and layout come from ``protrain.planner.search.emit``, exa
 the planner will write them. ``--check`` regenerates in memory and fails on any
 byte difference, so a change to the format or the emitter shows up as a plan diff.
 
-    python tools/make_example_plan.py           # (re)write the files
-    python tools/make_example_plan.py --check   # exit 1 if a committed file is stale
+    python -m protrain.planner.example_plan     # (re)write the files
+    python -m protrain.planner.example_plan --check   # exit 1 if a committed file is stale
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> int:
             print(f"wrote {rel}")
     if stale:
         print(
-            "stale (run python tools/make_example_plan.py):\n  " + "\n  ".join(stale),
+            "stale (run python -m protrain.planner.example_plan):\n  " + "\n  ".join(stale),
             file=sys.stderr,
         )
         return 1

@@ -1,6 +1,6 @@
-"""The back-ends tools/bench_train.py measures: protrain, FSDP2 offload (with full or
+"""The back-ends tools/bench/train.py measures: protrain, FSDP2 offload (with full or
 selective activation checkpointing), DeepSpeed ZeRO-3 offload and plain PyTorch, each set up
-in the worker process that times it (bench_train.py's docstring says what each one runs), and
+in the worker process that times it (train.py's docstring says what each one runs), and
 the process-group and budget helpers they share."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_models import Measured, accumulate_step, build_model, hidden_size, log
+from tools.bench.train_models import Measured, accumulate_step, build_model, hidden_size, log
 
 # ---------------------------------------------------------------------------
 # Back-ends: each takes (args, config, label, device, record), adds its settings to the

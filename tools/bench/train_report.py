@@ -1,4 +1,4 @@
-"""Reports of tools/bench_train.py: the markdown table and the BENCHMARKS.md section,
+"""Reports of tools/bench/train.py: the markdown table and the BENCHMARKS.md section,
 from saved JSON-line records (one per back-end run)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import statistics
 from pathlib import Path
 
-from bench_backends import human
-from bench_train import SECTION
+from tools.bench import harness
+from tools.bench.train_backends import human
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -165,22 +165,22 @@ def human_count(n) -> str:
 
 
 def report_section(records: list[dict]) -> str:
-    from bench_executor import machine
+    import torch  # noqa: F401  (the machine line names its version)
 
     commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     commits = sorted({r.get("commit", "unknown") for r in records})
     dates = sorted({r.get("date", "") for r in records})
     devices = sorted({r["device"] for r in records})
-    lines = [SECTION, ""]
+    lines = [harness.heading("train"), ""]
     lines += [
         "Commands (each appends its records to a JSON-lines file; "
-        "`python tools/bench_train.py --report FILE --write` made this section from it):",
+        "`python -m tools.bench train --report FILE --write` makes this section from it):",
         "",
     ]
     lines += [f"    {c}" for c in commands] + [""]
     lines += [
         f"Commit: {', '.join(commits)} (the working tree at that commit plus the bench tools). "
-        f"Dates: {dates[0]} to {dates[-1]}. Report machine: {machine()}.",
+        f"Dates: {dates[0]} to {dates[-1]}. Report machine: {harness.machine()}.",
         "",
     ]
     torches = sorted({r["torch"] for r in records if r.get("torch")})

@@ -11,12 +11,11 @@ one sentence per line), then runs, each in a process of its own, whose peak RSS
 each training run a few steps of gpt2-tiny under plans/gpt2-tiny/example.json.
 data.py [Note: bounded memory] is why the figures should not grow with the corpus.
 
-    python tools/bench_corpus.py --sizes 20MB 2GB --dir /tmp/corpus-bench
+    python -m tools.bench corpus --sizes 20MB 2GB --dir /tmp/corpus-bench [--write]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -25,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench import harness
+
+ROOT = harness.ROOT
 PLAN = ROOT / "plans" / "gpt2-tiny" / "example.json"
 WORDS = (
     "the planner writes a plan and executor replays it on every rank chunks of parameters move "
@@ -97,10 +98,8 @@ def measure(directory: Path, size: int, steps: int = 3) -> dict[str, float]:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None, name: str = "corpus") -> int:
+    ap = harness.parser(name, __doc__, rounds=1, what="runs of each command (one process each)")
     ap.add_argument("--sizes", nargs="+", default=["20MB", "2GB"])
     ap.add_argument(
         "--dir",
@@ -108,28 +107,49 @@ def main() -> None:
         help="where the corpora are generated [default: a temporary directory]",
     )
     ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    if args.rounds != 1:
+        ap.error("--rounds: each command runs once per corpus size")
     import tempfile
 
     directory = Path(args.dir or tempfile.mkdtemp(prefix="protrain-corpus-"))
     directory.mkdir(parents=True, exist_ok=True)
-    print("| corpus | tokenize peak RSS | train on .tokens peak RSS | train on .txt peak RSS |")
-    print("|---:|---:|---:|---:|")
+    rows = [
+        "| corpus | `protrain tokenize` | `train --data corpus.tokens` | `train --data corpus.txt` "
+        "|",
+        "|---:|---:|---:|---:|",
+    ]
     try:
         for size in map(parse_size, args.sizes):
             r = measure(directory, size, args.steps)
             mib = 1 << 20
-            print(
+            rows.append(
                 f"| {size / 1e6:,.0f} MB | {r['tokenize_rss'] / mib:.0f} MiB "
                 f"({r['tokenize_s']:.1f} s) | {r['train_tokens_rss'] / mib:.0f} MiB "
                 f"({r['train_tokens_s']:.1f} s) | {r['train_text_rss'] / mib:.0f} MiB "
-                f"({r['train_text_s']:.1f} s) |",
-                flush=True,
+                f"({r['train_text_s']:.1f} s) |"
             )
+            print(rows[-1], file=sys.stderr, flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()
+    text = "\n".join(
+        [
+            harness.heading(name),
+            "",
+            f"Command: `{harness.command(name, argv)}`",
+            "",
+            f"Machine: {harness.machine()}.",
+            "",
+            f"Date: {harness.now()}. Each command is a process of its own; the figure is its "
+            "`ru_maxrss` from `wait4` (peak resident set, file-backed pages of the mapped corpus "
+            "included). Corpus: generated text (words from a fixed list, one sentence per line); "
+            "tokenize is byte-level (uint16 token file, twice the text's size on disk); each train "
+            f"is {args.steps} steps of gpt2-tiny under plans/gpt2-tiny/example.json.",
+            "",
+            *rows,
+            "",
+        ]
+    )
+    return harness.emit(name, text, args.write)

@@ -36,7 +36,7 @@ global batch, with AdamW of the same hyper-parameters):
 
 Measurement: each back-end runs in its own subprocess (a fresh CUDA context,
 memory fraction, process group and allocator each; a crash or OOM stays in it),
-``--repeats`` times with the back-end order rotated per repeat. On CUDA the budget
+``--rounds`` times with the back-end order rotated per repeat. On CUDA the budget
 is enforced for every back-end by ``torch.cuda.set_per_process_memory_fraction(
 budget / total)`` (protrain's profile is taken before the cap: it measures
 compute, and its all-on-device profiling plan is not what is being tested). A step
@@ -61,10 +61,11 @@ One JSON object per run on stdout (also appended to ``--jsonl``); progress on
 stderr. ``--report FILE...`` turns saved records into a markdown table, and with
 ``--write`` into this tool's section of BENCHMARKS.md.
 
-    python tools/bench_train.py --device cpu --model gpt2-tiny --backend protrain --backend torch-plain
-    python tools/bench_train.py --model gpt2-xl --budget 24GiB --micro-batch 8 --seq 1024 \\
+    python -m tools.bench train --device cpu --model gpt2-tiny \\
+        --backend protrain --backend torch-plain
+    python -m tools.bench train --model gpt2-xl --budget 24GiB --micro-batch 8 --seq 1024 \\
         --backend protrain --backend fsdp2-offload --jsonl runs.jsonl
-    python tools/bench_train.py --report runs.jsonl [--write]
+    python -m tools.bench train --report runs.jsonl [--write]
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ import datetime
 import json
 import os
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -82,8 +82,8 @@ import time
 import traceback
 from pathlib import Path
 
-# tools/ is sys.path[0] when this file runs as a script (and in bench_fit and the tests).
-from bench_backends import (
+from tools.bench import harness
+from tools.bench.train_backends import (
     DoesNotFit,
     Skipped,
     first_line,
@@ -92,7 +92,7 @@ from bench_backends import (
     setup_plain,
     setup_protrain,
 )
-from bench_models import (  # noqa: F401 (TINY_LADDERS: bench_fit reads it from here)
+from tools.bench.train_models import (  # noqa: F401 (TINY_LADDERS: fit.py reads it from here)
     TINY_LADDERS,
     log,
     resolve_config,
@@ -100,10 +100,9 @@ from bench_models import (  # noqa: F401 (TINY_LADDERS: bench_fit reads it from 
     spread,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 if os.environ.get("PROTRAIN_ASYNC_CPU"):  # gpu_check.sh's CPU rehearsal: asynchronous CPU copies
-    sys.path.insert(0, str(ROOT / "tests"))
-    import emulation  # noqa: E402, F401  (installs itself as executor/transfer.py EMULATION)
+    import tools.emulation  # noqa: F401  (installs itself as executor/transfer.py EMULATION)
 BACKENDS = (
     "protrain",
     "fsdp2-offload",
@@ -111,7 +110,6 @@ BACKENDS = (
     "deepspeed-zero3-offload",
     "torch-plain",
 )
-SECTION = "## Training throughput against FSDP2 and DeepSpeed offload (tools/bench_train.py)"
 DTYPE_NAMES = ("float32", "bfloat16")
 
 
@@ -314,7 +312,7 @@ def git_commit() -> str:
 
 
 def run_all(args, argv: list[str]) -> list[dict]:
-    command = shlex.join(["python", "tools/bench_train.py", *argv])
+    command = harness.command("train", argv)
     meta = {
         "command": command,
         "commit": git_commit(),
@@ -343,7 +341,7 @@ def run_all(args, argv: list[str]) -> list[dict]:
 
 
 def spawn(args, argv: list[str], backend: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", backend]
+    cmd = [sys.executable, "-m", "tools.bench", "train", *argv, "--worker", backend]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     base = {
         "backend": backend,
@@ -360,7 +358,9 @@ def spawn(args, argv: list[str], backend: str) -> dict:
     }  # the worker died: unknown
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout, cwd=ROOT
+        )
     except subprocess.TimeoutExpired:
         return {**base, "error": f"timed out after {args.timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -382,7 +382,7 @@ def spawn(args, argv: list[str], backend: str) -> dict:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser("train", __doc__, rounds=1, what="runs of every back-end, order rotated")
     ap.add_argument(
         "--backend",
         action="append",
@@ -416,7 +416,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--steps", type=int, default=8, help="steps per run, warm-up included (default 8)"
     )
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every back-end (default 1)")
     ap.add_argument(
         "--budget",
         default=None,
@@ -477,13 +476,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         metavar="JSONL",
         help="print the markdown table of saved records instead of running",
     )
-    ap.add_argument(
-        "--write",
-        action="store_true",
-        help="with --report: replace this tool's section of BENCHMARKS.md",
-    )
     ap.add_argument("--worker", choices=BACKENDS, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    args.repeats = args.rounds
+    if args.write and args.report is None:
+        ap.error("--write goes with --report: the section is made from saved records")
     if args.report is None:
         if args.device is None or args.device.startswith("cuda"):
             import torch  # only to ask about CUDA: a parent with --device cpu starts faster without
@@ -497,19 +495,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None, name: str = "train") -> int:
+    argv = list(sys.argv[2:] if argv is None else argv)
     args = parse(argv)
     if args.report is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_report import load_records, report_section, report_table
+        from tools.bench.train_report import load_records, report_section, report_table
 
         records = load_records(args.report)
         if args.write:
-            from bench_executor import write_section
-
-            write_section(report_section(records), SECTION)  # our section only
-            log("wrote BENCHMARKS.md")
+            harness.write_section(name, report_section(records))  # our section only
         print(report_table(records))
         return 0
     if args.worker:
@@ -534,7 +528,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_all(args, argv)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,21 +19,19 @@ Three questions, one section of BENCHMARKS.md:
    models, budgets swept from the least to the all-persistent peak, the MILP against
    the exhaustive search at each. Every cell whose predicted win exceeds
    ``--threshold`` (3%) is run with both plans in the executor (interleaved
-   repeats, the same batches, a fresh model each run, as tools/bench_planner.py);
+   repeats, the same batches, a fresh model each run, as tools/bench/planner.py);
    if none does, the cell with the largest predicted win is run anyway and the
    reading says it is below the threshold.
 
-    python tools/bench_milp.py                 # print the section
-    python tools/bench_milp.py --write         # and update BENCHMARKS.md
+    python -m tools.bench milp                 # print the section
+    python -m tools.bench milp --write         # and replace its section of BENCHMARKS.md
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -42,27 +40,25 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools
-from bench_executor import build_model, machine, write_section  # noqa: E402
-
-from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.planner.models.data import batches, load_tokens  # noqa: E402
-from protrain.planner.profiling.profile import load_profile  # noqa: E402
-from protrain.planner.search import milp as M  # noqa: E402
-from protrain.planner.search.cost import (  # noqa: E402
+from protrain.executor import AdamWConfig, wrap
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.profiling.profile import load_profile
+from protrain.planner.search import milp as M
+from protrain.planner.search.cost import (
     choose_chunk_numel,
     facts_from_profile,
     make_terms,
     min_buffers,
     predict_plan,
 )
-from protrain.planner.search.emit import assemble  # noqa: E402
-from protrain.planner.search.exhaustive import exhaustive  # noqa: E402
-from protrain.planner.search.planning import default_host_budget  # noqa: E402
-from protrain.plans import plan as P  # noqa: E402
+from protrain.planner.search.emit import assemble
+from protrain.planner.search.exhaustive import exhaustive
+from protrain.planner.search.planning import default_host_budget
+from protrain.plans import plan as P
+from tools.bench import harness
+from tools.bench.executor import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## MILP plan choice (tools/bench_milp.py)"
+ROOT = harness.ROOT
 CPU_MODELS = ("gpt2-6l-256", "llama-tiny", "gpt2-tiny")
 FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 GiB = 2**30
@@ -180,12 +176,13 @@ def grid_summary(cells: list[Cell], label: str) -> str:
     gaps = [c.gap for c in cells if c.status == "time limit" and c.gap is not None]
     secs = sorted(c.seconds for c in cells)
     top = ", ".join(f"{c.name} W{c.world_size} {100 * c.gain:.1f}%" for c in wins[:5])
+    gap = f" (gap {100 * min(gaps):.2f}–{100 * max(gaps):.2f}%)" if gaps else ""
     return (
         f"| {label} | {len(cells)} | {len(fit)} | {len(wins)} "
         f"({sum(not c.four_count for c in wins)} off the paper's space) | "
         f"{100 * statistics.median([c.gain for c in wins]) if wins else 0:.2f}% | "
         f"{100 * wins[0].gain if wins else 0:.2f}% | {len(big)} | "
-        f"{', '.join(f'{k} {v}' for k, v in statuses.items())}{f' (gap {100 * min(gaps):.2f}–{100 * max(gaps):.2f}%)' if gaps else ''} "
+        f"{', '.join(f'{k} {v}' for k, v in statuses.items())}{gap} "
         f"| {statistics.median(secs):.2f} / {max(secs):.2f} | {top or '—'} |"
     )
 
@@ -305,8 +302,8 @@ def confirm(case: CpuCase, args) -> tuple[float, list[float]]:
 # ---------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, name: str = "milp") -> int:
+    ap = harness.parser(name, __doc__, rounds=4, what="executor runs of each plan")
     ap.add_argument(
         "--repeats-solve", type=int, default=3, help="solves per llama-70b cell (default 3)"
     )
@@ -324,14 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup", type=int, default=3, help="untimed steps per executor run (default 3)"
     )
-    ap.add_argument("--repeats", type=int, default=4, help="executor runs of each plan (default 4)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    args.repeats = args.rounds
     torch.set_num_threads(1)
-    command = shlex.join(
-        ["python", "tools/bench_milp.py", *(argv if argv is not None else sys.argv[1:])]
-    )
+    command = harness.command(name, argv)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
 
     solve_rows, worst = bench_solve_time(args.repeats_solve)
@@ -441,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = "\n".join(
         [
-            SECTION,
+            harness.heading(name),
             "",
             f"Command: `{command}`",
             "",
-            f"Machine: {machine()}.",
+            f"Machine: {harness.machine()}.",
             "",
             f"Date: {now_utc()}. HiGHS via `scipy.optimize.milp` (scipy "
             f"{__import__('scipy').__version__}), "
@@ -483,12 +478,4 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(text)
-    if args.write:
-        write_section(text, SECTION)
-        print("wrote BENCHMARKS.md", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return harness.emit(name, text, args.write)

@@ -3,10 +3,10 @@ index.
 
 Generated files, each made from the one before (the schema from the plan Structs):
 
-    plans/profiles/<model>/<model>-<hardware>-b<B>-s<S>.json   analytic profiles (slow: ~3 s each)
-    plans/<model>/<hardware>-w<W>.json                         plans, from the committed profiles
-    plans/README.md                                            the index of the plans
-    plans/schema/plan-v<N>.schema.json                         the current plan version's JSON Schema
+    plans/profiles/<model>/<model>-<hardware>-b<B>-s<S>.json  analytic profiles (~3 s each)
+    plans/<model>/<hardware>-w<W>.json                        plans, from the committed profiles
+    plans/README.md                                           the index of the plans
+    plans/schema/plan-v<N>.schema.json                        the current version's JSON Schema
 
 Profiles are regenerated only when asked (``--profiles``), because estimating one
 takes seconds and they change only when the analytic model or a hardware spec
@@ -15,10 +15,10 @@ does. A measured profile committed next to them (``source: measured``, e.g.
 same (model, hardware, micro-batch, seq len): a measurement beats an estimate.
 Plans and the index are always regenerated, from whatever profiles are committed.
 
-    python tools/regen_plans.py                    # rewrite plans and the index
-    python tools/regen_plans.py --profiles         # re-estimate profiles first, then as above
-    python tools/regen_plans.py --check            # exit 1 if a plan or the index is stale (CI)
-    python tools/regen_plans.py --check-profiles   # exit 1 if an analytic profile is stale (slow)
+    python -m protrain.planner.regen               # rewrite plans and the index
+    python -m protrain.planner.regen --profiles    # re-estimate profiles first, then as above
+    python -m protrain.planner.regen --check       # exit 1 if a plan or the index is stale (CI)
+    python -m protrain.planner.regen --check-profiles   # exit 1 if a profile is stale (slow)
 
 ``--check`` regenerates in memory and lists every file that differs, is missing or
 is extra; it never writes. ``--root DIR`` points the tool at another checkout's
@@ -205,7 +205,7 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
         if entry is None or t.compute_dtype != COMPUTE_DTYPE:
             problems.append(
                 f"{rel}: extra (a profile of {key}, {t.compute_dtype}: not in the "
-                "library table SHAPES × HARDWARE of tools/regen_plans.py)"
+                "library table SHAPES × HARDWARE of planner/regen.py)"
             )
             continue
         measured = profile.source == "measured"
@@ -223,14 +223,14 @@ def choose_profiles(root: Path) -> tuple[dict[Entry, Chosen], list[str]]:
             if profile.hardware != specs[entry.hardware]:
                 problems.append(
                     f"{rel}: stale (made for an older plans/hardware/{entry.hardware}.json; "
-                    "run python tools/regen_plans.py --profiles)"
+                    "run python -m protrain.planner.regen --profiles)"
                 )
         if entry not in chosen or measured:
             chosen[entry] = Chosen(rel, profile.source, data)
     for e in ENTRIES:
         if e not in chosen:
             problems.append(
-                f"{e.profile_rel()}: missing (run python tools/regen_plans.py --profiles)"
+                f"{e.profile_rel()}: missing (run python -m protrain.planner.regen --profiles)"
             )
     return chosen, problems
 
@@ -268,6 +268,7 @@ class Row:
 def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list[str]]:
     """Every plan file and the index, as they should be, from the committed profiles."""
     from protrain import plans
+    from protrain.planner import example_plan
 
     chosen, problems = choose_profiles(root)
     cells = [(e, w) for e in ENTRIES if e in chosen for w in WORLD_SIZES]
@@ -279,27 +280,16 @@ def expected_library(root: Path, n_workers: int) -> tuple[dict[str, bytes], list
             files[e.plan_rel(w)] = data
         rows.append(Row(e, w, chosen[e], plans.load(data) if data is not None else None, why))
     files["plans/README.md"] = render_index(rows).encode()
-    files[schema_rel()] = _example_tool().schema()
+    files[schema_rel()] = example_plan.schema()
     return files, problems
 
 
 def schema_rel() -> str:
-    """The JSON Schema of the current plan version (older versions' files stay as committed)."""
+    """The JSON Schema of the current plan version (older versions' files stay as committed;
+    its bytes are planner/example_plan.py's, the one writer of the schema file)."""
     from protrain.plans import plan as P
 
     return f"plans/schema/plan-v{P.SCHEMA_VERSION}.schema.json"
-
-
-def _example_tool():
-    """tools/make_example_plan.py, which owns the schema file's bytes (one writer, two tools)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "make_example_plan", ROOT / "tools" / "make_example_plan.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------- the index
@@ -366,7 +356,7 @@ def render_index(rows: list[Row]) -> str:
     lines = [
         "# Plan library",
         "",
-        "<!-- Generated by tools/regen_plans.py from plans/profiles/; do not edit by hand. -->",
+        "<!-- Generated by planner/regen.py from plans/profiles/; do not edit by hand. -->",
         "",
         "Ready-made plans for common models on common cards, made by the planner from",
         "committed profiles. Pick the file for your model, card and number of GPUs and pass",
@@ -389,14 +379,14 @@ def render_index(rows: list[Row]) -> str:
         "## Regenerating",
         "",
         "```",
-        "python tools/regen_plans.py                    # plans and this index, from the committed "
+        "python -m protrain.planner.regen               # plans and this index, from the committed "
         "profiles",
-        "python tools/regen_plans.py --profiles         # re-estimate the analytic profiles first "
+        "python -m protrain.planner.regen --profiles    # re-estimate the analytic profiles first "
         "(slow)",
-        "python tools/regen_plans.py --check            # CI: fail if a plan or this index is "
+        "python -m protrain.planner.regen --check       # CI: fail if a plan or this index is "
         "stale",
-        "python tools/regen_plans.py --check-profiles   # fail if an analytic profile is stale "
-        "(slow)",
+        "python -m protrain.planner.regen --check-profiles   # fail if an analytic profile is "
+        "stale (slow)",
         "```",
         "",
         "A plan is **stale** when its bytes differ from what the current planner makes from",
@@ -596,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(stale: list[str], t0: float, flag: str) -> int:
     if stale:
-        fix = f"python tools/regen_plans.py {flag}".rstrip()
+        fix = f"python -m protrain.planner.regen {flag}".rstrip()
         print(f"stale (run {fix} and commit the diff):\n  " + "\n  ".join(stale), file=sys.stderr)
         return 1
     print(f"up to date ({time.perf_counter() - t0:.1f} s)")

@@ -1,6 +1,6 @@
 """The largest model, and the largest micro-batch, each back-end trains under a budget.
 
-For every back-end (``--backend``, repeatable, the names of tools/bench_train.py)
+For every back-end (``--backend``, repeatable, the names of tools/bench/train.py)
 and family (``--family gpt2|llama``), bisect over a ladder of model sizes for the
 largest rung that trains at all: a probe is a short bench_train run (``--steps``
 steps, default 2) of that rung at ``--micro-batch``, and it fits when the run ends
@@ -25,8 +25,9 @@ and in the micro-batch, as planner/commands/fit.py does.
 One JSON line per probe and one per (back-end, family) result on stdout (and
 ``--jsonl``), progress on stderr.
 
-    python tools/bench_fit.py --device cpu --tiny --budget 2MiB --backend protrain --backend torch-plain
-    python tools/bench_fit.py --budget 24GiB --seq 1024 --backend protrain --backend fsdp2-offload
+    python -m tools.bench fit --device cpu --tiny --budget 2MiB \\
+        --backend protrain --backend torch-plain
+    python -m tools.bench fit --budget 24GiB --seq 1024 --backend protrain --backend fsdp2-offload
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool
-import bench_report  # noqa: E402
-import bench_train  # noqa: E402
+from tools.bench import harness
+from tools.bench import train as bench_train
+from tools.bench import train_report as bench_report
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -202,8 +202,8 @@ def fit_one(prober: Prober, backend: str, family: str, args) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, name: str = "fit") -> int:
+    ap = harness.parser(name, __doc__, rounds=1, what="searches (one: a probe's answer is kept)")
     ap.add_argument(
         "--backend",
         action="append",
@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--jsonl", default=None, help="also append every line to this file")
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    if args.write or args.rounds != 1:
+        ap.error("fit writes JSON lines (--jsonl), not a section, and searches once")
 
     import torch
 
@@ -276,7 +279,3 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.get('largest_micro_batch')}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

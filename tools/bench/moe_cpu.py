@@ -24,14 +24,15 @@ The configs leave out what the tests check (the tiny Mixtral at B=4, T=64 and an
 Qwen3-MoE) and keep T <= 64, where the dense twin's forward is within 25%: past that
 SDPA at small head sizes dominates both blocks and the difference is noise.
 
-    python tools/bench_moe_cpu.py                 # the default configs, 2 rounds
-    python tools/bench_moe_cpu.py --rounds 4      # steadier on a shared box
+    python -m tools.bench moe-cpu                 # the default configs, 2 rounds
+    python -m tools.bench moe-cpu --rounds 4      # steadier on a shared box
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+
+from tools.bench import harness
 
 CONFIGS = [  # (hidden, expert width, experts, top_k, micro-batch, seq len)
     (48, 96, 8, 1, 1, 1),
@@ -78,10 +79,12 @@ def _build(cfg, device: str):
         return hf.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds per config")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None, name: str = "moe-cpu") -> int:
+    ap = harness.parser(name, __doc__, rounds=2, what="interleaved measured rounds per config")
+    args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    if args.write:
+        ap.error("moe-cpu prints the constants to copy into analytic.py; it writes no section")
 
     import numpy as np
     import torch
@@ -142,7 +145,4 @@ def main() -> None:
         )
     coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(extra), rcond=None)
     print(f"CPU_MOE_EXPERT_US = {coef[0]:.1f}, CPU_MOE_ROW_US = {coef[1]:.3f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

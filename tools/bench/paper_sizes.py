@@ -15,23 +15,22 @@ predictions from analytic profiles: nothing runs on a GPU, so this is what the
 planner *would* train, bounded by the cost model and by ``plans/accounting.py``'s
 host layout (the bytes per offloaded parameter the table header prints).
 
-    python tools/paper_sizes.py            # print the markdown section (~2 min on 2 cores)
-    python tools/paper_sizes.py --write    # and replace its section in BENCHMARKS.md
+    python -m tools.bench paper-sizes            # print the markdown section (~2 min on 2 cores)
+    python -m tools.bench paper-sizes --write    # and replace its section in BENCHMARKS.md
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## Paper Table 2 sizes (tools/paper_sizes.py)"
+from tools.bench import harness
+
+ROOT = harness.ROOT
 
 GiB = 2**30
 UNLIMITED = "64TiB"
@@ -164,11 +163,11 @@ def section(rows: list[dict], llama: str, seconds: float) -> str:
     ).stdout.strip()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        SECTION,
+        harness.heading("paper-sizes"),
         "",
-        "Command: `python tools/paper_sizes.py --write` (each row is the gpt2 row of the `protrain "
-        "fit` command it names; seq 1024, bf16, device budget = the spec's usable memory per rank, "
-        "host budget per rank = SIZE / N less 10% and 2 GiB).",
+        "Command: `python -m tools.bench paper-sizes --write` (each row is the gpt2 row of the "
+        "`protrain fit` command it names; seq 1024, bf16, device budget = the spec's usable memory "
+        "per rank, host budget per rank = SIZE / N less 10% and 2 GiB).",
         "",
         f"Machine: {platform.system()} {platform.release()}, os.cpu_count()={os.cpu_count()}, "
         f"Python {platform.python_version()} (analytic profiles and the planner only: nothing runs "
@@ -256,22 +255,11 @@ def _needs(limit: str) -> tuple[float, float] | None:
     return (float(m.group(1)), float(m.group(2))) if m else None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--write", action="store_true", help="Replace the section in BENCHMARKS.md.")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None, name: str = "paper-sizes") -> int:
+    ap = harness.parser(name, __doc__, rounds=1, what="runs (one: the planner is deterministic)")
+    args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
     t0 = time.perf_counter()
     rows = [fit_row(*s) for s in SERVERS]
     text = section(rows, llama70b_row(), time.perf_counter() - t0)
-    print(text)
-    if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_executor import write_section
-
-        write_section(text, SECTION)
-
-
-if __name__ == "__main__":
-    main()
+    return harness.emit(name, text, args.write)

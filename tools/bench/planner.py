@@ -1,7 +1,7 @@
 """The planner on CPU and its search time: does the cost model count as the executor does, predict
 wall time, and search fast? (CPU peaks are a consistency check, not fidelity.)
 
-Two questions, two sections of BENCHMARKS.md:
+Two questions, two benchmarks (``planner`` and ``search``), two sections of BENCHMARKS.md:
 
 1. **Fidelity.** For a few models we measure a Profile on this machine
    (``planner/profiling/profile.py::measure``, with the hardware spec from
@@ -19,14 +19,14 @@ Two questions, two sections of BENCHMARKS.md:
    at a tight budget, timed over several calls; the analytic profiling that
    precedes it is timed separately and is the baseline of the ratio.
 
-Measurement rules (as tools/bench_executor.py): one intra-op thread (the second
+Measurement rules (as tools/bench/executor.py): one intra-op thread (the second
 core runs the executor's CPU-Adam worker), a fresh model from the same seed for
 every run, the same batches for every configuration, configurations interleaved
 and rotated across repeats so drift lands on all of them alike.
 
-    python tools/bench_planner.py                  # print both sections
-    python tools/bench_planner.py --write          # and update BENCHMARKS.md
-    python tools/bench_planner.py --only search    # one section
+    python -m tools.bench planner                  # print the first section
+    python -m tools.bench planner --write          # and replace it in BENCHMARKS.md
+    python -m tools.bench search --write           # the second
 """
 
 from __future__ import annotations
@@ -36,22 +36,17 @@ import datetime
 import gc
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tool, for its models
-from bench_executor import BENCH_MODELS, build_model, machine, write_section  # noqa: E402
-
-from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.planner.models.data import batches, load_tokens  # noqa: E402
-from protrain.planner.profiling.profile import Profile  # noqa: E402
-from protrain.planner.search.cost import (  # noqa: E402
+from protrain.executor import AdamWConfig, wrap
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.profiling.profile import Profile
+from protrain.planner.search.cost import (
     Terms,
     block_policies,
     choose_chunk_numel,
@@ -60,18 +55,13 @@ from protrain.planner.search.cost import (  # noqa: E402
     min_buffers,
     predict,
 )
-from protrain.planner.search.emit import ModelFacts, assemble  # noqa: E402
-from protrain.planner.search.exhaustive import policy_pairs, space  # noqa: E402
-from protrain.planner.search.planning import make_plan  # noqa: E402
-from protrain.plans import plan as P  # noqa: E402
-from protrain.plans.errors import BudgetError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-FIDELITY = (
-    "## Planner on CPU: peak-memory consistency, time against wall clock (tools/bench_planner.py)"
-)
-SEARCH = "## Search time (tools/bench_planner.py)"
+from protrain.planner.search.emit import ModelFacts, assemble
+from protrain.planner.search.exhaustive import policy_pairs, space
+from protrain.planner.search.planning import make_plan
+from protrain.plans import plan as P
+from protrain.plans.errors import BudgetError
+from tools.bench import harness
+from tools.bench.executor import BENCH_MODELS, build_model
 
 FIDELITY_MODELS = ("gpt2-tiny", "llama-tiny", "gpt2-6l-256")
 SEARCH_SPECS = ("rtx3090", "a100-80g", "h200")
@@ -668,9 +658,17 @@ def now_utc() -> str:
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("fidelity", "search"), help="run one section only")
+def main(argv: list[str] | None = None, name: str = "planner") -> int:
+    search = name == "search"
+    ap = harness.parser(
+        name,
+        __doc__,
+        rounds=5 if search else 3,
+        what="make_plan calls per (model, spec, budget)"
+        if search
+        else "runs of every configuration",
+    )
+    ap.add_argument("--only", choices=("fidelity", "search"), required=True, help=argparse.SUPPRESS)
     ap.add_argument(
         "--models",
         default=",".join(FIDELITY_MODELS),
@@ -682,32 +680,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
     ap.add_argument(
-        "--repeats", type=int, default=3, help="runs of every configuration (default 3)"
-    )
-    ap.add_argument(
         "--profile-iterations",
         type=int,
         default=10,
         help="measured iterations of the profile (default 10)",
     )
-    ap.add_argument(
-        "--search-repeats",
-        type=int,
-        default=5,
-        help="make_plan calls per (model, spec, budget) (default 5)",
-    )
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--seed", type=int, default=1, help="model init and data seed")
-    ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    args.repeats = args.search_repeats = args.rounds
 
     torch.set_num_threads(args.threads)
-    command = shlex.join(
-        ["python", "tools/bench_planner.py", *(argv if argv is not None else sys.argv[1:])]
-    )
-    sections: list[tuple[str, str]] = []
+    command = harness.command(name, argv)
 
-    if args.only in (None, "fidelity"):
+    if args.only == "fidelity":
         from protrain.planner.hardware.probe import probe
 
         load_before = os.getloadavg()[0]
@@ -720,11 +707,11 @@ def main(argv: list[str] | None = None) -> int:
         parts, sums = zip(*(model_section(r) for r in results))
         text = "\n".join(
             [
-                FIDELITY,
+                harness.heading(name),
                 "",
                 f"Command: `{command}`",
                 "",
-                f"Machine: {machine()}.",
+                f"Machine: {harness.machine()}.",
                 "",
                 f'Date: {now_utc()}. Spec: `probe("cpu", quick=True)` in {probe_s:.1f} s (memcpy '
                 f"link {spec.link[-1].h2d_bytes_per_s / 1e9:.1f} GB/s at "
@@ -753,9 +740,8 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
         )
-        sections.append((FIDELITY, text))
 
-    if args.only in (None, "search"):
+    if args.only == "search":
         load_before = os.getloadavg()[0]
         t_start = time.perf_counter()
         rows, prof_times = bench_search(args)
@@ -765,11 +751,11 @@ def main(argv: list[str] | None = None) -> int:
         shapes = "; ".join(f"{m} B={b}, T={t}" for m, b, t in SEARCH_MODELS)
         text = "\n".join(
             [
-                SEARCH,
+                harness.heading(name),
                 "",
                 f"Command: `{command}`",
                 "",
-                f"Machine: {machine()}.",
+                f"Machine: {harness.machine()}.",
                 "",
                 f"Date: {now_utc()}. Analytic profiles (`analytic_profile(build(name, "
                 f'device="meta"), ...)`, bf16; {shapes}) for the datasheet specs '
@@ -793,16 +779,5 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
         )
-        sections.append((SEARCH, text))
 
-    for title, text in sections:
-        print(text)
-        if args.write:
-            write_section(text, title)
-    if args.write:
-        print(f"wrote {BENCHMARKS_MD.relative_to(ROOT)}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return harness.emit(name, text, args.write)

@@ -21,26 +21,25 @@ Measurement rules, so that ratios mean something on a noisy, shared 2-core box:
   overlap the design is meant to buy; it also keeps a concurrent test run from
   stealing half of a two-thread pool mid-kernel.
 - Every protrain variant's losses are compared with the plain run's, step by
-  step: on CPU fp32 a plan moves tensors and must not change arithmetic, so ``max |dloss|`` should be 0.
+  step: on CPU fp32 a plan moves tensors and must not change arithmetic, so ``max |dloss|``
+  should be 0.
 
-    python tools/bench_executor.py                  # print the table
-    python tools/bench_executor.py --write          # and update BENCHMARKS.md
+    python -m tools.bench executor                  # print the table
+    python -m tools.bench executor --write          # and replace its section of BENCHMARKS.md
+
+The models here (``BENCH_MODELS``, ``build_model``) are the other CPU benchmarks' too.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import gc
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -50,18 +49,7 @@ from protrain.planner.models.zoo import GPT2, ZOO, GPT2Config, Llama, block_path
 from protrain.planner.search.emit import emit
 from protrain.plans import plan as P
 from protrain.plans import validation as V
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-SECTION = "## Executor step time on CPU (tools/bench_executor.py)"
-HEADER = """# Benchmarks
-
-Every figure in this file names the command that produced it, the machine it ran
-on and the date, and is reported as a ratio against a baseline measured in the
-same run (same process, same data, variants interleaved), because absolute times
-on shared CPU machines drift by more than the effects we measure. Rerun the
-command to refresh a section; each tool replaces only its own section.
-"""
+from tools.bench import harness
 
 # Benchmark-only shapes: big enough that a step is dominated by matmuls rather than
 # Python overhead (gpt2-tiny's 2 x 64-wide blocks are not), small enough that
@@ -277,43 +265,11 @@ def reading(med: dict[str, float], runs: dict[str, list[Run]], load: tuple[float
     )
 
 
-def write_section(text: str, title: str = SECTION) -> None:
-    """Create BENCHMARKS.md with its header if missing; replace or append section ``title`` only.
-
-    The other benchmark tools (bench_planner, bench_dist) write their sections with it too.
-    """
-    doc = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else HEADER
-    start = doc.find(title)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + len(title))  # the next section, if any
-        rest = "" if end < 0 else "\n" + doc[end + 1 :]  # keep later sections as they were
-        doc = doc[:start] + text + rest
-    BENCHMARKS_MD.write_text(doc.rstrip("\n") + "\n")
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:  # Linux names the CPU model here; platform.processor() is often empty
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{platform.system()} {platform.release()} {platform.machine()}, {cpu}, "
-        f"os.cpu_count()={os.cpu_count()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torch.set_num_threads({torch.get_num_threads()})"
-    )
-
-
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, name: str = "executor") -> int:
+    ap = harness.parser(name, __doc__, rounds=3, what="runs of every variant, interleaved")
     ap.add_argument(
         "--model",
         default="gpt2-6l-256",
@@ -323,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="sequence length in tokens (default 128)")
     ap.add_argument("--steps", type=int, default=30, help="measured steps per run (default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per run (default 5)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of every variant (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument(
         "--chunk-numel",
@@ -338,15 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         help="device buffers for offloaded plans; raised to the least that works",
     )
     ap.add_argument("--seed", type=int, default=1, help="model init and data seed")
-    ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
     if args.model not in BENCH_MODELS and args.model not in ZOO:
         ap.error(f"unknown model {args.model!r}; choose from {', '.join([*BENCH_MODELS, *ZOO])}")
 
     torch.set_num_threads(args.threads)
-    command = shlex.join(
-        ["python", "tools/bench_executor.py", *(argv if argv is not None else sys.argv[1:])]
-    )
+    command = harness.command(name, argv)
     tr = P.Training(
         micro_batch=args.batch,
         seq_len=args.seq,
@@ -362,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     t_start = time.perf_counter()
     runs: dict[str, list[Run]] = {v.name: [] for v in variants}
-    for rep in range(args.repeats):
+    for rep in range(args.rounds):
         # Rotate the order each repeat, so no variant always runs first (cold) or last.
         order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for v in order:
@@ -375,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs[v.name].append(run)
             print(
-                f"repeat {rep + 1}/{args.repeats} {v.name:22s} "
+                f"repeat {rep + 1}/{args.rounds} {v.name:22s} "
                 f"median {ms(statistics.median(run.step_s))} ms",
                 file=sys.stderr,
             )
@@ -387,14 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in build_model(args.model, "meta", 0).parameters())
     section = "\n".join(
         [
-            SECTION,
+            harness.heading(name),
             "",
             f"Command: `{command}`",
             "",
-            f"Machine: {machine()}.",
+            f"Machine: {harness.machine()}.",
             "",
             f"Date: {date}. Model {args.model} ({n_params / 1e6:.2f}M params, fp32), micro-batch "
-            f"{args.batch} × {args.seq} tokens; {args.repeats} repeats × ({args.warmup} warmup + "
+            f"{args.batch} × {args.seq} tokens; {args.rounds} repeats × ({args.warmup} warmup + "
             f"{args.steps} measured) steps per variant, variants interleaved; {elapsed_s:.0f} s in "
             "all. Median over all measured steps; the spread is the min–max of the per-repeat "
             "medians; fwd / bwd / optim are the medians of each phase (protrain: "
@@ -408,12 +361,4 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(section)
-    if args.write:
-        write_section(section)
-        print(f"wrote {BENCHMARKS_MD.relative_to(ROOT)}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return harness.emit(name, section, args.write)

@@ -9,11 +9,11 @@ parameter at its peak, the model's own fp32 weights included while they lived (w
 moves them into chunks and frees them). The prediction is ``memory_walk.walk(plan)``'s
 host bytes (+ the swapped activations, none here) over the same parameters.
 
-    python tools/bench_host.py                # print the table
-    python tools/bench_host.py --write        # and replace its section in BENCHMARKS.md
-    python tools/bench_host.py --device cuda --row gpt2-medium,bfloat16,1,1,0 --jsonl host.jsonl
-    python tools/bench_host.py --report host.jsonl   # the rows of such runs, as a table
-    python tools/bench_host.py --lora --write # LoRA (peft, r=16 on the attention projections):
+    python -m tools.bench host                # print the table
+    python -m tools.bench host --write        # and replace its section in BENCHMARKS.md
+    python -m tools.bench host --device cuda --row gpt2-medium,bfloat16,1,1,0 --jsonl host.jsonl
+    python -m tools.bench host --report host.jsonl   # the rows of such runs, as a table
+    python -m tools.bench host-lora --write   # LoRA (peft, r=16 on the attention projections):
                                               # host bytes per frozen parameter, its own section
 
 On a GPU (``--device cuda``, tools/gpu_check.sh) the chunk buffers, gradients, activations
@@ -34,10 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench import harness
+
+ROOT = harness.ROOT
 if os.environ.get("PROTRAIN_ASYNC_CPU"):  # gpu_check.sh's CPU rehearsal: asynchronous CPU copies
-    sys.path.insert(0, str(ROOT / "tests"))
-    import emulation  # noqa: E402, F401  (installs itself as executor/transfer.py EMULATION)
+    import tools.emulation  # noqa: F401  (installs itself as executor/transfer.py EMULATION)
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 """glibc raises its mmap threshold (up to 32 MiB) each time a mapped block is freed, so
 later blocks below it come from the heap and stay resident after they are freed. On a
@@ -271,7 +272,7 @@ def run_case(
 
 def render(rows: list[dict], cmd: str) -> str:
     lines = [
-        "## Host bytes per offloaded parameter (tools/bench_host.py)",
+        harness.heading("host"),
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
@@ -463,25 +464,12 @@ def _marginal(h: list[dict]) -> str:
     )
 
 
-def write_section(text: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text()
-    head = text.splitlines()[0]
-    if head in doc:
-        start = doc.index(head)
-        nxt = doc.find("\n## ", start + 1)
-        doc = doc[:start] + text + ("\n" + doc[nxt + 1 :] if nxt != -1 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    path.write_text(doc)
-
-
 def render_rows(rows: list[dict], cmd: str) -> str:
     """Rows of a ``--row`` or ``--device cuda`` run (tools/gpu_check.sh): one table, the
     device named, nothing subtracted on a GPU (the module's docstring)."""
     lines = [
         f"## Host bytes per offloaded parameter, {', '.join(sorted({r['device'] for r in rows}))} "
-        "(tools/bench_host.py)",
+        "(python -m tools.bench host --row/--device)",
         "",
         f"Command: `{cmd}`",
         "",
@@ -532,7 +520,9 @@ def measure(
             p = subprocess.run(
                 [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "tools.bench",
+                    "host",
                     "--case",
                     case,
                     "--steps",
@@ -546,10 +536,11 @@ def measure(
                 stdout=subprocess.PIPE,
                 text=True,
                 env={**os.environ, **env},
+                cwd=ROOT,
             )
             if p.returncode != 0:
                 print(
-                    f"bench_host: {case} on {device}{' with ' + str(env) if env else ''} failed "
+                    f"host: {case} on {device}{' with ' + str(env) if env else ''} failed "
                     f"(exit {p.returncode}; its error is above); skipped",
                     file=sys.stderr,
                 )
@@ -574,7 +565,7 @@ def measure(
 def render_lora(rows: list[dict], cmd: str) -> str:
     """``--lora``'s section: host bytes per frozen parameter, predicted and measured."""
     lines = [
-        "## Host bytes per frozen parameter, LoRA (tools/bench_host.py --lora)",
+        harness.heading("host-lora"),
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
@@ -622,20 +613,15 @@ def _parse_case(text: str) -> tuple:
         return name, dtype, int(accum), homeless == "1", nvme == "1"
     except ValueError:
         raise SystemExit(
-            f"bench_host: --row {text!r}: expected MODEL,DTYPE,GRAD_ACCUM,HOMELESS(0|1),NVME(0|1), "
+            f"host: --row {text!r}: expected MODEL,DTYPE,GRAD_ACCUM,HOMELESS(0|1),NVME(0|1), "
             "e.g. gpt2-medium,bfloat16,1,1,0"
         ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None, name: str = "host") -> int:
+    ap = harness.parser(name, __doc__, rounds=1, what="runs of each case (one: two processes each)")
     ap.add_argument(
         "--steps", type=int, default=3, help="training steps per row (the peak is over all)"
-    )
-    ap.add_argument(
-        "--write", action="store_true", help="replace this tool's section of BENCHMARKS.md"
     )
     ap.add_argument(
         "--nvme-dir", default="/var/tmp", help="directory for the NVMe rows' state files (a disk)"
@@ -658,12 +644,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case in this process
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    if args.rounds != 1:
+        ap.error("--rounds: one run of each case (the table's rows are single measurements)")
     if args.report:
         rows = [
             json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()
         ]
         print(
-            render_rows(rows, f"python tools/bench_host.py --report {args.report}")
+            render_rows(rows, f"python -m tools.bench host --report {args.report}")
             if rows
             else "(no rows)"
         )
@@ -689,39 +678,28 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(LORA_CASES, args.steps, args.nvme_dir, args.device, args.jsonl, lora=True)
         if len(rows) < len(LORA_CASES):
             return 1
-        text = render_lora(rows, "python tools/bench_host.py --lora --write")
-        print(text)
-        if args.write:
-            write_section(text)
-        return 0
+        text = render_lora(rows, "python -m tools.bench host-lora --write")
+        return harness.emit("host-lora", text, args.write)
     if args.write and (args.row or args.device != "cpu"):
         raise SystemExit(
-            "bench_host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "
+            "host: --write replaces the CPU table of BENCHMARKS.md: drop --row/--device, "
             "or use --jsonl and --report for these rows"
         )
     cases = [_parse_case(r) for r in args.row] or CASES
     rows = measure(cases, args.steps, args.nvme_dir, args.device, args.jsonl)
     failed = len(cases) - len(rows)
     if failed:
-        print(f"bench_host: {failed} of {len(cases)} rows failed", file=sys.stderr)
+        print(f"host: {failed} of {len(cases)} rows failed", file=sys.stderr)
     if args.row or args.device != "cpu":
         if rows:
             print(
                 render_rows(
                     rows,
-                    "python tools/bench_host.py "
-                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    harness.command(name, argv),
                 )
             )
         return 1 if failed else 0
     if failed:
         return 1  # (the CPU table is written whole or not at all)
-    text = render(rows, "python tools/bench_host.py --write")
-    print(text)
-    if args.write:
-        write_section(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    text = render(rows, "python -m tools.bench host --write")
+    return harness.emit("host", text, args.write)

@@ -1,4 +1,4 @@
-"""Models and the measured loop shared by tools/bench_train.py's back-ends (and bench_fit)."""
+"""Models and the measured loop shared by tools/bench/train.py's back-ends (and fit.py)."""
 
 from __future__ import annotations
 

@@ -11,32 +11,27 @@ comes first), so both settings see the same machine drift. It reports the median
 of each, their ratio, and the time spent inside the guard's checks (the optimizer's public
 ``guard_seconds``).
 
-    python tools/bench_finite.py                  # print the table
-    python tools/bench_finite.py --write          # and update BENCHMARKS.md
+    python -m tools.bench finite                  # print the table
+    python -m tools.bench finite --write          # and replace its section of BENCHMARKS.md
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_executor import build_model, machine, write_section  # noqa: E402
+from protrain.executor import AdamWConfig, wrap
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths
+from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from tools.bench import harness
+from tools.bench.executor import build_model
 
-from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.planner.models.data import batches, load_tokens  # noqa: E402
-from protrain.planner.models.zoo import block_paths  # noqa: E402
-from protrain.planner.search.emit import emit  # noqa: E402
-from protrain.plans import plan as P  # noqa: E402
-
-SECTION = "## Finite-state guard: step time with and without it (tools/bench_finite.py)"
 MODEL, MICRO_BATCH, SEQ_LEN, CHUNK = "gpt2-6l-256", 4, 128, 1 << 20
 
 
@@ -137,24 +132,24 @@ def check_alone(plan: P.Plan, runs: int = 30) -> tuple[float, int]:
     return statistics.median(times), sum(t.numel() for v in views for t in v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, name: str = "finite") -> int:
+    ap = harness.parser(
+        name, __doc__, rounds=6, what="blocks of steps per setting, alternating order"
+    )
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=6, help="blocks per setting (alternating order)")
     ap.add_argument("--block", type=int, default=8, help="steps per block")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--write", action="store_true", help="replace this tool's section of BENCHMARKS.md"
-    )
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    args.repeats = args.rounds
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
     rows, ratios, shares = [], [], []
-    for name, plan in plans():
+    for label, plan in plans():
         times, inside = measure(plan, args.warmup, args.repeats, args.block)
         on, off = (statistics.median(times[g]) for g in (True, False))
         rows.append(
-            f"| {name} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
+            f"| {label} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | {inside * 1e3:.2f} "
             f"({inside / off:.1%}) |"
         )
         ratios.append(on / off)
@@ -166,38 +161,32 @@ def main(argv: list[str] | None = None) -> int:
         f"elements | — | — | — | {alone * 1e3:.2f} ({alone / off:.1%}) |"
     )
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
     text = (
-        f"""{SECTION}
+        f"""{harness.heading(name)}
 
-Command: `python tools/bench_finite.py {argv_text}`
+Command: `{harness.command(name, argv)}`
 
-Machine: {machine()}.
+Machine: {harness.machine()}.
 
-Date: {date}. Model {MODEL} (fp32), micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 1M-element chunks; per plan two
-engines (guard on; off by `PROTRAIN_NO_FINITE_CHECK=1`), {args.warmup} warm-up steps each, then {args.repeats} blocks of {args.block} steps per setting,
-alternating between them (alternating which comes first); median wall time of a whole `Engine.step`;
-{time.time() - t0:.0f} s in all; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after (2 cores shared
-with other work: read differences under a few % as noise).
+Date: {date}. Model {MODEL} (fp32), micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 1M-element
+chunks; per plan two engines (guard on; off by `PROTRAIN_NO_FINITE_CHECK=1`), {args.warmup}
+warm-up steps each, then {args.repeats} blocks of {args.block} steps per setting, alternating
+between them (alternating which comes first); median wall time of a whole `Engine.step`;
+{time.time() - t0:.0f} s in all; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after
+(2 cores shared with other work: read differences under a few % as noise).
 
-| plan | median step ms, guard off | median step ms, guard on | on / off | ms inside the guard per step (of a step) |
+| plan | step ms, guard off | step ms, guard on | on / off | ms in the guard per step (share) |
 |---|---:|---:|---:|---:|
 """
         + "\n".join(rows)
         + f"""
 
-Reading: the guard's cost is the last column, timed inside its checks during the guarded steps
-({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only reads the global norm
-the step computes anyway). The on / off ratios of whole steps ({min(ratios):.3f} to {max(ratios):.3f}) are two
-medians on a 2-core machine shared with other work, so they carry its drift, which here is larger than the
-guard's cost; the check alone, over spans the size of this model's gradients, takes {alone * 1e3:.1f} ms.
+Reading: the guard's cost is the last column, timed inside its checks during the guarded
+steps ({min(shares):.1%} to {max(shares):.1%} of a step; the after_backward plan's guard only
+reads the global norm the step computes anyway). The on / off ratios of whole steps
+({min(ratios):.3f} to {max(ratios):.3f}) are two medians on a 2-core machine shared with other
+work, so they carry its drift, which here is larger than the guard's cost; the check alone,
+over spans the size of this model's gradients, takes {alone * 1e3:.1f} ms.
 """
     )
-    print(text)
-    if args.write:
-        write_section(text, SECTION)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return harness.emit(name, text, args.write)

@@ -17,7 +17,7 @@ Two parts, each rank a process started by ``torch.multiprocessing.spawn`` (gloo 
    shard, all-reduce of the full buffer. A ``dist.barrier()`` before every sample
    keeps rank skew out; a sample is the fastest rank's time (the last rank out of
    the barrier waits for no one, so it times the transfer itself, the same estimator
-   as "net of waiting" in part 2); median of ``--repeats`` after ``--warmup``. The
+   as "net of waiting" in part 2); median of ``--rounds`` after ``--warmup``. The
    baseline, in the same run on rank 0 while the others wait: ``Tensor.copy_`` of
    the same bytes, which is what the cpu spec's link measures. Bus bandwidth is the
    nccl-tests convention: (W-1)/W x bytes / time for all-gather and reduce-scatter,
@@ -34,17 +34,15 @@ Two parts, each rank a process started by ``torch.multiprocessing.spawn`` (gloo 
    with the probed spec (the memcpy fallback) and once with ``allgather_bytes_per_s``
    set from part 1. Total runtime ~1.5-2 minutes on 2 cores.
 
-    python tools/bench_dist.py              # print the section
-    python tools/bench_dist.py --write      # and update BENCHMARKS.md
+    python -m tools.bench dist              # print the section
+    python -m tools.bench dist --write      # and replace its section of BENCHMARKS.md
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
-import shlex
 import socket
 import statistics
 import sys
@@ -58,24 +56,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # the sibling tool: models, machine, writing
-from bench_executor import BENCHMARKS_MD, ROOT, build_model, machine, write_section  # noqa: E402
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor.dist import Comm
+from protrain.planner.hardware.probe import probe
+from protrain.planner.hardware.spec import link_bandwidth
+from protrain.planner.models.data import batches, load_tokens
+from protrain.planner.models.zoo import block_paths
+from protrain.planner.profiling.profile import measure
+from protrain.planner.search.cost import Terms, collective_bandwidth, make_terms, predict
+from protrain.planner.search.emit import emit
+from protrain.plans import plan as P
+from protrain.plans import validation as V
+from tools.bench import harness
+from tools.bench.executor import build_model
 
-from protrain.executor import AdamWConfig, wrap  # noqa: E402
-from protrain.executor.dist import Comm  # noqa: E402
-from protrain.planner.commands.measure import measure  # noqa: E402
-from protrain.planner.hardware.probe import probe  # noqa: E402
-from protrain.planner.hardware.spec import link_bandwidth  # noqa: E402
-from protrain.planner.models.data import batches, load_tokens  # noqa: E402
-from protrain.planner.models.zoo import block_paths  # noqa: E402
-from protrain.planner.search.cost import Terms, collective_bandwidth, make_terms, predict  # noqa: E402
-from protrain.planner.search.emit import emit  # noqa: E402
-from protrain.plans import plan as P  # noqa: E402
-from protrain.plans import validation as V  # noqa: E402
-
-SECTION = "## Communication on CPU with gloo (tools/bench_dist.py)"
 KiB, MiB = 2**10, 2**20
 OPS = ("all-gather", "reduce-scatter", "all-reduce")
 # (model, chunk_numel): a latency-bound 256 KiB chunk and a bandwidth-bound 4 MiB one,
@@ -647,8 +641,8 @@ def reading(spec, sizes: list[int], mres: dict, e2e: list[dict], load) -> str:
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, name: str = "dist") -> int:
+    ap = harness.parser(name, __doc__, rounds=10, what="timed samples per collective")
     ap.add_argument(
         "--sizes",
         default="256KiB,4MiB,32MiB",
@@ -656,15 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--warmup", type=int, default=3, help="untimed samples / steps (default 3)")
     ap.add_argument(
-        "--repeats", type=int, default=10, help="timed samples per collective (default 10)"
-    )
-    ap.add_argument(
         "--steps", type=int, default=6, help="measured training steps per run (default 6)"
     )
     ap.add_argument("--batch", type=int, default=4, help="micro-batch per rank (default 4)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    ap.add_argument("--write", action="store_true", help=f"update {BENCHMARKS_MD.name}")
     args = ap.parse_args(argv)
+    harness.no_baseline(ap, args)
+    args.repeats = args.rounds
     sizes = sorted(int(s[:-3]) * (MiB if s.endswith("MiB") else KiB) for s in args.sizes.split(","))
     missing = [fmt_bytes(c * 4) for _, c in E2E if c * 4 not in sizes]
     if missing or len(sizes) < 2:
@@ -672,9 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--sizes needs at least two sizes, including the end-to-end chunk sizes "
             f"{', '.join(fmt_bytes(c * 4) for _, c in E2E)}"
         )
-    command = shlex.join(
-        ["python", "tools/bench_dist.py", *(argv if argv is not None else sys.argv[1:])]
-    )
+    command = harness.command(name, argv)
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
@@ -694,8 +684,8 @@ def main(argv: list[str] | None = None) -> int:
         micro_s = time.perf_counter() - t_start - probe_s
         rows1, mres = analyse_micro(spec, sizes, micro)
         e2e_text, figures = [], []
-        for name, chunk_numel in E2E:
-            text, figs = run_e2e(spec, name, chunk_numel, args, out, mres)
+        for model, chunk_numel in E2E:
+            text, figs = run_e2e(spec, model, chunk_numel, args, out, mres)
             e2e_text += text
             figures += figs
     elapsed_s = time.perf_counter() - t_start
@@ -703,11 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join(
         [
-            SECTION,
+            harness.heading(name),
             "",
             f"Command: `{command}`",
             "",
-            f"Machine: {machine()}.",
+            f"Machine: {harness.machine()}.",
             "",
             f'Date: {date}. Spec: `probe("cpu", quick=True)` in {probe_s:.1f} s (memcpy link '
             f"{gbs(link_bandwidth(spec, sizes[-1], 'h2d'))} GB/s at {fmt_bytes(sizes[-1])}; "
@@ -765,12 +755,4 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(section)
-    if args.write:
-        write_section(section, SECTION)
-        print(f"wrote {BENCHMARKS_MD.relative_to(ROOT)}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return harness.emit(name, section, args.write)
