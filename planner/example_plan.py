@@ -22,6 +22,7 @@ import msgspec
 
 from protrain.planner.models.zoo import block_paths, build
 from protrain.planner.search.emit import emit
+from protrain.plans import homes
 from protrain.plans import plan as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def example_plan() -> bytes:
         chunk_numel=65536,
         persistent=[0],
         n_buffer=2,
-        policies=["checkpoint", "keep"],
+        policies=[homes.CHECKPOINT.name, homes.KEEP.name],
         request=P.Request(
             model="gpt2-tiny",
             hardware="cpu",

@@ -424,7 +424,7 @@ def test_a_resume_is_marked_in_the_metrics_file(tmp_path):
     assert records[2] == {
         "event": "resume",
         "step": 1,
-        "checkpoint": str(ck / "step-00000001"),
+        "resumed_from": str(ck / "step-00000001"),
     }
     assert all("loss" in r for i, r in enumerate(records) if i != 2)
 

@@ -674,7 +674,7 @@ def _loop(
     losses = Losses()
     metrics = _Metrics(metrics_path, echo) if metrics_path else None
     if metrics is not None and resume is not None:  # the steps that follow may repeat logged ones
-        metrics.write({"event": "resume", "step": engine.steps_done, "checkpoint": str(resume)})
+        metrics.write({"event": "resume", "step": engine.steps_done, "resumed_from": str(resume)})
     bar = None
     if progress:
         from rich.progress import (
