@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -406,6 +407,10 @@ def test_the_balanced_bank_launches_the_kernels_of_the_grouped_path(family):
 # ---------------------------------------------------------------------------- against a measured profile
 
 PROFILE_B, PROFILE_T, PROFILE_ROUNDS, PROBE_EVERY, MAX_ROUNDS, NEAR = 4, 64, 12, 4, 36, 0.2
+if os.environ.get("PROTRAIN_PROBED_ROUNDS"):
+    # The test of tools/bench_moe_spread.py (test_bench_tools.py) checks the shape of the
+    # tool's report, not its figures: a run of one round is enough there.
+    PROFILE_ROUNDS = MAX_ROUNDS = int(os.environ["PROTRAIN_PROBED_ROUNDS"])
 CAL_HOST_NS, SLOW_HOST = 1100, 1.2
 """A bare ``Tensor.view`` from Python (``host_view_ns``) on the 2-core box the CPU host
 costs in analytic.py were measured on, in its usual state: 1.05-1.21 us on 2026-12-06 (the
