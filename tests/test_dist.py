@@ -578,29 +578,31 @@ def test_a_dead_rank_fails_within_the_process_group_timeout(tmp_path):
     assert codes == (0, 3) and seconds < 25.0, (codes, seconds, message)
 
 
-@pytest.mark.parametrize(
-    ("change", "field"),
-    [
-        (
-            {"grad_accum": 2},
-            "$.training.grad_accum = 2 where rank 0 has 1",
-        ),  # deadlocked until --timeout
-        (
-            {"policies": ["checkpoint", "keep"]},
-            "$.activations (the blocks' policies) differs",
-        ),  # deadlocked too
-        (
-            {"micro": 3},
-            "$.training.micro_batch = 3 where rank 0 has 2",
-        ),  # trained silently on other batches
-    ],
-)
-@pytest.mark.slow  # ~12 s each on 2 cores (two processes start)
-def test_ranks_with_different_plans_are_refused_at_wrap(tmp_path, change, field):
+DISAGREEMENTS = [
+    (
+        {"grad_accum": 2},
+        "$.training.grad_accum = 2 where rank 0 has 1",
+    ),  # deadlocked until --timeout
+    ({"policies": ["checkpoint", "keep"]}, "$.activations (the blocks' policies) differs"),  # too
+    ({"micro": 3}, "$.training.micro_batch = 3 where rank 0 has 2"),  # trained on other batches
+]
+
+
+@pytest.fixture(scope="module")
+def disagreements(tmp_path_factory):
+    """The three disagreements, one after another in one pair of processes (~12 s to start)."""
+    out = tmp_path_factory.mktemp("disagree")
+    spawn(disagree, 2, str(out), [change for change, _ in DISAGREEMENTS])
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(DISAGREEMENTS)), ids=[f for _, f in DISAGREEMENTS])
+@pytest.mark.slow
+def test_ranks_with_different_plans_are_refused_at_wrap(disagreements, i):
     # issue 31, point 6: refused on every rank at wrap, naming the rank and the field.
-    spawn(disagree, 2, str(tmp_path), change)
+    field = DISAGREEMENTS[i][1]
     for r in range(2):
-        text = (tmp_path / f"rank{r}.txt").read_text()
+        text = (disagreements / f"rank{r}-{i}.txt").read_text()
         assert text.startswith(f"PlanError: rank {r} of 2: the ranks disagree: rank 1"), text
         assert field in text, text
 
