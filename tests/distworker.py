@@ -195,28 +195,33 @@ def die(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
         Path(out, "rank0.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{e}")
 
 
-def events(rank: int, world: int, port: int, out: str, name: str, persistent, shard: bool) -> None:
-    """One step; write rank 0's event stream (kind, edge, phase, segment, detail)."""
+def events(rank: int, world: int, port: int, out: str, name: str, persistent, shards) -> None:
+    """One step per ``shards`` entry (persistent states sharded or not), one after another in
+    one process group; write rank 0's event stream (kind, edge, phase, segment, detail) of
+    each to ``events-{sharded|replicated}.json``."""
     init(rank, world, port)
     try:
-        plan = make_plan(
-            name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard
-        )
-        engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR), device="cpu")
-        seen = []
-        engine.on_event(lambda e: seen.append([e.kind, e.edge, e.phase, e.segment, e.detail]))
-        engine.step(next(batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)))
-        if rank == 0:
-            Path(out, "events.json").write_text(
-                json.dumps(
-                    {
-                        "events": seen,
-                        "persistent": plan.placement.persistent,
-                        "blocks": list(plan.model.blocks),
-                    }
-                )
+        for shard in shards:
+            plan = make_plan(
+                name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard
             )
-        engine.close()
+            engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR), device="cpu")
+            seen = []
+            engine.on_event(
+                lambda e, seen=seen: seen.append([e.kind, e.edge, e.phase, e.segment, e.detail])
+            )
+            engine.step(next(batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)))
+            if rank == 0:
+                Path(out, f"events-{'sharded' if shard else 'replicated'}.json").write_text(
+                    json.dumps(
+                        {
+                            "events": seen,
+                            "persistent": plan.placement.persistent,
+                            "blocks": list(plan.model.blocks),
+                        }
+                    )
+                )
+            engine.close()
     finally:
         dist.destroy_process_group()
     _exit_cleanly()

@@ -434,13 +434,22 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
             )
 
 
+@pytest.fixture(scope="module")
+def event_streams(tmp_path_factory):
+    """Rank 0's events of one step with persistent states replicated, then sharded, in one
+    pair of ranks."""
+    out = tmp_path_factory.mktemp("events")
+    spawn(events, 2, str(out), "gpt2-tiny", [1, 2], [False, True])
+    return out
+
+
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
-def test_persistent_reductions_start_inside_backward(tmp_path, shard):
+def test_persistent_reductions_start_inside_backward(event_streams, shard):
     """Each persistent chunk's gradient reduction is issued at the end of the backward step
     of the first segment that uses it (engine.py [Note: overlapped reductions]), so it runs
     beside the rest of backward, and is waited on only after backward."""
-    spawn(events, 2, str(tmp_path), "gpt2-tiny", [1, 2], shard)
-    got = json.loads((tmp_path / "events.json").read_text())
+    name = "sharded" if shard else "replicated"
+    got = json.loads((event_streams / f"events-{name}.json").read_text())
     ev = [tuple(e) for e in got["events"]]
     blocks = got["blocks"]
 
