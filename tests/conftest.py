@@ -27,11 +27,18 @@ import tools.emulation  # noqa: E402, F401
 def pytest_collection_modifyitems(config, items):
     # Slow tests (marked `slow`, several seconds each on a 2-core box) run when asked for:
     # `pytest -m slow` (CI runs it after the default `pytest -q`) or PROTRAIN_SLOW=1.
-    wants_slow = (
-        "slow" in (config.getoption("markexpr") or "") or os.environ.get("PROTRAIN_SLOW") == "1"
-    )
+    # Timing checks (marked `bench`: wall-clock bounds, measured-over-predicted time ratios)
+    # run only when asked for: `pytest -m bench` or PROTRAIN_BENCH=1. The default and the
+    # slow run assert counts, statuses, bytes and losses, never seconds (issue 38 point 4;
+    # tests/test_no_timing.py keeps it so), so a loaded machine cannot fail them.
+    markexpr = config.getoption("markexpr") or ""
+    wants_slow = "slow" in markexpr or os.environ.get("PROTRAIN_SLOW") == "1"
+    wants_bench = "bench" in markexpr or os.environ.get("PROTRAIN_BENCH") == "1"
     skip_slow = pytest.mark.skip(
         reason="slow: run with `pytest -m slow` (CI does) or PROTRAIN_SLOW=1"
+    )
+    skip_bench = pytest.mark.skip(
+        reason="bench: a timing check, run with `pytest -m bench` or PROTRAIN_BENCH=1"
     )
     try:
         import torch
@@ -43,5 +50,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        elif item.get_closest_marker("bench"):
+            if not wants_bench:  # (a bench test is not also gated as slow: `-m bench` runs it)
+                item.add_marker(skip_bench)
         elif "slow" in item.keywords and not wants_slow:
             item.add_marker(skip_slow)

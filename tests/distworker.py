@@ -197,51 +197,60 @@ def die(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
         Path(out, "rank0.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{e}")
 
 
-def events(rank: int, world: int, port: int, out: str, name: str, persistent, shard: bool) -> None:
-    """One step; write rank 0's event stream (kind, edge, phase, segment, detail)."""
+def events(rank: int, world: int, port: int, out: str, name: str, persistent, shards) -> None:
+    """One step per ``shards`` entry (persistent states sharded or not), one after another in
+    one process group; write rank 0's event stream (kind, edge, phase, segment, detail) of
+    each to ``events-{sharded|replicated}.json``."""
     init(rank, world, port)
     try:
-        plan = make_plan(
-            name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard
-        )
-        engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR), device="cpu")
-        seen = []
-        engine.on_event(lambda e: seen.append([e.kind, e.edge, e.phase, e.segment, e.detail]))
-        engine.step(next(batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)))
-        if rank == 0:
-            Path(out, "events.json").write_text(
-                json.dumps(
-                    {
-                        "events": seen,
-                        "persistent": plan.placement.persistent,
-                        "blocks": list(plan.model.blocks),
-                    }
-                )
+        for shard in shards:
+            plan = make_plan(
+                name, world, persistent, 2, ["keep", "keep"], shard_persistent_states=shard
             )
-        engine.close()
+            engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR), device="cpu")
+            seen = []
+            engine.on_event(
+                lambda e, seen=seen: seen.append([e.kind, e.edge, e.phase, e.segment, e.detail])
+            )
+            engine.step(next(batches(load_tokens(), MICRO, SEQ, 0, rank=rank, world_size=world)))
+            if rank == 0:
+                Path(out, f"events-{'sharded' if shard else 'replicated'}.json").write_text(
+                    json.dumps(
+                        {
+                            "events": seen,
+                            "persistent": plan.placement.persistent,
+                            "blocks": list(plan.model.blocks),
+                        }
+                    )
+                )
+            engine.close()
     finally:
         dist.destroy_process_group()
     _exit_cleanly()
 
 
-def disagree(rank: int, world: int, port: int, out: str, change: dict) -> None:
-    """Rank 1 wraps a plan made with ``change`` (grad_accum, micro, policies); every rank writes
-    what happened at wrap and two steps: "trained", or its error's class and message."""
+def disagree(rank: int, world: int, port: int, out: str, changes: list[dict]) -> None:
+    """For each of ``changes`` in turn, in one process group: rank 1 wraps a plan made with
+    the change (grad_accum, micro, policies); every rank writes what happened at wrap and
+    two steps to ``rank{rank}-{i}.txt``: "trained", or its error's class and message. (A
+    refusal at wrap comes from the same all-gather on every rank, so the group stays in step
+    for the next change.)"""
     init(rank, world, port, timeout_s=15.0)
     try:
-        kwargs = {"policies": ["keep", "keep"], **(change if rank == 1 else {})}
-        plan = make_plan("gpt2-tiny", world, [0], 2, **kwargs)
-        try:
-            engine = wrap(build("gpt2-tiny", seed=1), plan, device="cpu")
-            data = batches(
-                load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world
-            )
-            for _ in range(2):
-                engine.step(itertools.islice(data, plan.training.grad_accum))
-            result = "trained"
-        except Exception as e:  # noqa: BLE001 (the parent asserts which)
-            result = f"{type(e).__name__}: {e}"
-        Path(out, f"rank{rank}.txt").write_text(result)
+        for i, change in enumerate(changes):
+            kwargs = {"policies": ["keep", "keep"], **(change if rank == 1 else {})}
+            plan = make_plan("gpt2-tiny", world, [0], 2, **kwargs)
+            try:
+                engine = wrap(build("gpt2-tiny", seed=1), plan, device="cpu")
+                data = batches(
+                    load_tokens(), plan.training.micro_batch, SEQ, 0, rank=rank, world_size=world
+                )
+                for _ in range(2):
+                    engine.step(itertools.islice(data, plan.training.grad_accum))
+                result = "trained"
+            except Exception as e:  # noqa: BLE001 (the parent asserts which)
+                result = f"{type(e).__name__}: {e}"
+            Path(out, f"rank{rank}-{i}.txt").write_text(result)
     finally:
         dist.destroy_process_group()
     _exit_cleanly()

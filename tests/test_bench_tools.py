@@ -303,7 +303,7 @@ def test_gpu_preflight_on_cpu(tmp_path):
     )
     rec = json.loads(out.read_text())
     assert rec["host_register"] == {"status": "skipped: no CUDA"}
-    assert rec["env"]["torch"] and rec["seconds"] < 60
+    assert rec["env"]["torch"] and isinstance(rec["seconds"], float)
     entries = rec["sdpa"]["entries"]
     assert (
         len(entries) == 5 * 2 * 2 * 3
@@ -343,6 +343,17 @@ def test_gpu_preflight_on_cpu(tmp_path):
     )
     assert bad.returncode == 1
     assert "sees no CUDA device" in json.loads((tmp_path / "bad.json").read_text())["error"]
+
+
+@pytest.mark.bench
+def test_gpu_preflight_on_cpu_under_a_minute(tmp_path):
+    # The whole census of the test above, as its record times it.
+    out = tmp_path / "preflight.json"
+    run(
+        [str(TOOLS / "gpu_preflight.py"), "--device", "cpu", "--isolate-all", "--out", str(out)],
+        timeout=120,
+    )
+    assert json.loads(out.read_text())["seconds"] < 60
 
 
 def test_gpu_preflight_flags_what_swap_must_leave_alone():
@@ -701,6 +712,7 @@ def test_bench_moe_spread_reports_each_run_and_the_ranges():
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "PROTRAIN_PROBED_ROUNDS": "1"},  # the report's shape, not its figures
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

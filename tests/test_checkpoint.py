@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,9 +86,19 @@ def test_layout_and_pruning(tmp_path):
     engine.close()
 
 
-def _saved(tmp_path) -> Path:
-    plan = make_plan("gpt2-4", **MIXED)
-    _run(plan, 2, save=tmp_path, save_at=2)
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory) -> Path:
+    """A checkpoint root after 2 steps under MIXED, trained and saved once for the module."""
+    root = tmp_path_factory.mktemp("saved")
+    _run(make_plan("gpt2-4", **MIXED), 2, save=root, save_at=2)
+    return root
+
+
+@pytest.fixture
+def saved(saved_once, tmp_path) -> Path:
+    """``saved_once`` copied to this test's ``tmp_path`` (its own, to damage): the checkpoint
+    directory in it that ``latest`` names."""
+    shutil.copytree(saved_once, tmp_path, dirs_exist_ok=True)
     return resolve(tmp_path)
 
 
@@ -112,8 +123,8 @@ def _load_into_fresh(root):
         "bad_latest",
     ],
 )
-def test_damaged_checkpoints_are_refused(tmp_path, damage):
-    d = _saved(tmp_path)
+def test_damaged_checkpoints_are_refused(tmp_path, damage, saved):
+    d = saved
     manifest = json.loads((d / "manifest.json").read_text())
     if damage == "flip_tensor_byte":
         f = d / "model.safetensors"
@@ -141,8 +152,7 @@ def test_damaged_checkpoints_are_refused(tmp_path, damage):
         _load_into_fresh(tmp_path)
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path):
-    _saved(tmp_path)
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
     plan = make_plan("llama-4", persistent=[0], n_buffer=2, policies="keep")
     engine = wrap(make_model("llama-4"), plan, CONFIG, device="cpu")
     with pytest.raises(CheckpointError, match="another model"):
@@ -250,14 +260,14 @@ def test_a_save_never_writes_a_nonfinite_tensor(tmp_path):
     engine.close()
 
 
-def test_load_refuses_a_nonfinite_checkpoint(tmp_path):
+def test_load_refuses_a_nonfinite_checkpoint(tmp_path, saved):
     """Written by something else (the manifest's checksums updated to match): refused by name,
     before the engine changes."""
     from safetensors.torch import load_file, save_file
 
     from protrain.executor.checkpoint import _sha256
 
-    d = _saved(tmp_path)
+    d = saved
     tensors = load_file(d / "model.safetensors")
     tensors["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("inf")
     save_file(tensors, d / "model.safetensors")

@@ -436,13 +436,22 @@ def test_async_zero3_equals_sync(tmp_path, monkeypatch):
             )
 
 
+@pytest.fixture(scope="module")
+def event_streams(tmp_path_factory):
+    """Rank 0's events of one step with persistent states replicated, then sharded, in one
+    pair of ranks."""
+    out = tmp_path_factory.mktemp("events")
+    spawn(events, 2, str(out), "gpt2-tiny", [1, 2], [False, True])
+    return out
+
+
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
-def test_persistent_reductions_start_inside_backward(tmp_path, shard):
+def test_persistent_reductions_start_inside_backward(event_streams, shard):
     """Each persistent chunk's gradient reduction is issued at the end of the backward step
     of the first segment that uses it (engine.py [Note: overlapped reductions]), so it runs
     beside the rest of backward, and is waited on only after backward."""
-    spawn(events, 2, str(tmp_path), "gpt2-tiny", [1, 2], shard)
-    got = json.loads((tmp_path / "events.json").read_text())
+    name = "sharded" if shard else "replicated"
+    got = json.loads((event_streams / f"events-{name}.json").read_text())
     ev = [tuple(e) for e in got["events"]]
     blocks = got["blocks"]
 
@@ -550,7 +559,8 @@ def test_save_on_two_ranks_resumes_on_one_and_three(tmp_path):
     assert abs(nxt[1] - expected) <= 1e-6 * abs(expected), (nxt, expected)
 
 
-def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
+def _dead_rank(tmp_path) -> tuple[tuple[int | None, int | None], float, str]:
+    """(exit codes of ranks 0 and 1, seconds rank 0 took to fail, its error message)."""
     # Plain processes, not mp.spawn: spawn would SIGTERM rank 0 as soon as rank 1 exits.
     ctx = mp.get_context("spawn")
     port = _port()
@@ -558,39 +568,52 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=90)
-    assert procs[1].exitcode == 3 and procs[0].exitcode == 0
+        p.join(timeout=90)  # a hang fails here (exit code None), at a deadline, not a bound
     text = (tmp_path / "rank0.txt").read_text()
-    seconds, message = text.split("\n", 1)
-    assert float(seconds) < 25.0
+    seconds, message = text.split("\n", 1) if "\n" in text else ("nan", text)
+    return (procs[0].exitcode, procs[1].exitcode), float(seconds), message
+
+
+def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
+    codes, _, message = _dead_rank(tmp_path)
+    assert codes == (0, 3), (codes, message)
     assert (
         "rank 0 of 2" in message and "failed" in message and "another rank probably died" in message
     )
 
 
-@pytest.mark.parametrize(
-    ("change", "field"),
-    [
-        (
-            {"grad_accum": 2},
-            "$.training.grad_accum = 2 where rank 0 has 1",
-        ),  # deadlocked until --timeout
-        (
-            {"policies": ["checkpoint", "keep"]},
-            "$.activations (the blocks' policies) differs",
-        ),  # deadlocked too
-        (
-            {"micro": 3},
-            "$.training.micro_batch = 3 where rank 0 has 2",
-        ),  # trained silently on other batches
-    ],
-)
-@pytest.mark.slow  # ~12 s each on 2 cores (two processes start)
-def test_ranks_with_different_plans_are_refused_at_wrap(tmp_path, change, field):
+@pytest.mark.bench
+def test_a_dead_rank_fails_within_the_process_group_timeout(tmp_path):
+    # The group's timeout is 20 s: rank 0's error comes within it (and a little to spare).
+    codes, seconds, message = _dead_rank(tmp_path)
+    assert codes == (0, 3) and seconds < 25.0, (codes, seconds, message)
+
+
+DISAGREEMENTS = [
+    (
+        {"grad_accum": 2},
+        "$.training.grad_accum = 2 where rank 0 has 1",
+    ),  # deadlocked until --timeout
+    ({"policies": ["checkpoint", "keep"]}, "$.activations (the blocks' policies) differs"),  # too
+    ({"micro": 3}, "$.training.micro_batch = 3 where rank 0 has 2"),  # trained on other batches
+]
+
+
+@pytest.fixture(scope="module")
+def disagreements(tmp_path_factory):
+    """The three disagreements, one after another in one pair of processes (~12 s to start)."""
+    out = tmp_path_factory.mktemp("disagree")
+    spawn(disagree, 2, str(out), [change for change, _ in DISAGREEMENTS])
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(DISAGREEMENTS)), ids=[f for _, f in DISAGREEMENTS])
+@pytest.mark.slow
+def test_ranks_with_different_plans_are_refused_at_wrap(disagreements, i):
     # issue 31, point 6: refused on every rank at wrap, naming the rank and the field.
-    spawn(disagree, 2, str(tmp_path), change)
+    field = DISAGREEMENTS[i][1]
     for r in range(2):
-        text = (tmp_path / f"rank{r}.txt").read_text()
+        text = (disagreements / f"rank{r}-{i}.txt").read_text()
         assert text.startswith(f"PlanError: rank {r} of 2: the ranks disagree: rank 1"), text
         assert field in text, text
 

@@ -217,14 +217,25 @@ def test_win_rate_on_the_committed_grid(capsys):
     assert rows
 
 
-def test_llama70b_milp_under_two_seconds(capsys):
-    # The bench's figure (tools/bench_milp.py): device budget only, the hardest setting
+def _llama70b_replicated():
+    # The bench's figure (tools/bench/milp.py): device budget only, the hardest setting
     # (a host budget makes most llama-70b cells infeasible and the program trivial).
     # Persistent optimizer states replicated, as the bench measured it before plan v3;
     # sharded (what make_plan asks at 4 ranks now) see the slow test below.
     prof = load_profile(ROOT / "plans/profiles/llama-70b/llama-70b-h100-b1-s4096.json")
     t = make_terms(prof, choose_chunk_numel(facts_from_profile(prof))[0], 4, shard_persistent=False)
-    solved = M.solve_program(t, prof.hardware.usable_memory_bytes)
+    return prof, M.solve_program(t, prof.hardware.usable_memory_bytes)
+
+
+def test_llama70b_milp_proves_its_choice_optimal():
+    prof, solved = _llama70b_replicated()
+    assert solved.status == "optimal"
+    assert solved.choice.peak_bytes <= prof.hardware.usable_memory_bytes
+
+
+@pytest.mark.bench
+def test_llama70b_milp_under_two_seconds(capsys):
+    _, solved = _llama70b_replicated()
     with capsys.disabled():
         print(f"\nllama-70b (h100, W=4, replicated) MILP: {solved.status}, {solved.seconds:.2f} s")
     assert solved.status == "optimal" and solved.seconds < 2.0

@@ -134,6 +134,7 @@ def test_saved_bytes_are_exact_and_linear(name):
         assert got[(2, 64)][block] <= 2.2 * base
 
 
+@pytest.mark.bench  # measured times against measured times: a timing check
 def test_repeated_profiles_are_stable(capsys):
     """Per-block medians of two profiles agree within 25%.
 

@@ -54,9 +54,9 @@ def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
         [*PROTRAIN, *args], stdin=tty, stdout=tty, stderr=tty, cwd=cwd, env=env, close_fds=True
     )
     os.close(tty)
-    out, end = b"", time.monotonic() + timeout
+    out, deadline = b"", time.monotonic() + timeout
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < deadline:
             if select.select([main_fd], [], [], 1.0)[0]:
                 try:
                     chunk = os.read(main_fd, 65536)
