@@ -75,13 +75,13 @@ freed); offloads, the segment's activations, releases.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import homes as H
 from .homes import DTYPE_BYTES, NVME_ALIGN, NVME_WINDOW, STEP_PIECE, nvme_span  # noqa: F401  (re-exported)
-from .plan import Plan, Schedule, Step, segments
-from .validation import param_segments
+from .plan import Plan, Step, segments
+from .validation import param_segments, replay
 
 
 def setup(plan: Plan) -> H.Setup:
@@ -164,7 +164,7 @@ def state_events(
 ) -> tuple[list[Event], list[StepEvents]]:
     """The model states' events (see the module docstring): wrap's, and per schedule step
     ``(phase, step, begin, end)``: ``begin`` its fetches, prefetches and opened gradients,
-    ``end`` its offloads and releases (``chunk_steps``)."""
+    ``end`` its offloads and releases (``validation.replay``)."""
     W, cb = plan.training.world_size, DTYPE_BYTES[plan.training.compute_dtype]
     numel = H.padded_numel(plan.chunks.chunk_numel, W)
     chunk_bytes, shard = numel * cb, numel // W
@@ -228,36 +228,5 @@ def state_events(
 
     return out, [
         (phase, step, chunk_events(phase, step, begin), chunk_events(phase, step, end))
-        for phase, step, begin, end in chunk_steps(plan.schedule)
+        for phase, _, step, _, begin, end in replay(plan.schedule)
     ]
-
-
-def chunk_steps(schedule: Schedule) -> Iterator[tuple[str, Step, list, list]]:
-    """The schedule's chunk changes, step by step: ``(phase, step, begin, end)`` where
-    ``begin`` (after the step's swap-ins: fetches and prefetches, gradients opened) and
-    ``end`` (offloaded gradients, releases) are lists of ``(kind, chunk, +1 | -1)``,
-    kind ``chunks`` (values) or ``grads``. The executor's replay rules
-    (``validation.simulate_residency``): a chunk's gradients open at its first fetch in
-    backward and close when it is offloaded."""
-    resident: set[int] = set()
-    grads: set[int] = set()
-
-    def turn(kind: str, ids, held: set[int], sign: int) -> list:
-        """``(kind, c, sign)`` for each chunk of ``ids`` this opens (+1: it was closed) or closes
-        (-1)."""
-        out = []
-        for c in ids:
-            if (c in held) != (sign > 0):
-                (held.add if sign > 0 else held.discard)(c)
-                out.append((kind, c, sign))
-        return out
-
-    for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
-        for step in steps:
-            begin = turn("chunks", (*step.fetch, *step.prefetch), resident, 1) + turn(
-                "grads", step.fetch if phase == "backward" else (), grads, 1
-            )
-            end = turn("grads", step.offload, grads, -1) + turn(
-                "chunks", step.release, resident, -1
-            )
-            yield phase, step, begin, end

@@ -9,13 +9,14 @@ that loads can never overflow its buffers or free an upload in flight. ``load`` 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from math import prod
 
 from . import homes as H
 from .bounds import check_plan as check_bounds
 from .errors import PlanError
 from .migrate import REGENERATE, SCHEMA_VERSION
-from .plan import POST, PRE, Plan, plan_fingerprint, segments
+from .plan import POST, PRE, Plan, Schedule, Step, plan_fingerprint, segments
 
 
 def validate(plan: Plan, where: str = "<plan>") -> None:
@@ -209,6 +210,45 @@ def segment_chunks(plan: Plan) -> dict[str, set[int]]:
     return need
 
 
+Turn = tuple[str, int, int]
+"""``(kind, chunk, +1 | -1)``: a chunk's values (kind ``chunks``) or gradient buffer (``grads``)
+made resident / opened (+1), or released / closed (-1)."""
+
+
+def replay(schedule: Schedule) -> Iterator[tuple[str, int, Step, frozenset[int], list, list]]:
+    """The schedule replayed on chunk ids: the one simulator of its events, which the checks
+    below (``simulate_residency``), the accounting stream (``accounting.state_events``) and
+    the predicted trace (planner/views/trace.py) all read.
+
+    Yields ``(phase, index, step, resident, begin, end)`` per step, forward then backward:
+    ``resident`` the offloaded chunks resident as the step starts; ``begin`` the ``Turn`` s of
+    its start (``fetch`` then ``prefetch`` of chunks not yet resident; in backward, a
+    chunk's gradient buffer opens at its first fetch), ``end`` those of its end (``offload``
+    closes gradient buffers, then ``release`` frees chunks). Nothing is checked here: a
+    turn that would repeat the state (a fetch of a resident chunk, a release of one that is
+    not) is simply not one."""
+    resident: set[int] = set()
+    grads: set[int] = set()
+
+    def turn(kind: str, ids, held: set[int], sign: int) -> list[Turn]:
+        out = []
+        for c in ids:
+            if (c in held) != (sign > 0):
+                (held.add if sign > 0 else held.discard)(c)
+                out.append((kind, c, sign))
+        return out
+
+    for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
+        for si, step in enumerate(steps):
+            before = frozenset(resident)
+            begin = turn("chunks", (*step.fetch, *step.prefetch), resident, 1)
+            begin += turn("grads", step.fetch if phase == "backward" else (), grads, 1)
+            end = turn("grads", step.offload, grads, -1) + turn(
+                "chunks", step.release, resident, -1
+            )
+            yield phase, si, step, before, begin, end
+
+
 def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str, frozenset[int]]]:
     """Replay the schedule on the chunk ids alone; return (phase, segment, resident) per step.
 
@@ -237,13 +277,12 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
     need = segment_chunks(plan)
     order = segments(plan)
     swapped = {a.block for a in plan.activations if H.POLICIES[a.policy].moves}
-    resident: set[int] = set()
+    resident: frozenset[int] = frozenset()
     trace: list[tuple[str, str, frozenset[int]]] = []
     offloaded_at: dict[int, int] = {}
     swapped_in_at: dict[str, int] = {}
-    in_flight: dict[
-        int, str
-    ] = {}  # prefetched chunk → its JSON path, until a step fetches it (rule 4)
+    # Prefetched chunk → its JSON path, until a step fetches it (rule 4).
+    in_flight: dict[int, str] = {}
 
     for phase, steps, expected in (
         ("forward", plan.schedule.forward, order),
@@ -256,67 +295,64 @@ def simulate_residency(plan: Plan, where: str = "<plan>") -> list[tuple[str, str
             f"$.schedule.{phase}[{{}}].segment",
             "one step per segment, in segment order",
         )
-        for si, step in enumerate(steps):
-            spath = f"$.schedule.{phase}[{si}]"
-            for field in ("fetch", "prefetch", "release", "offload"):
-                ids = getattr(step, field)
-                for i, c in enumerate(ids):
-                    if c not in offloaded:
-                        kind = "persistent" if c < len(plan.chunks.items) else "unknown"
-                        fail(
-                            f"{spath}.{field}[{i}]",
-                            f"chunk {c} is {kind}; events name offloaded chunks only",
-                        )
-                if len(set(ids)) != len(ids):
-                    fail(f"{spath}.{field}", f"chunk ids repeat: {ids}")
-            if phase == "forward" and (step.offload or step.swap_in):
-                fail(f"{spath}", "`offload` and `swap_in` are backward-only events")
-            for i, b in enumerate(step.swap_in):
-                if b not in swapped:
-                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} has no `swap` policy")
-                if b in swapped_in_at:
-                    fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in twice")
-                if order[::-1].index(b) < si:
+    for phase, si, step, before, begin, _ in replay(plan.schedule):
+        spath = f"$.schedule.{phase}[{si}]"
+        for field in ("fetch", "prefetch", "release", "offload"):
+            ids = getattr(step, field)
+            for i, c in enumerate(ids):
+                if c not in offloaded:
+                    kind = "persistent" if c < len(plan.chunks.items) else "unknown"
                     fail(
-                        f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward"
+                        f"{spath}.{field}[{i}]",
+                        f"chunk {c} is {kind}; events name offloaded chunks only",
                     )
-                swapped_in_at[b] = si
-            resident |= set(step.fetch)
-            for c in step.fetch:
-                in_flight.pop(c, None)  # the fetch waits for the upload
-            for i, c in enumerate(step.prefetch):
-                if c in resident:
-                    fail(f"{spath}.prefetch[{i}]", f"chunk {c} is already resident")
-                in_flight[c] = f"{spath}.prefetch[{i}]"
-            resident |= set(step.prefetch)
-            if len(resident) > n_buffer:
+            if len(set(ids)) != len(ids):
+                fail(f"{spath}.{field}", f"chunk ids repeat: {ids}")
+        if phase == "forward" and (step.offload or step.swap_in):
+            fail(f"{spath}", "`offload` and `swap_in` are backward-only events")
+        for i, b in enumerate(step.swap_in):
+            if b not in swapped:
+                fail(f"{spath}.swap_in[{i}]", f"block {b!r} has no `swap` policy")
+            if b in swapped_in_at:
+                fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in twice")
+            if order[::-1].index(b) < si:
+                fail(f"{spath}.swap_in[{i}]", f"block {b!r} is swapped in after its own backward")
+            swapped_in_at[b] = si
+        for c in step.fetch:
+            in_flight.pop(c, None)  # the fetch waits for the upload
+        for i, c in enumerate(step.prefetch):
+            if c in before or c in step.fetch:
+                fail(f"{spath}.prefetch[{i}]", f"chunk {c} is already resident")
+            in_flight[c] = f"{spath}.prefetch[{i}]"
+        resident = before | {c for kind, c, _ in begin if kind == "chunks"}
+        if len(resident) > n_buffer:
+            fail(
+                f"{spath}",
+                f"{len(resident)} offloaded chunks resident {sorted(resident)} "
+                f"but placement.n_buffer is {n_buffer}",
+            )
+        missing = (need[step.segment] & offloaded) - set(step.fetch)
+        if missing:
+            fail(
+                f"{spath}.fetch",
+                f"segment {step.segment!r} uses chunks {sorted(missing)}, "
+                "which must be fetched by this step",
+            )
+        trace.append((phase, step.segment, frozenset(resident)))
+        for i, c in enumerate(step.offload):  # (backward only: forward's refused above)
+            if c in offloaded_at:
+                fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
+            offloaded_at[c] = si
+        for i, c in enumerate(step.release):
+            if c not in resident:
+                fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
+            if c in in_flight:
                 fail(
-                    f"{spath}",
-                    f"{len(resident)} offloaded chunks resident {sorted(resident)} "
-                    f"but placement.n_buffer is {n_buffer}",
+                    in_flight[c],
+                    f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
+                    "frees it (its upload could still be writing the freed buffer)",
                 )
-            missing = (need[step.segment] & offloaded) - set(step.fetch)
-            if missing:
-                fail(
-                    f"{spath}.fetch",
-                    f"segment {step.segment!r} uses chunks {sorted(missing)}, "
-                    "which must be fetched by this step",
-                )
-            trace.append((phase, step.segment, frozenset(resident)))
-            for i, c in enumerate(step.offload):  # (backward only: forward's refused above)
-                if c in offloaded_at:
-                    fail(f"{spath}.offload[{i}]", f"chunk {c} is offloaded twice")
-                offloaded_at[c] = si
-            for i, c in enumerate(step.release):
-                if c not in resident:
-                    fail(f"{spath}.release[{i}]", f"chunk {c} is not resident")
-                if c in in_flight:
-                    fail(
-                        in_flight[c],
-                        f"chunk {c} is prefetched but never fetched before `{spath}.release[{i}]` "
-                        "frees it (its upload could still be writing the freed buffer)",
-                    )
-            resident -= set(step.release)
+        resident -= set(step.release)
 
     for c, path in in_flight.items():
         fail(

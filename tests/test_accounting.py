@@ -194,3 +194,33 @@ def test_cost_search_and_milp_do_not_import_torch():
 
 def test_the_property_ran_on_500_plans():
     assert len(EXAMPLES) >= 500 or not EXAMPLES  # (not run in this session: nothing to count)
+
+
+def test_the_closed_form_equals_the_simulator_on_every_committed_plan():
+    """The search predicts with a closed form (``cost.evaluate``); the memory walk replays the
+    schedule's events (``validation.replay`` under ``accounting.state_events``). On every
+    committed plan, with the profile it was made from (``provenance.profile_digest``), the
+    walk's peak and parts are the figures the plan's prediction holds."""
+    from protrain.planner.profiling.profile import load_profile
+    from protrain.planner.search.cost import segment_bytes
+    from protrain.planner.search.planning import profile_digest
+
+    profiles = {}
+    for f in sorted(glob.glob(str(ROOT / "plans" / "profiles" / "*" / "*.json"))):
+        prof = load_profile(f)
+        profiles[profile_digest(prof)] = prof
+    checked = 0
+    for plan in _library():
+        prof = profiles.get(plan.provenance.profile_digest)
+        if prof is None or not plan.prediction.breakdown:
+            continue  # (the example plan: made by hand, no profile)
+        walk = memory_walk.walk(plan, segment_bytes(prof))
+        b = plan.prediction.breakdown
+        assert round(walk.peak_bytes) == plan.prediction.peak_memory_bytes, plan.model.name
+        assert (walk.states_bytes, walk.buffers_bytes, walk.host_bytes) == (
+            b["states_bytes"],
+            b["buffers_bytes"],
+            b["host_bytes"],
+        ), plan.model.name
+        checked += 1
+    assert checked >= 90, checked

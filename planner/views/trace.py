@@ -45,6 +45,7 @@ import numpy as np
 from protrain.executor.events import Event
 from protrain.plans import homes as H
 from protrain.plans import plan as P
+from protrain.plans import validation as V
 from protrain.plans.errors import ConfigError
 
 from ..profiling.profile import Profile
@@ -330,19 +331,25 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
         )
         return e
 
+    # The schedule's own replay (plans/validation.py ``replay``): which chunks each step
+    # uploads, in issue order (``fetch`` of chunks not resident, then ``prefetch``).
+    replayed: dict[str, list] = {"forward": [], "backward": []}
+    for phase, _, step, _, begin, _ in V.replay(plan.schedule):
+        replayed[phase].append((step, [c for kind, c, _ in begin if kind == "chunks"]))
+
+    def upload_begin(step: P.Step, begin: list[int]) -> None:
+        for c in begin:
+            ready[c] = upload(c, now, "prefetch" if c in step.prefetch else "fetch")
+
     now = 0.0
     k = plan.training.grad_accum
     for micro in range(k):
         last_micro = micro == k - 1
         # -- forward: one step per segment, <pre> … <post>
         fwd_start = now
-        for step in plan.schedule.forward:
+        for step, begin in replayed["forward"]:
             s = index[step.segment]
-            for c in step.fetch:
-                if c not in ready:
-                    ready[c] = upload(c, now, "fetch")
-            for c in step.prefetch:
-                ready[c] = upload(c, now, "prefetch")
+            upload_begin(step, begin)
             at = max([now, *(ready[c] for c in step.fetch)])
             swap = step.segment in policy and H.POLICIES[policy[step.segment]].moves
             overhead = SWAP_OVERHEAD_US if (swap and t.gpu) else 0.0
@@ -384,7 +391,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
 
         # -- backward: one step per segment, <post> … <pre>
         bwd_start = now
-        for step in plan.schedule.backward:
+        for step, begin in replayed["backward"]:
             s = index[step.segment]
             for b in step.swap_in:
                 ss, se = lanes.run(
@@ -405,11 +412,7 @@ def predicted_trace(profile: Profile, plan: P.Plan) -> dict[str, Any]:
                     )
                 )
                 swapped_in[b] = se
-            for c in step.fetch:
-                if c not in ready:
-                    ready[c] = upload(c, now, "fetch")
-            for c in step.prefetch:
-                ready[c] = upload(c, now, "prefetch")
+            upload_begin(step, begin)
             at = max([now, *(ready[c] for c in step.fetch), swapped_in.get(step.segment, 0.0)])
             if step.segment in policy and H.POLICIES[policy[step.segment]].recomputes:
                 cs, ce = lanes.run("compute", at, float(t.comp_fwd[s]))
