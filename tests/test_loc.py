@@ -14,8 +14,9 @@ import pytest
 from tools import loc
 
 OVER = {
-    "plans": "the accounting stream moved in with the contract (show/diff read it without the "
-    "runtime): 1,136 formatted lines, 36 over; issue 38 stays open until it is within"
+    "plans": "1,178 formatted lines, 78 over: the contract's 1,004 when it moved, the accounting "
+    "stream (show/diff read plan bytes without the runtime), duplicate-key and FIFO refusals; "
+    "issue 38 stays open until it is within"
 }
 """Packages known to be over their budget, and why: a strict xfail, so the day one is within
 it this test turns red and the entry must go. Never add one to let a change through."""
