@@ -6,7 +6,8 @@ and a hardware spec. Both produce this one type, canonical JSON like plans.
 
 Per segment (``<pre>``, each block, ``<post>``, as in the plan's schedule):
 
-- ``fwd_us`` / ``bwd_us``: compute time of its forward and backward;
+- ``fwd_us`` / ``bwd_us``: compute time of its forward and backward ([Note: robust
+  timing]);
 - ``saved_bytes``: activations it saves for backward, counted the way the
   executor's ledger counts them (each storage once, chunk parameters excluded,
   a storage saved by two segments belonging to the first): the cost model's
@@ -20,11 +21,29 @@ Per segment (``<pre>``, each block, ``<post>``, as in the plan's schedule):
 
 The Struct part imports only msgspec and the plan module; ``measure`` imports
 torch inside.
+
+[Note: robust timing]
+A profile times the work, not one-off costs or the neighbours. On a busy 2-core CPU the
+medians of 5 steps of one tiny llama went from 3.9 ms to 772 ms between runs: torch's
+intra-op threads wait for each other at every op, and a thread the scheduler has
+parked stalls a segment for a time slice or more, in most of the steps. So ``measure``
+discards ``warmup`` steps (first-touch allocation, lazy initialisation), times at
+least ``iterations`` more, and on the CPU keeps each segment's *fastest* forward and
+backward (the least is the work, as the CPU benchmarks take it; a neighbour can only
+add time). Until those least times are confirmed it measures more steps, up to
+``max_iterations`` or ``max_seconds``: confirmed when each is matched by a second
+time within ``CONFIRM`` of it, and one whole step took within ``CONFIRM`` of their
+sum (stalls come in time slices of similar length, so two stalled times can agree
+with each other; a step without a stall cannot agree with them). On CUDA, where kernels are not preempted, the median stays. The
+measured steps' totals (their spread) go to ``on_timing``: ``plan`` and ``profile``
+print them, and warn when the slowest half of the steps took more than
+``WIDE_SPREAD`` times the fastest (``Timing.wide``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -72,9 +91,9 @@ class SegmentProfile(_Strict, kw_only=True):
     segment: str
     """``<pre>``, a block path, or ``<post>``."""
     fwd_us: NonNegInt
-    """Forward compute time (median over measured iterations)."""
+    """Forward compute time: the least over measured iterations on CPU, the median on CUDA."""
     bwd_us: NonNegInt
-    """Backward compute time (median)."""
+    """Backward compute time (as ``fwd_us``)."""
     saved_bytes: NonNegInt
     """Saved activations, as the ledger counts them (see module docstring)."""
     saved_tensor_bytes: NonNegInt
@@ -115,7 +134,7 @@ class Profile(_Strict, kw_only=True):
     bootstrap: bool
     """True when the model was profiled through an all-offloaded executor plan (larger than the device)."""
     iterations: NonNegInt
-    """Measured iterations the medians come from (0 for analytic)."""
+    """Measured iterations the times come from (0 for analytic)."""
     segments: list[SegmentProfile]
     """``<pre>``, blocks in order, ``<post>``."""
     params: list[ParamInfo]
@@ -177,6 +196,62 @@ class _Version(msgspec.Struct):
 
 
 # ---------------------------------------------------------------------------- measuring
+
+
+CONFIRM = 1.25
+"""A segment's fastest time counts once a second measured time is within this factor of it."""
+WIDE_SPREAD = 1.5
+"""``Timing.wide``: the measured steps' median total over their least above this factor."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How the measured steps of a profile spread ([Note: robust timing])."""
+
+    step_s: tuple[float, ...]
+    """Each measured step's total segment time, forward and backward, in seconds."""
+    warmup: int
+    statistic: str
+    """``least`` (CPU) or ``median`` (CUDA): what each segment's time is."""
+    confirmed: bool
+    """Every segment's least time was matched by a second measured time (CPU)."""
+
+    @property
+    def spread(self) -> float:
+        """The median step over the fastest (1.0: every step alike)."""
+        import statistics
+
+        return statistics.median(self.step_s) / min(self.step_s) if min(self.step_s) > 0 else 1.0
+
+    @property
+    def wide(self) -> bool:
+        return self.spread > WIDE_SPREAD or not self.confirmed
+
+    def describe(self) -> str:
+        import statistics
+
+        ms = [t * 1e3 for t in self.step_s]
+        return (
+            f"{len(ms)} measured steps after {self.warmup} warm-up: {min(ms):.3g} ms fastest, "
+            f"{statistics.median(ms):.3g} ms median, {max(ms):.3g} ms slowest "
+            f"(spread {self.spread:.2f}x); each segment's {self.statistic} time is used"
+        )
+
+    def warning(self) -> str | None:
+        """One line for a wide spread, else None."""
+        if not self.wide:
+            return None
+        why = (
+            f"the median step took {self.spread:.1f}x the fastest"
+            if self.spread > WIDE_SPREAD
+            else "some segment's fastest time was never measured twice"
+        )
+        return (
+            f"the profile's timings are noisy ({why}): something else is using this "
+            "machine's cores. The profile keeps each segment's fastest time, so the "
+            "prediction is what an idle machine would do; profile again when it is idle "
+            "for a firmer figure"
+        )
 
 
 def profiling_plan(
@@ -254,15 +329,21 @@ def measure(
     spec: HardwareSpec,
     warmup: int = 2,
     iterations: int = 5,
+    max_iterations: int | None = None,
+    max_seconds: float = 20.0,
     bootstrap: bool | None = None,
     seed: int = 0,
     progress=None,
+    on_timing=None,
 ) -> Profile:
     """Measure a Profile by training ``model`` (real weights, any device) for a few steps
     under the executor with a profiling plan, observing every segment boundary.
 
-    Times: CUDA events on GPU, ``perf_counter`` on CPU; the median of ``iterations``
-    measured steps after ``warmup``. Saved activations: the executor's own counting
+    Times: CUDA events on GPU, ``perf_counter`` on CPU, over at least ``iterations``
+    measured steps after ``warmup``: on CPU each segment's least, more steps measured
+    (up to ``max_iterations``, default 4 × ``iterations``, and ``max_seconds``) while
+    the least is not confirmed; on CUDA the median ([Note: robust timing]).
+    ``on_timing(Timing)`` receives the measured steps' spread. Saved activations: the executor's own counting
     (forced on, also on CUDA), so profile and ledger agree by construction. Transient
     peaks: the allocator's peak between a segment's begin and end above the larger of
     the allocation at those two moments (CUDA only; 0 on CPU). The model's weights are
@@ -360,31 +441,62 @@ def measure(
     # Exact saved-activation counts on CUDA too: the executor's own counting, from the
     # first step, so that warmup runs the same hooks as the measured steps.
     engine.on_event(observer, count_activations=True)
+    cap = max(iterations, max_iterations if max_iterations is not None else 4 * iterations)
+
+    def confirmed() -> bool:  # [Note: robust timing]
+        least = sum(min(v) for v in spans.values())
+        steps = [sum(v[k] for v in spans.values() if k < len(v)) for k in range(i - warmup)]
+        return min(steps) <= CONFIRM * least and all(
+            sorted(v)[1] <= CONFIRM * min(v) for v in spans.values() if len(v) > 1
+        )
+
+    i = 0
     try:
-        for i in range(warmup + iterations):
+        while True:
             if i == warmup:
                 spans.clear()
                 peaks.clear()
+                t_measured = time.perf_counter()
             x, y = next(data)
             inputs["<pre>"] = x.to(dev).untyped_storage().nbytes()
             saved.clear()
             swap_bytes.clear()
             engine.step((x, y))
+            i += 1
             if progress is not None:
-                progress(i + 1, warmup + iterations)
+                progress(i, max(i, warmup + iterations))
+            if i < warmup + iterations:
+                continue
+            if cuda or i >= warmup + cap or time.perf_counter() - t_measured > max_seconds:
+                break
+            if confirmed():
+                break
     finally:
         for h in handles:
             h.remove()
         engine.close()
 
-    def median_us(phase: str, seg: str) -> int:
-        return round(statistics.median(spans[(phase, seg)]) * 1e6)
+    statistic = statistics.median if cuda else min
+    measured = i - warmup
+    if on_timing is not None:
+        steps = [sum(v[k] for v in spans.values() if k < len(v)) for k in range(measured)]
+        on_timing(
+            Timing(
+                step_s=tuple(steps),
+                warmup=warmup,
+                statistic="median" if cuda else "least",
+                confirmed=cuda or confirmed(),
+            )
+        )
+
+    def time_us(phase: str, seg: str) -> int:
+        return round(statistic(spans[(phase, seg)]) * 1e6)
 
     seg_profiles = [
         SegmentProfile(
             segment=s,
-            fwd_us=median_us("forward", s),
-            bwd_us=median_us("backward", s),
+            fwd_us=time_us("forward", s),
+            bwd_us=time_us("backward", s),
             saved_bytes=saved.get(s, 0),
             saved_tensor_bytes=swap_bytes.get(s, 0),
             input_bytes=inputs.get(s, 0),
@@ -438,7 +550,7 @@ def measure(
         device=torch.cuda.get_device_name(dev) if cuda else "cpu",
         attention=attention,
         bootstrap=bool(bootstrap),
-        iterations=iterations,
+        iterations=measured,
         segments=seg_profiles,
         params=params,
         hardware=spec,
