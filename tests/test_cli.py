@@ -32,6 +32,7 @@ FROZEN_OPTIONS = {
         "--lora-dropout",
         "--lora-r",
         "--lora-targets",
+        "--model",
         "--nvme",
         "--seq",
         "--world-size",
