@@ -31,13 +31,17 @@ discards ``warmup`` steps (first-touch allocation, lazy initialisation), times a
 least ``iterations`` more, and on the CPU keeps each segment's *fastest* forward and
 backward (the least is the work, as the CPU benchmarks take it; a neighbour can only
 add time). Until those least times are confirmed it measures more steps, up to
-``max_iterations`` or ``max_seconds``: confirmed when each is matched by a second
+``max_iterations`` in all and for at most ``max_seconds`` or as long again as the
+first ``iterations`` took, whichever is longer (a loaded machine slows those too, and
+a fixed time cut its profiles short): confirmed when each is matched by a second
 time within ``CONFIRM`` of it, and one whole step took within ``CONFIRM`` of their
 sum (stalls come in time slices of similar length, so two stalled times can agree
-with each other; a step without a stall cannot agree with them). On CUDA, where kernels are not preempted, the median stays. The
-measured steps' totals (their spread) go to ``on_timing``: ``plan`` and ``profile``
-print them, and warn when the slowest half of the steps took more than
-``WIDE_SPREAD`` times the fastest (``Timing.wide``).
+with each other; a step without a stall cannot agree with them). Where the work is
+long against a time slice (a large model) the first steps confirm it and nothing is
+added. On CUDA, where kernels are not preempted, the median stays. The measured
+steps' totals (their spread) go to ``on_timing``: ``plan`` and ``profile`` print
+them, and warn when the median step took more than ``WIDE_SPREAD`` times the
+fastest, or the least times were never confirmed (``Timing.wide``).
 """
 
 from __future__ import annotations
@@ -341,10 +345,11 @@ def measure(
 
     Times: CUDA events on GPU, ``perf_counter`` on CPU, over at least ``iterations``
     measured steps after ``warmup``: on CPU each segment's least, more steps measured
-    (up to ``max_iterations``, default 4 × ``iterations``, and ``max_seconds``) while
-    the least is not confirmed; on CUDA the median ([Note: robust timing]).
-    ``on_timing(Timing)`` receives the measured steps' spread. Saved activations: the executor's own counting
-    (forced on, also on CUDA), so profile and ledger agree by construction. Transient
+    (up to ``max_iterations``, default 4 × ``iterations``, for ``max_seconds`` or as
+    long as the first ``iterations`` took) while the least is not confirmed; on CUDA
+    the median ([Note: robust timing]). ``on_timing(Timing)`` receives the measured
+    steps' spread. Saved activations: the executor's own counting (forced on, also on
+    CUDA), so profile and ledger agree by construction. Transient
     peaks: the allocator's peak between a segment's begin and end above the larger of
     the allocation at those two moments (CUDA only; 0 on CPU). The model's weights are
     changed by the measured steps (a learning rate of zero keeps them: AdamW with lr=0
@@ -467,7 +472,10 @@ def measure(
                 progress(i, max(i, warmup + iterations))
             if i < warmup + iterations:
                 continue
-            if cuda or i >= warmup + cap or time.perf_counter() - t_measured > max_seconds:
+            elapsed = time.perf_counter() - t_measured
+            if i == warmup + iterations:
+                first_s = elapsed  # the first `iterations`: the extra steps may take as long
+            if cuda or i >= warmup + cap or elapsed > max(max_seconds, 2 * first_s):
                 break
             if confirmed():
                 break
