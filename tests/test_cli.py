@@ -44,6 +44,7 @@ FROZEN_OPTIONS = {
         "--lora-dropout",
         "--lora-r",
         "--lora-targets",
+        "--model",
         "--nvme",
         "--seq",
         "--world-size",
@@ -621,3 +622,18 @@ def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(
         main, ["train", "--plan", "p.json", "--model", "gpt2-tiny", "--steps", "1"]
     )
     assert exits == [] and r.exit_code == code
+
+
+def test_explain_says_each_decision_in_plain_words_first():
+    # Issue 39: explain spoke only the paper's vocabulary (n_persist, n_buffer, …). Each
+    # decision now has one plain sentence with its reason, the paper's symbol after it.
+    plan = EXAMPLE.parent.parent / "llama-7b" / "rtx3090-w1.json"
+    r = CliRunner().invoke(main, ["explain", str(plan)])
+    assert r.exit_code == 0, r.output
+    plain = r.output[r.output.index("in plain words") : r.output.index("  time ")]
+    chunks, acts, time = [x for x in plain.splitlines() if x.startswith("    - ")]
+    assert "29 of 34 chunks of parameters live in host memory" in chunks
+    assert "5 stay on the device, because keeping one more there would add about 3.02 GiB" in chunks
+    assert chunks.index("because") < chunks.index("[n_persist = 5, n_buffer = 2]")
+    assert "16 recompute their activations in backward" in acts and "[n_checkpoint = 16" in acts
+    assert "predicted to take 9.54 s" in time and "the CPU sets the pace" in time

@@ -393,3 +393,83 @@ def test_train_on_a_token_file_is_train_on_its_text(tmp_path):
     assert train(plan, "gpt2-tiny", data_path=str(tmp_path / "c.tokens"), **quiet) == train(
         plan, "gpt2-tiny", data_path=str(text), **quiet
     )
+
+
+def test_a_long_line_reaches_the_tokenizer_in_bounded_pieces(tmp_path, monkeypatch):
+    # Issue 39 item 9: a file of one long line was one piece, whatever its size (a 64 MiB line
+    # reached 11.9 GB inside the Rust tokenizer). Pieces are cut after a newline, else before
+    # whitespace, else at a UTF-8 character boundary, never above TEXT_PIECE_BYTES, and the
+    # same bytes are cut the same way however the file is read.
+    from protrain.planner.models import data
+
+    monkeypatch.setattr(data, "TEXT_PIECE_BYTES", 64)
+    monkeypatch.setattr(data, "_READ_BYTES", 100)  # reads that do not fall on piece boundaries
+    cases = {
+        "spaces": ("plan héllo wörld " * 50).encode(),
+        "no-space": ("é€𝄞a" * 200).encode(),  # 2-, 3- and 4-byte characters, no whitespace
+        "lines": b"".join(b"line %d of the text\n" % i for i in range(100)),
+    }
+    for name, raw in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        pieces = list(data._text_pieces(tmp_path / name))
+        assert b"".join(pieces) == raw, name
+        assert all(0 < len(p) <= 64 for p in pieces), (name, [len(p) for p in pieces])
+        for p in pieces:
+            p.decode("utf-8")  # no character cut in two
+        assert pieces == data._pieces_of(raw, rest_is_final=True)[0]  # read size does not matter
+    spaced = list(data._text_pieces(tmp_path / "spaces"))
+    assert all(p.startswith(b" ") for p in spaced[1:])  # a space stays with the word after it
+    assert all(p.endswith(b"\n") for p in data._text_pieces(tmp_path / "lines"))
+    # A .jsonl document is cut the same way.
+    doc = ("é€𝄞a" * 200) + " tail"
+    assert "".join(data._document_pieces(doc)) == doc
+    assert all(len(p.encode()) <= 64 for p in data._document_pieces(doc))
+    # Cut at newlines, a byte-level BPE gives the ids of the whole text (end-of-text after).
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    tok = _tiny_tokenizer(tmp_path / "tok")
+    whole = Tokenizer.from_file(tok + "/tokenizer.json").encode(cases["lines"].decode()).ids
+    eos = Tokenizer.from_file(tok + "/tokenizer.json").token_to_id("<|endoftext|>")
+    assert load_tokens(str(tmp_path / "lines"), tokenizer=tok).tokens.tolist() == [*whole, eos]
+
+
+_TOKENIZE_PEAK = """
+import resource, sys
+from protrain.planner.models.data import load_tokens
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+src = load_tokens(sys.argv[1], tokenizer=sys.argv[2])
+print(src.tokens.numel(), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_tokenising_a_one_line_file_takes_bounded_memory(tmp_path):
+    # Issue 39 item 9: a Hugging Face tokenizer holds ~230 bytes per byte of what it encodes,
+    # and a one-line file went to it whole: this 4 MiB line took ~900 MB more (a 64 MiB one
+    # 11.9 GB). In pieces of TEXT_PIECE_BYTES it takes ~20 MB. A process of its own, its
+    # address space capped at 3 GiB, so the old behaviour fails without taking the box down.
+    import random
+    import resource
+    import subprocess
+
+    pytest.importorskip("tokenizers")
+    tok = _tiny_tokenizer(tmp_path / "tok")
+    words = "the planner writes a plan and chunks move between hést and device".split()
+    rng = random.Random(0)
+    text = tmp_path / "one-line.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(700_000))[: 4 << 20], "utf-8")
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run(
+        [sys.executable, "-c", _TOKENIZE_PEAK, str(text), tok],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    tokens, grew = map(int, r.stdout.split())
+    assert tokens > 1_000_000 and grew < 100 << 20, grew

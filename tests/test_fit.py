@@ -225,6 +225,25 @@ def test_fit_command_passes_host_memory_and_world_size(monkeypatch):
     assert r.exit_code == 0 and seen["nvme"] is True, r.output
 
 
+def test_fit_takes_a_zoo_model_by_name():
+    # Issue 39: `fit` had --hf-config for one model but no --model for the zoo's.
+    from click.testing import CliRunner
+
+    from protrain.planner.commands.cli import main
+
+    r = CliRunner().invoke(
+        main, ["fit", "--hardware", "rtx3090", "--model", "gpt2-tiny", "--seq", "128"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "fit gpt2-tiny on rtx3090" in r.output and "verdict: fits at micro-batch" in r.output
+    r = CliRunner().invoke(main, ["fit", "--hardware", "rtx3090", "--model", "gpt2-tiy"])
+    assert r.exit_code == 1 and "did you mean 'gpt2-tiny'" in r.output
+    r = CliRunner().invoke(
+        main, ["fit", "--hardware", "rtx3090", "--model", "gpt2", "--hf-config", "mixtral-8x7b"]
+    )
+    assert r.exit_code != 0 and "both name the model" in r.output
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ConfigError, match="did you mean 'llama'"):
         largest_fitting("lama", SMALL)

@@ -69,7 +69,7 @@ def test_cli_profile_writes_a_complete_profile(tmp_path):
         assert s.fwd_us > 0 and s.bwd_us > 0 and s.saved_bytes > 0 and s.input_bytes > 0
         assert s.saved_tensor_bytes >= s.saved_bytes
     assert prof.source == "measured" and prof.device == "cpu" and not prof.bootstrap
-    assert prof.attention and prof.iterations == 5
+    assert prof.attention and prof.iterations >= 5  # more where the times vary (measure)
     assert {p.name for p in prof.params} == {
         n for n, _ in build("gpt2-tiny", device="meta").named_parameters()
     }
@@ -195,3 +195,75 @@ def test_unavailable_cuda_is_one_line(tmp_path):
         and "no CUDA device" in result.output
         and "Traceback" not in result.output
     )
+
+
+def test_a_busy_machine_does_not_set_the_profile(monkeypatch):
+    # Issue 39 item 12: four `plan --device cpu` runs of one tiny llama predicted 772, 172,
+    # 3.9 and 12 ms: a thread the scheduler parks stalls a segment for a time slice, in
+    # most steps, and the median of 5 steps kept the stalls. Here 60% of the segment times
+    # carry a 50 ms stall (a clock that jumps when the profiler reads a segment's end): the
+    # profile keeps each segment's least time, measures more steps while the least is not
+    # confirmed, and says the spread is wide.
+    import random
+    import sys
+    import time
+
+    real, rng, offset = time.perf_counter, random.Random(0), [0.0]
+
+    def stalling_clock():
+        if sys._getframe(1).f_code.co_name == "now" and rng.random() < 0.6:
+            offset[0] += 0.05
+        return real() + offset[0]
+
+    timings = []
+    monkeypatch.setattr(time, "perf_counter", stalling_clock)
+    prof = _measure("llama-tiny", 2, 64, on_timing=timings.append)
+    monkeypatch.setattr(time, "perf_counter", real)
+    total_ms = sum(s.fwd_us + s.bwd_us for s in prof.segments) / 1e3
+    assert total_ms < 25, (total_ms, [(s.fwd_us, s.bwd_us) for s in prof.segments])
+    (timing,) = timings
+    assert prof.iterations > 5 and len(timing.step_s) == prof.iterations
+    assert timing.statistic == "least" and timing.wide and "noisy" in timing.warning()
+    assert "measured steps after 2 warm-up" in timing.describe()
+
+
+@pytest.mark.slow
+def test_ten_plans_on_a_busy_machine_predict_the_same_time(tmp_path, monkeypatch):
+    # Issue 39 acceptance: ten `protrain plan --device cpu` runs of one tiny llama (2 layers,
+    # hidden 64, batch 2, seq 64) predict iteration times within 1.5x of each other while
+    # another process keeps one core busy. run_plan is what the command runs; the machine's
+    # probe is made once (the first run, under the same load) and read from the cache after,
+    # as on a user's machine. Before: 772, 172, 3.9 and 12 ms; on this 2-core box under the
+    # other engineers' load, 6.5 to 514 ms in five profiles.
+    import subprocess
+    import sys
+
+    from protrain.planner.commands.profile_plan import run_plan
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    predicted, lines = [], []
+    try:
+        for k in range(10):
+            plan = run_plan(
+                profile_path=None,
+                model_name="llama-tiny",
+                hardware=None,
+                batch=2,
+                seq=64,
+                dtype=None,
+                device="cpu",
+                budget=None,
+                world_size=1,
+                grad_accum=1,
+                output=str(tmp_path / f"plan{k}.json"),
+                echo=lines.append,
+            )
+            predicted.append(plan.prediction.iter_time_us / 1e3)
+    finally:
+        busy.kill()
+        busy.wait()
+    spread = [x for x in lines if "measured steps after" in x]
+    assert len(spread) == 10  # plan prints the measurement's spread every time
+    print(f"\npredicted ms: {', '.join(f'{x:.2f}' for x in predicted)}")
+    assert max(predicted) / min(predicted) <= 1.5, (predicted, spread)

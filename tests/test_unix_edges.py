@@ -41,7 +41,7 @@ def test_a_closed_pipe_exits_quietly(tmp_path, args):
     assert p.wait(timeout=300) in (0, 141) and err == "", (p.returncode, err)
 
 
-def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
+def _under_a_terminal(args: list[str], cwd, timeout: float = 300, columns: int = 120) -> str:
     """What a user sees running ``protrain ARGS`` in a terminal: stdout and stderr on a
     pseudo-terminal."""
     import pty
@@ -49,7 +49,7 @@ def _under_a_terminal(args: list[str], cwd, timeout: float = 300) -> str:
     import time
 
     main_fd, tty = pty.openpty()
-    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": "40"}
     p = subprocess.Popen(
         [*PROTRAIN, *args], stdin=tty, stdout=tty, stderr=tty, cwd=cwd, env=env, close_fds=True
     )
@@ -89,6 +89,44 @@ def test_train_draws_its_progress_bar_on_a_terminal_and_log_lines_through_a_pipe
     assert piped.returncode == 0, piped.stderr
     assert "━" not in piped.stdout and "\x1b" not in piped.stdout
     assert [x.split()[1] for x in piped.stdout.splitlines() if x.startswith("step ")] == ["1", "3"]
+
+
+@pytest.mark.slow
+def test_the_progress_bar_keeps_its_step_count_and_eta_at_80_columns(tmp_path):
+    # Issue 39: at 80 columns rich's layout cut the count and the time left to "1…" and
+    # "-:-…" to make room for the status; the bar now shrinks first, then the status.
+    import re
+
+    shown = _under_a_terminal([*TRAIN, "--steps", "3"], tmp_path, columns=80)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown).replace("\r", "\n")
+    last = [line for line in text.splitlines() if line.startswith("train ")][-1]
+    assert " 3/3 " in last and re.search(r"\d:\d\d:\d\d$", last.rstrip()), last
+    assert len(last.rstrip()) <= 80, last
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80, 120])
+def test_the_progress_bar_shrinks_before_the_count_and_eta(columns):
+    import io
+    import re
+
+    from rich.console import Console
+
+    from protrain.planner.commands.train import ProgressBar
+
+    out = io.StringIO()
+    console = Console(file=out, width=columns, force_terminal=True, color_system=None)
+    bar = ProgressBar(1000, 136, console=console)
+    bar.progress.auto_refresh = False
+    bar.start()
+    bar.advance("loss 5.5123  12,345 tok/s  peak 4.35 MiB / predicted 4.35 MiB")
+    bar.progress.refresh()
+    bar.stop()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n")
+    line = [x for x in text.splitlines() if x.strip()][-1].rstrip()
+    assert len(line) < columns and " 137/1000 loss 5.5" in line, line
+    assert line.endswith("-:--:--") or re.search(r"\d:\d\d:\d\d$", line), line
+    if columns >= 120:
+        assert "━" in line and "predicted 4.35 MiB" in line  # room for all: nothing cut
 
 
 def test_a_plan_for_another_machine_says_so_once_at_the_start(tmp_path):

@@ -71,6 +71,11 @@ def venv(tmp_path_factory) -> Path:
     names = zipfile.ZipFile(wheel).namelist()
     assert "protrain/plans/hardware/rtx3090.json" in names, "the wheel ships no hardware specs"
     assert "protrain/plans/configs/gemma-3-1b/config.json" in names, "the wheel ships no configs"
+    # Issue 39: the plan library and the example plan the README's Python snippet loads.
+    assert "protrain/plans/gpt2-tiny/example.json" in names, "the wheel ships no example plan"
+    library = {n.split("/")[2] for n in names if n.count("/") == 3 and n.endswith(".json")}
+    shipped = {d.name for d in (ROOT / "plans").iterdir() if list(d.glob("*-w[0-9]*.json"))}
+    assert shipped and shipped <= library, f"the wheel lacks the plans of {shipped - library}"
     env = tmp / "venv"
     run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], cwd=tmp)
     run(
@@ -134,3 +139,14 @@ def test_fit_a_shipped_config_by_name(venv, tmp_path):
 def test_quickstart(venv, tmp_path):
     p = run([str(venv / "bin" / "protrain"), "quickstart"], cwd=tmp_path)
     assert "trained" in p.stdout
+
+
+def test_the_readme_python_snippet_runs_from_the_wheel(venv, tmp_path):
+    # The README's "Python API" block, up to its training loop, run away from the checkout:
+    # its example plan must come from the installed wheel.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    head = block.split("for x, y in batches", 1)[0]
+    assert "plans_dir()" in head and "engine = wrap(" in head
+    p = run([str(venv / "bin" / "python"), "-c", head + "print(plan.model.name)"], cwd=tmp_path)
+    assert p.stdout.strip().endswith("gpt2-tiny")

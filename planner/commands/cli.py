@@ -930,6 +930,14 @@ def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
 @click.option(
     "--seq", type=click.IntRange(1), default=1024, show_default=True, help="Sequence length."
 )
+@click.option(
+    "--model",
+    "model_name",
+    metavar="NAME",
+    default=None,
+    help="A zoo model (`protrain models`) or hf:PATH: whether it trains on this card and "
+    "host, instead of the family ladders.",
+)
 @hf_options
 @click.option(
     "--host-memory",
@@ -952,19 +960,21 @@ def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
     "--nvme DIR); the spec must carry the disk's bandwidth (`protrain hardware probe --nvme DIR`).",
 )
 @lora_options
-def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme, **lora):
+def fit(
+    hardware, budget, seq, model_name, hf_config, blocks, host_memory, world_size, nvme, **lora
+):
     """The largest GPT-2 and LLaMA family model (and batch) that trains on N devices.
 
     Prints, per family, the largest size, its plan's time and memory, which resource
     binds at that size (device or host memory) and which stops the next size up.
-    With --hf-config: whether that model fine-tunes on this card and host instead
-    (total and active parameters, the best micro-batch, what binds); exit status 1
-    when it does not fit.
+    With --model (a zoo model) or --hf-config: whether that model trains on this card
+    and host instead (total and active parameters, the best micro-batch, what binds);
+    exit status 1 when it does not fit.
     """
     from .checks import check_flags
 
     check_flags(seq_len=seq, world_size=world_size)
-    if hf_config is None:
+    if hf_config is None and model_name is None:
         if blocks is not None:
             raise click.UsageError("--blocks goes with --hf-config (a model to fit)")
         from .fit import run_fit
@@ -980,9 +990,11 @@ def fit(hardware, budget, seq, hf_config, blocks, host_memory, world_size, nvme,
             lora=lora_spec(**lora),
         )
         return
+    from ..models.zoo import check_name
     from .fit_config import run_model_fit
 
-    model_name = model_option(None, hf_config, blocks, required=True)
+    model_name = model_option(model_name, hf_config, blocks, required=True)
+    check_name(model_name)  # a mistyped name fails before the probes
     run_model_fit(
         model_name,
         hardware,

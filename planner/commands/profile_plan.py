@@ -128,9 +128,16 @@ def build_profile(
         f"{iterations} measured iterations"
     )
 
+    warm = 2
+
     def progress(i: int, n: int) -> None:
-        warm = n - iterations
-        echo(f"         step {i}/{n}" + (" (warm-up)" if i <= warm else ""))
+        more = " (more: the times vary)" if i > warm + iterations else ""
+        echo(f"         step {i}/{n}" + (" (warm-up)" if i <= warm else more))
+
+    def on_timing(timing) -> None:
+        echo(f"profile  {timing.describe()}")
+        if (warning := timing.warning()) is not None:
+            echo(f"warning  {warning}")
 
     return measure(
         model,
@@ -141,8 +148,10 @@ def build_profile(
         compute_dtype=dtype,
         device=dev,
         spec=spec,
+        warmup=warm,
         iterations=iterations,
         progress=progress,
+        on_timing=on_timing,
     )
 
 

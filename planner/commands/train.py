@@ -677,23 +677,7 @@ def _loop(
         metrics.write({"event": "resume", "step": engine.steps_done, "resumed_from": str(resume)})
     bar = None
     if progress:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        bar = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-            transient=False,
-        )
-        task = bar.add_task("train", total=steps, completed=engine.steps_done, status="")
+        bar = ProgressBar(steps, engine.steps_done)
         bar.start()
     t0 = time.perf_counter()
     recorder = None
@@ -788,7 +772,7 @@ def _loop(
                     f"{human_bytes(result.peak_bytes)}"
                 ) + (f" / predicted {human_bytes(predicted)}" if predicted else "")
                 if bar is not None:
-                    bar.update(task, advance=1, status=status)
+                    bar.advance(status)
                 elif done % log_every == 0 or done == steps or step == first:
                     echo(f"step {done:5d}  {status}")
                 if save:  # after the step's line: "saved" says the step just shown is safe
@@ -816,6 +800,62 @@ def _loop(
 MAX_GLOBAL_MICRO_BATCH = 1 << 24
 """Sequences per draw a checkpoint's data position may claim (a sanity bound, not a limit of
 any real run)."""
+
+
+class ProgressBar:
+    """``train``'s bar: ``train ━━━╸   M/N  status  ETA`` fitted to the terminal's width at
+    every step. The step count and the time left always show; the bar shrinks first (to
+    nothing), then the status is cut with an ellipsis (rich's own layout cut the count and
+    the ETA to "1…" and "-:-…" at 80 columns)."""
+
+    BAR_MAX = 40
+    ETA = 7  # "0:00:00"
+
+    def __init__(self, steps: int, done: int, console=None):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+        from rich.table import Column
+
+        self.count = len(f"{steps}/{steps}")
+        self._bar = BarColumn(bar_width=self.BAR_MAX)
+        fixed = Column(no_wrap=True, overflow="crop")
+        self.progress = Progress(
+            TextColumn("[bold]train", table_column=fixed),
+            self._bar,
+            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=self.count)),
+            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
+            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=self.ETA)),
+            transient=False,
+            console=console,
+        )
+        self.task = self.progress.add_task("train", total=steps, completed=done, status="")
+
+    def fit(self, status: str, width: int) -> str:
+        """Set the bar's width for ``width`` columns; returns ``status`` as it fits."""
+        # train, bar, count, status, ETA: one space between columns, one column spare.
+        room = width - 1 - len("train") - self.count - self.ETA - 4
+        bar = min(self.BAR_MAX, room - len(status))
+        if bar < 1:  # a one-column bar, the status cut to what is left
+            bar, keep = 1, max(0, room - 1)
+            status = status[: keep - 1] + "…" if 0 < keep < len(status) else status[:keep]
+        self._bar.bar_width = bar
+        return status
+
+    def start(self) -> None:
+        self.progress.update(self.task, status=self.fit("", self.progress.console.width))
+        self.progress.start()
+
+    def advance(self, status: str) -> None:
+        status = self.fit(status, self.progress.console.width)
+        self.progress.update(self.task, advance=1, status=status)
+
+    def stop(self) -> None:
+        self.progress.stop()
 
 
 def _skip_to(

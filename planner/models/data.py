@@ -33,12 +33,14 @@ No file is read whole. A data file is first probed (``_probe``: at most
 image is refused after 4 KiB). A token file, or a text file read byte-level, is then
 memory-mapped as it is: its pages are read when a window touches them and the kernel
 may drop them again, so the resident memory does not grow with the corpus. Anything
-else (JSON lines, or text with a tokenizer) is tokenised a document or a
-``TEXT_PIECE_BYTES`` piece at a time into an unlinked temporary file, which is mapped
-the same way; for a corpus used more than once, ``protrain tokenize`` does that once.
+else (JSON lines, or text with a tokenizer) is tokenised a ``TEXT_PIECE_BYTES`` piece
+at a time, a long line or document cut into pieces too ([Note: tokenizer pieces]), into
+an unlinked temporary file, which is mapped the same way; for a corpus used more than
+once, ``protrain tokenize`` does that once.
 Windows are gathered from the mapped ids and widened to int64 (``gather``), so a
 corpus gives the same batches whichever way it was stored. BENCHMARKS.md has the
-peak RSS of a 20 MB and a 2 GB corpus.
+peak RSS of a 20 MB and a 2 GB corpus, and ("Tokenising memory") of a 64 MiB one-line
+text and a 1 GiB text through a BPE tokenizer.
 """
 
 from __future__ import annotations
@@ -156,8 +158,8 @@ def token_stream(path: Path, tokenizer: str | None, text_field: str = "text") ->
 
     Byte-level: the file's bytes, or a ``.jsonl`` file's documents joined by one newline.
     With a tokenizer: each document encoded and followed by the end-of-text token; a
-    plain text file is one document, encoded in pieces of ``TEXT_PIECE_BYTES`` cut after
-    a newline (one piece, the whole file, for any file up to that size).
+    plain text file is one document. Text reaches the tokenizer in pieces of at most
+    ``TEXT_PIECE_BYTES``, each encoded on its own ([Note: tokenizer pieces]).
     """
     docs = _jsonl_documents(path, str(path), text_field) if _is_jsonl(path) else None
     if tokenizer is None:
@@ -172,11 +174,26 @@ def token_stream(path: Path, tokenizer: str | None, text_field: str = "text") ->
     return TokenStream(_encoded(docs, encode, eos), vocab_size)
 
 
-TEXT_PIECE_BYTES = 16 << 20
-"""A plain text file read with a tokenizer is encoded this many bytes at a time (cut after a
-newline)."""
+TEXT_PIECE_BYTES = 64 << 10
+"""Text goes to a tokenizer at most this many bytes (UTF-8) at a time ([Note: tokenizer pieces])."""
 
 _READ_BYTES = 1 << 20  # bytes read at a time when the tokens are the bytes
+_WHITESPACE = b" \t\n\r\x0b\x0c"
+
+# [Note: tokenizer pieces]
+# A Hugging Face tokenizer holds about 230 bytes of RAM per byte of the text it encodes
+# (the Rust ``Encoding``: per-byte alignments of the normalised string, per-token
+# strings, offsets and masks; measured with a byte-level BPE, BENCHMARKS.md "Tokenising
+# memory"), and a 64 MiB line sent whole reached 11.9 GB before the Rust side aborted.
+# So no text reaches ``encode`` in a piece of more than ``TEXT_PIECE_BYTES`` (64 KiB:
+# ~15 MB inside the tokenizer, and faster per byte than bigger pieces, which fall out
+# of cache). A piece is cut, in this order of preference, after the last newline in the
+# window, else before its last whitespace byte (so a space stays with the word after it,
+# as byte-level BPE and SentencePiece pre-tokenise), else at the last UTF-8 character
+# boundary (never inside a multi-byte character). The cut depends on the bytes only, so
+# the same file gives the same pieces and tokens on every run. Each piece is encoded on
+# its own, so token boundaries can differ from encoding the whole text at the cut points
+# only; a text of lines up to 64 KiB is cut at newlines only.
 
 
 def _byte_pieces(path: Path) -> Iterator[np.ndarray]:
@@ -185,20 +202,56 @@ def _byte_pieces(path: Path) -> Iterator[np.ndarray]:
             yield np.frombuffer(piece, dtype=np.uint8)
 
 
+def _cut(window: bytes, limit: int) -> int:
+    """Where to end a piece at the start of ``window`` (``limit`` + 1 bytes or more), in
+    ``(0, limit]`` ([Note: tokenizer pieces])."""
+    head = window[:limit]
+    cut = head.rfind(b"\n") + 1
+    if cut > 0:
+        return cut
+    cut = max(head.rfind(c, 1) for c in _WHITESPACE)
+    if cut > 0:
+        return cut
+    # Back over UTF-8 continuation bytes (0b10xxxxxx) to the start of a character; more
+    # than three in a row are not UTF-8, and any cut leaves them as invalid as they were.
+    for cut in range(limit, limit - 4, -1):
+        if window[cut] & 0xC0 != 0x80:
+            return cut
+    return limit
+
+
+def _pieces_of(data: bytes, rest_is_final: bool) -> tuple[list[bytes], bytes]:
+    """``data`` cut into pieces of at most ``TEXT_PIECE_BYTES``; (pieces, the unfinished tail)."""
+    pieces, start = [], 0
+    while len(data) - start > TEXT_PIECE_BYTES or (rest_is_final and start < len(data)):
+        if len(data) - start <= TEXT_PIECE_BYTES:
+            pieces.append(data[start:])
+            return pieces, b""
+        cut = _cut(data[start : start + TEXT_PIECE_BYTES + 1], TEXT_PIECE_BYTES)
+        pieces.append(data[start : start + cut])
+        start += cut
+    return pieces, data[start:]
+
+
 def _text_pieces(path: Path) -> Iterator[bytes]:
-    """The file in pieces of about ``TEXT_PIECE_BYTES``, each but the last ending in a newline."""
+    """The file in pieces of at most ``TEXT_PIECE_BYTES`` ([Note: tokenizer pieces])."""
     rest = b""
     with open(path, "rb") as f:
-        while piece := f.read(TEXT_PIECE_BYTES):
-            piece = rest + piece
-            cut = piece.rfind(b"\n") + 1
-            if cut == 0:  # no newline yet: keep reading (a file of one long line is one piece)
-                rest = piece
-                continue
-            rest = piece[cut:]
-            yield piece[:cut]
-    if rest:
-        yield rest
+        while block := f.read(_READ_BYTES):
+            pieces, rest = _pieces_of(rest + block, rest_is_final=False)
+            yield from pieces
+    yield from _pieces_of(rest, rest_is_final=True)[0]
+
+
+def _document_pieces(doc: str) -> Iterator[str]:
+    """A document in pieces of at most ``TEXT_PIECE_BYTES`` of UTF-8 ([Note: tokenizer pieces])."""
+    if len(doc) <= TEXT_PIECE_BYTES // 4:  # 4 bytes a character at most: one piece
+        yield doc
+        return
+    # surrogatepass: a lone surrogate from JSON reaches the tokenizer as it did uncut.
+    data = doc.encode("utf-8", errors="surrogatepass")
+    for piece in _pieces_of(data, rest_is_final=True)[0]:
+        yield piece.decode("utf-8", errors="surrogatepass")
 
 
 def _joined_document_bytes(docs: Iterator[str]) -> Iterator[np.ndarray]:
@@ -210,10 +263,10 @@ def _joined_document_bytes(docs: Iterator[str]) -> Iterator[np.ndarray]:
 def _encoded(docs, encode, eos: int | None, *, eos_last: int | None = None) -> Iterator[np.ndarray]:
     """Each document's ids, followed by ``eos``; ``eos_last``: one end-of-text after all of them."""
     for doc in docs:
-        ids = encode(doc)
+        for piece in _document_pieces(doc):
+            yield np.asarray(encode(piece), dtype=np.int64)
         if eos is not None:
-            ids = [*ids, eos]
-        yield np.asarray(ids, dtype=np.int64)
+            yield np.asarray([eos], dtype=np.int64)
     if eos_last is not None:
         yield np.asarray([eos_last], dtype=np.int64)
 
@@ -494,6 +547,15 @@ def _hf_tokenizer(directory: str):
                 f"cannot read {f}: {e}", hint="write it again with tokenizer.save_pretrained(DIR)"
             ) from None
         eos = _eos_id(Path(directory), tok.token_to_id)
+        # encode_batch_fast (tokenizers >= 0.21) gives the same ids without tracking offsets:
+        # 1.7x the MB/s of encode on a byte-level BPE, and less memory (BENCHMARKS.md).
+        fast = getattr(tok, "encode_batch_fast", None)
+        if fast is not None:
+            return (
+                (lambda text: fast([text], add_special_tokens=False)[0].ids),
+                tok.get_vocab_size(with_added_tokens=True),
+                eos,
+            )
         return (
             (lambda text: tok.encode(text, add_special_tokens=False).ids),
             tok.get_vocab_size(with_added_tokens=True),

@@ -6,7 +6,8 @@ counts and a hardware spec. Both produce this one type, canonical JSON like plan
 
 Per segment (``<pre>``, each block, ``<post>``, as in the plan's schedule):
 
-- ``fwd_us`` / ``bwd_us``: compute time of its forward and backward;
+- ``fwd_us`` / ``bwd_us``: compute time of its forward and backward ([Note: robust
+  timing] in commands/measure.py);
 - ``saved_bytes``: activations it saves for backward, counted the way the
   executor's ledger counts them (each storage once, chunk parameters excluded,
   a storage saved by two segments belonging to the first): the cost model's
@@ -86,9 +87,9 @@ class SegmentProfile(_Strict, kw_only=True):
     segment: str
     """``<pre>``, a block path, or ``<post>``."""
     fwd_us: NonNegInt
-    """Forward compute time (median over measured iterations)."""
+    """Forward compute time: the least over measured iterations on CPU, the median on CUDA."""
     bwd_us: NonNegInt
-    """Backward compute time (median)."""
+    """Backward compute time (as ``fwd_us``)."""
     saved_bytes: NonNegInt
     """Saved activations, as the ledger counts them (see module docstring)."""
     saved_tensor_bytes: NonNegInt
@@ -130,7 +131,7 @@ class Profile(_Strict, kw_only=True):
     """True when the model was profiled through an all-offloaded executor plan (larger than the
     device)."""
     iterations: NonNegInt
-    """Measured iterations the medians come from (0 for analytic)."""
+    """Measured iterations the times come from (0 for analytic)."""
     segments: list[SegmentProfile]
     """``<pre>``, blocks in order, ``<post>``."""
     params: list[ParamInfo]

@@ -6,7 +6,7 @@ is reviewed (a laptop, a CI job, a ``git diff`` text converter).
 
 from __future__ import annotations
 
-from protrain.plans.homes import POLICIES
+from protrain.plans.homes import CHECKPOINT, POLICIES, SWAP
 from protrain.plans.plan import Plan
 
 from ..hardware.units import human_bytes, human_count
@@ -118,6 +118,9 @@ def render_explain(plan: Plan, source: str = "", departures: list[Departure] | N
         f"  chosen      {_cand(s.chosen)}   ({s.solver}, "
         f"{s.evaluated} of {s.space_size} configurations evaluated)",
     ]
+    if b:
+        lines.append("  in plain words (the paper's terms in brackets)")
+        lines += [f"    - {x}" for x in plain_decisions(plan)]
     lines += _render_departures(plan, departures)
     if b:
         t_fwd, t_bwd = b.get("t_fwd_us", 0), b.get("t_bwd_us", 0)
@@ -156,6 +159,103 @@ def render_explain(plan: Plan, source: str = "", departures: list[Departure] | N
         lines.append("  Pareto front (less memory ↔ less time)")
         lines += [f"    {_cand(c)}" for c in s.front]
     return "\n".join(lines)
+
+
+def _duration(us: float) -> str:
+    return f"{us / 1e3:.1f} ms" if us < 1e6 else f"{us / 1e6:.2f} s"
+
+
+def plain_decisions(plan: Plan) -> list[str]:
+    """One sentence per decision of the plan in plain words, the paper's symbols after it:
+    where the chunks live, what the blocks do with their activations, what sets the time."""
+    b = plan.prediction.breakdown
+    t = plan.training
+    n = len(plan.chunks.items)
+    n_persist, n_buffer = plan.placement.n_persist, plan.placement.n_buffer
+    budget, peak = plan.hardware.budget_bytes, plan.prediction.peak_memory_bytes
+    off = n - n_persist
+    if off == 0:
+        chunks = (
+            f"All {n} chunk{'s' * (n != 1)} of parameters stay on the device with their "
+            f"gradients and optimizer state ({human_bytes(b.get('states_bytes', 0))}), because "
+            f"they fit the {human_bytes(budget)} budget next to the activations "
+            f"[n_persist = {n}, n_buffer = 0]."
+        )
+    else:
+        one_more = (
+            plan.chunks.chunk_numel
+            * memory_walk.element_bytes(t.compute_dtype, t.grad_accum).persistent
+        )
+        why = (
+            f"keeping one more there would add about {human_bytes(one_more)} to the "
+            f"{human_bytes(peak)} peak, over the {human_bytes(budget)} budget"
+            if peak + one_more > budget
+            else "keeping more there would not make an iteration faster under this budget"
+        )
+        disk = len(plan.placement.nvme)
+        chunks = (
+            f"{off} of {n} chunks of parameters live in host memory"
+            + (f" ({disk} of them with their optimizer state on disk)" if disk else "")
+            + f", where the CPU updates them, and visit the device {n_buffer} at a time; "
+            f"{n_persist} {'stays' if n_persist == 1 else 'stay'} on the device, because {why} "
+            f"[n_persist = {n_persist}, n_buffer = {n_buffer}]."
+        )
+    policies = [a.policy for a in plan.activations]
+    n_blocks, n_swap, n_ckpt = (
+        len(policies),
+        policies.count(SWAP.name),
+        policies.count(CHECKPOINT.name),
+    )
+    n_keep = n_blocks - n_swap - n_ckpt
+    if n_swap == n_ckpt == 0:
+        acts = (
+            f"All {n_blocks} blocks keep their activations on the device for backward: there "
+            "is room for them, so nothing is recomputed or copied [n_swap = 0, n_checkpoint = 0]."
+        )
+    else:
+
+        def verb(k: int, one: str, many: str) -> str:
+            return f"{k} {one if k == 1 else many}"
+
+        parts = [
+            verb(n_ckpt, "recomputes its", "recompute their") + " activations in backward"
+            if n_ckpt
+            else "",
+            verb(n_swap, "copies its", "copy their") + " activations to host memory and back"
+            if n_swap
+            else "",
+            verb(n_keep, "keeps its", "keep their") + " activations" if n_keep else "",
+        ]
+        acts = (
+            f"Of {n_blocks} blocks, {', '.join(x for x in parts if x)}: device memory left for "
+            "the model states, paid for in recomputation or copies "
+            f"[n_checkpoint = {n_ckpt}, n_swap = {n_swap}]."
+        )
+    t_fwd, t_bwd = b.get("t_fwd_us", 0) / 1e3, b.get("t_bwd_us", 0) / 1e3
+    t_cpu, t_gpu = b.get("t_cpu_optim_us", 0) / 1e3, b.get("t_gpu_optim_us", 0) / 1e3
+    head = (
+        f"An iteration is predicted to take {_duration(plan.prediction.iter_time_us)}: "
+        f"forward {t_fwd:.1f} ms, backward {t_bwd:.1f} ms"
+    )
+    if off == 0 or t_cpu == 0:
+        time = f"{head}, and the optimizer step on the device {t_gpu:.1f} ms [T_iter, Eq. 2]."
+    elif plan.schedule.cpu_adam == "after_backward":
+        time = (
+            f"{head}; the CPU's update of the host chunks ({t_cpu:.1f} ms) waits until backward "
+            "is done, because clipping or fp16 loss scaling needs every gradient first "
+            "[cpu_adam = after_backward]."
+        )
+    elif t_cpu > t_bwd + t_gpu:
+        time = (
+            f"{head}; the CPU's update of the host chunks ({t_cpu:.1f} ms) runs during "
+            "backward and outlasts it, so the CPU sets the pace [T_cpu_optim, Eq. 2]."
+        )
+    else:
+        time = (
+            f"{head}; the CPU's update of the host chunks ({t_cpu:.1f} ms) runs during "
+            "backward and is hidden behind it [T_cpu_optim, Eq. 2]."
+        )
+    return [chunks, acts, time]
 
 
 def _render_departures(plan: Plan, priced: list[Departure] | None) -> list[str]:

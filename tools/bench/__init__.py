@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "host-lora": Benchmark("host", "Host bytes per frozen parameter, LoRA", ("--lora",)),
     "paper-sizes": Benchmark("paper_sizes", "Paper Table 2 sizes"),
     "corpus": Benchmark("corpus", "Corpus size against peak RSS"),
+    "tokenize": Benchmark("tokenize", "Tokenising memory through a BPE tokenizer"),
     "finite": Benchmark("finite", "Finite-state guard: step time with and without it"),
     "moe-cpu": Benchmark(
         "moe_cpu",
