@@ -403,7 +403,8 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, OUT=str(out)),
+        # (never an editable install from a test: it would re-point the environment's protrain)
+        env=dict(os.environ, OUT=str(out), GPU_CHECK_NO_INSTALL="1"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())

@@ -167,19 +167,24 @@ install_wheels() {
 }
 
 # protrain from this working tree: an editable install when pip can make one offline,
-# else a namespace shim on PYTHONPATH (protrain/planner -> planner/, protrain/executor -> executor/).
+# else a namespace shim on PYTHONPATH (protrain/planner -> planner/, protrain/executor ->
+# executor/, protrain/plans -> plans/). GPU_CHECK_NO_INSTALL=1 (the CPU rehearsal in the tests)
+# goes straight to the shim: an editable install would re-point the environment's protrain,
+# the developer's own, at whatever checkout ran the rehearsal.
 install_protrain() {
   if $PY -c "import protrain.planner as p, sys; sys.exit(0 if p.__file__.startswith('$PWD/') else 1)" 2>/dev/null; then
     echo "protrain already imports from $PWD"
     return 0
   fi
-  if $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . ; then
+  if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] \
+      && $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . ; then
     echo "pip install -e . done"
   else
-    echo "pip install -e . failed; using a PYTHONPATH shim"
+    echo "no editable install (GPU_CHECK_NO_INSTALL=1, or pip failed); using a PYTHONPATH shim"
     mkdir -p /tmp/gpu_check_shim/protrain
     ln -sfn "$PWD/planner" /tmp/gpu_check_shim/protrain/planner
     ln -sfn "$PWD/executor" /tmp/gpu_check_shim/protrain/executor
+    ln -sfn "$PWD/plans" /tmp/gpu_check_shim/protrain/plans
   fi
 }
 

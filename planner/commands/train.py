@@ -155,6 +155,11 @@ def train(
 
         check_root(save_dir)  # a directory of other files is not a checkpoint root
         if resume is None:
+            # A live run in the directory is named by its lock (pid), before its checkpoints.
+            if os.environ.get("RANK", "0") == "0" and Path(save_dir).is_dir():
+                from protrain.executor.checkpoint import lock_root
+
+                lock_root(save_dir).release()
             previous = other_run(save_dir, overwrite)
     if export_merged is not None and (lora is None or not is_hf_name(model_name)):
         raise ConfigError(

@@ -515,13 +515,19 @@ _ID_BLOCK = 1 << 22
 
 
 def _largest_id(path: Path, dtype, count: int) -> int:
-    """The largest id of a token file, read a block at a time (the file is never read whole
-    into memory: its pages are the kernel's to drop again). Issue 39 item 10."""
-    ids = np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,))
-    try:
-        return max(int(ids[a : a + _ID_BLOCK].max()) for a in range(0, count, _ID_BLOCK))
-    finally:
-        del ids
+    """The largest id of a token file, read a block at a time into one reused buffer (Issue 39
+    item 10). Read, not mapped: a mapping's pages count in the process's resident set as it
+    walks them, 4 GB for a 2 GB corpus's token file; read pages stay the kernel's cache."""
+    block = np.empty(_ID_BLOCK, dtype=dtype)
+    top = 0
+    with open(path, "rb") as f:
+        f.seek(_HEADER.size)
+        for a in range(0, count, _ID_BLOCK):
+            n = min(_ID_BLOCK, count - a)
+            got = f.readinto(memoryview(block[:n]).cast("B"))
+            assert got == n * block.itemsize, (path, a, got)
+            top = max(top, int(block[:n].max()))
+    return top
 
 
 def _hf_tokenizer(directory: str):
