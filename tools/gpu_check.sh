@@ -203,7 +203,7 @@ step "install protrain" 120 bash -c install_protrain
 step "import protrain" 60 $PY -c "import protrain.planner.search.planning, protrain.executor.engine; print('protrain imports')"
 { echo "--- after installs"; echo "PYTHONPATH=${PYTHONPATH:-}"; sed -n '/^=== install/,$p' "$LOG"; } >>"$OUT/env.txt"
 
-step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -x -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
+step "pytest tests/gpu" 120 bash -c "set -o pipefail; $PY -m pytest -o addopts=-ra -x -q tests/gpu 2>&1 | tee '$OUT/pytest-gpu.txt'"
 
 step "probe hardware" "$PROBE_LIMIT" $PY -c "
 from protrain.planner.hardware.probe import probe_to_file

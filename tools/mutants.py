@@ -432,7 +432,17 @@ def run(m: Mutant, timeout_s: float, root: Path = ROOT) -> tuple[str, float, str
             "PYTHONPATH": str(top),
             "PROTRAIN_SLOW": "1",
         }  # a named slow test runs too
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n0",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            *m.tests,
+        ]
         t0 = time.perf_counter()
         try:
             p = subprocess.run(

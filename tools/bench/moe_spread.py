@@ -57,7 +57,16 @@ def one_run() -> dict:
     with tempfile.TemporaryDirectory(prefix="moe-spread-") as tmp:
         out = Path(tmp) / "run.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"]
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-n0",
+                "--collect-only",
+                "-p",
+                "no:cacheprovider",
+            ]
             + ["-p", "tools.bench.moe_spread", str(harness.ROOT / "tests" / "test_moe.py")],
             cwd=harness.ROOT,
             env={**os.environ, OUT_ENV: str(out)},
