@@ -33,13 +33,10 @@ def _check(root: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_check_passes_on_the_committed_tree():
-    r = _check(ROOT)
-    assert r.returncode == 0, r.stderr
-
-
-@pytest.mark.slow
 def test_check_names_every_stale_missing_and_extra_file(tmp_path):
+    """The check on a copy of the committed plans with three files broken names exactly those
+    three: every other plan, the index and the schema are what the planner makes (so this is
+    also the committed tree's check, which .ci/run runs directly before the tests)."""
     shutil.copytree(ROOT / "plans", tmp_path / "plans")
     changed = tmp_path / "plans" / "llama-7b" / "h100-w1.json"
     data = bytearray(changed.read_bytes())

@@ -47,6 +47,7 @@ CACHES = (  # (module under protrain.planner, cached function): a fresh process'
     ("search.grid", "_policy_grid"),  # (the planner by concern)
     ("search.layout", "_layout"),
     ("profiling.profile", "_version"),  # (the installed version, looked up once per process)
+    ("search.emit", "_version"),  # (trees before it moved to profiling)
     ("grid", "_policy_grid"),  # (trees before that move)
     ("cost", "_chunk_need"),
 )
