@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import msgspec
 from torch import nn
 
-from protrain import plans
 from protrain.executor.check import model_signature, tied_pairs
 from protrain.plans import homes as H
 from protrain.plans import plan as P
+from protrain.plans import validation
 from protrain.plans.errors import ConfigError
 
 from ..profiling.graph import ExecutionGraph, trace
@@ -226,4 +226,6 @@ def round_trip(plan: P.Plan) -> P.Plan:
                 req, max_grad_norm=round(req.max_grad_norm, P.FLOAT_DIGITS)
             ),
         )
-    return plans.load(msgspec.json.encode(plan, order="deterministic"))
+    checked = P.decode(msgspec.json.encode(plan, order="deterministic"), encoded=True)
+    validation.validate(checked, "<plan bytes>")
+    return checked
