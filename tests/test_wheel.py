@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,6 +51,17 @@ def venv(tmp_path_factory) -> Path:
     It sees the system's site-packages for torch and the other dependencies; the wheel's
     ``protrain`` comes first on its path, which the test checks."""
     tmp = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools writes build/ and protrain.egg-info/ beside the sources, and
+    # in the checkout a half-written egg-info is what importlib.metadata finds for `protrain`
+    # in every other test process meanwhile (a plan's generator version read as null).
+    src = tmp / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", "build", "*.egg-info", "__pycache__", ".venv", "runs"
+        ),
+    )
     # Offline when this environment has the build backend; else pip fetches it, as any install does.
     isolation = ["--no-build-isolation"] if offline_backend() else []
     run(
@@ -61,7 +73,7 @@ def venv(tmp_path_factory) -> Path:
             "-q",
             "--no-deps",
             *isolation,
-            str(ROOT),
+            str(src),
             "-w",
             str(tmp / "dist"),
         ],

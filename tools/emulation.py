@@ -34,6 +34,7 @@ already finished when the host issues the next call.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -120,6 +121,7 @@ class EmulatedStream:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"protrain-emu-{name}", daemon=True)
         self.thread.start()
+        _LIVE.add(self)
 
     def submit(self, fn: Callable[[], None], delay: bool = True) -> EmulatedEvent:
         ev = EmulatedEvent()
@@ -133,10 +135,20 @@ class EmulatedStream:
     def on_worker(self) -> bool:
         return threading.current_thread() is self.thread
 
+    def stop(self) -> None:
+        """Let the queued work finish, then end the thread (at exit: a daemon thread still in a
+        torch op when the interpreter finalizes is unwound through C++ that cannot unwind, and
+        the process aborts with "terminate called without an active exception")."""
+        self.queue.put(None)
+        self.thread.join(timeout=10)
+
     def _loop(self) -> None:
         inherited: BaseException | None = None
         while True:
-            fn, ev, delay = self.queue.get()
+            item = self.queue.get()
+            if item is None:
+                return
+            fn, ev, delay = item
             if delay:
                 time.sleep(self.emu.draw_delay(self.rng))
             try:
@@ -147,6 +159,16 @@ class EmulatedStream:
                 self.emu.errors.append(e)
             ev.error = inherited
             ev.flag.set()
+
+
+_LIVE: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
+"""Every stream whose thread runs, stopped at exit (``EmulatedStream.stop``)."""
+
+
+@atexit.register
+def _stop_all() -> None:
+    for stream in list(_LIVE):
+        stream.stop()
 
 
 class AsyncCPU:
