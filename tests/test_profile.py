@@ -227,8 +227,11 @@ def test_a_busy_machine_does_not_set_the_profile(monkeypatch):
     assert "measured steps after 2 warm-up" in timing.describe()
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_ten_plans_on_a_busy_machine_predict_the_same_time(tmp_path, monkeypatch):
+    # A bench test: it holds ratios of measured times, which a correctness run may not (the
+    # parallel slow run adds a second test process to the busy loop, and one of ten read 1.8x
+    # there); `test_a_busy_machine_does_not_set_the_profile` checks the rule deterministically.
     # Issue 39 acceptance: ten `protrain plan --device cpu` runs of one tiny llama (2 layers,
     # hidden 64, batch 2, seq 64) predict iteration times within 1.5x of each other while
     # another process keeps one core busy. run_plan is what the command runs; the machine's
