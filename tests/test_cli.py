@@ -594,7 +594,7 @@ def test_a_finished_rank_of_a_multi_rank_run_exits_without_finalisation(
     monkeypatch, interrupted, code
 ):
     """Under torchrun (WORLD_SIZE > 1) `train` leaves by os._exit once training returned: gloo's
-    teardown at interpreter finalisation aborted ~7% of finished ranks (cli.py's comment)."""
+    teardown at interpreter finalisation aborted ~7% of finished ranks (cli_train.py's comment)."""
     import protrain.planner.commands.cli as cli
     import protrain.planner.commands.train as T
 
