@@ -111,7 +111,7 @@ def test_the_progress_bar_shrinks_before_the_count_and_eta(columns):
 
     from rich.console import Console
 
-    from protrain.planner.commands.train import ProgressBar
+    from protrain.planner.commands.progress import ProgressBar
 
     out = io.StringIO()
     console = Console(file=out, width=columns, force_terminal=True, color_system=None)

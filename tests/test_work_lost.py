@@ -285,11 +285,11 @@ class _FullDiskFile:
 
 
 def _full_disk_at(path: Path, monkeypatch) -> None:
-    """The metrics file (opened by train.py) and the trace (``views.trace.write_trace``) at
+    """The metrics file (opened by progress.py's ``Metrics``) and the trace (``views.trace.write_trace``) at
     ``path`` are on a full disk. (/dev/full does not fail writes in every sandbox.)"""
     import builtins
 
-    from protrain.planner.commands import train as module
+    from protrain.planner.commands import progress as module
     from protrain.planner.views import trace
 
     def fake_open(file, *a, **k):

@@ -19,7 +19,6 @@ be exported back to a directory transformers loads (``export_dir``, ``hf.export`
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -36,6 +35,8 @@ from protrain.plans.errors import ConfigError
 from ..hardware.units import human_bytes
 from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
 from ..models.zoo import build, check_name, is_hf_name
+from .progress import Metrics, ProgressBar
+from .stopping import StopFlag
 
 LOG_EVERY = 10
 """Steps between plain log lines when stdout is not a terminal and no --log-every is given."""
@@ -677,7 +678,7 @@ def _loop(
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses = Losses()
-    metrics = _Metrics(metrics_path, echo) if metrics_path else None
+    metrics = Metrics(metrics_path, echo) if metrics_path else None
     if metrics is not None and resume is not None:  # the steps that follow may repeat logged ones
         metrics.write({"event": "resume", "step": engine.steps_done, "resumed_from": str(resume)})
     bar = None
@@ -691,7 +692,7 @@ def _loop(
 
         recorder = record_trace(engine)
         rec = recorder.__enter__()
-    stop = _StopFlag()
+    stop = StopFlag()
 
     def checkpoint() -> None:
         from protrain.plans.errors import CheckpointError
@@ -807,62 +808,6 @@ MAX_GLOBAL_MICRO_BATCH = 1 << 24
 any real run)."""
 
 
-class ProgressBar:
-    """``train``'s bar: ``train ━━━╸   M/N  status  ETA`` fitted to the terminal's width at
-    every step. The step count and the time left always show; the bar shrinks first (to
-    nothing), then the status is cut with an ellipsis (rich's own layout cut the count and
-    the ETA to "1…" and "-:-…" at 80 columns)."""
-
-    BAR_MAX = 40
-    ETA = 7  # "0:00:00"
-
-    def __init__(self, steps: int, done: int, console=None):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-        from rich.table import Column
-
-        self.count = len(f"{steps}/{steps}")
-        self._bar = BarColumn(bar_width=self.BAR_MAX)
-        fixed = Column(no_wrap=True, overflow="crop")
-        self.progress = Progress(
-            TextColumn("[bold]train", table_column=fixed),
-            self._bar,
-            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=self.count)),
-            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
-            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=self.ETA)),
-            transient=False,
-            console=console,
-        )
-        self.task = self.progress.add_task("train", total=steps, completed=done, status="")
-
-    def fit(self, status: str, width: int) -> str:
-        """Set the bar's width for ``width`` columns; returns ``status`` as it fits."""
-        # train, bar, count, status, ETA: one space between columns, one column spare.
-        room = width - 1 - len("train") - self.count - self.ETA - 4
-        bar = min(self.BAR_MAX, room - len(status))
-        if bar < 1:  # a one-column bar, the status cut to what is left
-            bar, keep = 1, max(0, room - 1)
-            status = status[: keep - 1] + "…" if 0 < keep < len(status) else status[:keep]
-        self._bar.bar_width = bar
-        return status
-
-    def start(self) -> None:
-        self.progress.update(self.task, status=self.fit("", self.progress.console.width))
-        self.progress.start()
-
-    def advance(self, status: str) -> None:
-        status = self.fit(status, self.progress.console.width)
-        self.progress.update(self.task, advance=1, status=status)
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-
 def _skip_to(
     data,
     position: dict[str, int],
@@ -920,88 +865,6 @@ def _agree(requested: bool, engine) -> bool:
     flag = torch.tensor([1.0 if requested else 0.0], device=engine.device)
     engine.comm.all_reduce(flag, "the stop flag")
     return bool(flag.item() > 0)
-
-
-class _Metrics:
-    """The ``--metrics`` file. A write that fails (a full disk, a file-size limit) warns once,
-    naming the file, and the run goes on without it: the metrics are a log of the run, and
-    stopping would cost the steps still to train (the checkpoints, elsewhere or on the same
-    disk, have their own handling: ``rescue``). The lines before the failure stay whole."""
-
-    def __init__(self, path: str, echo):
-        self.path, self.echo = path, echo
-        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close)
-
-    def write(self, record: dict) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        except OSError as e:
-            self.echo(
-                f"warning: --metrics {self.path}: {e.strerror or e} at step {record.get('step')}; "
-                "no more metrics are written there, training goes on"
-            )
-            self.close()
-
-    def close(self) -> None:
-        if self.file is not None:
-            file, self.file = self.file, None
-            try:
-                file.close()
-            except OSError:  # (the unwritten rest of the failed line)
-                pass
-
-
-class _StopFlag:
-    """First Ctrl-C (or SIGTERM, which torchrun sends its workers on Ctrl-C, or SIGHUP, which
-    the terminal or ssh session sends when it closes): finish and checkpoint the current step,
-    then stop. A second one: stop now."""
-
-    def __init__(self):
-        self.requested = False
-
-    def installed(self):
-        import contextlib
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def scope():
-            def handler(signum, frame):
-                if self.requested:
-                    raise KeyboardInterrupt
-                self.requested = True
-                if signum == signal.SIGHUP:  # the terminal is gone: its writes would fail (EIO)
-                    _detach_terminal()
-
-            previous = {
-                sig: signal.signal(sig, handler)
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-            }
-            try:
-                yield
-            finally:
-                for sig, old in previous.items():
-                    signal.signal(sig, old)
-
-        return scope()
-
-
-def _detach_terminal() -> None:
-    """After SIGHUP: point stdout and stderr at /dev/null where they were the closed terminal,
-    so the lines after it (``saved …``) cannot fail the checkpoint that follows."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for fd in (1, 2):
-            if os.isatty(fd):
-                os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
 
 
 def _trainable(model) -> str:
