@@ -285,8 +285,9 @@ class _FullDiskFile:
 
 
 def _full_disk_at(path: Path, monkeypatch) -> None:
-    """The metrics file (opened by progress.py's ``Metrics``) and the trace (``views.trace.write_trace``) at
-    ``path`` are on a full disk. (/dev/full does not fail writes in every sandbox.)"""
+    """The metrics file (opened by progress.py's ``Metrics``) and the trace
+    (``views.trace.write_trace``) at ``path`` are on a full disk. (/dev/full does not fail
+    writes in every sandbox.)"""
     import builtins
 
     from protrain.planner.commands import progress as module
