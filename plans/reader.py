@@ -45,18 +45,26 @@ def load(source: str | Path | bytes) -> Plan:
     return plan
 
 
-def _refuse_irregular(path: str | Path, where: str) -> None:
-    """Refuse a plan path that is not a regular file, before it is opened (a FIFO would wait for
-    a writer forever, a device read without end). Issue 39 item 11."""
+def special_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it is not a regular file ("a FIFO (named pipe)", "a device", ...),
+    else None: asked before a file is opened, since opening a FIFO waits for a writer (forever)
+    and a device reads without end. The ``stat``'s own ``OSError`` propagates."""
     mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(mode)
-            else "a FIFO (named pipe)"
-            if stat.S_ISFIFO(mode)
-            else "a device, a socket or another special file"
-        )
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+
+
+def _refuse_irregular(path: str | Path, where: str) -> None:
+    """Refuse a plan path that is not a regular file, before it is opened. Issue 39 item 11."""
+    kind = special_file(path)
+    if kind is not None:
         raise PlanError(
             f"{where}: is {kind}, not a regular file; a plan is a JSON file",
             "give the path of a plan file (`protrain plan … -o FILE` writes one)",

@@ -14,7 +14,7 @@ import pytest
 from tools import loc
 
 OVER = {
-    "plans": "1,178 formatted lines, 78 over: the contract's 1,004 when it moved, the accounting "
+    "plans": "1,183 formatted lines, 83 over: the contract's 1,004 when it moved, the accounting "
     "stream (show/diff read plan bytes without the runtime), duplicate-key and FIFO refusals; "
     "issue 38 stays open until it is within"
 }

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from protrain.plans.errors import ConfigError
+from protrain.plans.reader import special_file
 
 BYTE_VOCAB_SIZE = 256  # byte-level tokens: one token per byte, ids 0..255
 
@@ -362,24 +363,11 @@ _PROBE_STEP = (
 
 
 def regular_file(path: str | os.PathLike, what: str, hint: str) -> None:
-    """Refuse ``path`` unless it is a regular file, before it is opened: opening a FIFO waits
-    for a writer (forever), a device reads without end, a directory cannot be read. Raises
-    ``FileNotFoundError`` (and other ``OSError``) of the ``stat`` as they are."""
-    import stat
-
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(mode)
-            else "a FIFO (named pipe)"
-            if stat.S_ISFIFO(mode)
-            else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a socket"
-            if stat.S_ISSOCK(mode)
-            else "not a regular file"
-        )
+    """Refuse ``path`` unless it is a regular file, before it is opened (``reader.special_file``:
+    a FIFO waits for a writer forever, a device reads without end, a directory cannot be read).
+    Raises ``FileNotFoundError`` (and other ``OSError``) of the ``stat`` as they are."""
+    kind = special_file(path)
+    if kind is not None:
         raise ConfigError(f"{what} {str(path)!r} is {kind}, not a regular file", hint=hint)
 
 
