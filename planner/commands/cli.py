@@ -18,6 +18,7 @@ import click
 
 from protrain.plans.errors import ProtrainError
 
+from ..hardware.units import human_bytes, human_count
 from .cli_train import export, tokenize, train
 from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
@@ -111,21 +112,9 @@ def models() -> None:
     )
     for r in rows:
         click.echo(
-            f"{r.name:<14}{r.family:<8}{_count(r.n_params):>10}{r.n_blocks:>8}"
+            f"{r.name:<14}{r.family:<8}{human_count(r.n_params):>10}{r.n_blocks:>8}"
             f"{r.hidden:>8}{r.n_head:>7}{r.vocab_size:>8}"
         )
-
-
-def _size(n: int) -> str:
-    from ..hardware.units import human_bytes
-
-    return human_bytes(n)
-
-
-def _count(n: int) -> str:
-    from ..hardware.units import human_count
-
-    return human_count(n)
 
 
 @main.command()
@@ -179,7 +168,9 @@ def validate(plan_path: str, model_name: str | None) -> None:
 
     # what `train` checks before it builds the model, on the device it would train on
     need = prechecks(plan, model_name, device=default_device(), where=plan_path)
-    click.echo(f"{plan_path}: fits this machine (about {_size(need)} of host memory to train)")
+    click.echo(
+        f"{plan_path}: fits this machine (about {human_bytes(need)} of host memory to train)"
+    )
 
 
 @main.command()
