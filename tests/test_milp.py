@@ -28,9 +28,11 @@ from protrain.planner.search.cost import (
     predict_plan,
     strips_grid,
 )
+from protrain.planner.search.departures import is_four_count
 from protrain.planner.search.exhaustive import exhaustive, policy_pairs, space
 from protrain.planner.search.planning import SOLVERS, default_host_budget, make_plan
-from protrain.planner.views.show import block_policies, is_four_count, render_explain
+from protrain.planner.search.policy_layout import block_policies
+from protrain.planner.views.show import render_explain
 from protrain.plans import plan as P
 from protrain.plans.errors import BudgetError
 

@@ -31,9 +31,9 @@ from protrain.planner.search.cost import (
     offload_mask,
     predict_plan,
 )
+from protrain.planner.search.departures import is_four_count
 from protrain.planner.search.emit import assemble, model_facts
 from protrain.planner.search.planning import make_plan as plan_from_profile
-from protrain.planner.views.show import is_four_count
 from protrain.plans import plan as P
 
 # (persistent chunk ids, n_buffer, strip). gpt2-4 has 5 chunks (0: embeddings, 1-4: one

@@ -11,7 +11,7 @@ from protrain.plans.plan import Plan
 
 from ..hardware.units import human_bytes, human_count
 from ..search import memory_walk
-from ..search.departures import Departure, departures_from, is_four_count  # noqa: F401  (re-exported)
+from ..search.departures import Departure, departures_from, is_four_count
 from ..search.policy_layout import block_policies  # noqa: F401  (explain rebuilds strips)
 
 
