@@ -98,7 +98,7 @@ from .placement import (  # noqa: F401  (re-exported: the search and the MILP us
 )
 from .policy_layout import block_policies  # noqa: F401  (re-exported: the search and the MILP use it)
 from .rules import HOST_SLOTS, ModelFacts, facts_from_profile  # noqa: F401  (re-exported: the search reads facts here)
-from .terms import Terms  # noqa: F401  (re-exported: tools and tests read it here)
+from .terms import Terms
 
 DTYPE_BYTES = A.DTYPE_BYTES
 ALPHA_GPU = memory_walk.ALPHA_GPU
