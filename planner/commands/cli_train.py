@@ -253,6 +253,9 @@ def train(
     """
     from .train import train as run
 
+    # The base as typed, before model_option makes it absolute: what a LoRA adapter's
+    # adapter_config.json names (planner/models/lora.py base_name).
+    given = hf_config if hf_config is not None else model_name
     model_name = model_option(model_name, hf_config, blocks, required=True)
     losses = run(
         plan_path,
@@ -283,6 +286,7 @@ def train(
         nvme_dir=nvme_dir,
         lora=lora_spec(**lora),
         export_merged=export_merged,
+        base_name=given,
     )
     code = EXIT_INTERRUPTED if getattr(losses, "interrupted", False) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -391,7 +395,9 @@ def export(checkpoint, hf_config, blocks, tokenizer, output, **lora):
     if spec is not None:
         from ..models.lora import export_checkpoint as export_adapter
 
-        out = export_adapter(checkpoint, model_name, spec, output, tokenizer_dir=tok)
+        out = export_adapter(
+            checkpoint, model_name, spec, output, tokenizer_dir=tok, given_name=hf_config
+        )
     else:
         out = export_checkpoint(checkpoint, model_name, output, tokenizer_dir=tok)
     click.echo(

@@ -274,12 +274,9 @@ def checkpoint_bytes(plan) -> tuple[int, int]:
 
 
 def _tokenizer_bytes(tokenizer_dir) -> int:
-    from ..models.hf_checkpoint import TOKENIZER_FILES
+    from ..models.hf_checkpoint import tokenizer_files
 
-    if tokenizer_dir is None:
-        return 0
-    files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES]
-    return sum(f.stat().st_size for f in files if f.is_file())
+    return sum((Path(tokenizer_dir) / n).stat().st_size for n in tokenizer_files(tokenizer_dir))
 
 
 def _disk_of(path: Path) -> Path:

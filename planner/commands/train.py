@@ -105,6 +105,7 @@ def train(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     overwrite: bool = False,
+    base_name: str | None = None,
 ) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
@@ -131,7 +132,9 @@ def train(
     ``log_every``), False never; otherwise plain lines every ``log_every`` (default 10) steps.
     ``export_dir``: write the trained Hugging Face model there (``hf.export``); with ``lora``
     (a ``lora.LoraSpec``: peft's adapters injected, the base frozen) the adapter in peft's
-    format, and ``export_merged`` the base with the adapter merged in (planner/models/lora.py).
+    format, and ``export_merged`` the base with the adapter merged in (planner/models/lora.py);
+    ``base_name``: the base as the user named it (the CLI's ``--hf-config`` as typed; default
+    ``model_name``), which the adapter's ``adapter_config.json`` names (``lora.base_name``).
     ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (one group, every parameter; the
     defaults are ``AdamWConfig``'s but for the rate), printed in the run's header.
     """
@@ -244,6 +247,7 @@ def train(
             nvme_dir=nvme_dir,
             lora=lora,
             export_merged=export_merged,
+            base_name=base_name,
             previous=previous if rank == 0 else [],
             adamw=AdamWConfig(
                 lr=lr,
@@ -315,6 +319,7 @@ def _train(
     nvme_dir=None,
     lora=None,
     export_merged=None,
+    base_name=None,
     previous=(),
     adamw: AdamWConfig | None = None,
 ) -> Losses:
@@ -429,7 +434,16 @@ def _train(
                 echo("not exported: the run was interrupted")
             else:
                 _export_lora(
-                    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo
+                    engine,
+                    model,
+                    model_name,
+                    lora,
+                    export_dir,
+                    export_merged,
+                    tok_dir,
+                    rank,
+                    echo,
+                    base_name=base_name,
                 )
         elif export_dir is not None:
             if losses.interrupted:
@@ -588,21 +602,17 @@ def rescue(engine, data: dict, failed, echo) -> Path | None:
 
 
 def _export_lora(
-    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo
+    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo, base_name=None
 ) -> None:
-    """``--export`` of a LoRA run: the adapter in peft's format; ``--export-merged``: the base
-    with it merged in, as a Hugging Face directory (planner/models/lora.py)."""
+    """``--export`` of a LoRA run: the adapter in peft's format, naming its base ``base_name``
+    (as the user gave it: ``lora.base_name``); ``--export-merged``: the base with it merged in,
+    as a Hugging Face directory (planner/models/lora.py)."""
     from ..models import lora as L
 
     state = engine.state_dict()["model"]  # a collective on several ranks
     if rank != 0:
         return
-    base = ""
-    if is_hf_name(model_name):
-        from ..models.hf import parse_hf_name
-
-        path = Path(parse_hf_name(model_name)[0])
-        base = str(path if path.is_dir() else path.parent)
+    base = L.base_name(base_name or model_name) if is_hf_name(model_name) else ""
     if export_dir is not None:
         L.export_adapter(model, state, lora, export_dir, base_name=base, tokenizer_dir=tok_dir)
         echo(f"exported {export_dir} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)")

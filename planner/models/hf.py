@@ -100,7 +100,6 @@ from .base import (
 )
 from .hf_attention import ATTENTION, OWN, causal_attention, own_default
 from .hf_checkpoint import (
-    TOKENIZER_FILES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
     config_file,
@@ -117,7 +116,6 @@ __all__ = [
     "ATTENTION",
     "EXPERTS",
     "OWN",
-    "TOKENIZER_FILES",
     "WEIGHTS_FILE",
     "WEIGHTS_INDEX",
     "causal_attention",
@@ -686,9 +684,11 @@ def export_checkpoint(
     model_name: str,
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
+    chat_template: str | Path | None = None,
 ) -> Path:
     """``protrain export``: the model state of a protrain checkpoint (a root or a step directory)
-    as a Hugging Face directory, through ``export``. The checkpoint is checked as ``load``
+    as a Hugging Face directory, through ``export`` (``chat_template``: a template file written
+    as the tokenizer's ``chat_template.jinja``). The checkpoint is checked as ``load``
     checks it (manifest, sizes, SHA-256, this model's names and shapes, finite values). A LoRA
     run's checkpoint (adapters alone) is refused naming ``--lora`` (``lora.export_checkpoint``)."""
     from protrain.executor.checkpoint import read_manifest, resolve
@@ -714,4 +714,11 @@ def export_checkpoint(
         if n not in aliases
     }
     state = load_model_state(checkpoint, shapes)
-    return export(model, state, out_dir, config_path=path, tokenizer_dir=tokenizer_dir)
+    return export(
+        model,
+        state,
+        out_dir,
+        config_path=path,
+        tokenizer_dir=tokenizer_dir,
+        chat_template=chat_template,
+    )

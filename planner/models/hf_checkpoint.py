@@ -170,16 +170,61 @@ def load_weights(model: nn.Module, files: list[str | Path]) -> None:
         )
 
 
-TOKENIZER_FILES = (
+# [Note: the tokenizer travels whole]
+# An export carries every file of the tokenizer the model trained with, so that
+# ``AutoTokenizer.from_pretrained(export)`` gives the same tokenizer, chat template included
+# (a fixed list of names dropped ``chat_template.jinja``, and ``apply_chat_template`` then
+# failed on the export: issue 40). We copy the files, byte for byte, by the names transformers
+# gives them, rather than load the tokenizer and ``save_pretrained`` it again, because a re-save
+# is not the tokenizer we trained with: transformers 5.25 rewrites ``tokenizer_config.json``
+# with its own keys (``backend``, ``tokenizer_class``, ``model_max_length``, and ``is_local``,
+# which describes this machine's directory), and a file it did not load is not written at all;
+# a copy also spares every export a tokenizer load. The names: those ``save_pretrained`` writes
+# (``tokenization_utils_base``: the config, the fast tokenizer, the legacy special-token and
+# added-token maps, the default chat template and the named ones beside it) and the vocabulary
+# files the tokenizer classes declare in their ``vocab_files_names`` (counted in transformers
+# 5.25: BPE vocab and merges, WordPiece vocab, sentencepiece models) or convert on load
+# (Mistral's ``tekken.json`` and versioned ``tokenizer.model.v3``, ``tiktoken.model``).
+TOKENIZER_PATTERNS = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",  # (the template file processors wrote before chat_template.jinja)
+    "additional_chat_templates/*.jinja",  # (named templates: a dict chat_template's others)
     "vocab.json",
+    "vocab.txt",
     "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
+    "bpe.codes",
+    "*.model",  # (tokenizer.model, spiece.model, sentencepiece.bpe.model, tiktoken.model, …)
+    "tokenizer.model.*",  # (Mistral's versioned sentencepiece models)
+    "*.spm",
+    "tekken.json",
+    "generation_config.json",  # (not the tokenizer's, but generation's eos and pad ids beside it)
 )
-"""Files copied from the tokenizer directory into an export, when present."""
+"""Glob patterns, relative to the tokenizer directory, of the files an export copies:
+see [Note: the tokenizer travels whole]."""
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""The default chat template's file: transformers reads it before any ``chat_template`` key of
+``tokenizer_config.json``, so a template written here is the one ``apply_chat_template`` uses."""
+
+
+def tokenizer_files(tokenizer_dir: str | Path | None) -> list[str]:
+    """The tokenizer's files in ``tokenizer_dir`` (``TOKENIZER_PATTERNS``, those present), as
+    sorted paths relative to it; none without a directory (byte-level tokens)."""
+    if tokenizer_dir is None:
+        return []
+    root = Path(tokenizer_dir)
+    return sorted(
+        {
+            f.relative_to(root).as_posix()
+            for pat in TOKENIZER_PATTERNS
+            for f in root.glob(pat)
+            if f.is_file()  # (a link into the Hugging Face cache's blobs is followed)
+        }
+    )
 
 
 def export(
@@ -189,6 +234,7 @@ def export(
     *,
     config_path: str | Path | None = None,
     tokenizer_dir: str | Path | None = None,
+    chat_template: str | Path | None = None,
 ) -> Path:
     """Write ``model`` with weights ``state`` as a Hugging Face directory; returns it.
 
@@ -197,7 +243,8 @@ def export(
     the file the model was built from, so dropout and cache settings are the user's and
     not training's; without it, the live config less our attention implementation),
     ``model.safetensors`` (tied aliases stored once, as
-    ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``. The
+    ``save_pretrained`` does) and the tokenizer's files from ``tokenizer_dir``, with
+    ``chat_template`` (a template file) as its ``chat_template.jinja`` (``copy_tokenizer``). The
     directory appears whole or not at all: it is written under a temporary name, every
     file and the directory fsynced, then renamed. Any failure to write (a full disk,
     which safetensors reports as its own ``SafetensorError``) removes the temporary
@@ -205,7 +252,7 @@ def export(
     """
     out = Path(out_dir)
     with atomic_directory(out, "the export") as tmp:
-        _write_export(model, state, tmp, config_path, tokenizer_dir)
+        _write_export(model, state, tmp, config_path, tokenizer_dir, chat_template)
     return out
 
 
@@ -256,7 +303,7 @@ def atomic_directory(out: Path, what: str, fix: str = "export again"):
         shutil.rmtree(tmp, ignore_errors=True)  # (a killed export's: this export's own name)
         tmp.mkdir(parents=True)
         yield tmp
-        for f in [*tmp.iterdir(), tmp]:
+        for f in [*sorted(tmp.rglob("*"), reverse=True), tmp]:  # (files before their directory)
             fsync_path(f)
         if out.is_dir():
             out.rmdir()  # checked empty before training (preflight.output_dir)
@@ -280,6 +327,7 @@ def _write_export(
     tmp: Path,
     config_path: str | Path | None,
     tokenizer_dir: str | Path | None,
+    chat_template: str | Path | None = None,
 ) -> None:
     """``export``'s files into ``tmp``, each fsynced, then ``tmp`` itself."""
     import shutil
@@ -300,17 +348,23 @@ def _write_export(
         n: state[n].detach().to("cpu").contiguous() for n, p in params.items() if tied[id(p)] == n
     }
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    copy_tokenizer(tokenizer_dir, tmp)
+    copy_tokenizer(tokenizer_dir, tmp, chat_template)
 
 
-def copy_tokenizer(tokenizer_dir: str | Path | None, into: Path) -> None:
-    """Copy the tokenizer's files (``TOKENIZER_FILES``, those present) into directory ``into``."""
+def copy_tokenizer(
+    tokenizer_dir: str | Path | None, into: Path, chat_template: str | Path | None = None
+) -> None:
+    """Copy the tokenizer's files (``tokenizer_files``) into directory ``into``, and the chat
+    template file ``chat_template`` (a ``--chat-template FILE.jinja``) as its
+    ``chat_template.jinja``, in place of the tokenizer's own: the export then renders chats as
+    training rendered them. See [Note: the tokenizer travels whole]."""
     import shutil
 
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, into / name)
+    for name in tokenizer_files(tokenizer_dir):
+        (into / name).parent.mkdir(exist_ok=True)  # (additional_chat_templates/)
+        shutil.copyfile(Path(tokenizer_dir) / name, into / name)
+    if chat_template is not None:
+        shutil.copyfile(chat_template, into / CHAT_TEMPLATE_FILE)
 
 
 def load_model_state(

@@ -219,11 +219,15 @@ def export_adapter(
     out_dir: str | Path,
     base_name: str = "",
     tokenizer_dir: str | Path | None = None,
+    chat_template: str | Path | None = None,
 ) -> Path:
     """Write the trained adapter in peft's own format (``adapter_config.json``,
-    ``adapter_model.safetensors``) and the tokenizer's files to ``out_dir``:
-    ``PeftModel.from_pretrained(base, out_dir)`` loads it. Written into a temporary directory
-    beside it and renamed (``hf_checkpoint.atomic_directory``): whole or not at all."""
+    ``adapter_model.safetensors``) and the tokenizer's files (``chat_template`` as its
+    template: ``hf_checkpoint.copy_tokenizer``) to ``out_dir``:
+    ``PeftModel.from_pretrained(base, out_dir)`` loads it. ``base_name``: the config's
+    ``base_model_name_or_path``, written as given (``base_name``, the function, says what to
+    give). Written into a temporary directory beside it and renamed
+    (``hf_checkpoint.atomic_directory``): whole or not at all."""
     from safetensors.torch import save_file
 
     from .hf_checkpoint import atomic_directory, copy_tokenizer
@@ -242,7 +246,7 @@ def export_adapter(
     with atomic_directory(out, "the adapter export") as tmp:
         cfg.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        copy_tokenizer(tokenizer_dir, tmp)
+        copy_tokenizer(tokenizer_dir, tmp, chat_template)
     return out
 
 
@@ -252,11 +256,15 @@ def export_checkpoint(
     spec: LoraSpec,
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
+    chat_template: str | Path | None = None,
+    given_name: str | None = None,
 ) -> Path:
     """``protrain export --lora``: a LoRA run's checkpoint (``train --lora`` saves the adapters
     alone: executor/checkpoint.py [Note: adapter checkpoints]) exported as ``train --lora
     --export`` exports it, the adapter in peft's format (``export_adapter``). Its names and
-    shapes must be those ``spec``'s adapters have on this model (checked as ``load`` checks)."""
+    shapes must be those ``spec``'s adapters have on this model (checked as ``load`` checks).
+    ``given_name``: the base as the user named it (``--hf-config`` as typed; default
+    ``model_name``), for ``base_name``."""
     from .hf import build, parse_hf_name
     from .hf_checkpoint import load_model_state
 
@@ -264,15 +272,32 @@ def export_checkpoint(
     model = inject(build(path, blocks=blocks, device="meta"), spec)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     state = load_model_state(checkpoint, shapes, what="--lora settings")
-    base = Path(path)
     return export_adapter(
         model,
         state,
         spec,
         out_dir,
-        base_name=str(base if base.is_dir() else base.parent),
+        base_name=base_name(given_name or model_name),
         tokenizer_dir=tokenizer_dir,
+        chat_template=chat_template,
     )
+
+
+def base_name(given: str) -> str:
+    """``adapter_config.json``'s ``base_model_name_or_path`` for a base the user named ``given``:
+    an ``--hf-config PATH`` or ``hf:PATH[#BLOCKS]`` as typed, before the CLI made it absolute.
+
+    The name stays as typed (a relative path, or a hub-style ``org/name``) because the adapter
+    travels: peft's ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` loads the base from
+    this name, so an absolute path of the machine that trained it breaks once the adapter and
+    its base are moved or copied to another machine, while the name the user gave resolves
+    wherever they give it again (issue 40). A ``config.json`` named directly stands for its
+    directory, which is what ``from_pretrained`` reads."""
+    from .base import is_hf_name
+    from .hf import parse_hf_name
+
+    path = parse_hf_name(given)[0] if is_hf_name(given) else given
+    return str(Path(path).parent) if Path(path).is_file() else path
 
 
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
