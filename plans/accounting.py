@@ -170,9 +170,8 @@ def state_events(
     chunk_bytes, shard = numel * cb, numel // W
     train = list(trainable) if trainable is not None else plan_trainable(plan)
     su, homes = setup(plan), chunk_homes(plan)
-    sharded = (
-        W > 1 and plan.placement.shard_persistent_states
-    )  # persistent chunks' states: a shard each
+    # Persistent chunks' states: a shard each.
+    sharded = W > 1 and plan.placement.shard_persistent_states
     out: list[Event] = []
 
     def ev(where: str, kind: str, nbytes: int, chunk: int = -1) -> None:
@@ -198,11 +197,8 @@ def state_events(
         return any(train[c] for c in group)
 
     states(False, "device")  # the persistent chunks
-    ev(
-        "device",
-        "buffers",
-        min(plan.placement.n_buffer, sum(h.offloaded for h in homes)) * chunk_bytes,
-    )
+    n_buffers = min(plan.placement.n_buffer, sum(h.offloaded for h in homes))
+    ev("device", "buffers", n_buffers * chunk_bytes)
     if states(True, "device"):  # the device-homed ones, and their steps' scratch
         ev("device", "optim", H.device_scratch_bytes(shard))
     host_steps = states(True, "host")
@@ -212,16 +208,12 @@ def state_events(
         ev("host", "scratch", H.host_scratch_bytes(su, shard))
     ev("host", "slots", plan.placement.n_host_slots * shard * cb)
 
+    # A chunk's values occupy a reserved buffer; its gradients are device memory of their own.
+    place = {"chunks": "buffers", "grads": "device"}
+
     def chunk_events(phase: str, step: Step, changes: list) -> list[Event]:
         return [
-            Event(
-                phase,
-                step.segment,
-                "buffers" if kind == "chunks" else "device",
-                kind,
-                sign * chunk_bytes,
-                c,
-            )
+            Event(phase, step.segment, place[kind], kind, sign * chunk_bytes, c)
             for kind, c, sign in changes
             if kind == "chunks" or train[c]
         ]

@@ -56,50 +56,33 @@ def training_excess(values: Mapping[str, int]) -> Iterator[tuple[str, int, int, 
         )
 
 
-def check_plan(plan, where: str = "<plan>") -> None:
-    """Refuse a plan carrying a shape, count or size over its limit, naming its JSON path."""
-
-    def fail(path: str, value: int, limit: int, what: str) -> None:
-        raise PlanError(
-            f"{where}: {value:,} {what} is more than protrain can allocate or iterate "
-            f"(at most {limit:,}) - at `{path}`",
-            "regenerate the plan with `protrain plan` (its flags are checked against the same "
-            "limits)",
-        )
-
+def _sizes(plan) -> Iterator[tuple[str, int, int, str]]:
+    """(JSON path, value, limit, what) of every bounded value of a plan, in the order checked."""
     for field, value, limit, what in training_excess(
         {f: getattr(plan.training, f) for f in TRAINING_LIMITS}
     ):
-        fail(
-            "$.training.micro_batch" if field == "tokens" else f"$.training.{field}",
-            value,
-            limit,
-            what,
-        )
-    sizes = (
-        ("$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk"),
-        ("$.chunks.list", len(plan.chunks.items), MAX_COUNT, "chunks"),
-        ("$.model.blocks", len(plan.model.blocks), MAX_COUNT, "blocks"),
-        ("$.placement.n_buffer", plan.placement.n_buffer, MAX_COUNT, "device buffers"),
-        ("$.placement.n_host_slots", plan.placement.n_host_slots, MAX_COUNT, "host slots"),
-    )
-    for path, value, limit, what in sizes:
-        if value > limit:
-            fail(path, value, limit, what)
+        # (the product's excess is named at micro_batch, the first of its two factors)
+        yield f"$.training.{'micro_batch' if field == 'tokens' else field}", value, limit, what
+    yield "$.chunks.chunk_numel", plan.chunks.chunk_numel, MAX_NUMEL, "elements per chunk"
+    yield "$.chunks.list", len(plan.chunks.items), MAX_COUNT, "chunks"
+    yield "$.model.blocks", len(plan.model.blocks), MAX_COUNT, "blocks"
+    yield "$.placement.n_buffer", plan.placement.n_buffer, MAX_COUNT, "device buffers"
+    yield "$.placement.n_host_slots", plan.placement.n_host_slots, MAX_COUNT, "host slots"
     for ci, chunk in enumerate(plan.chunks.items):
-        if len(chunk.params) > MAX_COUNT:
-            fail(
-                f"$.chunks.list[{ci}].params",
-                len(chunk.params),
-                MAX_COUNT,
-                "parameters in one chunk",
-            )
+        path = f"$.chunks.list[{ci}].params"
+        yield path, len(chunk.params), MAX_COUNT, "parameters in one chunk"
         for pi, p in enumerate(chunk.params):
             for di, dim in enumerate(p.shape):
-                if dim > MAX_NUMEL:
-                    fail(
-                        f"$.chunks.list[{ci}].params[{pi}].shape[{di}]",
-                        dim,
-                        MAX_NUMEL,
-                        "elements along one dimension",
-                    )
+                yield f"{path}[{pi}].shape[{di}]", dim, MAX_NUMEL, "elements along one dimension"
+
+
+def check_plan(plan, where: str = "<plan>") -> None:
+    """Refuse a plan carrying a shape, count or size over its limit, naming its JSON path."""
+    for path, value, limit, what in _sizes(plan):
+        if value > limit:
+            raise PlanError(
+                f"{where}: {value:,} {what} is more than protrain can allocate or iterate "
+                f"(at most {limit:,}) - at `{path}`",
+                "regenerate the plan with `protrain plan` (its flags are checked against the same "
+                "limits)",
+            )

@@ -29,7 +29,7 @@ commands (``show``, ``diff``) all import it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import PlanError
 
@@ -216,7 +216,6 @@ class Home:
     """Where one chunk's states live (``placement.homes[i]`` of a plan)."""
 
     name: str
-    doc: str
     parts_of: Callable[[Setup, bool], list[Part]] = field(repr=False)
     offloaded: bool = True
     """Fetched into one of the ``n_buffer`` shared device buffers for its segments, released
@@ -294,24 +293,14 @@ class Home:
         return f"needs {', '.join(need)}" if need else None
 
 
-PERSISTENT = Home(
-    "persistent",
-    "always on the device: values, gradients, master and moments (fused "
-    "device Adam); the first n_persist chunks",
-    _persistent,
-    offloaded=False,
-    steps_on="device",
-)
-HOST = Home(
-    "host",
-    "fetched into a device buffer for its segments; its compute-dtype home, fp32 master "
-    "and moments in host memory, stepped by the CPU worker",
-    _host,
-)
+PERSISTENT = Home("persistent", _persistent, offloaded=False, steps_on="device")
+"""Always on the device: values, gradients, master and moments (fused device Adam); the first
+n_persist chunks."""
+HOST = Home("host", _host)
+"""Fetched into a device buffer for its segments; its compute-dtype home, fp32 master and
+moments in host memory, stepped by the CPU worker."""
 HOMELESS = Home(
     "homeless",
-    "as host, but no compute-dtype home: each fetch rounds the master into a "
-    "pinned slot (chunks.py [Note: host slots])",
     _homeless,
     needs_16bit=True,
     needs_accum_1=True,
@@ -320,35 +309,18 @@ HOMELESS = Home(
     uses_slots=True,
     fetch_rounds_master=True,
 )
+"""As host, but no compute-dtype home: each fetch rounds the master into a pinned slot
+(chunks.py [Note: host slots])."""
 DEVICE_HOMED = Home(
-    "device_homed",
-    "fetched into a device buffer; this rank's shard of its fp32 master "
-    "and moments stays on the device, stepped there as its gradients complete "
-    "(chunks.py [Note: device homes])",
-    _device_homed,
-    steps_on="device",
-    needs_accum_1=True,
-    needs_during_backward=True,
+    "device_homed", _device_homed, steps_on="device", needs_accum_1=True, needs_during_backward=True
 )
-NVME = Home(
-    "nvme",
-    "as host, with its fp32 master and moments in the NVMe file (nvme.py [Note: NVMe "
-    "tier]); in fp32 the home is the master, on the disk",
-    _nvme,
-    on_disk=True,
-)
-NVME_HOMELESS = Home(
-    "nvme_homeless",
-    "as homeless, with its fp32 master and moments in the NVMe file",
-    _nvme_homeless,
-    needs_16bit=True,
-    needs_accum_1=True,
-    needs_during_backward=True,
-    needs_trainable=True,
-    uses_slots=True,
-    fetch_rounds_master=True,
-    on_disk=True,
-)
+"""Fetched into a device buffer; this rank's shard of its fp32 master and moments stays on the
+device, stepped there as its gradients complete (chunks.py [Note: device homes])."""
+NVME = Home("nvme", _nvme, on_disk=True)
+"""As host, with its fp32 master and moments in the NVMe file (nvme.py [Note: NVMe tier]); in
+fp32 the home is the master, on the disk."""
+NVME_HOMELESS = replace(HOMELESS, name="nvme_homeless", parts_of=_nvme_homeless, on_disk=True)
+"""As homeless, with its fp32 master and moments in the NVMe file."""
 
 HOMES: dict[str, Home] = {
     h.name: h for h in (PERSISTENT, HOST, HOMELESS, DEVICE_HOMED, NVME, NVME_HOMELESS)
@@ -366,7 +338,6 @@ class Policy:
     name: str
     letter: str
     """Its one-letter name in policy strips (``show``, ``diff``: ``SCCK``)."""
-    doc: str
     held: str | None
     """The profile's bytes the block holds on the device after its forward: ``saved`` (all it
     saved), ``inputs`` (only its inputs), or None (nothing)."""
@@ -376,21 +347,13 @@ class Policy:
     """Its forward runs again in backward (its time, and its saved bytes at that moment)."""
 
 
-KEEP = Policy("keep", "K", "saved activations stay on the device", held="saved")
-SWAP = Policy(
-    "swap",
-    "S",
-    "saved activations go to host memory during forward and come back before the block's backward",
-    held=None,
-    moves=True,
-)
-CHECKPOINT = Policy(
-    "checkpoint",
-    "C",
-    "only the block's inputs are kept; its forward is recomputed in backward",
-    held="inputs",
-    recomputes=True,
-)
+KEEP = Policy("keep", "K", held="saved")
+"""Saved activations stay on the device."""
+SWAP = Policy("swap", "S", held=None, moves=True)
+"""Saved activations go to host memory during forward and come back before the block's
+backward."""
+CHECKPOINT = Policy("checkpoint", "C", held="inputs", recomputes=True)
+"""Only the block's inputs are kept; its forward is recomputed in backward."""
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (KEEP, SWAP, CHECKPOINT)}
 
@@ -426,13 +389,8 @@ def homes_of(
         )
 
     for key, ids in sets.items():
-        if not all(isinstance(c, int) and 0 <= c < n_chunks for c in ids):
-            refuse(
-                key,
-                "chunk ids "
-                f"{sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks))} are "
-                f"out of range (0..{n_chunks - 1})",
-            )
+        if bad := sorted(c for c in ids if not (isinstance(c, int) and 0 <= c < n_chunks)):
+            refuse(key, f"chunk ids {bad} are out of range (0..{n_chunks - 1})")
     for key in ("homeless", "device_homed", "nvme"):
         if sets[key] & sets["persistent"]:
             refuse(key, f"chunks {sorted(sets[key] & sets['persistent'])} are not offloaded")

@@ -19,7 +19,6 @@ from typing import Any
 from .errors import PlanError
 from .homes import homes_of
 
-Migration = Callable[[dict[str, Any]], dict[str, Any]]
 REGENERATE = "regenerate the plan with `protrain plan`"
 """The fix of every refusal of a plan file as it stands (plan.py, validation.py use it too)."""
 
@@ -33,7 +32,14 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
     body = doc.get(section)
     if not isinstance(body, dict):
         return dict(doc)
-    for key in fields:
+    _refuse_new_fields(body, section, fields, version)
+    return {**doc, section: {**body, **fields}}
+
+
+def _refuse_new_fields(body: dict[str, Any], section: str, keys, version: int) -> None:
+    """Refuse a version-``version`` ``section`` that already holds one of ``keys``, fields its
+    next version adds: the file was probably written for that version, or is invalid."""
+    for key in keys:
         if key in body:
             raise PlanError(
                 f"plan schema {version} has no `{section}.{key}` (added in schema {version + 1}) "
@@ -41,7 +47,6 @@ def _add(doc: dict[str, Any], section: str, fields: dict[str, Any], version: int
                 f"set `schema_version` to {version + 1} if the file was written for it, or "
                 f"{REGENERATE}",
             )
-    return {**doc, section: {**body, **fields}}
 
 
 def v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
@@ -107,11 +112,7 @@ def v6_to_v7(doc: dict[str, Any]) -> dict[str, Any]:
     items = chunks.get("list") if isinstance(chunks, dict) else None
     if not isinstance(placement, dict) or not isinstance(items, list):
         return doc  # malformed: left to the strict decode
-    if "homes" in placement:
-        raise PlanError(
-            "plan schema 6 has no `placement.homes` (added in schema 7) - at `$.placement.homes`",
-            f"set `schema_version` to 7 if the file was written for it, or {REGENERATE}",
-        )
+    _refuse_new_fields(placement, "placement", ("homes",), 6)
     n, ids = len(items), {}
     for key in V6_LISTS:
         value = placement.get(key, [])
@@ -152,7 +153,7 @@ def v7_to_v8(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-MIGRATIONS: dict[int, Migration] = {
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     1: v1_to_v2,
     2: v2_to_v3,
     3: v3_to_v4,

@@ -65,13 +65,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Literal, get_args
 
 import msgspec
 
 from .errors import PlanError
-from .homes import HOMES, homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
+from .homes import HOMES, Home, homes_of  # noqa: F401  (re-exported: the placement of chunk-id sets)
 from .migrate import REGENERATE, SCHEMA_VERSION, migrate
 
 # SCHEMA_VERSION (the version ``dump`` writes) is one past the last migration (migrate.py).
@@ -231,6 +231,12 @@ class Chunks(Binding):
     """The chunks, in execution order."""
 
 
+def _ids_whose_home(test: Callable[[Home], bool]) -> property:
+    """A read-only property of ``Placement``: the ids of the chunks whose home passes ``test``,
+    ascending."""
+    return property(lambda self: [i for i, h in enumerate(self.homes) if test(HOMES[h])])
+
+
 class Placement(Binding):
     """Where each chunk lives: one home per chunk (plans/homes.py declares each)."""
 
@@ -267,35 +273,17 @@ class Placement(Binding):
     # Chunk ids by what their home is (homes.HOMES' attributes), ascending: derived from
     # ``homes``, not fields of the file.
 
-    def ids(self, test) -> list[int]:
-        """Ids of the chunks whose home (a ``homes.Home``) passes ``test``, ascending."""
-        return [i for i, h in enumerate(self.homes) if test(HOMES[h])]
-
-    @property
-    def persistent(self) -> list[int]:
-        """Chunks always on the device (not fetched: ``persistent``)."""
-        return self.ids(lambda h: not h.offloaded)
-
-    @property
-    def offloaded(self) -> list[int]:
-        """Every chunk fetched into the shared buffers (every home but ``persistent``)."""
-        return self.ids(lambda h: h.offloaded)
-
-    @property
-    def homeless(self) -> list[int]:
-        """Chunks with no compute-dtype home: each fetch rounds the master (``homeless``,
-        ``nvme_homeless``)."""
-        return self.ids(lambda h: h.fetch_rounds_master)
-
-    @property
-    def device_homed(self) -> list[int]:
-        """Offloaded chunks whose master and moments live (and step) on the device."""
-        return self.ids(lambda h: h.offloaded and h.steps_on == "device")
-
-    @property
-    def nvme(self) -> list[int]:
-        """Chunks whose master and moments live on disk (``nvme``, ``nvme_homeless``)."""
-        return self.ids(lambda h: h.on_disk)
+    persistent = _ids_whose_home(lambda h: not h.offloaded)
+    """Chunks always on the device (not fetched: ``persistent``)."""
+    offloaded = _ids_whose_home(lambda h: h.offloaded)
+    """Every chunk fetched into the shared buffers (every home but ``persistent``)."""
+    homeless = _ids_whose_home(lambda h: h.fetch_rounds_master)
+    """Chunks with no compute-dtype home: each fetch rounds the master (``homeless``,
+    ``nvme_homeless``)."""
+    device_homed = _ids_whose_home(lambda h: h.offloaded and h.steps_on == "device")
+    """Offloaded chunks whose master and moments live (and step) on the device."""
+    nvme = _ids_whose_home(lambda h: h.on_disk)
+    """Chunks whose master and moments live on disk (``nvme``, ``nvme_homeless``)."""
 
 
 class Activation(Binding):

@@ -27,7 +27,12 @@ def load(source: str | Path | bytes) -> Plan:
     else:
         where = str(source)
         try:
-            _refuse_irregular(source, where)
+            # Asked before the file is opened (issue 39 item 11): see ``special_file``.
+            if (kind := special_file(source)) is not None:
+                raise PlanError(
+                    f"{where}: is {kind}, not a regular file; a plan is a JSON file",
+                    "give the path of a plan file (`protrain plan … -o FILE` writes one)",
+                )
             with open(source, "rb") as f:
                 data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as e:
@@ -59,13 +64,3 @@ def special_file(path: str | os.PathLike) -> str | None:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
-
-
-def _refuse_irregular(path: str | Path, where: str) -> None:
-    """Refuse a plan path that is not a regular file, before it is opened. Issue 39 item 11."""
-    kind = special_file(path)
-    if kind is not None:
-        raise PlanError(
-            f"{where}: is {kind}, not a regular file; a plan is a JSON file",
-            "give the path of a plan file (`protrain plan … -o FILE` writes one)",
-        )

@@ -13,22 +13,8 @@ import pytest
 
 from tools import loc
 
-OVER = {
-    "plans": "1,183 formatted lines, 83 over: the contract's 1,004 when it moved, the accounting "
-    "stream (show/diff read plan bytes without the runtime), duplicate-key and FIFO refusals; "
-    "issue 38 stays open until it is within"
-}
-"""Packages known to be over their budget, and why: a strict xfail, so the day one is within
-it this test turns red and the entry must go. Never add one to let a change through."""
 
-
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OVER[p])) if p in OVER else p
-        for p in sorted(loc.BUDGETS)
-    ],
-)
+@pytest.mark.parametrize("package", sorted(loc.BUDGETS))
 def test_package_within_its_budget(package):
     n, budget = loc.package_lines(package), loc.BUDGETS[package]
     assert n <= budget, (
