@@ -18,7 +18,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "exam
 FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
     "data": [
-        "--blocks",
         "--chat-template",
         "--data",
         "--help",

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import click
 
-from .options import hf_options
-
 
 def _choices(table: dict) -> str:
     return "; ".join(f"{name}: {entry.help}" for name, entry in table.items())
@@ -54,7 +52,13 @@ def _table_choice(module: str, table: str) -> click.Choice:
 
 
 @click.command()
-@hf_options
+@click.option(
+    "--hf-config",
+    "hf_config",
+    metavar="DIR",
+    required=True,
+    help="Model directory (or its config.json) holding the tokenizer; read locally.",
+)
 @click.option(
     "--data",
     "data_paths",
@@ -103,7 +107,6 @@ def _table_choice(module: str, table: str) -> click.Choice:
 )
 def data(
     hf_config,
-    blocks,
     data_paths,
     seq_len,
     packing,
@@ -116,8 +119,6 @@ def data(
     """Show the rows fine-tuning reads: templated, masked and packed, in file order."""
     from ..models.sft import load_sft
 
-    if hf_config is None:
-        raise click.UsageError("give --hf-config DIR (the model directory with its tokenizer)")
     tokenizer_dir = Path(hf_config)
     if tokenizer_dir.is_file():
         tokenizer_dir = tokenizer_dir.parent
