@@ -330,5 +330,10 @@ def test_protrain_data_shows_the_rows_and_marks_what_trains(tmp_path, tok):
     assert "⟦" + chats(12)[0]["messages"][2]["content"] + "<|im_end|>⟧" in row0
     assert "⟦" + chats(12)[0]["messages"][1]["content"] not in row0
     assert "── row 1" not in result.output, "--limit 1"
+    short = CliRunner().invoke(main, [*args, "--seq", "64", "--packing", "wrapped", "--limit", "0"])
+    assert "(0 dropped, 0 truncated)" in short.output, "wrapped splits examples, cuts none"
+    cut = CliRunner().invoke(main, [*args, "--seq", "64", "--limit", "0"])
+    n_long = int((_load([path], tok, seq_len=256).caches[0].lengths > 64).sum())
+    assert n_long and f"(0 dropped, {n_long} truncated)" in cut.output
     bad = CliRunner().invoke(main, [*args[:-2], "--loss-on", "completion"])
     assert bad.exit_code == 1 and "does not apply to messages records" in bad.output

@@ -150,11 +150,10 @@ def header(rows, seq_len: int) -> str:
     packed = rows.packed
     kept = np.zeros(rows.n_examples, dtype=bool)
     kept[packed.example] = True
-    truncated = int(
-        np.count_nonzero(
-            packed.length[packed.start == 0] < _lengths(rows)[packed.example[packed.start == 0]]
-        )
-    )
+    # An example is truncated when its rows hold fewer of its tokens than it has (summed over
+    # its segments: ``wrapped`` splits an example over two rows without losing any).
+    held = np.bincount(packed.example, weights=packed.length, minlength=rows.n_examples)  # (E,)
+    truncated = int(np.count_nonzero(kept & (held < _lengths(rows))))
     supervised = sum(rows.supervised(i) for i in range(rows.n_rows))
     share = supervised / (rows.n_rows * seq_len)
     return (
