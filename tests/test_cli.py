@@ -17,6 +17,18 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "gpt2-tiny" / "exam
 # test_no_new_cli_options): the CLI is an interface users script against.
 FROZEN_OPTIONS = {
     "": ["--debug", "--help", "--version"],
+    "data": [
+        "--chat-template",
+        "--data",
+        "--help",
+        "--hf-config",
+        "--json",
+        "--limit",
+        "--loss-on",
+        "--packing",
+        "--seq",
+        "--text-field",
+    ],
     "diff": ["--help", "--json"],
     "explain": ["--help", "--plot", "--profile", "--trace"],
     "export": [

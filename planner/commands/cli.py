@@ -19,6 +19,7 @@ import click
 from protrain.plans.errors import ProtrainError
 
 from ..hardware.units import human_bytes, human_count
+from .cli_data import data
 from .cli_train import export, tokenize, train
 from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
@@ -670,3 +671,4 @@ if __name__ == "__main__":
 
 for _command in (train, tokenize, export):  # (cli_train.py: the training commands)
     main.add_command(_command)
+main.add_command(data)  # (cli_data.py: the fine-tuning rows)
