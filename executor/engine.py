@@ -426,8 +426,8 @@ class Engine:
                 self.replayer.begin(Phase.BACKWARD, POST)
                 if every:
                     scaled = loss if k == 1 else loss / k
-                else:  # 0 * a finite loss: backward runs every block, adding exact zeros
-                    scaled = loss * (n * self.comm.world / total) if n else loss.nan_to_num() * 0.0
+                else:  # n = 0: weight 0, and backward still runs every block, adding zeros
+                    scaled = loss * (n * self.comm.world / total if n else 0.0)
                 if self.scaler.enabled:
                     scaled = scaled * self.scaler.scale
                 scaled.backward()
