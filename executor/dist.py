@@ -199,6 +199,14 @@ class Comm:
         """Wait for an ``async_op`` collective's work; a failure is a ``RankFailure`` too."""
         self._run(f"wait for {what}", work.wait)
 
+    def sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum over the ranks of ``t`` (left unchanged), on every rank; ``t`` itself for one
+        rank."""
+        if self.world > 1:
+            t = t.clone()
+            self.all_reduce(t, what)
+        return t
+
     def mean(self, t: torch.Tensor, what: str) -> float:
         """The mean over the ranks of the scalar ``t`` (left unchanged), on every rank."""
         if self.world > 1:

@@ -28,6 +28,7 @@ written in the plan (an executor that decided on its own would run a plan nobody
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,7 +58,35 @@ from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
 from .schedule import Phase, Replayer
 from .transfer import CopyEngine
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""A micro-batch: ``(idx, targets)`` or ``(idx, targets, position_ids)``, each int64 (micro_batch,
+seq_len). See [Note: supervised tokens]."""
+
+IGNORE = -100
+"""A target that carries no loss (Hugging Face's label convention, cross_entropy's default)."""
+
+# [Note: supervised tokens]
+# ``targets[b, t]`` is the token the model should predict after ``idx[b, t]``, IGNORE where
+# no loss is wanted (prompts, padding); ``position_ids``, when given, restart at 0 at each
+# example packed into a row, and the model keeps attention within each example. A step's
+# loss is the sum of its token losses over N, the number of supervised targets in the whole
+# step (every micro-batch, every rank), as transformers' Trainer normalises with
+# ``num_items_in_batch``. The model returns micro-batch i's mean over its n_i supervised
+# targets, so the step's loss is sum_i mean_i * n_i / N, and micro-batch i's backward is
+# weighted n_i * W / N (the ranks' gradients are averaged: a factor 1/W). When every token
+# of the step is supervised (raw text) every weight is 1/k, and the engine keeps that
+# arithmetic (``loss / k``, the mean of the means): equal in value, and in bits to what it
+# always computed. A micro-batch with n_i = 0 still runs forward and backward (every block,
+# as the schedule expects) with weight 0. N is known before the first backward: counted
+# from the step's micro-batches, or, for an iterator drawn one micro-batch at a time,
+# given by the caller (``step(..., num_items=...)``); without it an iterator must be raw
+# text, every target supervised.
+
+
+def _supervised(targets: torch.Tensor) -> int:
+    """Targets that carry loss (``!= IGNORE``), counted on the host tensor before its device
+    move, so counting syncs nothing."""
+    return int((targets != IGNORE).sum())
 
 
 def _size(n: float) -> str:
@@ -184,6 +213,8 @@ class Engine:
         # The model's own parameter order: clipping reduces norms in this order, as
         # clip_grad_norm_(model.parameters()) does.
         self.param_order = list(model.parameters())
+        # Whether packed micro-batches (with position_ids) can run: [Note: supervised tokens].
+        self.takes_position_ids = "position_ids" in inspect.signature(model.forward).parameters
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_fingerprint = base_fingerprint(
             model
@@ -267,8 +298,23 @@ class Engine:
                 f"{t.grad_accum} per step",
                 "pass one (idx, targets) pair per micro-batch",
             )
-        for i, (x, y) in enumerate(batches, first):
-            for what, tensor in (("idx", x), ("targets", y)):
+        for i, mb in enumerate(batches, first):
+            if not isinstance(mb, tuple | list) or len(mb) not in (2, 3):
+                raise ConfigError(
+                    f"micro-batch {i} is a {type(mb).__name__}"
+                    + (f" of {len(mb)} tensors" if isinstance(mb, tuple | list) else ""),
+                    "pass (idx, targets) or, for packed rows, (idx, targets, position_ids)",
+                )
+            if len(mb) == 3 and not self.takes_position_ids:
+                raise ConfigError(
+                    f"micro-batch {i} has position_ids (packed rows), but "
+                    f"{type(self.model).__name__}.forward takes no position_ids: its examples "
+                    "would attend to each other",
+                    "give the model forward(idx, targets, position_ids=None) that restarts "
+                    "positions and masks attention at each example, or pass (idx, targets) "
+                    "pairs of unpacked rows",
+                )
+            for what, tensor in zip(("idx", "targets", "position_ids"), mb):
                 if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
                     raise ConfigError(
                         f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan "
@@ -277,39 +323,82 @@ class Engine:
                         "`protrain plan`",
                     )
 
-    def _draws(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> Iterator[Batch]:
-        """The step's micro-batches, in order: a sequence checked whole before anything runs; an
-        iterator drawn one micro-batch at a time (exactly ``grad_accum`` of them), each checked
-        as it is drawn, so a step holds one micro-batch, not ``grad_accum`` of them."""
+    def _draws(
+        self, batch: Batch | Sequence[Batch] | Iterator[Batch], num_items: int | None
+    ) -> tuple[Iterator[tuple[Batch, int]], int]:
+        """The step's micro-batches in order, each with its count of supervised targets, and this
+        rank's count for the step ([Note: supervised tokens]): a sequence checked and counted
+        whole before anything runs; an iterator drawn one micro-batch at a time (exactly
+        ``grad_accum`` of them), each checked as it is drawn, so a step holds one micro-batch,
+        not ``grad_accum`` of them."""
         if isinstance(batch, tuple) and isinstance(batch[0], torch.Tensor):
             batch = [batch]
         if isinstance(batch, Sequence):
             self._check_batch(batch)
-            return iter(batch)
-        return self._drawn_one_at_a_time(iter(batch))
-
-    def _drawn_one_at_a_time(self, it: Iterator[Batch]) -> Iterator[Batch]:
-        k = self.plan.training.grad_accum
-        for i in range(k):
-            pair = next(it, None)
-            if pair is None:
+            counts = [_supervised(mb[1]) for mb in batch]  # host tensors: no device sync
+            if num_items is not None and num_items != sum(counts):
                 raise ConfigError(
-                    f"step() got {i} micro-batches; the plan accumulates {k} per step "
-                    "(the engine must be closed: the drawn ones have run)",
+                    f"step() got num_items={num_items}, but its micro-batches hold {sum(counts)} "
+                    "supervised targets (targets != -100)",
+                    "leave num_items out for a list of micro-batches: the engine counts them",
+                )
+            return zip(batch, counts), sum(counts)
+        t = self.plan.training
+        local = t.grad_accum * t.micro_batch * t.seq_len if num_items is None else num_items
+        return self._drawn_one_at_a_time(iter(batch), num_items), local
+
+    def _drawn_one_at_a_time(
+        self, it: Iterator[Batch], num_items: int | None
+    ) -> Iterator[tuple[Batch, int]]:
+        t = self.plan.training
+        k, drawn = t.grad_accum, 0
+        closed = "(the engine must be closed: the drawn ones have run)"
+        for i in range(k):
+            mb = next(it, None)
+            if mb is None:
+                raise ConfigError(
+                    f"step() got {i} micro-batches; the plan accumulates {k} per step {closed}",
                     "pass one (idx, targets) pair per micro-batch",
                 )
-            self._check_batch([pair], count=False, first=i)
-            yield pair
+            self._check_batch([mb], count=False, first=i)
+            n = _supervised(mb[1])
+            drawn += n
+            # Before this micro-batch runs: only the last one's backward may start CPU steps.
+            if num_items is None and n != t.micro_batch * t.seq_len:
+                raise ConfigError(
+                    f"micro-batch {i} has {n} supervised targets of {t.micro_batch * t.seq_len} "
+                    "(the others are -100), and step() draws it from an iterator, so it cannot "
+                    f"count the step's supervised targets before the first backward {closed}",
+                    "give their number: step(it, num_items=N), N the targets != -100 in this "
+                    "step's micro-batches on this rank (transformers' num_items_in_batch), or "
+                    "pass a list of the step's micro-batches",
+                )
+            if num_items is not None and (drawn > num_items or i == k - 1 and drawn != num_items):
+                raise ConfigError(
+                    f"step(num_items={num_items}): its micro-batches 0 to {i} hold {drawn} "
+                    f"supervised targets {closed}",
+                    "count the targets != -100 of this step's micro-batches on this rank",
+                )
+            yield mb, n
 
-    def step(self, batch: Batch | Sequence[Batch] | Iterator[Batch]) -> StepResult:
+    def step(
+        self, batch: Batch | Sequence[Batch] | Iterator[Batch], num_items: int | None = None
+    ) -> StepResult:
         """One optimizer step over the plan's ``grad_accum`` micro-batches.
 
-        ``batch``: an ``(idx, targets)`` pair (when ``grad_accum`` is 1), a sequence
-        of them (shapes checked against the plan before anything runs), or an iterator
-        that yields them (drawn one at a time, as each is needed: ``protrain train``
-        passes its data stream so, and holds one micro-batch at a time).
+        ``batch``: an ``(idx, targets)`` pair or ``(idx, targets, position_ids)`` triple
+        (when ``grad_accum`` is 1), a sequence of them (shapes checked against the plan
+        before anything runs), or an iterator that yields them (drawn one at a time, as
+        each is needed: ``protrain train`` passes its data stream so, and holds one
+        micro-batch at a time). ``num_items``: the step's supervised targets (!= -100) on
+        this rank, which an iterator with masked targets must give (transformers'
+        ``num_items_in_batch``, per rank); see [Note: supervised tokens].
         """
-        draws = self._draws(batch)
+        draws, local = self._draws(batch, num_items)
+        k, t = self.plan.training.grad_accum, self.plan.training
+        total = self._count_all(local, f"step {self.steps_done + 1}")  # N
+        # Raw text: today's arithmetic, loss / k ([Note: supervised tokens]).
+        every = total == self.comm.world * k * t.micro_batch * t.seq_len
         self.replayer.check_trainable(self.names)
         self._refuse_poisoned(stepping=True)
         self.optim.step_no = self.steps_done + 1
@@ -318,25 +407,27 @@ class Engine:
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         self.ledger.reset_peak()
         self.store.begin_step()
-        k = self.plan.training.grad_accum
         losses = []
-        for i, (x, y) in enumerate(draws):
+        for i, (mb, n) in enumerate(draws):
             self._first_micro, self._last_micro = i == 0, i == k - 1
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y, *p = (v.to(self.device, non_blocking=True) for v in mb)  # p: [] or [position_ids]
             ta = time.perf_counter()
             self.replayer.phase = Phase.FORWARD
             try:
                 self.replayer.begin(Phase.FORWARD, PRE)
                 with self.acts.counting():
-                    loss = self.model(x, y)
-                if not self.scaler.enabled:
+                    loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
+                if not self.scaler.enabled and n:  # (n = 0: a mean over nothing, weighted 0)
                     self._check_finite(loss, i)
                 self.replayer.end(Phase.FORWARD, POST)
                 tb = time.perf_counter()
                 self.replayer.phase = Phase.BACKWARD
                 self.replayer.start_backward()
                 self.replayer.begin(Phase.BACKWARD, POST)
-                scaled = loss if k == 1 else loss / k
+                if every:
+                    scaled = loss if k == 1 else loss / k
+                else:  # n = 0: weight 0, and backward still runs every block, adding zeros
+                    scaled = loss * (n * self.comm.world / total if n else 0.0)
                 if self.scaler.enabled:
                     scaled = scaled * self.scaler.scale
                 scaled.backward()
@@ -346,7 +437,7 @@ class Engine:
                 raise self._oom_error(e) from None
             finally:
                 self.replayer.phase = Phase.IDLE
-            losses.append(loss.detach())
+            losses.append(loss.detach() if every else loss.detach().float().nan_to_num() * n)
             timings["forward"] += tb - ta
             timings["backward"] += time.perf_counter() - tb
 
@@ -358,8 +449,13 @@ class Engine:
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
         self.steps_done += 1
-        # the mean over micro-batches (of one: itself), then over ranks: the global batch's loss
-        loss_value = self.comm.mean(torch.stack(losses).float().mean(), "the loss")
+        # the mean over micro-batches (of one: itself), then over ranks: the global batch's loss;
+        # with masked targets sum_i mean_i * n_i / N over the ranks' micro-batches
+        loss_value = (
+            self.comm.mean(torch.stack(losses).float().mean(), "the loss")
+            if every
+            else self.comm.sum(torch.stack(losses).sum(), "the loss").item() / total
+        )
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(
@@ -372,8 +468,30 @@ class Engine:
             alloc_retries=retries,
         )
 
+    def _count_all(self, local: int, what: str) -> int:
+        """The sum over the ranks of their supervised targets ``local``, the same on every rank
+        (one collective of one integer under ZeRO-3); refused when 0, before anything runs.
+
+        Refused rather than skipped: a loss of 0/0 means data that trains nothing (as
+        Trainer's, whose loss would be NaN), and a skipped step would still count as a
+        step for the data position and the checkpoints."""
+        total = local
+        if self.comm.world > 1:
+            mine = torch.tensor(local, dtype=torch.int64, device=self.device)
+            total = int(self.comm.sum(mine, f"the supervised targets of {what}").item())
+        if total == 0:
+            raise ConfigError(
+                f"{what} has no supervised target (every target is -100, in every micro-batch "
+                "on every rank): its loss would be 0/0; nothing has run",
+                "drop the examples that train no token (a prompt longer than --seq, or a chat "
+                "template without {% generation %} under --loss-on assistant)",
+            )
+        return total
+
     def evaluate(self, batch: Batch) -> float:
-        """The loss of one ``(idx, targets)`` batch of the plan's shape, without training.
+        """The loss of one ``(idx, targets)`` batch (or ``(idx, targets, position_ids)``) of the
+        plan's shape, without training: over the ranks, the sum of the token losses over the
+        supervised targets ([Note: supervised tokens]).
 
         Runs the model in eval mode under ``torch.no_grad`` while the block hooks replay
         the plan's forward fetches, prefetches and releases; afterwards every offloaded
@@ -383,14 +501,16 @@ class Engine:
         after ``wrap`` is refused: offloaded chunks hold no device memory between steps.
         """
         self._check_batch([batch], count=False)
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        t, n = self.plan.training, _supervised(batch[1])
+        total = self._count_all(n, "the evaluation batch")
+        x, y, *p = (v.to(self.device, non_blocking=True) for v in batch)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         self.replayer.phase = Phase.EVALUATE
         try:
             with torch.no_grad():
                 self.replayer.begin(Phase.FORWARD, PRE)
-                loss = self.model(x, y)
+                loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
                 self.replayer.end(Phase.FORWARD, POST)
         except torch.OutOfMemoryError as e:
             raise self._oom_error(e) from None
@@ -401,7 +521,10 @@ class Engine:
             for cid in sorted(self.store.resident_offloaded()):
                 self.store.release(cid)  # waits for a prefetch still in flight
                 self.events.emit("release", "mark", chunk=cid)
-        return self.comm.mean(loss.detach().float(), "the evaluation loss")
+        if self.comm.world == 1 or total == self.comm.world * t.micro_batch * t.seq_len:
+            return self.comm.mean(loss.detach().float(), "the evaluation loss")  # (all equal)
+        weighted = loss.detach().float().nan_to_num() * n  # (n = 0: a mean over nothing)
+        return self.comm.sum(weighted, "the evaluation loss").item() / total
 
     def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
         """Stop before a NaN/inf loss reaches backward and the optimizer.

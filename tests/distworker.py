@@ -254,3 +254,25 @@ def disagree(rank: int, world: int, port: int, out: str, changes: list[dict]) ->
     finally:
         dist.destroy_process_group()
     _exit_cleanly()
+
+
+def train_packed(rank: int, world: int, port: int, out: str, name: str, steps: int) -> None:
+    """Train ``steps`` steps of packed micro-batches, rank r's of step s from seed 10 * s + r
+    (the ranks' supervised counts differ); write the losses and rank 0's state."""
+    from harness import packed_micro_batch
+
+    init(rank, world, port)
+    try:
+        plan = make_plan(name, world, [0], 2, ["swap", "checkpoint"])
+        engine = wrap(build(name, seed=1), plan, AdamWConfig(lr=LR, weight_decay=0.1), device="cpu")
+        losses = [
+            engine.step(packed_micro_batch(10 * s + rank, MICRO, SEQ)).loss for s in range(steps)
+        ]
+        sd = engine.state_dict()
+        if rank == 0:
+            torch.save(sd, Path(out) / "state.pt")
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses}))
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+    _exit_cleanly()

@@ -338,3 +338,28 @@ def stop_and_resume(
     sd = e.state_dict()
     e.close()
     return losses, sd
+
+
+def packed_micro_batch(
+    seed: int, micro_batch: int = MICRO_BATCH, seq_len: int = SEQ_LEN, vocab: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(idx, targets, position_ids)`` of rows packed as the data side packs them: examples of 3
+    to 12 tokens whose prompts (a random share) carry no loss, then a padding tail of its own
+    (position ids 0.., targets -100). ``targets[b, t]`` is the next token of the same example,
+    -100 at an example's last token: no example's first token is the previous one's target."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)  # (B, T)
+    targets = torch.full((micro_batch, seq_len), -100)  # (B, T)
+    pos = torch.empty((micro_batch, seq_len), dtype=torch.long)  # (B, T)
+    for b in range(micro_batch):
+        t = 0
+        while True:
+            n = int(torch.randint(3, 13, (), generator=g))
+            if t + n > seq_len - 2:  # the rest is padding (at least 2 positions)
+                break
+            prompt = int(torch.randint(1, n, (), generator=g))  # tokens 0..prompt-1 are prompt
+            pos[b, t : t + n] = torch.arange(n)
+            targets[b, t + prompt - 1 : t + n - 1] = idx[b, t + prompt : t + n]
+            t += n
+        pos[b, t:] = torch.arange(seq_len - t)
+    return idx, targets, pos

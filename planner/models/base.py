@@ -15,12 +15,45 @@ import torch.nn.functional as F
 
 from protrain.plans.errors import ConfigError
 
+IGNORE = -100
+"""The target of a position that carries no loss (Hugging Face's label convention; cross_entropy's
+default ``ignore_index``): prompts, system turns, padding."""
+
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean token loss over the supervised targets (``!= IGNORE``); 0 when there are none.
+
+    logits (B, T, V), targets (B, T), already shifted (the token after each position).
+    """
     # fp32 loss even for a bf16 model: log-softmax over 50k logits in bf16 loses
     # most of the digits that distinguish a good step from a bad one.
     V = logits.size(-1)
-    return F.cross_entropy(logits.float().view(-1, V), targets.view(-1))
+    loss = F.cross_entropy(logits.float().view(-1, V), targets.view(-1), ignore_index=IGNORE)
+    # A micro-batch of prompts or padding only has a mean over zero tokens, 0/0 = NaN. It
+    # carries no loss: 0, whose gradient is zero everywhere (``where`` sends none to the NaN
+    # branch), and the engine weighs it 0 anyway. With supervised tokens ``where`` passes the
+    # loss and its gradient through unchanged, bit for bit, and reads nothing back to the host.
+    return torch.where(targets.ne(IGNORE).any(), loss, torch.zeros_like(loss))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Which keys each query of a packed row may attend to: (B, 1, T, T) bool, True where key s
+    is at or before query t in the same example; None when no row holds more than one example
+    (then plain causal attention is exact, and its ``is_causal`` kernels keep their bits).
+
+    position_ids (B, T) restart at 0 at each packed example (the data contract: a new example
+    begins wherever ``position_ids == 0``; a row's padding tail is an example of its own).
+    Reads one flag back to the host per forward (on CUDA a sync), so that rows of one example
+    each keep the causal kernels; every layer then shares the one mask.
+    """
+    starts = position_ids == 0  # (B, T)
+    if not bool(starts[:, 1:].any()):
+        return None
+    T = position_ids.size(1)
+    example = starts.cumsum(1)  # (B, T): the example each position belongs to
+    same = example[:, :, None] == example[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()  # (T, T)
+    return (same & causal)[:, None]  # (B, 1, T, T)
 
 
 def block_paths(model: nn.Module) -> list[str]:

@@ -79,6 +79,7 @@ checks it.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -93,12 +94,13 @@ from .base import (
     HF_PREFIX,
     ModelInfo,
     count_params,
+    document_mask,
     find_block_list,
     is_hf_name,
     lm_loss,
     materialize,
 )
-from .hf_attention import ATTENTION, OWN, causal_attention, own_default
+from .hf_attention import ATTENTION, DOCUMENTS, OWN, causal_attention, own_default
 from .hf_checkpoint import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
@@ -449,7 +451,15 @@ class HFCausalLM(nn.Module):
             torch.manual_seed(generator.initial_seed())
             self.hf.init_weights()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss (or logits (B, T, V) without targets) of idx (B, T); ``position_ids`` (B, T) for
+        packed rows: the model's positions, and attention within each example
+        (hf_attention.py [Note: packed rows])."""
         T = idx.size(1)
         if self.max_seq_len and T > self.max_seq_len:
             raise ConfigError(
@@ -457,7 +467,9 @@ class HFCausalLM(nn.Module):
                 f"{self.max_seq_len}",
                 f"use --seq {self.max_seq_len} or less",
             )
-        if idx.device.type == "meta":
+        if position_ids is not None:
+            out = self._packed_forward(idx, position_ids)
+        elif idx.device.type == "meta":
             out = self._meta_forward(idx)
         else:
             out = self.hf(input_ids=idx, use_cache=False)
@@ -465,6 +477,29 @@ class HFCausalLM(nn.Module):
         # Targets are the next tokens already (the data loader shifts them), so the
         # zoo's loss, not transformers' (which shifts labels itself).
         return logits if targets is None else lm_loss(logits, targets)
+
+    def _packed_forward(self, idx: torch.Tensor, position_ids: torch.Tensor):
+        """The forward of packed rows: hf_attention.py [Note: packed rows]."""
+        own = getattr(self.config, "_attn_implementation", None) != ATTENTION
+        if own or "position_ids" not in inspect.signature(self.hf.forward).parameters:
+            family = getattr(self.config, "model_type", type(self.hf).__name__)
+            raise ConfigError(
+                f"model_type {family!r} cannot train on packed rows: "
+                + (
+                    "it computes attention in its own code, which protrain cannot keep within "
+                    "each packed example"
+                    if own
+                    else "its forward takes no position_ids"
+                ),
+                "train it on raw text (a text dataset, one (idx, targets) pair per micro-batch), "
+                "or train another family",
+            )
+        mask = document_mask(position_ids)  # (B, 1, T, T), or None: one example per row
+        if mask is not None:
+            setattr(mask, DOCUMENTS, True)  # ours, not the family's
+        return self.hf(
+            input_ids=idx, position_ids=position_ids, attention_mask=mask, use_cache=False
+        )
 
     def _meta_forward(self, idx: torch.Tensor):
         """The forward on ``meta`` (planning), with a family whose forward reads values refused by

@@ -29,6 +29,18 @@ depends only on shapes and the config, so it is the same on meta, in the forward
 in a checkpointed block's recomputation. Where that implementation cannot be found
 (a modeling file without ``eager_attention_forward``) the call is refused with a
 ConfigError naming the layer and what it needed.
+
+[Note: packed rows]
+A packed micro-batch (``HFCausalLM.forward(idx, targets, position_ids)``) holds several
+examples per row that must not attend to each other. ``HFCausalLM`` builds the mask once
+per forward (``base.document_mask``: causal and within each example, from position ids
+alone), tags it ``DOCUMENTS`` and passes it as the model's ``attention_mask``: transformers
+hands a 4D mask to every layer as it is (``masking_utils``: "already prepared, or custom"),
+and a checkpointed block's recomputation receives the same tensor among its arguments.
+Here a tagged mask is ours, not one the family built: causal SDPA applies it (a sliding
+window shorter than the row is and-ed in, as transformers' own window mask would), and any
+other reason for the family's own code hands it the tagged mask, which that code applies
+instead of building a causal one. Rows of one example each get no mask (``is_causal``).
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from protrain.plans.errors import ConfigError
+
+DOCUMENTS = "_protrain_documents"
+"""Attribute set (True) on the document mask of packed rows: see [Note: packed rows]."""
 
 ATTENTION = "protrain_causal"
 """Our attention implementation's name in transformers' registry (see the module docstring).
@@ -66,7 +81,14 @@ def causal_attention(
     handed to the family's own implementation instead: see [Note: which attention].
     """
     T = query.size(-2)
-    reason = _needs_own(module, T, attention_mask, kwargs)
+    documents = getattr(attention_mask, DOCUMENTS, False)  # see [Note: packed rows]
+    if documents:
+        window = kwargs.get("sliding_window")
+        if window is not None and T > window:  # the layer's window, within each example
+            t = torch.arange(T, device=query.device)  # (T,)
+            attention_mask = attention_mask & (t[:, None] - t[None, :] < window)  # (B, 1, T, T)
+        kwargs = {k: v for k, v in kwargs.items() if k != "sliding_window"}  # (in the mask now)
+    reason = _needs_own(module, T, None if documents else attention_mask, kwargs)
     if reason is not None:
         return _own_attention(
             module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs
@@ -82,7 +104,13 @@ def causal_attention(
     # arithmetic is the zoo's exactly; otherwise (GPT-2's per-layer scaling) the given one.
     default = scaling is None or scaling in (hs**-0.5, 1.0 / math.sqrt(hs))
     y = F.scaled_dot_product_attention(
-        query, key, value, dropout_p=dropout, is_causal=True, scale=None if default else scaling
+        query,
+        key,
+        value,
+        attn_mask=attention_mask if documents else None,  # None: transformers built none
+        dropout_p=dropout,
+        is_causal=not documents,
+        scale=None if default else scaling,
     )  # (B, nh, T, hs)
     return y.transpose(1, 2).contiguous(), None
 

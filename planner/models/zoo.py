@@ -14,8 +14,12 @@ Two rules the runtime depends on:
   Causality comes from ``is_causal=True`` and RoPE cos/sin are computed from
   positions in each forward. (Hugging Face models do hold RoPE buffers; ``hf.py``
   recomputes them when it materialises a model.)
-- Every block maps ``(B, T, C) -> (B, T, C)`` with no other argument, so the
-  executor can hook, checkpoint and profile any block the same way.
+- Every block maps ``(B, T, C) -> (B, T, C)``, its hidden states the first argument, so
+  the executor can hook, checkpoint and profile any block the same way. Packed rows
+  (``forward(idx, targets, position_ids)``) add keyword tensors only: the document mask
+  (``base.document_mask``) and, for RoPE, the position ids. Being block arguments, a
+  checkpointed block's recomputation gets them again, with nothing held on the model
+  between the forward and the backward.
 
 Configuration (the frozen config dataclasses and the ``ZOO`` table) is kept apart
 from mechanism (the modules), as in gpt-fast's ``transformer_configs``.
@@ -38,6 +42,7 @@ from .base import (  # noqa: F401  (re-exported: the zoo's users import them fro
     ModelInfo,
     block_paths,
     count_params,
+    document_mask,
     find_block_list,
     is_hf_name,
     lm_loss,
@@ -145,6 +150,17 @@ def _check_seq_len(T: int, limit: int, name: str) -> None:
         )
 
 
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float
+) -> torch.Tensor:
+    """SDPA, causal: q, k, v (B, nh, T, hs) -> (B, nh, T, hs). ``mask`` (B, 1, T, T) bool for
+    rows packed with several examples (``document_mask``: causal and within each example);
+    None keeps the ``is_causal`` kernels, and so raw text its bits."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
 # ---------------------------------------------------------------------------
 # GPT-2
 
@@ -158,15 +174,13 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.c_proj(y))
 
@@ -191,8 +205,9 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # (B, T, C) -> (B, T, C); mask (B, 1, T, T) for packed rows, else None (causal)
+        x = x + self.attn(self.ln_1(x), mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -242,14 +257,26 @@ class GPT2(nn.Module):
     def protrain_blocks(self) -> list[str]:
         return [f"transformer.h.{i}" for i in range(len(self.transformer.h))]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss (or logits (B, T, V) without targets) of idx (B, T); ``position_ids`` (B, T) for
+        packed rows: positions restart, and attention stays within each example."""
         B, T = idx.shape
         _check_seq_len(T, self.config.block_size, "block_size")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        if position_ids is None:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            mask = None
+        else:
+            pos, mask = position_ids, document_mask(position_ids)  # (B, T), (B, 1, T, T) | None
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x)  # (B, T, C)
+            # today's call for raw text (its checkpoint keeps x alone); the mask only when packed
+            x = block(x) if mask is None else block(x, mask=mask)  # (B, T, C)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         return logits if targets is None else lm_loss(logits, targets)
@@ -274,9 +301,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    T: int, head_dim: int, theta: float, device: torch.device
+    T: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles for positions 0..T-1, each (T, head_dim), fp32.
+    """cos and sin of the rotary angles for positions 0..T-1, each (T, head_dim), fp32; for
+    ``position_ids`` (B, T) at those positions, each (B, 1, T, head_dim) (one per head).
 
     Computed per forward rather than cached in a buffer (see the module docstring);
     the cost is one (T, head_dim/2) outer product per layer.
@@ -284,9 +316,15 @@ def rope_cos_sin(
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     )  # (hs/2,)
-    pos = torch.arange(T, dtype=torch.float32, device=device)  # (T,)
-    angles = torch.outer(pos, inv_freq)  # (T, hs/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, hs): HF's layout, halves not pairs
+    if position_ids is None:
+        pos = torch.arange(T, dtype=torch.float32, device=device)  # (T,)
+        angles = torch.outer(pos, inv_freq)  # (T, hs/2)
+    else:
+        # the same products as the outer one, per row: a position's angles do not depend on
+        # the row, so an example packed at offset o gets the angles it has alone
+        angles = position_ids.float()[:, None, :, None] * inv_freq  # (B, 1, T, hs/2)
+    # (T, hs) or (B, 1, T, hs): HF's layout, halves not pairs
+    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
@@ -314,15 +352,20 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         hs = self.head_dim
         q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
 
-        cos, sin = rope_cos_sin(T, hs, self.rope_theta, x.device)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, hs), as HF casts them
+        cos, sin = rope_cos_sin(T, hs, self.rope_theta, x.device, position_ids)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, hs) or (B, 1, T, hs), as HF casts them
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         # GQA by repeating each k/v head for its group of query heads (HF's repeat_kv)
@@ -334,9 +377,7 @@ class LlamaAttention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hs)
             v = v.repeat_interleave(groups, dim=1)  # (B, nh, T, hs)
 
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * hs)  # (B, T, C)
         return self.o_proj(y)
 
@@ -361,8 +402,14 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # (B, T, C) -> (B, T, C); packed rows: position_ids (B, T), mask (B, 1, T, T) or None
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -397,11 +444,20 @@ class Llama(nn.Module):
     def protrain_blocks(self) -> list[str]:
         return [f"model.layers.{i}" for i in range(len(self.model.layers))]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss (or logits (B, T, V) without targets) of idx (B, T); ``position_ids`` (B, T) for
+        packed rows: RoPE at those positions, and attention stays within each example."""
         _check_seq_len(idx.size(1), self.config.max_seq_len, "max_seq_len")
         x = self.model.embed_tokens(idx)  # (B, T, C)
+        mask = None if position_ids is None else document_mask(position_ids)  # (B, 1, T, T)
         for block in self.model.layers:
-            x = block(x)  # (B, T, C)
+            # today's call for raw text; packed rows pass their positions (and mask) to each block
+            x = block(x) if position_ids is None else block(x, position_ids, mask)  # (B, T, C)
         x = self.model.norm(x)
         logits = self.lm_head(x)  # (B, T, V)
         return logits if targets is None else lm_loss(logits, targets)
