@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import assert_same_state, lockstep, make_model, make_plan, sleeper
+from test_parity import _plan
 
+from protrain.executor import AdamWConfig, wrap
+from protrain.executor.checkpoint import decode_manifest, read_manifest, resolve
 from protrain.planner.commands.lr_schedule import SCHEDULES, Flags, LrSchedule
 from protrain.planner.commands.lr_schedule import resolve as resolve_schedule
+from protrain.planner.models.data import batches, load_tokens
+from protrain.plans.errors import CheckpointError, ConfigError
 
 PLAN = str(Path(__file__).resolve().parents[1] / "plans/gpt2-tiny/example.json")
 QUIET = dict(echo=lambda _: None, progress=False)
@@ -66,3 +72,67 @@ def test_warmup_ratio_rounds_up_as_transformers():
     assert Flags(warmup_ratio=0.1).warmup(25) == 3
     assert Flags(warmup_ratio=0.0).warmup(25) == 0
     assert resolve_schedule(Flags(name="linear", warmup_ratio=0.25), 8).warmup_steps == 2
+
+
+# -- the engine's rate
+
+
+@pytest.mark.parametrize(
+    "case,delay_s",
+    [("mixed", 0.0), ("interleaved", 0.0), ("offloaded-buf2", 0.02), ("mixed", 0.02)],
+)
+def test_set_lr_reaches_offloaded_chunks_exactly(case, delay_s):
+    """Offloaded chunks step on the CPU worker during backward, persistent ones on the device
+    after it; each step's rate (a cosine with warm-up: 0 first) must reach both, bit for bit
+    against ``torch.optim.AdamW(fused=True)`` given the same rate per step. With the worker
+    slowed, step k's CPU steps run after the caller has already set step k+1's rate: they must
+    still use step k's (optim.py [Note: learning rate])."""
+    rates = [COSINE.rate(k) for k in range(1, 9)]
+    run = lockstep(
+        "gpt2-4",
+        _plan("gpt2-4", case),
+        steps=8,
+        lrs=rates,
+        on_event=sleeper(before_cpu_adam=delay_s) if delay_s else None,
+    )
+    assert run.losses == run.ref_losses
+    assert_same_state(run)
+    assert run.engine.lr == rates[-1]
+    run.engine.close()
+
+
+def test_set_lr_refuses_what_trains_nothing_and_a_step_in_flight():
+    engine = wrap(make_model("gpt2-4"), _plan("gpt2-4", "mixed"), AdamWConfig(lr=1e-3), "cpu")
+    try:
+        for bad in (float("nan"), float("inf"), -1e-3, "1e-3", True, None):
+            with pytest.raises(ConfigError, match="learning rate"):
+                engine.set_lr(bad)
+        assert engine.lr == 1e-3
+        engine.set_lr(0)  # a warm-up's first step
+        assert engine.lr == 0.0
+        engine.on_event(lambda ev: engine.set_lr(1.0) if ev.kind == "step" else None)
+        with pytest.raises(ConfigError, match="while a step is running"):
+            engine.step(next(batches(load_tokens(), 4, 32, 0)))
+        assert engine.lr == 0.0
+    finally:
+        engine.close()
+
+
+def test_checkpoint_saves_and_restores_the_rate(tmp_path):
+    plan = make_plan("gpt2-4", persistent=[0], n_buffer=2, policies="keep")
+    engine = wrap(make_model("gpt2-4"), plan, AdamWConfig(lr=1e-3), "cpu")
+    engine.set_lr(2.5e-4)
+    engine.step(next(batches(load_tokens(), 4, 32, 0)))
+    engine.save(tmp_path, lr_schedule=COSINE.saved())
+    engine.close()
+    manifest = read_manifest(resolve(tmp_path))
+    assert manifest.lr == 2.5e-4 and manifest.lr_schedule == COSINE.saved()
+    engine = wrap(make_model("gpt2-4", seed=7), plan, AdamWConfig(lr=1e-3), "cpu")
+    try:
+        assert engine.load(tmp_path).lr_schedule == COSINE.saved()
+        assert engine.lr == 2.5e-4
+    finally:
+        engine.close()
+    raw = (resolve(tmp_path) / "manifest.json").read_bytes()
+    with pytest.raises(CheckpointError, match="learning rate"):
+        decode_manifest(raw.replace(b'"lr": 0.00025', b'"lr": -1.0'))
