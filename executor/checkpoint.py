@@ -117,6 +117,12 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     base_fingerprint: str = ""
     """An adapter checkpoint ([Note: adapter checkpoints]): the frozen base it was trained on,
     whose parameters it does not hold (``params`` lists the trainable ones); "" otherwise."""
+    lr: float | None = None
+    """``Engine.lr`` when saved, restored by ``load`` (None: a checkpoint from before rates were
+    saved; the engine keeps its own)."""
+    lr_schedule: dict[str, str | int | float] = {}
+    """The caller's learning-rate schedule settings (``protrain train``'s), returned by ``load``
+    as ``data`` is; the executor only stores them."""
 
 
 BASE_SAMPLE = 4096
@@ -193,7 +199,12 @@ def lock_root(root: str | Path, flag: str = "--save-dir") -> RootLock:
 
 
 def save(
-    engine: Any, root: str | Path, *, data: dict[str, int] | None = None, keep: int = 2
+    engine: Any,
+    root: str | Path,
+    *,
+    data: dict[str, int] | None = None,
+    keep: int = 2,
+    lr_schedule: dict[str, str | int | float] | None = None,
 ) -> Path:
     """Write a checkpoint of ``engine`` under ``root``; every rank must call it. Returns its
     directory."""
@@ -222,7 +233,8 @@ def save(
     outside = engine.comm.rank == 0 and os.path.realpath(root) not in _held
     lock = lock_root(root, "the checkpoint root") if outside else RootLock(root, -1)
     try:
-        return _write(engine, sd["model"], optim, root, data, keep, need)
+        caller = {"data": dict(data or {}), "lr_schedule": dict(lr_schedule or {})}  # (manifest's)
+        return _write(engine, sd["model"], optim, root, caller, keep, need)
     finally:
         lock.release()
 
@@ -232,7 +244,7 @@ def _write(
     model: dict,
     optim: dict,
     root: Path,
-    data: dict[str, int] | None,
+    caller: dict[str, dict],
     keep: int,
     need: int,
 ) -> Path:
@@ -271,7 +283,7 @@ def _write(
         comm.barrier("checkpoint RNG states")
         _after_phase("rng")
         if comm.rank == 0:
-            _write_rank0(engine, model, optim, tmp, data)
+            _write_rank0(engine, model, optim, tmp, caller)
     except (OSError, SafetensorError) as e:
         raise _save_failed(root, tmp, e, need) from None
     if comm.rank == 0:
@@ -314,11 +326,9 @@ def _write_latest(root: Path, name: str, final: Path) -> None:
         ) from None
 
 
-def _write_rank0(
-    engine: Any, model: dict, optim: dict, tmp: Path, data: dict[str, int] | None
-) -> None:
+def _write_rank0(engine: Any, model: dict, optim: dict, tmp: Path, caller: dict) -> None:
     """Rank 0's files: parameters, optimizer state (``name.part``), then the manifest listing
-    every file."""
+    every file (and ``caller``'s fields: ``data``, ``lr_schedule``)."""
     from safetensors.torch import save_file
 
     aliases = {alias for _, alias in engine.plan.model.tied}
@@ -340,10 +350,11 @@ def _write_rank0(
         params={k: list(v.shape) for k, v in model.items()},
         tied=[list(p) for p in engine.plan.model.tied],
         scaler=Scaler(scale=engine.scaler.scale, good_steps=engine.scaler.good_steps),
-        data=dict(data or {}),
         files=files,
         optimizer_state=bool(optim),
         base_fingerprint=engine.base_fingerprint,
+        lr=engine.lr,
+        **caller,
     )
     (tmp / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     fsync_path(tmp / "manifest.json")
@@ -466,10 +477,15 @@ def decode_manifest(raw: bytes, where: str = "<manifest bytes>") -> Manifest:
             f"{where}: checkpoint format {m.version}; this protrain reads {VERSION}",
             "resume with the protrain version that wrote it",
         )
-    if not 1 <= m.world_size <= 65536 or m.step < 0 or not 0 < m.scaler.scale < float("inf"):
+    if (
+        not 1 <= m.world_size <= 65536
+        or m.step < 0
+        or not 0 < m.scaler.scale < float("inf")
+        or not 0 <= (m.lr or 0.0) < float("inf")
+    ):
         raise CheckpointError(
-            f"{where}: world_size {m.world_size}, step {m.step} or loss scale "
-            f"{m.scaler.scale} out of range",
+            f"{where}: world_size {m.world_size}, step {m.step}, loss scale "
+            f"{m.scaler.scale} or learning rate {m.lr} out of range",
             DAMAGED,
         )
     expected = {"model.safetensors", "optim.safetensors"} | {
@@ -587,6 +603,8 @@ def load(engine: Any, root: str | Path) -> Manifest:
     engine.load_state_dict({"model": model, "optim": optim})
     engine.scaler.scale, engine.scaler.good_steps = m.scaler.scale, m.scaler.good_steps
     engine.steps_done = m.step
+    if m.lr is not None:
+        engine.set_lr(m.lr)
     if restore_rng:
         state = load_file(rng)
         torch.set_rng_state(state["cpu"])

@@ -15,7 +15,8 @@ Lifecycle, phase by phase:
    backward (boundary Functions replay the backward steps: swap-in, fetch,
    offload, release; offloaded chunks' CPU AdamW steps start as their gradients
    land), then finishes the update: device AdamW for persistent chunks, clipping
-   and fp16 overflow handling when configured. It returns a ``StepResult``.
+   and fp16 overflow handling when configured. It returns a ``StepResult``. Every chunk
+   steps at the rate ``lr``, which ``set_lr`` changes between steps (a schedule).
 3. **state_dict / load_state_dict** move model and optimizer state in plain
    PyTorch names and shapes, independent of the chunk layout, so a run can resume
    under another plan; **save / load** write and read them atomically as
@@ -29,6 +30,7 @@ written in the plan (an executor that decided on its own would run a plan nobody
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -254,6 +256,8 @@ class Engine:
         self.last_checkpoint: str | None = (
             None  # the newest checkpoint saved or loaded here (all finite)
         )
+        # True while step() runs: the rate may not change then (optim.py [Note: learning rate]).
+        self._stepping = False
 
     def _expect_accounting(self, plan: Plan) -> None:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
@@ -381,10 +385,32 @@ class Engine:
                 )
             yield mb, n
 
+    @property
+    def lr(self) -> float:
+        """The AdamW learning rate the next step uses (``AdamWConfig.lr`` until ``set_lr``)."""
+        return self.optim.hyper["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        """Use ``lr`` from the next step on, for every chunk, on the device and on the CPU
+        worker alike (a schedule calls it before each step, as ``protrain train`` does). A step
+        still finishing on the worker keeps its own rate: optim.py [Note: learning rate]."""
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 <= lr < math.inf:
+            raise ConfigError(
+                f"set_lr({lr!r}): a learning rate must be a finite number >= 0",
+                "pass a float >= 0 such as 3e-4",
+            )
+        if self._stepping:
+            raise ConfigError(
+                "set_lr() was called while a step is running (from a listener or another thread); "
+                "the step's chunks must all use one rate",
+                "set the rate between steps: before calling step()",
+            )
+        self.optim.hyper["lr"] = float(lr)
+
     def step(
         self, batch: Batch | Sequence[Batch] | Iterator[Batch], num_items: int | None = None
     ) -> StepResult:
-        """One optimizer step over the plan's ``grad_accum`` micro-batches.
+        """One optimizer step over the plan's ``grad_accum`` micro-batches, at rate ``lr``.
 
         ``batch``: an ``(idx, targets)`` pair or ``(idx, targets, position_ids)`` triple
         (when ``grad_accum`` is 1), a sequence of them (shapes checked against the plan
@@ -394,6 +420,13 @@ class Engine:
         this rank, which an iterator with masked targets must give (transformers'
         ``num_items_in_batch``, per rank); see [Note: supervised tokens].
         """
+        self._stepping = True
+        try:
+            return self._step(batch, num_items)
+        finally:
+            self._stepping = False
+
+    def _step(self, batch, num_items: int | None) -> StepResult:
         draws, local = self._draws(batch, num_items)
         k, t = self.plan.training.grad_accum, self.plan.training
         total = self._count_all(local, f"step {self.steps_done + 1}")  # N
@@ -824,16 +857,25 @@ class Engine:
 
     # -- checkpoints (executor/checkpoint.py: atomic, safetensors + JSON manifest)
 
-    def save(self, root, *, data: dict[str, int] | None = None, keep: int = 2):
-        """Checkpoint model, optimizer, loss scaler, RNG and ``data`` (the caller's data
-        position) under ``root``, atomically; every rank calls it. Returns the step directory."""
-        path = save(self, root, data=data, keep=keep)
+    def save(
+        self,
+        root,
+        *,
+        data: dict[str, int] | None = None,
+        keep: int = 2,
+        lr_schedule: dict[str, str | int | float] | None = None,
+    ):
+        """Checkpoint model, optimizer (``lr`` included), loss scaler, RNG, ``data`` (the
+        caller's data position) and ``lr_schedule`` (the caller's schedule settings) under
+        ``root``, atomically; every rank calls it. Returns the step directory."""
+        path = save(self, root, data=data, keep=keep, lr_schedule=lr_schedule)
         self.last_checkpoint = str(path)
         return path
 
     def load(self, root):
-        """Restore what ``save`` wrote (under this or another plan of the model); returns
-        the manifest, whose ``data`` is the data position to resume from."""
+        """Restore what ``save`` wrote (under this or another plan of the model), ``lr`` included;
+        returns the manifest, whose ``data`` is the data position to resume from and
+        ``lr_schedule`` the schedule settings saved with it."""
         manifest = load(self, root)
         self.last_checkpoint = str(resolve(root))
         return manifest

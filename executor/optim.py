@@ -113,6 +113,15 @@ leaves memory), and for the device steps (persistent, device-homed) once per ste
 them (``guard_device_states``: one read back). A failure poisons the optimizer as a
 non-finite gradient does, naming the state (``poisoned``'s fourth field), with ``partial``
 true: that chunk has stepped.
+
+[Note: learning rate]
+``hyper`` (the rate among them) is what the step being run uses. It changes only between
+steps (``Engine.set_lr`` refuses while a step is in flight), but the worker runs past a
+step's return: step k's CPU steps may still be queued when the caller sets step k+1's rate.
+So the worker never reads ``hyper``: ``submit_cpu_step``, called on the main thread inside
+step k, copies it into the queued closure, and the device steps (persistent, device-homed),
+which run on the main thread inside step k, read it there. Every chunk of step k thus steps
+with step k's rate, whatever the caller sets meanwhile.
 """
 
 from __future__ import annotations
@@ -551,9 +560,10 @@ class ChunkOptimizer:
         )
         return g.div_(self.store.comm.world) if self.store.comm.world > 1 else g
 
-    def _adamw(self, cid: int, which: list[int], g: torch.Tensor) -> None:
+    def _adamw(self, cid: int, which: list[int], g: torch.Tensor, hyper: dict) -> None:
         """``torch._fused_adamw_`` on the parameters ``which`` of the chunk, as
-        ``AdamW(fused=True)`` steps them. See [Note: optimizer placement]."""
+        ``AdamW(fused=True)`` steps them, with ``hyper`` (the step's: [Note: learning rate]).
+        See [Note: optimizer placement]."""
         counts, steps = self.counts[cid], self.steps[cid]
         m, ea, es = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid]
         if (
@@ -564,7 +574,7 @@ class ChunkOptimizer:
             # _flat: one tensor; every parameter's elements take the vector path, as in the
             # per-parameter call. The kernel reads one step count: the chunk's common one.
             torch._foreach_add_(steps, 1)
-            torch._fused_adamw_([m], [g], [ea], [es], [], [steps[0]], **self.hyper)
+            torch._fused_adamw_([m], [g], [ea], [es], [], [steps[0]], **hyper)
         else:  # _per_param: one view per parameter, as the reference's tensor list
             # A parameter without a piece on this rank counts its step all the same, so that
             # every rank's counts (state_dict's "step") are the parameter's.
@@ -573,7 +583,7 @@ class ChunkOptimizer:
                 st = [steps[i] for i, _ in spans]
                 torch._foreach_add_(st, 1)
                 torch._fused_adamw_(
-                    *([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st, **self.hyper
+                    *([t[a:b] for _, (a, b) in spans] for t in (m, g, ea, es)), [], st, **hyper
                 )
         for i in which:
             counts[i] += 1
@@ -585,6 +595,7 @@ class ChunkOptimizer:
         grads: torch.Tensor | None,
         coef: float | None,
         inv_scale: float,
+        hyper: dict,
         ready: bool = False,
     ) -> str:
         """``_adamw`` on 16-bit gradients that landed in the home or a slot (``grads``; None:
@@ -620,9 +631,7 @@ class ChunkOptimizer:
                     if self.store.comm.world > 1:
                         g.div_(self.store.comm.world)
                     _unscale(g, inv_scale, coef)
-                torch._fused_adamw_(
-                    [m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **self.hyper
-                )
+                torch._fused_adamw_([m[a:b]], [g], [ea[a:b]], [es[a:b]], [], [steps[i]], **hyper)
                 if disk is not None:
                     if self.guarded and not bad:
                         bad = self.nonfinite_state(self.states(cid, a, b))
@@ -642,7 +651,7 @@ class ChunkOptimizer:
         if not which:
             return
         with record_function("protrain::dev_adam"):
-            self._adamw(cid, which, self._grad(cid, coef, inv_scale))
+            self._adamw(cid, which, self._grad(cid, coef, inv_scale), self.hyper)
             own = c.dev[c.own]
             if self.master[cid].data_ptr() != own.data_ptr():  # fp32: the master is the chunk
                 own.copy_(self.master[cid])
@@ -667,7 +676,7 @@ class ChunkOptimizer:
         self.store.copies.events.emit("device_step", "begin", chunk=cid)
         with record_function("protrain::dev_adam"):
             if which:
-                self._adamw_pieces(cid, which, grads, None, 1.0)
+                self._adamw_pieces(cid, which, grads, None, 1.0, self.hyper)
                 if self.guarded:
                     self.device_stepped.append(cid)  # its states checked after the device steps
         self.store.copies.events.emit("device_step", "end", chunk=cid)
@@ -686,11 +695,12 @@ class ChunkOptimizer:
         grads = self.landed.pop(cid, None)
         step = None if checked else self.step_no  # None: the global norm proved them finite
         step_no = self.step_no
+        hyper = dict(self.hyper)  # this step's rate, read now: [Note: learning rate]
 
         def run() -> None:
             if previous is not None:
                 previous.result()  # re-raise the landing's error, if any
-            self._cpu_step(cid, which, coef, inv_scale, reads_home, grads, step, step_no)
+            self._cpu_step(cid, which, coef, inv_scale, hyper, reads_home, grads, step, step_no)
 
         c.pending = self.worker.submit(run)
         if c.home is None and grads is not None:  # the slot is free once this step has read it
@@ -702,6 +712,7 @@ class ChunkOptimizer:
         which: list[int],
         coef: float | None,
         inv_scale: float,
+        hyper: dict,
         reads_home=None,
         grads: torch.Tensor | None = None,
         step: int | None = None,
@@ -736,13 +747,13 @@ class ChunkOptimizer:
             if disk is not None:
                 disk.prefetch(self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid])
             if self.store.grad_in_home:
-                bad = self._adamw_pieces(cid, which, grads, coef, inv_scale)
+                bad = self._adamw_pieces(cid, which, grads, coef, inv_scale, hyper)
             elif disk is not None:  # (the fp32 gradient is in host memory: read in place)
                 bad = self._adamw_pieces(
-                    cid, which, self._grad(cid, coef, inv_scale), None, 1.0, ready=True
+                    cid, which, self._grad(cid, coef, inv_scale), None, 1.0, hyper, ready=True
                 )
             else:
-                self._adamw(cid, which, self._grad(cid, coef, inv_scale))
+                self._adamw(cid, which, self._grad(cid, coef, inv_scale), hyper)
                 bad = None
         self.store.copies.events.emit("cpu_step", "end", chunk=cid)
         # before the home is refreshed: a non-finite master never reaches the next forward

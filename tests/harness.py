@@ -237,9 +237,12 @@ def lockstep(
     on_event=None,
     nvme_dir=None,
     lora=None,
+    lrs: list[float] | None = None,
 ) -> Run:
     """``on_event``: a listener for the engine (``Engine.on_event``), e.g. a ``sleeper``.
-    ``lora``: train a peft LoRA model (``make_model``'s); the reference steps its adapters."""
+    ``lora``: train a peft LoRA model (``make_model``'s); the reference steps its adapters.
+    ``lrs``: the rate of each step, set right before it (``Engine.set_lr``; the reference's
+    param group, as a ``LambdaLR`` sets it)."""
     config = config or AdamWConfig(lr=2e-3, weight_decay=0.1)
     model = make_model(name, lora=lora)
     ref = copy.deepcopy(model)
@@ -262,7 +265,10 @@ def lockstep(
     torch.manual_seed(1234)
     rng_ours = rng_ref = torch.get_rng_state()
     losses, ref_losses, results = [], [], []
-    for _ in range(steps):
+    for i in range(steps):
+        if lrs is not None:
+            engine.set_lr(lrs[i])
+            opt.param_groups[0]["lr"] = lrs[i]
         torch.set_rng_state(rng_ours)
         res = engine.step([next(ours_data) for _ in range(k)])
         rng_ours = torch.get_rng_state()

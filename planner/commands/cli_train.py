@@ -13,6 +13,8 @@ import click
 from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
 from .lora_options import spec_from as lora_spec
+from .lr_schedule import SCHEDULES
+from .lr_schedule import help_text as lr_schedule_help
 from .options import (
     BETA,
     EXIT_INTERRUPTED,
@@ -65,9 +67,40 @@ from .options import (
 @click.option(
     "--lr",
     type=LEARNING_RATE,
-    default=3e-3,
-    show_default=True,
-    help="AdamW learning rate (positive and finite).",
+    default=None,
+    help="AdamW's peak learning rate (positive and finite) [default: 3e-3; on --resume the "
+    "checkpoint's; a --resume may give a new peak, e.g. after a divergence].",
+)
+@click.option(
+    "--lr-schedule",
+    type=click.Choice(list(SCHEDULES)),
+    default=None,
+    metavar="NAME",  # (the help lists them; a long metavar would narrow every option's help)
+    help=lr_schedule_help(),
+)
+@click.option(
+    "--warmup-steps",
+    type=click.IntRange(0),
+    default=None,
+    metavar="N",
+    help="Raise the rate linearly from 0 over the first N steps (step 1 runs at 0, as in "
+    "transformers) [default: 0; on --resume the checkpoint's].",
+)
+@click.option(
+    "--warmup-ratio",
+    type=FiniteFloatRange(min=0, max=1),
+    default=None,
+    metavar="R",
+    help="The warm-up as a fraction of the run's steps, ceil(R × --steps) (transformers' "
+    "rounding); instead of --warmup-steps.",
+)
+@click.option(
+    "--min-lr-rate",
+    type=FiniteFloatRange(min=0, max=1),
+    default=None,
+    metavar="F",
+    help="cosine: the rate at the end, as a fraction of --lr (transformers' cosine_with_min_lr) "
+    "[default: 0; on --resume the checkpoint's].",
 )
 @click.option(
     "--weight-decay",
@@ -226,6 +259,10 @@ def train(
     tokenizer,
     steps,
     lr,
+    lr_schedule,
+    warmup_steps,
+    warmup_ratio,
+    min_lr_rate,
     weight_decay,
     betas,
     eps,
@@ -264,6 +301,10 @@ def train(
         data_path=data_path,
         seed=seed,
         lr=lr,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        warmup_ratio=warmup_ratio,
+        min_lr_rate=min_lr_rate,
         timeout_s=timeout_s,
         weight_decay=weight_decay,
         betas=tuple(betas),

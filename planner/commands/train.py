@@ -81,7 +81,7 @@ def train(
     steps: int,
     data_path: str | None = None,
     seed: int = 0,
-    lr: float = 3e-3,
+    lr: float | None = None,
     device: str | None = None,
     timeout_s: float = 300.0,
     trace_path: str | None = None,
@@ -106,6 +106,10 @@ def train(
     eps: float = 1e-8,
     overwrite: bool = False,
     base_name: str | None = None,
+    lr_schedule: str | None = None,
+    warmup_steps: int | None = None,
+    warmup_ratio: float | None = None,
+    min_lr_rate: float | None = None,
 ) -> Losses:
     """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
 
@@ -137,9 +141,19 @@ def train(
     ``model_name``), which the adapter's ``adapter_config.json`` names (``lora.base_name``).
     ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (one group, every parameter; the
     defaults are ``AdamWConfig``'s but for the rate), printed in the run's header.
+    ``lr_schedule`` (a name of ``lr_schedule.SCHEDULES``), ``warmup_steps`` or ``warmup_ratio``,
+    ``min_lr_rate``: how the rate moves from step to step, ``lr`` its peak, over the ``steps``
+    of the run (``lr_schedule.resolve``; None: left out, so on ``resume`` the checkpoint's).
     """
     if save_every is not None and save_dir is None:
         raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
+    from .lr_schedule import DEFAULT_LR, Flags, resolve
+
+    lr_flags = Flags(lr_schedule, lr, warmup_steps, warmup_ratio, min_lr_rate)
+    if resume is None:  # refused before anything is built; a resume's needs its checkpoint's
+        resolve(lr_flags, steps)
+    else:
+        lr_flags.check()
     from .preflight import output_dir, output_file
 
     output_file(trace_path, "--trace")
@@ -227,6 +241,7 @@ def train(
             data_path=data_path,
             seed=seed,
             lr=lr,
+            lr_flags=lr_flags,
             device=device or rank_device,
             rank=rank,
             world=world,
@@ -250,7 +265,7 @@ def train(
             base_name=base_name,
             previous=previous if rank == 0 else [],
             adamw=AdamWConfig(
-                lr=lr,
+                lr=DEFAULT_LR if lr is None else lr,  # (the schedule sets each step's)
                 weight_decay=weight_decay,
                 betas=tuple(betas),
                 eps=eps,
@@ -322,9 +337,13 @@ def _train(
     base_name=None,
     previous=(),
     adamw: AdamWConfig | None = None,
+    lr_flags=None,
 ) -> Losses:
+    from .lr_schedule import DEFAULT_LR, Flags
+
     check_name(model_name)
-    adamw = adamw or AdamWConfig(lr=lr, max_grad_norm=max_grad_norm)
+    lr_flags = lr_flags or Flags(lr=lr)  # (the schedule's flags; lr alone: a constant rate)
+    adamw = adamw or AdamWConfig(lr=DEFAULT_LR if lr is None else lr, max_grad_norm=max_grad_norm)
     dev = device or default_device()
     prechecks(plan, model_name, device=dev, where=plan_path)
     from .preflight import other_machine
@@ -366,7 +385,10 @@ def _train(
     )
     echo(
         (
-            f"optim    AdamW lr {adamw.lr:g}, betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps "
+            "optim    AdamW"
+            # (a resume without --lr: the checkpoint's peak, in the `lr` line once it is read)
+            + ("" if resume and lr is None else f" lr {adamw.lr:g},")
+            + f" betas ({adamw.betas[0]:g}, {adamw.betas[1]:g}), eps "
             f"{adamw.eps:g}, weight decay {adamw.weight_decay:g} on every parameter"
         )
         + (
@@ -390,6 +412,7 @@ def _train(
             {
                 "--seed (the data order)": seed,
                 "--steps": steps,
+                "the learning-rate flags": repr(lr_flags),
                 "--eval-every": eval_every,
                 "--save-every": save_every,
                 "the corpus's token count": source.tokens.numel(),
@@ -428,6 +451,7 @@ def _train(
             log_every=log_every,
             metrics_path=metrics_path,
             previous=previous,
+            lr_flags=lr_flags,
         )
         if lora is not None and (export_dir or export_merged):
             if losses.interrupted:
@@ -567,7 +591,7 @@ def failed_write(error: BaseException) -> BaseException | None:
     return cause if isinstance(cause, OSError | SafetensorError) else None
 
 
-def rescue(engine, data: dict, failed, echo) -> Path | None:
+def rescue(engine, data: dict, failed, echo, lr_schedule: dict | None = None) -> Path | None:
     """Save the trained state somewhere with room after ``failed`` (a ``CheckpointError`` from a
     write that failed: ``failed_write``): the first of ``rescue_dirs`` with room for it; return
     the checkpoint root written, or None (not a failed write, none had room, or several ranks:
@@ -592,7 +616,7 @@ def rescue(engine, data: dict, failed, echo) -> Path | None:
             continue
         root = d / f"{RESCUE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         try:
-            engine.save(root, data=data, keep=1)
+            engine.save(root, data=data, keep=1, lr_schedule=lr_schedule)
         except CheckpointError:
             shutil.rmtree(root, ignore_errors=True)
             continue
@@ -660,7 +684,14 @@ def _loop(
     log_every=LOG_EVERY,
     metrics_path=None,
     previous=(),
+    lr_flags=None,
 ) -> Losses:
+    """Train from ``engine.steps_done`` (after ``resume``) to ``steps``, the run's total optimizer
+    steps: the learning-rate schedule (``lr_flags``, resolved here, after the checkpoint's
+    settings are known) spans them, so a caller that counts steps from the data passes its
+    total here."""
+    from .lr_schedule import SCHEDULES, Flags, resolve
+
     previous = list(previous)  # (the checkpoint closure's: cleared after the first save)
     # Every rank draws the same global batch and keeps its slice of it.
     data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
@@ -669,8 +700,16 @@ def _loop(
     # position, because the training windows depend on it.
     heldout_split = 0 if heldout is None else source.tokens.numel()
     max_grad_accum = t.grad_accum  # the most micro-batches a step of this run's history drew
-    if resume is not None:
-        m = engine.load(resume)
+    m = engine.load(resume) if resume is not None else None
+    # (a checkpoint written before schedules were saved has none: the flags alone then)
+    schedule = resolve(lr_flags or Flags(), steps, m and m.lr_schedule, where=str(resume))
+    if m is not None:
+        saved_peak = m.lr_schedule.get("peak_lr", schedule.peak_lr)
+        if saved_peak != schedule.peak_lr:
+            echo(
+                f"note: the peak learning rate changes from the checkpoint's {saved_peak:g} to "
+                f"--lr {schedule.peak_lr:g} from step {m.step + 1} on"
+            )
         max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
         drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
@@ -682,9 +721,15 @@ def _loop(
         if engine.steps_done >= steps:
             echo(
                 f"nothing to train: the checkpoint is at step {engine.steps_done} and --steps "
-                f"{steps} counts the total; give --steps {engine.steps_done + steps} to train "
-                f"{steps} more"
+                f"{steps} counts the total; "
+                + (
+                    f"its {schedule.name} schedule ends there (a longer run is a new run)"
+                    if SCHEDULES[schedule.name].decays
+                    else f"give --steps {engine.steps_done + steps} to train {steps} more"
+                )
             )
+    echo(f"lr       {schedule.describe()}")
+    varies = schedule.name != "constant" or schedule.warmup_steps > 0  # (the rate in each line)
     predicted = plan.prediction.peak_memory_bytes
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     losses = Losses()
@@ -716,12 +761,12 @@ def _loop(
             "max_grad_accum": max_grad_accum,
         }
         try:
-            path = engine.save(save_dir, data=data, keep=keep)
+            path = engine.save(save_dir, data=data, keep=keep, lr_schedule=schedule.saved())
         except CheckpointError as e:  # the disk filled up (or went away) during the run
             cause = failed_write(e)
             if cause is None:  # (refused, not failed: a non-finite state)
                 raise
-            saved = rescue(engine, data, e, echo)
+            saved = rescue(engine, data, e, echo, schedule.saved())
             again = "train again (fewer kept checkpoints, --keep 1, need less)"
             raise CheckpointError(
                 e.message
@@ -751,6 +796,7 @@ def _loop(
     try:
         with stop.installed():
             for step in range(first, steps):
+                engine.set_lr(schedule.rate(engine.steps_done + 1))
                 # drawn one at a time as the engine needs them: one micro-batch in memory, not
                 # grad_accum
                 result = engine.step(itertools.islice(data, t.grad_accum))
@@ -774,6 +820,7 @@ def _loop(
                 record = {
                     "step": done,
                     "loss": result.loss,
+                    "lr": engine.lr,  # the rate this step used
                     "tokens_per_s": round(tps, 1),
                     "peak_bytes": result.peak_bytes,
                     "time_s": round(time.perf_counter() - t0, 3),
@@ -784,9 +831,13 @@ def _loop(
                 if metrics is not None:
                     metrics.write(record)
                 status = (
-                    f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak "
-                    f"{human_bytes(result.peak_bytes)}"
-                ) + (f" / predicted {human_bytes(predicted)}" if predicted else "")
+                    (
+                        f"loss {result.loss:.4f}  {tps:,.0f} tok/s  peak "
+                        f"{human_bytes(result.peak_bytes)}"
+                    )
+                    + (f" / predicted {human_bytes(predicted)}" if predicted else "")
+                    + (f"  lr {engine.lr:.3g}" if varies else "")
+                )
                 if bar is not None:
                     bar.advance(status)
                 elif done % log_every == 0 or done == steps or step == first:
