@@ -20,13 +20,18 @@ FROZEN_OPTIONS = {
     "data": [
         "--chat-template",
         "--data",
+        "--epochs",
+        "--eval-split",
         "--help",
         "--hf-config",
         "--json",
         "--limit",
         "--loss-on",
         "--packing",
+        "--plan",
+        "--seed",
         "--seq",
+        "--steps",
         "--text-field",
     ],
     "diff": ["--help", "--json"],
@@ -111,9 +116,13 @@ FROZEN_OPTIONS = {
     "train": [
         "--betas",
         "--blocks",
+        "--chat-template",
         "--data",
+        "--epochs",
         "--eps",
+        "--eval-data",
         "--eval-every",
+        "--eval-split",
         "--export",
         "--export-merged",
         "--help",
@@ -125,6 +134,7 @@ FROZEN_OPTIONS = {
         "--lora-dropout",
         "--lora-r",
         "--lora-targets",
+        "--loss-on",
         "--lr",
         "--lr-schedule",
         "--max-grad-norm",
@@ -133,6 +143,7 @@ FROZEN_OPTIONS = {
         "--model",
         "--nvme",
         "--overwrite",
+        "--packing",
         "--plan",
         "--resume",
         "--save-dir",
@@ -512,7 +523,7 @@ def test_train_help_states_the_held_out_split():
     from protrain.planner.models.data import HELDOUT_BATCHES, HELDOUT_FRACTION
 
     r = CliRunner().invoke(main, ["train", "--help"])
-    text = " ".join(r.output.split())
+    text = " ".join(r.output.split()).replace("- ", "-")  # (click wraps after a hyphen)
     assert (
         f"over {HELDOUT_BATCHES} fixed micro-batches from the last {HELDOUT_FRACTION:.0%} of "
         "the corpus"

@@ -9,7 +9,6 @@ order; ``show_rows`` takes any order, so a plan's training order can be shown th
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,6 +50,45 @@ def _table_choice(module: str, table: str) -> click.Choice:
     return click.Choice(list(getattr(importlib.import_module(module, __package__), table)))
 
 
+def row_options(defaults: bool):
+    """--packing, --loss-on and --chat-template, for ``data`` and ``train`` alike. ``defaults``:
+    fill in bfd and auto (``data``); else None when not given (``train``: a flag given means
+    fine-tuning rows; left out, the data decides)."""
+
+    def decorate(f):
+        for option in reversed(
+            [
+                click.option(
+                    "--packing",
+                    type=_table_choice("..models.packing", "PACKING"),
+                    default="bfd" if defaults else None,
+                    help=_packing_help() + " [default: bfd]",
+                ),
+                click.option(
+                    "--loss-on",
+                    "loss_on",
+                    type=_table_choice("..models.sft_tokens", "LOSS_ON"),
+                    default="auto" if defaults else None,
+                    help=_loss_on_help() + " [default: auto]",
+                ),
+                click.option(
+                    "--chat-template",
+                    "chat_template",
+                    metavar="FILE",
+                    type=click.Path(exists=True, dir_okay=False),
+                    default=None,
+                    help="Jinja chat template [default: the tokenizer's chat_template.jinja or "
+                    "tokenizer_config.json's chat_template]. Needs {% generation %} markers for "
+                    "--loss-on assistant; written into exports as chat_template.jinja.",
+                ),
+            ]
+        ):
+            f = option(f)
+        return f
+
+    return decorate
+
+
 @click.command()
 @click.option(
     "--hf-config",
@@ -67,31 +105,14 @@ def _table_choice(module: str, table: str) -> click.Choice:
     metavar="FILE",
     help=_formats_help(),
 )
-@click.option("--seq", "seq_len", type=click.IntRange(min=2), required=True, help="Row length.")
 @click.option(
-    "--packing",
-    type=_table_choice("..models.packing", "PACKING"),
-    default="bfd",
-    show_default=True,
-    help=_packing_help(),
-)
-@click.option(
-    "--loss-on",
-    "loss_on",
-    type=_table_choice("..models.sft_tokens", "LOSS_ON"),
-    default="auto",
-    show_default=True,
-    help=_loss_on_help(),
-)
-@click.option(
-    "--chat-template",
-    "chat_template",
-    metavar="FILE",
+    "--seq",
+    "seq_len",
+    type=click.IntRange(min=2),
     default=None,
-    help="Jinja chat template [default: the tokenizer's chat_template.jinja or "
-    "tokenizer_config.json's chat_template]. Needs {% generation %} markers for --loss-on "
-    "assistant.",
+    help="Row length [required without --plan; with it, the plan's].",
 )
+@row_options(defaults=True)
 @click.option(
     "--text-field",
     default="text",
@@ -105,6 +126,31 @@ def _table_choice(module: str, table: str) -> click.Choice:
     default=None,
     help="Show the first K rows only [default: all].",
 )
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Show the rows in the order `protrain train --plan` consumes them (its micro-batch, "
+    "gradient accumulation and ranks), each tagged with its step, micro-batch and rank; a "
+    "row that fills an epoch's last step is shown empty.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="With --plan: train's --seed.")
+@click.option(
+    "--steps",
+    type=click.IntRange(1),
+    default=None,
+    help="With --plan: train's --steps [default: one epoch].",
+)
+@click.option(
+    "--epochs", type=click.IntRange(1), default=None, help="With --plan: train's --epochs."
+)
+@click.option(
+    "--eval-split",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=None,
+    help="With --plan: train's --eval-split (the held-out rows are not shown).",
+)
 def data(
     hf_config,
     data_paths,
@@ -115,9 +161,35 @@ def data(
     text_field,
     as_json,
     limit,
+    plan_path,
+    seed,
+    steps,
+    epochs,
+    eval_split,
 ):
-    """Show the rows fine-tuning reads: templated, masked and packed, in file order."""
+    """Show the rows fine-tuning reads: templated, masked and packed, in file order (or, with
+    --plan, in the order training consumes them)."""
+    from protrain.plans.errors import ConfigError
+
     from ..models.sft import load_sft
+
+    plan = None
+    if plan_path is not None:
+        from protrain import plans
+
+        plan = plans.load(plan_path)
+        if seq_len not in (None, plan.training.seq_len):
+            raise ConfigError(
+                f"--seq {seq_len}, but {plan_path} was made for seq_len {plan.training.seq_len}",
+                "drop --seq: the plan's is used",
+            )
+        seq_len = plan.training.seq_len
+    elif seq_len is None:
+        raise click.UsageError("give --seq N (the row length), or --plan PLAN")
+    elif steps is not None or epochs is not None or eval_split is not None:
+        raise click.UsageError("--steps, --epochs and --eval-split order rows as a plan trains")
+    if steps is not None and epochs is not None:
+        raise click.UsageError("give --steps or --epochs, not both")
 
     tokenizer_dir = Path(hf_config)
     if tokenizer_dir.is_file():
@@ -133,7 +205,11 @@ def data(
             packing=packing,
             progress=bar.update,
         )
-    order = range(rows.n_rows)
+    order = (
+        range(rows.n_rows)
+        if plan is None
+        else training_order(rows, plan.training, seed, steps, epochs, eval_split)
+    )
     if not as_json:
         from ..models.data import _transformers_tokenizer
 
@@ -169,22 +245,45 @@ def _lengths(rows):
     return np.concatenate([c.lengths for c in rows.caches])
 
 
-def show_rows(rows, order: Iterable[int], limit: int | None, decode) -> None:
-    """Print rows ``order`` (the seam for a training order): JSON objects when ``decode`` is
-    None, else the readable view."""
-    for n, i in enumerate(order):
+def training_order(rows, t, seed: int, steps, epochs, eval_split):
+    """(row, {"step", "micro_batch", "rank"}) in the order ``protrain train`` under a plan of
+    training shape ``t`` consumes them (``sft_feed``; one epoch unless told), every rank's."""
+    from ..models.epochs import RowOrder, heldout_split
+
+    train = (
+        range(rows.n_rows)
+        if eval_split is None
+        else heldout_split(rows.n_rows, eval_split, seed)[0].tolist()
+    )
+    order = RowOrder(len(train), seed, t.micro_batch, t.grad_accum, t.world_size)
+    if steps is None:
+        steps = (epochs or 1) * order.steps_per_epoch
+    for step in range(steps):
+        for m in range(t.grad_accum):
+            glob = order.global_rows_at(step * t.grad_accum + m)
+            for slot, i in enumerate(glob.tolist()):
+                tags = {"step": step + 1, "micro_batch": m, "rank": slot // t.micro_batch}
+                yield (i if i < 0 else train[i]), tags
+
+
+def show_rows(rows, order: Iterable, limit: int | None, decode) -> None:
+    """Print rows ``order`` (row indices, or (index, tags) pairs of a training order; index -1:
+    a row of padding only): JSON objects when ``decode`` is None, else the readable view."""
+    for n, item in enumerate(order):
         if limit is not None and n >= limit:
             break
-        ids, labels, pos = rows.row(i)
+        i, tags = item if isinstance(item, tuple) else (item, {})
         if decode is None:
-            obj = {
-                "input_ids": ids.tolist(),
-                "labels": labels.tolist(),
-                "position_ids": pos.tolist(),
-            }
-            click.echo(json.dumps(obj, separators=(",", ":")))
+            from .sft_feed import rows_json
+
+            click.echo(rows_json(rows, i, **tags))
             continue
-        _show_row(i, ids, labels, pos, rows.supervised(i), decode)
+        where = "".join(f", {k.replace('_', '-')} {v}" for k, v in tags.items())
+        if i < 0:
+            click.echo(f"── padding only{where}")
+            continue
+        ids, labels, pos = rows.row(i)
+        _show_row(f"{i}{where}", ids, labels, pos, rows.supervised(i), decode)
 
 
 def _show_row(i, ids, labels, pos, supervised, decode) -> None:

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from .cli_data import row_options
 from .floats import FiniteFloatRange
 from .lora_options import click_options as lora_options
 from .lora_options import spec_from as lora_spec
@@ -62,7 +63,34 @@ from .options import (
     "[default: the --hf-config directory's tokenizer if it has one, else bytes].",
 )
 @click.option(
-    "--steps", type=click.IntRange(1), default=100, show_default=True, help="Optimizer steps."
+    "--steps",
+    type=click.IntRange(1),
+    default=None,
+    help="Optimizer steps in all [default: 100, or --epochs].",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(1),
+    default=None,
+    metavar="N",
+    help="Fine-tuning rows: N passes over them (instead of --steps), each in its own seeded "
+    "shuffle, each rank its own rows; the last step of an epoch takes what is left.",
+)
+@row_options(defaults=False)
+@click.option(
+    "--eval-split",
+    type=FiniteFloatRange(min=0, max=1, min_open=True, max_open=True),
+    default=None,
+    metavar="R",
+    help="Fine-tuning rows: hold out this share of --data's rows (chosen by --seed) for "
+    "--eval-every; they never train.",
+)
+@click.option(
+    "--eval-data",
+    type=click.Path(exists=True),
+    default=None,
+    metavar="FILE",
+    help="Fine-tuning rows: the held-out rows for --eval-every, from another file.",
 )
 @click.option(
     "--lr",
@@ -258,6 +286,12 @@ def train(
     text_field,
     tokenizer,
     steps,
+    epochs,
+    packing,
+    loss_on,
+    chat_template,
+    eval_split,
+    eval_data,
     lr,
     lr_schedule,
     warmup_steps,
@@ -288,6 +322,7 @@ def train(
     Ctrl-C stops after the current step (checkpointing first with --save-dir) and
     exits 130; a second Ctrl-C stops at once and the last complete checkpoint stays intact.
     """
+    from .sft_feed import SFTFlags
     from .train import train as run
 
     # The base as typed, before model_option makes it absolute: what a LoRA adapter's
@@ -328,6 +363,7 @@ def train(
         lora=lora_spec(**lora),
         export_merged=export_merged,
         base_name=given,
+        sft=SFTFlags(packing, loss_on, chat_template, epochs, eval_split, eval_data),
     )
     code = EXIT_INTERRUPTED if getattr(losses, "interrupted", False) else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

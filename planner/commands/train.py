@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protrain import plans
@@ -34,11 +35,15 @@ from protrain.plans.errors import ConfigError
 
 from ..hardware.units import human_bytes
 from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
+from ..models.epochs import RowOrder
 from ..models.zoo import build, check_name, is_hf_name
+from . import sft_feed
 from .progress import Metrics, ProgressBar
 from .stopping import StopFlag
 
 LOG_EVERY = 10
+DEFAULT_STEPS = 100
+"""Optimizer steps of a run given neither ``steps`` nor epochs (the CLI's ``--steps`` default)."""
 """Steps between plain log lines when stdout is not a terminal and no --log-every is given."""
 
 
@@ -78,7 +83,7 @@ def train(
     plan_path: str,
     model_name: str,
     *,
-    steps: int,
+    steps: int | None = None,
     data_path: str | None = None,
     seed: int = 0,
     lr: float | None = None,
@@ -110,8 +115,14 @@ def train(
     warmup_steps: int | None = None,
     warmup_ratio: float | None = None,
     min_lr_rate: float | None = None,
+    sft: sft_feed.SFTFlags | None = None,
 ) -> Losses:
-    """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done).
+    """Train ``steps`` optimizer steps in all (a resumed run counts the steps already done;
+    default ``DEFAULT_STEPS``), or ``sft.epochs`` passes over fine-tuning rows.
+
+    ``sft``: the fine-tuning flags (packing, loss mask, chat template, epochs, held-out rows;
+    ``sft_feed.SFTFlags``). Chat and instruction data, or any data with one of those flags,
+    trains as packed rows (``sft_feed.wants_rows``), raw text as a stream of random windows.
 
     ``eval_every`` K: hold the corpus's tail out of training and print its loss every
     K steps. ``max_grad_norm``: clip gradients to this global norm (the plan must have
@@ -147,11 +158,16 @@ def train(
     """
     if save_every is not None and save_dir is None:
         raise ConfigError("--save-every needs a directory to save to", "add --save-dir DIR")
+    sft = sft or sft_feed.SFTFlags()
+    sft_feed.check_flags(sft, steps_given=steps is not None, eval_every=eval_every)
+    if steps is None and sft.epochs is None:
+        steps = DEFAULT_STEPS
     from .lr_schedule import DEFAULT_LR, Flags, resolve
 
     lr_flags = Flags(lr_schedule, lr, warmup_steps, warmup_ratio, min_lr_rate)
     if resume is None:  # refused before anything is built; a resume's needs its checkpoint's
-        resolve(lr_flags, steps)
+        if steps is not None:  # (epochs: the total is known once the rows are)
+            resolve(lr_flags, steps)
     else:
         lr_flags.check()
     from .preflight import output_dir, output_file
@@ -214,7 +230,7 @@ def train(
         plan,
         save_dir=save_dir,
         keep=keep,
-        saves=1 + (steps // save_every if save_every else 0),
+        saves=1 + (steps // save_every if save_every and steps else 0) + (keep if not steps else 0),
         export_dir=export_dir,
         export_merged=export_merged,
         keeper=export_keeper(export_dir)
@@ -263,6 +279,7 @@ def train(
             lora=lora,
             export_merged=export_merged,
             base_name=base_name,
+            sft=sft,
             previous=previous if rank == 0 else [],
             adamw=AdamWConfig(
                 lr=DEFAULT_LR if lr is None else lr,  # (the schedule sets each step's)
@@ -335,6 +352,7 @@ def _train(
     lora=None,
     export_merged=None,
     base_name=None,
+    sft=None,
     previous=(),
     adamw: AdamWConfig | None = None,
     lr_flags=None,
@@ -352,14 +370,21 @@ def _train(
     if note is not None:
         echo(note)
     tok_dir = _tokenizer_dir(model_name, tokenizer)
-    source = load_tokens(
-        data_path, tokenizer=tok_dir, text_field=text_field
-    )  # a bad file fails before the build
-    echo(
-        f"data     {source.name}: {source.tokens.numel():,} tokens, "
-        + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level")
-    )
-    if tok_dir is None and tokenizer is None and is_hf_name(model_name):
+    sft = sft or sft_feed.SFTFlags()
+    rows = None  # fine-tuning rows (sft_feed's module docstring), else a token stream
+    if sft_feed.wants_rows(data_path, sft):
+        rows, heldout_rows = _load_rows(
+            data_path, sft, tok_dir, text_field, plan.training.seq_len, echo
+        )
+    else:
+        source = load_tokens(
+            data_path, tokenizer=tok_dir, text_field=text_field
+        )  # a bad file fails before the build
+        echo(
+            f"data     {source.name}: {source.tokens.numel():,} tokens, "
+            + (f"tokenizer {tok_dir} (vocab {source.vocab_size})" if tok_dir else "byte-level")
+        )
+    if rows is None and tok_dir is None and tokenizer is None and is_hf_name(model_name):
         echo(
             f"note: {_model_dir(model_name)} holds no tokenizer (tokenizer.json or "
             "tokenizer_config.json), so this run trains byte-level: each byte of the UTF-8 text "
@@ -398,12 +423,38 @@ def _train(
         )
     )
     check(plan, model, where=plan_path, name=model_name)
-    vocab_check(source, output_vocab(model))
     t = plan.training
     heldout = None
-    if eval_every is not None:
-        source, tail = split_heldout(source, t.seq_len)
-        heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
+    if rows is not None:
+        _rows_vocab(rows, output_vocab(model), tok_dir)
+        train_rows, split_rows = sft_feed.split(rows, sft, seed)
+        order = RowOrder(train_rows.size, seed, t.micro_batch, t.grad_accum, world, rank)
+        source = sft_feed.RowFeed(rows, train_rows, order, t.seq_len)
+        n_sup, share = sft_feed.summary(rows, train_rows, t.seq_len)
+        if sft.epochs is not None:
+            steps = sft.epochs * order.steps_per_epoch
+        echo(
+            f"rows     {train_rows.size:,} train ({order.steps_per_epoch:,} steps an epoch of "
+            f"{order.rows_per_draw * t.grad_accum} rows); {n_sup:,} supervised targets, "
+            f"{share:.1%} of their positions"
+            + (f"; {sft.epochs} epochs = {steps:,} steps" if sft.epochs is not None else "")
+        )
+        if eval_every is not None:
+            held_from, held = (rows, split_rows) if heldout_rows is None else (heldout_rows, None)
+            held = np.arange(held_from.n_rows) if held is None else held
+            heldout = sft_feed.heldout_batches(
+                held_from, held, t.micro_batch, t.seq_len, world, rank
+            )
+            if not heldout:
+                raise ConfigError(
+                    "the held-out rows hold no supervised target", "hold out other data"
+                )
+            echo(f"held out {held.size:,} rows for --eval-every {eval_every}")
+    else:
+        vocab_check(source, output_vocab(model))
+        if eval_every is not None:
+            source, tail = split_heldout(source, t.seq_len)
+            heldout = heldout_batches(tail, t.micro_batch, t.seq_len, rank=rank, world_size=world)
     engine = wrap(model, plan, adamw, device=dev, nvme_dir=nvme_dir)
     try:
         # wrap checked the plans agree; the data order and the loop's collectives depend on these
@@ -415,7 +466,9 @@ def _train(
                 "the learning-rate flags": repr(lr_flags),
                 "--eval-every": eval_every,
                 "--save-every": save_every,
-                "the corpus's token count": source.tokens.numel(),
+                "the corpus's token count": source.rows.fingerprint
+                if rows is not None
+                else source.tokens.numel(),
                 # every rank writes into these (its RNG file, its part of a save): one place for all
                 **{
                     flag: None if path is None else os.path.abspath(path)
@@ -468,15 +521,75 @@ def _train(
                     rank,
                     echo,
                     base_name=base_name,
+                    chat_template=sft.chat_template,
                 )
         elif export_dir is not None:
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
             else:
-                _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo)
+                _export(
+                    engine,
+                    model,
+                    model_name,
+                    export_dir,
+                    save_dir,
+                    tok_dir,
+                    rank,
+                    echo,
+                    chat_template=sft.chat_template,
+                )
         return losses
     finally:
         engine.close()
+
+
+def _load_rows(data_path, sft, tok_dir, text_field, seq_len, echo):
+    """(training rows of --data, held-out rows of --eval-data or None), loaded (and tokenised
+    once into the cache) before the model is built, so a bad record fails first."""
+    from ..models.sft import load_sft
+
+    if data_path is None or tok_dir is None:
+        raise ConfigError(
+            "fine-tuning rows ("
+            + (", ".join(sft.given()) or "chat or instruction data")
+            + ") need "
+            + ("--data FILE" if data_path is None else "a tokenizer with its chat template"),
+            "pass --data FILE and a model directory holding its tokenizer (--hf-config DIR), "
+            "or --tokenizer DIR",
+        )
+
+    from .cli_data import _Bar
+
+    def load(path):
+        with _Bar() as bar:  # (shown only on a terminal)
+            return load_sft(
+                [path],
+                tokenizer_dir=tok_dir,
+                seq_len=seq_len,
+                chat_template=sft.chat_template,
+                text_field=text_field,
+                loss_on=sft.loss_on or "auto",
+                packing=sft.packing or "bfd",
+                progress=bar.update,
+            )
+
+    rows = load(data_path)
+    echo(
+        f"data     {rows.name}: {rows.n_examples:,} examples in {rows.n_rows:,} rows of "
+        f"{seq_len} (packing {sft.packing or 'bfd'}, loss on {sft.loss_on or 'auto'}), "
+        f"tokenizer {tok_dir} (vocab {rows.vocab_size})"
+    )
+    heldout = None if sft.eval_data is None else load(sft.eval_data)
+    return rows, heldout
+
+
+def _rows_vocab(rows, vocab: int, tok_dir: str) -> None:
+    if rows.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer {tok_dir} has {rows.vocab_size:,} ids, more than the model's "
+            f"{vocab:,} output rows",
+            "train with the model's own tokenizer (--tokenizer DIR or its --hf-config directory)",
+        )
 
 
 def output_vocab(model) -> int:
@@ -517,7 +630,9 @@ def export_keeper(export_dir: str) -> Path:
     return out.with_name(f"{out.name}.checkpoint")
 
 
-def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo) -> None:
+def _export(
+    engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo, chat_template=None
+) -> None:
     """Export the trained model; the state stays in a checkpoint until the export succeeded
     (the run's last one, or one written for it), and a failed export names it."""
     from protrain.plans.errors import CheckpointError, ProtrainError
@@ -548,7 +663,14 @@ def _export(engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo
     if rank != 0:
         return
     try:
-        export(model, state, export_dir, config_path=config, tokenizer_dir=tok_dir)
+        export(
+            model,
+            state,
+            export_dir,
+            config_path=config,
+            tokenizer_dir=tok_dir,
+            chat_template=chat_template,
+        )
     except ProtrainError as e:
         raise type(e)(
             f"{e.message}; the trained model is safe in the checkpoint {kept}",
@@ -626,7 +748,17 @@ def rescue(engine, data: dict, failed, echo, lr_schedule: dict | None = None) ->
 
 
 def _export_lora(
-    engine, model, model_name, lora, export_dir, export_merged, tok_dir, rank, echo, base_name=None
+    engine,
+    model,
+    model_name,
+    lora,
+    export_dir,
+    export_merged,
+    tok_dir,
+    rank,
+    echo,
+    base_name=None,
+    chat_template=None,
 ) -> None:
     """``--export`` of a LoRA run: the adapter in peft's format, naming its base ``base_name``
     (as the user gave it: ``lora.base_name``); ``--export-merged``: the base with it merged in,
@@ -638,7 +770,15 @@ def _export_lora(
         return
     base = L.base_name(base_name or model_name) if is_hf_name(model_name) else ""
     if export_dir is not None:
-        L.export_adapter(model, state, lora, export_dir, base_name=base, tokenizer_dir=tok_dir)
+        L.export_adapter(
+            model,
+            state,
+            lora,
+            export_dir,
+            base_name=base,
+            tokenizer_dir=tok_dir,
+            chat_template=chat_template,
+        )
         echo(f"exported {export_dir} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)")
     if export_merged is not None:
         from ..models.hf import export, parse_hf_name
@@ -650,6 +790,7 @@ def _export_lora(
             export_merged,
             config_path=config,
             tokenizer_dir=tok_dir,
+            chat_template=chat_template,
         )
         echo(
             f"exported {export_merged} (the adapter merged in; "
@@ -658,7 +799,10 @@ def _export_lora(
 
 
 def heldout_loss(engine, heldout: list) -> float:
-    """Mean of ``engine.evaluate`` over the held-out micro-batches (every rank must call it)."""
+    """Mean of ``engine.evaluate`` over the held-out micro-batches (every rank must call it);
+    for fine-tuning rows, the held-out rows' loss over their supervised targets."""
+    if heldout and isinstance(heldout[0][1], int):  # (micro-batch, count): sft_feed's
+        return sft_feed.heldout_loss(engine, heldout)
     return sum(engine.evaluate(b) for b in heldout) / len(heldout)
 
 
@@ -693,12 +837,14 @@ def _loop(
     from .lr_schedule import SCHEDULES, Flags, resolve
 
     previous = list(previous)  # (the checkpoint closure's: cleared after the first save)
+    feed = source if isinstance(source, sft_feed.RowFeed) else None  # fine-tuning rows
     # Every rank draws the same global batch and keeps its slice of it.
-    data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
+    if feed is None:
+        data = batches(source, t.micro_batch, t.seq_len, seed, rank=rank, world_size=world)
     drawn = 0  # micro-batch draws of the data stream so far (each draws the global micro-batch)
     # Where the held-out tail starts (tokens; 0: nothing held out): saved with the data
-    # position, because the training windows depend on it.
-    heldout_split = 0 if heldout is None else source.tokens.numel()
+    # position, because the training windows depend on it. (Rows: their fingerprint instead.)
+    heldout_split = 0 if heldout is None or feed is not None else source.tokens.numel()
     max_grad_accum = t.grad_accum  # the most micro-batches a step of this run's history drew
     m = engine.load(resume) if resume is not None else None
     # (a checkpoint written before schedules were saved has none: the flags alone then)
@@ -711,7 +857,10 @@ def _loop(
                 f"--lr {schedule.peak_lr:g} from step {m.step + 1} on"
             )
         max_grad_accum = max(t.grad_accum, m.data.get("max_grad_accum", t.grad_accum))
-        drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
+        if feed is None:
+            drawn = _skip_to(data, m.data, t, world, echo, steps_done=m.step, where=resume)
+        else:
+            drawn = _rows_position(m.data, feed, t, world, steps_done=m.step, where=resume)
         if m.data.get("heldout_split", 0) != heldout_split:
             echo(
                 "note: the checkpoint was trained with another held-out split (--eval-every on one "
@@ -758,6 +907,7 @@ def _loop(
             "draws": drawn,
             "global_micro_batch": t.micro_batch * world,
             "heldout_split": heldout_split,
+            **({} if feed is None else {"rows": _rows_id(feed.rows)}),
             "max_grad_accum": max_grad_accum,
         }
         try:
@@ -799,7 +949,11 @@ def _loop(
                 engine.set_lr(schedule.rate(engine.steps_done + 1))
                 # drawn one at a time as the engine needs them: one micro-batch in memory, not
                 # grad_accum
-                result = engine.step(itertools.islice(data, t.grad_accum))
+                if feed is None:
+                    result = engine.step(itertools.islice(data, t.grad_accum))
+                else:  # the step's supervised targets on this rank, counted from the rows
+                    micro_batches, num_items = feed.step(drawn)
+                    result = engine.step(micro_batches, num_items=num_items)
                 drawn += t.grad_accum
                 losses.append(result.loss)
                 stopping = _agree(stop.requested, engine)  # every rank stops after the same step
@@ -825,6 +979,12 @@ def _loop(
                     "peak_bytes": result.peak_bytes,
                     "time_s": round(time.perf_counter() - t0, 3),
                 }
+                if feed is not None:  # what trains: the targets the loss counts
+                    n = feed.global_supervised(drawn - t.grad_accum)
+                    record["supervised_tokens"] = n
+                    record["supervised_tokens_per_s"] = round(
+                        n / max(result.timings_s["total"], 1e-9), 1
+                    )
                 if eval_every is not None and done % eval_every == 0:
                     record["heldout_loss"] = heldout_loss(engine, heldout)
                     echo(f"step {done:5d}  held-out loss {record['heldout_loss']:.4f}")
@@ -902,6 +1062,41 @@ def _skip_to(
     for _ in range(draws):
         next(data)
     return draws
+
+
+def _rows_position(position: dict, feed, t, world: int, *, steps_done: int, where) -> int:
+    """The checkpoint's draws, where the rows' order resumes ([Note: epochs]); refused when the
+    checkpoint trained other rows or another global micro-batch (its order would not go on)."""
+    draws = position.get("draws", 0)
+    _check_position(
+        draws,
+        position.get("global_micro_batch", 1),
+        steps_done * position.get("max_grad_accum", t.grad_accum),
+        where,
+    )
+    saved = position.get("rows")
+    if saved != _rows_id(feed.rows):
+        raise ConfigError(
+            f"{where} was trained on "
+            + ("raw text" if saved is None else f"other rows (fingerprint {saved:015x}…)")
+            + f", not on these ({feed.rows.fingerprint}): its epoch order does not go on here",
+            "resume with the run's own --data, --seq plan, --packing, --loss-on, --chat-template "
+            "and --eval-split (or start a new run from its weights)",
+        )
+    if position.get("global_micro_batch", t.micro_batch * world) != t.micro_batch * world:
+        raise ConfigError(
+            f"{where}: the checkpoint drew {position.get('global_micro_batch')} rows a "
+            f"micro-batch, this plan and world draw {t.micro_batch * world}: the epoch order "
+            "would not go on",
+            "resume under a plan with the same micro_batch × ranks",
+        )
+    return draws
+
+
+def _rows_id(rows) -> int:
+    """The rows' fingerprint as a checkpoint's data position holds it (integers only): its
+    first 60 bits."""
+    return int(rows.fingerprint[:15], 16)
 
 
 def _check_position(draws: int, saved_global: int, most: int, where: str) -> None:

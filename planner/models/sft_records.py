@@ -96,6 +96,14 @@ def read(path: str, text_field: str = "text") -> Iterator[Record]:
         raise ConfigError(f"{path}: no records", hint="pass a file with at least one record")
 
 
+def first_object(path: Path):
+    """The first record of a JSON-lines file as decoded (None: no record), unchecked: what
+    ``protrain train`` looks at to tell chat and instruction data from raw text."""
+    for _, obj, _ in _jsonl(Path(path)):
+        return obj
+    return None
+
+
 def classify(obj, where: str, text_field: str = "text") -> Format:
     """The format of one record; refuses a record that is none of ``FORMATS`` or is malformed."""
     if not isinstance(obj, dict):

@@ -1,0 +1,198 @@
+"""What ``protrain train`` feeds the engine from fine-tuning rows: the rows of each step, their
+micro-batches, the step's supervised-target count, and the held-out rows.
+
+Two ways to read data, chosen here (``wants_rows``): raw text (a text or token file, or JSON
+lines of ``{"text"}`` records without fine-tuning flags) is one token stream sampled at random
+windows (``data.batches``); instruction and chat data (``messages`` or ``prompt``/``completion``
+records, a ``.json``/``.parquet``/``save_to_disk`` source, or any data with one of the
+fine-tuning flags) is read as packed rows (``sft.load_sft``) and consumed in epochs
+(``epochs.RowOrder``: a seeded shuffle per epoch, disjoint rank slices).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protrain.plans.errors import ConfigError
+
+from ..models.epochs import EMPTY, RowOrder, heldout_split
+
+ROW_KEYS = ("messages", "prompt", "completion")
+"""Fields whose presence in a JSON-lines record means fine-tuning rows, not raw text."""
+
+
+@dataclass(frozen=True)
+class SFTFlags:
+    """The fine-tuning flags of ``protrain train`` (None: not given)."""
+
+    packing: str | None = None  # --packing (default bfd)
+    loss_on: str | None = None  # --loss-on (default auto)
+    chat_template: str | None = None  # --chat-template FILE
+    epochs: int | None = None  # --epochs N
+    eval_split: float | None = None  # --eval-split R
+    eval_data: str | None = None  # --eval-data FILE
+
+    def given(self) -> list[str]:
+        names = {
+            "packing": "--packing",
+            "loss_on": "--loss-on",
+            "chat_template": "--chat-template",
+            "epochs": "--epochs",
+            "eval_split": "--eval-split",
+            "eval_data": "--eval-data",
+        }
+        return [flag for field, flag in names.items() if getattr(self, field) is not None]
+
+
+def wants_rows(data_path: str | None, flags: SFTFlags) -> bool:
+    """Whether the run reads packed rows (module docstring) rather than a token stream."""
+    if flags.given():
+        return True
+    if data_path is None:
+        return False
+    path = Path(data_path)
+    if path.is_dir() or path.suffix.lower() in (".json", ".parquet"):
+        return True
+    if path.suffix.lower() not in (".jsonl", ".ndjson") or not path.is_file():
+        return False
+    from ..models.sft_records import first_object
+
+    try:
+        obj = first_object(path)
+    except ConfigError:  # not JSON: the raw-text reader names what is wrong with it
+        return False
+    return isinstance(obj, dict) and any(k in obj for k in ROW_KEYS)
+
+
+def check_flags(flags: SFTFlags, *, steps_given: bool, eval_every: int | None) -> None:
+    """Refuse flag combinations that cannot mean anything, before anything is built."""
+    if flags.epochs is not None and steps_given:
+        raise ConfigError(
+            "--epochs and --steps both give the run's length",
+            "pass one: --epochs N (passes over the rows) or --steps N (optimizer steps)",
+        )
+    if flags.eval_split is not None and flags.eval_data is not None:
+        raise ConfigError(
+            "--eval-split and --eval-data both name the held-out rows",
+            "pass one: --eval-split R (a share of --data) or --eval-data FILE",
+        )
+    if (flags.eval_split is not None or flags.eval_data is not None) and eval_every is None:
+        raise ConfigError(
+            "--eval-split/--eval-data name held-out rows, but nothing evaluates them",
+            "add --eval-every K (steps between evaluations)",
+        )
+
+
+class RowFeed:
+    """The training rows of a run and the order it consumes them in ([Note: epochs] in
+    models/epochs.py); ``step(d)`` gives the micro-batches of the step starting at draw ``d``.
+    """
+
+    def __init__(self, rows, train: np.ndarray, order: RowOrder, seq_len: int):
+        self.rows = rows  # sft.SFTRows: every row of --data
+        self.train = train  # (n_train,) int64: the rows that train (all but the held-out)
+        self.order = order  # over 0..n_train-1
+        self.seq_len = seq_len
+
+    def rows_of_draw(self, draw: int) -> np.ndarray:
+        """(micro_batch,) int64: this rank's rows of draw ``draw`` (EMPTY: padding only)."""
+        local = self.order.rows_at(draw)
+        return np.where(local == EMPTY, EMPTY, self.train[np.maximum(local, 0)])
+
+    def step(self, first_draw: int) -> tuple[Iterator[tuple], int]:
+        """The step's micro-batches (drawn one at a time, as the engine runs them) and this
+        rank's supervised-target count (the engine's ``num_items``)."""
+        k = self.order.grad_accum
+        draws = [self.rows_of_draw(d) for d in range(first_draw, first_draw + k)]
+        n = sum(supervised(self.rows, r) for d in draws for r in d)
+        return (micro_batch(self.rows, d, self.seq_len) for d in draws), n
+
+    def global_supervised(self, first_draw: int) -> int:
+        """The step's supervised targets over every rank (the loss's denominator N)."""
+        glob = [
+            self.order.global_rows_at(d)
+            for d in range(first_draw, first_draw + self.order.grad_accum)
+        ]
+        return sum(
+            supervised(self.rows, EMPTY if i == EMPTY else self.train[i]) for g in glob for i in g
+        )
+
+
+def supervised(rows, i: int) -> int:
+    return 0 if i == EMPTY else rows.supervised(int(i))
+
+
+def micro_batch(rows, indices, seq_len: int):
+    """``sft.micro_batch`` with EMPTY rows as padding only (idx pad, targets -100, position ids
+    0.. : an example of its own that nothing attends to)."""
+    import torch
+
+    from ..models.sft import micro_batch as rows_batch
+
+    real = [int(i) for i in indices if i != EMPTY]
+    idx, targets, pos = rows_batch(rows, real, seq_len) if real else (None, None, None)
+    b = len(indices)
+    out_idx = torch.full((b, seq_len), rows.pad_id, dtype=torch.int64)  # (B, T)
+    out_targets = torch.full((b, seq_len), -100, dtype=torch.int64)  # (B, T)
+    out_pos = torch.arange(seq_len, dtype=torch.int64).repeat(b, 1)  # (B, T)
+    j = 0
+    for slot, i in enumerate(indices):
+        if i == EMPTY:
+            continue
+        out_idx[slot], out_targets[slot], out_pos[slot] = idx[j], targets[j], pos[j]
+        j += 1
+    return out_idx, out_targets, out_pos
+
+
+def heldout_batches(rows, indices: np.ndarray, micro_batch_size: int, seq_len: int, world, rank):
+    """Every held-out row once, in draws of ``micro_batch × world`` rows (the last filled with
+    EMPTY): a list of ``(this rank's micro-batch, the draw's global supervised count)``."""
+    per_draw = micro_batch_size * world
+    out = []
+    for d in range(math.ceil(len(indices) / per_draw)):
+        glob = np.full(per_draw, EMPTY, dtype=np.int64)
+        take = indices[d * per_draw : (d + 1) * per_draw]
+        glob[: take.size] = take
+        n = sum(supervised(rows, i) for i in glob)
+        if n == 0:
+            continue  # nothing to score (the loss of no target is no information)
+        mine = glob[rank * micro_batch_size : (rank + 1) * micro_batch_size]
+        out.append((micro_batch(rows, mine, seq_len), n))
+    return out
+
+
+def heldout_loss(engine, batches) -> float:
+    """The held-out rows' loss: sum of token losses over their supervised targets (each draw's
+    evaluate is its own token mean over all ranks; weighted by its count)."""
+    total = sum(n for _, n in batches)
+    return sum(engine.evaluate(b) * n for b, n in batches) / total
+
+
+def split(rows, flags: SFTFlags, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(training rows, held-out rows of --data or None)."""
+    if flags.eval_split is None:
+        return np.arange(rows.n_rows, dtype=np.int64), None
+    return heldout_split(rows.n_rows, flags.eval_split, seed)
+
+
+def summary(rows, train: np.ndarray, seq_len: int) -> tuple[int, float]:
+    """(supervised targets of the training rows, their share of the rows' positions)."""
+    n = sum(rows.supervised(int(i)) for i in train)
+    return n, n / max(1, train.size * seq_len)
+
+
+def rows_json(rows, i: int, **extra) -> str:
+    """One row as ``protrain data --json`` prints it (an EMPTY row: empty lists)."""
+    if i == EMPTY:
+        ids = labels = pos = []
+    else:
+        a, b, c = rows.row(int(i))
+        ids, labels, pos = a.tolist(), b.tolist(), c.tolist()
+    obj = {"input_ids": ids, "labels": labels, "position_ids": pos, **extra}
+    return json.dumps(obj, separators=(",", ":"))
