@@ -12,12 +12,19 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from sftdata import CHATML_PLAIN, chats, prompt_completions, texts, tokenizer_dir, write_jsonl
 
 from protrain.planner.models import sft_cache
 from protrain.planner.models.packing import pack
 from protrain.planner.models.sft import IGNORE, load_sft, micro_batch
 from protrain.plans.errors import ConfigError
+from tools.chatdata import (
+    CHATML_PLAIN,
+    chats,
+    prompt_completions,
+    texts,
+    tokenizer_dir,
+    write_jsonl,
+)
 
 pytest.importorskip("transformers")
 

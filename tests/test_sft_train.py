@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from sftdata import chats, prompt_completions, tokenizer_dir, write_jsonl
 
 from protrain.planner.commands.cli import main
+from tools.chatdata import chats, prompt_completions, tokenizer_dir, write_jsonl
 
 transformers = pytest.importorskip("transformers")
 

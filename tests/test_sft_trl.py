@@ -11,9 +11,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from sftdata import chats, prompt_completions, texts, tokenizer_dir, write_jsonl
 
 from protrain.planner.commands.cli import main
+from tools.chatdata import chats, prompt_completions, texts, tokenizer_dir, write_jsonl
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")

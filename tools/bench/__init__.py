@@ -43,6 +43,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "paper-sizes": Benchmark("paper_sizes", "Paper Table 2 sizes"),
     "corpus": Benchmark("corpus", "Corpus size against peak RSS"),
     "tokenize": Benchmark("tokenize", "Tokenising memory through a BPE tokenizer"),
+    "sft": Benchmark("sft", "Supervised tokens per second on chat data, packed against unpacked"),
+    "sft-memory": Benchmark("sft_memory", "Peak RSS of training on a large chat file"),
     "finite": Benchmark("finite", "Finite-state guard: step time with and without it"),
     "moe-cpu": Benchmark(
         "moe_cpu",

@@ -1,6 +1,7 @@
-"""Helpers for the SFT data tests: a tiny trained BPE tokenizer directory with a ChatML template
+"""A tiny chat data set: a trained BPE tokenizer directory with a ChatML template
 (``{% generation %}`` markers around the assistant's answer and its end-of-turn token), and
-small chat, prompt/completion and text data sets written as JSON lines."""
+small chat, prompt/completion and text data sets written as JSON lines. Shared by the SFT tests
+and the ``sft`` benchmark (tools import nothing from tests/)."""
 
 from __future__ import annotations
 
