@@ -197,3 +197,38 @@ def test_resume_on_other_rows_is_refused(chat_run, tmp_path):
         main, [str(a) for a in base + ["--data", other, "--resume", tmp_path / "ck", "--steps", 3]]
     )
     assert r.exit_code != 0 and "trained on other rows" in r.output, r.output
+
+
+@pytest.mark.slow
+@pytest.mark.dist  # two ranks under torchrun (gloo) against one process (~25 s)
+def test_two_ranks_train_disjoint_rows_as_one_process_trains_their_union(chat_run, tmp_path):
+    import shutil
+    import subprocess
+
+    from test_dist import _port
+
+    root, model, data = chat_run
+    two, one = tmp_path / "two.json", tmp_path / "one.json"
+    plan = ["plan", "--hf-config", model, "--hardware", "cpu", "--dtype", "float32"]
+    shape = ["--seq", 128, "--grad-accum", 2, "--budget", "1GiB"]
+    _invoke(*plan, "--world-size", 2, "--batch", 1, *shape, "-o", two)
+    _invoke(*plan, "--world-size", 1, "--batch", 2, *shape, "-o", one)
+    run = ["--hf-config", model, "--data", data, "--loss-on", "assistant", "--epochs", 2,
+           "--lr", LR, "--log-every", 100]  # fmt: skip
+    _invoke("train", "--plan", one, *run, "--metrics", tmp_path / "one.jsonl")
+    out = subprocess.run(
+        [shutil.which("torchrun"), "--nproc-per-node", "2", "--master-port", str(_port()),
+         "--no-python", "protrain", "train", "--plan", str(two), *map(str, run),
+         "--metrics", str(tmp_path / "two.jsonl"), "--timeout", "60"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = _metrics(tmp_path / "one.jsonl"), _metrics(tmp_path / "two.jsonl")
+    assert len(a) == len(b) == 14  # 26 rows, 4 a step (1 × 2 ranks × 2 draws): 7 an epoch, 2 epochs
+    assert [r["supervised_tokens"] for r in a] == [r["supervised_tokens"] for r in b]
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in b]),
+        torch.tensor([r["loss"] for r in a]),
+        rtol=1e-5,
+        atol=0,
+    )
