@@ -49,6 +49,7 @@ from protrain.plans.errors import (
 from protrain.plans.plan import POST, PRE, Plan, canonical
 from protrain.plans.validation import validate
 
+from .access import Access
 from .activations import Activations
 from .check import check
 from .checkpoint import base_fingerprint, load, resolve, save
@@ -228,7 +229,7 @@ class Engine:
         self.comm.runner = self.copies.collective  # see tools/emulation.py
         # The listeners of on_event, shared by every part of the engine (events.py).
         self.events = self.comm.events = self.copies.events
-        self.store = self.optim = self.acts = self.replayer = None
+        self.store = self.optim = self.acts = self.replayer = self.access = None
         try:
             self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
@@ -241,6 +242,9 @@ class Engine:
             self.replayer = Replayer(model, plan, self.acts, self._offload)
             self.acts.install()
             self.replayer.install(model)
+            # The model's own calls between steps: access.py [Note: the model between steps].
+            self.access = Access(self, model)
+            self.access.install()
         except BaseException:
             self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
             raise
@@ -897,7 +901,11 @@ class Engine:
         """Undo what wrap did, as far as it got (also after a failed wrap)."""
         if self.optim is not None:
             self.optim.shutdown()
-        for part in (self.replayer, self.acts):  # (None: the failed wrap did not get to it)
+        for part in (
+            self.access,
+            self.replayer,
+            self.acts,
+        ):  # (None: the failed wrap did not get to it)
             if part is not None:
                 part.uninstall()
         if self.store is not None:

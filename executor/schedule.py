@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from protrain.plans import accounting
-from protrain.plans.errors import ConfigError, ProtrainError
+from protrain.plans.errors import ConfigError
 from protrain.plans.plan import POST, PRE, Plan, Step
 from protrain.plans.validation import segment_chunks
 
@@ -75,7 +75,8 @@ class Phase(enum.Enum):
     """What the engine is doing; hooks act only in the phase they belong to."""
 
     IDLE = "idle"
-    """Between steps: the model's forward is refused (offloaded chunks hold no device memory)."""
+    """Between steps: offloaded chunks hold no device memory (access.py [Note: the model between
+    steps] says what a call of the model does then)."""
     FORWARD = "forward"
     """Inside the model's forward: block hooks replay forward steps."""
     EVALUATE = "evaluate"
@@ -200,7 +201,6 @@ class Replayer:
         )
 
     def install(self, model: nn.Module) -> None:
-        self.handles.append(model.register_forward_pre_hook(self._guard))
         modules = dict(model.named_modules())
         for i, name in enumerate(self.blocks):
             m = modules[name]
@@ -309,16 +309,6 @@ class Replayer:
             self._drain()
 
     # -- hooks
-
-    def _guard(self, module, args) -> None:
-        if self.phase is Phase.IDLE:
-            raise ProtrainError(
-                "the model was called outside Engine.step/evaluate; after wrap its offloaded "
-                "chunks hold no device memory between steps, so a plain forward would read "
-                "released storage",
-                "use `engine.evaluate((idx, targets))` for a held-out loss, or "
-                "`engine.state_dict()` for the weights",
-            )
 
     def _turn(self, phase: Phase, ended: str | None, begun: str | None) -> None:
         """End segment ``ended``, then begin ``begun`` (None: no such segment at this boundary).

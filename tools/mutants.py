@@ -40,6 +40,7 @@ class Mutant:
 
 R = "tests/test_races.py"
 G = "tests/test_gpu_ready.py"
+U = "tests/test_usable.py::test_every_entry_works_or_is_refused_by_name"
 H = "tests/test_host_layout.py::test_homeless_chunks_train_bit_for_bit_as_kept_homes"
 N = "tests/test_nvme.py"
 MUTANTS = [
@@ -165,10 +166,38 @@ MUTANTS = [
     ),
     Mutant(
         "forward outside step/evaluate refused",
-        "schedule.py",
-        "        if self.phase is Phase.IDLE:\n            raise",
-        "        if False:\n            raise",
+        "access.py",
+        "        if replayer.phase is Phase.IDLE and torch.is_grad_enabled():",
+        "        if False:",
         (f"{G}::test_a_plain_forward_after_wrap_is_refused",),
+    ),
+    Mutant(
+        "usable: a released parameter's read refused",
+        "access.py",
+        "                if isinstance(t, _Guard) and _released(t):",
+        "                if False:",
+        (f"{U}[data-offloaded]",),
+    ),
+    Mutant(
+        "usable: a root's no-grad forward fetches as the plan says",
+        "access.py",
+        "            replayer.begin(Phase.FORWARD, PRE)",
+        "            pass",
+        (f"{U}[generate-offloaded]",),
+    ),
+    Mutant(
+        "usable: state_dict gives the engine's values",
+        "access.py",
+        "                sd[k] = values[names[id(v)]] if id(v) in names else v.detach()",
+        "                sd[k] = v.detach()",
+        (f"{U}[state_dict-offloaded]",),
+    ),
+    Mutant(
+        "usable: a move of device or dtype refused",
+        "access.py",
+        "            if self._changes_nothing(module, name, args, kwargs):",
+        "            if True:",
+        (f"{U}[half-offloaded]",),
     ),
     Mutant(
         "evaluate releases what it fetched",

@@ -421,6 +421,12 @@ class HFCausalLM(nn.Module):
     def protrain_blocks(self) -> list[str]:
         return list(self.blocks)
 
+    def protrain_roots(self) -> list[nn.Module]:
+        """Modules outside this tree whose forward runs the whole model: the transformers model
+        (``generate`` calls it). After wrap, a call of it under ``torch.no_grad()`` runs under
+        the plan, as one of this adapter does (executor/access.py)."""
+        return [self.hf]
+
     def train(self, mode: bool = True) -> HFCausalLM:
         super().train(mode)
         self.hf.training = mode  # the root is not a child; its flag is read by some models

@@ -80,7 +80,7 @@ def causal_attention(
     A call that asks for more than plain causal attention (see ``_needs_own``) is
     handed to the family's own implementation instead: see [Note: which attention].
     """
-    T = query.size(-2)
+    T, S = query.size(-2), key.size(-2)  # S > T: a step of generate's KV cache
     documents = getattr(attention_mask, DOCUMENTS, False)  # see [Note: packed rows]
     if documents:
         window = kwargs.get("sliding_window")
@@ -88,7 +88,7 @@ def causal_attention(
             t = torch.arange(T, device=query.device)  # (T,)
             attention_mask = attention_mask & (t[:, None] - t[None, :] < window)  # (B, 1, T, T)
         kwargs = {k: v for k, v in kwargs.items() if k != "sliding_window"}  # (in the mask now)
-    reason = _needs_own(module, T, None if documents else attention_mask, kwargs)
+    reason = _needs_own(module, S, None if documents else attention_mask, kwargs)
     if reason is not None:
         return _own_attention(
             module, query, key, value, attention_mask, dropout, scaling, reason, **kwargs
@@ -103,13 +103,18 @@ def causal_attention(
     # The kernel's own default scale when it is the usual 1/sqrt(hs), so the
     # arithmetic is the zoo's exactly; otherwise (GPT-2's per-layer scaling) the given one.
     default = scaling is None or scaling in (hs**-0.5, 1.0 / math.sqrt(hs))
+    # SDPA's is_causal aligns the mask top-left; cached queries are the last T of S positions,
+    # so they take the bottom-right one (no mask at all for one query).
+    mask = (
+        None if T in (1, S) else torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
+    )
     y = F.scaled_dot_product_attention(
         query,
         key,
         value,
-        attn_mask=attention_mask if documents else None,  # None: transformers built none
+        attn_mask=attention_mask if documents else mask,
         dropout_p=dropout,
-        is_causal=not documents,
+        is_causal=not documents and T == S,
         scale=None if default else scaling,
     )  # (B, nh, T, hs)
     return y.transpose(1, 2).contiguous(), None
