@@ -1,6 +1,6 @@
 """protrain under a transformers ``Trainer`` or TRL ``SFTTrainer`` script, with a few added lines::
 
-    from protrain.planner.models.hf_trainer import plan_for, prepare
+    from protrain.planner.commands.hf_trainer import plan_for, prepare
 
     plan = plan_for(model, args)  # or a committed plan's path
     model, optimizer = prepare(model, plan, args)
@@ -204,9 +204,9 @@ def plan_for(
     ``hardware``: a spec name or path (``protrain hardware list``), the machine planned for.
     """
     from ..hardware.spec import find_spec
+    from ..models.hf import from_model
     from ..profiling.analytic import analytic_profile
     from ..search.planning import make_plan, parse_budget
-    from .hf import from_model
 
     seq = seq_len or _args_value(args, "max_length")
     if not seq:
@@ -256,7 +256,7 @@ def prepare(model: nn.Module, plan: P.Plan | str | os.PathLike, args, *, peft_co
     plan = plan if isinstance(plan, P.Plan) else load(Path(plan))
     _check_args(args, plan)
     model = _with_peft(model, peft_config)
-    from .hf import from_model
+    from ..models.hf import from_model
 
     adapted = from_model(model)
     clip = _args_value(args, "max_grad_norm") or 0.0
