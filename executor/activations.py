@@ -153,9 +153,8 @@ class Activations:
             key = storage.data_ptr()
             held = live.get(key)
             if held is None or held[1] != t._version:  # new storage, or written since its download
-                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-                    storage
-                )  # all its bytes
+                # all its bytes
+                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
                 host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self.copies.cuda)
                 handle = SwapHandle(host, self.copies.download(host, src, name="swap_out"))
                 self.swapped[name].append(handle)

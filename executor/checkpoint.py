@@ -211,14 +211,12 @@ def save(
     if keep < 1:
         raise ValueError("keep must be at least 1")
     root = Path(root)
-    sd = engine.state_dict(
-        trainable_only=bool(engine.base_fingerprint)
-    )  # a collective: every rank gathers
+    # a collective: every rank gathers
+    sd = engine.state_dict(trainable_only=bool(engine.base_fingerprint))
     optim = {f"{k}.{part}": v for k, st in sd["optim"].items() for part, v in st.items()}
     tensors = [*sd["model"].items(), *optim.items()]
-    need = sum(
-        t.numel() * t.element_size() for _, t in tensors
-    )  # bytes; tied aliases counted twice (a bound)
+    # bytes; tied aliases counted twice (a bound)
+    need = sum(t.numel() * t.element_size() for _, t in tensors)
     last = engine.last_checkpoint
     _refuse_nonfinite(
         tensors,
@@ -240,13 +238,7 @@ def save(
 
 
 def _write(
-    engine: Any,
-    model: dict,
-    optim: dict,
-    root: Path,
-    caller: dict[str, dict],
-    keep: int,
-    need: int,
+    engine: Any, model: dict, optim: dict, root: Path, caller: dict[str, dict], keep: int, need: int
 ) -> Path:
     """``save`` once rank 0 holds the root's lock ([Note: one run per root]): name, sweep, the
     files, the rename, ``latest`` and the pruning ([Note: atomicity])."""
@@ -255,9 +247,8 @@ def _write(
 
     comm = engine.comm
     name = f"step-{engine.steps_done:08d}"
-    if (
-        comm.rank == 0 and (root / name).exists()
-    ):  # saved again at one step: a new name, never replaced
+    # saved again at one step: a new name, never replaced
+    if comm.rank == 0 and (root / name).exists():
         name += f".{next(k for k in itertools.count(1) if not (root / f'{name}.{k}').exists())}"
     if comm.world > 1:  # rank 0's choice, as bytes (no pickle)
         buf = torch.zeros(64, dtype=torch.uint8, device=engine.device)
@@ -541,9 +532,8 @@ def load(engine: Any, root: str | Path) -> Manifest:
 
     directory = resolve(root)
     m = read_manifest(directory)
-    if (
-        m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint
-    ):  # [Note: adapter checkpoints]
+    # [Note: adapter checkpoints]
+    if m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint:
         raise CheckpointError(
             (
                 f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, "
@@ -591,9 +581,8 @@ def load(engine: Any, root: str | Path) -> Manifest:
         with safe_open(rng, framework="pt") as f:
             if "cpu" not in f.keys() or f.get_slice("cpu").get_dtype() != "U8":
                 raise CheckpointError(f"{rng}: no uint8 `cpu` RNG state", DAMAGED)
-    model = load_file(
-        directory / "model.safetensors"
-    )  # (no aliases: load_state_dict reads chunk names only)
+    # (no aliases: load_state_dict reads chunk names only)
+    model = load_file(directory / "model.safetensors")
     flat = load_file(directory / "optim.safetensors")
     refuse_to_load_nonfinite(directory, model, flat)
     optim = {

@@ -245,9 +245,8 @@ class ChunkStore:
         # no home, and the plan's host slots are carved from it too ([Note: host slots]).
         n_slots = plan.placement.n_host_slots
         size = n_slots * HostArena.span(shard_numel, self.dtype)
-        for c, home in enumerate(
-            homes
-        ):  # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
+        # the arena's parts of each chunk's home (homes.py ARENA_PARTS)
+        for c, home in enumerate(homes):
             n = host_numel(plan, c)
             size += sum(
                 HostArena.span(p.nbytes(n, n), torch.uint8)
@@ -255,9 +254,8 @@ class ChunkStore:
                 if p.where == "host" and p.name in H.ARENA_PARTS
             )
         self.disk: DiskStates | None = None
-        on_disk = [
-            c for c, home in enumerate(homes) if home.on_disk and train[c]
-        ]  # (frozen: no states)
+        # (frozen: no states)
+        on_disk = [c for c, home in enumerate(homes) if home.on_disk and train[c]]
         if on_disk:
             if nvme_dir is None:
                 raise ConfigError(
@@ -342,9 +340,8 @@ class ChunkStore:
             not persistent or self.shard_persistent and c.trainable
         )
         c.own = c.shard if c.sharded else slice(0, c.numel if persistent else own_numel)
-        fp32 = (
-            self.dtype == torch.float32 or not c.trainable
-        )  # no master: see [Note: frozen chunks]
+        # no master: see [Note: frozen chunks]
+        fp32 = self.dtype == torch.float32 or not c.trainable
         at = self.device if persistent or c.homed else torch.device("cpu")
         image = (
             c.dev if (persistent and fp32) else torch.zeros(c.numel, dtype=torch.float32, device=at)
@@ -353,9 +350,8 @@ class ChunkStore:
             for ps in spec.params:
                 p = params[ps.name]
                 image[ps.offset : ps.offset + ps.numel].copy_(p.detach().reshape(-1))
-                p.data = c.dev[ps.offset : ps.offset + ps.numel].view(
-                    p.shape
-                )  # [Note: chunk storage resize]
+                # [Note: chunk storage resize]
+                p.data = c.dev[ps.offset : ps.offset + ps.numel].view(p.shape)
                 if p.requires_grad:  # a frozen parameter's .grad stays None, as in PyTorch
                     p.grad = c.dev_grad[ps.offset : ps.offset + ps.numel].view(p.shape)
                 c.params.append((p, ps.offset, ps.numel))
@@ -373,23 +369,20 @@ class ChunkStore:
                     not fp32 or c.homed
                 ) and c.trainable:  # (fp32: the home is the master, unless homed)
                     c.master_init = image[c.own].clone()
-                if (
-                    c.homed and not c.trainable
-                ):  # no master: values stay on the device ([Note: device homes])
+                # no master: values stay on the device ([Note: device homes])
+                if c.homed and not c.trainable:
                     c.home = image[c.own].to(self.dtype)
                     self.ledger.alloc("chunks", c.home.numel() * c.home.element_size())
-                elif (
-                    c.on_disk and fp32
-                ):  # the home is the master, on the disk (nvme.py [Note: NVMe tier])
+                # the home is the master, on the disk (nvme.py [Note: NVMe tier])
+                elif c.on_disk and fp32:
                     c.home = self.disk.take(own_numel)
                     copy_pieces(c.home, image[c.own], self.disk, drop_dst=True)
                 elif not c.where.uses_slots and not c.homed:
                     c.home = self.arena.take(own_numel, self.dtype)
                     c.home.copy_(image[c.own])
                     self.ledger.host_alloc(c.home.numel() * c.home.element_size())
-                elif (
-                    not c.trainable
-                ):  # its master would be its only copy, and frozen chunks have none
+                # its master would be its only copy, and frozen chunks have none
+                elif not c.trainable:
                     raise ConfigError(
                         f"chunk {c.id} is homeless (placement.homeless) but its parameters "
                         "are frozen",
@@ -397,9 +390,8 @@ class ChunkStore:
                     )
                 self.copies.resize(c.dev, 0, f"chunk {c.id}")
                 c.to_released()
-        self.copies.resize(
-            c.dev_grad, 0, f"gradients of chunk {c.id}"
-        )  # (a frozen chunk never opens them)
+        # (a frozen chunk never opens them)
+        self.copies.resize(c.dev_grad, 0, f"gradients of chunk {c.id}")
         c.grad_closed()
         return c
 
@@ -436,9 +428,8 @@ class ChunkStore:
         self._refresh_live()
         self.ledger.alloc("chunks", c.nbytes)
         n = c.own.stop - c.own.start
-        slotted = (
-            c.where.uses_slots
-        )  # homeless: the master rounded into a slot ([Note: host slots])
+        # homeless: the master rounded into a slot ([Note: host slots])
+        slotted = c.where.uses_slots
         # (device-homed: the device master, rounded by the copy itself ([Note: device homes]))
         src = (
             self.masters[cid]
@@ -453,9 +444,8 @@ class ChunkStore:
         gather = (
             (lambda: self.comm.all_gather(c.dev, f"chunk {cid}")) if self.comm.world > 1 else None
         )
-        if (
-            c.on_disk and src is c.home and self.dtype == torch.float32
-        ):  # the home: the master, on disk
+        # the home: the master, on disk
+        if c.on_disk and src is c.home and self.dtype == torch.float32:
             # A piece at a time, each dropped once issued (data-safe under an upload still
             # reading it: it faults back), so the fetch maps one piece, not the shard. One copy
             # stream: the last piece's handle covers them all.
@@ -538,9 +528,8 @@ class ChunkStore:
             with torch.no_grad():
                 if a < b and c.home is not None:
                     c.home[a - lo : b - lo].copy_(c.dev[a:b])
-                if a < b and (
-                    self.dtype != torch.float32 or c.homed
-                ):  # (fp32: the chunk or home is the master)
+                # (fp32: the chunk or home is the master)
+                if a < b and (self.dtype != torch.float32 or c.homed):
                     self.masters[cid][a - lo : b - lo].copy_(c.dev[a:b])
                 if a < b and c.on_disk:
                     self.disk.drop(self.masters[cid][a - lo : b - lo])

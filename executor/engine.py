@@ -58,7 +58,7 @@ from .dist import Comm
 from .events import Listener
 from .memory import Ledger, expected_states
 from .optim import AdamWConfig, ChunkOptimizer, LossScaler, clip_coefficient
-from .schedule import Phase, Replayer
+from .schedule import Boundary, Phase, Replayer, first_tensor
 from .transfer import CopyEngine
 
 Batch = tuple[torch.Tensor, ...]
@@ -230,6 +230,7 @@ class Engine:
         # The listeners of on_event, shared by every part of the engine (events.py).
         self.events = self.comm.events = self.copies.events
         self.store = self.optim = self.acts = self.replayer = self.access = None
+        self.handles: list = []  # the root's hooks of [Note: split phases]
         try:
             self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
@@ -241,6 +242,11 @@ class Engine:
             self.acts = Activations(model, plan, self.store)
             self.replayer = Replayer(model, plan, self.acts, self._offload)
             self.acts.install()
+            # before the replayer's guard: see [Note: split phases]
+            self.handles = [
+                model.register_forward_pre_hook(self._outside_forward, with_kwargs=True),
+                model.register_forward_hook(self._outside_forward_done),
+            ]
             self.replayer.install(model)
             # The model's own calls between steps: access.py [Note: the model between steps].
             self.access = Access(self, model)
@@ -262,6 +268,14 @@ class Engine:
         )
         # True while step() runs: the rate may not change then (optim.py [Note: learning rate]).
         self._stepping = False
+        # [Note: split phases]: micro-batches whose backward ran in this step (None between
+        # steps); the open forward's activation counting, until its backward begins; the
+        # step's gradient norm once computed (a 0-dim device tensor); what gives each step's
+        # rate (an optimizer's param_groups[0]["lr"]), read at its first forward.
+        self._micro: int | None = None
+        self._pending = None
+        self._norm: torch.Tensor | None = None
+        self.rate_source: Callable[[], float] | None = None
 
     def _expect_accounting(self, plan: Plan) -> None:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
@@ -436,31 +450,22 @@ class Engine:
         total = self._count_all(local, f"step {self.steps_done + 1}")  # N
         # Raw text: today's arithmetic, loss / k ([Note: supervised tokens]).
         every = total == self.comm.world * k * t.micro_batch * t.seq_len
-        self.replayer.check_trainable(self.names)
-        self._refuse_poisoned(stepping=True)
-        self.optim.step_no = self.steps_done + 1
-        self.events.emit("step", "begin")
+        self._begin_step()
         t0 = time.perf_counter()
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
-        self.ledger.reset_peak()
-        self.store.begin_step()
         losses = []
         for i, (mb, n) in enumerate(draws):
-            self._first_micro, self._last_micro = i == 0, i == k - 1
             x, y, *p = (v.to(self.device, non_blocking=True) for v in mb)  # p: [] or [position_ids]
             ta = time.perf_counter()
-            self.replayer.phase = Phase.FORWARD
             try:
-                self.replayer.begin(Phase.FORWARD, PRE)
+                self._begin_forward()
                 with self.acts.counting():
                     loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
                 if not self.scaler.enabled and n:  # (n = 0: a mean over nothing, weighted 0)
                     self._check_finite(loss, i)
-                self.replayer.end(Phase.FORWARD, POST)
+                self._end_forward()
                 tb = time.perf_counter()
-                self.replayer.phase = Phase.BACKWARD
-                self.replayer.start_backward()
-                self.replayer.begin(Phase.BACKWARD, POST)
+                self._begin_backward()
                 if every:
                     scaled = loss if k == 1 else loss / k
                 else:  # n = 0: weight 0, and backward still runs every block, adding zeros
@@ -468,8 +473,7 @@ class Engine:
                 if self.scaler.enabled:
                     scaled = scaled * self.scaler.scale
                 scaled.backward()
-                self.replayer.end(Phase.BACKWARD, PRE)
-                self.replayer.finish_backward()
+                self._end_backward()
             except torch.OutOfMemoryError as e:
                 raise self._oom_error(e) from None
             finally:
@@ -479,13 +483,9 @@ class Engine:
             timings["backward"] += time.perf_counter() - tb
 
         tc = time.perf_counter()
-        grad_norm, skipped = self._finish_update()
-        self._refuse_poisoned(
-            stepping=True
-        )  # a CPU step that already found one (others: next step)
+        grad_norm, skipped = self._end_step()
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
-        self.steps_done += 1
         # the mean over micro-batches (of one: itself), then over ranks: the global batch's loss;
         # with masked targets sum_i mean_i * n_i / N over the ranks' micro-batches
         loss_value = (
@@ -504,6 +504,150 @@ class Engine:
             reserved_peak_bytes=reserved,
             alloc_retries=retries,
         )
+
+    # -- the phases of a step
+    # [Note: split phases]
+    # A step is begin_step, then per micro-batch begin_forward, the model's forward,
+    # end_forward, begin_backward, the loss's backward, end_backward, and end_step (the
+    # update). ``step`` calls them in that order around its own forward and backward. A
+    # caller that drives the model itself (transformers' Trainer: ``loss = model(...)``,
+    # ``loss.backward()``, ``optimizer.step()``) reaches the same phases from hooks: the
+    # root's forward pre-hook begins the forward (and the step, at its first micro-batch)
+    # when grad is enabled between steps; its forward hook ends it and marks the output
+    # with a ``Boundary`` whose backward, run when the output's gradient arrives, begins
+    # the plan's backward and queues end_backward on autograd's engine (as FSDP2's root
+    # post-backward callback), which runs when the whole backward has; ``finish_step``
+    # ends the step after exactly ``grad_accum`` backwards. Only the last micro-batch's
+    # backward may start CPU steps, and the rate (``rate_source``) is read at the first
+    # forward, before any chunk can step.
+
+    def _begin_step(self) -> None:
+        self.replayer.check_trainable(self.names)
+        self._refuse_poisoned(stepping=True)
+        self.optim.step_no = self.steps_done + 1
+        self.events.emit("step", "begin")
+        self.ledger.reset_peak()
+        self.store.begin_step()
+        self._micro = 0
+
+    def _begin_forward(self) -> None:
+        k = self.plan.training.grad_accum
+        self._first_micro, self._last_micro = self._micro == 0, self._micro == k - 1
+        self.replayer.phase = Phase.FORWARD
+        self.replayer.begin(Phase.FORWARD, PRE)
+
+    def _end_forward(self) -> None:
+        self.replayer.end(Phase.FORWARD, POST)
+
+    def _begin_backward(self) -> None:
+        self.replayer.phase = Phase.BACKWARD
+        self.replayer.start_backward()
+        self.replayer.begin(Phase.BACKWARD, POST)
+
+    def _end_backward(self) -> None:
+        self.replayer.end(Phase.BACKWARD, PRE)
+        self.replayer.finish_backward()
+        self.replayer.phase = Phase.IDLE
+        self._micro += 1
+
+    def _end_step(self) -> tuple[float | None, bool]:
+        grad_norm, skipped = self._finish_update()
+        self._refuse_poisoned(stepping=True)  # a CPU step that already found one (others: next)
+        self.steps_done += 1
+        self._micro, self._norm = None, None
+        return grad_norm, skipped
+
+    def _outside_forward(self, module, args, kwargs) -> None:
+        """The root's forward pre-hook: a grad-enabled call between steps begins a micro-batch
+        ([Note: split phases]); any other call is the replayer's to judge."""
+        if self.replayer.phase is not Phase.IDLE or not torch.is_grad_enabled():
+            return
+        t, micro = self.plan.training, self._micro or 0
+        if self._pending is not None or micro == t.grad_accum:
+            raise ConfigError(
+                f"the model was called for micro-batch {micro + 1} while "
+                + (
+                    "the previous micro-batch's backward has not run"
+                    if self._pending is not None
+                    else f"{micro} micro-batches await optimizer.step() (the plan accumulates "
+                    f"{t.grad_accum}: $.training.grad_accum)"
+                ),
+                "call loss.backward() after each forward and optimizer.step() after "
+                f"{t.grad_accum} of them (gradient_accumulation_steps={t.grad_accum})",
+            )
+        shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
+        if shape != (t.micro_batch, t.seq_len):
+            raise ConfigError(
+                f"micro-batch {micro + 1}: the model was called with idx of shape {shape}, but the "
+                f"plan was made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
+                "batch the data as the plan says, or make a plan for this shape",
+            )
+        if self._micro is None:
+            self._begin_step()
+            if self.rate_source is not None:
+                self.set_lr(self.rate_source())
+        self._begin_forward()
+        self._pending = self.acts.counting()
+        self._pending.__enter__()
+
+    def _outside_forward_done(self, module, args, output):
+        """The root's forward hook: ends the micro-batch's forward and marks its output with the
+        boundary that begins the plan's backward."""
+        if self._pending is None or self.replayer.phase is not Phase.FORWARD:
+            return None
+        self._pending.__exit__(None, None, None)
+        self._end_forward()
+        self.replayer.phase = Phase.IDLE
+        out, put = first_tensor(output)
+        return put(Boundary.mark(self._launch_backward, out, self.replayer.anchor))
+
+    def _launch_backward(self) -> None:
+        self._pending = None
+        self._begin_backward()
+        # runs once autograd has finished this whole backward (FSDP2's final callback)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the step's gradients before clipping (``clip_grad_norm_``'s
+        value), once its ``grad_accum`` backwards ran; the step clips with
+        ``AdamWConfig.max_grad_norm`` itself. Needs a plan whose CPU steps wait for backward."""
+        self._refuse_early("grad_norm()")
+        if not self._defer_cpu_steps:
+            raise ConfigError(
+                "the gradient norm was asked for, but the plan overlaps CPU AdamW steps with "
+                f"backward (schedule.cpu_adam = {self.plan.schedule.cpu_adam!r}): offloaded "
+                "chunks stepped before the norm of all gradients existed",
+                "make the plan for clipping: `protrain plan … --max-grad-norm X` "
+                "(plan_for(..., max_grad_norm=X))",
+            )
+        return self._global_norm()
+
+    def _global_norm(self) -> torch.Tensor:
+        if self._norm is None:  # (once per step: under ZeRO-3 a collective)
+            self.optim.wait_all()  # the accumulators are complete once the worker landed them
+            self._norm = self.optim.global_norm(self.param_order) * (1.0 / self.scaler.scale)
+        return self._norm
+
+    def finish_step(self) -> tuple[float | None, bool]:
+        """End a step whose micro-batches ran through the model's own forward and the loss's
+        backward ([Note: split phases]): the update, as ``step`` ends. Returns the gradient
+        norm (None unless clipping or fp16 asked for it) and whether fp16 skipped it."""
+        self._refuse_early("optimizer.step()")
+        self._stepping = True
+        try:
+            return self._end_step()
+        finally:
+            self._stepping = False
+
+    def _refuse_early(self, what: str) -> None:
+        k, done = self.plan.training.grad_accum, self._micro or 0
+        if done != k or self._pending is not None:
+            raise ConfigError(
+                f"{what} came after {done} backward passes, but the plan accumulates {k} "
+                "micro-batches per step ($.training.grad_accum)",
+                f"run {k} forwards and backwards per step (gradient_accumulation_steps={k}), or "
+                f"make the plan for {done}: `protrain plan … --grad-accum {done}`",
+            )
 
     def _count_all(self, local: int, what: str) -> int:
         """The sum over the ranks of their supervised targets ``local``, the same on every rank
@@ -725,8 +869,7 @@ class Engine:
         inv_scale = 1.0 / self.scaler.scale
         coef = grad_norm = None
         if self._defer_cpu_steps:
-            self.optim.wait_all()  # the accumulators are complete once the worker has landed them
-            total = self.optim.global_norm(self.param_order) * inv_scale
+            total = self._global_norm()
             grad_norm = total.item()
             if self.scaler.enabled and not torch.isfinite(total).item():
                 self.scaler.update(overflow=True)
@@ -901,11 +1044,9 @@ class Engine:
         """Undo what wrap did, as far as it got (also after a failed wrap)."""
         if self.optim is not None:
             self.optim.shutdown()
-        for part in (
-            self.access,
-            self.replayer,
-            self.acts,
-        ):  # (None: the failed wrap did not get to it)
+        for h in self.handles:
+            h.remove()
+        for part in (self.access, self.replayer, self.acts):  # (None: wrap did not get to it)
             if part is not None:
                 part.uninstall()
         if self.store is not None:

@@ -170,9 +170,8 @@ class LossScaler:
         if not self.enabled:
             return
         self.good_steps = 0 if overflow else self.good_steps + 1
-        if (
-            overflow or self.good_steps % self.window == 0
-        ):  # halve on overflow, double after a window
+        # halve on overflow, double after a window
+        if overflow or self.good_steps % self.window == 0:
             self.scale *= 0.5 if overflow else 2.0
 
 
@@ -249,9 +248,8 @@ class ChunkOptimizer:
                 # Host-side states are this rank's shard only (executor/dist.py [Note: sharding]).
                 n = c.own.stop - c.own.start
                 m = c.home if fp32 else c.master_init
-                if (
-                    c.on_disk and not fp32
-                ):  # the master goes to the disk (nvme.py [Note: NVMe tier])
+                # the master goes to the disk (nvme.py [Note: NVMe tier])
+                if c.on_disk and not fp32:
                     m = store.disk.take(n)
                     copy_pieces(m, c.master_init, store.disk, drop_dst=True)
                 if not store.grad_in_home:  # [Note: gradients land in home]
@@ -469,9 +467,8 @@ class ChunkOptimizer:
         # (a slot: one shard; the copy engine names it "protrain::offload" for the profiler)
         down = self.store.copies.download(dst[: src.numel()], src)
         self.store.close_grad(cid)  # safe: the copy engine recorded src on the copy stream
-        divide = (
-            self.store.comm.world if last_micro_batch and not home else 1
-        )  # (1: nothing to divide)
+        # (1: nothing to divide)
+        divide = self.store.comm.world if last_micro_batch and not home else 1
         if home:
             self.landed[cid] = acc
 
@@ -510,9 +507,8 @@ class ChunkOptimizer:
         # id(parameter) → its gradient as the optimizer sees it, if it received one this step
         views = {}
         for c in self.store.chunks:
-            if (
-                c.trainable and not c.homed
-            ):  # (device-homed: stepped at its offload, its gradients gone)
+            # (device-homed: stepped at its offload, its gradients gone)
+            if c.trainable and not c.homed:
                 # 16-bit: where the gradients landed (home or slot), as grad() and the CPU step read
                 # them
                 flat = (
@@ -733,9 +729,8 @@ class ChunkOptimizer:
                 ),
             )
         if not which:
-            if (
-                grads is not None and grads is c.home
-            ):  # gradients overwrote it: the values come back
+            # gradients overwrote it: the values come back
+            if grads is not None and grads is c.home:
                 self._refresh_home(cid)
             return
         if reads_home is not None:
