@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None, name: str = "sft") -> int:
         for packing in ("bfd", "none"):  # the supervised share of a row, from the header
             out = _run("data", "--hf-config", model, "--data", data, "--seq", args.seq,
                        "--packing", packing, "--loss-on", "assistant", "--limit", "0")  # fmt: skip
-            shares[packing] = out.strip().rsplit(", ", 1)[-1]
+            shares[packing] = out.strip().rsplit(", ", 1)[-1].split(" of ")[0]
 
         def measure(i: int) -> dict[str, float]:
             got = {}
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None, name: str = "sft") -> int:
     ratio = [b / n for b, n in zip(bfd, none)]
     md = "\n".join(
         [
+            harness.heading(name),
+            "",
             f"`{harness.command(name, argv)}` on {harness.machine()}, {harness.now()}.",
             "",
             f"Tiny llama (4 layers, hidden 128), {args.examples} chat examples, "

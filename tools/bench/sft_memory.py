@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None, name: str = "sft-memory") -> int:
     mib = 1 << 20
     md = "\n".join(
         [
+            harness.heading(name),
+            "",
             f"`{harness.command(name, argv)}` on {harness.machine()}, {harness.now()}.",
             "",
             f"A {size / mib:,.0f} MiB chat file ({records:,} records of {args.turns} turns, "
