@@ -344,3 +344,21 @@ def test_protrain_data_shows_the_rows_and_marks_what_trains(tmp_path, tok):
     assert n_long and f"(0 dropped, {n_long} truncated)" in cut.output
     bad = CliRunner().invoke(main, [*args[:-2], "--loss-on", "completion"])
     assert bad.exit_code == 1 and "does not apply to messages records" in bad.output
+
+
+@pytest.mark.parametrize("packing", ["bfd", "wrapped", "none"])
+def test_supervised_counts_read_in_blocks_equal_each_rows_count(tmp_path, monkeypatch, packing):
+    # [Note: counting without mapping]: the counts come from the mask file read in blocks
+    # (small blocks here, so ranges straddle them), and equal each row's own count.
+    from protrain.planner.models import sft
+
+    monkeypatch.setattr(sft, "MASK_BLOCK", 97)
+    tok = tokenizer_dir(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "c.jsonl", chats(60))
+    rows = sft.load_sft(
+        [data], tokenizer_dir=tok, seq_len=48, loss_on="assistant", packing=packing,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    counts = rows.supervised_counts()
+    assert counts.tolist() == [rows.supervised(i) for i in range(rows.n_rows)]
+    assert counts.sum() > 0

@@ -230,7 +230,7 @@ def header(rows, seq_len: int) -> str:
     # its segments: ``wrapped`` splits an example over two rows without losing any).
     held = np.bincount(packed.example, weights=packed.length, minlength=rows.n_examples)  # (E,)
     truncated = int(np.count_nonzero(kept & (held < _lengths(rows))))
-    supervised = sum(rows.supervised(i) for i in range(rows.n_rows))
+    supervised = int(rows.supervised_counts().sum())
     share = supervised / (rows.n_rows * seq_len)
     return (
         f"{rows.name}: {rows.n_rows:,} rows of {seq_len} from {int(kept.sum()):,} examples "

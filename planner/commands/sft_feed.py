@@ -99,6 +99,8 @@ class RowFeed:
         self.train = train  # (n_train,) int64: the rows that train (all but the held-out)
         self.order = order  # over 0..n_train-1
         self.seq_len = seq_len
+        # (n_rows,) int64: each row's supervised targets, counted once without mapping the cache
+        self.counts = rows.supervised_counts()
 
     def rows_of_draw(self, draw: int) -> np.ndarray:
         """(micro_batch,) int64: this rank's rows of draw ``draw`` (EMPTY: padding only)."""
@@ -110,22 +112,17 @@ class RowFeed:
         rank's supervised-target count (the engine's ``num_items``)."""
         k = self.order.grad_accum
         draws = [self.rows_of_draw(d) for d in range(first_draw, first_draw + k)]
-        n = sum(supervised(self.rows, r) for d in draws for r in d)
+        n = sum(self._count(r) for d in draws for r in d)
         return (micro_batch(self.rows, d, self.seq_len) for d in draws), n
+
+    def _count(self, i: int) -> int:
+        return 0 if i == EMPTY else int(self.counts[i])
 
     def global_supervised(self, first_draw: int) -> int:
         """The step's supervised targets over every rank (the loss's denominator N)."""
-        glob = [
-            self.order.global_rows_at(d)
-            for d in range(first_draw, first_draw + self.order.grad_accum)
-        ]
-        return sum(
-            supervised(self.rows, EMPTY if i == EMPTY else self.train[i]) for g in glob for i in g
-        )
-
-
-def supervised(rows, i: int) -> int:
-    return 0 if i == EMPTY else rows.supervised(int(i))
+        draws = range(first_draw, first_draw + self.order.grad_accum)
+        glob = [self.order.global_rows_at(d) for d in draws]
+        return sum(self._count(EMPTY if i == EMPTY else self.train[i]) for g in glob for i in g)
 
 
 def micro_batch(rows, indices, seq_len: int):
@@ -154,12 +151,13 @@ def heldout_batches(rows, indices: np.ndarray, micro_batch_size: int, seq_len: i
     """Every held-out row once, in draws of ``micro_batch × world`` rows (the last filled with
     EMPTY): a list of ``(this rank's micro-batch, the draw's global supervised count)``."""
     per_draw = micro_batch_size * world
+    counts = rows.supervised_counts()  # (n_rows,)
     out = []
     for d in range(math.ceil(len(indices) / per_draw)):
         glob = np.full(per_draw, EMPTY, dtype=np.int64)
         take = indices[d * per_draw : (d + 1) * per_draw]
         glob[: take.size] = take
-        n = sum(supervised(rows, i) for i in glob)
+        n = sum(0 if i == EMPTY else int(counts[i]) for i in glob)
         if n == 0:
             continue  # nothing to score (the loss of no target is no information)
         mine = glob[rank * micro_batch_size : (rank + 1) * micro_batch_size]
@@ -181,10 +179,10 @@ def split(rows, flags: SFTFlags, seed: int) -> tuple[np.ndarray, np.ndarray | No
     return heldout_split(rows.n_rows, flags.eval_split, seed)
 
 
-def summary(rows, train: np.ndarray, seq_len: int) -> tuple[int, float]:
+def summary(feed: RowFeed) -> tuple[int, float]:
     """(supervised targets of the training rows, their share of the rows' positions)."""
-    n = sum(rows.supervised(int(i)) for i in train)
-    return n, n / max(1, train.size * seq_len)
+    n = int(feed.counts[feed.train].sum())
+    return n, n / max(1, feed.train.size * feed.seq_len)
 
 
 def rows_json(rows, i: int, **extra) -> str:

@@ -430,7 +430,7 @@ def _train(
         train_rows, split_rows = sft_feed.split(rows, sft, seed)
         order = RowOrder(train_rows.size, seed, t.micro_batch, t.grad_accum, world, rank)
         source = sft_feed.RowFeed(rows, train_rows, order, t.seq_len)
-        n_sup, share = sft_feed.summary(rows, train_rows, t.seq_len)
+        n_sup, share = sft_feed.summary(source)
         if sft.epochs is not None:
             steps = sft.epochs * order.steps_per_epoch
         echo(

@@ -86,6 +86,55 @@ class SFTRows:
         """The row's trainable targets after the shift: labels other than -100 past token 0."""
         return int(np.count_nonzero(self.row(i)[1][1:] != IGNORE))
 
+    def supervised_counts(self) -> np.ndarray:
+        """(n_rows,) int64: ``supervised(i)`` of every row, from the masks read in blocks
+        ([Note: counting without mapping])."""
+        p = self.packed
+        seg_row = np.repeat(np.arange(self.n_rows), np.diff(p.row_ptr))  # (S,)
+        k = np.searchsorted(self.first, p.example, side="right") - 1  # (S,) the cache of each
+        out = np.zeros(self.n_rows, dtype=np.int64)
+        for c, cache in enumerate(self.caches):
+            on = k == c
+            at = self.offsets[c][p.example[on] - self.first[c]] + p.start[on]  # (S_c,)
+            # each segment's first token is no target: its labels past it
+            counts = _range_sums(cache.mask, at + 1, at + p.length[on])
+            np.add.at(out, seg_row[on], counts)
+        return out
+
+
+MASK_BLOCK = 1 << 22
+"""Mask bytes read at a time when counting (``_range_sums``)."""
+
+
+def _range_sums(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``[count_nonzero(mask[a:b]) for a, b in zip(starts, ends)]``, reading the mask file once
+    in ``MASK_BLOCK`` blocks.
+
+    [Note: counting without mapping]
+    A cache's files are memory-mapped, and a mapped page that is read counts in the process's
+    resident set until the kernel drops it: a pass over every row of a large file through the
+    map (the supervised share, the rows that keep a label) would raise the RSS by the size of
+    the cache. So such passes read the file in blocks (page cache, not RSS) and answer every
+    range from prefix sums at its two ends, in one sweep over the sorted ends.
+    """
+    pos = np.concatenate([starts, ends]).astype(np.int64)  # (2R,)
+    order = np.argsort(pos, kind="stable")
+    sorted_pos = pos[order]
+    prefix = np.empty_like(pos)  # ones in mask[:pos]
+    base = lo = i = 0
+    with open(mask.filename, "rb") as f:
+        f.seek(mask.offset)
+        while i < sorted_pos.size:
+            block = np.frombuffer(f.read(MASK_BLOCK), dtype=np.uint8)  # (<= MASK_BLOCK,)
+            c = np.zeros(block.size + 1, dtype=np.int64)
+            np.cumsum(block != 0, out=c[1:])
+            j = int(np.searchsorted(sorted_pos, lo + block.size, side="right"))
+            prefix[order[i:j]] = base + c[sorted_pos[i:j] - lo]
+            if block.size == 0 and j == i:
+                raise ValueError(f"{mask.filename}: a range ends past the mask's end")
+            i, base, lo = j, base + int(c[-1]), lo + block.size
+    return prefix[starts.size :] - prefix[: starts.size]
+
 
 def load_sft(
     paths: list[str],
@@ -129,10 +178,19 @@ def load_sft(
     first = np.concatenate([[0], np.cumsum([len(c.lengths) for c in caches])]).astype(np.int64)
     offsets = [np.concatenate([[0], np.cumsum(c.lengths)]).astype(np.int64) for c in caches]
 
-    def usable(e: int, n: int) -> bool:  # ``none``: keeps a label in its first n tokens
-        k = int(np.searchsorted(first, e, side="right")) - 1
-        at = int(offsets[k][e - first[k]])
-        return bool(caches[k].mask[at : at + n].any())
+    # ``none``: whether an example keeps a label in the tokens a row holds (counted in blocks:
+    # [Note: counting without mapping])
+    usable = None
+    if packing == "none":
+        labelled = np.concatenate(
+            [
+                _range_sums(c.mask, o[:-1], o[:-1] + np.minimum(c.lengths, seq_len)) > 0
+                for c, o in zip(caches, offsets)
+            ]
+        )  # (E,)
+
+        def usable(e: int, n: int) -> bool:  # (n: the example's tokens a row holds)
+            return bool(labelled[e])
 
     packed = pack(lengths, seq_len, packing, usable)
     if packed.n_rows == 0:
