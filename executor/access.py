@@ -44,7 +44,7 @@ from .schedule import Phase
 METADATA = frozenset(
     "shape size dim ndim numel dtype device layout is_cuda is_floating_point requires_grad "
     "requires_grad_ is_leaf grad_fn _version untyped_storage __hash__ _post_accumulate_grad_hooks "
-    "register_post_accumulate_grad_hook".split()
+    "register_hook register_post_accumulate_grad_hook".split()
 )
 VALUES = "for the values, engine.state_dict()['model'] (plain names, full tensors)"
 MOVE = "make a plan for that device or dtype and wrap again; " + VALUES
