@@ -7,8 +7,8 @@ one reads freed memory (SIGSEGV on CPU, no message). So every public entry of th
 model and of its modules either runs under the plan or raises a ``ProtrainError``
 naming what to call instead:
 
-- A *root's* forward under ``torch.no_grad()`` runs as ``Engine.evaluate`` runs the
-  model: in the replayer's evaluate phase, block hooks fetch, prefetch and release as
+- A *root's* forward under ``torch.no_grad()`` (``Engine.evaluate`` is one, in eval mode)
+  runs in the replayer's evaluate phase: block hooks fetch, prefetch and release as
   the plan's forward says; afterwards every offloaded chunk is released again. The
   roots are the model given to wrap and the modules its ``protrain_roots()`` names
   (protrain's HF adapter names the transformers model, whose forward ``generate``
