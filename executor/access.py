@@ -7,8 +7,8 @@ one reads freed memory (SIGSEGV on CPU, no message). So every public entry of th
 model and of its modules either runs under the plan or raises a ``ProtrainError``
 naming what to call instead:
 
-- A *root's* forward under ``torch.no_grad()`` runs as ``Engine.evaluate`` runs the
-  model: in the replayer's evaluate phase, block hooks fetch, prefetch and release as
+- A *root's* forward under ``torch.no_grad()`` (``Engine.evaluate`` is one, in eval mode)
+  runs in the replayer's evaluate phase: block hooks fetch, prefetch and release as
   the plan's forward says; afterwards every offloaded chunk is released again. The
   roots are the model given to wrap and the modules its ``protrain_roots()`` names
   (protrain's HF adapter names the transformers model, whose forward ``generate``
@@ -44,7 +44,7 @@ from .schedule import Phase
 METADATA = frozenset(
     "shape size dim ndim numel dtype device layout is_cuda is_floating_point requires_grad "
     "requires_grad_ is_leaf grad_fn _version untyped_storage __hash__ _post_accumulate_grad_hooks "
-    "register_post_accumulate_grad_hook".split()
+    "register_hook register_post_accumulate_grad_hook".split()
 )
 VALUES = "for the values, engine.state_dict()['model'] (plain names, full tensors)"
 MOVE = "make a plan for that device or dtype and wrap again; " + VALUES

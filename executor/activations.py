@@ -85,11 +85,8 @@ class Activations:
     """Installs the plan's activation policies and counts activation bytes for the CPU ledger."""
 
     def __init__(self, model: nn.Module, plan: Plan, store: ChunkStore):
-        self.store, self.copies, self.ledger = (
-            store,
-            store.copies,
-            store.ledger,
-        )  # the engine's (chunks.py)
+        # the engine's (chunks.py)
+        self.store, self.copies, self.ledger = store, store.copies, store.ledger
         self.count = not self.ledger.cuda  # on CUDA the allocator counts; see memory.py
         modules = dict(model.named_modules())
         self.blocks = {a.block: (modules[a.block], a.policy) for a in plan.activations}

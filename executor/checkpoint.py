@@ -534,16 +534,10 @@ def load(engine: Any, root: str | Path) -> Manifest:
     m = read_manifest(directory)
     # [Note: adapter checkpoints]
     if m.base_fingerprint and m.base_fingerprint != engine.base_fingerprint:
+        mine = engine.base_fingerprint
         raise CheckpointError(
-            (
-                f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, "
-                "this model's "
-            )
-            + (
-                f"{engine.base_fingerprint[:19]}…)"
-                if engine.base_fingerprint
-                else "has no frozen parameters)"
-            ),
+            f"{directory}: adapters trained on another base (base {m.base_fingerprint[:19]}…, "
+            + (f"this model's {mine[:19]}…)" if mine else "this model's has no frozen parameters)"),
             "resume with the base model (and the --lora settings) the checkpoint was trained with",
         )
     # (a chunk's parameter is never a tied alias: validate refuses an alias with a chunk slot, and

@@ -365,9 +365,8 @@ class ChunkStore:
                     self.ledger.alloc("grads", c.nbytes)
                     return c
             else:
-                if (
-                    not fp32 or c.homed
-                ) and c.trainable:  # (fp32: the home is the master, unless homed)
+                # (fp32: the home is the master, unless homed)
+                if (not fp32 or c.homed) and c.trainable:
                     c.master_init = image[c.own].clone()
                 # no master: values stay on the device ([Note: device homes])
                 if c.homed and not c.trainable:
@@ -559,9 +558,7 @@ class ChunkStore:
         c = self.chunks[cid]
         if self.comm.world == 1:
             return c.dev_grad[c.own]
-        out = torch.empty(
-            c.own.stop - c.own.start, dtype=c.dev_grad.dtype, device=c.dev_grad.device
-        )
+        out = c.dev_grad.new_empty(c.own.stop - c.own.start)
         self.comm.reduce_scatter(out, c.dev_grad, f"gradients of chunk {cid}")
         return out
 

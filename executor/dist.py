@@ -119,12 +119,8 @@ class Comm:
     def all_gather(self, full: torch.Tensor, what: str) -> None:
         """Fill ``full`` (W shards) from every rank's own shard, in place."""
         n = full.numel() // self.world
-        self._run(
-            f"all-gather of {what}",
-            self._all_gather,
-            full,
-            full[self.rank * n : (self.rank + 1) * n],
-        )
+        own = full[self.rank * n : (self.rank + 1) * n]
+        self._run(f"all-gather of {what}", self._all_gather, full, own)
 
     def reduce_scatter(
         self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False
@@ -164,12 +160,8 @@ class Comm:
             [_agreement_value(fields[n]) for n in names], dtype=torch.int64, device=device
         )
         table = torch.empty(self.world * len(names), dtype=torch.int64, device=device)
-        self._run(
-            "all-gather of what the ranks must agree on (plan, training shape, data)",
-            self._all_gather,
-            table,
-            mine,
-        )
+        what = "all-gather of what the ranks must agree on (plan, training shape, data)"
+        self._run(what, self._all_gather, table, mine)
         rows = table.view(self.world, len(names)).tolist()
         differ = [
             (r, i)
@@ -209,10 +201,7 @@ class Comm:
 
     def mean(self, t: torch.Tensor, what: str) -> float:
         """The mean over the ranks of the scalar ``t`` (left unchanged), on every rank."""
-        if self.world > 1:
-            t = t.clone()
-            self.all_reduce(t, what)
-        return (t / self.world).item()
+        return (self.sum(t, what) / self.world).item()
 
     def barrier(self, what: str) -> None:
         if self.world > 1:

@@ -145,10 +145,9 @@ def agreement(plan: Plan, config: AdamWConfig) -> dict[str, object]:
         },
         "$.activations (the blocks' policies)": [a.policy for a in plan.activations],
         "$.schedule.cpu_adam": plan.schedule.cpu_adam,
+        # (digested: dist.py)
         **{
-            f"$.{s} (the plan's binding section)": canonical(
-                getattr(plan, s)
-            )  # (digested: dist.py)
+            f"$.{s} (the plan's binding section)": canonical(getattr(plan, s))
             for s in ("chunks", "placement", "activations", "schedule")
         },
         # each setting under its own flag, so a disagreement names the one that differs
@@ -170,16 +169,16 @@ OPTIM_FLAGS = (
 """``AdamWConfig``'s fields and the ``protrain train`` flags that set them (``agreement``)."""
 
 
-def _check_cpu_adam(plan: Plan, config: AdamWConfig) -> None:
-    """Refuse a plan whose CPU-step schedule cannot give this optimizer's math: clipping's. (fp16
-    loss scaling needs the same; ``validate``, which wrap runs first, refuses such a plan.)"""
-    if config.max_grad_norm is not None and plan.schedule.cpu_adam != "after_backward":
+def _check_cpu_adam(plan: Plan, what: str, hint: str) -> None:
+    """Refuse ``what``, which needs every gradient before any parameter changes, under a plan
+    whose CPU-step schedule starts CPU steps in backward (optim.py [Note: when CPU steps can
+    start]). (fp16 loss scaling needs the same; ``validate``, which wrap runs first, refuses
+    such a plan.)"""
+    if plan.schedule.cpu_adam != "after_backward":
         raise ConfigError(
-            "gradient clipping (max_grad_norm) needs every gradient before any parameter changes, "
-            "but the plan overlaps CPU AdamW steps with backward (schedule.cpu_adam = "
-            f"{plan.schedule.cpu_adam!r})",
-            "make the plan for it: `protrain plan … --max-grad-norm X` (fp16 plans do it "
-            "themselves)",
+            f"{what} needs every gradient before any parameter changes, but the plan overlaps "
+            f"CPU AdamW steps with backward (schedule.cpu_adam = {plan.schedule.cpu_adam!r})",
+            f"make the plan for clipping: `protrain plan … --max-grad-norm X` ({hint})",
         )
 
 
@@ -202,7 +201,10 @@ class Engine:
     ):
         validate(plan, "plan")  # a Plan built in memory has not been through load()
         check(plan, model)  # refuses before any state changes
-        _check_cpu_adam(plan, config)
+        if config.max_grad_norm is not None:
+            _check_cpu_adam(
+                plan, "gradient clipping (max_grad_norm)", "fp16 plans do it themselves"
+            )
         self.comm = Comm(plan.training.world_size)  # refuses a world-size mismatch
         dev = torch.device(
             device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,9 +221,8 @@ class Engine:
         # Whether packed micro-batches (with position_ids) can run: [Note: supervised tokens].
         self.takes_position_ids = "position_ids" in inspect.signature(model.forward).parameters
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.base_fingerprint = base_fingerprint(
-            model
-        )  # "" unless mostly frozen: checkpoints save the rest only
+        # "" unless mostly frozen: checkpoints save the rest only
+        self.base_fingerprint = base_fingerprint(model)
         for _, b in model.named_buffers():
             b.data = b.data.to(dev)
         self.ledger = Ledger(dev)
@@ -234,9 +235,8 @@ class Engine:
         try:
             self.store = ChunkStore(model, plan, self.copies, self.ledger, self.comm, nvme_dir)
             self.optim = ChunkOptimizer(self.store, config)
-            self.optim.nonfinite_error = (
-                self._nonfinite_error
-            )  # optim.py [Note: finite-state guard]
+            # optim.py [Note: finite-state guard]
+            self.optim.nonfinite_error = self._nonfinite_error
             self._expect_accounting(plan)
             self.scaler = LossScaler(plan.training.compute_dtype == "float16", config)
             self.acts = Activations(model, plan, self.store)
@@ -255,17 +255,13 @@ class Engine:
             self._teardown()  # nothing pinned, no hook or worker left behind by a failed wrap
             raise
         # Per-step state, set in step().
-        # Whether the micro-batch being run is the step's first, and/or its last (CPU steps may
-        # start).
-        self._first_micro = self._last_micro = True
         self._reducing: dict[int, tuple] = {}  # persistent chunk → (its reduction's output, work)
         # [Note: when CPU steps can start] in optim.py: the plan's schedule, which the
         # planner costed; clipping and fp16 need the after-backward one.
         self._defer_cpu_steps = plan.schedule.cpu_adam == "after_backward"
         self.steps_done = 0
-        self.last_checkpoint: str | None = (
-            None  # the newest checkpoint saved or loaded here (all finite)
-        )
+        # The newest checkpoint saved or loaded here (all finite).
+        self.last_checkpoint: str | None = None
         # True while step() runs: the rate may not change then (optim.py [Note: learning rate]).
         self._stepping = False
         # [Note: split phases]: micro-batches whose backward ran in this step (None between
@@ -313,13 +309,8 @@ class Engine:
     # -- the training step
 
     def _check_batch(self, batches: Sequence[Batch], count: bool = True, first: int = 0) -> None:
-        t = self.plan.training
-        if count and len(batches) != t.grad_accum:
-            raise ConfigError(
-                f"step() got {len(batches)} micro-batches; the plan accumulates "
-                f"{t.grad_accum} per step",
-                "pass one (idx, targets) pair per micro-batch",
-            )
+        if count and len(batches) != self.plan.training.grad_accum:
+            raise self._count_error(len(batches))
         for i, mb in enumerate(batches, first):
             if not isinstance(mb, tuple | list) or len(mb) not in (2, 3):
                 raise ConfigError(
@@ -337,13 +328,26 @@ class Engine:
                     "pairs of unpacked rows",
                 )
             for what, tensor in zip(("idx", "targets", "position_ids"), mb):
-                if tuple(tensor.shape) != (t.micro_batch, t.seq_len):
-                    raise ConfigError(
-                        f"micro-batch {i}: {what} has shape {tuple(tensor.shape)}, but the plan "
-                        f"was made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
-                        "batch the data as the plan says, or make a plan for this shape with "
-                        "`protrain plan`",
-                    )
+                self._check_shape(f"micro-batch {i}: {what} has shape", tuple(tensor.shape))
+
+    def _count_error(self, n: int, after: str = "") -> ConfigError:
+        """``n`` micro-batches where the plan accumulates another number per step."""
+        k = self.plan.training.grad_accum
+        return ConfigError(
+            f"step() got {n} micro-batches; the plan accumulates {k} per step{after}",
+            "pass one (idx, targets) pair per micro-batch",
+        )
+
+    def _check_shape(self, what: str, shape: tuple[int, ...] | None) -> None:
+        """Refuse a tensor (``what`` has shape ``shape``) of another shape than the plan's."""
+        t = self.plan.training
+        if shape != (t.micro_batch, t.seq_len):
+            raise ConfigError(
+                f"{what} {shape}, but the plan was made for ({t.micro_batch}, "
+                f"{t.seq_len}) (micro_batch, seq_len)",
+                "batch the data as the plan says, or make a plan for this shape with "
+                "`protrain plan`",
+            )
 
     def _draws(
         self, batch: Batch | Sequence[Batch] | Iterator[Batch], num_items: int | None
@@ -378,10 +382,7 @@ class Engine:
         for i in range(k):
             mb = next(it, None)
             if mb is None:
-                raise ConfigError(
-                    f"step() got {i} micro-batches; the plan accumulates {k} per step {closed}",
-                    "pass one (idx, targets) pair per micro-batch",
-                )
+                raise self._count_error(i, f" {closed}")
             self._check_batch([mb], count=False, first=i)
             n = _supervised(mb[1])
             drawn += n
@@ -458,14 +459,12 @@ class Engine:
             x, y, *p = (v.to(self.device, non_blocking=True) for v in mb)  # p: [] or [position_ids]
             ta = time.perf_counter()
             try:
-                self._begin_forward()
-                with self.acts.counting():
-                    loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
+                # The root's hooks run the plan's forward, and the loss's backward the plan's
+                # backward, as for a caller that drives the model itself ([Note: split phases]).
+                loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
                 if not self.scaler.enabled and n:  # (n = 0: a mean over nothing, weighted 0)
                     self._check_finite(loss, i)
-                self._end_forward()
                 tb = time.perf_counter()
-                self._begin_backward()
                 if every:
                     scaled = loss if k == 1 else loss / k
                 else:  # n = 0: weight 0, and backward still runs every block, adding zeros
@@ -473,12 +472,11 @@ class Engine:
                 if self.scaler.enabled:
                     scaled = scaled * self.scaler.scale
                 scaled.backward()
-                self._end_backward()
             except torch.OutOfMemoryError as e:
                 raise self._oom_error(e) from None
             finally:
                 self.replayer.phase = Phase.IDLE
-            losses.append(loss.detach() if every else loss.detach().float().nan_to_num() * n)
+            losses.append((loss.detach(), n))
             timings["forward"] += tb - ta
             timings["backward"] += time.perf_counter() - tb
 
@@ -486,13 +484,7 @@ class Engine:
         grad_norm, skipped = self._end_step()
         timings["optim"] = time.perf_counter() - tc
         timings["total"] = time.perf_counter() - t0
-        # the mean over micro-batches (of one: itself), then over ranks: the global batch's loss;
-        # with masked targets sum_i mean_i * n_i / N over the ranks' micro-batches
-        loss_value = (
-            self.comm.mean(torch.stack(losses).float().mean(), "the loss")
-            if every
-            else self.comm.sum(torch.stack(losses).sum(), "the loss").item() / total
-        )
+        loss_value = self._mean_loss(losses, every, total, "the loss")
         reserved, retries = self.ledger.allocator_stats()
         self.events.emit("step", "end", loss=loss_value)
         return StepResult(
@@ -507,19 +499,18 @@ class Engine:
 
     # -- the phases of a step
     # [Note: split phases]
-    # A step is begin_step, then per micro-batch begin_forward, the model's forward,
-    # end_forward, begin_backward, the loss's backward, end_backward, and end_step (the
-    # update). ``step`` calls them in that order around its own forward and backward. A
+    # A step is begin_step, then per micro-batch the plan's forward around the model's, the
+    # plan's backward around the loss's, and end_step (the update). Both ``step`` and a
     # caller that drives the model itself (transformers' Trainer: ``loss = model(...)``,
-    # ``loss.backward()``, ``optimizer.step()``) reaches the same phases from hooks: the
-    # root's forward pre-hook begins the forward (and the step, at its first micro-batch)
-    # when grad is enabled between steps; its forward hook ends it and marks the output
-    # with a ``Boundary`` whose backward, run when the output's gradient arrives, begins
-    # the plan's backward and queues end_backward on autograd's engine (as FSDP2's root
-    # post-backward callback), which runs when the whole backward has; ``finish_step``
-    # ends the step after exactly ``grad_accum`` backwards. Only the last micro-batch's
-    # backward may start CPU steps, and the rate (``rate_source``) is read at the first
-    # forward, before any chunk can step.
+    # ``loss.backward()``, ``optimizer.step()``) reach them from hooks: the root's forward
+    # pre-hook begins the forward (and the step, at its first micro-batch) when grad is
+    # enabled between micro-batches; its forward hook ends it and marks the output with a
+    # ``Boundary`` whose backward, run when the output's gradient arrives, begins the plan's
+    # backward and queues end_backward on autograd's engine (as FSDP2's root post-backward
+    # callback), which runs when the whole backward has. ``step`` begins the step itself,
+    # and ends it as ``finish_step`` does, after exactly ``grad_accum`` backwards. Only the
+    # last micro-batch's backward may start CPU steps, and the rate (``rate_source``) is
+    # read at the first forward, before any chunk can step.
 
     def _begin_step(self) -> None:
         self.replayer.check_trainable(self.names)
@@ -528,21 +519,8 @@ class Engine:
         self.events.emit("step", "begin")
         self.ledger.reset_peak()
         self.store.begin_step()
-        self._micro = 0
-
-    def _begin_forward(self) -> None:
-        k = self.plan.training.grad_accum
-        self._first_micro, self._last_micro = self._micro == 0, self._micro == k - 1
-        self.replayer.phase = Phase.FORWARD
-        self.replayer.begin(Phase.FORWARD, PRE)
-
-    def _end_forward(self) -> None:
-        self.replayer.end(Phase.FORWARD, POST)
-
-    def _begin_backward(self) -> None:
-        self.replayer.phase = Phase.BACKWARD
-        self.replayer.start_backward()
-        self.replayer.begin(Phase.BACKWARD, POST)
+        # (a forward left by a failed step is no longer open)
+        self._micro, self._pending = 0, None
 
     def _end_backward(self) -> None:
         self.replayer.end(Phase.BACKWARD, PRE)
@@ -576,17 +554,13 @@ class Engine:
                 f"{t.grad_accum} of them (gradient_accumulation_steps={t.grad_accum})",
             )
         shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
-        if shape != (t.micro_batch, t.seq_len):
-            raise ConfigError(
-                f"micro-batch {micro + 1}: the model was called with idx of shape {shape}, but the "
-                f"plan was made for ({t.micro_batch}, {t.seq_len}) (micro_batch, seq_len)",
-                "batch the data as the plan says, or make a plan for this shape",
-            )
+        self._check_shape(f"micro-batch {micro + 1}: the model was called with idx of shape", shape)
         if self._micro is None:
             self._begin_step()
             if self.rate_source is not None:
                 self.set_lr(self.rate_source())
-        self._begin_forward()
+        self.replayer.phase = Phase.FORWARD
+        self.replayer.begin(Phase.FORWARD, PRE)
         self._pending = self.acts.counting()
         self._pending.__enter__()
 
@@ -596,14 +570,16 @@ class Engine:
         if self._pending is None or self.replayer.phase is not Phase.FORWARD:
             return None
         self._pending.__exit__(None, None, None)
-        self._end_forward()
+        self.replayer.end(Phase.FORWARD, POST)
         self.replayer.phase = Phase.IDLE
         out, put = first_tensor(output)
         return put(Boundary.mark(self._launch_backward, out, self.replayer.anchor))
 
     def _launch_backward(self) -> None:
         self._pending = None
-        self._begin_backward()
+        self.replayer.phase = Phase.BACKWARD
+        self.replayer.start_backward()
+        self.replayer.begin(Phase.BACKWARD, POST)
         # runs once autograd has finished this whole backward (FSDP2's final callback)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -612,14 +588,7 @@ class Engine:
         value), once its ``grad_accum`` backwards ran; the step clips with
         ``AdamWConfig.max_grad_norm`` itself. Needs a plan whose CPU steps wait for backward."""
         self._refuse_early("grad_norm()")
-        if not self._defer_cpu_steps:
-            raise ConfigError(
-                "the gradient norm was asked for, but the plan overlaps CPU AdamW steps with "
-                f"backward (schedule.cpu_adam = {self.plan.schedule.cpu_adam!r}): offloaded "
-                "chunks stepped before the norm of all gradients existed",
-                "make the plan for clipping: `protrain plan … --max-grad-norm X` "
-                "(plan_for(..., max_grad_norm=X))",
-            )
+        _check_cpu_adam(self.plan, "the gradient norm", "plan_for(..., max_grad_norm=X)")
         return self._global_norm()
 
     def _global_norm(self) -> torch.Tensor:
@@ -687,25 +656,31 @@ class Engine:
         x, y, *p = (v.to(self.device, non_blocking=True) for v in batch)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
-        self.replayer.phase = Phase.EVALUATE
         try:
+            # The root's no-grad forward: the evaluate phase and the releases after it are the
+            # access layer's (access.py [Note: the model between steps]).
             with torch.no_grad():
-                self.replayer.begin(Phase.FORWARD, PRE)
                 loss = self.model(x, y, position_ids=p[0]) if p else self.model(x, y)
-                self.replayer.end(Phase.FORWARD, POST)
         except torch.OutOfMemoryError as e:
-            raise self._oom_error(e) from None
+            raise self._oom_error(e, Phase.EVALUATE) from None
         finally:
-            self.replayer.phase = Phase.IDLE
             for m, training in modes.items():
                 m.training = training
-            for cid in sorted(self.store.resident_offloaded()):
-                self.store.release(cid)  # waits for a prefetch still in flight
-                self.events.emit("release", "mark", chunk=cid)
-        if self.comm.world == 1 or total == self.comm.world * t.micro_batch * t.seq_len:
-            return self.comm.mean(loss.detach().float(), "the evaluation loss")  # (all equal)
-        weighted = loss.detach().float().nan_to_num() * n  # (n = 0: a mean over nothing)
-        return self.comm.sum(weighted, "the evaluation loss").item() / total
+        # (one rank, or every target supervised: the mean over ranks, all weights equal)
+        every = self.comm.world == 1 or total == self.comm.world * t.micro_batch * t.seq_len
+        return self._mean_loss([(loss, n)], every, total, "the evaluation loss")
+
+    def _mean_loss(
+        self, losses: list[tuple[torch.Tensor, int]], every: bool, total: int, what: str
+    ) -> float:
+        """The global batch's loss from its micro-batches' ``(mean loss, supervised targets)``
+        ([Note: supervised tokens]): with ``every`` target supervised the mean over micro-batches
+        (of one: itself), then over ranks; else sum_i mean_i * n_i / N over the ranks'
+        micro-batches (n_i = 0: a mean over nothing, weighted 0)."""
+        if every:
+            return self.comm.mean(torch.stack([loss for loss, _ in losses]).float().mean(), what)
+        weighted = [loss.detach().float().nan_to_num() * n for loss, n in losses]
+        return self.comm.sum(torch.stack(weighted).sum(), what).item() / total
 
     def _check_finite(self, loss: torch.Tensor, micro: int) -> None:
         """Stop before a NaN/inf loss reaches backward and the optimizer.
@@ -717,20 +692,14 @@ class Engine:
         """
         value = loss.detach().float().item()
         if not abs(value) < float("inf"):  # NaN or ±inf
+            ckpt = self.last_checkpoint
+            newest = f" ({ckpt}, the newest this run saved or loaded)" if ckpt else ""
             raise NonFiniteLossError(
                 f"the loss is {value} at step {self.steps_done + 1} (micro-batch {micro}, "
                 f"{self.plan.training.compute_dtype}); stopped before the update, so the model and "
                 "optimizer state are those of the previous step",
-                "resume from the last checkpoint"
-                + (
-                    f" ({self.last_checkpoint}, the newest this run saved or loaded)"
-                    if self.last_checkpoint
-                    else ""
-                )
-                + (
-                    " with a lower learning rate (or gradient clipping), and check the data around "
-                    "this step"
-                ),
+                f"resume from the last checkpoint{newest} with a lower learning rate (or gradient "
+                "clipping), and check the data around this step",
             )
 
     def _nonfinite_error(
@@ -759,23 +728,16 @@ class Engine:
             else f"a gradient is NaN or infinite at step {step}: chunk {cid} ({where}), "
             f"{self.plan.training.compute_dtype}, with a finite loss"
         )
-        return NonFiniteGradientError(
-            f"{cause}; {state}; "
-            + (
-                f"the last finite checkpoint is {ckpt}"
-                if ckpt
-                else "no checkpoint was saved or loaded in this run"
-            ),
-            (
-                (
-                    "resume from it with a lower learning rate or clipping: `protrain train … "
-                    f"--resume {ckpt} --lr X`"
-                )
-                if ckpt
-                else "train again with a lower learning rate or clipping: `protrain train … --lr X`"
-            ),
-            partial=partial,
-        )
+        if ckpt:
+            last = f"the last finite checkpoint is {ckpt}"
+            hint = (
+                "resume from it with a lower learning rate or clipping: `protrain train … "
+                f"--resume {ckpt} --lr X`"
+            )
+        else:
+            last = "no checkpoint was saved or loaded in this run"
+            hint = "train again with a lower learning rate or clipping: `protrain train … --lr X`"
+        return NonFiniteGradientError(f"{cause}; {state}; {last}", hint, partial=partial)
 
     def _refuse_poisoned(self, *, stepping: bool = False) -> None:
         """Raise the guard's error again when a gradient was found non-finite: before any
@@ -801,9 +763,10 @@ class Engine:
             self.optim.discard_home_grads()  # the homes' weights back, as for a skipped fp16 step
             raise
 
-    def _oom_error(self, e: torch.OutOfMemoryError) -> BudgetError:
-        """What ran out, where, against what the plan predicted, and the budget to plan with."""
-        phase = self.replayer.phase.name.lower()
+    def _oom_error(self, e: torch.OutOfMemoryError, phase: Phase | None = None) -> BudgetError:
+        """What ran out, where (``phase``: the replayer's, unless given), against what the plan
+        predicted, and the budget to plan with."""
+        phase = (phase or self.replayer.phase).name.lower()
         segment = getattr(self.acts, "segment", None)  # the segment whose step began last
         predicted = self.plan.prediction.peak_memory_bytes
         peak = self.ledger.device_peak_bytes()  # CUDA: the allocator's peak allocated
@@ -824,9 +787,11 @@ class Engine:
         Nothing here waits for the device; see [Note: gradient offload] in optim.py.
         A persistent chunk's (ZeRO-3): start their reduction ([Note: overlapped reductions])."""
         c, what = self.store.chunks[cid], f"gradients of chunk {cid}"
-        if (
-            c.persistent and self._last_micro
-        ):  # sharded: this rank's slice ([Note: overlapped reductions])
+        # whether the micro-batch whose backward runs is the step's first, its last (CPU steps
+        # may start)
+        first, last = self._micro == 0, self._micro == self.plan.training.grad_accum - 1
+        # sharded: this rank's slice ([Note: overlapped reductions])
+        if c.persistent and last:
             self._reducing[cid] = (
                 self.comm.start_reduce_scatter(c.dev_grad, c.shard, what)
                 if c.sharded
@@ -843,10 +808,8 @@ class Engine:
             self.optim.step_homed(cid)
             return
         with self.events.about("offload", chunk=cid):  # names the download (events.py)
-            self.optim.offload_grad(
-                cid, first_micro_batch=self._first_micro, last_micro_batch=self._last_micro
-            )
-        if self._last_micro and not self._defer_cpu_steps:
+            self.optim.offload_grad(cid, first_micro_batch=first, last_micro_batch=last)
+        if last and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
     def _finish_update(self) -> tuple[float | None, bool]:
@@ -908,9 +871,8 @@ class Engine:
         model, optim = {}, {}
         o = self.optim
         for c in self.store.chunks:
-            if (
-                trainable_only and not c.trainable
-            ):  # (the same chunks on every rank: no collective skipped alone)
+            # (the same chunks on every rank: no collective skipped alone)
+            if trainable_only and not c.trainable:
                 continue
             master = self._whole(c, o.master[c.id])
             moments = {
@@ -924,13 +886,9 @@ class Engine:
                     continue
                 model[name] = master[off : off + n].view(p.shape).detach().float().cpu().clone()
                 if o.counts[c.id][i]:  # (counts, not steps: the same on every rank under ZeRO-3)
-                    optim[name] = {
-                        "step": torch.tensor(float(o.counts[c.id][i])),
-                        **{
-                            k: v[off : off + n].view(p.shape).cpu().clone()
-                            for k, v in moments.items()
-                        },
-                    }
+                    optim[name] = {"step": torch.tensor(float(o.counts[c.id][i]))}
+                    for k, v in moments.items():
+                        optim[name][k] = v[off : off + n].view(p.shape).cpu().clone()
             if c.on_disk:  # one chunk's states in host memory at a time (nvme.py)
                 self.store.disk.drop(o.master[c.id], o.exp_avg[c.id], o.exp_avg_sq[c.id])
         model.update({alias: model[name] for name, alias in self.plan.model.tied if name in model})
@@ -963,9 +921,8 @@ class Engine:
                 "load a state dict saved from this model",
             )
         dtype, o = DTYPES[self.plan.training.compute_dtype], self.optim
-        zero = dict.fromkeys(
-            ("step", "exp_avg", "exp_avg_sq"), torch.zeros(())
-        )  # a parameter never stepped
+        # a parameter never stepped
+        zero = dict.fromkeys(("step", "exp_avg", "exp_avg_sq"), torch.zeros(()))
         with torch.no_grad():
             for c in self.store.chunks:
                 master = o.master[c.id]
@@ -974,24 +931,16 @@ class Engine:
                     if not any(nm in model for nm in names):
                         continue
                     kept = self._whole(c, master).float().cpu()
-                    model.update(
-                        {
-                            nm: kept[off : off + n]
-                            for (_, off, n), nm in zip(c.params, names)
-                            if nm not in model
-                        }
-                    )
+                    for (_, off, n), nm in zip(c.params, names):
+                        model.setdefault(nm, kept[off : off + n])
                 # Whole-chunk fp32 images (padding zero), then this rank's part of them (c.own).
                 values = _image(c, [model[nm] for nm in names])
                 master.copy_(values[c.own])
                 if optim and c.trainable:  # per parameter; one never stepped starts afresh
                     state = [optim.get(nm, zero) for nm in names]
                     for key, moment in (("exp_avg", o.exp_avg), ("exp_avg_sq", o.exp_avg_sq)):
-                        moment[c.id].copy_(
-                            _image(
-                                c, [s[key].expand(model[nm].shape) for s, nm in zip(state, names)]
-                            )[c.own]
-                        )
+                        parts = [s[key].expand(model[nm].shape) for s, nm in zip(state, names)]
+                        moment[c.id].copy_(_image(c, parts)[c.own])
                     for i, s in enumerate(state):
                         o.steps[c.id][i].fill_(float(s["step"]))
                         o.counts[c.id][i] = int(float(s["step"]))

@@ -235,13 +235,10 @@ class ChunkOptimizer:
             elif c.persistent:
                 # See [Note: masters from the user's fp32 values] in chunks.py. Sharded: this
                 # rank's slice only (for fp32 a view of it in the chunk); dist.py [Note: sharding].
-                m = (
-                    c.dev[c.own]
-                    if fp32
-                    else c.master_init[c.own].clone()
-                    if c.sharded
-                    else c.master_init
-                )
+                if fp32:
+                    m = c.dev[c.own]
+                else:
+                    m = c.master_init[c.own].clone() if c.sharded else c.master_init
             elif c.homed:  # chunks.py [Note: device homes]: the master alone, on the device
                 m = c.master_init
             else:
@@ -261,20 +258,16 @@ class ChunkOptimizer:
             self.master[c.id] = m
             if c.trainable:
                 disk = store.disk if c.on_disk else None  # (its moments: zeros, as the file starts)
-                self.exp_avg[c.id] = (
-                    disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
-                )
-                self.exp_avg_sq[c.id] = (
-                    disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
-                )
+                for moment in (self.exp_avg, self.exp_avg_sq):
+                    moment[c.id] = (
+                        disk.take(m.numel()) if disk else torch.zeros_like(m, dtype=torch.float32)
+                    )
                 # What the ledger counts is what was allocated (Ledger.check holds it to
                 # accounting.py).
-                own = [
-                    self.exp_avg[c.id],
-                    self.exp_avg_sq[c.id],
-                    m if not fp32 or c.homed else None,
-                ][3 * bool(disk) :]
-                own += [self.cpu_grad.get(c.id), self.staging.get(c.id)]
+                own = [self.cpu_grad.get(c.id), self.staging.get(c.id)]
+                if not disk:  # (an NVMe chunk's moments and master are in the file, not memory)
+                    own += [self.exp_avg[c.id], self.exp_avg_sq[c.id]]
+                    own.append(m if not fp32 or c.homed else None)  # (fp32: the chunk's own)
                 nbytes = sum(x.numel() * x.element_size() for x in own if x is not None)
                 store.ledger.alloc(
                     "optim", nbytes
@@ -561,7 +554,7 @@ class ChunkOptimizer:
         ``AdamW(fused=True)`` steps them, with ``hyper`` (the step's: [Note: learning rate]).
         See [Note: optimizer placement]."""
         counts, steps = self.counts[cid], self.steps[cid]
-        m, ea, es = self.master[cid], self.exp_avg[cid], self.exp_avg_sq[cid]
+        m, ea, es = self.states(cid).values()
         if (
             cid in self.flat_ok
             and len(which) == len(counts)
@@ -604,12 +597,8 @@ class ChunkOptimizer:
         master and moments leave host memory after each piece (nvme.py [Note: NVMe tier]),
         checked first when guarded ([Note: finite-state guard]): returns the name of a state
         found non-finite there ("" when none, or not an NVMe chunk)."""
-        m, ea, es, steps = (
-            self.master[cid],
-            self.exp_avg[cid],
-            self.exp_avg_sq[cid],
-            self.steps[cid],
-        )
+        m, ea, es = self.states(cid).values()
+        steps = self.steps[cid]
         scratch = self.dev_scratch if self.store.chunks[cid].homed else self.scratch
         disk = self.store.disk if self.store.chunks[cid].on_disk else None
         spans = [(i, self.spans[cid][i]) for i in which if self.spans[cid][i] is not None]
@@ -721,13 +710,8 @@ class ChunkOptimizer:
         c = self.store.chunks[cid]
         disk = self.store.disk if c.on_disk else None
         if which and step is not None:
-            self.guard(
-                cid,
-                step,
-                self.read_by_step(
-                    cid, which, grads if self.store.grad_in_home else self.cpu_grad.get(cid)
-                ),
-            )
+            g = grads if self.store.grad_in_home else self.cpu_grad.get(cid)
+            self.guard(cid, step, self.read_by_step(cid, which, g))
         if not which:
             # gradients overwrote it: the values come back
             if grads is not None and grads is c.home:

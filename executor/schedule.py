@@ -80,7 +80,8 @@ class Phase(enum.Enum):
     FORWARD = "forward"
     """Inside the model's forward: block hooks replay forward steps."""
     EVALUATE = "evaluate"
-    """Inside ``Engine.evaluate``: block hooks replay forward steps; no backward boundaries."""
+    """Inside a root's no-grad forward (``Engine.evaluate``'s, access.py): block hooks replay
+    forward steps; no backward boundaries."""
     BACKWARD = "backward"
     """Inside ``.backward()``: boundary Functions replay backward steps."""
 
@@ -160,12 +161,8 @@ class Replayer:
         self.phase = Phase.IDLE
         self.blocks = list(plan.model.blocks)
         self.steps: dict[tuple[Phase, str], Step] = {
-            (phase, s.segment): s
-            for phase, steps in (
-                (Phase.FORWARD, plan.schedule.forward),
-                (Phase.BACKWARD, plan.schedule.backward),
-            )
-            for s in steps
+            **{(Phase.FORWARD, s.segment): s for s in plan.schedule.forward},
+            **{(Phase.BACKWARD, s.segment): s for s in plan.schedule.backward},
         }
         # Gradient countdown per offloaded chunk (trainable parameters only: a frozen one
         # never gets a gradient); see [Note: gradient completion].
