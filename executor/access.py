@@ -65,6 +65,11 @@ def _released(t: torch.Tensor) -> bool:
         return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
+def _none(t: torch.Tensor) -> bool:  # a frozen parameter's .grad: None reads no storage
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.grad is None
+
+
 class _Guard:
     """Mixed into a parameter's class between forwards; see [Note: the model between steps]."""
 
@@ -77,7 +82,7 @@ class _Guard:
             name = func.__self__.__name__
         for a in () if name in METADATA else (*args, *(kwargs or {}).values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, _Guard) and _released(t):
+                if isinstance(t, _Guard) and _released(t) and not (name == "grad" and _none(t)):
                     msg = f"{name!r} of {cls.names.get(id(t))!r}: its chunk is offloaded, released"
                     raise ProtrainError(msg, "call the model under torch.no_grad(); " + VALUES)
         return super().__torch_function__(func, types, args, kwargs or {})

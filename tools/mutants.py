@@ -40,7 +40,7 @@ class Mutant:
 
 R = "tests/test_races.py"
 G = "tests/test_gpu_ready.py"
-U = "tests/test_usable.py::test_every_entry_works_or_is_refused_by_name"
+U = "tests/test_usable.py::test_each_entry_in_a_process_of_its_own"
 H = "tests/test_host_layout.py::test_homeless_chunks_train_bit_for_bit_as_kept_homes"
 N = "tests/test_nvme.py"
 MUTANTS = [
@@ -169,7 +169,7 @@ MUTANTS = [
         "access.py",
         "        if replayer.phase is Phase.IDLE and torch.is_grad_enabled():",
         "        if False:",
-        (f"{G}::test_a_plain_forward_after_wrap_is_refused",),
+        (f"{U}[forward-train-grad-offloaded]",),
     ),
     Mutant(
         "usable: a released parameter's read refused",
