@@ -4,16 +4,16 @@ times and tests/test_trainer_dist.py runs under torchrun.
     python tools/sft_trainer.py '{"tokenizer": DIR, "data": JSONL, "out": DIR, ...}'
 
 The JSON's keys: ``protrain`` (false: the plain script; true: the 2 lines of
-planner/commands/hf_trainer.py's docstring added), ``plan`` (a plan file, or "planner": the
-planner's plan for the script's settings at ``budget``), ``budget`` (default "8GiB": every
-chunk persistent on this model), ``steps``, ``batch`` (per_device_train_batch_size),
-``seq`` (max_length), ``hidden``/``layers`` (the llama's size), ``gradient_checkpointing``
-(TRL's default is on; a persistent plan recomputes nothing, so the benchmark turns it off in
-both), ``threads`` (torch.set_num_threads; default torch's). Prints one JSON line on rank 0:
-the per-step losses and gradient norms, the plan's world size and chunks, and the input
-tokens per second over the steps after ``warmup`` (Trainer's ``num_input_tokens_seen``
-against the time between the ends of those steps: start-up and the first steps' warm-up
-are left out).
+planner/commands/hf_trainer.py's docstring added); ``plan`` (a plan file; "planner": the
+planner's plan for the script's settings at ``budget``, default "8GiB"; "persistent": that
+plan with every chunk persistent and every block kept); ``steps``; ``batch``
+(per_device_train_batch_size); ``seq`` (max_length); ``hidden``/``layers`` (the llama's
+size); ``gradient_checkpointing`` (TRL's default is on; a persistent plan recomputes
+nothing, so the benchmark turns it off in both); ``threads`` (torch.set_num_threads;
+default torch's). Prints one JSON line on rank 0: the per-step losses and gradient norms,
+the plan's world size and chunks, and the input tokens per second over the steps after
+``warmup`` (Trainer's ``num_input_tokens_seen`` against the time between the ends of those
+steps: start-up and the first steps' warm-up are left out).
 """
 
 from __future__ import annotations
@@ -36,6 +36,26 @@ class StepClock(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append((time.perf_counter(), state.num_input_tokens_seen))
+
+
+def _all_persistent(model, plan):
+    """``plan`` with every chunk persistent and every block's activations kept: the plan
+    moves nothing and recomputes nothing, so a run times only the drop-in's machinery."""
+    from protrain.planner.models.hf import from_model
+    from protrain.planner.search.emit import emit
+
+    adapted = from_model(model)  # (the adapter only reads the model: prepare makes its own)
+    return emit(
+        adapted,
+        name=plan.model.name,
+        blocks=plan.model.blocks,
+        training=plan.training,
+        chunk_numel=plan.chunks.chunk_numel,
+        persistent=list(range(len(plan.placement.homes))),
+        n_buffer=0,
+        policies=["keep"] * len(plan.model.blocks),
+        cpu_adam=plan.schedule.cpu_adam,
+    )
 
 
 def main(cfg: dict) -> None:
@@ -82,8 +102,10 @@ def main(cfg: dict) -> None:
         from protrain.planner.commands.hf_trainer import plan_for, prepare
 
         plan = cfg.get("plan", "planner")
-        if plan == "planner":
+        if plan in ("planner", "persistent"):
             plan = plan_for(model, args, budget=cfg.get("budget", "8GiB"))
+        if cfg.get("plan") == "persistent":
+            plan = _all_persistent(model, plan)
         model, optimizer = prepare(model, plan, args)
         optimizers = (optimizer, None)
         shown = model.engine.plan
