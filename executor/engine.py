@@ -593,6 +593,7 @@ class Engine:
 
     def _global_norm(self) -> torch.Tensor:
         if self._norm is None:  # (once per step: under ZeRO-3 a collective)
+            self._land_reductions()
             self.optim.wait_all()  # the accumulators are complete once the worker landed them
             self._norm = self.optim.global_norm(self.param_order) * (1.0 / self.scaler.scale)
         return self._norm
@@ -812,7 +813,9 @@ class Engine:
         if last and not self._defer_cpu_steps:
             self.optim.submit_cpu_step(cid)
 
-    def _finish_update(self) -> tuple[float | None, bool]:
+    def _land_reductions(self) -> None:
+        """Wait for the persistent chunks' reductions and average them (below); before any
+        norm is taken, as Trainer's ``clip_grad_norm_`` takes it before ``finish_step``."""
         # [Note: overlapped reductions]
         # Under ZeRO-3 each trainable persistent chunk's gradients were summed over the
         # ranks by a collective that backward started when they were complete (the
@@ -829,6 +832,9 @@ class Engine:
                 self.comm.world
             )
         self._reducing.clear()
+
+    def _finish_update(self) -> tuple[float | None, bool]:
+        self._land_reductions()  # [Note: overlapped reductions]
         inv_scale = 1.0 / self.scaler.scale
         coef = grad_norm = None
         if self._defer_cpu_steps:

@@ -148,6 +148,16 @@ def refusals(args, plan: P.Plan) -> list[tuple[str, str]]:
         "($.training.world_size)",
         f"make the plan with --world-size {world}",
     )
+    save = _args_value(args, "save_strategy", "no")
+    save = getattr(save, "value", save)  # (Trainer's SaveStrategy enum, or its string)
+    refuse(
+        world > 1 and save != "no",
+        f"save_strategy={save} with {world} processes: Trainer "
+        "checkpoints a model that owns its gradient reduction by rank 0 alone, while the plan's "
+        "chunks are sharded over the ranks ([Note: several processes])",
+        "set save_strategy='no'; for checkpoints under ZeRO-3 train with `protrain train` under "
+        "torchrun (--save-every N --save-dir DIR)",
+    )
     refuse(
         _args_value(args, "n_gpu", 1) > 1,
         f"{_args_value(args, 'n_gpu')} GPUs visible to one process: Trainer would replicate "
@@ -487,7 +497,8 @@ class PlannedModel(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         if self.forwards < self.engine.plan.training.grad_accum:
-            yield from super().parameters(recurse)
+            if not self.is_distributed_loading_by_transformers:  # [Note: several processes]
+                yield from super().parameters(recurse)
             return
         if self.engine.plan.schedule.cpu_adam == "after_backward":
             norm = self.engine.grad_norm().detach().float().reshape(1)
@@ -495,6 +506,24 @@ class PlannedModel(nn.Module):
             norm = torch.full((1,), math.nan, device=self.engine.device)
         self.norm_proxy.grad = norm.clone()
         yield self.norm_proxy
+
+    # [Note: several processes]
+    # Under torchrun, accelerate wraps a model in DistributedDataParallel (gloo on CPU), which
+    # would average every parameter's gradient after each backward, on top of the plan's
+    # ZeRO-3 reductions (executor/dist.py), and reads each parameter's storage at wrap (an
+    # offloaded chunk's is released). Trainer skips the wrap for a model that owns its
+    # placement and gradient reduction, ``is_distributed_loading_by_transformers``; it then
+    # broadcasts, and averages the gradients of, the trainable parameters ``parameters()``
+    # yields (``_sync_replicated_trainable_parameters``), so under several processes they are
+    # not yielded (nor counted in Trainer's log), except the clipping moment's norm. The loss
+    # arithmetic is DDP's: Trainer divides by the global ``num_items_in_batch`` (summed over
+    # the ranks, ``average_tokens_across_devices``) and multiplies the loss by the world size,
+    # and the plan's reductions average the ranks' gradients, so each token's gradient
+    # weighs 1/N of the global batch, as in one process with the ranks' rows.
+
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        return self.engine.comm.world > 1
 
     # -- Trainer's checkpoints: [Note: Trainer checkpoints]
 

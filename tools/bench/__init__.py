@@ -44,6 +44,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "corpus": Benchmark("corpus", "Corpus size against peak RSS"),
     "tokenize": Benchmark("tokenize", "Tokenising memory through a BPE tokenizer"),
     "sft": Benchmark("sft", "Supervised tokens per second on chat data, packed against unpacked"),
+    "trainer": Benchmark(
+        "trainer", "SFTTrainer script with protrain against without, tokens per second"
+    ),
     "sft-memory": Benchmark("sft_memory", "Peak RSS of training on a large chat file"),
     "finite": Benchmark("finite", "Finite-state guard: step time with and without it"),
     "moe-cpu": Benchmark(
