@@ -323,9 +323,12 @@ def test_dropout_masks_follow_the_spec_kind():
 def test_post_transient_is_the_logits(dtype, logit_bytes):
     # In <post> forward the logits (compute dtype) and their fp32 copy for the loss are
     # alive at once and gone by the end; log-softmax's output is saved, not transient.
+    # lm_loss's all-ignored check adds at most B·T bytes: a (B, T) bool of the supervised
+    # targets (alive with the fp32 logits), and its 1-byte flag that ``where`` keeps for
+    # backward (alive at the segment's end, so one byte less above it).
     B, T, V = 2, 32, ZOO["gpt2-tiny"].vocab_size
     post = counts_of("gpt2-tiny", micro_batch=B, seq_len=T, compute_dtype=dtype)[POST]
-    assert post.fwd.peak_bytes == B * T * V * logit_bytes
+    assert abs(post.fwd.peak_bytes - B * T * V * logit_bytes) <= B * T
 
 
 def test_cpu_spec_profiles_carry_no_transients():
