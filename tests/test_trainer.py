@@ -109,15 +109,7 @@ def test_scripts_differ_by_few_lines():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["planner", "offloaded"])
-@pytest.mark.parametrize(
-    "lora",
-    [
-        False,
-        # TODO(#41): LoRA runs equal through step 2 and part from step 3 (the first update at a
-        # rate > 0) by ~1e-4 relative; not yet found. strict: this fails once it is fixed.
-        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="LoRA update differs")),
-    ],
-)
+@pytest.mark.parametrize("lora", [False, True])
 def test_sft_same_losses(data, tmp_path, plan, lora):
     cfg = {**data, "out": str(tmp_path / "out"), "steps": 20, "lora": lora}
     ref = _run("sft_plain.py", cfg)

@@ -167,12 +167,17 @@ def _check_args(args, plan: P.Plan) -> None:
         )
 
 
-def _with_peft(model: nn.Module, peft_config) -> nn.Module:
-    """``get_peft_model(model, peft_config)``, as SFTTrainer would apply its ``peft_config``."""
+def _with_peft(model: nn.Module, peft_config, seed: int | None) -> nn.Module:
+    """``get_peft_model(model, peft_config)``, as SFTTrainer applies its ``peft_config``: after
+    ``set_seed(args.seed)`` (``seed``), so LoRA's A matrices draw the same values. (LoRA's B
+    starts at 0, so another A changes no loss until the first update at a rate > 0.)"""
     if peft_config is None:
         return model
     import peft
+    import transformers
 
+    if seed is not None:
+        transformers.set_seed(seed)
     return peft.get_peft_model(model, peft_config)
 
 
@@ -215,7 +220,7 @@ def plan_for(
             "pass plan_for(model, args, seq_len=N), N the length of the tokenized rows",
         )
     with torch.random.fork_rng(devices=[]):  # LoRA's initialisation on meta draws nothing real
-        adapted = from_model(_with_peft(_meta_copy(model), peft_config))
+        adapted = from_model(_with_peft(_meta_copy(model), peft_config, None))
     spec = find_spec(hardware)
     profile = analytic_profile(
         adapted,
@@ -255,7 +260,7 @@ def prepare(model: nn.Module, plan: P.Plan | str | os.PathLike, args, *, peft_co
 
     plan = plan if isinstance(plan, P.Plan) else load(Path(plan))
     _check_args(args, plan)
-    model = _with_peft(model, peft_config)
+    model = _with_peft(model, peft_config, _args_value(args, "seed"))
     from ..models.hf import from_model
 
     adapted = from_model(model)
