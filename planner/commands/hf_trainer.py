@@ -448,6 +448,14 @@ class PlannedModel(nn.Module):
 
     # -- what Trainer calls besides forward
 
+    @property
+    def loss_type(self) -> str | None:
+        """The transformers model's (``ForCausalLM``: ours shifts the labels as its loss does).
+        Trainer reads it to count a step's supervised tokens, ``num_items_in_batch``, over
+        ``labels[..., 1:]``; without it, it counts every row's first label too, and the loss
+        is divided by more tokens than the model without protrain divides by."""
+        return getattr(self.hf, "loss_type", None)
+
     def add_model_tags(self, tags) -> None:
         self.model_tags += [tags] if isinstance(tags, str) else list(tags)
 
