@@ -177,12 +177,17 @@ def _check_args(args, plan: P.Plan) -> None:
         )
 
 
-def _with_peft(model: nn.Module, peft_config) -> nn.Module:
-    """``get_peft_model(model, peft_config)``, as SFTTrainer would apply its ``peft_config``."""
+def _with_peft(model: nn.Module, peft_config, seed: int | None) -> nn.Module:
+    """``get_peft_model(model, peft_config)``, as SFTTrainer applies its ``peft_config``: after
+    ``set_seed(args.seed)`` (``seed``), so LoRA's A matrices draw the same values. (LoRA's B
+    starts at 0, so another A changes no loss until the first update at a rate > 0.)"""
     if peft_config is None:
         return model
     import peft
+    import transformers
 
+    if seed is not None:
+        transformers.set_seed(seed)
     return peft.get_peft_model(model, peft_config)
 
 
@@ -225,7 +230,7 @@ def plan_for(
             "pass plan_for(model, args, seq_len=N), N the length of the tokenized rows",
         )
     with torch.random.fork_rng(devices=[]):  # LoRA's initialisation on meta draws nothing real
-        adapted = from_model(_with_peft(_meta_copy(model), peft_config))
+        adapted = from_model(_with_peft(_meta_copy(model), peft_config, None))
     spec = find_spec(hardware)
     profile = analytic_profile(
         adapted,
@@ -265,7 +270,7 @@ def prepare(model: nn.Module, plan: P.Plan | str | os.PathLike, args, *, peft_co
 
     plan = plan if isinstance(plan, P.Plan) else load(Path(plan))
     _check_args(args, plan)
-    model = _with_peft(model, peft_config)
+    model = _with_peft(model, peft_config, _args_value(args, "seed"))
     from ..models.hf import from_model
 
     adapted = from_model(model)
@@ -452,6 +457,14 @@ class PlannedModel(nn.Module):
         )
 
     # -- what Trainer calls besides forward
+
+    @property
+    def loss_type(self) -> str | None:
+        """The transformers model's (``ForCausalLM``: ours shifts the labels as its loss does).
+        Trainer reads it to count a step's supervised tokens, ``num_items_in_batch``, over
+        ``labels[..., 1:]``; without it, it counts every row's first label too, and the loss
+        is divided by more tokens than the model without protrain divides by."""
+        return getattr(self.hf, "loss_type", None)
 
     def add_model_tags(self, tags) -> None:
         self.model_tags += [tags] if isinstance(tags, str) else list(tags)
