@@ -273,6 +273,11 @@ class Engine:
         self._norm: torch.Tensor | None = None
         self.rate_source: Callable[[], float] | None = None
 
+    def follow_rate(self, source: Callable[[], float] | None) -> None:
+        """Take each step's rate from ``source()`` at its first forward ([Note: split phases]):
+        an optimizer's ``param_groups[0]["lr"]``, which a scheduler writes."""
+        self.rate_source = source
+
     def _expect_accounting(self, plan: Plan) -> None:
         """What wrap allocated must be what ``accounting.py`` says, and so must every step
         boundary's model states (``Ledger.check``, called by the replayer)."""
@@ -910,10 +915,13 @@ class Engine:
         self.comm.all_gather(full, f"state of chunk {c.id}")
         return full.cpu()
 
-    def load_state_dict(self, sd: dict[str, dict]) -> None:
+    def load_state_dict(self, sd: dict[str, dict], steps_done: int | None = None) -> None:
         """Load what ``state_dict`` (of any plan for this model) returned; frozen parameters it
-        lacks (``state_dict(trainable_only=True)``) keep their values."""
+        lacks (``state_dict(trainable_only=True)``) keep their values. ``steps_done``: the steps
+        the state has taken, where a caller keeps it beside the state (a Trainer checkpoint)."""
         self.optim.wait_all()
+        if steps_done is not None:
+            self.steps_done = int(steps_done)
         model, optim = dict(sd["model"]), sd.get("optim", {})
         missing = [
             self.names[id(p)]

@@ -174,7 +174,8 @@ MUTANTS = [
     Mutant(
         "usable: a released parameter's read refused",
         "access.py",
-        "                if isinstance(t, _Guard) and _released(t):",
+        "                if isinstance(t, _Guard) and _released(t) and not (name == "
+        '"grad" and _none(t)):',
         "                if False:",
         (f"{U}[data-offloaded]",),
     ),

@@ -382,7 +382,7 @@ class PlannedModel(nn.Module):
         super().__init__()
         self.planned = adapted  # the module the engine wraps (its hooks replay the plan)
         object.__setattr__(self, "hf", hf)  # (its children are ours already: not registered)
-        object.__setattr__(self, "engine", engine)
+        self.engine = engine  # (not a module: a plain attribute)
         self.config = hf.config
         self.generation_config = getattr(hf, "generation_config", None)
         self.warnings_issued: dict = {}
@@ -576,7 +576,7 @@ class PlanOptimizer(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.model, self.engine = model, model.engine
-        self.engine.rate_source = lambda: float(self.param_groups[0]["lr"])
+        self.engine.follow_rate(lambda: float(self.param_groups[0]["lr"]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -610,7 +610,6 @@ class PlanOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict["protrain"]
-        self.engine.load_state_dict(saved)
-        self.engine.steps_done = int(saved["steps_done"])
+        self.engine.load_state_dict(saved, steps_done=saved["steps_done"])
         for group, kept in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in kept.items() if k != "params"})
