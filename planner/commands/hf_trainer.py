@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 from protrain.plans import plan as P
 from protrain.plans.errors import ConfigError, ProtrainError
@@ -299,7 +300,11 @@ def prepare(model: nn.Module, plan: P.Plan | str | os.PathLike, args, *, peft_co
 # packed them so: its bins hold at most max_length tokens, and filling in order never
 # needs more rows than bins). Padding is token 0 with target -100 at positions counting
 # from 0, a document of its own (hf_attention.py [Note: packed rows]), so it changes no
-# supervised token's loss. An example longer than seq_len, or more than fit, is refused.
+# supervised token's loss. An example longer than seq_len is refused; so is, in training,
+# a batch that needs more than micro_batch rows. Evaluation batches are larger
+# (``per_device_eval_batch_size``, 8 by default, packed by TRL too): under no_grad the
+# rows go on into further pieces of micro_batch rows, each run under the plan as a
+# micro-batch of its own ([Note: evaluation pieces]).
 
 
 def _static(
@@ -308,8 +313,11 @@ def _static(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     shape: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(idx, targets, position_ids or None)`` of ``shape``: [Note: static shape]."""
+    pieces: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(idx, targets, position_ids or None, where)`` of (k * micro_batch, seq_len) rows, k = 1
+    unless ``pieces``; ``where`` holds each slot's index in the caller's flattened batch, -1 for
+    padding. [Note: static shape]."""
     B, S = shape
     labels = input_ids if labels is None else labels
     if attention_mask is not None:
@@ -323,38 +331,53 @@ def _static(
         labels = labels.masked_fill(attention_mask == 0, IGNORE)
     targets = torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], 1)
     b, s = input_ids.shape
+    flat = torch.arange(b * s, device=input_ids.device)
     if position_ids is None:
-        if b > B or s > S:
+        if (b > B and not pieces) or s > S:
             raise ConfigError(
                 f"a batch of shape ({b}, {s}) does not fit the plan's ({B}, {S}) "
                 "(micro_batch, seq_len)",
                 f"set per_device_train_batch_size={B} and max_length={S} (truncate the rows)",
             )
-        idx = input_ids.new_zeros(shape)
-        out = targets.new_full(shape, IGNORE)
-        idx[:b, :s], out[:b, :s] = input_ids, targets
-        return idx, out, None
+        R = -(-b // B) * B  # rows, a whole number of pieces
+        idx, out = input_ids.new_zeros((R, S)), targets.new_full((R, S), IGNORE)
+        where = flat.new_full((R, S), -1)
+        idx[:b, :s], out[:b, :s], where[:b, :s] = input_ids, targets, flat.view(b, s)
+        return idx, out, None, where
     starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist() + [b * s]
-    flat_idx, flat_t = input_ids.reshape(-1), targets.reshape(-1)
-    idx = input_ids.new_zeros(shape)
-    out = targets.new_full(shape, IGNORE)
-    pos = torch.arange(S, device=idx.device).repeat(B, 1)
-    row = col = 0
+    spans, row, col = [], 0, 0  # (start, end, row, col) of each example, in order
     for a, z in zip(starts[:-1], starts[1:]):
         n = z - a
         if col + n > S:
             row, col = row + 1, 0
-        if n > S or row >= B:
+        if n > S or (row >= B and not pieces):
             raise ConfigError(
                 f"a packed micro-batch of {b * s} tokens (examples of up to {max(n, 0)}) does "
                 f"not fit the plan's {B} rows of {S} (micro_batch, seq_len)",
                 f"set per_device_train_batch_size={B} and max_length={S} with packing",
             )
+        spans.append((a, z, row, col))
+        col += n
+    R = (row // B + 1) * B
+    flat_idx, flat_t = input_ids.reshape(-1), targets.reshape(-1)
+    idx, out = input_ids.new_zeros((R, S)), targets.new_full((R, S), IGNORE)
+    where = flat.new_full((R, S), -1)
+    pos = torch.arange(S, device=idx.device).repeat(R, 1)
+    for a, z, row, col in spans:
+        n = z - a
         idx[row, col : col + n], out[row, col : col + n] = flat_idx[a:z], flat_t[a:z]
+        where[row, col : col + n] = flat[a:z]
         pos[row, col : col + n] = torch.arange(n, device=idx.device)
         pos[row, col + n :] = torch.arange(S - col - n, device=idx.device)  # the padding's own
-        col += n
-    return idx, out, pos
+    return idx, out, pos, where
+
+
+def _trainer_syncs() -> bool:
+    """Whether an accelerate Accelerator exists and marks this micro-batch as its step's last
+    (Trainer's ``do_sync_step``): [Note: short last step]."""
+    from accelerate.state import GradientState
+
+    return bool(GradientState._shared_state) and GradientState().sync_gradients
 
 
 class _KeptForward:
@@ -368,10 +391,18 @@ class _KeptForward:
         obj.__dict__["patched_forward"] = patched
 
 
-class PlannedModel(nn.Module):
+class PlannedModel(PreTrainedModel):
     """The model Trainer holds: Trainer's batches in, transformers' output with ``.loss`` out,
     the work done under the plan. ``.hf`` is the transformers (or peft) model, ``.engine`` the
-    protrain Engine."""
+    protrain Engine.
+
+    A ``PreTrainedModel`` by class for one reason, ``save_pretrained``: Trainer writes a whole
+    Hugging Face directory (config, weights, generation config) only through the
+    ``save_pretrained`` of a ``PreTrainedModel`` or ``PeftModel`` (``Trainer._save``; accelerate's
+    ``unwrap_model`` unwraps only DDP, FSDP, DeepSpeed and compiled modules, so no wrapper of
+    ours is looked through); any other model gets its ``state_dict()`` in model.safetensors
+    alone, which ``from_pretrained`` cannot load. Its ``__init__`` is nn.Module's: it has no
+    weights or config of its own to set up, the inner model's are used."""
 
     accepts_loss_kwargs = True  # Trainer passes num_items_in_batch: our loss divides by it
     main_input_name = "input_ids"
@@ -379,7 +410,7 @@ class PlannedModel(nn.Module):
     _keys_to_ignore_on_save = None
 
     def __init__(self, hf: nn.Module, adapted: nn.Module, engine):
-        super().__init__()
+        nn.Module.__init__(self)  # (not PreTrainedModel's: see the class docstring)
         self.planned = adapted  # the module the engine wraps (its hooks replay the plan)
         object.__setattr__(self, "hf", hf)  # (its children are ours already: not registered)
         self.engine = engine  # (not a module: a plain attribute)
@@ -420,16 +451,25 @@ class PlannedModel(nn.Module):
             )
         t = self.engine.plan.training
         dev = self.engine.device
-        idx, targets, pos = _static(
+        training = torch.is_grad_enabled()
+        idx, targets, pos, where = _static(
             input_ids.to(dev),
             None if labels is None else labels.to(dev),
             None if attention_mask is None else attention_mask.to(dev),
             None if position_ids is None else position_ids.to(dev),
             (t.micro_batch, t.seq_len),
+            pieces=not training,
         )
-        logits = self.planned(idx, position_ids=pos) if pos is not None else self.planned(idx)
-        if torch.is_grad_enabled() and self.training:
-            self.forwards += 1
+        if training:
+            logits = self.planned(idx, position_ids=pos) if pos is not None else self.planned(idx)
+            if self.training:
+                self.forwards += 1
+        else:  # [Note: evaluation pieces]
+            logits = self._pieces(idx, pos, where, input_ids.shape)  # (b, s, V)
+            valid = where >= 0
+            caller = targets.new_full((input_ids.numel(),), IGNORE)
+            caller[where[valid]] = targets[valid]
+            targets = caller
         tokens = F.cross_entropy(  # (B*T,), 0 where the target is -100
             logits.float().view(-1, logits.size(-1)),
             targets.view(-1),
@@ -455,6 +495,34 @@ class PlannedModel(nn.Module):
         return FusedCausalLMOutput(
             loss=loss, log_probs=log_probs, entropy=entropy, is_top1=top1, label_mask=mask
         )
+
+    # [Note: evaluation pieces]
+    # Trainer evaluates ``per_device_eval_batch_size`` rows at a time (and TRL packs them into
+    # one flattened row), more than the plan's micro-batch. Under no_grad the batch is laid
+    # out as for training ([Note: static shape]) into as many pieces of micro_batch rows as
+    # it needs; each piece runs as one forward of the planned model, so the plan's fetches
+    # and releases replay per piece (executor/access.py [Note: the model between steps]).
+    # Each piece's logits go back to the caller's slots (``where``), so the output is the
+    # caller's layout, (b, s, V), and the loss is transformers': the sum of the batch's
+    # supervised token losses over ``num_items_in_batch`` (Trainer's ``prediction_step``
+    # counts it as in training; without it, over the batch's supervised tokens).
+
+    def _pieces(
+        self, idx: torch.Tensor, pos: torch.Tensor | None, where: torch.Tensor, shape
+    ) -> torch.Tensor:
+        B, logits = self.engine.plan.training.micro_batch, None
+        for r in range(0, idx.size(0), B):
+            rows = slice(r, r + B)
+            part = (  # (B, S, V)
+                self.planned(idx[rows], position_ids=pos[rows])
+                if pos is not None
+                else self.planned(idx[rows])
+            )
+            if logits is None:
+                logits = part.new_zeros(shape[0] * shape[1], part.size(-1))
+            keep = where[rows] >= 0
+            logits[where[rows][keep]] = part[keep]
+        return logits.view(*shape, -1)
 
     # -- what Trainer calls besides forward
 
@@ -509,6 +577,8 @@ class PlannedModel(nn.Module):
     # Under a plan that overlaps CPU steps with backward no global norm exists: NaN.
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        if self.forwards and _trainer_syncs():  # the clipping moment of a short last step
+            self.complete_step()
         if self.forwards < self.engine.plan.training.grad_accum:
             if not self.is_distributed_loading_by_transformers:  # [Note: several processes]
                 yield from super().parameters(recurse)
@@ -519,6 +589,29 @@ class PlannedModel(nn.Module):
             norm = torch.full((1,), math.nan, device=self.engine.device)
         self.norm_proxy.grad = norm.clone()
         yield self.norm_proxy
+
+    # [Note: short last step]
+    # Trainer's last step of an epoch takes what is left of the epoch's micro-batches, which
+    # may be fewer than gradient_accumulation_steps, with num_items_in_batch counted over
+    # them; the plan runs exactly grad_accum forwards and backwards per step. The step is
+    # completed with empty micro-batches: every label -100, so each token loss is 0 and the
+    # loss, divided by 1 (not 0, whose 0/0 would put NaN into every gradient), adds an
+    # exact zero to every gradient. The update is then Trainer's shorter step's. The CPU
+    # RNG is restored after them, so a model with dropout draws the same later masks as
+    # the run without protrain. Done where the step ends: at the clipping moment, which
+    # accelerate's GradientState marks (Trainer sets sync_gradients before each micro-batch:
+    # true for the last of a step), or at optimizer.step() when nothing clips.
+
+    @torch.enable_grad()
+    def complete_step(self) -> None:
+        """Run the step's missing micro-batches as empty ones ([Note: short last step])."""
+        t = self.engine.plan.training
+        empty = torch.zeros((t.micro_batch, t.seq_len), dtype=torch.long)
+        dev = self.engine.device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            while 0 < self.forwards < t.grad_accum:
+                out = self._forward(empty, labels=empty - 100, num_items_in_batch=1)
+                out.loss.backward()
 
     # [Note: several processes]
     # Under torchrun, accelerate wraps a model in DistributedDataParallel (gloo on CPU), which
@@ -537,6 +630,22 @@ class PlannedModel(nn.Module):
     @property
     def is_distributed_loading_by_transformers(self) -> bool:
         return self.engine.comm.world > 1
+
+    # -- after training: generate and save
+
+    def generate(self, *args, **kwargs):
+        """The inner model's ``generate``, KV cache and all: its forwards run under the plan
+        (no_grad: executor/access.py [Note: the model between steps])."""
+        return self.hf.generate(*args, **kwargs)
+
+    def save_pretrained(self, save_directory, state_dict=None, **kwargs) -> None:
+        """The inner model's ``save_pretrained`` (config, generation config, safetensors; a LoRA
+        run: the adapter directory), its weights the engine's trained values by the inner
+        model's names (``engine.state_dict()["model"]``, through the access layer's
+        ``state_dict``), never a released chunk's storage. ``state_dict``: Trainer's, passed on."""
+        if state_dict is None:  # (copies: tied aliases would share storage, safetensors refuses)
+            state_dict = {k: v.clone() for k, v in self.hf.state_dict().items()}
+        self.hf.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
 
     # -- Trainer's checkpoints: [Note: Trainer checkpoints]
 
@@ -594,6 +703,7 @@ class PlanOptimizer(torch.optim.Optimizer):
                 "set param_groups[0]['lr'] before the step's first forward (a scheduler's "
                 "step() after optimizer.step(), as Trainer does)",
             )
+        self.model.complete_step()  # [Note: short last step]
         self.model.forwards = 0
         self.engine.finish_step()
 
