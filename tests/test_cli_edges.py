@@ -574,7 +574,9 @@ def test_two_concurrent_trainers_in_one_save_dir(tmp_path):
         text=True,
     )
     try:
-        head = [a.stdout.readline() for _ in range(4)]  # data, model, optim, then its first step
+        head = []  # data, model, optim, lr, ... then its first step
+        while not (head and head[-1].startswith("step ")) and len(head) < 20:
+            head.append(a.stdout.readline())
         assert head[-1].startswith("step "), head  # A holds the lock
         b = subprocess.run(
             [*PROTRAIN, *args, "--steps", "2"], capture_output=True, text=True, timeout=120

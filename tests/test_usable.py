@@ -75,21 +75,15 @@ def _check(kind: str, entry: str, out: str) -> None:
 
 @pytest.mark.parametrize("kind", ["offloaded", "persistent"])
 def test_every_entry_works_or_is_refused_by_name(kind):
-    # Every entry in one process, each on a model of its own (a crash fails them all: the
-    # per-entry processes below, in the slow run, say which).
+    # Every entry in one process, each on a model of its own (a crash fails them all; the
+    # "== ENTRY" line before it in the output says which: `python tests/usableworker.py KIND
+    # ENTRY` reruns that one alone).
     out = run(kind, *ENTRIES)
     parts = out.split("== ")[1:]
     assert [p.split("\n", 1)[0] for p in parts] == list(ENTRIES)
     for part in parts:
         entry, text = part.split("\n", 1)
         _check(kind, entry, text)
-
-
-@pytest.mark.slow  # a process per entry (64 processes, ~8 minutes on 2 cores)
-@pytest.mark.parametrize("kind", ["offloaded", "persistent"])
-@pytest.mark.parametrize("entry", list(ENTRIES))
-def test_each_entry_in_a_process_of_its_own(kind, entry):
-    _check(kind, entry, run(kind, entry))
 
 
 ZOO = """

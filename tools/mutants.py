@@ -40,7 +40,7 @@ class Mutant:
 
 R = "tests/test_races.py"
 G = "tests/test_gpu_ready.py"
-U = "tests/test_usable.py::test_each_entry_in_a_process_of_its_own"
+U = "tests/test_usable.py::test_every_entry_works_or_is_refused_by_name"
 H = "tests/test_host_layout.py::test_homeless_chunks_train_bit_for_bit_as_kept_homes"
 N = "tests/test_nvme.py"
 MUTANTS = [
@@ -169,7 +169,7 @@ MUTANTS = [
         "access.py",
         "        if replayer.phase is Phase.IDLE and torch.is_grad_enabled():",
         "        if False:",
-        (f"{U}[forward-train-grad-offloaded]",),
+        (f"{U}[offloaded]",),
     ),
     Mutant(
         "usable: a released parameter's read refused",
@@ -177,28 +177,28 @@ MUTANTS = [
         "                if isinstance(t, _Guard) and _released(t) and not (name == "
         '"grad" and _none(t)):',
         "                if False:",
-        (f"{U}[data-offloaded]",),
+        (f"{U}[offloaded]",),
     ),
     Mutant(
         "usable: a root's no-grad forward fetches as the plan says",
         "access.py",
         "            replayer.begin(Phase.FORWARD, PRE)",
         "            pass",
-        (f"{U}[generate-offloaded]",),
+        (f"{U}[offloaded]",),
     ),
     Mutant(
         "usable: state_dict gives the engine's values",
         "access.py",
         "                sd[k] = values[names[id(v)]] if id(v) in names else v.detach()",
         "                sd[k] = v.detach()",
-        (f"{U}[state_dict-offloaded]",),
+        (f"{U}[offloaded]",),
     ),
     Mutant(
         "usable: a move of device or dtype refused",
         "access.py",
         "            if self._changes_nothing(module, name, args, kwargs):",
         "            if True:",
-        (f"{U}[half-offloaded]",),
+        (f"{U}[offloaded]",),
     ),
     Mutant(
         "evaluate releases what it fetched",
