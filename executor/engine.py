@@ -461,7 +461,9 @@ class Engine:
         timings = {"forward": 0.0, "backward": 0.0, "optim": 0.0}
         losses = []
         for i, (mb, n) in enumerate(draws):
-            x, y, *p = (v.to(self.device, non_blocking=True) for v in mb)  # p: [] or [position_ids]
+            # p: [] or [position_ids]; contiguous: a model's .view(-1) refuses the shift idiom's
+            # strided slices (x[:, :-1], x[:, 1:])
+            x, y, *p = (v.to(self.device, non_blocking=True).contiguous() for v in mb)
             ta = time.perf_counter()
             try:
                 # The root's hooks run the plan's forward, and the loss's backward the plan's
@@ -659,7 +661,7 @@ class Engine:
         self._check_batch([batch], count=False)
         t, n = self.plan.training, _supervised(batch[1])
         total = self._count_all(n, "the evaluation batch")
-        x, y, *p = (v.to(self.device, non_blocking=True) for v in batch)
+        x, y, *p = (v.to(self.device, non_blocking=True).contiguous() for v in batch)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:

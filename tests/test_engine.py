@@ -214,3 +214,20 @@ def test_a_chunk_refuses_transitions_from_the_wrong_state():
             offloaded.grad_closed()  # closed after wrap
     finally:
         engine.close()
+
+
+def test_the_shift_idiom_non_contiguous_batches_train_as_contiguous_ones():
+    # engine.step((x[:, :-1], x[:, 1:])): strided slices, which a model's .view(-1) refuses
+    # ("view size is not compatible"); the engine makes them contiguous on their way in.
+    plan = make_plan("gpt2-tiny", persistent=[0], n_buffer=2, policies="keep")
+    t = plan.training
+    x = torch.randint(
+        0, 256, (t.micro_batch, t.seq_len + 1), generator=torch.Generator().manual_seed(3)
+    )
+    losses = []
+    for batch in ((x[:, :-1], x[:, 1:]), (x[:, :-1].contiguous(), x[:, 1:].contiguous())):
+        torch.manual_seed(0)
+        engine = wrap(make_model("gpt2-tiny"), plan, device="cpu")
+        losses.append([engine.step(batch).loss for _ in range(2)] + [engine.evaluate(batch)])
+        engine.close()
+    assert losses[0] == losses[1]
