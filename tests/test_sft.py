@@ -293,6 +293,7 @@ _RSS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # tokenises a multi-MB chat file in a subprocess (~6 s)
 def test_tokenising_a_multi_mb_chat_file_stays_in_bounded_memory(tmp_path, tok):
     """Peak RSS growth (KiB) while a ~6 MB chat JSONL is tokenised, cached and packed, measured
     after transformers is imported: it must not grow with the file (the whole file as Python

@@ -103,6 +103,7 @@ def _norms(rank: int, world: int, port: int, out: str) -> None:
     _exit_cleanly()
 
 
+@pytest.mark.slow  # two ranks spawned (~4 s)
 def test_split_phase_norm_under_zero3_is_the_steps(tmp_path):
     mp.spawn(_norms, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "norms.pt", weights_only=True)

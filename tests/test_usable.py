@@ -73,7 +73,10 @@ def _check(kind: str, entry: str, out: str) -> None:
         assert "REFUSED" in out and "HINT:" in out, out  # a ProtrainError, with its fix
 
 
-@pytest.mark.parametrize("kind", ["offloaded", "persistent"])
+@pytest.mark.parametrize(
+    "kind",
+    ["offloaded", pytest.param("persistent", marks=pytest.mark.slow)],  # (~9 s)
+)
 def test_every_entry_works_or_is_refused_by_name(kind):
     # Every entry in one process, each on a model of its own (a crash fails them all; the
     # "== ENTRY" line before it in the output says which: `python tests/usableworker.py KIND
