@@ -9,7 +9,6 @@ order; ``show_rows`` takes any order, so a plan's training order can be shown th
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -194,7 +193,9 @@ def data(
     tokenizer_dir = Path(hf_config)
     if tokenizer_dir.is_file():
         tokenizer_dir = tokenizer_dir.parent
-    with _Bar() as bar:
+    from .progress import TokenisingBar
+
+    with TokenisingBar() as bar:
         rows = load_sft(
             list(data_paths),
             tokenizer_dir=str(tokenizer_dir),
@@ -314,30 +315,3 @@ def _show_row(i, ids, labels, pos, supervised, decode) -> None:
                 text.append(piece)
             t = u
         console.print(text)
-
-
-class _Bar:
-    """A progress bar on stderr while files are tokenised, shown only on a terminal."""
-
-    def __enter__(self):
-        self.progress = self.task = None
-        return self
-
-    def update(self, name: str, done: int, total: int) -> None:
-        if not sys.stderr.isatty():
-            return
-        if self.progress is None:
-            from rich.console import Console
-            from rich.progress import Progress
-
-            self.progress = Progress(console=Console(stderr=True), transient=True)
-            self.progress.start()
-        if self.task is None or self.name != name:
-            self.name = name
-            self.task = self.progress.add_task(f"tokenising {Path(name).name}", total=total)
-        self.progress.update(self.task, completed=done, total=total)
-
-    def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.stop()
-        return False

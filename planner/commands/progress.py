@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 
 class ProgressBar:
@@ -92,3 +94,30 @@ class Metrics:
                 file.close()
             except OSError:  # (the unwritten rest of the failed line)
                 pass
+
+
+class TokenisingBar:
+    """A progress bar on stderr while files are tokenised, shown only on a terminal."""
+
+    def __enter__(self):
+        self.progress = self.task = None
+        return self
+
+    def update(self, name: str, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.progress is None:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.progress = Progress(console=Console(stderr=True), transient=True)
+            self.progress.start()
+        if self.task is None or self.name != name:
+            self.name = name
+            self.task = self.progress.add_task(f"tokenising {Path(name).name}", total=total)
+        self.progress.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.stop()
+        return False

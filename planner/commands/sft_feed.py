@@ -194,3 +194,52 @@ def rows_json(rows, i: int, **extra) -> str:
         ids, labels, pos = a.tolist(), b.tolist(), c.tolist()
     obj = {"input_ids": ids, "labels": labels, "position_ids": pos, **extra}
     return json.dumps(obj, separators=(",", ":"))
+
+
+def load_rows(data_path, sft, tok_dir, text_field, seq_len, echo):
+    """(training rows of --data, held-out rows of --eval-data or None), loaded (and tokenised
+    once into the cache) before the model is built, so a bad record fails first."""
+    from ..models.sft import load_sft
+
+    if data_path is None or tok_dir is None:
+        raise ConfigError(
+            "fine-tuning rows ("
+            + (", ".join(sft.given()) or "chat or instruction data")
+            + ") need "
+            + ("--data FILE" if data_path is None else "a tokenizer with its chat template"),
+            "pass --data FILE and a model directory holding its tokenizer (--hf-config DIR), "
+            "or --tokenizer DIR",
+        )
+
+    from .progress import TokenisingBar
+
+    def load(path):
+        with TokenisingBar() as bar:  # (shown only on a terminal)
+            return load_sft(
+                [path],
+                tokenizer_dir=tok_dir,
+                seq_len=seq_len,
+                chat_template=sft.chat_template,
+                text_field=text_field,
+                loss_on=sft.loss_on or "auto",
+                packing=sft.packing or "bfd",
+                progress=bar.update,
+            )
+
+    rows = load(data_path)
+    echo(
+        f"data     {rows.name}: {rows.n_examples:,} examples in {rows.n_rows:,} rows of "
+        f"{seq_len} (packing {sft.packing or 'bfd'}, loss on {sft.loss_on or 'auto'}), "
+        f"tokenizer {tok_dir} (vocab {rows.vocab_size})"
+    )
+    heldout = None if sft.eval_data is None else load(sft.eval_data)
+    return rows, heldout
+
+
+def check_vocab(rows, vocab: int, tok_dir: str) -> None:
+    if rows.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer {tok_dir} has {rows.vocab_size:,} ids, more than the model's "
+            f"{vocab:,} output rows",
+            "train with the model's own tokenizer (--tokenizer DIR or its --hf-config directory)",
+        )

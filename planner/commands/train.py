@@ -36,8 +36,8 @@ from protrain.plans.errors import ConfigError
 from ..hardware.units import human_bytes
 from ..models.data import batches, heldout_batches, load_tokens, split_heldout, vocab_check
 from ..models.epochs import RowOrder
-from ..models.zoo import build, check_name, is_hf_name
-from . import sft_feed
+from ..models.zoo import check_name, is_hf_name
+from . import exports, sft_feed
 from .progress import Metrics, ProgressBar
 from .stopping import StopFlag
 
@@ -136,7 +136,7 @@ def train(
     old checkpoints are deleted once this run has saved its first, ``checks.other_run``).
     Every output's room (and ``ulimit -f``) is checked before the first step
     (``preflight.output_room``); a save that still fails for want of room goes to
-    ``rescue_dirs`` and the error names it. Ctrl-C (or SIGTERM, SIGHUP) stops after the
+    ``exports.rescue_dirs`` and the error names it. Ctrl-C (or SIGTERM, SIGHUP) stops after the
     current step and, when checkpointing, saves first (the result's ``interrupted`` is then True); a
     second Ctrl-C interrupts at once — the last complete checkpoint stays intact
     (executor/checkpoint.py [Note: atomicity]).
@@ -214,7 +214,7 @@ def train(
         if save_dir is None:
             from .checks import check_root
 
-            check_root(export_keeper(export_dir), "the checkpoint kept until the export")
+            check_root(exports.export_keeper(export_dir), "the checkpoint kept until the export")
     plan = plans.load(plan_path)
     if plan.placement.nvme and nvme_dir is None:  # before the model is built, not after
         raise ConfigError(
@@ -233,7 +233,7 @@ def train(
         saves=1 + (steps // save_every if save_every and steps else 0) + (keep if not steps else 0),
         export_dir=export_dir,
         export_merged=export_merged,
-        keeper=export_keeper(export_dir)
+        keeper=exports.export_keeper(export_dir)
         if export_dir is not None and save_dir is None and lora is None
         else None,
         lora=lora is not None,
@@ -373,7 +373,7 @@ def _train(
     sft = sft or sft_feed.SFTFlags()
     rows = None  # fine-tuning rows (sft_feed's module docstring), else a token stream
     if sft_feed.wants_rows(data_path, sft):
-        rows, heldout_rows = _load_rows(
+        rows, heldout_rows = sft_feed.load_rows(
             data_path, sft, tok_dir, text_field, plan.training.seq_len, echo
         )
     else:
@@ -426,7 +426,7 @@ def _train(
     t = plan.training
     heldout = None
     if rows is not None:
-        _rows_vocab(rows, output_vocab(model), tok_dir)
+        sft_feed.check_vocab(rows, output_vocab(model), tok_dir)
         train_rows, split_rows = sft_feed.split(rows, sft, seed)
         order = RowOrder(train_rows.size, seed, t.micro_batch, t.grad_accum, world, rank)
         source = sft_feed.RowFeed(rows, train_rows, order, t.seq_len)
@@ -510,7 +510,7 @@ def _train(
             if losses.interrupted:
                 echo("not exported: the run was interrupted")
             else:
-                _export_lora(
+                exports.export_lora(
                     engine,
                     model,
                     model_name,
@@ -527,7 +527,7 @@ def _train(
             if losses.interrupted:
                 echo(f"not exported to {export_dir}: the run was interrupted")
             else:
-                _export(
+                exports.export_model(
                     engine,
                     model,
                     model_name,
@@ -541,55 +541,6 @@ def _train(
         return losses
     finally:
         engine.close()
-
-
-def _load_rows(data_path, sft, tok_dir, text_field, seq_len, echo):
-    """(training rows of --data, held-out rows of --eval-data or None), loaded (and tokenised
-    once into the cache) before the model is built, so a bad record fails first."""
-    from ..models.sft import load_sft
-
-    if data_path is None or tok_dir is None:
-        raise ConfigError(
-            "fine-tuning rows ("
-            + (", ".join(sft.given()) or "chat or instruction data")
-            + ") need "
-            + ("--data FILE" if data_path is None else "a tokenizer with its chat template"),
-            "pass --data FILE and a model directory holding its tokenizer (--hf-config DIR), "
-            "or --tokenizer DIR",
-        )
-
-    from .cli_data import _Bar
-
-    def load(path):
-        with _Bar() as bar:  # (shown only on a terminal)
-            return load_sft(
-                [path],
-                tokenizer_dir=tok_dir,
-                seq_len=seq_len,
-                chat_template=sft.chat_template,
-                text_field=text_field,
-                loss_on=sft.loss_on or "auto",
-                packing=sft.packing or "bfd",
-                progress=bar.update,
-            )
-
-    rows = load(data_path)
-    echo(
-        f"data     {rows.name}: {rows.n_examples:,} examples in {rows.n_rows:,} rows of "
-        f"{seq_len} (packing {sft.packing or 'bfd'}, loss on {sft.loss_on or 'auto'}), "
-        f"tokenizer {tok_dir} (vocab {rows.vocab_size})"
-    )
-    heldout = None if sft.eval_data is None else load(sft.eval_data)
-    return rows, heldout
-
-
-def _rows_vocab(rows, vocab: int, tok_dir: str) -> None:
-    if rows.vocab_size > vocab:
-        raise ConfigError(
-            f"the tokenizer {tok_dir} has {rows.vocab_size:,} ids, more than the model's "
-            f"{vocab:,} output rows",
-            "train with the model's own tokenizer (--tokenizer DIR or its --hf-config directory)",
-        )
 
 
 def output_vocab(model) -> int:
@@ -621,181 +572,6 @@ def prechecks(plan, model_name: str, *, device: str | torch.device, where: str =
 
     validate(plan, where)
     return plan_fits_host(plan, model_name, device=torch.device(device).type, where=where)
-
-
-def export_keeper(export_dir: str) -> Path:
-    """Where a run with ``--export`` and no ``--save-dir`` keeps its final checkpoint until the
-    export has succeeded: beside the export directory."""
-    out = Path(export_dir)
-    return out.with_name(f"{out.name}.checkpoint")
-
-
-def _export(
-    engine, model, model_name, export_dir, save_dir, tok_dir, rank, echo, chat_template=None
-) -> None:
-    """Export the trained model; the state stays in a checkpoint until the export succeeded
-    (the run's last one, or one written for it), and a failed export names it."""
-    from protrain.plans.errors import CheckpointError, ProtrainError
-
-    from ..models.hf import export, parse_hf_name
-    from ..models.hf_checkpoint import write_hint
-
-    config = parse_hf_name(model_name)[0]
-    keeper = None
-    if save_dir is None:  # the end-of-run checkpoint a --save-dir would have had
-        keeper = export_keeper(export_dir)
-        try:
-            engine.save(keeper, keep=1)
-        except CheckpointError as e:  # a full disk beside the export: the state goes elsewhere
-            failed, keeper = keeper, rescue(engine, {}, e, echo)
-            if keeper is None:
-                if failed_write(e) is None:
-                    raise
-                raise CheckpointError(
-                    e.message, write_hint(failed_write(e), failed.parent, "train again")
-                ) from failed_write(e)
-            if rank == 0 and not any(p.name.startswith("step-") for p in failed.iterdir()):
-                import shutil
-
-                shutil.rmtree(failed, ignore_errors=True)  # (its lock file alone)
-    kept = engine.last_checkpoint
-    state = engine.state_dict()["model"]  # a collective on several ranks
-    if rank != 0:
-        return
-    try:
-        export(
-            model,
-            state,
-            export_dir,
-            config_path=config,
-            tokenizer_dir=tok_dir,
-            chat_template=chat_template,
-        )
-    except ProtrainError as e:
-        raise type(e)(
-            f"{e.message}; the trained model is safe in the checkpoint {kept}",
-            write_hint(
-                e.__context__,
-                Path(export_dir).parent,
-                f"`protrain export --resume {kept} --hf-config {config} -o {export_dir}`",
-            ),
-        ) from None
-    echo(f"exported {export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
-    if keeper is not None:
-        import shutil
-
-        shutil.rmtree(keeper, ignore_errors=True)
-
-
-RESCUE_PREFIX = "protrain-rescue-"
-
-
-def rescue_dirs() -> list[Path]:
-    """Where a checkpoint whose own directory could not be written goes instead: the temporary
-    directory ($TMPDIR, else the system's) and the home directory, in that order."""
-    import tempfile
-
-    seen, out = set(), []
-    for d in (os.environ.get("TMPDIR") or tempfile.gettempdir(), os.path.expanduser("~")):
-        if d and os.path.isdir(d) and os.path.realpath(d) not in seen:
-            seen.add(os.path.realpath(d))
-            out.append(Path(d))
-    return out
-
-
-def failed_write(error: BaseException) -> BaseException | None:
-    """The write error behind a ``CheckpointError`` (``checkpoint._save_failed`` raises it from
-    the ``OSError`` or ``SafetensorError`` of a full disk, a file-size limit, a permission), or
-    None when the save was refused for another reason (a non-finite state)."""
-    from safetensors import SafetensorError
-
-    cause = error.__context__
-    return cause if isinstance(cause, OSError | SafetensorError) else None
-
-
-def rescue(engine, data: dict, failed, echo, lr_schedule: dict | None = None) -> Path | None:
-    """Save the trained state somewhere with room after ``failed`` (a ``CheckpointError`` from a
-    write that failed: ``failed_write``): the first of ``rescue_dirs`` with room for it; return
-    the checkpoint root written, or None (not a failed write, none had room, or several ranks:
-    a rescue directory would have to be one all ranks see). Says where on ``echo``."""
-    import shutil
-
-    from protrain.plans.errors import CheckpointError
-
-    if engine.comm.world != 1 or failed_write(failed) is None:
-        return None
-    need = sum(
-        t.numel() * t.element_size()
-        for group in engine.state_dict(trainable_only=bool(engine.base_fingerprint)).values()
-        for v in group.values()
-        for t in (v.values() if isinstance(v, dict) else [v])
-    )
-    for d in rescue_dirs():
-        try:
-            if shutil.disk_usage(d).free < need + (1 << 20):
-                continue
-        except OSError:
-            continue
-        root = d / f"{RESCUE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        try:
-            engine.save(root, data=data, keep=1, lr_schedule=lr_schedule)
-        except CheckpointError:
-            shutil.rmtree(root, ignore_errors=True)
-            continue
-        echo(f"{failed.message}; saved the trained state to {root} instead")
-        return root
-    return None
-
-
-def _export_lora(
-    engine,
-    model,
-    model_name,
-    lora,
-    export_dir,
-    export_merged,
-    tok_dir,
-    rank,
-    echo,
-    base_name=None,
-    chat_template=None,
-) -> None:
-    """``--export`` of a LoRA run: the adapter in peft's format, naming its base ``base_name``
-    (as the user gave it: ``lora.base_name``); ``--export-merged``: the base with it merged in,
-    as a Hugging Face directory (planner/models/lora.py)."""
-    from ..models import lora as L
-
-    state = engine.state_dict()["model"]  # a collective on several ranks
-    if rank != 0:
-        return
-    base = L.base_name(base_name or model_name) if is_hf_name(model_name) else ""
-    if export_dir is not None:
-        L.export_adapter(
-            model,
-            state,
-            lora,
-            export_dir,
-            base_name=base,
-            tokenizer_dir=tok_dir,
-            chat_template=chat_template,
-        )
-        echo(f"exported {export_dir} (peft.PeftModel.from_pretrained(base, DIR) loads the adapter)")
-    if export_merged is not None:
-        from ..models.hf import export, parse_hf_name
-
-        config = parse_hf_name(model_name)[0]
-        export(
-            build(model_name, device="meta"),
-            L.merged_state_dict(model, state),
-            export_merged,
-            config_path=config,
-            tokenizer_dir=tok_dir,
-            chat_template=chat_template,
-        )
-        echo(
-            f"exported {export_merged} (the adapter merged in; "
-            "AutoModelForCausalLM.from_pretrained loads it)"
-        )
 
 
 def heldout_loss(engine, heldout: list) -> float:
@@ -913,10 +689,10 @@ def _loop(
         try:
             path = engine.save(save_dir, data=data, keep=keep, lr_schedule=schedule.saved())
         except CheckpointError as e:  # the disk filled up (or went away) during the run
-            cause = failed_write(e)
+            cause = exports.failed_write(e)
             if cause is None:  # (refused, not failed: a non-finite state)
                 raise
-            saved = rescue(engine, data, e, echo, schedule.saved())
+            saved = exports.rescue(engine, data, e, echo, schedule.saved())
             again = "train again (fewer kept checkpoints, --keep 1, need less)"
             raise CheckpointError(
                 e.message
