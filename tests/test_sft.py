@@ -258,6 +258,13 @@ def test_micro_batch_shifts_and_pads(tmp_path, tok):
         assert int((targets[j] != IGNORE).sum()) == rows.supervised(i)
     with pytest.raises(ConfigError, match="more than seq_len=8"):
         micro_batch(rows, [0], 8)
+    # EMPTY (-1): a row of padding only, which fills an epoch's last step (models/epochs.py)
+    idx, targets, pos = micro_batch(rows, [0, -1], 64)
+    assert (idx[1] == rows.pad_id).all() and (targets[1] == IGNORE).all()
+    assert (
+        pos[1].tolist() == list(range(64))
+        and idx[0].tolist() == micro_batch(rows, [0], 64)[0][0].tolist()
+    )
 
 
 def test_bfd_packs_best_fit_decreasing_in_runs_of_a_thousand():

@@ -22,6 +22,7 @@ import numpy as np
 from protrain.plans.errors import ConfigError
 
 from ..models.epochs import EMPTY, RowOrder, heldout_split
+from ..models.sft import micro_batch
 
 ROW_KEYS = ("messages", "prompt", "completion")
 """Fields whose presence in a JSON-lines record means fine-tuning rows, not raw text."""
@@ -102,62 +103,42 @@ class RowFeed:
         # (n_rows,) int64: each row's supervised targets, counted once without mapping the cache
         self.counts = rows.supervised_counts()
 
-    def rows_of_draw(self, draw: int) -> np.ndarray:
-        """(micro_batch,) int64: this rank's rows of draw ``draw`` (EMPTY: padding only)."""
-        local = self.order.rows_at(draw)
-        return np.where(local == EMPTY, EMPTY, self.train[np.maximum(local, 0)])
+    def _rows(self, order_idx: np.ndarray) -> np.ndarray:
+        """Row indices of the order's indices over the training rows (EMPTY stays EMPTY)."""
+        return np.where(order_idx == EMPTY, EMPTY, self.train[np.maximum(order_idx, 0)])
 
     def step(self, first_draw: int) -> tuple[Iterator[tuple], int]:
         """The step's micro-batches (drawn one at a time, as the engine runs them) and this
         rank's supervised-target count (the engine's ``num_items``)."""
         k = self.order.grad_accum
-        draws = [self.rows_of_draw(d) for d in range(first_draw, first_draw + k)]
-        n = sum(self._count(r) for d in draws for r in d)
+        draws = [self._rows(self.order.rows_at(d)) for d in range(first_draw, first_draw + k)]
+        n = sum(supervised(self.counts, d) for d in draws)
         return (micro_batch(self.rows, d, self.seq_len) for d in draws), n
-
-    def _count(self, i: int) -> int:
-        return 0 if i == EMPTY else int(self.counts[i])
 
     def global_supervised(self, first_draw: int) -> int:
         """The step's supervised targets over every rank (the loss's denominator N)."""
         draws = range(first_draw, first_draw + self.order.grad_accum)
-        glob = [self.order.global_rows_at(d) for d in draws]
-        return sum(self._count(EMPTY if i == EMPTY else self.train[i]) for g in glob for i in g)
+        return sum(supervised(self.counts, self._rows(self.order.global_rows_at(d))) for d in draws)
 
 
-def micro_batch(rows, indices, seq_len: int):
-    """``sft.micro_batch`` with EMPTY rows as padding only (idx pad, targets -100, position ids
-    0.. : an example of its own that nothing attends to)."""
-    import torch
-
-    from ..models.sft import micro_batch as rows_batch
-
-    real = [int(i) for i in indices if i != EMPTY]
-    idx, targets, pos = rows_batch(rows, real, seq_len) if real else (None, None, None)
-    b = len(indices)
-    out_idx = torch.full((b, seq_len), rows.pad_id, dtype=torch.int64)  # (B, T)
-    out_targets = torch.full((b, seq_len), -100, dtype=torch.int64)  # (B, T)
-    out_pos = torch.arange(seq_len, dtype=torch.int64).repeat(b, 1)  # (B, T)
-    j = 0
-    for slot, i in enumerate(indices):
-        if i == EMPTY:
-            continue
-        out_idx[slot], out_targets[slot], out_pos[slot] = idx[j], targets[j], pos[j]
-        j += 1
-    return out_idx, out_targets, out_pos
+def supervised(counts: np.ndarray, rows: np.ndarray) -> int:
+    """The supervised targets of rows ``rows`` (EMPTY: none), from ``SFTRows.supervised_counts``."""
+    return int(counts[rows[rows != EMPTY]].sum())
 
 
-def heldout_batches(rows, indices: np.ndarray, micro_batch_size: int, seq_len: int, world, rank):
+def heldout_batches(
+    rows, counts: np.ndarray, indices: np.ndarray, micro_batch_size: int, seq_len: int, world, rank
+):
     """Every held-out row once, in draws of ``micro_batch × world`` rows (the last filled with
-    EMPTY): a list of ``(this rank's micro-batch, the draw's global supervised count)``."""
+    EMPTY): a list of ``(this rank's micro-batch, the draw's global supervised count)``.
+    ``counts``: ``rows.supervised_counts()``, which the caller may already hold."""
     per_draw = micro_batch_size * world
-    counts = rows.supervised_counts()  # (n_rows,)
     out = []
     for d in range(math.ceil(len(indices) / per_draw)):
         glob = np.full(per_draw, EMPTY, dtype=np.int64)
         take = indices[d * per_draw : (d + 1) * per_draw]
         glob[: take.size] = take
-        n = sum(0 if i == EMPTY else int(counts[i]) for i in glob)
+        n = supervised(counts, glob)
         if n == 0:
             continue  # nothing to score (the loss of no target is no information)
         mine = glob[rank * micro_batch_size : (rank + 1) * micro_batch_size]

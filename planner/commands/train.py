@@ -440,10 +440,13 @@ def _train(
             + (f"; {sft.epochs} epochs = {steps:,} steps" if sft.epochs is not None else "")
         )
         if eval_every is not None:
-            held_from, held = (rows, split_rows) if heldout_rows is None else (heldout_rows, None)
-            held = np.arange(held_from.n_rows) if held is None else held
+            if heldout_rows is None:  # a share of --data: its counts are the feed's
+                held_from, counts, held = rows, source.counts, split_rows
+            else:
+                held_from, counts = heldout_rows, heldout_rows.supervised_counts()
+                held = np.arange(heldout_rows.n_rows)
             heldout = sft_feed.heldout_batches(
-                held_from, held, t.micro_batch, t.seq_len, world, rank
+                held_from, counts, held, t.micro_batch, t.seq_len, world, rank
             )
             if not heldout:
                 raise ConfigError(

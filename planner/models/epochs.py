@@ -22,7 +22,7 @@ A position in the stream is the number of draws consumed (``draws``, saved in ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,6 +40,8 @@ class RowOrder:
     grad_accum: int  # draws per step (the plan's grad_accum)
     world: int = 1  # ranks
     rank: int = 0  # this rank
+    # the last epoch's permutation ("epoch", "order"): derived, not part of the order's identity
+    _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_rows < 1:
@@ -61,9 +63,14 @@ class RowOrder:
         return math.ceil(self.n_rows / (self.rows_per_draw * self.grad_accum))
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """(n_rows,) int64: the order of epoch ``epoch`` (0-based)."""
-        # --seed is a signed 64-bit integer; numpy seeds with non-negative ones (same bits).
-        return np.random.default_rng([self.seed % 2**64, epoch]).permutation(self.n_rows)
+        """(n_rows,) int64: the order of epoch ``epoch`` (0-based); the last one asked for is
+        kept, since every draw of an epoch reads it (an O(rows) shuffle otherwise per draw)."""
+        kept = self._kept
+        if kept.get("epoch") != epoch:
+            # --seed is a signed 64-bit integer; numpy seeds with non-negative ones (same bits).
+            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            kept.update(epoch=epoch, order=rng.permutation(self.n_rows))
+        return kept["order"]
 
     def global_rows_at(self, draws: int) -> np.ndarray:
         """(micro_batch × world,) int64 row indices of draw number ``draws`` (0-based), every

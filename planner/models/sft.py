@@ -215,9 +215,13 @@ def load_sft(
     )
 
 
+_NONE = np.zeros(0, dtype=np.int64)  # the tokens of a row of padding only
+
+
 def micro_batch(rows: SFTRows, indices: list[int], seq_len: int):
     """(idx, targets, position_ids) of rows ``indices``, each (B, seq_len) int64 torch tensors,
-    shifted and padded ([Note: SFT row convention])."""
+    shifted and padded ([Note: SFT row convention]). A negative index (``epochs.EMPTY``) is a
+    row of padding only: a row of no tokens, padded as any row's tail."""
     import torch
 
     b = len(indices)
@@ -225,7 +229,7 @@ def micro_batch(rows: SFTRows, indices: list[int], seq_len: int):
     targets = np.full((b, seq_len), IGNORE, dtype=np.int64)  # (B, T)
     position_ids = np.zeros((b, seq_len), dtype=np.int64)  # (B, T)
     for j, i in enumerate(indices):
-        ids, labels, pos = rows.row(i)  # (L,) each
+        ids, labels, pos = rows.row(i) if i >= 0 else (_NONE, _NONE, _NONE)  # (L,) each
         n = len(ids)
         if n > seq_len:
             raise ConfigError(
@@ -233,7 +237,7 @@ def micro_batch(rows: SFTRows, indices: list[int], seq_len: int):
                 hint="load the data with the plan's seq_len",
             )
         idx[j, :n] = ids
-        targets[j, : n - 1] = labels[1:]  # the label of t + 1 is the target at t
+        targets[j, : max(n - 1, 0)] = labels[1:]  # the label of t + 1 is the target at t
         position_ids[j, :n] = pos
         position_ids[j, n:] = np.arange(seq_len - n)  # the padding: an example of its own
     return torch.from_numpy(idx), torch.from_numpy(targets), torch.from_numpy(position_ids)
